@@ -1,0 +1,114 @@
+"""Per-component I/O specification: tensor names, dtypes, symbolic shapes and their profile ranges.
+
+One table serves the exporter (input/output names, dynamic axes), the manifest (shape ranges the
+runtime validates against) and, later, TensorRT optimization profiles (min/opt/max per input).
+
+Symbolic dims:
+    ``B``   images per call (profile ``batch``); ``B2`` = the UNet/text-encoder batch, 2*B with
+            classifier-free guidance (CFG) and B without, so its range is ``[min_B, 2*max_B]``.
+    ``H``/``W`` image size in pixels; ``h``/``w`` = latent size = H/8, W/8.
+    ``S``   text length: CLIP's 77 positions (``tokenizer.model_max_length``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import IMAGE_ALIGNMENT, ShapeProfile
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output.
+
+    Attributes:
+        name: ONNX tensor name.
+        dtype: "float32", "float16" or "int64"; "float" means the component's precision.
+        shape: dims, each an int or one of the symbols of this module's docstring.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    def resolved_dtype(self, precision: str) -> str:
+        if self.dtype == "float":
+            return "float16" if precision == "fp16" else "float32"
+        return self.dtype
+
+    def dynamic_axes(self) -> dict[int, str]:
+        return {i: d for i, d in enumerate(self.shape) if isinstance(d, str)}
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """I/O of one exported component (see :func:`component_specs`)."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+
+def component_specs(
+    *, text_hidden: int, text_len: int, unet_in: int, unet_out: int, latent: int
+) -> dict[str, ComponentSpec]:
+    """The SD 1.x component table, sized from the model's configs.
+
+    Args:
+        text_hidden: CLIP hidden size (768 for SD 1.x).
+        text_len: tokenizer max length (77).
+        unet_in: UNet input channels (4; 9 for inpainting checkpoints).
+        unet_out: UNet output channels (4).
+        latent: VAE latent channels (4).
+    """
+    return {
+        "text_encoder": ComponentSpec(
+            "text_encoder",
+            inputs=(TensorSpec("input_ids", "int64", ("B2", text_len)),),
+            outputs=(TensorSpec("last_hidden_state", "float", ("B2", text_len, text_hidden)),),
+        ),
+        "unet": ComponentSpec(
+            "unet",
+            inputs=(
+                TensorSpec("sample", "float", ("B2", unet_in, "h", "w")),
+                TensorSpec("timestep", "float32", ("B2",)),
+                TensorSpec("encoder_hidden_states", "float", ("B2", text_len, text_hidden)),
+            ),
+            outputs=(TensorSpec("noise_pred", "float", ("B2", unet_out, "h", "w")),),
+        ),
+        "vae_decoder": ComponentSpec(
+            "vae_decoder",
+            inputs=(TensorSpec("latent_sample", "float", ("B", latent, "h", "w")),),
+            outputs=(TensorSpec("sample", "float", ("B", 3, "H", "W")),),
+        ),
+        "vae_encoder": ComponentSpec(
+            "vae_encoder",
+            inputs=(TensorSpec("sample", "float", ("B", 3, "H", "W")),),
+            outputs=(TensorSpec("latent_parameters", "float", ("B", 2 * latent, "h", "w")),),
+        ),
+    }
+
+
+def symbol_ranges(profile: ShapeProfile) -> dict[str, tuple[int, int, int]]:
+    """min/opt/max of every symbolic dim for an image-level profile."""
+    b, hh, ww = profile.batch, profile.height, profile.width
+    a = IMAGE_ALIGNMENT
+    return {
+        "B": (b.min, b.opt, b.max),
+        "B2": (b.min, 2 * b.opt, 2 * b.max),
+        "H": (hh.min, hh.opt, hh.max),
+        "W": (ww.min, ww.opt, ww.max),
+        "h": (hh.min // a, hh.opt // a, hh.max // a),
+        "w": (ww.min // a, ww.opt // a, ww.max // a),
+    }
+
+
+def tensor_manifest(spec: TensorSpec, precision: str, profile: ShapeProfile) -> dict[str, Any]:
+    """Manifest entry of one tensor: name, dtype, symbolic shape and concrete min/opt/max shapes."""
+    ranges = symbol_ranges(profile)
+    shapes: dict[str, list[int]] = {"min": [], "opt": [], "max": []}
+    for d in spec.shape:
+        for i, key in enumerate(("min", "opt", "max")):
+            shapes[key].append(d if isinstance(d, int) else ranges[d][i])
+    return {"name": spec.name, "dtype": spec.resolved_dtype(precision), "shape": list(spec.shape), **shapes}

@@ -1,0 +1,267 @@
+"""Load a diffusers SD 1.x pipeline folder offline and export each component to ONNX.
+
+This is the only module of the package that touches diffusers/transformers model classes and
+``torch.onnx``. It uses the TorchScript-based exporter (``dynamo=False``): its graphs keep the op
+patterns the fusion passes match (e.g. GroupNorm as Reshape/InstanceNormalization/Reshape/Mul/Add), and
+it exports the SD-1.5 UNet in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ExportError, ModelFolderError
+from .components import ComponentSpec, symbol_ranges
+
+logger = logging.getLogger(__name__)
+
+#: Sub-folders a StableDiffusionPipeline folder must have, and the file each must hold.
+REQUIRED_SUBFOLDERS: dict[str, str] = {
+    "text_encoder": "config.json",
+    "tokenizer": "",
+    "unet": "config.json",
+    "vae": "config.json",
+    "scheduler": "scheduler_config.json",
+}
+_WEIGHT_FOLDERS = ("text_encoder", "unet", "vae")
+_PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth", ".pkl")
+SUPPORTED_PIPELINES = ("StableDiffusionPipeline",)
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    """A checked pipeline folder.
+
+    Attributes:
+        path: the folder.
+        pipeline_class: ``_class_name`` of model_index.json.
+        pickled: weight folders whose weights exist only as pickle files (allowed by ``trust_pickle``).
+    """
+
+    path: Path
+    pipeline_class: str
+    pickled: tuple[str, ...]
+
+    def config(self, sub: str, name: str = "config.json") -> dict[str, Any]:
+        return json.loads((self.path / sub / name).read_text(encoding="utf-8"))
+
+
+def check_model_folder(path: str | Path, trust_pickle: bool = False) -> ModelFolder:
+    """Check that ``path`` is a complete SD 1.x diffusers folder whose weights are safe to load.
+
+    Raises:
+        ModelFolderError: the folder, model_index.json, a component folder, its config or its weights
+            are missing; the pipeline class is not supported; or weights are pickle files and
+            ``trust_pickle`` is false (unpickling runs arbitrary code).
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelFolderError(
+            f"model folder {root} does not exist; pass a folder written by StableDiffusionPipeline.save_pretrained "
+            "(or make one with `diffusion-trt dummy-pipeline`)"
+        )
+    index_path = root / "model_index.json"
+    if not index_path.is_file():
+        raise ModelFolderError(
+            f"{root} has no model_index.json; it is not a diffusers pipeline folder "
+            "(save one with StableDiffusionPipeline.save_pretrained)"
+        )
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelFolderError(f"{index_path} is not valid JSON ({e}); re-save the pipeline") from None
+    cls = index.get("_class_name", "")
+    if cls not in SUPPORTED_PIPELINES:
+        raise ModelFolderError(
+            f"{root} holds a {cls or 'unnamed'} pipeline; this version compiles {', '.join(SUPPORTED_PIPELINES)} only"
+        )
+    for sub, required in REQUIRED_SUBFOLDERS.items():
+        d = root / sub
+        if not d.is_dir():
+            raise ModelFolderError(f"{root} is incomplete: the {sub}/ folder is missing; re-save the whole pipeline")
+        if required and not (d / required).is_file():
+            raise ModelFolderError(f"{root} is incomplete: {sub}/{required} is missing; re-save the whole pipeline")
+    pickled = []
+    for sub in _WEIGHT_FOLDERS:
+        files = [p for p in (root / sub).iterdir() if p.is_file()]
+        if any(p.suffix == ".safetensors" for p in files):
+            continue
+        pickles = [p.name for p in files if p.suffix in _PICKLE_SUFFIXES]
+        if not pickles:
+            raise ModelFolderError(
+                f"{root} is incomplete: {sub}/ has no weights (*.safetensors); re-save the whole pipeline"
+            )
+        if not trust_pickle:
+            raise ModelFolderError(
+                f"{sub}/{pickles[0]} is a pickle file and loading it runs arbitrary code; convert the pipeline to "
+                "safetensors (save_pretrained(..., safe_serialization=True)) or pass --trust-pickle if you trust "
+                "its source"
+            )
+        pickled.append(sub)
+    return ModelFolder(root, cls, tuple(pickled))
+
+
+class _TextEncoder(torch.nn.Module):
+    """(input_ids[B2,S] int64) -> last_hidden_state[B2,S,D]."""
+
+    def __init__(self, text_encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.text_encoder = text_encoder
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.text_encoder(input_ids, return_dict=False)[0]
+
+
+class _UNet(torch.nn.Module):
+    """(sample[B2,C,h,w], timestep[B2] fp32, encoder_hidden_states[B2,S,D]) -> noise_pred[B2,4,h,w]."""
+
+    def __init__(self, unet: torch.nn.Module) -> None:
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0]
+
+
+class _VaeDecoder(torch.nn.Module):
+    """(latent_sample[B,4,h,w], already divided by the scaling factor) -> sample[B,3,H,W] in [-1, 1]."""
+
+    def __init__(self, vae: torch.nn.Module) -> None:
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, latent_sample: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode(latent_sample, return_dict=False)[0]
+
+
+class _VaeEncoder(torch.nn.Module):
+    """(sample[B,3,H,W] in [-1, 1]) -> latent_parameters[B,8,h,w] = (mean, logvar); the runtime samples."""
+
+    def __init__(self, vae: torch.nn.Module) -> None:
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, sample: torch.Tensor) -> torch.Tensor:
+        h = self.vae.encoder(sample)
+        if self.vae.quant_conv is not None:
+            h = self.vae.quant_conv(h)
+        return h
+
+
+def _wrap(component: str, models: dict[str, Any]) -> torch.nn.Module:
+    if component == "text_encoder":
+        return _TextEncoder(models["text_encoder"])
+    if component == "unet":
+        return _UNet(models["unet"])
+    if component == "vae_decoder":
+        return _VaeDecoder(models["vae"])
+    if component == "vae_encoder":
+        return _VaeEncoder(models["vae"])
+    raise ExportError(f"unknown component {component!r}; known: text_encoder, unet, vae_decoder, vae_encoder")
+
+
+def load_models(folder: ModelFolder, precision: str, device: str) -> dict[str, Any]:
+    """Load text encoder, UNet and VAE offline (``local_files_only``) in eval mode on ``device``.
+
+    Args:
+        precision: "fp32" or "fp16" (``torch.float16`` weights).
+        device: torch device string ("cpu", "cuda").
+    """
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    dtype = torch.float16 if precision == "fp16" else torch.float32
+    kw: dict[str, Any] = {"local_files_only": True, "torch_dtype": dtype}
+    models: dict[str, Any] = {}
+    for name, cls, sub in (
+        ("text_encoder", CLIPTextModel, "text_encoder"),
+        ("unet", UNet2DConditionModel, "unet"),
+        ("vae", AutoencoderKL, "vae"),
+    ):
+        use_st = sub not in folder.pickled
+        try:
+            if cls is CLIPTextModel:
+                # eager attention: traces to plain MatMul/Softmax that every backend parses
+                m = cls.from_pretrained(folder.path / sub, use_safetensors=use_st, attn_implementation="eager", **kw)
+            else:
+                m = cls.from_pretrained(folder.path, subfolder=sub, use_safetensors=use_st, **kw)
+        except Exception as e:  # noqa: BLE001 - any loader failure is a bad folder for the user
+            raise ModelFolderError(f"could not load {sub}/ from {folder.path}: {e}") from e
+        models[name] = m.to(device).eval()
+    return models
+
+
+def sample_inputs(spec: ComponentSpec, precision: str, ranges: dict[str, tuple[int, int, int]], device: str) -> tuple:
+    """Example inputs at the profile's opt shape, for tracing."""
+
+    args = []
+    for t in spec.inputs:
+        shape = [d if isinstance(d, int) else ranges[d][1] for d in t.shape]
+        if spec.name == "unet" and t.name == "sample":
+            # Trace at a latent size that is not a multiple of 2**num_upsamplers: diffusers then forwards
+            # each skip connection's size to its Upsample2D (F.interpolate(size=...)), which traces to a
+            # shape-driven Resize. Traced at a multiple of 8 it would freeze scale_factor=2 and every
+            # latent size that is not a multiple of 8 (image sizes not multiples of 64) would fail.
+            shape[2:] = [d + 1 if d % 2 == 0 else d for d in shape[2:]]
+        dtype = t.resolved_dtype(precision)
+        if dtype == "int64":
+            args.append(torch.randint(0, 1000, shape, dtype=torch.int64, device=device))
+        elif t.name == "timestep":
+            args.append(torch.full(shape, 500.0, dtype=torch.float32, device=device))
+        else:
+            args.append(torch.randn(shape, dtype=getattr(torch, dtype), device=device))
+    return tuple(args)
+
+
+def onnx_from_component(
+    component: str,
+    models: dict[str, Any],
+    spec: ComponentSpec,
+    out_path: Path,
+    *,
+    precision: str,
+    profile_ranges: dict[str, tuple[int, int, int]],
+    opset: int,
+    device: str,
+) -> Path:
+    """Export one component to ``out_path`` (an ONNX file; weights may land beside it as external data).
+
+    Raises:
+        ExportError: torch.onnx failed; the message names the component and the cause.
+    """
+
+    module = _wrap(component, models)
+    args = sample_inputs(spec, precision, profile_ranges, device)
+    dynamic_axes = {t.name: t.dynamic_axes() for t in (*spec.inputs, *spec.outputs)}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", category=torch.jit.TracerWarning)
+            warnings.simplefilter("ignore", category=DeprecationWarning)
+            warnings.simplefilter("ignore", category=UserWarning)  # "Constant folding - Only steps=1 ..."
+            torch.onnx.export(
+                module,
+                args,
+                str(out_path),
+                input_names=[t.name for t in spec.inputs],
+                output_names=[t.name for t in spec.outputs],
+                dynamic_axes=dynamic_axes,
+                opset_version=opset,
+                do_constant_folding=True,
+                dynamo=False,
+            )
+    except Exception as e:  # noqa: BLE001
+        raise ExportError(f"exporting {component} to ONNX failed: {type(e).__name__}: {e}") from e
+    return out_path
+
+
+def export_ranges(profile: Any) -> dict[str, tuple[int, int, int]]:
+    """Symbol ranges of :mod:`components` for a :class:`~diffusion_trt.config.ShapeProfile`."""
+    return symbol_ranges(profile)

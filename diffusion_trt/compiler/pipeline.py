@@ -1,0 +1,237 @@
+"""``compile_pipeline``: the whole chain, top to bottom.
+
+    pipeline folder ──check──► torch modules ──export──► raw ONNX ──passes──► optimized ONNX
+        ──build──► engine files ──hash──► manifest.json, all inside a staging folder renamed into place.
+
+A failure at any stage raises a :class:`~diffusion_trt.errors.DiffusionTrtError` naming the stage and
+the component, and leaves no half artifact (an existing artifact at the destination stays intact).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import importlib.metadata
+import json
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from .. import artifacts
+from ..config import IMAGE_ALIGNMENT, CompileConfig, ShapeProfile
+from ..errors import BuildError, DiffusionTrtError, ExportError, PassError
+from . import build_ort, export
+from .components import component_specs, tensor_manifest
+
+logger = logging.getLogger(__name__)
+
+_TOOLS = ("diffusion-trt", "torch", "diffusers", "transformers", "onnx", "onnx-graphsurgeon",
+          "onnxruntime", "onnxruntime-gpu", "tensorrt")
+
+
+def tool_versions() -> dict[str, str]:
+    """Installed versions of the tools that shape an artifact (absent ones are left out)."""
+    out = {}
+    for name in _TOOLS:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[name] = importlib.metadata.version(name)
+    return out
+
+
+def folder_hash(root: Path) -> str:
+    """sha256 over the sorted (relative path, file sha256) pairs of every file under ``root``."""
+    h = hashlib.sha256()
+    for p in sorted(q for q in root.rglob("*") if q.is_file()):
+        h.update(p.relative_to(root).as_posix().encode())
+        h.update(artifacts.sha256_file(p).encode())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _stage(stage: str, component: str | None = None) -> Iterator[None]:
+    """Prefix any failure with the stage (and component) it happened in."""
+    where = f"{stage} of {component}" if component else stage
+    try:
+        yield
+    except DiffusionTrtError as e:
+        raise type(e)(f"compile failed at {where}: {e}") from e
+    except Exception as e:  # noqa: BLE001
+        cls = {"passes": PassError, "build": BuildError}.get(stage, ExportError)
+        raise cls(f"compile failed at {where}: {type(e).__name__}: {e}") from e
+
+
+def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
+    """The numbers the runtime needs about the model, read from the component configs."""
+    unet = folder.config("unet")
+    vae = folder.config("vae")
+    te = folder.config("text_encoder")
+    tok_cfg_path = folder.path / "tokenizer" / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
+    max_len = int(tok_cfg.get("model_max_length") or te.get("max_position_embeddings", 77))
+    max_len = min(max_len, int(te.get("max_position_embeddings", max_len)))
+    vae_scale = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1)
+    if vae_scale != IMAGE_ALIGNMENT:
+        raise ExportError(
+            f"the VAE downsamples by {vae_scale}, not {IMAGE_ALIGNMENT}; only SD-1.x-shaped VAEs are supported"
+        )
+    sample_size = unet.get("sample_size", 64)
+    sample_size = sample_size[0] if isinstance(sample_size, list | tuple) else sample_size
+    return {
+        "vae_scale_factor": vae_scale,
+        "vae_scaling_factor": float(vae.get("scaling_factor", 0.18215)),
+        "unet_in_channels": int(unet.get("in_channels", 4)),
+        "unet_out_channels": int(unet.get("out_channels", 4)),
+        "latent_channels": int(vae.get("latent_channels", 4)),
+        "text_max_length": max_len,
+        "text_hidden_size": int(te["hidden_size"]),
+        "default_height": int(sample_size) * vae_scale,
+        "default_width": int(sample_size) * vae_scale,
+    }
+
+
+def compile_pipeline(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    config: CompileConfig | None = None,
+    *,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> Path:
+    """Compile a diffusers SD 1.x pipeline folder into an artifact folder.
+
+    Args:
+        model_dir: folder written by ``StableDiffusionPipeline.save_pretrained``.
+        out_dir: artifact destination; must not exist unless ``overwrite``.
+        config: what to build; ``None`` = ``CompileConfig()`` (ORT, CPU, fp32, the model's default size).
+        overwrite: replace an existing artifact (atomically, only once the new one is complete).
+        progress: show a progress bar (stderr) over components and stages.
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Raises:
+        ModelFolderError: the model folder is missing, incomplete or pickled without ``trust_pickle``.
+        ExportError, PassError, BuildError: a stage failed (message names the stage and component).
+        ArtifactError: ``out_dir`` exists and ``overwrite`` is false.
+        RuntimeInputError: the config asks for an impossible profile.
+    """
+    from ..passes import PassContext, optimize_model, pipeline_for
+
+    config = config or CompileConfig()
+    if config.backend != "ort":
+        raise BuildError(
+            f"backend={config.backend!r} is not available in this version; use --backend ort "
+            "(the TensorRT builder is tracked separately)"
+        )
+    t_start = time.perf_counter()
+    out = Path(out_dir)
+    with _stage("model check"):
+        folder = export.check_model_folder(model_dir, trust_pickle=config.trust_pickle)
+        facts = model_facts(folder)
+        profile: ShapeProfile = config.resolve_profile(facts["default_height"])
+    specs = component_specs(
+        text_hidden=facts["text_hidden_size"],
+        text_len=facts["text_max_length"],
+        unet_in=facts["unet_in_channels"],
+        unet_out=facts["unet_out_channels"],
+        latent=facts["latent_channels"],
+    )
+    unknown = [c for c in config.components if c not in specs]
+    if unknown:
+        raise ExportError(f"unknown component(s) {unknown}; choose from {', '.join(specs)}")
+    torch_device = "cuda" if config.device == "cuda" else "cpu"
+    ranges = export.export_ranges(profile)
+
+    from tqdm.auto import tqdm
+
+    with artifacts.staging_dir(out, overwrite=overwrite) as stage:
+        with _stage("copy tokenizer and scheduler"):
+            shutil.copytree(folder.path / "tokenizer", stage / "tokenizer")
+            shutil.copytree(folder.path / "scheduler", stage / "scheduler")
+        with _stage("load models"):
+            models = export.load_models(folder, config.precision, torch_device)
+        with _stage("source hash"):
+            source_hash = folder_hash(folder.path)
+        components: dict[str, Any] = {}
+        bar = tqdm(total=3 * len(config.components), desc="compile", unit="stage", disable=not progress)
+        try:
+            for name in config.components:
+                spec = specs[name]
+                entry: dict[str, Any] = {"precision": config.precision}
+                raw = stage / ".raw" / name / "model.onnx"
+                bar.set_postfix_str(f"{name}: export")
+                t0 = time.perf_counter()
+                with _stage("export", name):
+                    export.onnx_from_component(
+                        name, models, spec, raw,
+                        precision=config.precision, profile_ranges=ranges, opset=config.opset, device=torch_device,
+                    )
+                    model = onnx.load(str(raw))
+                entry["export_seconds"] = round(time.perf_counter() - t0, 3)
+                bar.update()
+                bar.set_postfix_str(f"{name}: passes")
+                with _stage("passes", name):
+                    ctx = PassContext(
+                        component=name,
+                        backend=config.backend,
+                        device=config.device,
+                        precision=config.precision,
+                        opset=config.opset,
+                        dump_dir=Path(config.dump_passes) if config.dump_passes else None,
+                    )
+                    model, records = optimize_model(model, pipeline_for(config.backend, config.device,
+                                                                        config.precision, name), ctx)
+                entry["passes"] = [r.to_json() for r in records]
+                bar.update()
+                bar.set_postfix_str(f"{name}: build")
+                with _stage("build", name):
+                    files = build_ort.save_onnx(model, stage / name / "model.onnx")
+                    del model
+                    entry["build"] = build_ort.engine_from_onnx(files[0], config.device)
+                shutil.rmtree(stage / ".raw" / name, ignore_errors=True)
+                bar.update()
+                entry["onnx"] = f"{name}/model.onnx"
+                entry["files"] = [f.relative_to(stage).as_posix() for f in files]
+                entry["inputs"] = [tensor_manifest(t, config.precision, profile) for t in spec.inputs]
+                entry["outputs"] = [tensor_manifest(t, config.precision, profile) for t in spec.outputs]
+                components[name] = entry
+        finally:
+            bar.close()
+        del models
+        shutil.rmtree(stage / ".raw", ignore_errors=True)
+
+        with _stage("manifest"):
+            sched_cfg = json.loads((stage / "scheduler" / "scheduler_config.json").read_text())
+            files = {
+                p.relative_to(stage).as_posix(): artifacts.file_entry(stage, p.relative_to(stage).as_posix())
+                for p in sorted(stage.rglob("*"))
+                if p.is_file()
+            }
+            manifest = {
+                "schema_version": artifacts.SCHEMA_VERSION,
+                "name": out.name,
+                "created_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+                "pipeline_class": folder.pipeline_class,
+                "source": {"path": str(folder.path.resolve()), "sha256": source_hash},
+                "backend": config.backend,
+                "device": config.device,
+                "precision": config.precision,
+                "profile": profile.to_json(),
+                "model": facts,
+                "scheduler": {"class_name": sched_cfg.get("_class_name"), "config": "scheduler/scheduler_config.json"},
+                "tokenizer": "tokenizer",
+                "components": components,
+                "files": files,
+                "config": config.to_json(),
+                "tools": tool_versions(),
+                "compile_seconds": round(time.perf_counter() - t_start, 3),
+            }
+            artifacts.write_json_atomic(stage / artifacts.MANIFEST_NAME, manifest)
+    logger.info("compiled %s -> %s in %.1f s", folder.path, out, time.perf_counter() - t_start)
+    return out
