@@ -1,0 +1,108 @@
+"""Run ONNX shape inference and write the inferred dtypes and shapes onto the graph's tensors."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import onnx
+import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get_onnx_tensor_shape
+
+from ._weights import constant_nbytes
+from .base import PassContext, PassResult
+
+logger = logging.getLogger(__name__)
+
+#: protobuf cannot serialize a message of 2 GiB or more, and in-memory shape inference serializes the model.
+PROTOBUF_LIMIT_BYTES = 2**31
+#: Weights at or above this go through a temporary file; the margin covers the graph structure (nodes, names,
+#: value_info: a few MB for a UNet). Override with ctx.options["infer_shapes_path_threshold_bytes"].
+DEFAULT_PATH_THRESHOLD_BYTES = PROTOBUF_LIMIT_BYTES - (128 << 20)
+
+
+def infer_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
+    """Annotate every tensor ONNX shape inference can type with its dtype and shape.
+
+    Matches:  Variables without dtype or shape            Conv(x:[1,4,64,64], W:[320,4,3,3]) -> y:?
+    Emits:    the same graph, tensors annotated           Conv(...) -> y:float32[1,320,64,64]
+    Why:      fusions check shapes (GroupNorm needs C, attention needs heads) and builders want them known.
+    Requires: nothing; runs with strict_mode off (an op it cannot type is skipped, not an error) and data
+              propagation on (shapes computed by Shape -> Gather -> Concat chains are resolved).
+
+    Two ways, chosen by the size of the graph's weights (sum of its constants' bytes):
+      * below ``infer_shapes_path_threshold_bytes`` (default 2 GiB - 128 MiB): in memory, with
+        ``onnx.shape_inference.infer_shapes`` on the exported model;
+      * at or above it (an fp32 SD-XL UNet, ~10 GB): the model is saved to a temporary folder with its
+        weights as external data, ``onnx.shape_inference.infer_shapes_path`` writes the inferred model next
+        to it, and only its value_info is read back (weights not loaded). Needs free disk space about the
+        size of the weights.
+    Either way the export builds a ModelProto holding a copy of the weights while the pass runs.
+
+    The graph's tensors keep their names; only Variables are annotated (inputs and constants are left as
+    they are). A shape already known is replaced by the inferred one only where that refines it (same rank,
+    no known size lost).
+
+    Counts: ``shapes_added`` (tensors that had no shape and have one now), ``shapes_changed``,
+    ``dtypes_added``; modified when any of them is non-zero.
+    """
+    threshold = int(ctx.options.get("infer_shapes_path_threshold_bytes", DEFAULT_PATH_THRESHOLD_BYTES))
+    weight_bytes = sum(constant_nbytes(t) for t in graph.tensors().values() if isinstance(t, gs.Constant))
+    model = gs.export_onnx(graph, do_type_check=False)
+    if weight_bytes >= threshold:
+        logger.debug("weights are %d bytes >= %d: shape inference through a temporary file", weight_bytes, threshold)
+        value_infos = _infer_via_path(model)
+    else:
+        value_infos = _infer_in_memory(model)
+    del model
+    counts = _annotate(graph, value_infos)
+    return PassResult(modified=any(counts.values()), counts=counts)
+
+
+def _infer_in_memory(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+    return [*inferred.graph.value_info, *inferred.graph.output]
+
+
+def _infer_via_path(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    with tempfile.TemporaryDirectory(prefix="infer_shapes_") as tmp:
+        source, target = Path(tmp) / "model.onnx", Path(tmp) / "inferred.onnx"
+        onnx.save_model(model, source, save_as_external_data=True, all_tensors_to_one_file=True,
+                        location="weights.bin", size_threshold=1024)
+        onnx.shape_inference.infer_shapes_path(source, target, check_type=False, strict_mode=False, data_prop=True)
+        inferred = onnx.load_model(target, load_external_data=False)
+    return [*inferred.graph.value_info, *inferred.graph.output]
+
+
+def _annotate(graph: gs.Graph, value_infos: Iterable[onnx.ValueInfoProto]) -> dict[str, int]:
+    tensors = graph.tensors()
+    inputs = {tensor.name for tensor in graph.inputs}
+    counts = {"shapes_added": 0, "shapes_changed": 0, "dtypes_added": 0}
+    for info in value_infos:
+        tensor = tensors.get(info.name)
+        if not isinstance(tensor, gs.Variable) or tensor.name in inputs or not info.type.HasField("tensor_type"):
+            continue
+        if info.type.tensor_type.elem_type and tensor.dtype is None:
+            tensor.dtype = get_onnx_tensor_dtype(info)
+            counts["dtypes_added"] += 1
+        shape = get_onnx_tensor_shape(info)
+        if shape is None or shape == tensor.shape:
+            continue
+        if tensor.shape is None:
+            counts["shapes_added"] += 1
+        elif _refines(tensor.shape, shape):
+            counts["shapes_changed"] += 1
+        else:
+            logger.debug("%s: kept shape %s, inference gave %s", tensor.name, tensor.shape, shape)
+            continue
+        tensor.shape = shape
+    return counts
+
+
+def _refines(old: list[int | str | None], new: list[int | str | None]) -> bool:
+    """Whether ``new`` is at least as specific as ``old``: same rank, and no known size became unknown."""
+    if len(old) != len(new):
+        return False
+    return all(isinstance(n, int) or not isinstance(o, int) for o, n in zip(old, new, strict=True))

@@ -1,0 +1,57 @@
+"""pipelines.pipeline_for and the BASE pipeline end to end."""
+
+from __future__ import annotations
+
+import itertools
+
+import onnx
+import pytest
+from onnx import helper
+
+from diffusion_trt.passes import PassContext, optimize_model, pipeline_for
+from diffusion_trt.passes.pipelines import BASE
+from tests import graphs
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "precision"),
+    list(itertools.product(["ort", "tensorrt"], ["cpu", "cuda"], ["fp32", "fp16"])),
+)
+def test_every_combination_gets_base(backend: str, device: str, precision: str) -> None:
+    assert pipeline_for(backend, device, precision, "unet") == BASE
+
+
+def test_unknown_backend_is_named() -> None:
+    with pytest.raises(ValueError, match=r"backend='openvino' .*use one of ort, tensorrt"):
+        pipeline_for("openvino", "cpu", "fp32", "unet")
+
+
+def test_base_pipeline_end_to_end() -> None:
+    # dead branch + duplicate constants + a constant subgraph + a shape chain, in one model
+    dup = graphs.const("s2", [2.0, 2.0, 2.0, 2.0])
+    model = graphs.make_model(
+        [
+            helper.make_node("Shape", ["x"], ["s"]),
+            helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+            helper.make_node("Unsqueeze", ["n", "axes0"], ["n1"]),
+            helper.make_node("Concat", ["n1", "minus_one"], ["target"], axis=0),
+            helper.make_node("Reshape", ["x", "target"], ["flat"]),
+            helper.make_node("Mul", ["s1", "s1"], ["s1sq"]),
+            helper.make_node("Mul", ["flat", "s1sq"], ["a"]),
+            helper.make_node("Mul", ["a", "s2"], ["y"]),
+            helper.make_node("Sigmoid", ["x"], ["dead"]),
+        ],
+        [graphs.tensor_info("x", [3, 2, 2])],
+        [graphs.tensor_info("y", [3, 4])],
+        [graphs.const("s1", [2.0, 2.0, 2.0, 2.0]), dup, graphs.const("zero", 0, graphs.np.int64),
+         graphs.const("axes0", [0], graphs.np.int64), graphs.const("minus_one", [-1], graphs.np.int64)],
+    )
+    ctx = PassContext(component="unet", backend="ort", device="cpu", precision="fp32")
+    out, records = optimize_model(model, pipeline_for("ort", "cpu", "fp32", "unet"), ctx)
+    assert [r.name for r in records] == ["eliminate_dead_nodes", "fold_constants", "infer_shapes"]
+    assert records[0].counts == {"nodes_removed": 1, "constants_deduped": 1}
+    assert records[1].counts == {"nodes_folded": 5}
+    assert graphs.op_counts(out) == {"Reshape": 1, "Mul": 2}
+    onnx.checker.check_model(out)
+    assert {v.name for v in out.graph.value_info} == {"flat", "a"}
+    graphs.assert_same_outputs(model, out)
