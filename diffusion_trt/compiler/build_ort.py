@@ -78,7 +78,7 @@ def engine_from_onnx(path: Path, device: str, test_load: bool = True) -> dict[st
     """
     try:
         onnx.checker.check_model(str(path))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise BuildError(f"{path} fails onnx.checker: {e}") from e
     providers = providers_for(device)
     loaded = False
@@ -92,7 +92,7 @@ def engine_from_onnx(path: Path, device: str, test_load: bool = True) -> dict[st
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             try:
                 ort.InferenceSession(str(path), so, providers=providers)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise BuildError(f"ONNX Runtime cannot load {path} with {providers}: {e}") from e
             loaded = True
         else:

@@ -126,7 +126,9 @@ class _UNet(torch.nn.Module):
         super().__init__()
         self.unet = unet
 
-    def forward(self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor
+    ) -> torch.Tensor:
         return self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0]
 
 
@@ -192,7 +194,7 @@ def load_models(folder: ModelFolder, precision: str, device: str) -> dict[str, A
                 m = cls.from_pretrained(folder.path / sub, use_safetensors=use_st, attn_implementation="eager", **kw)
             else:
                 m = cls.from_pretrained(folder.path, subfolder=sub, use_safetensors=use_st, **kw)
-        except Exception as e:  # noqa: BLE001 - any loader failure is a bad folder for the user
+        except Exception as e:
             raise ModelFolderError(f"could not load {sub}/ from {folder.path}: {e}") from e
         models[name] = m.to(device).eval()
     return models
@@ -257,7 +259,7 @@ def onnx_from_component(
                 do_constant_folding=True,
                 dynamo=False,
             )
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise ExportError(f"exporting {component} to ONNX failed: {type(e).__name__}: {e}") from e
     return out_path
 

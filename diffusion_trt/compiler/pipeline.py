@@ -61,7 +61,7 @@ def _stage(stage: str, component: str | None = None) -> Iterator[None]:
         yield
     except DiffusionTrtError as e:
         raise type(e)(f"compile failed at {where}: {e}") from e
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         cls = {"passes": PassError, "build": BuildError}.get(stage, ExportError)
         raise cls(f"compile failed at {where}: {type(e).__name__}: {e}") from e
 

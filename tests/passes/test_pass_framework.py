@@ -49,8 +49,9 @@ def test_manager_runs_in_order_cleans_up_and_logs(caplog: pytest.LogCaptureFixtu
     # the dead branch of the model went too: cleanup runs after any modifying pass
     assert "Sigmoid" not in {node.op for node in graph.nodes}
     lines = [rec.getMessage() for rec in caplog.records]
-    assert lines[0].startswith("no_op: no change (") and lines[0].endswith(" s)")
-    assert lines[1].startswith("add_dead_relu: Relu=1 (")
+    component = ctx().component
+    assert lines[0].startswith(f"{component} no_op: no change (") and lines[0].endswith(" s)")
+    assert lines[1].startswith(f"{component} add_dead_relu: Relu=1 (")
 
 
 def test_error_names_pass_component_and_prior_passes() -> None:

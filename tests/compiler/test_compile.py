@@ -1,0 +1,151 @@
+"""compile_pipeline on the tiny pipeline: parity of every component with PyTorch, manifest, failure modes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from diffusion_trt import artifacts
+from diffusion_trt.compiler import export
+from diffusion_trt.compiler.pipeline import compile_pipeline
+from diffusion_trt.config import CompileConfig
+from diffusion_trt.errors import ArtifactError, ExportError, ModelFolderError, RuntimeInputError
+
+# fp32 tolerance of an exported component against its PyTorch module (issue 2: <= 1e-4)
+FP32_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def torch_models(tiny_pipeline_dir: Path) -> dict:
+    folder = export.check_model_folder(tiny_pipeline_dir)
+    return export.load_models(folder, "fp32", "cpu")
+
+
+def _inputs(component: str, b: int, h: int, w: int, hidden: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    if component == "text_encoder":
+        return {"input_ids": torch.randint(0, 49408, (b, 77), generator=g)}
+    if component == "unet":
+        return {
+            "sample": torch.randn(b, 4, h, w, generator=g),
+            "timestep": torch.full((b,), 981.0),
+            "encoder_hidden_states": torch.randn(b, 77, hidden, generator=g),
+        }
+    if component == "vae_decoder":
+        return {"latent_sample": torch.randn(b, 4, h, w, generator=g)}
+    return {"sample": torch.rand(b, 3, 8 * h, 8 * w, generator=g) * 2 - 1}
+
+
+@pytest.mark.parametrize("component", ["text_encoder", "unet", "vae_decoder", "vae_encoder"])
+@pytest.mark.parametrize("shape", [(2, 8, 8), (1, 5, 12)], ids=["opt", "odd-latent"])
+def test_component_matches_pytorch(tiny_artifact: Path, torch_models: dict, component: str, shape: tuple) -> None:
+    b, h, w = shape
+    manifest = artifacts.read_manifest(tiny_artifact)
+    feeds = _inputs(component, b, h, w, manifest["model"]["text_hidden_size"])
+    sess = ort.InferenceSession(str(tiny_artifact / component / "model.onnx"), providers=["CPUExecutionProvider"])
+    (got,) = sess.run(None, {k: v.numpy() for k, v in feeds.items()})
+    with torch.no_grad():
+        want = export._wrap(component, torch_models)(*feeds.values()).numpy()
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= FP32_ATOL
+
+
+def test_manifest_describes_the_artifact(tiny_artifact: Path) -> None:
+    manifest = artifacts.load_verified(tiny_artifact)
+    assert manifest["backend"] == "ort" and manifest["precision"] == "fp32"
+    assert manifest["profile"] == {"batch": [1, 1, 4], "height": [32, 64, 128], "width": [32, 64, 128]}
+    unet = manifest["components"]["unet"]
+    sample = unet["inputs"][0]
+    assert sample["name"] == "sample" and sample["dtype"] == "float32"
+    # CFG doubles the UNet batch; latents are image/8
+    assert sample["min"] == [1, 4, 4, 4] and sample["opt"] == [2, 4, 8, 8] and sample["max"] == [8, 4, 16, 16]
+    assert [t["name"] for t in unet["inputs"]] == ["sample", "timestep", "encoder_hidden_states"]
+    assert [p["name"] for p in unet["passes"]][:3] == ["eliminate_dead_nodes", "fold_constants", "infer_shapes"]
+    for name in ("text_encoder", "unet", "vae_decoder", "vae_encoder"):
+        assert f"{name}/model.onnx" in manifest["files"]
+    assert "tokenizer/tokenizer_config.json" in manifest["files"]
+    assert "scheduler/scheduler_config.json" in manifest["files"]
+    assert manifest["tools"]["onnx"] and manifest["tools"]["torch"]
+    assert len(manifest["source"]["sha256"]) == 64
+    assert not any(p.name.startswith(".") for p in tiny_artifact.iterdir())
+
+
+def test_failed_compile_leaves_existing_artifact_intact(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "art"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous artifact")
+    # opset 99 does not exist: the export stage fails after the staging folder was filled
+    with pytest.raises(ExportError, match=r"compile failed at export of text_encoder"):
+        compile_pipeline(tiny_pipeline_dir, out, CompileConfig(opset=99), overwrite=True)
+    assert (out / "keep.txt").read_text() == "previous artifact"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"], "staging folder left behind"
+
+
+def test_existing_output_needs_overwrite(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "art").mkdir()
+    with pytest.raises(ArtifactError, match="already exists; pass --overwrite"):
+        compile_pipeline(tiny_pipeline_dir, tmp_path / "art")
+
+
+def test_missing_model_folder(tmp_path: Path) -> None:
+    with pytest.raises(ModelFolderError, match=r"does not exist; pass a folder written by .*save_pretrained"):
+        export.check_model_folder(tmp_path / "nope")
+
+
+def test_folder_without_model_index(tmp_path: Path) -> None:
+    with pytest.raises(ModelFolderError, match=r"has no model_index\.json"):
+        export.check_model_folder(tmp_path)
+
+
+def test_incomplete_model_folder(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_pipeline_dir, broken)
+    shutil.rmtree(broken / "unet")
+    with pytest.raises(ModelFolderError, match=r"the unet/ folder is missing; re-save the whole pipeline"):
+        export.check_model_folder(broken)
+
+
+def test_pickle_weights_refused_unless_trusted(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    from diffusers import UNet2DConditionModel
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(tiny_pipeline_dir, pickled)
+    unet = UNet2DConditionModel.from_pretrained(tiny_pipeline_dir, subfolder="unet", local_files_only=True)
+    shutil.rmtree(pickled / "unet")
+    unet.save_pretrained(pickled / "unet", safe_serialization=False)
+    assert (pickled / "unet" / "diffusion_pytorch_model.bin").is_file()
+    with pytest.raises(ModelFolderError, match=r"unet/diffusion_pytorch_model.bin is a pickle file .* --trust-pickle"):
+        export.check_model_folder(pickled)
+    folder = export.check_model_folder(pickled, trust_pickle=True)
+    assert folder.pickled == ("unet",)
+    models = export.load_models(folder, "fp32", "cpu")
+    assert models["unet"].config.in_channels == 4
+
+
+def test_fp16_on_cpu_is_refused_with_fix() -> None:
+    with pytest.raises(RuntimeInputError, match=r"use --precision fp32 or --device cuda"):
+        CompileConfig(precision="fp16", device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"height": 700}, r"height=700 is not a positive multiple of 8; use 696 or 704"),
+        ({"height": 512, "min_height": 600}, r"height=512 is outside --min-height 600 .. --max-height 1024"),
+        ({"batch_size": 8, "max_batch_size": 4}, r"batch_size=8 is outside --min-batch-size 1 .. --max-batch-size 4"),
+    ],
+)
+def test_bad_profile_is_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(RuntimeInputError, match=message):
+        CompileConfig(**kwargs).resolve_profile(512)
+
+
+def test_manifest_json_is_plain(tiny_artifact: Path) -> None:
+    data = json.loads((tiny_artifact / "manifest.json").read_text())
+    assert data["schema_version"] == artifacts.SCHEMA_VERSION

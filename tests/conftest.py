@@ -1,0 +1,45 @@
+"""Shared fixtures: a tiny random-weight SD pipeline folder and its compiled CPU artifact (session-scoped)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `gpu` / `tensorrt` tests with a reason where the hardware or library is absent."""
+    has_trt = importlib.util.find_spec("tensorrt") is not None
+    if has_trt:
+        try:
+            import tensorrt  # noqa: F401
+        except Exception:  # noqa: BLE001 - the PyPI stubs raise on import
+            has_trt = False
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        has_gpu = False
+    for item in items:
+        if "tensorrt" in item.keywords and not has_trt:
+            item.add_marker(pytest.mark.skip(reason="`import tensorrt` fails here: no TensorRT on this machine"))
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="no CUDA GPU on this machine"))
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `StableDiffusionPipeline` folder, tiny arch, seed 0 (a few MB)."""
+    from diffusion_trt.compiler.dummy import write_dummy_pipeline
+
+    return write_dummy_pipeline(tmp_path_factory.mktemp("models") / "tiny", arch="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny pipeline compiled for ONNX Runtime CPU, fp32, default profile (64x64, batch 1..4)."""
+    from diffusion_trt.compiler.pipeline import compile_pipeline
+
+    return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("artifacts") / "tiny")
