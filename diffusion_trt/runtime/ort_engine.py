@@ -1,0 +1,366 @@
+"""ONNX Runtime implementation of the :class:`~diffusion_trt.runtime.engine.Engine` protocol.
+
+Two execution paths:
+
+* **plain run** (default on CPU): ``session.run`` on numpy views of the CPU torch tensors; the outputs
+  are fresh arrays wrapped with ``torch.from_numpy`` (no copy).
+* **IO binding** (always on CUDA, optional on CPU): inputs are bound by pointer (``data_ptr``), outputs are
+  preallocated torch tensors, one set per output shape, reused across calls, so a denoising loop does no
+  allocation and no host round trip.
+
+  **With IO binding the tensors returned by ``run`` ARE the engine's output buffers: the next ``run``
+  overwrites them in place. ``.clone()`` anything that must outlive the next call.**
+
+CUDA streams: with ``stream=`` (a ``torch.cuda.Stream``), ONNX Runtime enqueues its kernels on that same
+stream (provider option ``user_compute_stream``) and ``run`` returns without waiting for the GPU
+(run option ``disable_synchronize_execution_providers``): torch work enqueued afterwards on that stream is
+ordered after it, so a whole denoising loop runs without a host sync. Called from another torch stream,
+``run`` orders itself after that stream's pending work and that stream after the run (events, no host
+sync). Without a stream, ONNX Runtime uses its own: ``run`` first waits for torch's current stream (the
+inputs must be complete) and ONNX Runtime waits for its own work before returning, which is correct on any
+stream but serialises host and GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import torch
+
+from ..errors import ArtifactError
+from .engine import EngineSpec
+
+logger = logging.getLogger(__name__)
+
+ConvAlgoSearch = Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"]
+CONV_ALGO_SEARCH: tuple[str, ...] = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
+
+#: ONNX Runtime type strings (``NodeArg.type``) -> manifest dtype names.
+_ORT_TYPES: dict[str, str] = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(int64)": "int64",
+    "tensor(int32)": "int32",
+    "tensor(bool)": "bool",
+}
+
+
+class OrtEngine:
+    """One ONNX component run by ONNX Runtime on torch tensors.
+
+    Args:
+        path: the component's ``model.onnx`` (external ``.data`` beside it is found automatically).
+        spec: the manifest's component entry (``{"inputs": [...], "outputs": [...], ...}``) or a parsed
+            :class:`EngineSpec`.
+        name: component name for messages; default the spec's name or the folder name.
+        device: "cpu" (CPUExecutionProvider) or "cuda" (CUDAExecutionProvider, then CPU for the few ops it
+            lacks).
+        device_id: CUDA device ordinal.
+        stream: CUDA only: the ``torch.cuda.Stream`` to run on (see the module docstring); ``None`` = ONNX
+            Runtime's own stream with a synchronisation around each ``run``.
+        cudnn_conv_algo_search: CUDA only: "EXHAUSTIVE" (benchmark every algorithm once per shape: slow first
+            call, fastest after), "HEURISTIC" or "DEFAULT".
+        io_binding: bind inputs/outputs by pointer and reuse output buffers; forced on for CUDA, default off
+            for CPU (on CPU it saves an output allocation per call).
+        intra_op_num_threads: CPU threads per operator; ``None`` = ONNX Runtime's default (all cores).
+        provider_options: extra CUDA provider options, merged over the ones above.
+        session_options: a prepared ``onnxruntime.SessionOptions`` to use instead of the defaults
+            (ORT_ENABLE_ALL, warnings and up).
+        derived: output symbols no input binds; see :meth:`EngineSpec.from_manifest`.
+
+    Nothing is loaded until ``__enter__``.
+
+    Raises:
+        ArtifactError: unknown device or ``cudnn_conv_algo_search``; on enter, a missing model file, the CUDA
+            provider unavailable, or a graph whose inputs/outputs disagree with the manifest.
+
+    **Outputs alias internal buffers with IO binding (always on CUDA): overwritten by the next ``run``.**
+    Not thread-safe: use one engine per thread.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        spec: Mapping[str, Any] | EngineSpec,
+        *,
+        name: str | None = None,
+        device: str = "cpu",
+        device_id: int = 0,
+        stream: torch.cuda.Stream | None = None,
+        cudnn_conv_algo_search: str = "EXHAUSTIVE",
+        io_binding: bool | None = None,
+        intra_op_num_threads: int | None = None,
+        provider_options: Mapping[str, Any] | None = None,
+        session_options: Any = None,
+        derived: Mapping[str, tuple[str, int]] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        component = name or (spec.name if isinstance(spec, EngineSpec) else self.path.parent.name)
+        self._spec = spec if isinstance(spec, EngineSpec) else EngineSpec.from_manifest(component, spec, derived)
+        self._name = component
+        if device not in ("cpu", "cuda"):
+            raise ArtifactError(f"device={device!r} is not supported by the ONNX Runtime engine; use 'cpu' or 'cuda'")
+        if cudnn_conv_algo_search not in CONV_ALGO_SEARCH:
+            raise ArtifactError(
+                f"cudnn_conv_algo_search={cudnn_conv_algo_search!r} is unknown; "
+                f"use one of {', '.join(CONV_ALGO_SEARCH)}"
+            )
+        if device == "cuda" and io_binding is False:
+            logger.warning("%s: io_binding=False is ignored on CUDA (inputs are bound by pointer)", component)
+        self._kind = device
+        self._device = torch.device("cuda", device_id) if device == "cuda" else torch.device("cpu")
+        self._device_id = device_id
+        self._stream = stream if device == "cuda" else None
+        self._io_binding = True if device == "cuda" else bool(io_binding)
+        self._conv_algo = cudnn_conv_algo_search
+        self._threads = intra_op_num_threads
+        self._extra_provider_options = dict(provider_options or {})
+        self._session_options = session_options
+
+        self._session: Any = None
+        self._binding: Any = None
+        self._run_options: Any = None
+        self._async = False
+        self._outputs: dict[str, torch.Tensor] = {}
+        self._live_inputs: dict[str, torch.Tensor] = {}
+        self._depth = 0
+
+    # -- Engine protocol -------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def spec(self) -> EngineSpec:
+        return self._spec
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self._spec.input_names
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self._spec.output_names
+
+    @property
+    def providers(self) -> list[str]:
+        """Execution providers of the open session (empty when closed)."""
+        return list(self._session.get_providers()) if self._session is not None else []
+
+    @property
+    def is_open(self) -> bool:
+        return self._session is not None
+
+    def __enter__(self) -> OrtEngine:
+        if self._depth == 0:
+            self._open()
+        self._depth += 1
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.close()
+
+    def close(self) -> None:
+        """Free the session and every buffer (idempotent)."""
+        if self._session is not None and self._async:
+            # queued kernels may still read the inputs we keep alive / write our buffers
+            self._current_torch_stream().synchronize()
+        self._binding = None
+        self._session = None
+        self._run_options = None
+        self._outputs = {}
+        self._live_inputs = {}
+        self._depth = 0
+
+    def validate(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        """See :meth:`EngineSpec.validate`; also requires every tensor on :attr:`device`."""
+        return self._spec.validate(feeds, self._device)
+
+    def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run the component.
+
+        Args:
+            feeds: every input by name, on :attr:`device`, dtypes and shapes as the manifest says
+                (e.g. unet: ``sample`` float [B2,4,h,w], ``timestep`` float32 [B2],
+                ``encoder_hidden_states`` float [B2,77,D]).
+
+        Returns:
+            Output name -> tensor on :attr:`device`. **With IO binding (always on CUDA) these are the
+            engine's own buffers, overwritten by the next ``run``.**
+
+        Raises:
+            RuntimeInputError: ``feeds`` do not match the manifest (see :meth:`validate`).
+            ArtifactError: the graph produced a shape the manifest does not predict.
+            RuntimeError: the engine is not open (use ``with engine:``).
+        """
+        if self._session is None:
+            raise RuntimeError(f"engine {self._name!r} is not open; use `with engine:` or call it inside the pipeline")
+        symbols = self.validate(feeds)
+        shapes = self._spec.output_shapes(symbols)
+        if self._io_binding:
+            return self._run_bound(feeds, shapes)
+        return self._run_plain(feeds, shapes)
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _current_torch_stream(self) -> Any:
+        return self._stream if self._stream is not None else torch.cuda.current_stream(self._device)
+
+    def _providers(self) -> list[Any]:
+        import onnxruntime as ort
+
+        if self._kind == "cpu":
+            return ["CPUExecutionProvider"]
+        available = ort.get_available_providers()
+        if "CUDAExecutionProvider" not in available:
+            raise ArtifactError(
+                f"engine {self._name!r}: device='cuda' needs ONNX Runtime's CUDAExecutionProvider, but this "
+                f"onnxruntime {ort.__version__} offers only {', '.join(available)}; install the GPU build "
+                "(`pip uninstall onnxruntime && pip install onnxruntime-gpu`) or run with device='cpu'"
+            )
+        options: dict[str, str] = {
+            "device_id": str(self._device_id),
+            "cudnn_conv_algo_search": self._conv_algo,
+        }
+        if self._stream is not None:
+            handle = int(self._stream.cuda_stream)
+            if handle == 0:
+                # ONNX Runtime treats a null stream as "no user stream"; fall back to synchronised runs.
+                logger.info("%s: the given CUDA stream is the default (null) stream; running synchronised", self._name)
+                self._stream = None
+            else:
+                options["user_compute_stream"] = str(handle)
+        options.update({k: str(v) for k, v in self._extra_provider_options.items()})
+        return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+
+    def _open(self) -> None:
+        import onnxruntime as ort
+
+        if not self.path.is_file():
+            raise ArtifactError(f"engine {self._name!r}: model file {self.path} is missing; recompile the artifact")
+        providers = self._providers()
+        if self._kind == "cuda" and not torch.cuda.is_available():
+            raise ArtifactError(
+                f"engine {self._name!r}: device='cuda' but torch sees no CUDA device "
+                f"(torch {torch.__version__}); install a CUDA build of torch or run with device='cpu'"
+            )
+        so = self._session_options
+        if so is None:
+            so = ort.SessionOptions()
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            so.log_severity_level = 2  # warning
+            if self._threads is not None:
+                so.intra_op_num_threads = self._threads
+        try:
+            session = ort.InferenceSession(str(self.path), sess_options=so, providers=providers)
+        except Exception as e:  # onnxruntime raises its own exception types (Fail, InvalidGraph, ...)
+            raise ArtifactError(
+                f"engine {self._name!r}: ONNX Runtime could not load {self.path}: {e}; "
+                "check the file (`diffusion-trt verify`) or recompile the artifact"
+            ) from e
+        if self._kind == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
+            raise ArtifactError(
+                f"engine {self._name!r}: the CUDA execution provider failed to initialise (session providers: "
+                f"{', '.join(session.get_providers())}); usually CUDA/cuDNN libraries are missing or mismatched: "
+                "import torch before onnxruntime, call onnxruntime.preload_dlls(), or install the onnxruntime-gpu "
+                "build matching your CUDA"
+            )
+        self._check_graph_io(session)
+        self._session = session
+        self._async = self._kind == "cuda" and self._stream is not None
+        self._run_options = ort.RunOptions()
+        if self._async:
+            self._run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        if self._io_binding:
+            self._binding = session.io_binding()
+        logger.info(
+            "opened %s (%s, providers %s, io_binding=%s, async=%s)",
+            self._name,
+            self.path,
+            ",".join(session.get_providers()),
+            self._io_binding,
+            self._async,
+        )
+
+    def _check_graph_io(self, session: Any) -> None:
+        """The graph's inputs/outputs must be the manifest's: same names and element types."""
+        for kind, graph_args, infos in (
+            ("inputs", session.get_inputs(), self._spec.inputs),
+            ("outputs", session.get_outputs(), self._spec.outputs),
+        ):
+            graph = {a.name: _ORT_TYPES.get(a.type, a.type) for a in graph_args}
+            manifest = {t.name: t.dtype for t in infos}
+            if graph != manifest:
+                raise ArtifactError(
+                    f"engine {self._name!r}: the graph's {kind} {graph} differ from the manifest's {manifest}; "
+                    "the artifact is inconsistent: recompile it"
+                )
+
+    def _run_plain(self, feeds: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+        arrays = {n: t.detach().contiguous().numpy() for n, t in feeds.items()}
+        values = self._session.run(list(self.output_names), arrays, self._run_options)
+        out: dict[str, torch.Tensor] = {}
+        for name, value in zip(self.output_names, values, strict=True):
+            if tuple(value.shape) != shapes[name]:
+                raise ArtifactError(
+                    f"engine {self._name!r} output {name!r} has shape {tuple(value.shape)} but the manifest "
+                    f"predicts {shapes[name]}; the artifact is inconsistent: recompile it"
+                )
+            out[name] = torch.from_numpy(value)
+        return out
+
+    def _output_buffer(self, name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, bool]:
+        """The reusable buffer for ``name`` at ``shape``; (buffer, True) when newly allocated."""
+        buf = self._outputs.get(name)
+        if buf is not None and tuple(buf.shape) == shape:
+            return buf, False
+        buf = torch.empty(shape, dtype=self._spec.output(name).torch_dtype, device=self._device)
+        self._outputs[name] = buf
+        return buf, True
+
+    def _run_bound(self, feeds: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+        kind, dev = self._kind, self._device_id
+        binding = self._binding
+        caller = torch.cuda.current_stream(self._device) if self._kind == "cuda" else None
+        if caller is not None:
+            if not self._async:
+                # ONNX Runtime's own stream does not wait for torch's: the inputs must be complete first.
+                caller.synchronize()
+            elif caller != self._stream:
+                self._stream.wait_stream(caller)  # inputs made on the caller's stream come first (no host sync)
+        live: dict[str, torch.Tensor] = {}
+        for info in self._spec.inputs:
+            t = feeds[info.name].detach().contiguous()
+            live[info.name] = t
+            binding.bind_input(info.name, kind, dev, info.numpy_dtype.type, tuple(t.shape), t.data_ptr())
+        for info in self._spec.outputs:
+            buf, new = self._output_buffer(info.name, shapes[info.name])
+            if new:
+                logger.debug("%s: allocated output %s %s", self._name, info.name, tuple(buf.shape))
+            # rebinding is cheap; binding every call keeps ORT's view in step with our buffers
+            binding.bind_output(info.name, kind, dev, info.numpy_dtype.type, tuple(buf.shape), buf.data_ptr())
+        self._session.run_with_iobinding(binding, self._run_options)
+        if caller is not None and self._async and caller != self._stream:
+            caller.wait_stream(self._stream)  # the caller's later work (and frees) come after this run
+        # Keep the inputs alive until the next run: with async CUDA the kernels may still read them. (Memory
+        # freed to torch's caching allocator is only reused in stream order anyway; this is belt and braces.)
+        self._live_inputs = live
+        return {info.name: self._outputs[info.name] for info in self._spec.outputs}
+
+    def __repr__(self) -> str:
+        state = "open" if self.is_open else "closed"
+        return f"OrtEngine({self._name!r}, {str(self.path)!r}, device={self._device}, {state})"

@@ -1,0 +1,118 @@
+"""Short scheduler names -> diffusers scheduler classes (and config overrides), built from the artifact's config.
+
+The artifact stores the model's ``scheduler_config.json`` (betas, timestep spacing...). A named scheduler is
+``Class.from_config(that config, **overrides)``, exactly what a diffusers user writes to swap schedulers
+(``EulerDiscreteScheduler.from_config(pipe.scheduler.config)``), so images match diffusers with the same
+swap.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import ArtifactError, RuntimeInputError
+
+logger = logging.getLogger(__name__)
+
+#: name -> (diffusers class name, config overrides). Names follow common UI usage (A1111 / ComfyUI).
+SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "pndm": ("PNDMScheduler", {}),
+    "ddim": ("DDIMScheduler", {}),
+    "ddpm": ("DDPMScheduler", {}),
+    "euler": ("EulerDiscreteScheduler", {}),
+    "euler_a": ("EulerAncestralDiscreteScheduler", {}),
+    "heun": ("HeunDiscreteScheduler", {}),
+    "lms": ("LMSDiscreteScheduler", {}),
+    "dpm2": ("KDPM2DiscreteScheduler", {}),
+    "dpm2_a": ("KDPM2AncestralDiscreteScheduler", {}),
+    # DPMSolverMultistep defaults to algorithm "dpmsolver++", order 2: "DPM++ 2M"
+    "dpm++": ("DPMSolverMultistepScheduler", {}),
+    "dpm++_karras": ("DPMSolverMultistepScheduler", {"use_karras_sigmas": True}),
+    # "DPM++ 2M SDE": the multistep solver's SDE variant (needs no torchsde, unlike DPMSolverSDEScheduler)
+    "dpm++_sde": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"}),
+    "dpm++_sde_karras": (
+        "DPMSolverMultistepScheduler",
+        {"algorithm_type": "sde-dpmsolver++", "use_karras_sigmas": True},
+    ),
+    "unipc": ("UniPCMultistepScheduler", {}),
+    "deis": ("DEISMultistepScheduler", {}),
+}
+
+#: diffusers class name -> short name, for reporting the artifact's default scheduler.
+_NAME_OF_CLASS: dict[str, str] = {}
+for _name, (_cls, _over) in SCHEDULERS.items():
+    if not _over:
+        _NAME_OF_CLASS.setdefault(_cls, _name)
+
+
+def scheduler_names() -> list[str]:
+    """Every name :func:`make_scheduler` accepts, in table order."""
+    return list(SCHEDULERS)
+
+
+def short_name(class_name: str) -> str:
+    """The short name of a diffusers scheduler class ("EulerDiscreteScheduler" -> "euler"), else the class name."""
+    return _NAME_OF_CLASS.get(class_name, class_name)
+
+
+def resolve_scheduler(name: str) -> tuple[str, dict[str, Any]]:
+    """(diffusers class name, overrides) of a short name.
+
+    Raises:
+        RuntimeInputError: unknown name; the message lists the valid ones.
+    """
+    key = name.strip().lower()
+    if key not in SCHEDULERS:
+        raise RuntimeInputError(f"scheduler={name!r} is unknown; use one of {', '.join(SCHEDULERS)}")
+    cls, overrides = SCHEDULERS[key]
+    return cls, dict(overrides)
+
+
+def _scheduler_class(class_name: str, label: str) -> type[Any]:
+    import diffusers
+
+    cls = getattr(diffusers, class_name, None)
+    if cls is None or not class_name.endswith("Scheduler"):
+        raise ArtifactError(
+            f"scheduler class {class_name!r} ({label}) is not in diffusers {diffusers.__version__}; "
+            f"pick another with scheduler= (one of {', '.join(SCHEDULERS)})"
+        )
+    return cls
+
+
+def make_scheduler(config: Mapping[str, Any], name: str | None = None, class_name: str | None = None) -> Any:
+    """Build a diffusers scheduler from the artifact's scheduler config.
+
+    Args:
+        config: the contents of ``scheduler/scheduler_config.json``.
+        name: a short name from :data:`SCHEDULERS`; ``None`` = ``class_name`` (the model's own scheduler).
+        class_name: the artifact's scheduler class (``manifest["scheduler"]["class_name"]``); default the
+            config's ``_class_name``.
+
+    Returns:
+        A fresh scheduler instance. It is stateful (step counters, past outputs): use one per generation,
+        e.g. ``type(s).from_config(s.config)``.
+
+    Raises:
+        RuntimeInputError: unknown ``name``, or a scheduler whose optional dependency is missing (``lms``:
+            scipy).
+        ArtifactError: the artifact names a scheduler class diffusers does not have.
+    """
+    if name is None:
+        cls_name = class_name or str(config.get("_class_name", ""))
+        overrides: dict[str, Any] = {}
+        cls = _scheduler_class(cls_name, "the artifact's scheduler")
+    else:
+        cls_name, overrides = resolve_scheduler(name)
+        cls = _scheduler_class(cls_name, f"scheduler={name!r}")
+    clean = {k: v for k, v in config.items() if not k.startswith("_")}
+    try:
+        return cls.from_config(clean, **overrides)
+    except ImportError as e:
+        reason = " ".join(str(e).split())  # diffusers' message spans lines and names the package
+        raise RuntimeInputError(
+            f"scheduler={name or cls_name!r} ({cls_name}) needs an optional package that is not installed "
+            f"({reason}); install it or choose another scheduler"
+        ) from None
