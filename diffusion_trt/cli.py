@@ -183,11 +183,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
             num_images_per_prompt=batch_size,
             progress=True,
         )
-        params = {
-            "prompt": prompt, "negative_prompt": negative_prompt, "steps": steps, "guidance_scale": guidance,
-            "seed": seed, "height": result.images[0].height, "width": result.images[0].width,
-            "scheduler": type(pipe.scheduler).__name__, "artifact": str(artifact_dir),
-        }
+        params = {**result.parameters, "artifact": str(artifact_dir)}
     paths = []
     for i, image in enumerate(result.images):
         path = out if i == 0 else out.with_name(f"{out.stem}-{i}{out.suffix}")

@@ -4,7 +4,7 @@ Reproduces ``diffusers.StableDiffusionPipeline.__call__`` (diffusers 0.3x-0.4x) 
 scheduler and steps: CLIP tokenisation padded to 77, the negative prompt "" by default, prompt embeddings
 repeated per image, classifier-free guidance (CFG) as ONE batch ``[negative; positive]`` when
 ``guidance_scale > 1``, latents from ``diffusers.utils.torch_utils.randn_tensor`` times
-``scheduler.init_noise_sigma``, timesteps from diffusers' ``retrieve_timesteps``, the scheduler's own
+``scheduler.init_noise_sigma``, timesteps as diffusers' ``retrieve_timesteps`` sets them, the scheduler's own
 ``scale_model_input`` and ``step``, and decoding of ``latents / scaling_factor``.
 
 Everything stays on the engines' device as torch tensors; the loop itself reads nothing back to the host
@@ -210,9 +210,11 @@ def text_to_image(
     )
 
     # 2. prepare latents (timesteps first, like diffusers; neither draws random numbers before the latents)
-    from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
-
-    timesteps, num_inference_steps = retrieve_timesteps(scheduler, num_inference_steps, device)
+    # what diffusers' retrieve_timesteps does without custom timesteps/sigmas (importing it would import the
+    # whole StableDiffusionPipeline module, transformers' image processors included)
+    scheduler.set_timesteps(num_inference_steps, device=device)
+    timesteps = scheduler.timesteps
+    num_inference_steps = len(timesteps)
     shape = (batch, num_channels_latents, height // vae_scale_factor, width // vae_scale_factor)
     latents = prepare_latents(scheduler, shape, sample_dtype, device, generator, latents)
     extra = step_kwargs(scheduler, generator, eta)

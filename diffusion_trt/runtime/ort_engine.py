@@ -287,7 +287,7 @@ class OrtEngine:
             self._run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         if self._io_binding:
             self._binding = session.io_binding()
-        logger.info(
+        logger.debug(
             "opened %s (%s, providers %s, io_binding=%s, async=%s)",
             self._name,
             self.path,

@@ -1,0 +1,146 @@
+"""The command line: the README's main job, and every bad input giving a message with the value and the fix."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from diffusion_trt.cli import main
+from diffusion_trt.runtime.png import read_png_parameters
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _invoke(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+def readme_main_job() -> list[list[str]]:
+    """The `diffusion-trt ...` steps of the README's first command, in order."""
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"## Set up and run.*?```bash\n(.*?)\n```", text, re.S)
+    assert block, "README lacks the 'Set up and run' command"
+    steps = [shlex.split(part.strip()) for part in block.group(1).split("&&")]
+    return [s for s in steps if s and s[0] == "diffusion-trt"]
+
+
+def test_readme_main_job_runs(tmp_path: Path) -> None:
+    steps = readme_main_job()
+    assert [s[1] for s in steps] == ["dummy-pipeline", "compile", "run"]
+    exe = shutil.which("diffusion-trt") or str(Path(sys.executable).parent / "diffusion-trt")
+    out = ""
+    for step in steps:
+        proc = subprocess.run([exe, *step[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out = proc.stdout
+    assert "image: out.png" in out
+    params = read_png_parameters(tmp_path / "out.png")
+    assert params["prompt"] == "an ink painting of a mountain"
+
+
+def test_help_has_examples() -> None:
+    for cmd in ("compile", "run", "dummy-pipeline"):
+        code, out = _invoke(cmd, "--help")
+        assert code == 0 and "Examples:" in out
+
+
+def test_run_writes_png_with_parameters(tiny_artifact: Path, tmp_path: Path) -> None:
+    code, out = _invoke("run", tiny_artifact, "-p", "a guohua landscape", "--steps", "3", "--seed", "5",
+                        "--batch-size", "2", "-o", tmp_path / "img.png")
+    assert code == 0, out
+    assert "image: " + str(tmp_path / "img.png") in out and "img-1.png" in out
+    params = read_png_parameters(tmp_path / "img-1.png")
+    assert params["seed"] == 5 and params["num_inference_steps"] == 3 and params["index"] == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "0"], r"num_inference_steps=0 must be an integer >= 1; use e\.g\. 30"),
+        (["--guidance", "-1"], r"guidance_scale=-1\.0 must be a finite number >= 0"),
+        (["--scheduler", "nope"], r"scheduler='nope' is unknown; use one of pndm, ddim"),
+        (["--height", "60"], r"height=60 is not a positive multiple of 8; use 56 or 64 \(engine profile allows 32"),
+        (["--width", "256"], r"width=256 is outside the engine profile 32\.\.128; .* --min-width/--max-width"),
+        (["--batch-size", "9"], r"exceeds the engine profile's max batch 4 .* --max-batch-size 9"),
+    ],
+)
+def test_run_bad_input(tiny_artifact: Path, tmp_path: Path, args: list[str], message: str) -> None:
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "-o", tmp_path / "o.png", *args)
+    assert code != 0
+    assert re.search(message, out), out
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_run_missing_artifact(tmp_path: Path) -> None:
+    code, out = _invoke("run", tmp_path / "none", "-p", "x")
+    assert code == 3 and "does not exist; run `diffusion-trt compile` first" in out
+
+
+def test_run_artifact_missing_a_file(tiny_artifact: Path, tmp_path: Path) -> None:
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    (art / "vae_decoder" / "model.onnx").unlink()
+    code, out = _invoke("run", art, "-p", "x")
+    assert code == 3
+    assert "vae_decoder/model.onnx: file is missing; copy the whole artifact folder or recompile" in out
+
+
+def test_run_artifact_sha256_mismatch(tiny_artifact: Path, tmp_path: Path) -> None:
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    path = art / "unet" / "model.onnx"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    code, out = _invoke("run", art, "-p", "x")
+    assert code == 3
+    assert re.search(r"unet/model\.onnx: sha256 \w+… != \w+… in the manifest; the file was altered", out), out
+
+
+def test_compile_missing_model_folder(tmp_path: Path) -> None:
+    code, out = _invoke("compile", tmp_path / "nope", "-o", tmp_path / "art")
+    assert code == 2 and "does not exist; pass a folder written by StableDiffusionPipeline.save_pretrained" in out
+
+
+def test_compile_incomplete_model_folder(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_pipeline_dir, broken)
+    (broken / "scheduler" / "scheduler_config.json").unlink()
+    code, out = _invoke("compile", broken, "-o", tmp_path / "art")
+    assert code == 2 and "scheduler/scheduler_config.json is missing; re-save the whole pipeline" in out
+    assert not (tmp_path / "art").exists()
+
+
+def test_compile_height_not_multiple_of_8(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", "--height", "700")
+    assert code == 2 and "height=700 is not a positive multiple of 8; use 696 or 704" in out
+    assert not (tmp_path / "art").exists()
+
+
+def test_compile_pickle_refused(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    pickled = tmp_path / "pickled"
+    shutil.copytree(tiny_pipeline_dir, pickled)
+    st = pickled / "vae" / "diffusion_pytorch_model.safetensors"
+    st.rename(st.with_suffix(".bin"))  # a pickle file by name is enough: the check refuses before loading
+    code, out = _invoke("compile", pickled, "-o", tmp_path / "art")
+    assert code == 2 and "is a pickle file and loading it runs arbitrary code" in out and "--trust-pickle" in out
+
+
+def test_dummy_pipeline_bad_arch(tmp_path: Path) -> None:
+    code, out = _invoke("dummy-pipeline", "--arch", "sdxxl", tmp_path / "m")
+    assert code == 2 and "'sdxxl' is not one of 'tiny', 'sd15'" in out
+
+
+def test_dummy_pipeline_refuses_non_empty_folder(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "x").write_text("mine")
+    code, out = _invoke("dummy-pipeline", tmp_path / "m")
+    assert code == 2 and "exists and is not empty; choose another folder or pass --overwrite" in out
