@@ -149,3 +149,26 @@ def test_bad_profile_is_refused(kwargs: dict, message: str) -> None:
 def test_manifest_json_is_plain(tiny_artifact: Path) -> None:
     data = json.loads((tiny_artifact / "manifest.json").read_text())
     assert data["schema_version"] == artifacts.SCHEMA_VERSION
+
+
+def test_external_data_artifact_runs_and_matches(
+    tiny_pipeline_dir: Path, tiny_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The > 2 GB path (weights in model.onnx.data) on the tiny pipeline, by lowering the threshold."""
+    from diffusion_trt.compiler import build_ort
+    from diffusion_trt.runtime import EnginePipeline
+
+    monkeypatch.setattr(build_ort, "EXTERNAL_DATA_THRESHOLD_BYTES", 0)
+    art = compile_pipeline(tiny_pipeline_dir, tmp_path / "ext", CompileConfig(components=("text_encoder", "unet",
+                                                                                           "vae_decoder")))
+    manifest = artifacts.load_verified(art)
+    assert manifest["components"]["unet"]["files"] == ["unet/model.onnx", "unet/model.onnx.data"]
+    assert "unet/model.onnx.data" in manifest["files"]
+    inline = (tiny_artifact / "unet" / "model.onnx").stat().st_size
+    assert (art / "unet" / "model.onnx.data").stat().st_size > inline / 2  # the weights moved out
+    assert (art / "unet" / "model.onnx").stat().st_size < inline / 2
+    images = []
+    for path in (art, tiny_artifact):
+        with EnginePipeline.from_artifacts(path) as pipe:
+            images.append(np.asarray(pipe("a boat", num_inference_steps=2, seed=3, progress=False).images[0]))
+    assert np.array_equal(images[0], images[1])
