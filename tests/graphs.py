@@ -200,3 +200,70 @@ def diamond_model() -> onnx.ModelProto:
         [tensor_info("y1", [2, 3]), tensor_info("y2", [2, 3])],
         [const("s", 3.0)],
     )
+
+
+#: Whole-model fp16-vs-fp32 comparisons (an fp16 graph against its fp32 source, outputs of magnitude ~1):
+#: (rtol, atol). Measured on the tiny UNet / VAE: max abs diff 1e-3 / 5e-3.
+FP16_VS_FP32_TOLERANCE: tuple[float, float] = (2e-2, 2e-2)
+
+
+def attention_model(*, static: bool = True, cross: bool = False, mask: bool = False, post_scale: bool = False,
+                    heads: int = 2, head_dim: int = 4, seq: int = 6, kv_seq: int = 5,
+                    batch: int | str = 2) -> onnx.ModelProto:
+    """One multi-head attention as torch exports it: y[B,S,C] = out_proj(attention(x @ Wq, ctx @ Wk, ctx @ Wv)).
+
+    ``static``: Reshape targets and the SDPA scale are constants; otherwise they are computed from Shape as the
+    TorchScript exporter does for dynamic axes (scale = sqrt(1/sqrt(d)) applied to Q and to K^T).
+    ``post_scale``: CLIP eager form, one constant Mul after Q K^T. ``mask``: an additive [1,1,S,L] bias before
+    the Softmax. ``cross``: K and V read a second input ``ctx[B,L,C]`` instead of ``x``.
+    """
+    rng = np.random.default_rng(3)
+    c = heads * head_dim
+    kv = "ctx" if cross else "x"
+    nodes: list[onnx.NodeProto] = []
+    inits = [const(f"W{n}", rng.standard_normal((c, c)) * 0.5) for n in "qkvo"]
+    length = kv_seq if cross else seq
+    if not static:
+        inits += [const("i0", 0, np.int64), const("c0", [0], np.int64), const("m1", [-1], np.int64),
+                  const("cN", [heads], np.int64), const("cd", [head_dim], np.int64)]
+    if static:
+        inits.append(const("split", [0, -1, heads, head_dim], np.int64))
+    else:
+        nodes += [helper.make_node("Shape", ["x"], ["xs"]), helper.make_node("Gather", ["xs", "i0"], ["b"], axis=0),
+                  helper.make_node("Unsqueeze", ["b", "c0"], ["b1"]),
+                  helper.make_node("Concat", ["b1", "m1", "cN", "cd"], ["split"], axis=0)]
+    for name, src in (("q", "x"), ("k", kv), ("v", kv)):
+        nodes += [helper.make_node("MatMul", [src, f"W{name}"], [f"{name}3"]),
+                  helper.make_node("Reshape", [f"{name}3", "split"], [f"{name}4"])]
+    nodes += [helper.make_node("Transpose", ["q4"], ["qt"], perm=[0, 2, 1, 3]),
+              helper.make_node("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
+              helper.make_node("Transpose", ["v4"], ["vt"], perm=[0, 2, 1, 3])]
+    if post_scale:
+        inits.append(const("s", 1 / np.sqrt(head_dim)))
+        nodes += [helper.make_node("MatMul", ["qt", "kt"], ["qk0"]), helper.make_node("Mul", ["qk0", "s"], ["qk"])]
+    else:
+        if static:
+            inits.append(const("sq", [head_dim ** -0.25]))
+        else:
+            inits += [const("one", [1.0]), const("big", [2**62], np.int64)]
+            nodes += [helper.make_node("Shape", ["qt"], ["qts"]),
+                      helper.make_node("Slice", ["qts", "m1", "big"], ["dd"]),
+                      helper.make_node("Cast", ["dd"], ["ddf"], to=TensorProto.FLOAT),
+                      helper.make_node("Sqrt", ["ddf"], ["sd"]), helper.make_node("Div", ["one", "sd"], ["s"]),
+                      helper.make_node("Sqrt", ["s"], ["sq"])]
+        nodes += [helper.make_node("Mul", ["qt", "sq"], ["qs"]), helper.make_node("Mul", ["kt", "sq"], ["ks"]),
+                  helper.make_node("MatMul", ["qs", "ks"], ["qk"])]
+    scores = "qk"
+    if mask:
+        causal = np.triu(np.full((seq, length), -1e9, dtype=np.float32), 1)[None, None]
+        inits.append(const("bias", causal))
+        nodes.append(helper.make_node("Add", ["qk", "bias"], ["qkb"]))
+        scores = "qkb"
+    nodes += [helper.make_node("Softmax", [scores], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "vt"], ["a"]),
+              helper.make_node("Transpose", ["a"], ["at"], perm=[0, 2, 1, 3])]
+    inits.append(const("merge", [0, -1, c], np.int64))
+    nodes += [helper.make_node("Reshape", ["at", "merge"], ["a3"]), helper.make_node("MatMul", ["a3", "Wo"], ["y"])]
+    inputs = [tensor_info("x", [batch, seq, c])] + ([tensor_info("ctx", [batch, kv_seq, c])] if cross else [])
+    model = make_model(nodes, inputs, [tensor_info("y", [batch, seq, c])], inits)
+    return onnx.shape_inference.infer_shapes(model)
