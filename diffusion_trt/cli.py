@@ -125,8 +125,11 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, **option
     from .config import CompileConfig
 
     out_dir = out_dir or Path("artifacts") / Path(model_dir).resolve().name
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     config = CompileConfig(**options)
-    path = compile_pipeline(model_dir, out_dir, config, overwrite=overwrite, progress=True)
+    with logging_redirect_tqdm(loggers=[logger]):
+        path = compile_pipeline(model_dir, out_dir, config, overwrite=overwrite, progress=True)
     _print_pass_table(path)
     click.echo(f"artifact: {path}")
 
@@ -135,12 +138,14 @@ def _print_pass_table(path: Path) -> None:
     from .artifacts import read_manifest
 
     manifest = read_manifest(path)
+    click.echo("pass counts (non-zero):", err=True)
     for name, entry in manifest["components"].items():
         parts = []
         for rec in entry.get("passes", []):
-            counts = ", ".join(f"{k}={v}" for k, v in rec.get("counts", {}).items()) or "no change"
-            parts.append(f"{rec['name']}({counts})")
-        click.echo(f"  {name:<13} {'; '.join(parts)}", err=True)
+            counts = ", ".join(f"{k}={v}" for k, v in rec.get("counts", {}).items() if v)
+            if counts:
+                parts.append(f"{rec['name']}({counts})")
+        click.echo(f"  {name:<13} {'; '.join(parts) or 'no change'}", err=True)
 
 
 @main.command("run")

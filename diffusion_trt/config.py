@@ -148,11 +148,14 @@ class CompileConfig:
                 raise RuntimeInputError(f"{name}={value!r} is not supported; use one of {', '.join(allowed)}")
         if self.opset < 17:
             raise RuntimeInputError(f"opset={self.opset} is too old; use 17 or newer (LayerNormalization)")
-        if self.precision == "fp16" and self.device == "cpu" and self.backend == "ort":
+        if self.precision == "fp16" and self.device == "cpu":
             raise RuntimeInputError(
                 "precision='fp16' with device='cpu' is not supported: ONNX Runtime's CPU provider has "
                 "no fp16 kernels for most UNet ops; use --precision fp32 or --device cuda"
             )
+        if self.backend == "tensorrt" and self.device != "cuda":
+            raise RuntimeInputError(f"backend='tensorrt' runs on CUDA only, not device={self.device!r}; "
+                                    "use --device cuda or --backend ort")
         if self.batch_size < 1:
             raise RuntimeInputError(f"batch_size={self.batch_size} must be >= 1")
 

@@ -169,6 +169,19 @@ def _wrap(component: str, models: dict[str, Any]) -> torch.nn.Module:
     raise ExportError(f"unknown component {component!r}; known: text_encoder, unet, vae_decoder, vae_encoder")
 
 
+def export_device(target: str) -> str:
+    """The torch device to trace on: CUDA when the engines target it and this machine has it, else CPU.
+
+    Export is always fp32, so tracing on the CPU gives the same graph; a CUDA-targeted compile works on a
+    machine without a GPU (slower, and the engines are not test-loaded).
+    """
+    if target == "cuda" and torch.cuda.is_available():
+        return "cuda"
+    if target == "cuda":
+        logger.warning("no CUDA device here: exporting on the CPU for a CUDA target")
+    return "cpu"
+
+
 def load_models(folder: ModelFolder, precision: str, device: str) -> dict[str, Any]:
     """Load text encoder, UNet and VAE offline (``local_files_only``) in eval mode on ``device``.
 

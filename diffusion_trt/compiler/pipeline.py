@@ -27,7 +27,7 @@ from .. import artifacts
 from ..config import IMAGE_ALIGNMENT, CompileConfig, ShapeProfile
 from ..errors import BuildError, DiffusionTrtError, ExportError, PassError
 from . import build_ort, export
-from .components import component_specs, tensor_manifest
+from .components import ComponentSpec, component_specs, tensor_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,21 @@ def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
     }
 
 
+def pass_options(spec: ComponentSpec, profile: ShapeProfile) -> dict[str, Any]:
+    """Per-component ``PassContext.options``.
+
+    * every float input of a spec whose dtype is pinned to "float32" (the UNet ``timestep``) stays fp32 through
+      ``convert_fp16``: the manifest promises that dtype to the runtime;
+    * a static profile gives ``specialize_shapes`` the one shape of every input.
+    """
+    options: dict[str, Any] = {
+        "convert_fp16_fp32_inputs": [t.name for t in spec.inputs if t.dtype == "float32"],
+    }
+    if profile.is_static():
+        options["static_shapes"] = {t.name: tensor_manifest(t, "fp32", profile)["opt"] for t in spec.inputs}
+    return options
+
+
 def compile_pipeline(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -145,7 +160,8 @@ def compile_pipeline(
     unknown = [c for c in config.components if c not in specs]
     if unknown:
         raise ExportError(f"unknown component(s) {unknown}; choose from {', '.join(specs)}")
-    torch_device = "cuda" if config.device == "cuda" else "cpu"
+    torch_device = export.export_device(config.device)
+    static = profile.is_static()
     ranges = export.export_ranges(profile)
 
     from tqdm.auto import tqdm
@@ -155,7 +171,9 @@ def compile_pipeline(
             shutil.copytree(folder.path / "tokenizer", stage / "tokenizer")
             shutil.copytree(folder.path / "scheduler", stage / "scheduler")
         with _stage("load models"):
-            models = export.load_models(folder, config.precision, torch_device)
+            # always fp32: fp16 is made by the convert_fp16 pass (fp32 islands, Casts at the borders) for ORT,
+            # and by the builder's FP16 flag for TensorRT
+            models = export.load_models(folder, "fp32", torch_device)
         with _stage("source hash"):
             source_hash = folder_hash(folder.path)
         components: dict[str, Any] = {}
@@ -170,7 +188,7 @@ def compile_pipeline(
                 with _stage("export", name):
                     export.onnx_from_component(
                         name, models, spec, raw,
-                        precision=config.precision, profile_ranges=ranges, opset=config.opset, device=torch_device,
+                        precision="fp32", profile_ranges=ranges, opset=config.opset, device=torch_device,
                     )
                     model = onnx.load(str(raw))
                 entry["export_seconds"] = round(time.perf_counter() - t0, 3)
@@ -184,9 +202,10 @@ def compile_pipeline(
                         precision=config.precision,
                         opset=config.opset,
                         dump_dir=Path(config.dump_passes) if config.dump_passes else None,
+                        options=pass_options(spec, profile),
                     )
-                    model, records = optimize_model(model, pipeline_for(config.backend, config.device,
-                                                                        config.precision, name), ctx)
+                    passes = pipeline_for(config.backend, config.device, config.precision, name, static=static)
+                    model, records = optimize_model(model, passes, ctx)
                 entry["passes"] = [r.to_json() for r in records]
                 bar.update()
                 bar.set_postfix_str(f"{name}: build")

@@ -77,6 +77,8 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
         convert_fp16_fp32_ops (Iterable[str]): op types kept fp32, added to :data:`DEFAULT_FP32_OPS`.
         convert_fp16_fp32_nodes (Iterable[str]): node names kept fp32 (e.g. from :func:`find_fp16_overflow`).
         convert_fp16_keep_io_types (bool): graph inputs and outputs stay float32, with Casts inside; default False.
+        convert_fp16_fp32_inputs (Iterable[str]): graph inputs that stay float32 (e.g. the UNet ``timestep``:
+            Euler-family schedulers give fractional timesteps that fp16 rounds to 0.5 above 512).
 
     Counts: ``fp16_nodes``, ``fp32_nodes`` (nodes with float data kept fp32), ``constants`` (converted),
         ``clipped`` (constants with values beyond fp16 range), ``Cast_inserted``, ``Cast_removed``.
@@ -87,6 +89,7 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
     fp32_ops = DEFAULT_FP32_OPS | frozenset(ctx.options.get("convert_fp16_fp32_ops", ()))
     fp32_names = frozenset(ctx.options.get("convert_fp16_fp32_nodes", ()))
     keep_io = bool(ctx.options.get("convert_fp16_keep_io_types", False))
+    fp32_inputs = frozenset(ctx.options.get("convert_fp16_fp32_inputs", ()))
     opset = _graph_opset(graph)
     if opset > ctx.opset:  # a fusion raised the opset (Gelu-20, GroupNormalization-21): read schemas there
         ctx = dataclasses.replace(ctx, opset=opset)
@@ -115,7 +118,7 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
 
     # 2. graph inputs (outputs are handled last: keep_io may need a Cast after the producer).
     for tensor in graph.inputs:
-        if _is_float(tensor) and not keep_io:
+        if _is_float(tensor) and not keep_io and tensor.name not in fp32_inputs:
             tensor.dtype = _F16
 
     # 3. reconcile every read with its producer: converted constants or a Cast (shared per tensor and dtype).

@@ -1,21 +1,34 @@
-"""The ordered pass lists, one per (backend, precision): explicit tuples, nothing registers itself.
+"""The ordered pass lists, one per (backend, device, precision): explicit tuples, nothing registers itself.
 
 Ordering rules (keep them next to the tuples they constrain):
   * eliminate_dead_nodes first: every later pass, folding included, then works on the live graph only, and
     merged duplicate constants are read once.
+  * specialize_shapes (static profiles only) before fold_constants: once every input dim is concrete, all
+    shape arithmetic folds away and no Shape node is left to run on the host.
   * fold_constants before infer_shapes: folding turns shape computations into constants, which lets
-    inference resolve more shapes (Reshape / Expand targets); fold_constants itself folds Shape nodes only
-    where the exporter left shapes.
-  * infer_shapes last in BASE: the fusions that will follow it match on shapes and ranks.
-  * (later) fusions before convert_fp16: the Casts it inserts break the patterns.
+    inference resolve more shapes (Reshape / Expand targets).
+  * infer_shapes last in BASE: the fusions match on shapes and ranks (head size, channel counts).
+  * fuse_geglu before fuse_gelu: BiasSplitGelu takes the gate's GELU with it; fuse_gelu then fuses the rest.
+  * fuse_attention after fuse_layer_norm: the norms in front of each attention are then one node, which
+    makes the self/cross classification structural.
+  * every fusion before convert_fp16: the Casts it inserts at fp32 islands break the patterns.
+  * TensorRT gets no convert_fp16: its builder runs the fp32 graph with the FP16 flag (weakly typed) and
+    picks per-layer precision itself; a strongly typed int8/fp8 graph carries its own QDQ types.
 """
 
 from __future__ import annotations
 
 from .base import Pass
+from .convert_fp16 import convert_fp16
 from .eliminate_dead_nodes import eliminate_dead_nodes
 from .fold_constants import fold_constants
+from .fuse_attention import fuse_attention
+from .fuse_geglu import fuse_geglu
+from .fuse_gelu import fuse_gelu
+from .fuse_group_norm import fuse_group_norm
+from .fuse_layer_norm import fuse_layer_norm
 from .infer_shapes import infer_shapes
+from .specialize_shapes import specialize_shapes
 
 #: The backends a pipeline exists for (same values as diffusion_trt.config.BACKENDS; passes/ may not import it).
 BACKENDS: tuple[str, ...] = ("ort", "tensorrt")
@@ -27,16 +40,43 @@ BASE: tuple[Pass, ...] = (
     infer_shapes,  # last: the fusions added after BASE match on shapes
 )
 
+#: The fusions, in order. Each emits the form of the target in ctx (ORT CUDA contrib ops, ORT CPU ops,
+#: TensorRT-parsable standard ops) or counts `skipped_for_target` where the target has nothing better.
+FUSIONS: tuple[Pass, ...] = (
+    fuse_layer_norm,
+    fuse_group_norm,
+    fuse_geglu,  # before fuse_gelu
+    fuse_gelu,
+    fuse_attention,  # after fuse_layer_norm
+)
 
-def pipeline_for(backend: str, device: str, precision: str, component: str) -> tuple[Pass, ...]:
+PIPELINES: dict[tuple[str, str, str], tuple[Pass, ...]] = {
+    ("ort", "cpu", "fp32"): (*BASE, *FUSIONS),
+    ("ort", "cuda", "fp32"): (*BASE, *FUSIONS),
+    ("ort", "cuda", "fp16"): (*BASE, *FUSIONS, convert_fp16),  # convert_fp16 last: after every fusion
+    ("tensorrt", "cuda", "fp32"): (*BASE, *FUSIONS),
+    ("tensorrt", "cuda", "fp16"): (*BASE, *FUSIONS),  # the builder's FP16 flag, no convert_fp16
+}
+
+
+def pipeline_for(backend: str, device: str, precision: str, component: str, static: bool = False) -> tuple[Pass, ...]:
     """The passes to run, in order, for one component built for ``backend`` on ``device`` at ``precision``.
 
-    Every combination gets :data:`BASE` for now; fusions per (backend, precision) come later.
+    Args:
+        static: the profile is one shape (min == max); prepends ``specialize_shapes``, which reads the shapes
+            from ``ctx.options["static_shapes"]``.
 
     Raises:
-        ValueError: ``backend`` is not one of :data:`BACKENDS`.
+        ValueError: no pipeline for that combination; the message lists the ones that exist.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} has no pass pipeline; use one of {', '.join(BACKENDS)}")
-    del device, precision, component  # not yet used: every combination runs BASE
-    return BASE
+    del component  # every component takes the same passes; per-component islands are ctx.options
+    key = (backend, device, precision)
+    if key not in PIPELINES:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} has no pass pipeline; use one of {', '.join(BACKENDS)}")
+        known = ", ".join("/".join(k) for k in PIPELINES)
+        raise ValueError(f"no pass pipeline for {'/'.join(key)}; available: {known}")
+    passes = PIPELINES[key]
+    if static:
+        passes = (passes[0], specialize_shapes, *passes[1:])
+    return passes

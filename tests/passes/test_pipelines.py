@@ -2,23 +2,40 @@
 
 from __future__ import annotations
 
-import itertools
-
 import onnx
 import pytest
 from onnx import helper
 
 from diffusion_trt.passes import PassContext, optimize_model, pipeline_for
-from diffusion_trt.passes.pipelines import BASE
+from diffusion_trt.passes.pipelines import BASE, FUSIONS, PIPELINES
 from tests import graphs
 
 
-@pytest.mark.parametrize(
-    ("backend", "device", "precision"),
-    list(itertools.product(["ort", "tensorrt"], ["cpu", "cuda"], ["fp32", "fp16"])),
-)
-def test_every_combination_gets_base(backend: str, device: str, precision: str) -> None:
-    assert pipeline_for(backend, device, precision, "unet") == BASE
+@pytest.mark.parametrize("key", list(PIPELINES))
+def test_every_pipeline_starts_with_base_and_fuses_before_fp16(key: tuple[str, str, str]) -> None:
+    passes = pipeline_for(*key, "unet")
+    assert passes[: len(BASE)] == BASE
+    names = [p.__name__ for p in passes]
+    assert [n for n in names if n.startswith("fuse_")] == [p.__name__ for p in FUSIONS]
+    assert names.index("fuse_geglu") < names.index("fuse_gelu")
+    if "convert_fp16" in names:
+        assert names[-1] == "convert_fp16"
+    assert ("convert_fp16" in names) == (key == ("ort", "cuda", "fp16"))
+
+
+def test_static_profile_specializes_before_folding() -> None:
+    names = [p.__name__ for p in pipeline_for("ort", "cuda", "fp16", "unet", static=True)]
+    assert names[:3] == ["eliminate_dead_nodes", "specialize_shapes", "fold_constants"]
+    assert "specialize_shapes" not in [p.__name__ for p in pipeline_for("ort", "cuda", "fp16", "unet")]
+
+
+@pytest.mark.parametrize(("key", "message"), [
+    (("ort", "cpu", "fp16"), r"no pass pipeline for ort/cpu/fp16; available: ort/cpu/fp32, "),
+    (("tensorrt", "cpu", "fp32"), r"no pass pipeline for tensorrt/cpu/fp32"),
+])
+def test_missing_combination_is_named(key: tuple[str, str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        pipeline_for(*key, "unet")
 
 
 def test_unknown_backend_is_named() -> None:
@@ -47,7 +64,7 @@ def test_base_pipeline_end_to_end() -> None:
          graphs.const("axes0", [0], graphs.np.int64), graphs.const("minus_one", [-1], graphs.np.int64)],
     )
     ctx = PassContext(component="unet", backend="ort", device="cpu", precision="fp32")
-    out, records = optimize_model(model, pipeline_for("ort", "cpu", "fp32", "unet"), ctx)
+    out, records = optimize_model(model, BASE, ctx)
     assert [r.name for r in records] == ["eliminate_dead_nodes", "fold_constants", "infer_shapes"]
     assert records[0].counts == {"nodes_removed": 1, "constants_deduped": 1}
     assert records[1].counts == {"nodes_folded": 5}
