@@ -91,12 +91,17 @@ def component_specs(
 
 
 def symbol_ranges(profile: ShapeProfile) -> dict[str, tuple[int, int, int]]:
-    """min/opt/max of every symbolic dim for an image-level profile."""
+    """min/opt/max of every symbolic dim for an image-level profile.
+
+    ``B2`` (the CFG batch) spans ``[min_B, 2*max_B]`` so an engine also serves guidance <= 1; a static profile
+    (min == max everywhere) pins it to ``2*B``: a static engine is built for the CFG batch only.
+    """
     b, hh, ww = profile.batch, profile.height, profile.width
     a = IMAGE_ALIGNMENT
+    b2_min = 2 * b.opt if profile.is_static() else b.min
     return {
         "B": (b.min, b.opt, b.max),
-        "B2": (b.min, 2 * b.opt, 2 * b.max),
+        "B2": (b2_min, 2 * b.opt, 2 * b.max),
         "H": (hh.min, hh.opt, hh.max),
         "W": (ww.min, ww.opt, ww.max),
         "h": (hh.min // a, hh.opt // a, hh.max // a),

@@ -52,6 +52,7 @@ def fold_constants(graph: gs.Graph, ctx: PassContext) -> PassResult:
     before = len(graph.nodes)
     _lower_constant_nodes(graph)
     graph.toposort()
+    quiet_onnxruntime()
     try:
         graph.fold_constants(
             fold_shapes=True,
@@ -86,3 +87,14 @@ def _lower_constant_nodes(graph: gs.Graph) -> None:
         if value is not None and not isinstance(output, gs.Constant):
             output.to_constant(value)
             output.inputs.clear()
+
+
+def quiet_onnxruntime() -> None:
+    """Raise ONNX Runtime's default log level to errors for the sessions gs creates while folding.
+
+    Its graph optimizer warns once per node it cannot simplify ("UnsqueezeElimination cannot remove node ...":
+    hundreds of lines on a UNet) on stderr; those say nothing about our graph's correctness.
+    """
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)

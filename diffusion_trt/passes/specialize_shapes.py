@@ -11,7 +11,7 @@ from diffusion_trt.errors import PassError
 
 from ._match import in_onnx_domain
 from .base import PassContext, PassResult
-from .fold_constants import DEFAULT_SIZE_THRESHOLD_BYTES, _lower_constant_nodes, fold_constants
+from .fold_constants import DEFAULT_SIZE_THRESHOLD_BYTES, _lower_constant_nodes, fold_constants, quiet_onnxruntime
 from .infer_shapes import infer_shapes
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ def _fold(graph: gs.Graph, ctx: PassContext) -> None:
     partition, 13 s on the tiny UNet instead of 0.5 s); falls back to the partitioned pass if that fails."""
     _lower_constant_nodes(graph)
     graph.toposort()
+    quiet_onnxruntime()
     try:
         graph.fold_constants(
             fold_shapes=True,

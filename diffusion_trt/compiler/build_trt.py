@@ -1,0 +1,548 @@
+"""The TensorRT engine stage: optimized ONNX -> serialized TensorRT plan, plus the manifest's build facts.
+
+::
+
+    model.onnx ──OnnxParser.parse_from_file──► INetworkDefinition
+        ──IBuilderConfig (flags, profiles, memory pool, timing cache)──► build_serialized_network ──► model.plan
+
+The stage is :func:`engine_from_onnx`; :class:`TrtBuildConfig` says how to build. ``tensorrt`` is
+imported only inside :func:`engine_from_onnx` (and :func:`_import_tensorrt`), so the config, the profile
+derivation and the timing-cache rules are usable and tested on machines without TensorRT.
+
+Precision: the product's precision names map to builder flags (:data:`PRECISION_FLAGS`). A graph that
+carries Q/DQ nodes (explicit quantization) is built as a *strongly typed* network instead: TensorRT then
+takes every tensor's type from the graph and the precision flags must not be set. On TensorRT 11 every
+network is strongly typed and the precision flags no longer exist; the flags are skipped with a warning
+and the graph's own types (fp16 weights from an fp16 export) decide.
+
+Profiles: one dynamic profile from the manifest inputs' min/opt/max (the UNet's batch ``B2`` already
+doubled for classifier-free guidance, see ``components.symbol_ranges``), one per extra range in the
+config, and, unless disabled, a static "fast path" profile at the opt shape (TensorRT picks kernels for
+exactly that shape). The runtime selects the narrowest profile that holds a call's shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import trt_compat
+from ..config import ShapeProfile
+from ..errors import BuildError, RuntimeInputError
+from .components import symbol_ranges
+
+logger = logging.getLogger(__name__)
+
+#: Builder precision flags per product precision. int8 / fp8 keep fp16 on so that layers without
+#: quantized kernels fall back to fp16 instead of fp32 (TensorRT developer guide, "Explicit Quantization").
+PRECISION_FLAGS: dict[str, tuple[str, ...]] = {
+    "fp32": (),
+    "fp16": ("fp16",),
+    "bf16": ("bf16",),
+    "int8": ("int8", "fp16"),
+    "fp8": ("fp8", "fp16"),
+}
+#: Flags the config may name explicitly (``trt.BuilderFlag.<NAME.upper()>``).
+KNOWN_FLAGS: tuple[str, ...] = ("fp16", "bf16", "int8", "fp8", "tf32")
+#: ``IBuilderConfig.builder_optimization_level`` range; TensorRT's default is 3 (TensorRT API docs).
+OPTIMIZATION_LEVELS = range(0, 6)
+#: ONNX ops that make a graph explicitly quantized (and the network strongly typed).
+QDQ_OPS: frozenset[str] = frozenset({"QuantizeLinear", "DequantizeLinear"})
+#: Where a plan goes inside the component folder.
+PLAN_NAME = "model.plan"
+
+
+# -- configuration --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrtBuildConfig:
+    """How to build TensorRT engines; saved in the manifest (``to_json``). ``None`` means "the default".
+
+    Attributes:
+        builder_optimization_level: 0..5 (``IBuilderConfig.builder_optimization_level``); higher searches
+            more tactics (slower build, sometimes faster engine). ``None`` = TensorRT's default, 3.
+        workspace_bytes: limit of the WORKSPACE memory pool (``set_memory_pool_limit``), bytes; ``None`` =
+            TensorRT's default (the device's total memory).
+        refittable: build with ``BuilderFlag.REFIT`` so weights can be swapped at run time (LoRA); costs
+            some speed.
+        flags: precision flags to set, overriding :data:`PRECISION_FLAGS` for the precision; ``None`` =
+            derive them from the precision.
+        strongly_typed: build a strongly typed network (types from the graph, no precision flags).
+            ``None`` = auto: strongly typed when the graph carries QuantizeLinear/DequantizeLinear nodes.
+        static_profile: add a profile fixed at the opt shape (the fast path), when the range is dynamic.
+        extra_profiles: more image-level ranges (batch / height / width), each one more profile with its own
+            opt point; each must lie inside the artifact's profile (the runtime validates against that).
+    """
+
+    builder_optimization_level: int | None = None
+    workspace_bytes: int | None = None
+    refittable: bool = False
+    flags: tuple[str, ...] | None = None
+    strongly_typed: bool | None = None
+    static_profile: bool = True
+    extra_profiles: tuple[ShapeProfile, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        level = self.builder_optimization_level
+        if level is not None and (isinstance(level, bool) or level not in OPTIMIZATION_LEVELS):
+            raise RuntimeInputError(
+                f"builder_optimization_level={level!r} is out of range; use 0..5 (TensorRT's default is 3)"
+            )
+        ws = self.workspace_bytes
+        if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or ws <= 0):
+            raise RuntimeInputError(
+                f"workspace_bytes={ws!r} must be a positive number of bytes, e.g. {4 << 30} for 4 GiB, or None "
+                "for TensorRT's default"
+            )
+        if self.flags is not None:
+            unknown = [f for f in self.flags if f not in KNOWN_FLAGS]
+            if unknown:
+                raise RuntimeInputError(
+                    f"flags={list(self.flags)!r} has unknown flag(s) {unknown}; use some of {', '.join(KNOWN_FLAGS)}"
+                )
+            if self.strongly_typed and self.flags:
+                raise RuntimeInputError(
+                    f"flags={list(self.flags)!r} with strongly_typed=True: a strongly typed network takes its "
+                    "types from the graph and TensorRT refuses precision flags; drop one of the two"
+                )
+        for p in self.extra_profiles:
+            if not isinstance(p, ShapeProfile):
+                raise RuntimeInputError(
+                    f"extra_profiles holds {p!r}; each entry must be a ShapeProfile (batch/height/width ranges)"
+                )
+
+    def flags_for(self, precision: str) -> tuple[str, ...]:
+        """The precision flags for ``precision`` (explicit :attr:`flags` win).
+
+        Raises:
+            RuntimeInputError: unknown precision (the message lists the known ones).
+        """
+        if self.flags is not None:
+            return tuple(self.flags)
+        if precision not in PRECISION_FLAGS:
+            raise RuntimeInputError(
+                f"precision={precision!r} has no TensorRT precision plan; use one of {', '.join(PRECISION_FLAGS)}"
+            )
+        return PRECISION_FLAGS[precision]
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["flags"] = list(self.flags) if self.flags is not None else None
+        data["extra_profiles"] = [p.to_json() for p in self.extra_profiles]
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TrtBuildConfig:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            RuntimeInputError: unknown keys or invalid values.
+        """
+        data = dict(data)
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise RuntimeInputError(f"TrtBuildConfig has no field(s) {unknown}; remove them")
+        if data.get("flags") is not None:
+            data["flags"] = tuple(data["flags"])
+        data["extra_profiles"] = tuple(ShapeProfile.from_json(p) for p in data.get("extra_profiles") or ())
+        return cls(**data)
+
+
+# -- profiles -------------------------------------------------------------------------------------------
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TrtProfile:
+    """One optimization profile: min/opt/max shape per input.
+
+    Attributes:
+        kind: "dynamic" (the artifact's range), "static" (the opt-shape fast path) or "extra".
+        shapes: input name -> (min, opt, max) concrete shapes.
+    """
+
+    kind: str
+    shapes: Mapping[str, tuple[Shape, Shape, Shape]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "inputs": {n: {"min": list(a), "opt": list(b), "max": list(c)} for n, (a, b, c) in self.shapes.items()},
+        }
+
+
+def _entry_shapes(entry: Mapping[str, Any]) -> tuple[Shape, Shape, Shape]:
+    try:
+        shapes = tuple(tuple(int(d) for d in entry[k]) for k in ("min", "opt", "max"))
+    except (KeyError, TypeError, ValueError):
+        raise BuildError(
+            f"manifest input entry {dict(entry)!r} lacks concrete min/opt/max shapes; build it with "
+            "components.tensor_manifest"
+        ) from None
+    lo, opt, hi = shapes
+    if not len(lo) == len(opt) == len(hi) or not all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True)):
+        raise BuildError(f"input {entry.get('name')!r}: min {lo} <= opt {opt} <= max {hi} does not hold per dim")
+    return lo, opt, hi
+
+
+def profiles_from_inputs(inputs: Sequence[Mapping[str, Any]], build: TrtBuildConfig) -> list[TrtProfile]:
+    """The optimization profiles for a component, from its manifest input entries.
+
+    Order: the dynamic profile (the manifest's min/opt/max), then each extra range, then the static
+    fast path at the opt shape (omitted when the dynamic profile is already static, or when disabled).
+
+    Args:
+        inputs: ``[{"name", "dtype", "shape", "min", "opt", "max"}, ...]`` as ``components.tensor_manifest``
+            writes them: ``shape`` symbolic (``["B2", 4, "h", "w"]``), the others concrete.
+        build: the build config (extra profiles, static fast path).
+
+    Raises:
+        BuildError: malformed entries, an extra profile that names a symbol the inputs do not use
+            consistently, or one that leaves the artifact's range.
+    """
+    if not inputs:
+        raise BuildError("a TensorRT engine needs at least one input entry to derive profiles from")
+    base = {str(e["name"]): _entry_shapes(e) for e in inputs}
+    profiles = [TrtProfile("dynamic", base)]
+    for extra in build.extra_profiles:
+        ranges = symbol_ranges(extra)
+        shapes: dict[str, tuple[Shape, Shape, Shape]] = {}
+        for e in inputs:
+            name = str(e["name"])
+            dims: list[list[int]] = [[], [], []]
+            for axis, d in enumerate(e["shape"]):
+                for i in range(3):
+                    if isinstance(d, int):
+                        dims[i].append(d)
+                    elif d in ranges:
+                        dims[i].append(ranges[d][i])
+                    else:  # a symbol the image-level profile does not define (e.g. text length): keep as is
+                        dims[i].append(base[name][i][axis])
+            lo, opt, hi = (tuple(x) for x in dims)
+            blo, _, bhi = base[name]
+            if any(a < b for a, b in zip(lo, blo, strict=True)) or any(a > b for a, b in zip(hi, bhi, strict=True)):
+                raise BuildError(
+                    f"extra profile {extra.to_json()} gives input {name!r} the range {lo}..{hi}, outside the "
+                    f"artifact's {blo}..{bhi}; widen the compile profile (--min-*/--max-*) or narrow the extra one"
+                )
+            shapes[name] = (lo, opt, hi)
+        profiles.append(TrtProfile("extra", shapes))
+    if build.static_profile and any(lo != hi for lo, _, hi in base.values()):
+        profiles.append(TrtProfile("static", {n: (opt, opt, opt) for n, (_, opt, _) in base.items()}))
+    return profiles
+
+
+# -- graph inspection -----------------------------------------------------------------------------------
+
+
+def graph_has_qdq(onnx_path: Path) -> bool:
+    """Whether the ONNX graph (or a local function) has QuantizeLinear/DequantizeLinear nodes.
+
+    Reads the graph without external weight files (``load_external_data=False``).
+    """
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+
+    def walk(graph: onnx.GraphProto) -> bool:
+        for node in graph.node:
+            if node.op_type in QDQ_OPS:
+                return True
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH and walk(attr.g):
+                    return True
+                if attr.type == onnx.AttributeProto.GRAPHS and any(walk(g) for g in attr.graphs):
+                    return True
+        return False
+
+    return walk(model.graph) or any(n.op_type in QDQ_OPS for f in model.functions for n in f.node)
+
+
+@dataclass(frozen=True)
+class ParserErrorInfo:
+    """One ONNX parser error: where (node index, name, op) and what.
+
+    ``node`` is -1 when the error is not tied to a node (e.g. a malformed file).
+    """
+
+    node: int
+    node_name: str
+    op: str
+    code: str
+    desc: str
+
+    @classmethod
+    def from_trt(cls, err: Any) -> ParserErrorInfo:
+        """From a ``tensorrt.ParserError`` (``node_name``/``node_operator`` exist from TensorRT 8.6)."""
+
+        def call(name: str, default: Any) -> Any:
+            fn = getattr(err, name, None)
+            if fn is None:
+                return default
+            try:
+                return fn()
+            except Exception:  # noqa: BLE001 - an older binding without the accessor's backing data
+                return default
+
+        code = call("code", "")
+        return cls(
+            node=int(call("node", -1)),
+            node_name=str(call("node_name", "") or ""),
+            op=str(call("node_operator", "") or ""),
+            code=getattr(code, "name", str(code)),
+            desc=str(call("desc", "")),
+        )
+
+
+def format_parser_errors(path: Path, errors: Sequence[ParserErrorInfo]) -> str:
+    """One line per error: ``node 12 'Attention_3' (MultiHeadAttention): UNSUPPORTED_NODE: ...``."""
+    lines = []
+    for e in errors:
+        where = f"node {e.node} {e.node_name!r} ({e.op or '?'})" if e.node >= 0 else "graph"
+        lines.append(f"{where}: {e.code}: {e.desc}")
+    body = "\n  ".join(lines) or "(the parser reported failure but no error)"
+    return (
+        f"TensorRT's ONNX parser rejected {path} ({len(errors)} error(s)):\n  {body}\n"
+        "fix: run the tensorrt pass pipeline (it emits TensorRT-parsable ops), or check the op/opset against "
+        "the TensorRT ONNX operator support list"
+    )
+
+
+# -- timing cache ---------------------------------------------------------------------------------------
+
+
+def read_timing_cache(cache_dir: Path, key: trt_compat.TimingCacheKey) -> tuple[bytes | None, dict[str, Any]]:
+    """Load ``cache_dir / key.filename`` if present and made for ``key``.
+
+    Returns:
+        ``(payload or None, facts)``; facts = ``{"file", "loaded", "ignored"}`` (``ignored`` is the reason
+        a present file was not used; logged as a warning).
+    """
+    path = cache_dir / key.filename
+    facts: dict[str, Any] = {"file": key.filename, "loaded": False, "ignored": None}
+    if not path.is_file():
+        return None, facts
+    payload, reason = trt_compat.unpack_timing_cache(path.read_bytes(), key)
+    if payload is None:
+        logger.warning("timing cache %s ignored: %s; building with a fresh cache", path, reason)
+        facts["ignored"] = reason
+    return payload, facts
+
+
+def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` through a temporary file and ``os.replace``: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+# -- the stage ------------------------------------------------------------------------------------------
+
+
+def _import_tensorrt() -> Any:
+    try:
+        import tensorrt as trt
+    except Exception as e:  # noqa: BLE001 - PyPI stub wheels raise arbitrary errors on import
+        raise BuildError(
+            f"`import tensorrt` failed ({type(e).__name__}: {e}); install TensorRT 10+ for this CUDA "
+            "(`pip install tensorrt`) on the GPU host, or compile with --backend ort"
+        ) from e
+    return trt
+
+
+def _network_flags(trt: Any, strongly_typed: bool) -> int:
+    flags = 0
+    if strongly_typed:
+        flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+        if flag is None:
+            raise BuildError(
+                f"TensorRT {trt.__version__} has no strongly typed networks; the graph carries Q/DQ nodes: "
+                "install TensorRT 10+"
+            )
+        flags |= 1 << int(flag)
+    return flags
+
+
+def engine_from_onnx(
+    onnx_path: Path,
+    plan_path: Path,
+    inputs: list[dict[str, Any]],
+    *,
+    precision: str,
+    build: TrtBuildConfig,
+    timing_cache_dir: Path | None,
+) -> dict[str, Any]:
+    """Build a TensorRT plan from an optimized ONNX file and write it to ``plan_path``.
+
+    Args:
+        onnx_path: the optimized ``model.onnx``; parsed from its path so ``model.onnx.data`` beside it is found.
+        plan_path: where the serialized plan goes (written atomically).
+        inputs: the component's manifest input entries (name, dtype, symbolic shape, concrete min/opt/max).
+        precision: "fp32", "fp16", "bf16", "int8" or "fp8" (see :data:`PRECISION_FLAGS`).
+        build: how to build.
+        timing_cache_dir: folder of timing caches shared across builds (one file per TensorRT version and
+            compute capability); ``None`` = no persistent cache.
+
+    Returns:
+        The manifest's ``build`` facts: ``tensorrt`` (version), ``gpu``, ``compute_capability`` ("9.0"),
+        ``precision``, ``flags`` (set on the builder), ``strongly_typed``, ``has_qdq``,
+        ``builder_optimization_level``, ``workspace_bytes``, ``refittable``, ``profiles`` (list of
+        ``{"kind", "inputs": {name: {"min", "opt", "max"}}}`` in TensorRT profile order), ``build_seconds``,
+        ``plan`` (file name), ``plan_sha256``, ``plan_bytes``, ``timing_cache``
+        (``{"file", "loaded", "saved", "ignored"}``), ``config`` (``build.to_json()``).
+
+    Raises:
+        BuildError: no CUDA GPU, no TensorRT, a precision the GPU lacks (checked first, before any work),
+            parser errors (one line per node: index, name, op, message), graph inputs that differ from the
+            manifest, or a failed build (quoting TensorRT's last errors).
+        RuntimeInputError: unknown precision.
+    """
+    t_start = time.perf_counter()
+    flags = build.flags_for(precision)
+    host = trt_compat.gpu_facts()
+    if host is None:
+        raise BuildError(
+            "TensorRT engines are built on the GPU they will run on, and torch sees no CUDA device here; "
+            "compile on the GPU host or use --backend ort"
+        )
+    trt_compat.check_precision_supported(flags, host.compute_capability)  # before any work
+    profiles = profiles_from_inputs(inputs, build)
+    trt = _import_tensorrt()
+    version = str(trt.__version__)
+
+    has_qdq = graph_has_qdq(onnx_path)
+    strongly_typed = has_qdq if build.strongly_typed is None else build.strongly_typed
+    trt_logger = trt_compat.make_trt_logger(trt)
+    builder = trt.Builder(trt_logger)
+    network = builder.create_network(_network_flags(trt, strongly_typed))
+    parser = trt.OnnxParser(network, trt_logger)
+    ok = parser.parse_from_file(str(onnx_path))
+    if not ok or parser.num_errors:
+        errors = [ParserErrorInfo.from_trt(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise BuildError(format_parser_errors(onnx_path, errors))
+
+    net_inputs = {network.get_input(i).name: network.get_input(i) for i in range(network.num_inputs)}
+    wanted = [str(e["name"]) for e in inputs]
+    if sorted(net_inputs) != sorted(wanted):
+        raise BuildError(
+            f"{onnx_path}: the network's inputs {sorted(net_inputs)} differ from the manifest's {sorted(wanted)}; "
+            "the ONNX file and the component spec disagree: re-export the component"
+        )
+
+    config = builder.create_builder_config()
+    applied: list[str] = []
+    if strongly_typed and flags:
+        logger.info("%s: strongly typed network: precision flags %s not set (types come from the graph)",
+                    onnx_path.name, list(flags))
+    else:
+        for f in flags:
+            flag = getattr(trt.BuilderFlag, f.upper(), None)
+            if flag is None:
+                logger.warning(
+                    "TensorRT %s has no BuilderFlag.%s (networks are always strongly typed from TensorRT 11): "
+                    "precision comes from the graph's own types", version, f.upper()
+                )
+                continue
+            config.set_flag(flag)
+            applied.append(f)
+    if build.refittable:
+        config.set_flag(trt.BuilderFlag.REFIT)
+    if build.workspace_bytes is not None:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, build.workspace_bytes)
+    if build.builder_optimization_level is not None:
+        config.builder_optimization_level = build.builder_optimization_level
+
+    for p in profiles:
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in p.shapes.items():
+            profile.set_shape(name, lo, opt, hi)
+        if config.add_optimization_profile(profile) < 0:
+            raise BuildError(f"TensorRT rejected the {p.kind} optimization profile {p.to_json()['inputs']}")
+
+    cc = host.compute_capability
+    cache_key = trt_compat.TimingCacheKey(version, cc)
+    cache_facts: dict[str, Any] = {"file": None, "loaded": False, "saved": False, "ignored": None}
+    payload: bytes | None = None
+    if timing_cache_dir is not None:
+        payload, cache_facts = read_timing_cache(Path(timing_cache_dir), cache_key)
+        cache_facts["saved"] = False
+    cache = config.create_timing_cache(payload) if payload else None
+    if payload and cache is None:
+        cache_facts["ignored"] = "TensorRT could not deserialize it"
+    if cache is not None and not config.set_timing_cache(cache, False):  # ignore_mismatch=False
+        cache_facts["ignored"] = "TensorRT reports it was made on another device or version"
+        cache = None
+    if cache is None:
+        cache = config.create_timing_cache(b"")
+        config.set_timing_cache(cache, False)
+    else:
+        cache_facts["loaded"] = True
+    if cache_facts["ignored"]:
+        logger.warning("timing cache %s ignored: %s", cache_facts["file"], cache_facts["ignored"])
+
+    logger.info(
+        "building %s: TensorRT %s on %s (%s), flags %s, strongly_typed=%s, %d profile(s)",
+        onnx_path, version, host.gpu, cc, applied, strongly_typed, len(profiles),
+    )
+    t_build = time.perf_counter()
+    plan = builder.build_serialized_network(network, config)
+    build_seconds = time.perf_counter() - t_build
+    if plan is None:
+        last = "\n  ".join(getattr(trt_logger, "errors", [])[-5:]) or "(no error logged; rerun with DEBUG logging)"
+        raise BuildError(
+            f"TensorRT failed to build {onnx_path} (flags {applied}, profiles {[p.kind for p in profiles]}); "
+            f"its last errors:\n  {last}\nfix: raise workspace_bytes, lower builder_optimization_level, or "
+            "compile with --precision fp32 to isolate a precision problem"
+        )
+    view = memoryview(plan)
+    write_bytes_atomic(plan_path, view)
+    digest = hashlib.sha256(view).hexdigest()
+
+    if timing_cache_dir is not None:
+        serialized = config.get_timing_cache().serialize()
+        write_bytes_atomic(Path(timing_cache_dir) / cache_key.filename,
+                           trt_compat.pack_timing_cache(cache_key, bytes(memoryview(serialized))))
+        cache_facts["saved"] = True
+
+    facts = {
+        "engine": "tensorrt",
+        "tensorrt": version,
+        "gpu": host.gpu,
+        "compute_capability": cc,
+        "precision": precision,
+        "flags": applied,
+        "strongly_typed": strongly_typed,
+        "has_qdq": has_qdq,
+        "builder_optimization_level": config.builder_optimization_level,
+        "workspace_bytes": build.workspace_bytes,
+        "refittable": build.refittable,
+        "profiles": [p.to_json() for p in profiles],
+        "build_seconds": round(build_seconds, 3),
+        "plan": plan_path.name,
+        "plan_sha256": digest,
+        "plan_bytes": len(view),
+        "timing_cache": cache_facts,
+        "config": build.to_json(),
+    }
+    logger.info(
+        "built %s -> %s (%.1f MB) in %.1f s", onnx_path.name, plan_path, len(view) / 1e6, time.perf_counter() - t_start
+    )
+    return facts

@@ -1,0 +1,314 @@
+"""TensorRT compatibility rules, as pure functions over versions, compute capabilities and bytes.
+
+Shared by the builder (``compiler/build_trt.py``) and the runtime (``runtime/trt_engine.py``); neither
+``tensorrt`` nor ``torch`` is imported at module level, so every rule here is unit-tested on a machine
+without a GPU. Callers read the facts (``tensorrt.__version__``, the GPU's compute capability) and pass
+them in.
+
+Why these rules exist:
+
+* A serialized TensorRT plan is tied to the TensorRT release that built it and to the GPU's compute
+  capability (SM version). Loading it elsewhere fails inside ``deserialize_cuda_engine`` with an opaque
+  version-tag assertion; :func:`check_plan_compat` turns that into a message naming both sides.
+* Reduced-precision kernels need hardware: BF16 tensor cores from SM 8.0 (Ampere), FP8 from SM 8.9
+  (Ada Lovelace, Hopper); source: the TensorRT support matrix, "Hardware and precision".
+  :func:`check_precision_supported` refuses before any parsing or building.
+* The builder's timing cache is only valid for the TensorRT release and GPU it was measured on. We key
+  cache files by (TensorRT version, compute capability), frame them with a small header, and ignore a
+  file whose header names another key (:func:`unpack_timing_cache`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ArtifactError, BuildError
+
+logger = logging.getLogger(__name__)
+
+#: Minimum compute capability per builder precision flag (TensorRT support matrix: BF16 needs Ampere,
+#: SM 8.0; FP8 needs Ada/Hopper, SM 8.9). Flags absent here (fp16, int8, tf32) run on every GPU that
+#: TensorRT 10 supports (SM 7.5+).
+PRECISION_MIN_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {"bf16": (8, 0), "fp8": (8, 9)}
+_ARCH = {"bf16": "Ampere or newer", "fp8": "Ada Lovelace, Hopper or newer"}
+
+#: First bytes of a timing-cache file written by :func:`pack_timing_cache`.
+TIMING_CACHE_MAGIC = b"DTRT-TIMING-CACHE\n"
+TIMING_CACHE_FORMAT = 1
+_LEN = struct.Struct("<I")  # little-endian uint32: length of the JSON header that follows the magic
+
+
+# -- versions and compute capabilities ----------------------------------------------------------------
+
+
+def parse_compute_capability(value: str | tuple[int, int] | list[int]) -> tuple[int, int]:
+    """``"8.9"``, ``"sm_89"``, ``(8, 9)`` -> ``(8, 9)``.
+
+    Raises:
+        BuildError: anything else (the message shows the accepted forms).
+    """
+    if isinstance(value, tuple | list) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return int(value[0]), int(value[1])
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+)\.(\d+)\s*", value)
+        if m:
+            return int(m.group(1)), int(m.group(2))
+        m = re.fullmatch(r"\s*sm_?(\d+)(\d)\s*", value, flags=re.IGNORECASE)
+        if m:
+            return int(m.group(1)), int(m.group(2))
+    raise BuildError(f"compute capability {value!r} is not understood; write it as '8.9' (or 'sm_89', or (8, 9))")
+
+
+def format_compute_capability(cc: tuple[int, int]) -> str:
+    """``(9, 0)`` -> ``"9.0"`` (the form the manifest stores)."""
+    return f"{cc[0]}.{cc[1]}"
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"10.8.0.43"`` -> ``(10, 8, 0, 43)``; non-numeric suffixes (``"10.9.0.34+cuda12"``) are dropped."""
+    parts: list[int] = []
+    for piece in version.split("."):
+        m = re.match(r"\d+", piece)
+        if not m:
+            break
+        parts.append(int(m.group(0)))
+        if m.end() != len(piece):
+            break
+    return tuple(parts)
+
+
+def check_precision_supported(flags: Iterable[str], compute_capability: str | tuple[int, int]) -> None:
+    """Refuse precision flags this GPU has no kernels for; call it before parsing or building anything.
+
+    Args:
+        flags: builder precision flags, lower case ("fp16", "bf16", "int8", "fp8").
+        compute_capability: the build GPU's, e.g. "8.6".
+
+    Raises:
+        BuildError: naming the flag, the GPU's compute capability, the minimum and the fix.
+    """
+    cc = parse_compute_capability(compute_capability)
+    for flag in flags:
+        need = PRECISION_MIN_COMPUTE_CAPABILITY.get(flag)
+        if need is not None and cc < need:
+            raise BuildError(
+                f"precision {flag} needs a GPU of compute capability >= {format_compute_capability(need)} "
+                f"({_ARCH[flag]}) but this GPU is {format_compute_capability(cc)}; build on such a GPU or use "
+                "--precision fp16"
+            )
+
+
+# -- plan compatibility (runtime) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrtHost:
+    """What this machine offers: the facts a plan is checked against.
+
+    Attributes:
+        tensorrt: ``tensorrt.__version__``, e.g. "10.8.0.43".
+        compute_capability: "9.0".
+        gpu: device name, e.g. "NVIDIA H200" (informational: same compute capability loads).
+    """
+
+    tensorrt: str
+    compute_capability: str
+    gpu: str = ""
+
+
+def check_plan_compat(build: Mapping[str, Any], host: TrtHost, where: str) -> list[str]:
+    """Compare a plan's build facts with this host, before anything is deserialised.
+
+    Rules: TensorRT major.minor.patch must be equal (a plan embeds its library version and TensorRT
+    refuses others); the compute capability must be equal (kernels are compiled per SM). A different
+    build number, or another GPU model of the same compute capability, only warns (tactics were timed on
+    the other one).
+
+    Args:
+        build: the manifest component's ``build`` facts (``tensorrt``, ``compute_capability``, ``gpu``).
+        host: this machine's facts.
+        where: what is loaded, for messages ("engine 'unet' (unet/model.plan)").
+
+    Returns:
+        Warnings (already logged).
+
+    Raises:
+        ArtifactError: missing facts or a mismatch; the message names the manifest's value and this
+            machine's, and the fix (rebuild here, or run where it was built).
+    """
+    try:
+        built_trt = str(build["tensorrt"])
+        built_cc = str(build["compute_capability"])
+    except (KeyError, TypeError):
+        raise ArtifactError(
+            f"{where}: the manifest's build facts lack 'tensorrt' or 'compute_capability' ({dict(build or {})!r}); "
+            "recompile the artifact with this diffusion-trt version"
+        ) from None
+    warnings: list[str] = []
+    built_v, host_v = version_tuple(built_trt), version_tuple(host.tensorrt)
+    if built_v[:3] != host_v[:3]:
+        raise ArtifactError(
+            f"{where} was built with TensorRT {built_trt} but this machine has TensorRT {host.tensorrt}; "
+            f"plans only load on the TensorRT release that built them: install tensorrt=={built_trt} or "
+            "recompile the artifact here (`diffusion-trt compile --backend tensorrt`)"
+        )
+    if built_v != host_v:
+        warnings.append(f"{where} was built with TensorRT {built_trt}, this machine has {host.tensorrt} (same release)")
+    if parse_compute_capability(built_cc) != parse_compute_capability(host.compute_capability):
+        raise ArtifactError(
+            f"{where} was built for compute capability {built_cc} ({build.get('gpu', 'unknown GPU')}) but this "
+            f"GPU is {host.compute_capability} ({host.gpu or 'unknown GPU'}); TensorRT plans are specific to the "
+            "GPU architecture: recompile the artifact on this GPU or run it on a "
+            f"{built_cc} GPU"
+        )
+    built_gpu = build.get("gpu")
+    if built_gpu and host.gpu and built_gpu != host.gpu:
+        warnings.append(
+            f"{where} was built on {built_gpu} and runs on {host.gpu} (same compute capability {built_cc}): "
+            "it loads, but its tactics were timed on the other GPU; recompile here for best speed"
+        )
+    for w in warnings:
+        logger.warning("%s", w)
+    return warnings
+
+
+# -- timing cache ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimingCacheKey:
+    """What a TensorRT timing cache is valid for: one TensorRT release on one GPU architecture.
+
+    Attributes:
+        tensorrt: full ``tensorrt.__version__`` ("10.8.0.43").
+        compute_capability: "9.0".
+    """
+
+    tensorrt: str
+    compute_capability: str
+
+    def __post_init__(self) -> None:
+        if not version_tuple(self.tensorrt):
+            raise BuildError(f"TensorRT version {self.tensorrt!r} is not of the form 10.8.0.43")
+        parse_compute_capability(self.compute_capability)
+
+    @property
+    def filename(self) -> str:
+        """File name inside the cache folder: ``trt-10.8.0.43_sm90.timing-cache``.
+
+        Only ``[0-9A-Za-z._-]`` survive from the version, so the name is safe on every file system.
+        """
+        version = re.sub(r"[^0-9A-Za-z._-]", "_", self.tensorrt)
+        major, minor = parse_compute_capability(self.compute_capability)
+        return f"trt-{version}_sm{major}{minor}.timing-cache"
+
+    def to_json(self) -> dict[str, str]:
+        return {"tensorrt": self.tensorrt, "compute_capability": self.compute_capability}
+
+
+def pack_timing_cache(key: TimingCacheKey, payload: bytes) -> bytes:
+    """Frame a serialized TensorRT timing cache with its key and checksum.
+
+    Layout: :data:`TIMING_CACHE_MAGIC`, uint32 little-endian header length, JSON header
+    ``{"format", "tensorrt", "compute_capability", "sha256", "size"}``, then ``payload`` as TensorRT wrote it.
+    """
+    header = json.dumps(
+        {
+            "format": TIMING_CACHE_FORMAT,
+            **key.to_json(),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+            "size": len(payload),
+        },
+        sort_keys=True,
+    ).encode()
+    return TIMING_CACHE_MAGIC + _LEN.pack(len(header)) + header + bytes(payload)
+
+
+def unpack_timing_cache(data: bytes, key: TimingCacheKey) -> tuple[bytes | None, str | None]:
+    """The TensorRT payload of a file written by :func:`pack_timing_cache`, if it was made for ``key``.
+
+    Returns:
+        ``(payload, None)`` when usable, else ``(None, reason)``: not a cache file, truncated, corrupt
+        (checksum), another format, or another TensorRT version / compute capability. The caller ignores
+        the file with a warning and builds with a fresh cache.
+    """
+    if not data.startswith(TIMING_CACHE_MAGIC):
+        return None, "not a diffusion-trt timing cache (bad magic)"
+    rest = data[len(TIMING_CACHE_MAGIC) :]
+    if len(rest) < _LEN.size:
+        return None, "truncated header"
+    (n,) = _LEN.unpack_from(rest)
+    raw = rest[_LEN.size : _LEN.size + n]
+    if len(raw) != n:
+        return None, "truncated header"
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None, "unreadable header"
+    if not isinstance(header, dict) or header.get("format") != TIMING_CACHE_FORMAT:
+        return None, f"format {header.get('format') if isinstance(header, dict) else header!r} != {TIMING_CACHE_FORMAT}"
+    found = (header.get("tensorrt"), header.get("compute_capability"))
+    if found != (key.tensorrt, key.compute_capability):
+        return None, (
+            f"made for TensorRT {found[0]} on compute capability {found[1]}, this build is TensorRT "
+            f"{key.tensorrt} on {key.compute_capability}"
+        )
+    payload = rest[_LEN.size + n :]
+    if len(payload) != header.get("size") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        return None, "payload checksum mismatch (truncated or altered file)"
+    return payload, None
+
+
+# -- glue shared by the builder and the runtime (given the tensorrt module; never importing it) ---------
+
+
+def gpu_facts(device_id: int = 0) -> TrtHost | None:
+    """Name and compute capability of CUDA device ``device_id`` (through torch), or ``None`` without CUDA.
+
+    ``tensorrt`` is left empty: the ``*_trt.py`` caller fills it from ``tensorrt.__version__``.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device_id)
+    return TrtHost(tensorrt="", compute_capability=f"{major}.{minor}", gpu=torch.cuda.get_device_name(device_id))
+
+
+def make_trt_logger(trt: Any, name: str = "tensorrt", keep_errors: int = 20) -> Any:
+    """A ``trt.ILogger`` that forwards to Python logging (``logging.getLogger(name)``).
+
+    TensorRT's INFO is chatty (every tactic), so it maps to DEBUG; VERBOSE too. The last ``keep_errors``
+    ERROR / INTERNAL_ERROR messages are kept in ``.errors`` so a failed build can quote them.
+
+    Args:
+        trt: the imported ``tensorrt`` module (only ``*_trt.py`` modules import it).
+    """
+    log = logging.getLogger(name)
+    sev = trt.ILogger.Severity
+    levels = {
+        sev.INTERNAL_ERROR: logging.CRITICAL,
+        sev.ERROR: logging.ERROR,
+        sev.WARNING: logging.WARNING,
+        sev.INFO: logging.DEBUG,
+        sev.VERBOSE: logging.DEBUG,
+    }
+
+    class _Logger(trt.ILogger):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+
+        def log(self, severity: Any, msg: str) -> None:
+            if severity in (sev.INTERNAL_ERROR, sev.ERROR):
+                self.errors = [*self.errors[-(keep_errors - 1) :], msg]
+            log.log(levels.get(severity, logging.INFO), "%s", msg)
+
+    return _Logger()
