@@ -50,6 +50,13 @@ FP16_CUSTOM_OPS: dict[tuple[str, str], frozenset[int]] = {
     ("com.microsoft", "QuickGelu"): frozenset(),
     ("com.microsoft", "SkipLayerNormalization"): frozenset({1, 2}),
 }
+#: Input slots of contrib ops that must stay float32 in an fp16 graph. ORT 1.31's CUDA GroupNorm kernel
+#: refuses fp16 gamma/beta at run time ("GroupNorm only supports gamma and beta in float type", seen on an
+#: H200), although the op schema's type constraint M admits float16.
+FP32_CUSTOM_INPUTS: dict[tuple[str, str], frozenset[int]] = {
+    ("com.microsoft", "GroupNorm"): frozenset({1, 2}),
+    ("com.microsoft", "SkipGroupNorm"): frozenset({1, 2}),
+}
 
 _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
@@ -198,7 +205,9 @@ def _schema(node: gs.Node, ctx: PassContext) -> Any:
 def _slot_allows_fp16(node: gs.Node, slot: int, ctx: PassContext, is_input: bool) -> bool:
     """Whether input/output ``slot`` of ``node`` may be float16, read from the ONNX op schema."""
     if not in_onnx_domain(node):
-        return is_input or slot not in FP16_CUSTOM_OPS.get((node.domain, node.op), frozenset())
+        if is_input:
+            return slot not in FP32_CUSTOM_INPUTS.get((node.domain, node.op), frozenset())
+        return slot not in FP16_CUSTOM_OPS.get((node.domain, node.op), frozenset())
     schema = _schema(node, ctx)
     if schema is None:
         return False

@@ -184,3 +184,19 @@ def test_tiny_vae_decoder_fp16(tiny_onnx: Callable[[str, bool], onnx.ModelProto]
         if node.op == "Resize" and len(node.inputs) > 2 and node.inputs[2].name:
             assert np.dtype(node.inputs[2].dtype) == np.float32
     assert_close_to_fp32(model, out, graphs.random_feeds(model, dims={"B": 1, "h": 9, "w": 7}))
+
+
+def test_contrib_group_norm_keeps_float32_gamma_beta() -> None:
+    """ORT's CUDA GroupNorm refuses fp16 gamma/beta at run time: they stay float32 initializers."""
+    x = gs.Variable("x", dtype=np.float32, shape=[1, 4, 4, 8])
+    y = gs.Variable("y", dtype=np.float32, shape=[1, 4, 4, 8])
+    gamma = gs.Constant("gamma", np.ones(8, np.float32))
+    beta = gs.Constant("beta", np.zeros(8, np.float32))
+    node = gs.Node("GroupNorm", "gn", attrs={"epsilon": 1e-5, "groups": 2, "activation": 0, "channels_last": 1},
+                    inputs=[x, gamma, beta], outputs=[y], domain="com.microsoft")
+    graph = gs.Graph(nodes=[node], inputs=[x], outputs=[y], opset=17)
+    convert_fp16(graph, PassContext(component="unet", backend="ort", device="cuda", precision="fp16"))
+    (gn,) = [n for n in graph.nodes if n.op == "GroupNorm"]
+    assert gn.inputs[0].dtype == np.float16
+    assert gn.inputs[1].values.dtype == np.float32 and gn.inputs[2].values.dtype == np.float32
+    assert graph.outputs[0].dtype == np.float16

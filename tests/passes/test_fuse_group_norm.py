@@ -91,7 +91,8 @@ def test_ort_cuda_group_norm_parity(silu: bool) -> None:
     out, _ = fuse(model, fuse_group_norm, "ort", "cuda")
     feeds = graphs.random_feeds(model)
     want = graphs.run(model, feeds)[0]
-    session = ort.InferenceSession(out.SerializeToString(), providers=["CUDAExecutionProvider"])
+    # TF32 off: the reference is an fp32 CPU run; TF32 MatMuls differ by ~1e-2 at these widths
+    session = ort.InferenceSession(out.SerializeToString(), providers=[("CUDAExecutionProvider", {"use_tf32": 0})])
     np.testing.assert_allclose(session.run(None, feeds)[0], want, rtol=1e-4, atol=1e-4)
 
 
