@@ -107,6 +107,8 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
 @click.option("--trust-pickle", is_flag=True, help="Allow .bin/.ckpt weights (unpickling runs arbitrary code).")
 @click.option("--dump-passes", type=click.Path(file_okay=False), default=None,
               help="Write the graph after each pass into this folder.")
+@click.option("--timing-cache", type=click.Path(file_okay=False), default="~/.cache/diffusion-trt/timing-cache",
+              show_default=True, help="TensorRT: folder of timing caches reused across builds.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact (only once the new one is complete).")
 @_handle_errors
 def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, **options: Any) -> None:

@@ -121,6 +121,8 @@ class CompileConfig:
         components: which components to export, in order.
         trust_pickle: allow ``.bin``/``.ckpt`` weights (unpickling runs arbitrary code).
         dump_passes: folder to write the graph after each pass, or ``None``.
+        timing_cache: TensorRT only: folder of timing caches shared by builds (one file per TensorRT version
+            and compute capability); ``None`` = none.
     """
 
     backend: str = "ort"
@@ -139,6 +141,7 @@ class CompileConfig:
     components: tuple[str, ...] = ("text_encoder", "unet", "vae_decoder", "vae_encoder")
     trust_pickle: bool = False
     dump_passes: str | None = None
+    timing_cache: str | None = "~/.cache/diffusion-trt/timing-cache"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

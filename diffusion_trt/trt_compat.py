@@ -39,6 +39,18 @@ logger = logging.getLogger(__name__)
 PRECISION_MIN_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {"bf16": (8, 0), "fp8": (8, 9)}
 _ARCH = {"bf16": "Ampere or newer", "fp8": "Ada Lovelace, Hopper or newer"}
 
+#: ``tensorrt.DataType`` member names -> manifest dtype names.
+TRT_DTYPES: dict[str, str] = {
+    "FLOAT": "float32",
+    "HALF": "float16",
+    "BF16": "bfloat16",
+    "INT64": "int64",
+    "INT32": "int32",
+    "INT8": "int8",
+    "UINT8": "uint8",
+    "BOOL": "bool",
+}
+
 #: First bytes of a timing-cache file written by :func:`pack_timing_cache`.
 TIMING_CACHE_MAGIC = b"DTRT-TIMING-CACHE\n"
 TIMING_CACHE_FORMAT = 1
@@ -282,15 +294,21 @@ def gpu_facts(device_id: int = 0) -> TrtHost | None:
     return TrtHost(tensorrt="", compute_capability=f"{major}.{minor}", gpu=torch.cuda.get_device_name(device_id))
 
 
-def make_trt_logger(trt: Any, name: str = "tensorrt", keep_errors: int = 20) -> Any:
-    """A ``trt.ILogger`` that forwards to Python logging (``logging.getLogger(name)``).
+_TRT_LOGGERS: dict[str, Any] = {}
 
+
+def make_trt_logger(trt: Any, name: str = "tensorrt", keep_errors: int = 20) -> Any:
+    """The process's ``trt.ILogger`` forwarding to Python logging (``logging.getLogger(name)``).
+
+    One instance per name: TensorRT warns when builders, runtimes and refitters get different loggers.
     TensorRT's INFO is chatty (every tactic), so it maps to DEBUG; VERBOSE too. The last ``keep_errors``
-    ERROR / INTERNAL_ERROR messages are kept in ``.errors`` so a failed build can quote them.
+    ERROR / INTERNAL_ERROR messages are kept in ``.errors`` so a failed build or load can quote them.
 
     Args:
         trt: the imported ``tensorrt`` module (only ``*_trt.py`` modules import it).
     """
+    if name in _TRT_LOGGERS:
+        return _TRT_LOGGERS[name]
     log = logging.getLogger(name)
     sev = trt.ILogger.Severity
     levels = {
@@ -311,4 +329,5 @@ def make_trt_logger(trt: Any, name: str = "tensorrt", keep_errors: int = 20) -> 
                 self.errors = [*self.errors[-(keep_errors - 1) :], msg]
             log.log(levels.get(severity, logging.INFO), "%s", msg)
 
-    return _Logger()
+    _TRT_LOGGERS[name] = _Logger()
+    return _TRT_LOGGERS[name]

@@ -144,3 +144,19 @@ def test_dummy_pipeline_refuses_non_empty_folder(tmp_path: Path) -> None:
     (tmp_path / "m" / "x").write_text("mine")
     code, out = _invoke("dummy-pipeline", tmp_path / "m")
     assert code == 2 and "exists and is not empty; choose another folder or pass --overwrite" in out
+
+
+def test_compile_tensorrt_needs_cuda_device(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", "--backend", "tensorrt")
+    assert code == 2 and "backend='tensorrt' runs on CUDA only, not device='cpu'; use --device cuda" in out
+
+
+def test_compile_tensorrt_fails_before_export_without_gpu_or_tensorrt(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the preflight passes its first check")
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", "--backend", "tensorrt", "--device",
+                        "cuda")
+    assert code == 1 and "compile failed at TensorRT preflight" in out and "use --backend ort" in out
+    assert not (tmp_path / "art").exists()

@@ -319,6 +319,33 @@ def format_parser_errors(path: Path, errors: Sequence[ParserErrorInfo]) -> str:
     )
 
 
+def check_network_inputs(onnx_path: Path, network: Mapping[str, str], inputs: Sequence[Mapping[str, Any]]) -> None:
+    """The parsed network's inputs must be the manifest's: same names and dtypes.
+
+    Args:
+        network: input name -> manifest dtype name of the network's input ("float32"...).
+        inputs: the manifest input entries.
+
+    Raises:
+        BuildError: naming both sides. A dtype mismatch typically means the manifest promises fp16 I/O for an
+            fp32 graph built with the FP16 flag (TensorRT keeps the graph's I/O types).
+    """
+    wanted = {str(e["name"]): str(e["dtype"]) for e in inputs}
+    if sorted(network) != sorted(wanted):
+        raise BuildError(
+            f"{onnx_path}: the network's inputs {sorted(network)} differ from the manifest's {sorted(wanted)}; "
+            "the ONNX file and the component spec disagree: re-export the component"
+        )
+    wrong = {n: (network[n], d) for n, d in wanted.items() if network[n] != d}
+    if wrong:
+        detail = ", ".join(f"{n}: network {a}, manifest {b}" for n, (a, b) in wrong.items())
+        raise BuildError(
+            f"{onnx_path}: input dtypes differ ({detail}); TensorRT keeps the graph's I/O types, so the manifest "
+            "entries must describe the graph as exported (e.g. tensor_manifest(t, 'fp32', profile) for an fp32 "
+            "graph built with the FP16 flag)"
+        )
+
+
 # -- timing cache ---------------------------------------------------------------------------------------
 
 
@@ -360,7 +387,7 @@ def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
 def _import_tensorrt() -> Any:
     try:
         import tensorrt as trt
-    except Exception as e:  # noqa: BLE001 - PyPI stub wheels raise arbitrary errors on import
+    except Exception as e:  # PyPI stub wheels raise arbitrary errors on import
         raise BuildError(
             f"`import tensorrt` failed ({type(e).__name__}: {e}); install TensorRT 10+ for this CUDA "
             "(`pip install tensorrt`) on the GPU host, or compile with --backend ort"
@@ -379,6 +406,23 @@ def _network_flags(trt: Any, strongly_typed: bool) -> int:
             )
         flags |= 1 << int(flag)
     return flags
+
+
+def preflight(precision: str, build: TrtBuildConfig) -> None:
+    """Fail before any export work when this machine cannot build: no CUDA GPU, a precision the GPU lacks, or
+    no importable TensorRT.
+
+    Raises:
+        BuildError: as :func:`engine_from_onnx` would, minutes later.
+    """
+    host = trt_compat.gpu_facts()
+    if host is None:
+        raise BuildError(
+            "TensorRT engines are built on the GPU they will run on, and torch sees no CUDA device here; "
+            "compile on the GPU host or use --backend ort"
+        )
+    trt_compat.check_precision_supported(build.flags_for(precision), host.compute_capability)
+    _import_tensorrt()
 
 
 def engine_from_onnx(
@@ -431,6 +475,7 @@ def engine_from_onnx(
     has_qdq = graph_has_qdq(onnx_path)
     strongly_typed = has_qdq if build.strongly_typed is None else build.strongly_typed
     trt_logger = trt_compat.make_trt_logger(trt)
+    trt_logger.errors = []  # quote this build's errors only
     builder = trt.Builder(trt_logger)
     network = builder.create_network(_network_flags(trt, strongly_typed))
     parser = trt.OnnxParser(network, trt_logger)
@@ -439,26 +484,29 @@ def engine_from_onnx(
         errors = [ParserErrorInfo.from_trt(parser.get_error(i)) for i in range(parser.num_errors)]
         raise BuildError(format_parser_errors(onnx_path, errors))
 
-    net_inputs = {network.get_input(i).name: network.get_input(i) for i in range(network.num_inputs)}
-    wanted = [str(e["name"]) for e in inputs]
-    if sorted(net_inputs) != sorted(wanted):
-        raise BuildError(
-            f"{onnx_path}: the network's inputs {sorted(net_inputs)} differ from the manifest's {sorted(wanted)}; "
-            "the ONNX file and the component spec disagree: re-export the component"
-        )
+    net_inputs = {}
+    for i in range(network.num_inputs):
+        t = network.get_input(i)
+        net_inputs[t.name] = trt_compat.TRT_DTYPES.get(t.dtype.name, t.dtype.name)
+    check_network_inputs(onnx_path, net_inputs, inputs)
 
     config = builder.create_builder_config()
     applied: list[str] = []
     if strongly_typed and flags:
-        logger.info("%s: strongly typed network: precision flags %s not set (types come from the graph)",
-                    onnx_path.name, list(flags))
+        logger.info(
+            "%s: strongly typed network: precision flags %s not set (types come from the graph)",
+            onnx_path.name,
+            list(flags),
+        )
     else:
         for f in flags:
             flag = getattr(trt.BuilderFlag, f.upper(), None)
             if flag is None:
                 logger.warning(
                     "TensorRT %s has no BuilderFlag.%s (networks are always strongly typed from TensorRT 11): "
-                    "precision comes from the graph's own types", version, f.upper()
+                    "precision comes from the graph's own types",
+                    version,
+                    f.upper(),
                 )
                 continue
             config.set_flag(flag)
@@ -484,23 +532,36 @@ def engine_from_onnx(
     if timing_cache_dir is not None:
         payload, cache_facts = read_timing_cache(Path(timing_cache_dir), cache_key)
         cache_facts["saved"] = False
-    cache = config.create_timing_cache(payload) if payload else None
-    if payload and cache is None:
-        cache_facts["ignored"] = "TensorRT could not deserialize it"
+    cache = None
+    if payload:
+        try:
+            cache = config.create_timing_cache(payload)
+        except Exception as e:  # noqa: BLE001 - the bindings raise various types on a corrupt blob
+            logger.debug("create_timing_cache failed: %s", e)
+        if cache is None:
+            cache_facts["ignored"] = "TensorRT could not deserialize it"
     if cache is not None and not config.set_timing_cache(cache, False):  # ignore_mismatch=False
         cache_facts["ignored"] = "TensorRT reports it was made on another device or version"
         cache = None
+    if payload and cache is None:  # a framing mismatch was already reported by read_timing_cache
+        logger.warning(
+            "timing cache %s ignored: %s; building with a fresh cache", cache_facts["file"], cache_facts["ignored"]
+        )
     if cache is None:
         cache = config.create_timing_cache(b"")
         config.set_timing_cache(cache, False)
     else:
         cache_facts["loaded"] = True
-    if cache_facts["ignored"]:
-        logger.warning("timing cache %s ignored: %s", cache_facts["file"], cache_facts["ignored"])
 
     logger.info(
         "building %s: TensorRT %s on %s (%s), flags %s, strongly_typed=%s, %d profile(s)",
-        onnx_path, version, host.gpu, cc, applied, strongly_typed, len(profiles),
+        onnx_path,
+        version,
+        host.gpu,
+        cc,
+        applied,
+        strongly_typed,
+        len(profiles),
     )
     t_build = time.perf_counter()
     plan = builder.build_serialized_network(network, config)
@@ -518,8 +579,10 @@ def engine_from_onnx(
 
     if timing_cache_dir is not None:
         serialized = config.get_timing_cache().serialize()
-        write_bytes_atomic(Path(timing_cache_dir) / cache_key.filename,
-                           trt_compat.pack_timing_cache(cache_key, bytes(memoryview(serialized))))
+        write_bytes_atomic(
+            Path(timing_cache_dir) / cache_key.filename,
+            trt_compat.pack_timing_cache(cache_key, bytes(memoryview(serialized))),
+        )
         cache_facts["saved"] = True
 
     facts = {

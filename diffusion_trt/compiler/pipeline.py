@@ -139,11 +139,14 @@ def compile_pipeline(
     from ..passes import PassContext, optimize_model, pipeline_for
 
     config = config or CompileConfig()
-    if config.backend != "ort":
-        raise BuildError(
-            f"backend={config.backend!r} is not available in this version; use --backend ort "
-            "(the TensorRT builder is tracked separately)"
-        )
+    trt_build = None
+    if config.backend == "tensorrt":
+        from . import build_trt
+
+        # fp16 is made by convert_fp16 (see passes/pipelines.py), so the network is strongly typed
+        trt_build = build_trt.TrtBuildConfig(strongly_typed=True if config.precision == "fp16" else None)
+        with _stage("TensorRT preflight"):
+            build_trt.preflight(config.precision, trt_build)
     t_start = time.perf_counter()
     out = Path(out_dir)
     with _stage("model check"):
@@ -209,15 +212,24 @@ def compile_pipeline(
                 entry["passes"] = [r.to_json() for r in records]
                 bar.update()
                 bar.set_postfix_str(f"{name}: build")
+                entry["inputs"] = [tensor_manifest(t, config.precision, profile) for t in spec.inputs]
                 with _stage("build", name):
                     files = build_ort.save_onnx(model, stage / name / "model.onnx")
                     del model
-                    entry["build"] = build_ort.engine_from_onnx(files[0], config.device)
+                    if trt_build is None:
+                        entry["build"] = build_ort.engine_from_onnx(files[0], config.device)
+                    else:
+                        plan = stage / name / "model.plan"
+                        entry["build"] = build_trt.engine_from_onnx(
+                            files[0], plan, entry["inputs"], precision=config.precision, build=trt_build,
+                            timing_cache_dir=Path(config.timing_cache).expanduser() if config.timing_cache else None,
+                        )
+                        entry["plan"] = f"{name}/model.plan"
+                        files.append(plan)
                 shutil.rmtree(stage / ".raw" / name, ignore_errors=True)
                 bar.update()
                 entry["onnx"] = f"{name}/model.onnx"
                 entry["files"] = [f.relative_to(stage).as_posix() for f in files]
-                entry["inputs"] = [tensor_manifest(t, config.precision, profile) for t in spec.inputs]
                 entry["outputs"] = [tensor_manifest(t, config.precision, profile) for t in spec.outputs]
                 components[name] = entry
         finally:

@@ -12,8 +12,8 @@ Ordering rules (keep them next to the tuples they constrain):
   * fuse_attention after fuse_layer_norm: the norms in front of each attention are then one node, which
     makes the self/cross classification structural.
   * every fusion before convert_fp16: the Casts it inserts at fp32 islands break the patterns.
-  * TensorRT gets no convert_fp16: its builder runs the fp32 graph with the FP16 flag (weakly typed) and
-    picks per-layer precision itself; a strongly typed int8/fp8 graph carries its own QDQ types.
+  * TensorRT fp16 gets convert_fp16 too and is built strongly typed: the graph's types (with its fp32
+    islands) are what runs, on TensorRT 10 and on 11, whose builder no longer takes precision flags.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ PIPELINES: dict[tuple[str, str, str], tuple[Pass, ...]] = {
     ("ort", "cuda", "fp32"): (*BASE, *FUSIONS),
     ("ort", "cuda", "fp16"): (*BASE, *FUSIONS, convert_fp16),  # convert_fp16 last: after every fusion
     ("tensorrt", "cuda", "fp32"): (*BASE, *FUSIONS),
-    ("tensorrt", "cuda", "fp16"): (*BASE, *FUSIONS),  # the builder's FP16 flag, no convert_fp16
+    ("tensorrt", "cuda", "fp16"): (*BASE, *FUSIONS, convert_fp16),  # built strongly typed
 }
 
 

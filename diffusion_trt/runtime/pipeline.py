@@ -168,7 +168,8 @@ class EnginePipeline:
                 full SD model); ``False`` checks the manifest's structure only.
             device_id: CUDA device ordinal.
             cudnn_conv_algo_search, intra_op_num_threads, io_binding, provider_options: passed to
-                :class:`~diffusion_trt.runtime.ort_engine.OrtEngine`.
+                :class:`~diffusion_trt.runtime.ort_engine.OrtEngine` (ignored for TensorRT artifacts, which run on
+                CUDA only, through :class:`~diffusion_trt.runtime.trt_engine.TrtEngine`).
 
         Raises:
             ArtifactError: missing/altered files, an unsupported backend, an fp16 artifact on CPU, the CUDA
@@ -182,15 +183,20 @@ class EnginePipeline:
         root = Path(path)
         manifest = load_verified(root) if verify else read_manifest(root)
         backend = manifest.get("backend")
-        if backend != "ort":
+        if backend not in ("ort", "tensorrt"):
             raise ArtifactError(
-                f"artifact {root} was compiled for backend={backend!r}; this runtime runs 'ort' artifacts only: "
-                "recompile with --backend ort"
+                f"artifact {root} was compiled for backend={backend!r}; this runtime runs 'ort' and 'tensorrt' "
+                "artifacts: recompile with --backend ort"
             )
         compiled_for = manifest.get("device", "cpu")
         device = device or compiled_for
         if device not in ("cpu", "cuda"):
             raise RuntimeInputError(f"device={device!r} is not supported; use 'cpu' or 'cuda'")
+        if backend == "tensorrt" and device != "cuda":
+            raise ArtifactError(
+                f"artifact {root} was compiled for backend='tensorrt', whose engines run on CUDA only, but "
+                f"device={device!r}; use device='cuda' on a GPU host, or recompile with --backend ort to run on the CPU"
+            )
         if device == "cpu" and manifest.get("precision") == "fp16":
             raise ArtifactError(
                 f"artifact {root} is fp16, which ONNX Runtime cannot run on CPU; use device='cuda' or recompile "
@@ -225,24 +231,28 @@ class EnginePipeline:
             stream = torch.cuda.Stream(device=torch.device("cuda", device_id))
         scale = int(manifest.get("model", {}).get("vae_scale_factor", 8))
         derived = {"H": ("h", scale), "W": ("w", scale)}
-        engines: dict[str, Engine] = {}
-        for name in TXT2IMG_COMPONENTS:
-            entry = manifest["components"][name]
-            if "onnx" not in entry:
-                raise ArtifactError(f"manifest component {name!r} has no 'onnx' path; recompile the artifact")
-            engines[name] = OrtEngine(
-                safe_join(root, str(entry["onnx"])),
-                entry,
-                name=name,
-                device=device,
-                device_id=device_id,
-                stream=stream,
-                cudnn_conv_algo_search=cudnn_conv_algo_search,
-                io_binding=io_binding,
-                intra_op_num_threads=intra_op_num_threads,
-                provider_options=provider_options,
-                derived=derived,
-            )
+        engines: dict[str, Engine]
+        if backend == "tensorrt":
+            engines = _trt_engines(root, manifest, device_id, stream, derived)
+        else:
+            engines = {}
+            for name in TXT2IMG_COMPONENTS:
+                entry = manifest["components"][name]
+                if "onnx" not in entry:
+                    raise ArtifactError(f"manifest component {name!r} has no 'onnx' path; recompile the artifact")
+                engines[name] = OrtEngine(
+                    safe_join(root, str(entry["onnx"])),
+                    entry,
+                    name=name,
+                    device=device,
+                    device_id=device_id,
+                    stream=stream,
+                    cudnn_conv_algo_search=cudnn_conv_algo_search,
+                    io_binding=io_binding,
+                    intra_op_num_threads=intra_op_num_threads,
+                    provider_options=provider_options,
+                    derived=derived,
+                )
         pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=scheduler, stream=stream, root=root)
         logger.info(
             "loaded %s (%s, %s, %s; profile %s; scheduler %s)",
@@ -462,6 +472,35 @@ class EnginePipeline:
         elif isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed <= _MAX_SEED:
             raise RuntimeInputError(f"seed={seed!r} must be an integer in 0..{_MAX_SEED}")
         return torch.Generator(device="cpu").manual_seed(int(seed)), int(seed)
+
+
+def _trt_engines(
+    root: Path,
+    manifest: Mapping[str, Any],
+    device_id: int,
+    stream: torch.cuda.Stream | None,
+    derived: Mapping[str, tuple[str, int]],
+) -> dict[str, Engine]:
+    """The TensorRT engines of a verified artifact, sharing one activation allocation (they run in sequence)."""
+    from .trt_engine import SharedActivationMemory, TrtEngine
+
+    shared = SharedActivationMemory(torch.device("cuda", device_id))
+    engines: dict[str, Engine] = {}
+    for name in TXT2IMG_COMPONENTS:
+        entry = manifest["components"][name]
+        if "plan" not in entry:
+            raise ArtifactError(f"manifest component {name!r} has no 'plan' path; recompile the artifact")
+        engines[name] = TrtEngine(
+            safe_join(root, str(entry["plan"])),
+            entry,
+            name=name,
+            device_id=device_id,
+            stream=stream,
+            shared_memory=shared,
+            verify=False,  # from_artifacts hashed every file already (or was told not to)
+            derived=derived,
+        )
+    return engines
 
 
 def _prompt_list(name: str, prompt: Any) -> list[str]:

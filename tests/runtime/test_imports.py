@@ -33,7 +33,7 @@ def test_runtime_never_imports_compiler_passes_or_tensorrt() -> None:
     for f in files:
         for name in imported_modules(f):
             assert not name.startswith(("diffusion_trt.compiler", "diffusion_trt.passes")), (f.name, name)
-            if not f.name.endswith("_trt.py"):
+            if not (f.name.endswith("_trt.py") or f.name == "trt_engine.py"):  # STYLE.md names trt_engine.py
                 assert name.split(".")[0] != "tensorrt", (f.name, name)
 
 

@@ -1,0 +1,635 @@
+"""TensorRT implementation of the :class:`~diffusion_trt.runtime.engine.Engine` protocol.
+
+One engine = one serialized plan (``unet/model.plan``) with several optimization profiles (see
+``compiler/build_trt.py``: the artifact's dynamic range, extra ranges, a static fast path at the opt shape).
+
+What happens, in order:
+
+1. **Before deserialising** (``__enter__``): the manifest's TensorRT version and compute capability are
+   compared with this machine's (:func:`~diffusion_trt.trt_compat.check_plan_compat`), and optionally the
+   plan's sha256 (:func:`verify_plan`); a mismatch is an :class:`ArtifactError` naming both sides, instead
+   of TensorRT's opaque version-tag assertion.
+2. **One execution context per profile**, each created *without device memory*
+   (``ExecutionContextAllocationStrategy.USER_MANAGED``). Their activation memory is one allocation,
+   :class:`SharedActivationMemory`, sized by the largest need and shared by every engine of a pipeline.
+   **Sharing is only safe because the engines run one after another on one stream.**
+3. ``run``: inputs validated against the manifest (:meth:`EngineSpec.validate`) and the narrowest
+   profile that holds their shapes is chosen (:func:`select_profile`); ``set_input_shape`` when the shape
+   changes; ``set_tensor_address`` on engine-owned torch CUDA buffers, allocated once per (tensor, shape);
+   ``execute_async_v3`` on the runtime's stream.
+4. **CUDA graphs**: the first call at a (profile, shape) runs eagerly (the warm-up TensorRT needs to flush
+   deferred updates); the second captures the enqueue into a CUDA graph; later calls copy the inputs into
+   the owned input buffers and replay. A profile's graph is dropped when its shape changes, when the
+   shared activation memory moves, and on :meth:`TrtEngine.refit`.
+
+**The tensors ``run`` returns ARE the engine's output buffers: the next ``run`` at the same shape
+overwrites them. ``.clone()`` anything that must outlive the next call.**
+
+``tensorrt`` is imported only inside this module's methods; the pure parts (profile selection, I/O
+checks, plan verification, the shared allocation) are tested on machines without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import trt_compat
+from ..artifacts import verify_files
+from ..errors import ArtifactError, RuntimeInputError
+from .engine import EngineSpec
+
+logger = logging.getLogger(__name__)
+
+Shape = tuple[int, ...]
+
+#: TensorRT wants activation memory aligned to 256 bytes (``IExecutionContext.device_memory`` docs);
+#: torch's CUDA caching allocator returns 512-byte aligned blocks. Never allocate less than this.
+_MIN_ACTIVATION_BYTES = 512
+
+
+def _fmt(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(int(d)) for d in shape) + ")"
+
+
+# -- shared activation memory ---------------------------------------------------------------------------
+
+
+class SharedActivationMemory:
+    """One device allocation used as TensorRT activation ("device") memory by several engines.
+
+    Every :class:`TrtEngine` of a pipeline calls :meth:`reserve` with its largest per-profile need when it
+    opens; the allocation grows to the maximum, so a text encoder + UNet + VAE pipeline holds the UNet's (or
+    the VAE's) activation memory once instead of three times.
+
+    **Only engines that never run concurrently may share one** (the pipeline runs them in sequence on one
+    stream). :attr:`generation` changes whenever the allocation moves, so engines re-point their contexts and
+    drop CUDA graphs captured against the old address.
+
+    Args:
+        device: where to allocate (a CUDA device; CPU is accepted for tests).
+    """
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        self.device = torch.device(device)
+        self._buf: torch.Tensor | None = None
+        self.generation = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buf is None else int(self._buf.numel())
+
+    @property
+    def ptr(self) -> int:
+        """Device address of the allocation (0 when nothing is reserved)."""
+        return 0 if self._buf is None else int(self._buf.data_ptr())
+
+    def reserve(self, nbytes: int) -> bool:
+        """Grow to at least ``nbytes`` (never shrinks). Returns whether the allocation moved.
+
+        Growing waits for the device first: kernels queued by any sharing engine may still use the old block.
+        """
+        nbytes = max(int(nbytes), _MIN_ACTIVATION_BYTES)
+        if nbytes <= self.nbytes:
+            return False
+        if self._buf is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._buf = None
+        self._buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.generation += 1
+        logger.debug(
+            "shared activation memory: %.1f MB on %s (generation %d)", nbytes / 1e6, self.device, self.generation
+        )
+        return True
+
+    def release(self) -> None:
+        """Free the allocation (engines using it must be closed)."""
+        self._buf = None
+        self.generation += 1
+
+    def __repr__(self) -> str:
+        return f"SharedActivationMemory({self.nbytes} bytes on {self.device}, generation {self.generation})"
+
+
+# -- profiles -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RuntimeProfile:
+    """One optimization profile of a plan: its index and min/opt/max per input.
+
+    Attributes:
+        index: TensorRT profile index.
+        kind: "dynamic", "static", "extra" (from the manifest; "" when unknown).
+        shapes: input name -> (min, opt, max).
+    """
+
+    index: int
+    kind: str
+    shapes: Mapping[str, tuple[Shape, Shape, Shape]]
+
+    def violation(self, shapes: Mapping[str, Shape]) -> str | None:
+        """``None`` when every input shape lies in this profile, else the first offence in words."""
+        for name, (lo, _, hi) in self.shapes.items():
+            s = tuple(shapes[name])
+            if len(s) != len(lo) or any(not a <= d <= b for d, a, b in zip(s, lo, hi, strict=True)):
+                return f"input {name!r} {_fmt(s)} not in {_fmt(lo)}..{_fmt(hi)}"
+        return None
+
+    @property
+    def volume(self) -> int:
+        """Sum over inputs of the max shape's element count: smaller = narrower (better-fitted kernels)."""
+        return sum(int(np.prod(hi)) for _, _, hi in self.shapes.values())
+
+
+def profiles_from_build(build: Mapping[str, Any]) -> list[RuntimeProfile]:
+    """The profiles a manifest's ``build`` facts record (``build_trt.engine_from_onnx`` writes them).
+
+    Raises:
+        ArtifactError: missing or malformed ``profiles``.
+    """
+    try:
+        return [
+            RuntimeProfile(
+                index=i,
+                kind=str(p.get("kind", "")),
+                shapes={n: (tuple(s["min"]), tuple(s["opt"]), tuple(s["max"])) for n, s in p["inputs"].items()},
+            )
+            for i, p in enumerate(build["profiles"])
+        ]
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ArtifactError(
+            f"the manifest's build facts have no readable 'profiles' ({e}); recompile the artifact"
+        ) from None
+
+
+def select_profile(profiles: Sequence[RuntimeProfile], shapes: Mapping[str, Shape], engine: str) -> int:
+    """Index of the narrowest profile (smallest :attr:`RuntimeProfile.volume`) holding every input shape.
+
+    A static fast-path profile at exactly these shapes wins over the dynamic one.
+
+    Raises:
+        RuntimeInputError: no profile holds the shapes; the message names, per profile, the input, its shape
+            and the allowed range.
+    """
+    fits = [p for p in profiles if p.violation(shapes) is None]
+    if fits:
+        return min(fits, key=lambda p: (p.volume, p.index)).index
+    why = "; ".join(f"profile {p.index}{f' ({p.kind})' if p.kind else ''}: {p.violation(shapes)}" for p in profiles)
+    raise RuntimeInputError(
+        f"engine {engine!r}: no optimization profile holds the input shapes "
+        f"{ {n: _fmt(s) for n, s in shapes.items()} } ({why}); use sizes inside the compiled profile or recompile "
+        "with a wider one"
+    )
+
+
+def check_engine_io(engine: str, io: Mapping[str, tuple[str, str]], spec: EngineSpec) -> None:
+    """The plan's I/O tensors must be the manifest's: same names, directions and element types.
+
+    Args:
+        engine: component name for messages.
+        io: tensor name -> (``TensorIOMode`` name "INPUT"/"OUTPUT", ``DataType`` name "FLOAT"/"HALF"...).
+        spec: the manifest's I/O.
+
+    Raises:
+        ArtifactError: naming both sides.
+    """
+    for mode, infos in (("INPUT", spec.inputs), ("OUTPUT", spec.outputs)):
+        plan = {n: trt_compat.TRT_DTYPES.get(dt, dt) for n, (m, dt) in io.items() if m == mode}
+        manifest = {t.name: t.dtype for t in infos}
+        if plan != manifest:
+            raise ArtifactError(
+                f"engine {engine!r}: the plan's {mode.lower()}s {plan} differ from the manifest's {manifest}; the "
+                "artifact is inconsistent: recompile it"
+            )
+
+
+def verify_plan(path: Path, build: Mapping[str, Any], engine: str) -> None:
+    """Check the plan file's size and sha256 against the manifest's build facts (through ``verify_files``).
+
+    Raises:
+        ArtifactError: missing facts, or the file differs; the message gives found vs expected.
+    """
+    if "plan_sha256" not in build or "plan_bytes" not in build:
+        raise ArtifactError(
+            f"engine {engine!r}: the manifest records no plan_sha256/plan_bytes; recompile the artifact"
+        )
+    entry = {"sha256": str(build["plan_sha256"]), "size": int(build["plan_bytes"])}
+    problems = verify_files(path.parent, {"files": {path.name: entry}})
+    if problems:
+        raise ArtifactError(f"engine {engine!r}: plan {path} failed verification: " + "; ".join(problems))
+
+
+# -- the engine -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _ContextState:
+    """Per-profile execution state: the shape key set on the context, its CUDA graph, the memory generation."""
+
+    context: Any
+    shape_key: tuple[Shape, ...] | None = None
+    warm: bool = False
+    graph: Any = None
+    generation: int = -1
+
+
+def _import_tensorrt() -> Any:
+    try:
+        import tensorrt as trt
+    except Exception as e:  # PyPI stub wheels raise arbitrary errors on import
+        raise ArtifactError(
+            f"`import tensorrt` failed ({type(e).__name__}: {e}); this artifact needs TensorRT: install the "
+            "version its manifest names (`pip install tensorrt==<version>`) or use an ORT artifact"
+        ) from e
+    return trt
+
+
+class TrtEngine:
+    """One TensorRT plan run on torch CUDA tensors.
+
+    Args:
+        path: the component's plan (``unet/model.plan``).
+        spec: the manifest's component entry (with ``inputs``, ``outputs`` and ``build``) or a parsed
+            :class:`EngineSpec` (then pass ``build``).
+        name: component name for messages; default the spec's name or the folder name.
+        build: the build facts (``tensorrt``, ``compute_capability``, ``plan_sha256``...); default
+            ``spec["build"]``.
+        device_id: CUDA device ordinal.
+        stream: the ``torch.cuda.Stream`` to enqueue on; ``None`` = a stream of the engine's own (never the
+            legacy default stream: TensorRT would synchronise around it and CUDA graphs cannot capture it).
+        shared_memory: activation memory shared with the pipeline's other engines; ``None`` = a private one.
+        cuda_graphs: capture and replay CUDA graphs (see the module docstring).
+        verify: check the plan's sha256 before deserialising (the pipeline passes ``False`` when it already
+            verified the whole artifact).
+        derived: output symbols no input binds; see :meth:`EngineSpec.from_manifest`.
+
+    Nothing is loaded until ``__enter__``.
+
+    Raises:
+        ArtifactError: on enter: no CUDA, no TensorRT, a TensorRT version or compute capability other than the
+            plan's, a missing or altered plan, a plan TensorRT cannot load, or I/O that differ from the manifest.
+
+    **Outputs are the engine's own buffers, overwritten by the next ``run`` at the same shape.**
+    Not thread-safe: use one engine per thread.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        spec: Mapping[str, Any] | EngineSpec,
+        *,
+        name: str | None = None,
+        build: Mapping[str, Any] | None = None,
+        device_id: int = 0,
+        stream: torch.cuda.Stream | None = None,
+        shared_memory: SharedActivationMemory | None = None,
+        cuda_graphs: bool = True,
+        verify: bool = True,
+        derived: Mapping[str, tuple[str, int]] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        component = name or (spec.name if isinstance(spec, EngineSpec) else self.path.parent.name)
+        self._spec = spec if isinstance(spec, EngineSpec) else EngineSpec.from_manifest(component, spec, derived)
+        self._name = component
+        if build is None:
+            build = {} if isinstance(spec, EngineSpec) else spec.get("build", {})
+        self._build = dict(build)
+        self._device = torch.device("cuda", device_id)
+        self._device_id = device_id
+        self._user_stream = stream
+        self._shared_arg = shared_memory
+        self._cuda_graphs = cuda_graphs
+        self._verify = verify
+
+        self._trt: Any = None
+        self._logger: Any = None
+        self._runtime: Any = None
+        self._engine: Any = None
+        self._stream: Any = None
+        self._memory: SharedActivationMemory | None = None
+        self._profiles: list[RuntimeProfile] = []
+        self._states: list[_ContextState] = []
+        self._buffers: dict[tuple[str, Shape], torch.Tensor] = {}
+        self._live_inputs: dict[str, torch.Tensor] = {}
+        self._graphs_failed = False
+        self._depth = 0
+
+    # -- Engine protocol -------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def spec(self) -> EngineSpec:
+        return self._spec
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self._spec.input_names
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self._spec.output_names
+
+    @property
+    def is_open(self) -> bool:
+        return self._engine is not None
+
+    @property
+    def profiles(self) -> list[RuntimeProfile]:
+        """The plan's optimization profiles (read from the engine; empty while closed)."""
+        return list(self._profiles)
+
+    def __enter__(self) -> TrtEngine:
+        if self._depth == 0:
+            self._open()
+        self._depth += 1
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.close()
+
+    def close(self) -> None:
+        """Free contexts, graphs, buffers and the engine (idempotent). The shared memory stays with its owner."""
+        if self._engine is not None and self._stream is not None:
+            self._stream.synchronize()  # queued work may still use our buffers
+        self._states = []
+        self._buffers = {}
+        self._live_inputs = {}
+        self._engine = None
+        self._runtime = None
+        self._profiles = []
+        if self._memory is not None and self._memory is not self._shared_arg:
+            self._memory.release()
+        self._memory = None
+        self._depth = 0
+
+    def validate(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        """Check ``feeds`` against the manifest (names, dtypes, device, shapes); return the symbol values.
+
+        Raises:
+            RuntimeInputError: naming the tensor, its shape and the allowed range.
+        """
+        return self._spec.validate(feeds, self._device)
+
+    def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run the component on the engine's stream (ordered after the caller's stream, and it after us).
+
+        Args:
+            feeds: every input by name, CUDA tensors on :attr:`device` with the manifest's dtypes and shapes.
+
+        Returns:
+            Output name -> tensor. **These are the engine's buffers: the next run at this shape overwrites them.**
+
+        Raises:
+            RuntimeInputError: inputs that fail :meth:`validate` or fit no profile.
+            RuntimeError: the engine is not open, or TensorRT failed to enqueue (its last errors quoted).
+        """
+        if self._engine is None:
+            raise RuntimeError(f"engine {self._name!r} is not open; use `with engine:` or call it inside the pipeline")
+        symbols = self.validate(feeds)
+        out_shapes = self._spec.output_shapes(symbols)
+        in_shapes = {n: tuple(int(d) for d in feeds[n].shape) for n in self.input_names}
+        index = select_profile(self._profiles, in_shapes, self._name)
+        state = self._states[index]
+        ctx = state.context
+        stream = self._stream
+        caller = torch.cuda.current_stream(self._device)
+        if caller != stream:
+            stream.wait_stream(caller)  # inputs made on the caller's stream come first (no host sync)
+
+        key = tuple(in_shapes[n] for n in self.input_names)
+        if state.shape_key != key:
+            state.shape_key, state.warm, state.graph = None, False, None  # a graph is valid for one shape only
+            for n in self.input_names:
+                if not ctx.set_input_shape(n, in_shapes[n]):
+                    raise RuntimeInputError(
+                        f"engine {self._name!r}: TensorRT refused input {n!r} shape {_fmt(in_shapes[n])} for profile "
+                        f"{index} ({self._profiles[index].shapes[n][0]}..{self._profiles[index].shapes[n][2]})"
+                    )
+            state.shape_key = key
+        if state.generation != self._memory.generation:
+            self._set_device_memory(ctx)
+            state.generation, state.warm, state.graph = self._memory.generation, False, None
+
+        outputs = {n: self._buffer(n, out_shapes[n]) for n in self.output_names}
+        use_graph = self._cuda_graphs and not self._graphs_failed
+        with torch.cuda.stream(stream):
+            if use_graph:
+                bound = {n: self._buffer(f"input:{n}", in_shapes[n]) for n in self.input_names}
+                for n, buf in bound.items():
+                    src = feeds[n]
+                    if src.data_ptr() != buf.data_ptr():
+                        buf.copy_(src, non_blocking=True)
+            else:
+                bound = {n: feeds[n].detach().contiguous() for n in self.input_names}
+            if use_graph and state.graph is not None:
+                state.graph.replay()
+            else:
+                for n, t in (*bound.items(), *outputs.items()):
+                    ctx.set_tensor_address(n, t.data_ptr())
+                if use_graph and state.warm:
+                    self._capture(state)
+                else:
+                    self._enqueue(ctx)
+                    state.warm = True
+        if caller != stream:
+            caller.wait_stream(stream)  # the caller's later work (and frees) come after this run
+        self._live_inputs = dict(feeds)  # eager runs read the caller's tensors asynchronously: keep them alive
+        return outputs
+
+    def refit(self, weights: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+        """Replace named weights (ONNX initializer names) in a plan built with ``refittable=True``.
+
+        Waits for queued work, refits synchronously, and drops every CUDA graph.
+
+        Raises:
+            ArtifactError: the plan is not refittable, or TensorRT's refit failed.
+            RuntimeInputError: an unknown weight name or shape, or weights TensorRT still needs
+                (``get_missing_weights``).
+        """
+        if self._engine is None:
+            raise RuntimeError(f"engine {self._name!r} is not open; use `with engine:`")
+        trt = self._trt
+        if not self._engine.refittable:
+            raise ArtifactError(
+                f"engine {self._name!r} was built without refit support; recompile with TrtBuildConfig(refittable=True)"
+            )
+        self._stream.synchronize()
+        refitter = trt.Refitter(self._engine, self._logger)
+        keep: list[np.ndarray] = []  # TensorRT reads the host arrays during refit_cuda_engine
+        for wname, value in weights.items():
+            if isinstance(value, torch.Tensor):
+                arr = value.detach().cpu().contiguous().numpy()
+            else:
+                arr = np.ascontiguousarray(value)
+            keep.append(arr)
+            if not refitter.set_named_weights(wname, trt.Weights(arr)):
+                raise RuntimeInputError(
+                    f"engine {self._name!r}: weight {wname!r} {arr.shape} {arr.dtype} was refused (unknown name or "
+                    "wrong shape/dtype); names are the ONNX initializer names"
+                )
+        missing = list(refitter.get_missing_weights())
+        if missing:
+            raise RuntimeInputError(
+                f"engine {self._name!r}: refit also needs the weight(s) {missing[:8]}"
+                f"{' and more' if len(missing) > 8 else ''}; pass them too"
+            )
+        if not refitter.refit_cuda_engine():
+            raise ArtifactError(f"engine {self._name!r}: TensorRT refit failed: {self._last_errors()}")
+        for state in self._states:
+            state.graph, state.warm = None, False
+        logger.info("%s: refit %d weight(s); CUDA graphs dropped", self._name, len(keep))
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _last_errors(self) -> str:
+        errors = getattr(self._logger, "errors", [])
+        return " | ".join(errors[-3:]) or "no error logged (enable DEBUG logging of 'tensorrt')"
+
+    def _buffer(self, key: str, shape: Shape) -> torch.Tensor:
+        """The engine-owned buffer for ``key`` (an output name, or ``input:<name>``) at ``shape``.
+
+        Kept until close: a captured CUDA graph holds its address, so a buffer is never freed or reused for
+        another shape while its graph may replay.
+        """
+        buf = self._buffers.get((key, shape))
+        if buf is None:
+            name = key.removeprefix("input:")
+            info = self._spec.input(name) if key.startswith("input:") else self._spec.output(name)
+            buf = torch.empty(shape, dtype=info.torch_dtype, device=self._device)
+            self._buffers[(key, shape)] = buf
+            logger.debug("%s: allocated %s %s", self._name, key, shape)
+        return buf
+
+    def _enqueue(self, ctx: Any) -> None:
+        if not ctx.execute_async_v3(self._stream.cuda_stream):
+            raise RuntimeError(f"engine {self._name!r}: execute_async_v3 failed: {self._last_errors()}")
+
+    def _capture(self, state: _ContextState) -> None:
+        """Capture this (profile, shape)'s enqueue into a CUDA graph and replay it; on failure run eagerly."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                ok = state.context.execute_async_v3(self._stream.cuda_stream)
+            if not ok:
+                raise RuntimeError(self._last_errors())
+        except RuntimeError as e:
+            logger.warning("%s: CUDA graph capture failed (%s); running without CUDA graphs", self._name, e)
+            self._graphs_failed = True
+            self._enqueue(state.context)
+            return
+        state.graph = graph
+        graph.replay()  # capture records only: this call's work runs now
+        logger.debug("%s: captured a CUDA graph for shapes %s", self._name, state.shape_key)
+
+    def _set_device_memory(self, ctx: Any) -> None:
+        mem = self._memory
+        if hasattr(ctx, "set_device_memory"):  # TensorRT >= 10.1
+            ctx.set_device_memory(mem.ptr, mem.nbytes)
+        else:
+            ctx.device_memory = mem.ptr
+
+    @staticmethod
+    def _memory_size(engine: Any, index: int) -> int:
+        for attr in ("get_device_memory_size_for_profile_v2", "get_device_memory_size_for_profile"):
+            fn = getattr(engine, attr, None)
+            if fn is not None:
+                return int(fn(index))
+        return int(getattr(engine, "device_memory_size_v2", engine.device_memory_size))
+
+    def _open(self) -> None:
+        where = f"engine {self._name!r} ({self.path})"
+        if not torch.cuda.is_available():
+            raise ArtifactError(
+                f"{where}: TensorRT engines run on CUDA and torch sees no CUDA device (torch {torch.__version__}); "
+                "run on the GPU host with a CUDA build of torch, or use an ORT artifact"
+            )
+        trt = _import_tensorrt()
+        facts = trt_compat.gpu_facts(self._device_id) or trt_compat.TrtHost("", "0.0")
+        host = dataclasses.replace(facts, tensorrt=str(trt.__version__))
+        trt_compat.check_plan_compat(self._build, host, where)  # before deserialising
+        if not self.path.is_file():
+            raise ArtifactError(f"{where}: the plan file is missing; recompile the artifact")
+        if self._verify:
+            verify_plan(self.path, self._build, self._name)
+        self._trt = trt
+        self._logger = trt_compat.make_trt_logger(trt)
+        self._runtime = trt.Runtime(self._logger)  # must outlive the engine
+        with torch.cuda.device(self._device):
+            engine = self._runtime.deserialize_cuda_engine(self.path.read_bytes())
+        if engine is None:
+            raise ArtifactError(
+                f"{where}: TensorRT could not deserialize the plan: {self._last_errors()}; recompile it"
+            )
+        io: dict[str, tuple[str, str]] = {}
+        for i in range(engine.num_io_tensors):
+            t = engine.get_tensor_name(i)
+            io[t] = (engine.get_tensor_mode(t).name, engine.get_tensor_dtype(t).name)
+        check_engine_io(self._name, io, self._spec)
+        is_shape_io = getattr(engine, "is_shape_inference_io", None)
+        host_inputs = [n for n in self.input_names if is_shape_io is not None and is_shape_io(n)]
+        if host_inputs:
+            raise ArtifactError(
+                f"{where}: input(s) {host_inputs} are shape tensors (read on the host), which this engine does not "
+                "bind; re-export the component so that they are execution tensors"
+            )
+
+        kinds = [p.get("kind", "") for p in self._build.get("profiles", [])]
+        self._profiles = []
+        for p in range(engine.num_optimization_profiles):
+            shapes = {}
+            for n in self.input_names:
+                lo, opt, hi = engine.get_tensor_profile_shape(n, p)
+                shapes[n] = (tuple(lo), tuple(opt), tuple(hi))
+            self._profiles.append(RuntimeProfile(p, kinds[p] if p < len(kinds) else "", shapes))
+
+        self._stream = self._user_stream
+        if self._stream is None or int(self._stream.cuda_stream) == 0:
+            self._stream = torch.cuda.Stream(device=self._device)
+        self._memory = self._shared_arg or SharedActivationMemory(self._device)
+        self._memory.reserve(max(self._memory_size(engine, p) for p in range(engine.num_optimization_profiles)))
+        strategy = getattr(trt, "ExecutionContextAllocationStrategy", None)
+        self._states = []
+        for p in range(engine.num_optimization_profiles):
+            if strategy is not None:
+                ctx = engine.create_execution_context(strategy.USER_MANAGED)
+            else:  # TensorRT < 10
+                ctx = engine.create_execution_context_without_device_memory()
+            if ctx is None:
+                raise ArtifactError(f"{where}: TensorRT could not create an execution context: {self._last_errors()}")
+            if not ctx.set_optimization_profile_async(p, self._stream.cuda_stream):
+                raise ArtifactError(f"{where}: TensorRT refused optimization profile {p}: {self._last_errors()}")
+            self._states.append(_ContextState(ctx))
+        self._engine = engine
+        self._graphs_failed = False
+        logger.debug(
+            "opened %s: %d profile(s), activation memory %.1f MB (shared %s)",
+            where,
+            len(self._profiles),
+            self._memory.nbytes / 1e6,
+            self._memory is self._shared_arg,
+        )
+
+    def __repr__(self) -> str:
+        state = "open" if self.is_open else "closed"
+        return f"TrtEngine({self._name!r}, {str(self.path)!r}, device={self._device}, {state})"
