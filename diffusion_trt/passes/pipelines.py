@@ -12,13 +12,22 @@ Ordering rules (keep them next to the tuples they constrain):
   * fuse_attention after fuse_layer_norm: the norms in front of each attention are then one node, which
     makes the self/cross classification structural.
   * every fusion before convert_fp16: the Casts it inserts at fp32 islands break the patterns.
+  * align_shapes after the fusions, before convert_fp16: the padding changes channel counts the fusions check
+    (and it touches only Convs with channel counts that are not multiples of 8: conv_in / conv_out and the VAE's
+    latent convs, which no fusion reads); the weights are padded in fp32 and then converted with the rest.
+  * cancel_transposes after the fusions (ort-cuda only): the Transposes it removes are those fuse_group_norm
+    puts around each NHWC GroupNorm; before convert_fp16: a Cast at an fp32 island between two Transposes
+    would stop them meeting. Not for TensorRT / ORT CPU: their fusions insert no Transposes (and TensorRT
+    removes redundant ones itself).
   * TensorRT fp16 gets convert_fp16 too and is built strongly typed: the graph's types (with its fp32
     islands) are what runs, on TensorRT 10 and on 11, whose builder no longer takes precision flags.
 """
 
 from __future__ import annotations
 
+from .align_shapes import align_shapes
 from .base import Pass
+from .cancel_transposes import cancel_transposes
 from .convert_fp16 import convert_fp16
 from .eliminate_dead_nodes import eliminate_dead_nodes
 from .fold_constants import fold_constants
@@ -50,12 +59,16 @@ FUSIONS: tuple[Pass, ...] = (
     fuse_attention,  # after fuse_layer_norm
 )
 
+#: After the fusions on CUDA targets: channel padding, then (ORT CUDA) the NHWC Transposes that cancel.
+ORT_CUDA_LAYOUT: tuple[Pass, ...] = (align_shapes, cancel_transposes)
+TENSORRT_LAYOUT: tuple[Pass, ...] = (align_shapes,)
+
 PIPELINES: dict[tuple[str, str, str], tuple[Pass, ...]] = {
     ("ort", "cpu", "fp32"): (*BASE, *FUSIONS),
-    ("ort", "cuda", "fp32"): (*BASE, *FUSIONS),
-    ("ort", "cuda", "fp16"): (*BASE, *FUSIONS, convert_fp16),  # convert_fp16 last: after every fusion
-    ("tensorrt", "cuda", "fp32"): (*BASE, *FUSIONS),
-    ("tensorrt", "cuda", "fp16"): (*BASE, *FUSIONS, convert_fp16),  # built strongly typed
+    ("ort", "cuda", "fp32"): (*BASE, *FUSIONS, *ORT_CUDA_LAYOUT),
+    ("ort", "cuda", "fp16"): (*BASE, *FUSIONS, *ORT_CUDA_LAYOUT, convert_fp16),  # convert_fp16 last
+    ("tensorrt", "cuda", "fp32"): (*BASE, *FUSIONS, *TENSORRT_LAYOUT),
+    ("tensorrt", "cuda", "fp16"): (*BASE, *FUSIONS, *TENSORRT_LAYOUT, convert_fp16),  # built strongly typed
 }
 
 

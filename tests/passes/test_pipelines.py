@@ -72,3 +72,16 @@ def test_base_pipeline_end_to_end() -> None:
     onnx.checker.check_model(out)
     assert {v.name for v in out.graph.value_info} == {"flat", "a"}
     graphs.assert_same_outputs(model, out)
+
+
+@pytest.mark.parametrize("key", list(PIPELINES))
+def test_layout_passes_after_the_fusions_before_fp16(key: tuple[str, str, str]) -> None:
+    """align_shapes on CUDA targets, cancel_transposes on ORT CUDA only; both after every fusion, before fp16."""
+    names = [p.__name__ for p in pipeline_for(*key, "unet")]
+    last_fusion = max(i for i, n in enumerate(names) if n.startswith("fuse_"))
+    assert ("align_shapes" in names) == (key[1] == "cuda")
+    assert ("cancel_transposes" in names) == (key[:2] == ("ort", "cuda"))
+    for name in ("align_shapes", "cancel_transposes"):
+        if name in names:
+            assert names.index(name) > last_fusion
+            assert "convert_fp16" not in names or names.index(name) < names.index("convert_fp16")
