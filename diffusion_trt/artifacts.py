@@ -15,20 +15,42 @@ Every file of the artifact is listed in the manifest with its sha256 and size, s
 another host can be checked before anything is deserialised (:func:`verify_files`). Paths in the
 manifest are relative POSIX paths that must stay inside the artifact folder.
 
+The contract other services rely on:
+
+* ``manifest.json`` follows the JSON Schema ``diffusion_trt/data/manifest.schema.json`` (``schema_version``
+  1); :func:`read_manifest` validates it with ``jsonschema``.
+* ``manifest_sha256`` seals the manifest: sha256 of its canonical JSON without that key
+  (:func:`manifest_digest`). A manifest edited by hand no longer matches and is refused; code that amends a
+  manifest writes it with :func:`write_manifest`, which re-seals it.
+* Loading never reads a file outside the folder: manifest paths go through :func:`safe_join`, ONNX
+  external-data locations are checked before ONNX Runtime sees the file
+  (:func:`onnx_external_data_problems`), and symbolic links that leave the folder are refused
+  (:func:`link_problems`).
+* Writers take :func:`artifact_lock` (``.<name>.lock`` beside the folder) around staging and the final
+  rename (:func:`staging_dir`), so two compiles into one folder never interleave and a killed compile
+  leaves the previous artifact in place.
+
 This module is imported by the runtime: it must not import torch, diffusers or the compiler.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
+import functools
 import hashlib
+import importlib.resources
 import json
 import logging
 import os
+import re
 import shutil
+import socket
+import sys
 import tempfile
-from collections.abc import Iterator
-from pathlib import Path, PurePosixPath
+import time
+from collections.abc import Collection, Iterator
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from .errors import ArtifactError
@@ -43,6 +65,11 @@ COMPONENTS: tuple[str, ...] = ("text_encoder", "unet", "vae_decoder", "vae_encod
 REQUIRED_COMPONENTS: tuple[str, ...] = ("text_encoder", "unet", "vae_decoder")
 
 _HASH_CHUNK = 1 << 20
+
+#: The manifest key that seals the rest of the manifest (see :func:`manifest_digest`).
+SEAL_KEY = "manifest_sha256"
+#: The JSON Schema of ``manifest.json``, shipped inside the package.
+SCHEMA_RESOURCE = ("diffusion_trt.data", "manifest.schema.json")
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
@@ -80,6 +107,330 @@ def safe_join(root: Path, rel: str) -> Path:
     return path
 
 
+# -- the manifest's schema and seal ---------------------------------------------------------------------
+
+
+@functools.cache
+def manifest_schema() -> dict[str, Any]:
+    """The JSON Schema of ``manifest.json`` (``diffusion_trt/data/manifest.schema.json``), parsed once."""
+    package, name = SCHEMA_RESOURCE
+    return json.loads(importlib.resources.files(package).joinpath(name).read_text(encoding="utf-8"))
+
+
+def canonical_json(data: Any) -> bytes:
+    """The bytes the seal is computed over: keys sorted, no whitespace, UTF-8 (no ASCII escaping)."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 (hex) of the manifest's canonical JSON without its :data:`SEAL_KEY`."""
+    return hashlib.sha256(canonical_json({k: v for k, v in manifest.items() if k != SEAL_KEY})).hexdigest()
+
+
+def seal_manifest(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``manifest`` with :data:`SEAL_KEY` set to :func:`manifest_digest` (last key of the file)."""
+    body = {k: v for k, v in manifest.items() if k != SEAL_KEY}
+    return {**body, SEAL_KEY: manifest_digest(body)}
+
+
+def write_manifest(root: str | os.PathLike[str], manifest: dict[str, Any]) -> dict[str, Any]:
+    """Seal ``manifest`` and write it atomically to ``root/manifest.json``; the one way to write or amend one.
+
+    Returns:
+        The sealed manifest as written.
+    """
+    sealed = seal_manifest(manifest)
+    write_json_atomic(Path(root) / MANIFEST_NAME, sealed)
+    return sealed
+
+
+def _json_path(parts: Collection[Any]) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "(top level)"
+
+
+def manifest_problems(manifest: Any) -> list[str]:
+    """Schema violations and a broken seal, one line each; empty when the manifest is valid and sealed.
+
+    Raises:
+        ArtifactError: ``jsonschema`` is not installed (it is a dependency of diffusion-trt).
+    """
+    try:
+        import jsonschema
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise ArtifactError(
+            "the manifest cannot be validated: jsonschema is not installed; pip install 'jsonschema>=4.18'"
+        ) from None
+    validator = jsonschema.Draft202012Validator(manifest_schema())
+    problems = []
+    for error in sorted(validator.iter_errors(manifest), key=lambda e: [str(p) for p in e.absolute_path]):
+        problems.append(f"manifest.json {_json_path(error.absolute_path)}: {error.message}")
+    if isinstance(manifest, dict) and isinstance(manifest.get(SEAL_KEY), str):
+        stored, actual = manifest[SEAL_KEY], manifest_digest(manifest)
+        if stored != actual:
+            problems.append(
+                f"manifest.json was changed after it was written: {SEAL_KEY} {stored[:12]}… does not match its "
+                f"content ({actual[:12]}…); a hand-edited manifest is not trusted: restore the original or "
+                "recompile (code that amends a manifest must write it with artifacts.write_manifest)"
+            )
+    return problems
+
+
+# -- what loading may read: external data and links -------------------------------------------------------
+
+
+def _onnx_tensors(graph: Any) -> Iterator[Any]:
+    """Every TensorProto of a graph and its subgraphs: initializers, sparse ones, Constant/attribute tensors."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _onnx_tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _onnx_tensors(sub)
+
+
+def onnx_external_data_locations(path: str | os.PathLike[str]) -> list[str]:
+    """The distinct external-data ``location`` strings of an ONNX file, in order, read without loading weights.
+
+    Raises:
+        ArtifactError: the file is not a parseable ONNX model.
+    """
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and friends
+        raise ArtifactError(f"{path} is not a readable ONNX model ({type(e).__name__}: {e}); recompile") from None
+    seen: dict[str, None] = {}
+    for tensor in _onnx_tensors(model.graph):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in tensor.external_data}
+            seen.setdefault(info.get("location", ""), None)
+    return list(seen)
+
+
+def onnx_external_data_problems(root: str | os.PathLike[str], rel: str, listed: Collection[str]) -> list[str]:
+    """Check the external-data references of the ONNX file ``root/rel`` before any runtime opens it.
+
+    Every ``location`` must be a relative path that stays inside the artifact folder (no ``..``, no absolute
+    path, no link leading out) and must name a file the manifest lists (so its sha256 is checked).
+
+    Returns:
+        One line per problem; empty when every reference is safe.
+    """
+    root = Path(root)
+    try:
+        locations = onnx_external_data_locations(safe_join(root, rel))
+    except ArtifactError as e:
+        return [str(e)]
+    problems = []
+    model_dir = PurePosixPath(rel).parent
+    for location in locations:
+        pure = PurePosixPath(location)
+        if (
+            not location
+            or pure.is_absolute()
+            or PureWindowsPath(location).is_absolute()
+            or PureWindowsPath(location).drive
+            or "\\" in location
+            or ".." in pure.parts
+        ):
+            problems.append(
+                f"{rel}: external data location {location!r} points outside the artifact folder; external data "
+                "must sit beside the model (location 'model.onnx.data'): recompile the artifact"
+            )
+            continue
+        target = (model_dir / pure).as_posix()
+        try:
+            safe_join(root, target)
+        except ArtifactError:
+            problems.append(
+                f"{rel}: external data {target!r} is a symbolic link leading outside the artifact folder; "
+                "replace it with the file itself"
+            )
+            continue
+        if target not in listed:
+            problems.append(
+                f"{rel}: external data {target!r} is not listed in the manifest, so its sha256 cannot be checked; "
+                "recompile the artifact"
+            )
+    return problems
+
+
+def link_problems(root: str | os.PathLike[str]) -> list[str]:
+    """Symbolic links under ``root`` that resolve outside it (loaders such as the tokenizer read whole folders)."""
+    root = Path(root)
+    real_root = root.resolve()
+    problems = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in [*dirnames, *filenames]:
+            path = Path(dirpath) / name
+            if path.is_symlink():
+                target = path.resolve()
+                if not target.is_relative_to(real_root):
+                    problems.append(
+                        f"{path.relative_to(root).as_posix()}: symbolic link to {target}, outside the artifact "
+                        "folder; replace it with the file itself"
+                    )
+    return problems
+
+
+def unlisted_files(root: str | os.PathLike[str], manifest: dict[str, Any]) -> list[str]:
+    """Files under ``root`` that the manifest does not list (``manifest.json`` itself excepted), sorted."""
+    root = Path(root)
+    listed = set(manifest.get("files", {}))
+    out = []
+    for dirpath, _dirnames, filenames in os.walk(root, followlinks=False):
+        for name in filenames:
+            rel = (Path(dirpath) / name).relative_to(root).as_posix()
+            if rel != MANIFEST_NAME and rel not in listed:
+                out.append(rel)
+    return sorted(out)
+
+
+def component_file_problems(root: str | os.PathLike[str], manifest: dict[str, Any]) -> list[str]:
+    """Each component's ``onnx``/``plan``/``files`` must be listed in ``files`` (hashed); ONNX external data safe."""
+    listed = manifest.get("files", {})
+    problems = []
+    for name, entry in manifest.get("components", {}).items():
+        paths = [entry[k] for k in ("onnx", "plan") if isinstance(entry.get(k), str)]
+        paths += [p for p in entry.get("files", []) if isinstance(p, str)]
+        for rel in dict.fromkeys(paths):
+            if rel not in listed:
+                problems.append(
+                    f"component {name!r}: {rel} is not listed in the manifest's files, so it cannot be checked; "
+                    "recompile the artifact"
+                )
+        onnx_rel = entry.get("onnx")
+        if isinstance(onnx_rel, str) and onnx_rel in listed:
+            try:
+                exists = safe_join(Path(root), onnx_rel).is_file()
+            except ArtifactError:
+                exists = False  # reported by verify_files
+            if exists:
+                problems += onnx_external_data_problems(root, onnx_rel, listed)
+    return problems
+
+
+# -- the writer's lock ------------------------------------------------------------------------------------
+
+
+def lock_path(final: str | os.PathLike[str]) -> Path:
+    """The lock file of artifact folder ``final``: ``.<name>.lock`` beside it (the folder itself is replaced)."""
+    final = Path(final)
+    return final.with_name(f".{final.name}.lock")
+
+
+@contextlib.contextmanager
+def artifact_lock(final: str | os.PathLike[str], timeout: float = 0.0, poll: float = 0.2) -> Iterator[Path]:
+    """Hold the exclusive writer lock of artifact folder ``final`` for the ``with`` block.
+
+    The lock is ``flock(2)`` on :func:`lock_path`: the kernel drops it when the holder exits or is killed,
+    so a lock file left by a dead compile never blocks (no stale-lock cleanup needed); the file itself is
+    kept, holding the last holder's pid, host and start time for messages. POSIX only (``fcntl``).
+
+    Args:
+        final: the artifact folder.
+        timeout: seconds to wait for another holder; 0 = fail at once.
+        poll: seconds between attempts while waiting.
+
+    Raises:
+        ArtifactError: another process holds the lock past ``timeout`` (message names its pid and host).
+    """
+    import fcntl
+
+    path = lock_path(final)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = _lock_holder(path)
+                    waited = f"after waiting {timeout:g} s" if timeout > 0 else "now"
+                    raise ArtifactError(
+                        f"another compile ({holder}) is writing {final} {waited}; wait for it to finish, write "
+                        f"to another folder, or pass --lock-timeout SECONDS to wait (lock file {path})"
+                    ) from None
+                time.sleep(poll)
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            "argv": sys.argv[:8],
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        try:
+            yield path
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _lock_holder(path: Path) -> str:
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+        return f"pid {info['pid']} on {info['host']}, since {info['since_utc']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unknown process"
+
+
+def _recover(final: Path) -> None:
+    """Under the lock: clean what a killed writer of ``final`` left beside it.
+
+    ``.<name>.staging-*`` folders are dead (every writer holds the lock); an ``.<name>.old-*`` folder with no
+    ``final`` means a writer died between the two renames of a non-atomic swap: it is put back.
+    """
+    prefix = f".{final.name}."
+    # exact names only: ".sd15.fp16.staging-x" belongs to artifact "sd15.fp16" (another lock), not to "sd15"
+    mine = re.compile(rf"{re.escape(prefix)}(staging-[A-Za-z0-9_]+|old-\d+)")
+    leftovers = sorted(
+        (p for p in final.parent.glob(f"{prefix}*") if mine.fullmatch(p.name) and p.is_dir() and not p.is_symlink()),
+        key=lambda p: p.stat().st_mtime,
+    )
+    old = [p for p in leftovers if p.name.startswith(f"{prefix}old-")]
+    if not final.exists() and old:
+        logger.warning("restoring %s from %s (a compile was interrupted while swapping folders)", final, old[-1])
+        os.replace(old[-1], final)
+        old = old[:-1]
+    for p in leftovers:
+        if p.exists() and (p.name.startswith(f"{prefix}staging-") or p in old):
+            logger.warning("removing %s, left by an interrupted compile", p)
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with ``renameat2(RENAME_EXCHANGE)`` (Linux); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return rc == 0
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON to ``path`` through a temporary file and ``os.replace``: readers never see half a file."""
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
@@ -95,40 +446,49 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 @contextlib.contextmanager
-def staging_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder beside ``final``; on success it is renamed to ``final``.
+def staging_dir(final: Path, overwrite: bool = False, lock_timeout: float = 0.0) -> Iterator[Path]:
+    """Yield a temporary folder beside ``final``; on success it replaces ``final`` in one step.
 
-    On any exception the staging folder is deleted and an existing ``final`` is left untouched, so a
-    failed compile leaves no half artifact.
+    The whole block runs under :func:`artifact_lock`, so two writers of ``final`` never interleave; leftovers
+    of a killed writer are cleaned first. On any exception the staging folder is deleted and an existing
+    ``final`` is left untouched, so a failed or killed compile leaves no half artifact. The swap with an
+    existing ``final`` is atomic where the kernel offers ``renameat2(RENAME_EXCHANGE)`` (Linux); elsewhere
+    it is two renames, and a writer killed between them has the old folder restored by the next writer.
 
     Raises:
-        ArtifactError: ``final`` exists and ``overwrite`` is false.
+        ArtifactError: ``final`` exists and ``overwrite`` is false, or another writer holds the lock past
+            ``lock_timeout`` seconds.
     """
     final = Path(final)
-    if final.exists() and not overwrite:
-        raise ArtifactError(f"output folder {final} already exists; pass --overwrite or choose another -o")
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.staging-", dir=final.parent))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    with artifact_lock(final, timeout=lock_timeout):
+        _recover(final)
+        if final.exists() and not overwrite:
+            raise ArtifactError(f"output folder {final} already exists; pass --overwrite or choose another -o")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.staging-", dir=final.parent))
+        try:
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if final.exists() and _exchange(tmp, final):
+            shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous artifact
+            return
+        old = None
+        if final.exists():
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, old)
+        os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
-    """Load and structurally validate ``root/manifest.json``.
+    """Load ``root/manifest.json``, validate it against the schema and check its seal.
 
     Raises:
-        ArtifactError: the folder or manifest is missing, unreadable, of another schema version, or
-            lacks a required component.
+        ArtifactError: the folder or manifest is missing, unreadable, of another schema version, invalid
+            under the schema (one line per violation), or edited after it was written (broken seal).
     """
     root = Path(root)
     if not root.is_dir():
@@ -140,18 +500,17 @@ def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ArtifactError(f"{path} is not valid JSON ({e}); recompile the artifact") from None
-    version = manifest.get("schema_version")
+    version = manifest.get("schema_version") if isinstance(manifest, dict) else None
     if version != SCHEMA_VERSION:
         raise ArtifactError(
             f"{path} has schema_version={version!r}; this diffusion-trt reads {SCHEMA_VERSION}: "
             "recompile with this version"
         )
-    for key in ("components", "files", "backend", "precision", "profile"):
-        if key not in manifest:
-            raise ArtifactError(f"{path} lacks the key {key!r}; recompile the artifact")
-    missing = [c for c in REQUIRED_COMPONENTS if c not in manifest["components"]]
-    if missing:
-        raise ArtifactError(f"{path} lacks the component(s) {', '.join(missing)}; recompile with them")
+    problems = manifest_problems(manifest)
+    if problems:
+        raise ArtifactError(
+            f"{path} is not a valid artifact manifest (run `diffusion-trt verify {root}`):\n  " + "\n  ".join(problems)
+        )
     return manifest
 
 
@@ -187,13 +546,23 @@ def verify_files(root: str | os.PathLike[str], manifest: dict[str, Any], check_h
 
 
 def load_verified(root: str | os.PathLike[str], check_hashes: bool = True) -> dict[str, Any]:
-    """:func:`read_manifest` then :func:`verify_files`; raise one error listing every problem.
+    """Everything loading needs checked, before any file is deserialised; one error listing every problem.
+
+    :func:`read_manifest` (schema, seal), then :func:`verify_files` (inside the folder, present, size, and
+    sha256 unless ``check_hashes`` is false), every component file listed and its ONNX external data inside
+    the folder (:func:`component_file_problems`), and no symbolic link leading out (:func:`link_problems`).
+    Files the manifest does not list are logged as a warning (``diffusion-trt verify`` reports them).
 
     Raises:
-        ArtifactError: as :func:`read_manifest`, or when any file fails verification.
+        ArtifactError: as :func:`read_manifest`, or when any check fails.
     """
     manifest = read_manifest(root)
     problems = verify_files(root, manifest, check_hashes=check_hashes)
+    problems += component_file_problems(root, manifest)
+    problems += link_problems(root)
     if problems:
         raise ArtifactError(f"artifact {root} failed verification:\n  " + "\n  ".join(problems))
+    extra = unlisted_files(root, manifest)
+    if extra:
+        logger.warning("artifact %s holds files its manifest does not list: %s", root, ", ".join(extra[:10]))
     return manifest

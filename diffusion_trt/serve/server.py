@@ -1,0 +1,284 @@
+"""``diffusion-trt serve``: one artifact behind a real Triton Inference Server, through NVIDIA PyTriton.
+
+PyTriton starts ``tritonserver`` (shipped in its wheel) with KServe v2 HTTP and gRPC endpoints and forwards
+each request of model ``pipeline`` (layout: :mod:`.triton_model`; the same :func:`parse_request` rules) to this
+process, where one :class:`~diffusion_trt.runtime.EnginePipeline` runs.
+
+Batching. PyTriton fails *every* request of a Triton batch when its callable raises, so one bad request
+would take its batch-mates down. The Triton model is therefore unbatched with ``instances`` parallel
+instances: each validates its own request (a bad one gets its own error naming the field) and hands a
+valid one to :class:`MicroBatcher`, which merges requests that arrive within ``max_queue_delay_s`` and
+share (height, width, steps, guidance) into one ``EnginePipeline`` call of up to ``max_batch_size`` images,
+with one CPU generator per image: each image is the one its seed gives alone.
+
+Bounds (a request cannot exhaust the server): prompt length, steps, guidance, height/width inside the
+engines' profile, images per engine call, and the number of requests waiting (beyond it: "server busy").
+Listens on 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import signal
+import sysconfig
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import DiffusionTrtError
+from . import triton_model
+from .triton_model import RequestError, parse_request
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "pipeline"
+
+
+class ServeError(DiffusionTrtError):
+    """The server cannot start (PyTriton missing, ports taken, tritonserver failing)."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How ``serve`` runs.
+
+    Attributes:
+        host: address every endpoint binds to (HTTP, gRPC); 127.0.0.1 = this machine only.
+        http_port, grpc_port: KServe v2 endpoints.
+        max_batch_size: images per engine call (capped by the artifact's batch profile).
+        max_queue_delay_s: how long the first request of a batch waits for batch-mates.
+        max_queue: valid requests waiting for the pipeline at most; more are refused ("server busy").
+        instances: parallel Triton model instances (requests accepted at once).
+        max_prompt_chars, max_steps, max_guidance: request bounds (see :data:`triton_model.DEFAULT_LIMITS`).
+        device: "cpu"/"cuda"; ``None`` = the artifact's.
+        scheduler: scheduler short name; ``None`` = the model's.
+    """
+
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    max_batch_size: int = 4
+    max_queue_delay_s: float = 0.01
+    max_queue: int = 64
+    instances: int = 8
+    max_prompt_chars: int = 2000
+    max_steps: int = 100
+    max_guidance: float = 50.0
+    device: str | None = None
+    scheduler: str | None = None
+
+    def limits(self) -> dict[str, float]:
+        return {"max_prompt_chars": self.max_prompt_chars, "max_steps": self.max_steps,
+                "max_guidance": self.max_guidance}
+
+
+@dataclass
+class _Job:
+    params: dict[str, Any]
+    future: Future[np.ndarray]
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        p = self.params
+        return (p["height"], p["width"], p["steps"], p["guidance_scale"])
+
+
+class MicroBatcher:
+    """One thread owning the pipeline: merges compatible requests into batched calls.
+
+    Args:
+        pipe: the :class:`EnginePipeline` (used from this thread only: it is not thread-safe).
+        max_batch_size: images per call.
+        max_delay_s: how long to wait for batch-mates after the first request.
+        max_queue: pending requests at most; :meth:`submit` refuses more.
+    """
+
+    def __init__(self, pipe: Any, max_batch_size: int, max_delay_s: float, max_queue: int) -> None:
+        self.pipe = pipe
+        self.max_batch_size = max_batch_size
+        self.max_delay_s = max_delay_s
+        self._queue: queue.Queue[_Job] = queue.Queue(maxsize=max_queue)
+        self._held: list[_Job] = []  # taken from the queue but not compatible with the batch being formed
+        self._stop = threading.Event()
+        self.batches: list[int] = []  # sizes of the calls made (for tests and logs)
+        self._thread = threading.Thread(target=self._run, name="diffusion-trt-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, params: dict[str, Any]) -> Future[np.ndarray]:
+        """Queue one validated request; its future gets the uint8 image [H, W, 3].
+
+        Raises:
+            RequestError: the queue is full (field "prompt": the request as a whole).
+        """
+        job = _Job(params, Future())
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            busy = f"prompt not queued: server busy, {self._queue.maxsize} requests are waiting; retry later"
+            raise RequestError("prompt", busy) from None
+        return job.future
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _next(self, timeout: float) -> _Job | None:
+        if self._held:
+            return self._held.pop(0)
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            first = self._next(0.1)
+            if first is None:
+                continue
+            batch = [first]
+            deadline = time.monotonic() + self.max_delay_s
+            held: list[_Job] = []
+            while len(batch) < self.max_batch_size:
+                left = deadline - time.monotonic()
+                job = self._held.pop(0) if self._held else None
+                if job is None:
+                    if left <= 0:
+                        break
+                    try:
+                        job = self._queue.get(timeout=left)
+                    except queue.Empty:
+                        break
+                (batch if job.key == first.key else held).append(job)
+            self._held = held + self._held
+            self._call(batch)
+
+    def _call(self, batch: list[_Job]) -> None:
+        import torch
+
+        p = batch[0].params
+        try:
+            out = self.pipe(
+                prompt=[j.params["prompt"] for j in batch],
+                negative_prompt=[j.params["negative_prompt"] for j in batch],
+                num_inference_steps=p["steps"],
+                guidance_scale=p["guidance_scale"],
+                generator=[torch.Generator(device="cpu").manual_seed(j.params["seed"]) for j in batch],
+                height=p["height"],
+                width=p["width"],
+                output_type="pil",
+                progress=False,
+            )
+            self.batches.append(len(batch))
+            logger.info("ran a batch of %d request(s) at %dx%d, %d steps", len(batch), p["height"], p["width"],
+                        p["steps"])
+            for job, image in zip(batch, out.images, strict=True):
+                job.future.set_result(np.asarray(image, dtype=np.uint8))
+        except Exception as e:  # every waiting request must hear about it
+            logger.exception("pipeline call of %d request(s) failed", len(batch))
+            for job in batch:
+                job.future.set_exception(e)
+
+
+def _python_backend_libpath() -> None:
+    """Let tritonserver's Python-backend stub load *this* interpreter's libpython.
+
+    The stub links ``libpython3.X.so`` by name; without a hint it may find the system one (Debian's 3.11.2)
+    while the standard library comes from this interpreter (3.11.7 under pyenv), and fails inside
+    ``multiprocessing`` ("'_thread.RLock' object has no attribute '_recursion_count'").
+    """
+    libdir, ldlib = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LDLIBRARY")
+    if libdir and ldlib and (Path(libdir) / ldlib).exists():
+        current = os.environ.get("LD_LIBRARY_PATH", "")
+        if libdir not in current.split(os.pathsep):
+            os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, current) if p)
+
+
+def bind_pipeline(triton: Any, pipe: Any, config: ServeConfig) -> MicroBatcher:
+    """Bind model :data:`MODEL_NAME` to ``triton`` (a ``pytriton.triton.Triton``); returns the batcher."""
+    from pytriton.model_config import ModelConfig, Tensor
+
+    facts = {"model": pipe.manifest["model"], "profile": pipe.manifest["profile"], "limits": config.limits()}
+    cap = int(pipe.profile.batch.max)
+    batcher = MicroBatcher(pipe, max(1, min(config.max_batch_size, cap)), config.max_queue_delay_s, config.max_queue)
+
+    def infer(requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
+        futures = []
+        for request in requests:  # unbatched model: one request per call
+            params = parse_request({name: request.data.get(name) for name in request.data}, facts)
+            futures.append(batcher.submit(params))
+        return [{"image": f.result()} for f in futures]
+
+    dtypes = {"BYTES": bytes, "INT64": np.int64, "INT32": np.int32, "FP32": np.float32}
+    inputs = [Tensor(name=name, dtype=dtypes[t], shape=(1,), optional=True)
+              for name, (_kinds, t) in triton_model.FIELDS.items()]
+    triton.bind(
+        model_name=MODEL_NAME,
+        infer_func=[infer] * config.instances,
+        inputs=inputs,
+        outputs=[Tensor(name="image", dtype=np.uint8, shape=(-1, -1, 3))],
+        config=ModelConfig(batching=False),
+        strict=True,
+    )
+    return batcher
+
+
+def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = None,
+          stop: threading.Event | None = None, on_ready: Callable[[], None] | None = None) -> None:
+    """Serve an artifact until SIGINT/SIGTERM (or ``stop`` is set); ``on_ready()`` once the endpoints are up.
+
+    Raises:
+        ServeError: PyTriton is not installed or the server cannot start.
+        ArtifactError: the artifact fails verification.
+    """
+    config = config or ServeConfig()
+    try:
+        from pytriton.triton import Triton, TritonConfig
+    except ImportError as e:
+        raise ServeError(
+            f"serve needs NVIDIA PyTriton ({e}); pip install 'diffusion-trt[serve]' (Linux x86_64/aarch64, "
+            "glibc >= 2.35)"
+        ) from None
+    from ..runtime import EnginePipeline
+
+    _python_backend_libpath()
+    stop = stop or threading.Event()
+    with contextlib.ExitStack() as stack:
+        pipe = stack.enter_context(EnginePipeline.from_artifacts(artifact_dir, device=config.device,
+                                                                 scheduler=config.scheduler))
+        triton_config = TritonConfig(
+            http_address=config.host, http_port=config.http_port,
+            grpc_address=config.host, grpc_port=config.grpc_port,
+            allow_metrics=False, exit_on_error=True, exit_timeout_secs=5,
+        )
+        triton = stack.enter_context(Triton(config=triton_config))
+        batcher = bind_pipeline(triton, pipe, config)
+        stack.callback(batcher.close)
+        try:
+            triton.run()
+        except Exception as e:  # PyTritonException and friends: say what failed, once
+            where = f"{config.host}:{config.http_port}/{config.grpc_port}"
+            raise ServeError(f"Triton could not start on {where}: {e}") from e
+        previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+        stack.callback(lambda: [signal.signal(s, h) for s, h in previous.items()])
+        logger.info(
+            "serving %s as model %r: HTTP %s:%d, gRPC %s:%d (max batch %d)", artifact_dir, MODEL_NAME, config.host,
+            config.http_port, config.host, config.grpc_port, batcher.max_batch_size,
+        )
+        if on_ready is not None:
+            on_ready()
+        while not stop.wait(0.5):
+            if not triton.is_alive():
+                raise ServeError("tritonserver exited; see the log above")
+        logger.info("stopping")
+
+
+__all__ = ["MODEL_NAME", "MicroBatcher", "ServeConfig", "ServeError", "bind_pipeline", "serve"]

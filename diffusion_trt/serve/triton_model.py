@@ -1,0 +1,264 @@
+"""Triton Python-backend model: the text-to-image loop over the engine models, called through BLS.
+
+``diffusion-trt export-triton`` copies this file verbatim as ``<prefix>pipeline/1/model.py``; on the Triton
+host it imports **nothing from diffusion-trt** (the repository must run on a stock Triton server), only
+numpy, torch, diffusers (schedulers, ``randn_tensor``) and transformers (``CLIPTokenizer``), which the
+Python backend's environment must provide. The same request rules serve ``diffusion-trt serve``, which
+imports the pure helpers below (:func:`parse_request`, :func:`to_uint8_images`, :data:`DEFAULT_LIMITS`).
+
+Request (one image per request; Triton batches the engines' calls, not this model's):
+    prompt            BYTES [1]   required, UTF-8, at most ``max_prompt_chars`` characters
+    negative_prompt   BYTES [1]   optional, default ""
+    seed              INT64 [1]   optional, default 0; same image as ``EnginePipeline(seed=seed)``
+    steps             INT32 [1]   optional, 1..``max_steps``
+    guidance_scale    FP32  [1]   optional, 0..``max_guidance``; CFG when > 1
+    height, width     INT32 [1]   optional, multiples of the VAE factor inside the engines' profile
+Response:
+    image             UINT8 [H, W, 3]
+
+The loop, numbered as in ``diffusion_trt/runtime/denoise.py``, reproduces diffusers' StableDiffusionPipeline
+for the same seed and scheduler: 1. encode prompt ([negative; positive] in one text-encoder batch), 2. prepare
+latents (``randn_tensor`` from a CPU generator), 3. denoise (scheduler ``scale_model_input`` / ``step``, CFG),
+4. decode (``latents / scaling_factor``) and convert to uint8 as ``round(clamp(x / 2 + 0.5, 0, 1) * 255)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Bounds on one request, so no request can exhaust the server's memory or hold it for long. The exported
+#: ``pipeline.json`` and ``diffusion-trt serve`` may narrow them; the engines' profile bounds height/width.
+DEFAULT_LIMITS: dict[str, float] = {
+    "max_prompt_chars": 2000,
+    "max_steps": 150,
+    "max_guidance": 50.0,
+}
+DEFAULTS: dict[str, Any] = {"negative_prompt": "", "seed": 0, "steps": 30, "guidance_scale": 7.5}
+#: Request tensors: name -> (numpy dtype kind(s) accepted, Triton type name for messages).
+FIELDS: dict[str, tuple[str, str]] = {
+    "prompt": ("OSU", "BYTES"),
+    "negative_prompt": ("OSU", "BYTES"),
+    "seed": ("iu", "INT64"),
+    "steps": ("iu", "INT32"),
+    "guidance_scale": ("f", "FP32"),
+    "height": ("iu", "INT32"),
+    "width": ("iu", "INT32"),
+}
+MAX_SEED = 2**63 - 1
+
+#: ``infer(model_name, inputs, output_name) -> output``: one engine call (BLS on Triton, anything in tests).
+Infer = Callable[[str, Mapping[str, np.ndarray], str], np.ndarray]
+
+
+class RequestError(ValueError):
+    """A request field the pipeline cannot honour; ``field`` names it and the message says the fix."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message if message.startswith(field) else f"{field}: {message}")
+        self.field = field
+
+
+def _scalar(name: str, value: np.ndarray | None) -> Any:
+    """The one element of a request tensor, checked against the field's dtype."""
+    kinds, triton_type = FIELDS[name]
+    array = np.asarray(value)
+    if array.dtype.kind not in kinds:
+        raise RequestError(name, f"{name} must be {triton_type}, got {array.dtype}; send one {triton_type} value")
+    if array.size != 1:
+        raise RequestError(name, f"{name} must hold one value, got shape {list(array.shape)}; send shape [1]")
+    item = array.reshape(-1)[0]
+    if array.dtype.kind in "OS":
+        if isinstance(item, bytes | np.bytes_):
+            try:
+                return bytes(item).decode("utf-8")
+            except UnicodeDecodeError:
+                raise RequestError(name, f"{name} is not valid UTF-8") from None
+        if not isinstance(item, str):
+            raise RequestError(name, f"{name} must be BYTES, got {type(item).__name__}")
+        return item
+    if array.dtype.kind == "U":
+        return str(item)
+    return item.item()
+
+
+def parse_request(inputs: Mapping[str, np.ndarray | None], config: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate one request's tensors into ``{"prompt", "negative_prompt", "seed", "steps", "guidance_scale",
+    "height", "width"}``.
+
+    Args:
+        inputs: tensor name -> array (absent or ``None`` = not sent). Unknown names are refused.
+        config: ``pipeline.json``: ``limits``, ``defaults``, ``profile`` and ``model`` (``vae_scale_factor``,
+            ``default_height``/``default_width``).
+
+    Raises:
+        RequestError: naming the field, the value and the fix.
+    """
+    unknown = sorted(set(inputs) - set(FIELDS))
+    if unknown:
+        raise RequestError(unknown[0], f"{unknown[0]} is not an input of this model; send only {', '.join(FIELDS)}")
+    limits = {**DEFAULT_LIMITS, **config.get("limits", {})}
+    defaults = {**DEFAULTS, **config.get("defaults", {})}
+    model, profile = config["model"], config["profile"]
+    values = {name: _scalar(name, v) for name, v in inputs.items() if v is not None}
+    if "prompt" not in values:
+        raise RequestError("prompt", "prompt is required (BYTES, shape [1])")
+    out: dict[str, Any] = {}
+    for name in ("prompt", "negative_prompt"):
+        text = values.get(name, defaults.get(name, ""))
+        if len(text) > limits["max_prompt_chars"]:
+            raise RequestError(
+                name, f"{name} has {len(text)} characters; at most {int(limits['max_prompt_chars'])} are accepted "
+                "(CLIP reads 77 tokens anyway)"
+            )
+        out[name] = text
+    seed = values.get("seed", defaults["seed"])
+    if not 0 <= seed <= MAX_SEED:
+        raise RequestError("seed", f"seed={seed} must be in 0..{MAX_SEED}")
+    out["seed"] = int(seed)
+    steps = values.get("steps", min(defaults["steps"], limits["max_steps"]))
+    if not 1 <= steps <= limits["max_steps"]:
+        raise RequestError("steps", f"steps={steps} must be in 1..{int(limits['max_steps'])}; use e.g. 30")
+    out["steps"] = int(steps)
+    guidance = float(values.get("guidance_scale", defaults["guidance_scale"]))
+    if not math.isfinite(guidance) or not 0 <= guidance <= limits["max_guidance"]:
+        raise RequestError(
+            "guidance_scale",
+            f"guidance_scale={guidance} must be in 0..{limits['max_guidance']:g}; use e.g. 7.5 (<= 1 disables CFG)",
+        )
+    out["guidance_scale"] = guidance
+    scale = int(model.get("vae_scale_factor", 8))
+    for name in ("height", "width"):
+        lo, _opt, hi = profile[name]
+        value = values.get(name, model.get(f"default_{name}", _opt))
+        if value % scale or not lo <= value <= hi:
+            raise RequestError(
+                name, f"{name}={value} must be a multiple of {scale} in {lo}..{hi} (the engines' profile); "
+                f"use {min(max(lo, round(value / scale) * scale), hi)}"
+            )
+        out[name] = int(value)
+    return out
+
+
+def to_uint8_images(sample: np.ndarray) -> np.ndarray:
+    """VAE output [B, 3, H, W] in about [-1, 1] -> uint8 [B, H, W, 3], as diffusers' "pil" postprocess."""
+    x = np.clip(np.asarray(sample, dtype=np.float32) * 0.5 + 0.5, 0.0, 1.0)
+    return np.round(x.transpose(0, 2, 3, 1) * 255.0).astype(np.uint8)
+
+
+def _np_dtype(name: str) -> Any:
+    return {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}[name]
+
+
+def text_to_image(params: Mapping[str, Any], config: Mapping[str, Any], tokenizer: Any, scheduler: Any,
+                  infer: Infer) -> np.ndarray:
+    """Run one request (validated by :func:`parse_request`) through the engine models; uint8 [H, W, 3].
+
+    Args:
+        config: ``pipeline.json`` (model facts, engine model names, tensor dtypes).
+        tokenizer: a ``CLIPTokenizer``; scheduler: a fresh diffusers scheduler (stateful: one per request).
+        infer: calls one engine model.
+    """
+    import torch
+    from diffusers.utils.torch_utils import randn_tensor
+
+    names, dtypes, model = config["models"], config["dtypes"], config["model"]
+    do_cfg = params["guidance_scale"] > 1.0
+    # 1. encode prompt: [negative; positive] in one batch with CFG
+    texts = [params["negative_prompt"], params["prompt"]] if do_cfg else [params["prompt"]]
+    ids = tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                    return_tensors="np").input_ids.astype(np.int64)
+    embeds = infer(names["text_encoder"], {"input_ids": ids}, "last_hidden_state")
+    embeds = embeds.astype(_np_dtype(dtypes["unet"]["encoder_hidden_states"]))
+    # 2. prepare latents (timesteps first, like diffusers)
+    scheduler.set_timesteps(params["steps"], device="cpu")
+    timesteps = scheduler.timesteps
+    scale = int(model["vae_scale_factor"])
+    shape = (1, int(model["unet_in_channels"]), params["height"] // scale, params["width"] // scale)
+    sample_dtype = _np_dtype(dtypes["unet"]["sample"])
+    torch_dtype = torch.float16 if sample_dtype == np.float16 else torch.float32
+    generator = torch.Generator(device="cpu").manual_seed(params["seed"])
+    latents = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=torch_dtype)
+    latents = latents * scheduler.init_noise_sigma
+    step_params = set(inspect.signature(scheduler.step).parameters)
+    extra = {k: v for k, v in (("eta", 0.0), ("generator", generator)) if k in step_params}
+    # 3. denoise
+    for t in timesteps:
+        model_input = torch.cat([latents] * 2) if do_cfg else latents
+        model_input = scheduler.scale_model_input(model_input, t)
+        feeds = {
+            "sample": model_input.numpy().astype(sample_dtype),
+            "timestep": np.full((embeds.shape[0],), float(t), dtype=np.float32),
+            "encoder_hidden_states": embeds,
+        }
+        noise = torch.from_numpy(np.array(infer(names["unet"], feeds, "noise_pred"))).to(torch_dtype)
+        if do_cfg:
+            uncond, text = noise.chunk(2)
+            noise = uncond + params["guidance_scale"] * (text - uncond)
+        latents = scheduler.step(noise, t, latents, **extra, return_dict=False)[0]
+    # 4. decode
+    latent_dtype = _np_dtype(dtypes["vae_decoder"]["latent_sample"])
+    scaled = (latents / float(model["vae_scaling_factor"])).numpy().astype(latent_dtype)
+    image = infer(names["vae_decoder"], {"latent_sample": scaled}, "sample")
+    return to_uint8_images(image)[0]
+
+
+def load_pipeline_assets(model_dir: str | Path) -> tuple[dict[str, Any], Any, Any]:
+    """``(pipeline.json, CLIPTokenizer, scheduler template)`` from this model's version folder."""
+    import diffusers
+    from transformers import CLIPTokenizer
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "pipeline.json").read_text(encoding="utf-8"))
+    tokenizer = CLIPTokenizer.from_pretrained(str(model_dir / "tokenizer"), local_files_only=True)
+    sched_cfg = json.loads((model_dir / "scheduler_config.json").read_text(encoding="utf-8"))
+    scheduler_cls = getattr(diffusers, sched_cfg.get("_class_name", "PNDMScheduler"))
+    return config, tokenizer, scheduler_cls.from_config(sched_cfg)
+
+
+class TritonPythonModel:
+    """The Triton Python-backend entry points (``initialize``, ``execute``, ``finalize``)."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        model_dir = Path(args["model_repository"]) / args["model_version"]
+        self.config, self.tokenizer, self.scheduler = load_pipeline_assets(model_dir)
+
+    def _infer(self, model_name: str, inputs: Mapping[str, np.ndarray], output_name: str) -> np.ndarray:
+        import triton_python_backend_utils as pb_utils
+
+        request = pb_utils.InferenceRequest(
+            model_name=model_name,
+            requested_output_names=[output_name],
+            inputs=[pb_utils.Tensor(name, np.ascontiguousarray(value)) for name, value in inputs.items()],
+        )
+        response = request.exec()
+        if response.has_error():
+            raise RuntimeError(f"{model_name}: {response.error().message()}")
+        return pb_utils.get_output_tensor_by_name(response, output_name).as_numpy()
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        import triton_python_backend_utils as pb_utils
+
+        responses = []
+        for request in requests:
+            try:
+                inputs = {}
+                for name in FIELDS:
+                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    inputs[name] = None if tensor is None else tensor.as_numpy()
+                params = parse_request(inputs, self.config)
+                scheduler = type(self.scheduler).from_config(self.scheduler.config)
+                image = text_to_image(params, self.config, self.tokenizer, scheduler, self._infer)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("image", image)]))
+            except (RequestError, RuntimeError) as e:
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))))
+        return responses
+
+    def finalize(self) -> None:
+        self.tokenizer = None

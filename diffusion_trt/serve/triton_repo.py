@@ -1,0 +1,227 @@
+"""``diffusion-trt export-triton``: a Triton model repository for a stock Triton Inference Server.
+
+::
+
+    REPO_DIR/
+      <prefix>text_encoder/config.pbtxt   1/model.onnx (or model.plan)    one model per engine
+      <prefix>unet/ ...
+      <prefix>vae_decoder/ ...
+      <prefix>pipeline/config.pbtxt       Python backend (BLS): 1/model.py, 1/pipeline.json,
+                                          1/tokenizer/, 1/scheduler_config.json
+
+Engine models: ``platform: "onnxruntime_onnx"`` for ``ort`` artifacts, ``"tensorrt_plan"`` for ``tensorrt``
+ones; inputs and outputs with the manifest's dtypes and dims. Every SD engine has its batch symbol (``B``
+or ``B2``) first on every tensor, so it is exported with ``max_batch_size`` = that symbol's profile maximum,
+the batch dim left out of ``dims`` and ``dynamic_batching`` on (Triton merges concurrent calls of equal
+shapes); other symbols become ``-1``. A model whose tensors do not share a leading batch symbol gets
+``max_batch_size: 0`` and full dims. ``instance_group`` is ``KIND_GPU`` for ``cuda`` artifacts and ``KIND_CPU``
+for ``cpu`` ones; the pipeline model runs its loop on the CPU and calls the engines through BLS.
+
+The artifact is verified (sha256 and all) before anything is copied; files are hard-linked when the
+repository is on the same file system, else copied.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path, PurePath
+from typing import Any
+
+from .. import artifacts
+from ..errors import ArtifactError
+from . import triton_model
+
+logger = logging.getLogger(__name__)
+
+#: Manifest dtype -> Triton model-config data type.
+TRITON_TYPES: dict[str, str] = {
+    "float32": "TYPE_FP32",
+    "float16": "TYPE_FP16",
+    "bfloat16": "TYPE_BF16",
+    "int64": "TYPE_INT64",
+    "int32": "TYPE_INT32",
+    "int8": "TYPE_INT8",
+    "uint8": "TYPE_UINT8",
+    "bool": "TYPE_BOOL",
+}
+PLATFORMS: dict[str, str] = {"ort": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
+BATCH_SYMBOLS = ("B", "B2")
+#: Engines the text-to-image pipeline model calls.
+PIPELINE_ENGINES: tuple[str, ...] = ("text_encoder", "unet", "vae_decoder")
+
+
+def _quote(text: str) -> str:
+    return json.dumps(text)  # a JSON string literal is a valid protobuf text-format string
+
+
+def batch_symbol(entry: Mapping[str, Any]) -> str | None:
+    """The batch symbol every input and output of an engine starts with, or ``None`` if they do not share one."""
+    firsts = {t["shape"][0] if t["shape"] else None for t in [*entry["inputs"], *entry["outputs"]]}
+    if len(firsts) == 1:
+        (first,) = firsts
+        if first in BATCH_SYMBOLS:
+            return str(first)
+    return None
+
+
+def _tensor_block(t: Mapping[str, Any], batched: bool) -> str:
+    dims = [d if isinstance(d, int) else -1 for d in t["shape"]]
+    reshape = ""
+    if batched:
+        dims = dims[1:]
+        if not dims:  # a [B] tensor: Triton wants dims [1], reshaped to [] for the model
+            dims, reshape = [1], " reshape: { shape: [ ] }"
+    dtype = TRITON_TYPES.get(t["dtype"])
+    if dtype is None:
+        raise ArtifactError(f"tensor {t['name']!r} has dtype {t['dtype']!r}, which Triton has no type for")
+    return (f"  {{ name: {_quote(t['name'])} data_type: {dtype} dims: [ {', '.join(map(str, dims))} ]"
+            f"{reshape} }}")
+
+
+def engine_config(name: str, entry: Mapping[str, Any], backend: str, device: str, *, instances: int = 1,
+                  max_queue_delay_us: int = 2000) -> str:
+    """``config.pbtxt`` text of one engine model.
+
+    Args:
+        name: the Triton model name.
+        entry: the manifest's component entry (``inputs``/``outputs`` with ``shape`` and ``max``).
+        backend: "ort" or "tensorrt"; device: "cpu" or "cuda".
+        instances: model instances (per GPU for KIND_GPU).
+        max_queue_delay_us: how long the dynamic batcher waits to merge requests.
+    """
+    symbol = batch_symbol(entry)
+    max_batch = 0
+    if symbol is not None:
+        max_batch = int(entry["inputs"][0]["max"][0])
+    lines = [
+        f"name: {_quote(name)}",
+        f"platform: {_quote(PLATFORMS[backend])}",
+        f"max_batch_size: {max_batch}",
+        "input [",
+        ",\n".join(_tensor_block(t, symbol is not None) for t in entry["inputs"]),
+        "]",
+        "output [",
+        ",\n".join(_tensor_block(t, symbol is not None) for t in entry["outputs"]),
+        "]",
+        f"instance_group [ {{ count: {instances} kind: {'KIND_GPU' if device == 'cuda' else 'KIND_CPU'} }} ]",
+    ]
+    if max_batch:
+        lines.append(f"dynamic_batching {{ max_queue_delay_microseconds: {max_queue_delay_us} }}")
+    return "\n".join(lines) + "\n"
+
+
+def pipeline_config(name: str, *, instances: int = 1) -> str:
+    """``config.pbtxt`` text of the Python-backend pipeline model (request layout: :mod:`.triton_model`)."""
+    inputs = []
+    for field, (_kinds, triton_type) in triton_model.FIELDS.items():
+        dtype = "TYPE_STRING" if triton_type == "BYTES" else f"TYPE_{triton_type}"
+        optional = "" if field == "prompt" else " optional: true"
+        inputs.append(f"  {{ name: {_quote(field)} data_type: {dtype} dims: [ 1 ]{optional} }}")
+    return "\n".join([
+        f"name: {_quote(name)}",
+        'backend: "python"',
+        "max_batch_size: 0",
+        "input [",
+        ",\n".join(inputs),
+        "]",
+        "output [",
+        '  { name: "image" data_type: TYPE_UINT8 dims: [ -1, -1, 3 ] }',
+        "]",
+        f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]",
+    ]) + "\n"
+
+
+def pipeline_facts(manifest: Mapping[str, Any], models: Mapping[str, str],
+                   limits: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """``pipeline.json`` for the pipeline model: model facts, profile, engine model names and tensor dtypes."""
+    return {
+        "artifact": manifest.get("name"),
+        "manifest_sha256": manifest.get(artifacts.SEAL_KEY),
+        "model": manifest["model"],
+        "profile": manifest["profile"],
+        "models": dict(models),
+        "dtypes": {
+            c: {t["name"]: t["dtype"] for t in [*manifest["components"][c]["inputs"],
+                                                  *manifest["components"][c]["outputs"]]}
+            for c in PIPELINE_ENGINES
+        },
+        "limits": {**triton_model.DEFAULT_LIMITS, **(limits or {})},
+        "defaults": triton_model.DEFAULTS,
+    }
+
+
+def _place(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def export_triton_repository(
+    artifact_dir: str | os.PathLike[str],
+    repo_dir: str | os.PathLike[str],
+    *,
+    prefix: str = "",
+    instances: int = 1,
+    max_queue_delay_us: int = 2000,
+    overwrite: bool = False,
+) -> dict[str, Path]:
+    """Write a Triton model repository serving the artifact (see the module docstring).
+
+    Args:
+        artifact_dir: a compiled artifact (verified first).
+        repo_dir: the repository; created, or added to (models of other artifacts stay) when it exists.
+        prefix: prepended to every model name, so one repository can hold several artifacts.
+        instances: instances per engine model.
+        max_queue_delay_us: the engines' dynamic-batching delay.
+        overwrite: replace models of the same names that already exist.
+
+    Returns:
+        Model name -> model folder.
+
+    Raises:
+        ArtifactError: the artifact fails verification, lacks an engine, or a model folder exists without
+            ``overwrite``.
+    """
+    root = Path(artifact_dir)
+    repo = Path(repo_dir)
+    manifest = artifacts.load_verified(root)
+    backend, device = manifest["backend"], manifest["device"]
+    names = {c: f"{prefix}{c}" for c in manifest["components"]}
+    pipeline_name = f"{prefix}pipeline"
+    folders = {n: repo / n for n in [*names.values(), pipeline_name]}
+    clash = [str(p) for p in folders.values() if p.exists()]
+    if clash and not overwrite:
+        raise ArtifactError(f"model folder(s) {', '.join(clash)} exist; pass --overwrite or use --prefix")
+    for path in folders.values():
+        shutil.rmtree(path, ignore_errors=True)
+
+    for component, entry in manifest["components"].items():
+        folder = folders[names[component]]
+        engine_rel = entry["plan"] if backend == "tensorrt" else entry["onnx"]
+        version = folder / "1"
+        _place(artifacts.safe_join(root, engine_rel), version / PurePath(engine_rel).name)
+        if backend == "ort":  # external data sits beside the model under the name the model refers to
+            for rel in entry.get("files", []):
+                if rel != engine_rel and not rel.endswith(".plan"):
+                    _place(artifacts.safe_join(root, rel), version / PurePath(rel).name)
+        text = engine_config(names[component], entry, backend, device, instances=instances,
+                             max_queue_delay_us=max_queue_delay_us)
+        (folder / "config.pbtxt").write_text(text, encoding="utf-8")
+
+    version = folders[pipeline_name] / "1"
+    version.mkdir(parents=True)
+    shutil.copy2(Path(triton_model.__file__), version / "model.py")
+    shutil.copytree(artifacts.safe_join(root, manifest["tokenizer"]), version / "tokenizer")
+    shutil.copy2(artifacts.safe_join(root, manifest["scheduler"]["config"]), version / "scheduler_config.json")
+    facts = pipeline_facts(manifest, {c: names[c] for c in PIPELINE_ENGINES})
+    (version / "pipeline.json").write_text(json.dumps(facts, indent=2) + "\n", encoding="utf-8")
+    (folders[pipeline_name] / "config.pbtxt").write_text(pipeline_config(pipeline_name), encoding="utf-8")
+    logger.info("wrote Triton models %s to %s", ", ".join(folders), repo)
+    return folders
+

@@ -1,0 +1,203 @@
+"""``diffusion-trt verify``: can this artifact folder be trusted, and does it run on this machine?
+
+Two halves, each returning one line per problem (nothing raised for a problem found, so a report lists them
+all):
+
+* :func:`integrity_problems`: the manifest (JSON, schema, seal), every listed file (inside the folder,
+  present, size, sha256), every component file listed, ONNX external data inside the folder, no symbolic
+  link leading out, no file the manifest does not list.
+* :func:`host_problems`: the machine: ONNX Runtime and the execution provider of the artifact's device for
+  ``ort`` artifacts; TensorRT's version and the GPU's compute capability for each plan
+  (:func:`~diffusion_trt.trt_compat.check_plan_compat`) for ``tensorrt`` artifacts. A target host can be
+  given instead of this machine (checking, on a build box, what will load on a serving host).
+
+Imports neither torch (except to read the GPU's facts, lazily) nor the compiler: a serving host runs it with
+the runtime's dependencies alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import artifacts, trt_compat
+from .errors import ArtifactError
+
+logger = logging.getLogger(__name__)
+
+#: The ONNX Runtime execution provider an ``ort`` artifact needs, per device it was compiled for.
+DEVICE_PROVIDERS: dict[str, str] = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify_artifact` found.
+
+    Attributes:
+        problems: one line per problem; the artifact passes when empty.
+        warnings: things that load but deserve a look (another GPU of the same compute capability...).
+        checked_files: files whose size (and sha256) were checked.
+    """
+
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    checked_files: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def load_manifest_json(root: Path) -> tuple[dict[str, Any] | None, list[str]]:
+    """Read ``manifest.json`` without raising: ``(manifest or None, problems)``; schema and seal checked."""
+    path = root / artifacts.MANIFEST_NAME
+    if not root.is_dir():
+        return None, [f"{root}: artifact folder does not exist"]
+    if not path.is_file():
+        return None, [f"{path}: missing; the folder is not a compiled artifact (run `diffusion-trt compile`)"]
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, [f"{path}: not valid JSON ({e}); recompile the artifact"]
+    if not isinstance(manifest, dict):
+        return None, [f"{path}: not a JSON object; recompile the artifact"]
+    if manifest.get("schema_version") != artifacts.SCHEMA_VERSION:
+        return None, [
+            f"{path}: schema_version={manifest.get('schema_version')!r}; this diffusion-trt reads "
+            f"{artifacts.SCHEMA_VERSION}: recompile with this version"
+        ]
+    return manifest, artifacts.manifest_problems(manifest)
+
+
+def integrity_problems(root: str | os.PathLike[str], check_hashes: bool = True) -> tuple[dict[str, Any] | None,
+                                                                                          list[str], int]:
+    """Everything about the folder itself, independent of the machine.
+
+    Returns:
+        ``(manifest or None when unreadable, problems, number of listed files checked)``.
+    """
+    root = Path(root)
+    manifest, problems = load_manifest_json(root)
+    if manifest is None:
+        return None, problems, 0
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+        for e in files.values()
+    ):
+        return manifest, problems, 0  # the schema problems already say what is wrong
+    problems += artifacts.verify_files(root, manifest, check_hashes=check_hashes)
+    if isinstance(manifest.get("components"), dict) and all(
+        isinstance(e, dict) for e in manifest["components"].values()
+    ):
+        problems += artifacts.component_file_problems(root, manifest)
+    problems += artifacts.link_problems(root)
+    for rel in artifacts.unlisted_files(root, manifest):
+        problems.append(f"{rel}: not listed in the manifest (added after compile?); remove it or recompile")
+    for key, rel in (("tokenizer", manifest.get("tokenizer")), ("scheduler", manifest.get("scheduler", {}).get(
+            "config") if isinstance(manifest.get("scheduler"), dict) else None)):
+        if isinstance(rel, str):
+            try:
+                artifacts.safe_join(root, rel)
+            except ArtifactError as e:
+                problems.append(f"{key}: {e}")
+    return manifest, list(dict.fromkeys(problems)), len(files)
+
+
+def host_problems(
+    manifest: dict[str, Any],
+    *,
+    providers: Sequence[str] | None = None,
+    trt_host: trt_compat.TrtHost | None = None,
+) -> tuple[list[str], list[str]]:
+    """Can this machine (or the given target) run the artifact?
+
+    Args:
+        manifest: a schema-valid manifest.
+        providers: ONNX Runtime providers to assume instead of ``onnxruntime.get_available_providers()``.
+        trt_host: TensorRT version and GPU to assume instead of this machine's.
+
+    Returns:
+        ``(problems, warnings)``.
+    """
+    backend, device = manifest.get("backend"), manifest.get("device")
+    problems: list[str] = []
+    warnings: list[str] = []
+    if backend == "ort":
+        if device == "cpu" and manifest.get("precision") == "fp16":
+            problems.append("precision fp16 with device cpu: ONNX Runtime's CPU provider cannot run it; recompile")
+        need = DEVICE_PROVIDERS.get(str(device))
+        if providers is None:
+            try:
+                import onnxruntime as ort
+            except ImportError:
+                extra = "gpu" if device == "cuda" else "cpu"
+                return [f"onnxruntime is not installed; pip install 'diffusion-trt[{extra}]'"], warnings
+            providers = ort.get_available_providers()
+        if need and need not in providers:
+            fix = "install onnxruntime-gpu with a matching CUDA" if device == "cuda" else "install onnxruntime"
+            problems.append(
+                f"the artifact runs on {device} with ONNX Runtime's {need}, which this machine lacks "
+                f"(available: {', '.join(providers) or 'none'}); {fix}, or recompile for --device "
+                f"{'cpu' if device == 'cuda' else 'cuda'}"
+            )
+    elif backend == "tensorrt":
+        host = trt_host or _this_trt_host(problems)
+        if host is None:
+            return problems, warnings
+        for name, entry in sorted(manifest.get("components", {}).items()):
+            if "plan" not in entry:
+                continue
+            where = f"engine {name!r} ({entry['plan']})"
+            try:
+                warnings += trt_compat.check_plan_compat(entry.get("build") or {}, host, where)
+            except ArtifactError as e:
+                problems.append(str(e))
+    return problems, warnings
+
+
+def _this_trt_host(problems: list[str]) -> trt_compat.TrtHost | None:
+    try:
+        import tensorrt
+    except Exception as e:  # noqa: BLE001 - the PyPI stub package raises on import
+        problems.append(
+            f"TensorRT is not importable here ({type(e).__name__}: {e}); plans load only with TensorRT on a CUDA "
+            "GPU: run verify on the serving host, or pass --tensorrt/--compute-capability to check against one"
+        )
+        return None
+    facts = trt_compat.gpu_facts()
+    if facts is None:
+        problems.append("no CUDA GPU is visible (torch.cuda.is_available() is False); TensorRT plans need one")
+        return None
+    return trt_compat.TrtHost(str(tensorrt.__version__), facts.compute_capability, facts.gpu)
+
+
+def verify_artifact(
+    root: str | os.PathLike[str],
+    *,
+    check_hashes: bool = True,
+    check_host: bool = True,
+    providers: Sequence[str] | None = None,
+    trt_host: trt_compat.TrtHost | None = None,
+) -> VerifyReport:
+    """Check an artifact folder: integrity always, this machine's compatibility unless ``check_host`` is false.
+
+    Args:
+        root: the artifact folder.
+        check_hashes: compute every file's sha256 (seconds per GB); sizes are always checked.
+        check_host: also check :func:`host_problems`.
+        providers, trt_host: a target host to check against instead of this machine.
+    """
+    manifest, problems, checked = integrity_problems(root, check_hashes=check_hashes)
+    report = VerifyReport(problems=problems, checked_files=checked)
+    schema_ok = manifest is not None and not artifacts.manifest_problems(manifest)
+    if check_host and schema_ok and manifest is not None:
+        host, warnings = host_problems(manifest, providers=providers, trt_host=trt_host)
+        report.problems += host
+        report.warnings += warnings
+    return report

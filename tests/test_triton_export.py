@@ -1,0 +1,206 @@
+"""`export-triton`: every config.pbtxt parses as Triton's ModelConfig, and the BLS pipeline model's loop gives
+the images EnginePipeline gives (run here with ONNX Runtime standing in for the Triton engine models)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from diffusion_trt import artifacts
+from diffusion_trt.cli import main
+from diffusion_trt.serve import triton_model
+from diffusion_trt.serve.triton_model import RequestError, parse_request
+
+
+def _invoke(*args: object) -> tuple[int, str]:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+def _model_config(path: Path) -> Any:
+    pb2 = pytest.importorskip(
+        "tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] is not installed (pip install '.[serve]')"
+    )
+    from google.protobuf import text_format
+
+    return text_format.Parse(path.read_text(), pb2.ModelConfig())
+
+
+@pytest.fixture(scope="module")
+def repo(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("triton") / "repo"
+    code, text = _invoke("export-triton", tiny_artifact, out)
+    assert code == 0, text
+    return out
+
+
+def test_repository_layout(repo: Path) -> None:
+    assert sorted(p.name for p in repo.iterdir()) == ["pipeline", "text_encoder", "unet", "vae_decoder", "vae_encoder"]
+    for name in ("text_encoder", "unet", "vae_decoder", "vae_encoder"):
+        assert (repo / name / "1" / "model.onnx").is_file()
+    version = repo / "pipeline" / "1"
+    assert {p.name for p in version.iterdir()} >= {"model.py", "pipeline.json", "tokenizer", "scheduler_config.json"}
+
+
+def test_engine_configs_parse_as_triton_model_configs(repo: Path, tiny_artifact: Path) -> None:
+    pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] is not installed")
+    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    for name, entry in manifest["components"].items():
+        cfg = _model_config(repo / name / "config.pbtxt")
+        assert cfg.name == name and cfg.platform == "onnxruntime_onnx"
+        assert cfg.max_batch_size == entry["inputs"][0]["max"][0]  # 8 for B2 engines (CFG), 4 for B ones
+        assert cfg.HasField("dynamic_batching")
+        assert [g.kind for g in cfg.instance_group] == [pb2.ModelInstanceGroup.KIND_CPU]
+        assert [i.name for i in cfg.input] == [t["name"] for t in entry["inputs"]]
+        assert [o.name for o in cfg.output] == [t["name"] for t in entry["outputs"]]
+    unet = {i.name: i for i in _model_config(repo / "unet" / "config.pbtxt").input}
+    assert list(unet["sample"].dims) == [4, -1, -1] and unet["sample"].data_type == pb2.TYPE_FP32
+    assert list(unet["timestep"].dims) == [1] and list(unet["timestep"].reshape.shape) == []
+    assert list(unet["encoder_hidden_states"].dims) == [77, 32]
+    te = _model_config(repo / "text_encoder" / "config.pbtxt")
+    assert te.input[0].data_type == pb2.TYPE_INT64 and list(te.input[0].dims) == [77]
+
+
+def test_pipeline_config_parses(repo: Path) -> None:
+    pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] is not installed")
+    cfg = _model_config(repo / "pipeline" / "config.pbtxt")
+    assert cfg.backend == "python" and cfg.max_batch_size == 0
+    inputs = {i.name: i for i in cfg.input}
+    assert list(inputs) == list(triton_model.FIELDS)
+    assert inputs["prompt"].data_type == pb2.TYPE_STRING and not inputs["prompt"].optional
+    assert inputs["seed"].data_type == pb2.TYPE_INT64 and inputs["seed"].optional
+    assert inputs["guidance_scale"].data_type == pb2.TYPE_FP32
+    assert cfg.output[0].name == "image" and cfg.output[0].data_type == pb2.TYPE_UINT8
+    assert list(cfg.output[0].dims) == [-1, -1, 3]
+
+
+def test_tensorrt_artifact_exports_plans_on_gpu(tiny_artifact: Path, tmp_path: Path) -> None:
+    pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] is not installed")
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest.update(backend="tensorrt", device="cuda")
+    for name, entry in manifest["components"].items():
+        entry["plan"] = f"{name}/model.plan"
+        entry["build"] = {"tensorrt": "10.8.0.43", "compute_capability": "9.0"}
+        (art / entry["plan"]).write_bytes(b"plan")
+        manifest["files"][entry["plan"]] = artifacts.file_entry(art, entry["plan"])
+    artifacts.write_manifest(art, manifest)
+    code, out = _invoke("export-triton", art, tmp_path / "repo", "--prefix", "sd_", "--instances", "2")
+    assert code == 0, out
+    cfg = _model_config(tmp_path / "repo" / "sd_unet" / "config.pbtxt")
+    assert cfg.name == "sd_unet" and cfg.platform == "tensorrt_plan"
+    assert [(g.kind, g.count) for g in cfg.instance_group] == [(pb2.ModelInstanceGroup.KIND_GPU, 2)]
+    assert (tmp_path / "repo" / "sd_unet" / "1" / "model.plan").read_bytes() == b"plan"
+    facts = json.loads((tmp_path / "repo" / "sd_pipeline" / "1" / "pipeline.json").read_text())
+    assert facts["models"] == {"text_encoder": "sd_text_encoder", "unet": "sd_unet", "vae_decoder": "sd_vae_decoder"}
+
+
+def test_export_refuses_a_damaged_artifact_and_existing_models(tiny_artifact: Path, repo: Path, tmp_path: Path) -> None:
+    code, out = _invoke("export-triton", tiny_artifact, repo)
+    assert code == 3 and "exist; pass --overwrite or use --prefix" in out
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    (art / "unet" / "model.onnx").write_bytes(b"x")
+    code, out = _invoke("export-triton", art, tmp_path / "r")
+    assert code == 3 and "unet/model.onnx: size 1 !=" in out and not (tmp_path / "r").exists()
+
+
+# -- the pipeline model's pure code ----------------------------------------------------------------------------
+
+
+def _load_model_py(repo: Path) -> ModuleType:
+    path = repo / "pipeline" / "1" / "model.py"
+    spec = importlib.util.spec_from_file_location("exported_pipeline_model", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_model_py_imports_nothing_from_diffusion_trt(repo: Path) -> None:
+    tree = ast.parse((repo / "pipeline" / "1" / "model.py").read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not any(n.startswith(("diffusion_trt", ".")) for n in names), names
+    module = _load_model_py(repo)  # imports without Triton (triton_python_backend_utils only inside methods)
+    assert hasattr(module, "TritonPythonModel") and module.FIELDS == triton_model.FIELDS
+
+
+CONFIG = {"model": {"vae_scale_factor": 8, "default_height": 64, "default_width": 64},
+          "profile": {"batch": [1, 1, 4], "height": [32, 64, 128], "width": [32, 64, 128]}}
+
+
+def _b(text: str) -> np.ndarray:
+    return np.array([text.encode()], dtype=object)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "field", "message"),
+    [
+        ({}, "prompt", "prompt is required"),
+        ({"negative_prompt": _b("x")}, "prompt", "prompt is required"),
+        ({"prompt": _b("x"), "steps": np.array([0], np.int32)}, "steps", "steps=0 must be in 1..150"),
+        ({"prompt": _b("x"), "height": np.array([7], np.int32)}, "height",
+         r"height=7 must be a multiple of 8 in 32\.\.128 \(the engines' profile\); use 32"),
+        ({"prompt": _b("x" * 10_000)}, "prompt", "prompt has 10000 characters; at most 2000"),
+        ({"prompt": _b("x"), "steps": np.array([3.0], np.float32)}, "steps", "steps must be INT32, got float32"),
+        ({"prompt": np.array([1], np.int64)}, "prompt", "prompt must be BYTES, got int64"),
+        ({"prompt": _b("x"), "seed": np.array([-1], np.int64)}, "seed", "seed=-1 must be in 0"),
+        ({"prompt": _b("x"), "guidance_scale": np.array([np.nan], np.float32)}, "guidance_scale", "guidance_scale=nan"),
+        ({"prompt": _b("x"), "width": np.array([1024], np.int32)}, "width", r"width=1024 .* use 128"),
+        ({"prompt": np.array([b"a", b"b"], dtype=object)}, "prompt", r"prompt must hold one value, got shape \[2\]"),
+        ({"prompt": _b("x"), "sampler": _b("y")}, "sampler", "sampler is not an input of this model"),
+    ],
+)
+def test_parse_request_names_the_field(inputs: Mapping[str, np.ndarray], field: str, message: str) -> None:
+    with pytest.raises(RequestError, match=message) as err:
+        parse_request(inputs, CONFIG)
+    assert err.value.field == field and str(err.value).startswith(field)
+
+
+def test_parse_request_defaults() -> None:
+    params = parse_request({"prompt": _b("a cat")}, CONFIG)
+    assert params == {"prompt": "a cat", "negative_prompt": "", "seed": 0, "steps": 30, "guidance_scale": 7.5,
+                      "height": 64, "width": 64}
+
+
+def test_bls_loop_gives_the_images_of_engine_pipeline(repo: Path, tiny_artifact: Path) -> None:
+    """model.py's loop, with ORT sessions on the repository's model files in place of BLS calls."""
+    import onnxruntime as ort
+
+    from diffusion_trt.runtime import EnginePipeline
+
+    module = _load_model_py(repo)
+    config, tokenizer, scheduler = module.load_pipeline_assets(repo / "pipeline" / "1")
+    sessions = {n: ort.InferenceSession(str(repo / n / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+                for n in ("text_encoder", "unet", "vae_decoder")}
+    calls: list[str] = []
+
+    def infer(model: str, inputs: Mapping[str, np.ndarray], output: str) -> np.ndarray:
+        calls.append(model)
+        return sessions[model].run([output], dict(inputs))[0]
+
+    request = {"prompt": _b("an ink painting of a mountain"), "negative_prompt": _b("blurry"),
+               "seed": np.array([7], np.int64), "steps": np.array([4], np.int32),
+               "guidance_scale": np.array([6.0], np.float32), "height": np.array([48], np.int32)}
+    params = module.parse_request(request, config)
+    fresh = type(scheduler).from_config(scheduler.config)
+    image = module.text_to_image(params, config, tokenizer, fresh, infer)
+    assert image.shape == (48, 64, 3) and image.dtype == np.uint8
+    assert calls == ["text_encoder"] + ["unet"] * len(fresh.timesteps) + ["vae_decoder"]  # PNDM: 4 steps, 5 calls
+    with EnginePipeline.from_artifacts(tiny_artifact) as pipe:
+        expected = pipe("an ink painting of a mountain", negative_prompt="blurry", num_inference_steps=4,
+                        guidance_scale=6.0, seed=7, height=48, width=64, progress=False).images[0]
+    diff = np.abs(image.astype(int) - np.asarray(expected).astype(int))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (diff.max(), (diff > 0).mean())
