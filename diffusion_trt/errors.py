@@ -43,3 +43,9 @@ class RuntimeInputError(DiffusionTrtError, ValueError):
     """A call to the runtime got an argument it cannot honour (size, steps, guidance, scheduler...)."""
 
     exit_code = 2
+
+
+class QualityGateError(BuildError):
+    """A quantized engine is further from fp32 than the quality thresholds allow (``--accept-quality-loss``)."""
+
+    exit_code = 4

@@ -1,0 +1,260 @@
+"""Calibration data for int8/fp8 quantization: the UNet's and VAE decoder's real inputs from real denoising loops.
+
+::
+
+    prompts ──tokenize + text encoder──► embeddings ──denoise (fp32 torch UNet, seed, CFG)──► latents
+                      captured at K timesteps: (sample, timestep, encoder_hidden_states)  -> UNet feeds
+                      captured after the last step: latents / scaling_factor              -> VAE decoder feeds
+
+Which pipeline runs: the fp32 **torch** modules the compiler has already loaded (text encoder, UNet, VAE)
+driven by the loop of :mod:`diffusion_trt.runtime.denoise` (its ``tokenize``, ``prepare_latents`` and
+``step_kwargs``, diffusers' scheduler from the model folder), i.e. diffusers' ``StableDiffusionPipeline`` step for
+step. Why not an fp32 artifact through ``EnginePipeline``: the compile would need a second full export first; the
+torch modules are exact fp32 and already in memory. The UNet is a callable (:data:`UNetFn`), so the quality gate
+(:mod:`.quantize`) runs the very same loop with an ONNX Runtime session of the quantized graph instead.
+
+Determinism: the latents of prompt ``i`` come from ``torch.Generator("cpu").manual_seed(seed + i)``; the loop has
+no other randomness (schedulers with noise, e.g. Euler ancestral, draw from that generator too). Same prompts,
+seed and settings give the same feeds bit for bit on the same machine and library versions, so the same scales.
+
+Shapes: one image per prompt with CFG (``guidance_scale > 1``): UNet feeds ``sample [2, C, h, w]``,
+``timestep [2]`` float32, ``encoder_hidden_states [2, 77, D]``; VAE feeds ``latent_sample [1, 4, h, w]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import RuntimeInputError
+
+logger = logging.getLogger(__name__)
+
+#: ``--calibration-prompts builtin``: the bundled list, ``diffusion_trt/data/calibration_prompts.txt`` (64 prompts).
+BUILTIN = "builtin"
+_BUILTIN_FILE = "calibration_prompts.txt"
+
+#: Prompts the quality gate generates with (never used for calibration: held out by construction).
+HELD_OUT_PROMPTS: tuple[str, ...] = (
+    "a lonely pagoda on a cliff above the clouds, Chinese ink painting",
+    "a pixel art harbor town at dusk with fishing boats",
+    "a photograph of a golden retriever running through shallow water",
+    "a still life of pomegranates and a brass teapot, oil on canvas",
+)
+
+#: ``unet_fn(sample [B2,C,h,w], timestep [B2] float32, encoder_hidden_states [B2,S,D]) -> noise_pred [B2,C,h,w]``.
+UNetFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def read_prompts(source: str | Path) -> list[str]:
+    """The prompts of ``source``: :data:`BUILTIN` or a UTF-8 text file, one prompt a line.
+
+    Blank lines and lines starting with ``#`` are skipped.
+
+    Raises:
+        RuntimeInputError: the file does not exist or holds no prompt.
+    """
+    if str(source) == BUILTIN:
+        text = importlib.resources.files("diffusion_trt.data").joinpath(_BUILTIN_FILE).read_text(encoding="utf-8")
+        where = f"the builtin list ({_BUILTIN_FILE})"
+    else:
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise RuntimeInputError(
+                f"--calibration-prompts {str(source)!r} is not a file; pass a text file with one prompt per line "
+                f"or '{BUILTIN}'"
+            )
+        text = path.read_text(encoding="utf-8")
+        where = str(path)
+    prompts = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not prompts:
+        raise RuntimeInputError(f"{where} holds no prompt (one per line; '#' starts a comment)")
+    return prompts
+
+
+def select_prompts(prompts: Sequence[str], size: int) -> list[str]:
+    """The first ``size`` prompts, cycling through the list when it is shorter (a warning says so)."""
+    if size < 1:
+        raise RuntimeInputError(f"--calibration-size {size} must be >= 1")
+    if size > len(prompts):
+        logger.warning("calibration: %d prompts asked, the list has %d: cycling through it", size, len(prompts))
+    return [prompts[i % len(prompts)] for i in range(size)]
+
+
+def prompts_sha256(prompts: Sequence[str]) -> str:
+    """sha256 of the prompts joined by newlines (what the calibration cache is keyed by)."""
+    return hashlib.sha256("\n".join(prompts).encode("utf-8")).hexdigest()
+
+
+def capture_indices(num_steps: int, k: int) -> list[int]:
+    """``k`` step indices spread evenly over a ``num_steps`` schedule, first and last included (sorted, unique)."""
+    if k < 1 or num_steps < 1:
+        raise RuntimeInputError(f"--calibration-steps {k} must be >= 1 (schedule of {num_steps} steps)")
+    k = min(k, num_steps)
+    return sorted({round(float(x)) for x in np.linspace(0, num_steps - 1, k)})
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """How each calibration / held-out image is generated.
+
+    Attributes:
+        steps: capture this many UNet calls per prompt, spread over the schedule.
+        schedule_steps: scheduler steps per image; ``None`` = ``steps`` (every UNet call is captured: the
+            cheapest loop whose captured inputs span the whole schedule).
+        seed: latents of prompt ``i`` come from seed ``seed + i``.
+        guidance_scale: classifier-free guidance; > 1 batches [negative; positive] as the runtime does.
+        height, width: image size in pixels (the profile's opt size).
+    """
+
+    steps: int
+    schedule_steps: int | None = None
+    seed: int = 0
+    guidance_scale: float = 7.5
+    height: int = 512
+    width: int = 512
+
+    @property
+    def num_inference_steps(self) -> int:
+        return self.schedule_steps or self.steps
+
+    def to_json(self) -> dict[str, Any]:
+        return {"steps": self.steps, "schedule_steps": self.num_inference_steps, "seed": self.seed,
+                "guidance_scale": self.guidance_scale, "height": self.height, "width": self.width}
+
+
+@dataclass
+class CapturedData:
+    """What the loops saw, as numpy feeds keyed by ONNX input name (component -> list of feeds).
+
+    Attributes:
+        feeds: ``{"unet": [{"sample", "timestep", "encoder_hidden_states"}, ...], "vae_decoder": [...]}``.
+        images: final images [1, 3, H, W] float32 in [0, 1], one per prompt (held-out runs only).
+        noise_preds: the UNet's output for each UNet feed, in the same order (held-out runs only).
+    """
+
+    feeds: dict[str, list[dict[str, np.ndarray]]] = field(default_factory=lambda: {"unet": [], "vae_decoder": []})
+    images: list[np.ndarray] = field(default_factory=list)
+    noise_preds: list[np.ndarray] = field(default_factory=list)
+
+
+def torch_unet_fn(unet: torch.nn.Module) -> UNetFn:
+    """A :data:`UNetFn` over a diffusers ``UNet2DConditionModel`` (fp32, no grad)."""
+
+    def run(sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return unet(sample, timestep, encoder_hidden_states, return_dict=False)[0]
+
+    return run
+
+
+def ort_unet_fn(session: Any) -> UNetFn:
+    """A :data:`UNetFn` over an ONNX Runtime session of a UNet graph (CPU, numpy I/O)."""
+
+    def run(sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        feeds = {"sample": sample.numpy(), "timestep": timestep.numpy(),
+                 "encoder_hidden_states": encoder_hidden_states.numpy()}
+        return torch.from_numpy(session.run(["noise_pred"], feeds)[0])
+
+    return run
+
+
+class Generation:
+    """The fp32 text encoder, VAE, tokenizer and scheduler a loop needs, with the UNet passed per run.
+
+    Args:
+        models: ``{"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}`` (fp32, CPU).
+        tokenizer: the model's ``CLIPTokenizer``.
+        scheduler_config: contents of ``scheduler/scheduler_config.json``.
+        vae_scaling_factor: ``vae.config.scaling_factor`` (0.18215 for SD 1.x).
+    """
+
+    def __init__(self, models: Mapping[str, Any], tokenizer: Any, scheduler_config: Mapping[str, Any],
+                 vae_scaling_factor: float) -> None:
+        self.models = models
+        self.tokenizer = tokenizer
+        self.scheduler_config = dict(scheduler_config)
+        self.vae_scaling_factor = vae_scaling_factor
+
+    def _embeddings(self, prompt: str, do_cfg: bool) -> torch.Tensor:
+        from ..runtime.denoise import tokenize
+
+        ids = tokenize(self.tokenizer, ["", prompt] if do_cfg else [prompt], torch.device("cpu"))
+        with torch.no_grad():
+            return self.models["text_encoder"](ids, return_dict=False)[0].float()
+
+    def decode(self, latent_sample: torch.Tensor) -> np.ndarray:
+        """Images [B, 3, H, W] float32 in [0, 1] from VAE inputs (latents already divided by the scaling factor)."""
+        with torch.no_grad():
+            image = self.models["vae"].decode(latent_sample, return_dict=False)[0]
+        return (image * 0.5 + 0.5).clamp(0, 1).float().numpy()
+
+    def run(
+        self,
+        prompts: Sequence[str],
+        settings: LoopSettings,
+        unet_fn: UNetFn | None = None,
+        *,
+        keep_outputs: bool = False,
+        decode: bool = False,
+    ) -> CapturedData:
+        """Generate one image per prompt and capture the UNet inputs at the chosen steps.
+
+        Args:
+            prompts: P prompts; prompt ``i`` uses seed ``settings.seed + i``.
+            unet_fn: the UNet to denoise with; ``None`` = the fp32 torch UNet.
+            keep_outputs: also keep the UNet's output per captured feed (``CapturedData.noise_preds``).
+            decode: also decode each final latent with the fp32 VAE (``CapturedData.images``).
+
+        Returns:
+            The captured feeds (UNet: ``len(prompts) * K``; VAE decoder: ``len(prompts)``), in prompt order.
+        """
+        from ..runtime.denoise import prepare_latents, step_kwargs
+        from ..runtime.schedulers import make_scheduler
+
+        unet_fn = unet_fn or torch_unet_fn(self.models["unet"])
+        unet_cfg = self.models["unet"].config
+        channels = int(unet_cfg.in_channels)
+        out = CapturedData()
+        do_cfg = settings.guidance_scale > 1.0
+        wanted = set(capture_indices(settings.num_inference_steps, settings.steps))
+        template = make_scheduler(self.scheduler_config)
+        shape = (1, channels, settings.height // 8, settings.width // 8)
+        for index, prompt in enumerate(prompts):
+            # 1. encode prompt
+            embeds = self._embeddings(prompt, do_cfg)
+            # 2. prepare latents
+            scheduler = type(template).from_config(template.config)
+            scheduler.set_timesteps(settings.num_inference_steps, device="cpu")
+            generator = torch.Generator(device="cpu").manual_seed(settings.seed + index)
+            latents = prepare_latents(scheduler, shape, torch.float32, torch.device("cpu"), generator)
+            extra = step_kwargs(scheduler, generator, 0.0)
+            # 3. denoise, capturing the UNet's inputs at the wanted steps
+            for i, t in enumerate(scheduler.timesteps):
+                model_input = torch.cat([latents] * 2) if do_cfg else latents
+                model_input = scheduler.scale_model_input(model_input, t)
+                timestep = t.to(torch.float32).expand(model_input.shape[0]).contiguous()
+                noise_pred = unet_fn(model_input, timestep, embeds)
+                if i in wanted:
+                    out.feeds["unet"].append({"sample": model_input.numpy().copy(), "timestep": timestep.numpy().copy(),
+                                              "encoder_hidden_states": embeds.numpy().copy()})
+                    if keep_outputs:
+                        out.noise_preds.append(noise_pred.numpy().copy())
+                if do_cfg:
+                    uncond, text = noise_pred.chunk(2)
+                    noise_pred = uncond + settings.guidance_scale * (text - uncond)
+                latents = scheduler.step(noise_pred, t, latents, **extra, return_dict=False)[0]
+            # 4. what the VAE decoder sees
+            latent_sample = latents / self.vae_scaling_factor
+            out.feeds["vae_decoder"].append({"latent_sample": latent_sample.numpy().copy()})
+            if decode:
+                out.images.append(self.decode(latent_sample))
+        return out
