@@ -12,19 +12,24 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .denoise import EmbeddingCache
     from .engine import Engine, EngineSpec
     from .ort_engine import OrtEngine
+    from .parallel import DataParallelPipeline, parse_devices
     from .pipeline import EnginePipeline, EnginePipelineOutput
     from .png import read_png_parameters, save_png
     from .schedulers import SCHEDULERS, scheduler_names
 
 __all__ = [
     "SCHEDULERS",
+    "DataParallelPipeline",
+    "EmbeddingCache",
     "Engine",
     "EnginePipeline",
     "EnginePipelineOutput",
     "EngineSpec",
     "OrtEngine",
+    "parse_devices",
     "read_png_parameters",
     "save_png",
     "scheduler_names",
@@ -34,6 +39,9 @@ _WHERE = {
     "Engine": "engine",
     "EngineSpec": "engine",
     "OrtEngine": "ort_engine",
+    "DataParallelPipeline": "parallel",
+    "parse_devices": "parallel",
+    "EmbeddingCache": "denoise",
     "EnginePipeline": "pipeline",
     "EnginePipelineOutput": "pipeline",
     "read_png_parameters": "png",

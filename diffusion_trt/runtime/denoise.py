@@ -7,31 +7,58 @@ repeated per image, classifier-free guidance (CFG) as ONE batch ``[negative; pos
 ``scheduler.init_noise_sigma``, timesteps as diffusers' ``retrieve_timesteps`` sets them, the scheduler's own
 ``scale_model_input`` and ``step``, and decoding of ``latents / scaling_factor``.
 
-Everything stays on the engines' device as torch tensors; the loop itself reads nothing back to the host
-(no ``.item()``, no ``.cpu()``), so on CUDA with a shared stream it is enqueued without waiting. (Some
-diffusers schedulers sync once on their first step when they look up the step index; that is theirs.)
+Beyond diffusers:
 
-Shapes: ``B`` images = prompts x images per prompt; ``B2`` = 2B with CFG, B without; latents
-``[B, 4, H/8, W/8]``; text embeddings ``[B2, 77, D]``.
+* the text encoder runs ONCE per request, over the distinct texts not already cached (negative prompts are
+  cached per (text, engine) in a small LRU, :class:`EmbeddingCache`);
+* a request larger than the engines' batch profile runs in chunks (:mod:`.batching`): the latents of the
+  whole request are drawn once and sliced, so the noise of an image does not depend on the chunking;
+* images leave the GPU as uint8 (or float32 for "np") in one asynchronous copy per chunk into a pinned
+  host buffer reused across calls (:mod:`.cuda`).
+
+Host syncs. Everything stays on the engines' device; the loop reads nothing back (no ``.item()``, no
+``.cpu()``) and hands the scheduler the timestep as a **CPU** tensor (taken once, before anything is queued),
+so the scheduler's index arithmetic runs on the host. Audit of diffusers 0.42's ``step`` with CUDA latents:
+
+* pndm / ddim / ddpm: index ``alphas_cumprod[t]`` and test ``prev_t >= 0``; with a CUDA ``t`` (what diffusers
+  passes) that is 2 syncs per step, with our CPU ``t`` none.
+* euler / euler_a / heun / lms / dpm++ (and other ``index_for_timestep`` schedulers): ``sigmas`` live on the
+  CPU; only the first call looks its step index up with ``nonzero().item()`` (1 sync). We pin it with
+  ``set_begin_index`` to the index diffusers' rule would find (computed on the host), so: no sync.
+* schedulers that draw noise in ``step`` (euler_a, ddpm, dpm++_sde, dpm2_a) with a CPU generator draw on the
+  CPU and copy to the device from pageable memory every step: the driver may synchronise there. That is the
+  price of diffusers-identical seeds; a CUDA generator avoids it but gives other images.
+
+The glue between engine calls (CFG combine, scheduler step, latent scaling) stays eager torch on the GPU: the
+schedulers keep Python state (step index, past model outputs) that a CUDA graph capture would freeze. With
+CUDA streams shared by ONNX Runtime and torch it is only enqueued, never waited for.
+
+Shapes: ``B`` images = prompts x images per prompt; ``B2`` = 2b with CFG, b without, for a chunk of b images;
+latents ``[B, 4, H/8, W/8]``; text embeddings ``[B2, 77, D]``.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import RuntimeInputError
+from .batching import plan_chunks
+from .cuda import HostBuffers, HostImageSink, images_float, images_uint8, nvtx_range, to_pil
 from .engine import Engine
 
 logger = logging.getLogger(__name__)
 
-#: ``callback(step_index, timestep, latents)``: called after every scheduler step, with the timestep (0-d
-#: tensor) and the latents [B, 4, h, w] on the engine device. Reading them on the host syncs the device.
+#: ``callback(step_index, timestep, latents)``: called after every scheduler step with the timestep (0-d CPU
+#: tensor) and the latents [b, 4, h, w] of the running chunk on the engine device (called once per step of
+#: every chunk). Reading the latents on the host syncs the device.
 StepCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 Generator = torch.Generator | list[torch.Generator] | None
 
@@ -72,6 +99,96 @@ def tokenize(tokenizer: Any, texts: Sequence[str], device: torch.device) -> torc
     return ids.to(device=device, dtype=torch.int64)
 
 
+class EmbeddingCache:
+    """A small LRU of text embeddings [77, D] keyed by (engine, text, dtype): the negative prompts.
+
+    The negative prompt ("" by default) is the same for most requests; caching it spares its text-encoder
+    row. Entries are device tensors owned by the cache (clones). Belongs to one pipeline (keys hold the
+    engine's ``id``): clear it when the engines close. Not thread-safe (one pipeline per thread).
+
+    Args:
+        maxsize: entries kept, >= 0 (0 disables caching).
+
+    Attributes:
+        hits, misses: lookups that found / did not find an entry.
+    """
+
+    def __init__(self, maxsize: int = 8) -> None:
+        if maxsize < 0:
+            raise ValueError(f"maxsize={maxsize} must be >= 0")
+        self.maxsize = maxsize
+        self._entries: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(engine: Engine, text: str, dtype: torch.dtype) -> tuple[int, str, torch.dtype]:
+        return (id(engine), text, dtype)
+
+    def get(self, key: Hashable) -> torch.Tensor | None:
+        value = self._entries.get(key)
+        if value is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return value
+
+    def put(self, key: Hashable, value: torch.Tensor) -> None:
+        if self.maxsize == 0:
+            return
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.maxsize:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def encode_prompt_embeds(
+    text_encoder: Engine,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    negative_prompts: Sequence[str] | None,
+    dtype: torch.dtype,
+    cache: EmbeddingCache | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-prompt text embeddings with ONE text-encoder run over the distinct texts not in ``cache``.
+
+    Args:
+        prompts: P prompts; negative_prompts: P negative prompts, or ``None`` (no CFG).
+        dtype: the UNet's ``encoder_hidden_states`` dtype.
+        cache: negative-prompt cache; ``None`` = encode everything.
+
+    Returns:
+        (positive [P, 77, D], negative [P, 77, D] or ``None``), fresh tensors of ``dtype`` on the engine device.
+    """
+    device = text_encoder.device
+    rows: dict[str, torch.Tensor] = {}
+    negatives = list(dict.fromkeys(negative_prompts)) if negative_prompts is not None else []
+    if cache is not None:
+        for text in negatives:
+            hit = cache.get(EmbeddingCache.key(text_encoder, text, dtype))
+            if hit is not None:
+                rows[text] = hit
+    todo = [t for t in dict.fromkeys([*negatives, *prompts]) if t not in rows]
+    if todo:
+        with nvtx_range("text_encoder", device):
+            ids = tokenize(tokenizer, todo, device)
+            embeds = _run_rows(text_encoder, "input_ids", ids, "last_hidden_state").to(dtype)
+        for j, text in enumerate(todo):
+            rows[text] = embeds[j]
+            if cache is not None and text in negatives:
+                cache.put(EmbeddingCache.key(text_encoder, text, dtype), embeds[j].clone())
+    positive = torch.stack([rows[p] for p in prompts])
+    negative = torch.stack([rows[n] for n in negative_prompts]) if negative_prompts is not None else None
+    return positive, negative
+
+
 def encode_prompt(
     text_encoder: Engine,
     tokenizer: Any,
@@ -79,6 +196,7 @@ def encode_prompt(
     negative_prompts: Sequence[str] | None,
     num_images_per_prompt: int,
     dtype: torch.dtype,
+    cache: EmbeddingCache | None = None,
 ) -> torch.Tensor:
     """Text embeddings for the UNet, diffusers' ``encode_prompt`` then the CFG concatenation.
 
@@ -87,24 +205,17 @@ def encode_prompt(
         negative_prompts: P negative prompts, or ``None`` for no CFG.
         num_images_per_prompt: N; each prompt's embedding is repeated N times in a row.
         dtype: the UNet's ``encoder_hidden_states`` dtype.
+        cache: negative-prompt cache (see :func:`encode_prompt_embeds`).
 
     Returns:
         [2*P*N, 77, D] ``[negative; positive]`` with CFG, [P*N, 77, D] without; a fresh tensor.
     """
-    device = text_encoder.device
-    texts = list(prompts) if negative_prompts is None else [*negative_prompts, *prompts]
-    ids = tokenize(tokenizer, texts, device)
-    embeds = _run_rows(text_encoder, "input_ids", ids, "last_hidden_state").to(dtype)
-
-    def per_image(e: torch.Tensor) -> torch.Tensor:
-        # diffusers' "mps friendly" duplication: repeat along the sequence axis, then view
-        bs, seq_len, _ = e.shape
-        return e.repeat(1, num_images_per_prompt, 1).view(bs * num_images_per_prompt, seq_len, -1)
-
-    if negative_prompts is None:
-        return per_image(embeds)
-    negative, positive = embeds.chunk(2)
-    return torch.cat([per_image(negative), per_image(positive)])
+    positive, negative = encode_prompt_embeds(text_encoder, tokenizer, prompts, negative_prompts, dtype, cache)
+    # diffusers repeats along the sequence axis then views: row order prompt0 x N, prompt1 x N, ... (= interleave)
+    positive = positive.repeat_interleave(num_images_per_prompt, dim=0)
+    if negative is None:
+        return positive
+    return torch.cat([negative.repeat_interleave(num_images_per_prompt, dim=0), positive])
 
 
 def prepare_latents(
@@ -164,6 +275,118 @@ def postprocess(image: torch.Tensor, output_type: str) -> list[Any] | np.ndarray
     return [Image.fromarray(a) for a in (array * 255).round().astype("uint8")]
 
 
+def host_timesteps(scheduler: Any) -> torch.Tensor:
+    """The scheduler's timesteps as a CPU tensor (one device->host copy, taken before anything is queued)."""
+    return scheduler.timesteps.detach().cpu()
+
+
+def pin_begin_index(scheduler: Any, timesteps: torch.Tensor) -> None:
+    """Give ``index_for_timestep`` schedulers their first step index up front (no ``nonzero().item()`` sync).
+
+    The index is diffusers' own rule (``index_for_timestep`` of the first timestep: the second match when the
+    timestep repeats, else the first), computed on the host copy ``timesteps``. Schedulers without
+    ``set_begin_index`` (pndm, ddim, ddpm) are left alone.
+    """
+    if not hasattr(scheduler, "set_begin_index") or getattr(scheduler, "begin_index", 0) is not None:
+        return
+    if len(timesteps) == 0:
+        return
+    matches = (timesteps == timesteps[0]).nonzero()
+    scheduler.set_begin_index(int(matches[1 if len(matches) > 1 else 0]))
+
+
+def denoise_latents(
+    *,
+    unet: Engine,
+    scheduler: Any,
+    prompt_embeds: torch.Tensor,
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    timestep_values: torch.Tensor | None = None,
+    guidance_scale: float,
+    extra: dict[str, Any],
+    bar: Any = None,
+    callback: StepCallback | None = None,
+) -> torch.Tensor:
+    """The denoising loop of one chunk; the scheduler has had ``set_timesteps``.
+
+    Args:
+        prompt_embeds: [B2, 77, D] (``[negative; positive]`` with CFG) in the UNet's dtype.
+        latents: [b, C, h, w] initial latents (already times ``init_noise_sigma``).
+        timesteps: the schedule as a CPU tensor (:func:`host_timesteps`).
+        timestep_values: the same as float32 on the engine device (made once per request: a blocking
+            host->device copy syncs the stream); ``None`` = copy here.
+        guidance_scale: CFG scale; > 1 means CFG (B2 = 2b).
+        extra: scheduler step kwargs (:func:`step_kwargs`).
+        bar: a tqdm bar updated once per step, or ``None``.
+
+    Returns:
+        The final latents [b, C, h, w] (a fresh tensor, the scheduler's dtype).
+    """
+    device = unet.device
+    do_cfg = guidance_scale > 1.0
+    sample_dtype = unet.spec.input("sample").torch_dtype
+    unet_batch = prompt_embeds.shape[0]
+    if timestep_values is None:
+        timestep_values = timesteps.to(device=device, dtype=torch.float32)
+    # the UNet's float32 timestep input for every step, built once: row i is contiguous, no per-step allocation
+    timestep_feeds = timestep_values[:, None].expand(-1, unet_batch).contiguous()
+    pin_begin_index(scheduler, timesteps)
+    for i, t in enumerate(timesteps):
+        with nvtx_range(f"step {i}", device):
+            latent_model_input = torch.cat([latents] * 2) if do_cfg else latents
+            if hasattr(scheduler, "scale_model_input"):
+                latent_model_input = scheduler.scale_model_input(latent_model_input, t)
+            with nvtx_range("unet", device):
+                noise_pred = unet.run(
+                    {
+                        "sample": latent_model_input.to(sample_dtype),
+                        "timestep": timestep_feeds[i],
+                        "encoder_hidden_states": prompt_embeds,
+                    }
+                )["noise_pred"]
+            with nvtx_range("scheduler", device):
+                if do_cfg:
+                    noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
+                    noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
+                else:
+                    # the engine overwrites its output buffer next step; multistep schedulers keep past outputs
+                    noise_pred = noise_pred.clone()
+                latents = scheduler.step(noise_pred, t, latents, **extra, return_dict=False)[0]
+        if callback is not None:
+            callback(i, t, latents)
+        if bar is not None:
+            bar.update()
+    return latents
+
+
+def engine_batch_range(unet: Engine, vae_decoder: Engine | None, do_cfg: bool) -> tuple[int, int]:
+    """Images per engine call the UNet (CFG doubles its batch) and the VAE decoder both accept: (lo, hi).
+
+    Raises:
+        RuntimeInputError: the engines share no batch size (e.g. a static CFG-batch UNet asked to run without
+            CFG); the message names both ranges.
+    """
+    factor = 2 if do_cfg else 1
+    info = unet.spec.input("sample")
+    lo, hi = -(-info.min[0] // factor), info.max[0] // factor
+    if vae_decoder is not None:
+        vae = vae_decoder.spec.input("latent_sample")
+        lo, hi = max(lo, vae.min[0]), min(hi, vae.max[0])
+    if not 1 <= lo <= hi:
+        raise RuntimeInputError(
+            f"the UNet takes batch {info.min[0]}..{info.max[0]} ({'2 x images with CFG' if do_cfg else 'images'}) "
+            "and the VAE decoder a range that leaves no common images-per-call; "
+            + ("use guidance_scale > 1 with this static artifact" if not do_cfg else "recompile the artifact")
+        )
+    return lo, hi
+
+
+def fresh_scheduler(scheduler: Any) -> Any:
+    """A new instance of ``scheduler``'s class and config (schedulers are stateful: one per chunk)."""
+    return type(scheduler).from_config(scheduler.config)
+
+
 def text_to_image(
     *,
     text_encoder: Engine,
@@ -184,69 +407,103 @@ def text_to_image(
     num_channels_latents: int,
     vae_scale_factor: int,
     vae_scaling_factor: float,
+    output_type: str = "pt",
+    chunks: Sequence[range] | None = None,
+    embedding_cache: EmbeddingCache | None = None,
+    host_buffers: HostBuffers | None = None,
+    copy_stream: Any = None,
     progress: bool = True,
     callback: StepCallback | None = None,
-) -> torch.Tensor:
-    """Run the whole text-to-image loop; arguments are assumed validated (see ``EnginePipeline.__call__``).
+) -> Any:
+    """Run the whole text-to-image request; arguments are assumed validated (see ``EnginePipeline.__call__``).
 
     Args:
         prompts, negative_prompts: P strings each (negatives ignored when ``guidance_scale <= 1``).
         latents: optional initial noise [P*N, C, h, w] (before ``init_noise_sigma``).
-        vae_decoder: ``None`` to return the final latents instead of images.
+        vae_decoder: the VAE decoder; may be ``None`` only with ``output_type="latent"``.
+        output_type: "pil" (list of B ``PIL.Image``), "np" (float32 [B, H, W, 3] in [0, 1]), "pt" (float
+            [B, 3, H, W] in [0, 1] on the device) or "latent" (final latents [B, C, h, w] on the device).
+        chunks: contiguous image ranges run one after another (:func:`~.batching.plan_chunks`); ``None`` =
+            the engines' batch profile decides (one chunk when B fits).
+        embedding_cache: negative-prompt embeddings cache, or ``None``.
+        host_buffers: where "pil"/"np" results land (pinned on CUDA, reused across calls); ``None`` = fresh.
+        copy_stream: CUDA side stream for the device->host copies (overlap the next chunk); ``None`` = the
+            current stream.
 
     Returns:
-        Decoded images [P*N, 3, H, W] in about [-1, 1] (a VAE engine buffer: postprocess or clone it before
-        the next call), or the final latents [P*N, C, h, w] when ``vae_decoder`` is None.
+        The images in ``output_type`` (host results are copies the caller owns; "pt"/"latent" are fresh
+        device tensors), B = P x N images, prompt-major.
     """
     device = unet.device
     do_cfg = guidance_scale > 1.0
     batch = len(prompts) * num_images_per_prompt
     sample_dtype = unet.spec.input("sample").torch_dtype
     text_dtype = unet.spec.input("encoder_hidden_states").torch_dtype
+    if chunks is None:
+        chunks = plan_chunks(batch, *engine_batch_range(unet, vae_decoder, do_cfg))
 
-    # 1. encode prompt: [negative; positive] in one batch with CFG
-    prompt_embeds = encode_prompt(
-        text_encoder, tokenizer, prompts, negative_prompts if do_cfg else None, num_images_per_prompt, text_dtype
-    )
-
-    # 2. prepare latents (timesteps first, like diffusers; neither draws random numbers before the latents)
-    # what diffusers' retrieve_timesteps does without custom timesteps/sigmas (importing it would import the
-    # whole StableDiffusionPipeline module, transformers' image processors included)
+    # 0. timesteps (what diffusers' retrieve_timesteps does without custom timesteps/sigmas) and 1. latents
+    # of the WHOLE request, drawn once (the generator stream of one diffusers call) and sliced per chunk. Both
+    # copy host->device blockingly, so they come before any engine work is queued (neither encoding the
+    # prompt nor setting timesteps draws random numbers: the order does not change the images).
     scheduler.set_timesteps(num_inference_steps, device=device)
-    timesteps = scheduler.timesteps
-    num_inference_steps = len(timesteps)
+    timesteps = host_timesteps(scheduler)
+    timestep_values = timesteps.to(device=device, dtype=torch.float32)
     shape = (batch, num_channels_latents, height // vae_scale_factor, width // vae_scale_factor)
-    latents = prepare_latents(scheduler, shape, sample_dtype, device, generator, latents)
-    extra = step_kwargs(scheduler, generator, eta)
-    unet_batch = prompt_embeds.shape[0]
-    # the UNet's float32 timestep input for every step, built once: row i is contiguous, no per-step allocation
-    timestep_feeds = timesteps.to(device=device, dtype=torch.float32)[:, None].expand(-1, unet_batch).contiguous()
+    all_latents = prepare_latents(scheduler, shape, sample_dtype, device, generator, latents)
 
-    # 3. denoise
-    with tqdm(total=len(timesteps), disable=not progress, desc="denoise", unit="step") as bar:
-        for i, t in enumerate(timesteps):
-            latent_model_input = torch.cat([latents] * 2) if do_cfg else latents
-            if hasattr(scheduler, "scale_model_input"):
-                latent_model_input = scheduler.scale_model_input(latent_model_input, t)
-            noise_pred = unet.run(
-                {
-                    "sample": latent_model_input.to(sample_dtype),
-                    "timestep": timestep_feeds[i],
-                    "encoder_hidden_states": prompt_embeds,
-                }
-            )["noise_pred"]
-            if do_cfg:
-                noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
-                noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
-            else:
-                # the engine overwrites its output buffer next step; multistep schedulers keep past outputs
-                noise_pred = noise_pred.clone()
-            latents = scheduler.step(noise_pred, t, latents, **extra, return_dict=False)[0]
-            if callback is not None:
-                callback(i, t, latents)
-            bar.update()
+    # 2. encode prompt: one text-encoder run over the distinct texts, then one row per image
+    positive, negative = encode_prompt_embeds(
+        text_encoder, tokenizer, prompts, negative_prompts if do_cfg else None, text_dtype, embedding_cache
+    )
+    positive = positive.repeat_interleave(num_images_per_prompt, dim=0)
+    negative = negative.repeat_interleave(num_images_per_prompt, dim=0) if negative is not None else None
+    per_image_generators = isinstance(generator, list) and len(generator) == batch and batch > 1
 
-    # 4. decode
-    if vae_decoder is None:
-        return latents
-    return decode_latents(vae_decoder, latents, vae_scaling_factor)
+    sink: HostImageSink | None = None
+    if output_type in ("pil", "np"):
+        buffers = host_buffers or HostBuffers(pin=device.type == "cuda")
+        rows_shape = (batch, height, width, 3)
+        dtype = torch.uint8 if output_type == "pil" else torch.float32
+        sink = HostImageSink(rows_shape, dtype, buffers, device, copy_stream)
+    parts: list[torch.Tensor] = []
+
+    # 3. denoise, 4. decode: chunk after chunk
+    with tqdm(total=len(timesteps) * len(chunks), disable=not progress, desc="denoise", unit="step") as bar:
+        for k, rows in enumerate(chunks):
+            sched = scheduler if k == 0 else fresh_scheduler(scheduler)
+            if k > 0:
+                sched.set_timesteps(num_inference_steps, device=device)
+            gen = generator[rows.start : rows.stop] if per_image_generators else generator  # type: ignore[index]
+            embeds = positive[rows.start : rows.stop]
+            if negative is not None:
+                embeds = torch.cat([negative[rows.start : rows.stop], embeds])
+            with nvtx_range(f"denoise chunk {k}", device):
+                final = denoise_latents(
+                    unet=unet,
+                    scheduler=sched,
+                    prompt_embeds=embeds,
+                    latents=all_latents[rows.start : rows.stop],
+                    timesteps=timesteps,
+                    timestep_values=timestep_values,
+                    guidance_scale=guidance_scale,
+                    extra=step_kwargs(sched, gen, eta),
+                    bar=bar,
+                    callback=callback,
+                )
+            if output_type == "latent":
+                parts.append(final)
+                continue
+            assert vae_decoder is not None
+            with nvtx_range("vae_decode", device):
+                image = decode_latents(vae_decoder, final, vae_scaling_factor)
+            with nvtx_range("postprocess", device):
+                if sink is None:  # "pt": a fresh tensor, the VAE buffer is overwritten by the next chunk
+                    parts.append((image * 0.5 + 0.5).clamp(0, 1))
+                else:
+                    sink.write(rows.start, images_uint8(image) if output_type == "pil" else images_float(image))
+
+    if sink is None:
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    host = sink.finish().numpy()
+    return to_pil(host) if output_type == "pil" else host.copy()  # the host buffer is reused by the next call

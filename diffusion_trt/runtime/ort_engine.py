@@ -19,12 +19,25 @@ ordered after it, so a whole denoising loop runs without a host sync. Called fro
 sync). Without a stream, ONNX Runtime uses its own: ``run`` first waits for torch's current stream (the
 inputs must be complete) and ONNX Runtime waits for its own work before returning, which is correct on any
 stream but serialises host and GPU.
+
+CUDA graphs (``cuda_graph=True``, static-shape artifacts only): the session is created with the CUDA provider
+option ``enable_cuda_graph=1``. ONNX Runtime runs the first call normally (its arena allocates), captures the
+second into a CUDA graph, and from then on *replays* it, ignoring what is bound: the graph reads and writes
+the addresses of the capture. So in this mode the engine owns one device buffer per input, bound once;
+``run`` copies the feeds into them (``copy_`` on the engine's stream, no host sync) and replays. Whenever a
+graph cannot be used the engine runs eagerly instead, after ONE warning naming the cause: a dynamic profile,
+a CPU device, ONNX Runtime refusing the session (e.g. nodes placed on the CPU provider) or failing the
+capture (the session is then rebuilt without graphs). ORT captures in ``cudaStreamCaptureModeGlobal``: while
+one engine captures, no other thread may allocate CUDA memory, so the capture runs hold a process-wide lock
+and multi-GPU callers warm every device up one after another (see ``runtime/parallel.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -33,9 +46,14 @@ from typing import Any, Literal
 import torch
 
 from ..errors import ArtifactError
-from .engine import EngineSpec
+from .engine import EngineSpec, _fmt_shape
 
 logger = logging.getLogger(__name__)
+
+#: Held while an engine runs its warm-up/capture calls in CUDA-graph mode: ORT captures in global mode.
+_CAPTURE_LOCK = threading.Lock()
+#: Calls before ORT replays a graph: one regular run (arena allocations), then the capturing run.
+_GRAPH_CAPTURE_RUNS = 2
 
 ConvAlgoSearch = Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"]
 CONV_ALGO_SEARCH: tuple[str, ...] = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
@@ -48,6 +66,27 @@ _ORT_TYPES: dict[str, str] = {
     "tensor(int32)": "int32",
     "tensor(bool)": "bool",
 }
+
+
+def cuda_graph_refusal(spec: EngineSpec, device: str) -> str | None:
+    """Why ONNX Runtime's CUDA graph cannot serve this engine, or ``None`` when it can.
+
+    Args:
+        spec: the engine's I/O contract; every input's profile must be static (min == max).
+        device: "cpu" or "cuda".
+
+    Returns:
+        A one-line reason naming the offending input / device and the fix, or ``None``.
+    """
+    for info in spec.inputs:
+        if info.min != info.max:
+            return (
+                f"input {info.name!r} has a dynamic profile {_fmt_shape(info.min)}..{_fmt_shape(info.max)} and a "
+                "CUDA graph replays one shape; compile a static artifact (min == opt == max) to use CUDA graphs"
+            )
+    if device != "cuda":
+        return f"device={device!r}: ONNX Runtime's CUDA graphs need the CUDA execution provider (device='cuda')"
+    return None
 
 
 class OrtEngine:
@@ -72,6 +111,9 @@ class OrtEngine:
         session_options: a prepared ``onnxruntime.SessionOptions`` to use instead of the defaults
             (ORT_ENABLE_ALL, warnings and up).
         derived: output symbols no input binds; see :meth:`EngineSpec.from_manifest`.
+        cuda_graph: run through ONNX Runtime's CUDA graph (see the module docstring); falls back to eager runs
+            with one WARNING when the engine is not static-shaped, not on CUDA, or ORT refuses.
+            :attr:`cuda_graph` says whether it is in use, :attr:`cuda_graph_reason` why not.
 
     Nothing is loaded until ``__enter__``.
 
@@ -98,6 +140,7 @@ class OrtEngine:
         provider_options: Mapping[str, Any] | None = None,
         session_options: Any = None,
         derived: Mapping[str, tuple[str, int]] | None = None,
+        cuda_graph: bool = False,
     ) -> None:
         self.path = Path(path)
         component = name or (spec.name if isinstance(spec, EngineSpec) else self.path.parent.name)
@@ -129,6 +172,12 @@ class OrtEngine:
         self._outputs: dict[str, torch.Tensor] = {}
         self._live_inputs: dict[str, torch.Tensor] = {}
         self._depth = 0
+        self._graph_requested = bool(cuda_graph)
+        self._graph = False  # in use (decided on open)
+        self._graph_reason: str | None = None
+        self._graph_runs = 0
+        self._graph_bound = False
+        self._static_inputs: dict[str, torch.Tensor] = {}
 
     # -- Engine protocol -------------------------------------------------------------------------------
 
@@ -161,6 +210,16 @@ class OrtEngine:
     def is_open(self) -> bool:
         return self._session is not None
 
+    @property
+    def cuda_graph(self) -> bool:
+        """Whether runs go through ONNX Runtime's CUDA graph (decided on open; may turn off on a failed capture)."""
+        return self._graph
+
+    @property
+    def cuda_graph_reason(self) -> str | None:
+        """Why a requested CUDA graph is not used (``None`` when in use or not requested)."""
+        return self._graph_reason
+
     def __enter__(self) -> OrtEngine:
         if self._depth == 0:
             self._open()
@@ -184,6 +243,9 @@ class OrtEngine:
         self._run_options = None
         self._outputs = {}
         self._live_inputs = {}
+        self._static_inputs = {}
+        self._graph_runs = 0
+        self._graph_bound = False
         self._depth = 0
 
     def validate(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, int]:
@@ -211,6 +273,8 @@ class OrtEngine:
             raise RuntimeError(f"engine {self._name!r} is not open; use `with engine:` or call it inside the pipeline")
         symbols = self.validate(feeds)
         shapes = self._spec.output_shapes(symbols)
+        if self._graph:
+            return self._run_graph(feeds, shapes)
         if self._io_binding:
             return self._run_bound(feeds, shapes)
         return self._run_plain(feeds, shapes)
@@ -245,13 +309,30 @@ class OrtEngine:
             else:
                 options["user_compute_stream"] = str(handle)
         options.update({k: str(v) for k, v in self._extra_provider_options.items()})
+        if self._graph:
+            options["enable_cuda_graph"] = "1"
+        elif self._graph_requested:
+            options.pop("enable_cuda_graph", None)  # refused: the caller's own option would fail the same way
         return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+
+    def _disable_graph(self, reason: str) -> None:
+        """Turn CUDA-graph mode off with ONE warning naming the cause."""
+        self._graph = False
+        if self._graph_reason is None:
+            logger.warning("%s: CUDA graph not used, running eagerly: %s", self._name, reason)
+        self._graph_reason = reason
 
     def _open(self) -> None:
         import onnxruntime as ort
 
         if not self.path.is_file():
             raise ArtifactError(f"engine {self._name!r}: model file {self.path} is missing; recompile the artifact")
+        if self._graph_requested and self._graph_reason is None:
+            refusal = cuda_graph_refusal(self._spec, self._kind)
+            if refusal is None:
+                self._graph = True
+            else:
+                self._disable_graph(refusal)
         providers = self._providers()
         if self._kind == "cuda" and not torch.cuda.is_available():
             raise ArtifactError(
@@ -266,7 +347,13 @@ class OrtEngine:
             if self._threads is not None:
                 so.intra_op_num_threads = self._threads
         try:
-            session = ort.InferenceSession(str(self.path), sess_options=so, providers=providers)
+            try:
+                session = ort.InferenceSession(str(self.path), sess_options=so, providers=providers)
+            except Exception as e:  # ORT refuses graph capture at session creation (nodes on the CPU EP...)
+                if not self._graph:
+                    raise
+                self._disable_graph(f"ONNX Runtime refused enable_cuda_graph=1 for {self.path.name}: {e}")
+                session = ort.InferenceSession(str(self.path), sess_options=so, providers=self._providers())
         except Exception as e:  # onnxruntime raises its own exception types (Fail, InvalidGraph, ...)
             raise ArtifactError(
                 f"engine {self._name!r}: ONNX Runtime could not load {self.path}: {e}; "
@@ -288,12 +375,13 @@ class OrtEngine:
         if self._io_binding:
             self._binding = session.io_binding()
         logger.debug(
-            "opened %s (%s, providers %s, io_binding=%s, async=%s)",
+            "opened %s (%s, providers %s, io_binding=%s, async=%s, cuda_graph=%s)",
             self._name,
             self.path,
             ",".join(session.get_providers()),
             self._io_binding,
             self._async,
+            self._graph,
         )
 
     def _check_graph_io(self, session: Any) -> None:
@@ -360,6 +448,69 @@ class OrtEngine:
         # freed to torch's caching allocator is only reused in stream order anyway; this is belt and braces.)
         self._live_inputs = live
         return {info.name: self._outputs[info.name] for info in self._spec.outputs}
+
+    def _run_graph(self, feeds: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+        """CUDA-graph mode: copy feeds into the engine-owned input buffers (bound once), then run/capture/replay."""
+        caller = torch.cuda.current_stream(self._device)
+        stream = self._stream if self._async else caller
+        if stream != caller:
+            stream.wait_stream(caller)  # the feeds were made on the caller's stream
+        with torch.cuda.stream(stream):
+            for info in self._spec.inputs:
+                src = feeds[info.name]
+                buf = self._static_inputs.get(info.name)
+                if buf is None:
+                    buf = torch.empty(tuple(src.shape), dtype=info.torch_dtype, device=self._device)
+                    self._static_inputs[info.name] = buf
+                elif tuple(buf.shape) != tuple(src.shape):  # unreachable for a static spec; kept as a guard
+                    return self._rebuild_eager(
+                        f"input {info.name!r} changed shape {_fmt_shape(buf.shape)} -> {_fmt_shape(src.shape)} "
+                        "after the graph was captured",
+                        feeds,
+                        shapes,
+                    )
+                if src.data_ptr() != buf.data_ptr():
+                    buf.copy_(src, non_blocking=True)
+        if not self._async:
+            caller.synchronize()  # ORT's own stream does not wait for torch's: the copies must be complete
+        binding = self._binding
+        if not self._graph_bound:
+            kind, dev = self._kind, self._device_id
+            for info in self._spec.inputs:
+                buf = self._static_inputs[info.name]
+                binding.bind_input(info.name, kind, dev, info.numpy_dtype.type, tuple(buf.shape), buf.data_ptr())
+            for info in self._spec.outputs:
+                buf, _ = self._output_buffer(info.name, shapes[info.name])
+                binding.bind_output(info.name, kind, dev, info.numpy_dtype.type, tuple(buf.shape), buf.data_ptr())
+            self._graph_bound = True
+        capturing = self._graph_runs < _GRAPH_CAPTURE_RUNS
+        try:
+            with _CAPTURE_LOCK if capturing else contextlib.nullcontext():
+                self._session.run_with_iobinding(binding, self._run_options)
+        except Exception as e:  # ORT's capture failures come as its own exception types
+            if not capturing:
+                raise
+            return self._rebuild_eager(f"ONNX Runtime failed to capture the CUDA graph: {e}", feeds, shapes)
+        self._graph_runs += 1
+        if self._async and caller != self._stream:
+            caller.wait_stream(self._stream)
+        self._live_inputs = dict(feeds)  # the copies above may still read them
+        return {info.name: self._outputs[info.name] for info in self._spec.outputs}
+
+    def _rebuild_eager(
+        self, reason: str, feeds: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]
+    ) -> dict[str, Any]:
+        """Leave CUDA-graph mode for good: warn, rebuild the session without ``enable_cuda_graph``, run eagerly."""
+        self._disable_graph(reason)
+        if self._async:
+            with contextlib.suppress(RuntimeError):  # a broken capture may leave the stream unusable
+                self._current_torch_stream().synchronize()
+        self._binding = None
+        self._session = None
+        self._static_inputs = {}
+        self._graph_bound = False
+        self._open()
+        return self._run_bound(feeds, shapes)
 
     def __repr__(self) -> str:
         state = "open" if self.is_open else "closed"

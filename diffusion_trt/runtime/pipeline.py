@@ -29,11 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..artifacts import load_verified, read_manifest, safe_join
+from ..artifacts import load_verified, safe_join
 from ..config import ShapeProfile, check_image_size
 from ..errors import ArtifactError, RuntimeInputError
 from . import denoise
-from .denoise import Generator, StepCallback
+from .batching import plan_chunks
+from .cuda import HostBuffers
+from .denoise import EmbeddingCache, Generator, StepCallback
 from .engine import Engine
 from .png import save_png
 from .schedulers import make_scheduler, short_name
@@ -152,6 +154,11 @@ class EnginePipeline:
         unet = self.engines["unet"]
         self.device: torch.device = unet.device
         self.num_channels_latents = int(model.get("unet_in_channels", unet.spec.input("sample").shape[1]))
+        #: negative-prompt embeddings, per (text, engine): most requests share "" (see denoise.EmbeddingCache)
+        self.embedding_cache = EmbeddingCache(maxsize=8)
+        # "pil"/"np" results land in pinned host buffers kept across calls, copied on a side stream
+        self._host_buffers = HostBuffers(pin=self.device.type == "cuda" and torch.cuda.is_available())
+        self._copy_stream = torch.cuda.Stream(device=self.device) if self._host_buffers.pin else None
         self._closed = False
 
     # -- construction -----------------------------------------------------------------------------------
@@ -169,6 +176,7 @@ class EnginePipeline:
         intra_op_num_threads: int | None = None,
         io_binding: bool | None = None,
         provider_options: Mapping[str, Any] | None = None,
+        cuda_graph: bool | None = None,
     ) -> EnginePipeline:
         """Load a compiled artifact folder and open its engines.
 
@@ -176,12 +184,17 @@ class EnginePipeline:
             path: the artifact folder (with ``manifest.json``).
             device: "cpu" or "cuda"; ``None`` = the device the artifact was compiled for.
             scheduler: short scheduler name ("euler_a", "dpm++"...); ``None`` = the model's own.
-            verify: check every file's size and sha256 against the manifest before loading (seconds for a
-                full SD model); ``False`` checks the manifest's structure only.
+            verify: check every file's sha256 against the manifest before loading (seconds for a full SD
+                model); ``False`` skips the hashes only: the manifest's schema and seal, file sizes, and that no
+                path, ONNX external-data reference or link leads outside the folder are always checked.
             device_id: CUDA device ordinal.
             cudnn_conv_algo_search, intra_op_num_threads, io_binding, provider_options: passed to
                 :class:`~diffusion_trt.runtime.ort_engine.OrtEngine` (ignored for TensorRT artifacts, which run on
                 CUDA only, through :class:`~diffusion_trt.runtime.trt_engine.TrtEngine`).
+            cuda_graph: replay each engine as a CUDA graph (ORT: ``enable_cuda_graph`` with engine-owned input
+                buffers; TensorRT: captured enqueues). ``None`` = on for CUDA artifacts with a static profile
+                (ORT) and for every TensorRT artifact; ``True`` where it cannot work falls back to eager runs
+                with one warning per engine naming the cause.
 
         Raises:
             ArtifactError: missing/altered files, an unsupported backend, an fp16 artifact on CPU, the CUDA
@@ -193,7 +206,8 @@ class EnginePipeline:
         from .ort_engine import OrtEngine
 
         root = Path(path)
-        manifest = load_verified(root) if verify else read_manifest(root)
+        # even without hashes: schema, seal, paths, sizes, external data and links (never read outside the folder)
+        manifest = load_verified(root, check_hashes=verify)
         backend = manifest.get("backend")
         if backend not in ("ort", "tensorrt"):
             raise ArtifactError(
@@ -243,9 +257,13 @@ class EnginePipeline:
             stream = torch.cuda.Stream(device=torch.device("cuda", device_id))
         scale = int(manifest.get("model", {}).get("vae_scale_factor", 8))
         derived = {"H": ("h", scale), "W": ("w", scale)}
+        if cuda_graph is None:
+            cuda_graph = device == "cuda" and (
+                backend == "tensorrt" or ShapeProfile.from_json(manifest["profile"]).is_static()
+            )
         engines: dict[str, Engine]
         if backend == "tensorrt":
-            engines = _trt_engines(root, manifest, device_id, stream, derived)
+            engines = _trt_engines(root, manifest, device_id, stream, derived, cuda_graphs=bool(cuda_graph))
         else:
             engines = {}
             for name in TXT2IMG_COMPONENTS:
@@ -264,6 +282,7 @@ class EnginePipeline:
                     intra_op_num_threads=intra_op_num_threads,
                     provider_options={**cuda_layout_options(name, device), **(provider_options or {})},
                     derived=derived,
+                    cuda_graph=cuda_graph,
                 )
         pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=scheduler, stream=stream, root=root)
         logger.info(
@@ -306,6 +325,8 @@ class EnginePipeline:
         if not getattr(self, "_closed", True):
             self._closed = True
             self._stack.close()
+            self.embedding_cache.clear()
+            self._host_buffers.clear()
 
     def __enter__(self) -> EnginePipeline:
         return self
@@ -359,11 +380,14 @@ class EnginePipeline:
                 ``generator``, a seed is drawn from torch's global RNG and reported in the output.
             height, width: image size in pixels, multiples of 8 inside the artifact's profile; default the
                 model's size.
-            num_images_per_prompt: N images per prompt; B = P x N must fit the profile's batch range.
+            num_images_per_prompt: N images per prompt; B = P x N >= the profile's min batch; above its max
+                batch the request runs in engine-sized chunks (same images as one call for deterministic
+                schedulers; see :mod:`~diffusion_trt.runtime.batching` for seeds).
             latents: initial noise [B, 4, height/8, width/8] (any float dtype, any device), instead of drawing it.
             output_type: "pil", "np", "pt" or "latent" (see :class:`EnginePipelineOutput`).
             progress: show a tqdm bar over the steps.
-            callback: ``callback(step_index, timestep, latents)`` after each scheduler step (device tensors).
+            callback: ``callback(step_index, timestep, latents)`` after each scheduler step (timestep: 0-d CPU
+                tensor; latents of the running chunk on the device; once per step of every chunk).
             eta: DDIM's eta (ignored by other schedulers), >= 0.
 
         Returns:
@@ -390,17 +414,14 @@ class EnginePipeline:
         height, width = int(height), int(width)
         batch = len(prompts) * n_per
         b = self.profile.batch
-        if not b.min <= batch <= b.max:
+        if batch < b.min:
             what = f"batch = {len(prompts)} prompt(s) x num_images_per_prompt={n_per} = {batch}"
-            if batch > b.max:
-                raise RuntimeInputError(
-                    f"{what} exceeds the engine profile's max batch {b.max} (profile {b.min}..{b.max}); "
-                    f"generate in several calls or recompile with --max-batch-size {batch}"
-                )
             raise RuntimeInputError(
                 f"{what} is below the engine profile's min batch {b.min} (profile {b.min}..{b.max}); "
                 f"ask for more images or recompile with --min-batch-size {batch}"
             )
+        # above the profile's max batch: engine-sized chunks, in order (see runtime/batching.py for seeds)
+        chunks = plan_chunks(batch, b.min, b.max)
         if output_type not in OUTPUT_TYPES:
             raise RuntimeInputError(f"output_type={output_type!r} is unknown; use one of {', '.join(OUTPUT_TYPES)}")
         generator, seed = self._generator(generator, seed, batch)
@@ -438,10 +459,15 @@ class EnginePipeline:
                 num_channels_latents=self.num_channels_latents,
                 vae_scale_factor=self.vae_scale_factor,
                 vae_scaling_factor=self.vae_scaling_factor,
+                output_type=output_type,
+                chunks=chunks,
+                embedding_cache=self.embedding_cache,
+                host_buffers=self._host_buffers,
+                copy_stream=self._copy_stream,
                 progress=progress,
                 callback=callback,
             )
-            images = result if output_type == "latent" else denoise.postprocess(result, output_type)
+            images = result
         if caller is not None and stream is not None and isinstance(images, torch.Tensor):
             # the caller uses the tensor on its own stream: order it after ours, and tell the allocator
             caller.wait_stream(stream)
@@ -492,6 +518,7 @@ def _trt_engines(
     device_id: int,
     stream: torch.cuda.Stream | None,
     derived: Mapping[str, tuple[str, int]],
+    cuda_graphs: bool = True,
 ) -> dict[str, Engine]:
     """The TensorRT engines of a verified artifact, sharing one activation allocation (they run in sequence)."""
     from .trt_engine import SharedActivationMemory, TrtEngine
@@ -511,6 +538,7 @@ def _trt_engines(
             shared_memory=shared,
             verify=False,  # from_artifacts hashed every file already (or was told not to)
             derived=derived,
+            cuda_graphs=cuda_graphs,
         )
     return engines
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from onnx import helper
 
-from diffusion_trt import trt_compat
+from diffusion_trt import artifacts, trt_compat
 from diffusion_trt.artifacts import sha256_file
 from diffusion_trt.compiler.build_trt import TrtBuildConfig, profiles_from_inputs
 from diffusion_trt.compiler.components import component_specs, tensor_manifest
@@ -213,7 +213,9 @@ def test_pipeline_refuses_a_tensorrt_artifact_on_cpu(toy_artifact: Path, tmp_pat
     manifest.update(backend="tensorrt", device="cuda")
     for name, entry in manifest["components"].items():
         entry["plan"], entry["build"] = f"{name}/model.plan", BUILD
-    (art / "manifest.json").write_text(json.dumps(manifest))
+        (art / entry["plan"]).write_bytes(b"not a plan: never deserialised here")
+        manifest["files"][entry["plan"]] = artifacts.file_entry(art, entry["plan"])
+    artifacts.write_manifest(art, manifest)
     with pytest.raises(ArtifactError, match="backend='tensorrt', whose engines run on CUDA only"):
         EnginePipeline.from_artifacts(art, device="cpu", verify=False)
     if not torch.cuda.is_available():

@@ -148,6 +148,8 @@ def write_toy_artifact(
     manifest: dict[str, Any] = {
         "schema_version": artifacts.SCHEMA_VERSION,
         "name": root.name,
+        "created_utc": "2026-01-01T00:00:00+00:00",
+        "tools": {},
         "backend": "ort",
         "device": "cpu",
         "precision": "fp32",
@@ -169,5 +171,5 @@ def write_toy_artifact(
         "files": files,
     }
     manifest.update(manifest_overrides or {})
-    artifacts.write_json_atomic(root / artifacts.MANIFEST_NAME, manifest)
+    artifacts.write_manifest(root, manifest)
     return root

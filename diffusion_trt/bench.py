@@ -1,0 +1,918 @@
+"""``diffusion-trt bench``: our engines next to diffusers, in one process, on the same weights, seed and scheduler.
+
+Systems (each at every ``--batch-size``):
+
+* ``ours``: :class:`~diffusion_trt.runtime.pipeline.EnginePipeline` on the artifact (one device);
+* ``ours_multi_gpu``: :class:`~diffusion_trt.runtime.parallel.DataParallelPipeline` over ``--devices``
+  (only with two or more devices), the batch split across them;
+* ``diffusers_eager``: ``StableDiffusionPipeline`` from the source folder in the artifact's precision (fp16
+  artifacts: fp16 on CUDA; always fp32 on the CPU), its default attention processor (SDPA);
+* ``diffusers_cuda_graph``: the same with the UNet call captured once per input shape in a
+  ``torch.cuda.CUDAGraph`` and replayed (CUDA only).
+
+What is measured, per (system, batch size):
+
+* stages, median of ``stage_iters`` after ``warmup`` calls, **GPU time from CUDA events** on CUDA, wall clock
+  on the CPU: ``text_encoder`` = encoding the prompt and the negative prompt incl. tokenisation (ours without
+  the embedding cache), ``unet_step`` = one UNet call on the CFG batch, ``vae_decode`` = one VAE decode,
+  ``scheduler_glue`` = per step: CFG concat, ``scale_model_input``, CFG combine, ``scheduler.step`` (no UNet);
+  ours run each stage at the chunk size the pipeline uses (``stage_batch``), diffusers at the full batch;
+* end to end: median wall clock of ``iters`` whole calls (PIL images out, host synchronised), after ``warmup``;
+  ``s_per_image`` and ``images_per_s`` from it;
+* peak memory: ``torch.cuda.max_memory_allocated``/``max_memory_reserved`` (torch's allocator only: our IO
+  buffers and latents, all of diffusers) and the device's used memory after the run from
+  ``torch.cuda.mem_get_info`` (includes ONNX Runtime's arena, which torch cannot see, the CUDA context and
+  anything else on the device; process-wide, so later systems include what earlier ones left cached).
+
+NVTX ranges (``bench <system> b=<n> <what>``, and the runtime's own ``text_encoder``/``unet``/``scheduler``/
+``vae_decode`` ranges) make every stage visible in Nsight Systems.
+
+JSON schema (``schema`` = :data:`SCHEMA`; :func:`validate_result` checks it)::
+
+    {
+      "schema": "diffusion-trt/bench/1",
+      "env":    {"device": "cuda"|"cpu", "gpu": str|null, "gpu_count": int, "timing": "cuda_events"|"wall_clock",
+                 "torch": str, "onnxruntime": str, "diffusers": str, "python": str},
+      "config": {"artifact": str, "model_dir": str|null, "backend": str, "precision": str, "profile": {...},
+                 "steps": int, "height": int, "width": int, "guidance_scale": float, "seed": int,
+                 "scheduler": str, "batch_sizes": [int], "devices": [int], "iters": int, "warmup": int,
+                 "stage_iters": int, "baseline": "diffusers"|"none", "cuda_graph": bool|null},
+      "runs":   [{"system": str, "batch_size": int, "status": "ok"|"skipped"|"error", "reason": str|null,
+                  "stage_batch": int|null,
+                  "stages_ms": {"text_encoder": float|null, "unet_step": float|null, "vae_decode": float|null,
+                                "scheduler_glue": float|null},
+                  "e2e_s": float|null, "e2e_samples_s": [float], "s_per_image": float|null,
+                  "images_per_s": float|null,
+                  "memory_mb": {"torch_peak_allocated": float|null, "torch_peak_reserved": float|null,
+                                "device_used": float|null}}],
+      "ratios": [{"batch_size": int, "system": str, "baseline": str, "e2e_speedup": float|null,
+                  "stage_speedup": {stage: float|null}}],
+      "notes":  [str]
+    }
+
+Speedups are ``baseline time / system time`` (> 1: the system is faster); ``ours_multi_gpu`` is also compared
+with ``ours`` (its ``e2e_speedup`` is then the multi-GPU scaling factor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import RuntimeInputError
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = "diffusion-trt/bench/1"
+SYSTEMS: tuple[str, ...] = ("ours", "ours_multi_gpu", "diffusers_eager", "diffusers_cuda_graph")
+STAGES: tuple[str, ...] = ("text_encoder", "unet_step", "vae_decode", "scheduler_glue")
+BASELINES: tuple[str, ...] = ("diffusers", "none")
+DEFAULT_PROMPT = "an ink painting of mountains above a river, guohua style"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What ``diffusion-trt bench`` measures.
+
+    Attributes:
+        artifact: the compiled artifact folder.
+        baseline: "diffusers" (eager and, on CUDA, with a CUDA-graphed UNet) or "none".
+        model_dir: the diffusers folder for the baseline; ``None`` = the manifest's ``source.path``.
+        device: "cpu" or "cuda"; ``None`` = the artifact's.
+        devices: CUDA ordinals; ``ours`` runs on the first, ``ours_multi_gpu`` on all (when two or more).
+        steps: denoising steps per image; batch_sizes: images per call, each measured.
+        iters / warmup: end-to-end calls timed / run before timing; stage_iters: calls per stage timing.
+        height, width: image size; ``None`` = the artifact's default.
+        cuda_graph: passed to ``EnginePipeline.from_artifacts`` (``None``: on for static CUDA artifacts).
+    """
+
+    artifact: Path
+    baseline: str = "diffusers"
+    model_dir: Path | None = None
+    device: str | None = None
+    devices: tuple[int, ...] = ()
+    steps: int = 50
+    batch_sizes: tuple[int, ...] = (1,)
+    iters: int = 3
+    warmup: int = 1
+    stage_iters: int = 20
+    height: int | None = None
+    width: int | None = None
+    prompt: str = DEFAULT_PROMPT
+    negative_prompt: str = ""
+    guidance_scale: float = 7.5
+    seed: int = 0
+    scheduler: str | None = None
+    cuda_graph: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.baseline not in BASELINES:
+            raise RuntimeInputError(f"baseline={self.baseline!r} is unknown; use one of {', '.join(BASELINES)}")
+        for name in ("steps", "iters", "stage_iters"):
+            if getattr(self, name) < 1:
+                raise RuntimeInputError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.warmup < 0:
+            raise RuntimeInputError(f"warmup={self.warmup} must be >= 0")
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise RuntimeInputError(f"batch sizes {list(self.batch_sizes)} must be integers >= 1, e.g. 1,4")
+
+
+@dataclass
+class Run:
+    """One (system, batch size) row of the result; see the module docstring for the fields."""
+
+    system: str
+    batch_size: int
+    status: str = "ok"
+    reason: str | None = None
+    stage_batch: int | None = None
+    stages_ms: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(STAGES))
+    e2e_s: float | None = None
+    e2e_samples_s: list[float] = field(default_factory=list)
+    s_per_image: float | None = None
+    images_per_s: float | None = None
+    memory_mb: dict[str, float | None] = field(
+        default_factory=lambda: dict.fromkeys(("torch_peak_allocated", "torch_peak_reserved", "device_used"))
+    )
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+# -- timing ------------------------------------------------------------------------------------------------
+
+
+class Clock:
+    """Median timings: CUDA events on the current stream (GPU time) on CUDA, ``perf_counter`` on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def stage_ms(self, fn: Callable[[], Any], iters: int, warmup: int) -> float:
+        """Median milliseconds of ``fn()`` over ``iters`` calls after ``warmup`` calls."""
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        times: list[float] = []
+        for _ in range(iters):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(float(start.elapsed_time(end)))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+    def wall_s(self, fn: Callable[[], Any], iters: int, warmup: int) -> list[float]:
+        """Wall-clock seconds of ``iters`` whole calls (device synchronised around each), after ``warmup``."""
+        for _ in range(warmup):
+            fn()
+        out: list[float] = []
+        for _ in range(iters):
+            self.sync()
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+@contextlib.contextmanager
+def nvtx(name: str, device: torch.device) -> Iterator[None]:
+    from .runtime.cuda import nvtx_range
+
+    with nvtx_range(name, device):
+        yield
+
+
+def _memory_start(devices: Sequence[torch.device]) -> None:
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.init()  # the allocator of a device is created lazily; resetting it before raises
+            with torch.cuda.device(d):
+                torch.empty(1, device=d)  # make sure this device's allocator exists
+            torch.cuda.reset_peak_memory_stats(d)
+
+
+def _memory_read(devices: Sequence[torch.device]) -> dict[str, float | None]:
+    cuda = [d for d in devices if d.type == "cuda"]
+    if not cuda:
+        return {"torch_peak_allocated": None, "torch_peak_reserved": None, "device_used": None}
+    mib = 1024.0**2
+    used = 0.0
+    for d in cuda:
+        free, total = torch.cuda.mem_get_info(d)
+        used += total - free
+    return {
+        "torch_peak_allocated": sum(torch.cuda.max_memory_allocated(d) for d in cuda) / mib,
+        "torch_peak_reserved": sum(torch.cuda.max_memory_reserved(d) for d in cuda) / mib,
+        "device_used": used / mib,
+    }
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def glue_ms(
+    clock: Clock,
+    scheduler: Any,
+    latents: torch.Tensor,
+    noise_pred: torch.Tensor,
+    guidance_scale: float,
+    steps: int,
+    host_timesteps: bool,
+    iters: int,
+    warmup: int,
+) -> float:
+    """Milliseconds per step of the loop without the UNet: CFG concat, scale_model_input, CFG combine, step.
+
+    ``host_timesteps``: hand the scheduler CPU timesteps with a pinned begin index (our loop) or device
+    timesteps (diffusers' loop).
+    """
+    from .runtime import denoise
+
+    def loop() -> None:
+        sched = denoise.fresh_scheduler(scheduler)
+        sched.set_timesteps(steps, device=latents.device)
+        timesteps = denoise.host_timesteps(sched) if host_timesteps else sched.timesteps
+        if host_timesteps:
+            denoise.pin_begin_index(sched, timesteps)
+        x = latents
+        for t in timesteps:
+            model_in = sched.scale_model_input(torch.cat([x] * 2), t)
+            del model_in
+            uncond, text = noise_pred.chunk(2)
+            x = sched.step(uncond + guidance_scale * (text - uncond), t, x, return_dict=False)[0]
+
+    return clock.stage_ms(loop, iters, warmup) / steps
+
+
+# -- systems -----------------------------------------------------------------------------------------------
+
+
+def _call_kwargs(cfg: BenchConfig, height: int, width: int, batch: int) -> dict[str, Any]:
+    return {
+        "prompt": cfg.prompt,
+        "negative_prompt": cfg.negative_prompt,
+        "num_inference_steps": cfg.steps,
+        "guidance_scale": cfg.guidance_scale,
+        "num_images_per_prompt": batch,
+        "height": height,
+        "width": width,
+        "output_type": "pil",
+    }
+
+
+def bench_ours(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: int, width: int) -> Run:
+    """Stages and end to end of one :class:`EnginePipeline` at ``batch`` images per call."""
+    from .runtime import denoise
+    from .runtime.batching import plan_chunks
+
+    run = Run("ours", batch)
+    device = pipe.device
+    b = pipe.profile.batch
+    chunk = len(plan_chunks(batch, b.min, b.max)[0])
+    run.stage_batch = chunk
+    te, unet, vae = pipe.engines["text_encoder"], pipe.engines["unet"], pipe.engines["vae_decoder"]
+    sample_dtype = unet.spec.input("sample").torch_dtype
+    text_dtype = unet.spec.input("encoder_hidden_states").torch_dtype
+    h, w = height // pipe.vae_scale_factor, width // pipe.vae_scale_factor
+    g = torch.Generator().manual_seed(cfg.seed)
+    c = pipe.num_channels_latents
+    hidden = unet.spec.input("encoder_hidden_states").shape[2]
+    sample = torch.randn(2 * chunk, c, h, w, generator=g).to(device, sample_dtype)
+    feeds = {
+        "sample": sample,
+        "timestep": torch.full((2 * chunk,), 500.0, device=device),
+        "encoder_hidden_states": torch.randn(2 * chunk, 77, int(hidden), generator=g).to(device, text_dtype),
+    }
+    z = torch.randn(chunk, c, h, w, generator=g).to(device, vae.spec.input("latent_sample").torch_dtype)
+    n, warm = cfg.stage_iters, max(1, cfg.warmup)
+    with nvtx(f"bench ours b={batch} stages", device):
+        run.stages_ms["text_encoder"] = clock.stage_ms(
+            lambda: denoise.encode_prompt(te, pipe.tokenizer, [cfg.prompt], [cfg.negative_prompt], 1, text_dtype),
+            n,
+            warm,
+        )
+        run.stages_ms["unet_step"] = clock.stage_ms(lambda: unet.run(feeds), n, warm)
+        run.stages_ms["vae_decode"] = clock.stage_ms(lambda: vae.run({"latent_sample": z}), n, warm)
+        noise = torch.randn(2 * chunk, c, h, w, generator=g).to(device, sample_dtype)
+        run.stages_ms["scheduler_glue"] = glue_ms(
+            clock, pipe.scheduler, sample[:chunk], noise, cfg.guidance_scale, cfg.steps, True, 1, min(1, warm)
+        )
+    kwargs = _call_kwargs(cfg, height, width, batch)
+    with nvtx(f"bench ours b={batch} e2e", device):
+        samples = clock.wall_s(
+            lambda: pipe(**kwargs, generator=torch.Generator().manual_seed(cfg.seed), progress=False),
+            cfg.iters,
+            cfg.warmup,
+        )
+    _finish_e2e(run, samples)
+    return run
+
+
+def bench_multi(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: int, width: int) -> Run:
+    """End to end of a :class:`DataParallelPipeline` (stages are the single-device ones)."""
+    run = Run("ours_multi_gpu", batch)
+    kwargs = _call_kwargs(cfg, height, width, batch)
+    kwargs["prompt"] = cfg.prompt
+
+    def call() -> None:
+        pipe(**kwargs, generator=torch.Generator().manual_seed(cfg.seed))
+        for d in pipe.devices:
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+
+    with nvtx(f"bench ours_multi_gpu b={batch} e2e", clock.device):
+        samples = clock.wall_s(call, cfg.iters, cfg.warmup)
+    _finish_e2e(run, samples)
+    return run
+
+
+def _finish_e2e(run: Run, samples: list[float]) -> None:
+    run.e2e_samples_s = samples
+    run.e2e_s = statistics.median(samples)
+    run.s_per_image = run.e2e_s / run.batch_size
+    run.images_per_s = run.batch_size / run.e2e_s
+
+
+class GraphedUNet:
+    """A diffusers UNet's ``forward`` replaced by CUDA-graph replays, one graph per input shape/dtype.
+
+    Captured on first use of a shape (3 warm-up calls on a side stream, then ``torch.cuda.graph``), all graphs
+    sharing one memory pool; calls with extra conditioning (``timestep_cond``, ``added_cond_kwargs``...) run
+    eagerly. Returns a clone of the static output (schedulers may keep it). :meth:`remove` restores the UNet.
+    """
+
+    def __init__(self, unet: Any) -> None:
+        self.unet = unet
+        self._eager = unet.forward
+        self._graphs: dict[tuple[Any, ...], tuple[Any, dict[str, torch.Tensor], torch.Tensor]] = {}
+        self._pool: Any = None
+        unet.forward = self  # an instance attribute: nn.Module.__call__ finds it before the class's forward
+
+    def remove(self) -> None:
+        if self.unet.__dict__.get("forward") is self:
+            del self.unet.forward
+        self._graphs.clear()
+
+    def __call__(
+        self,
+        sample: torch.Tensor,
+        timestep: Any,
+        encoder_hidden_states: torch.Tensor,
+        *args: Any,
+        return_dict: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        if args or any(v is not None for v in kwargs.values()) or not isinstance(timestep, torch.Tensor):
+            return self._eager(sample, timestep, encoder_hidden_states, *args, return_dict=return_dict, **kwargs)
+        key = (
+            tuple(sample.shape),
+            sample.dtype,
+            tuple(timestep.shape),
+            timestep.dtype,
+            tuple(encoder_hidden_states.shape),
+            encoder_hidden_states.dtype,
+        )
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(key, sample, timestep, encoder_hidden_states)
+        graph, static, out = entry
+        static["sample"].copy_(sample)
+        static["timestep"].copy_(timestep)
+        static["encoder_hidden_states"].copy_(encoder_hidden_states)
+        graph.replay()
+        result = out.clone()
+        if return_dict:
+            from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+
+            return UNet2DConditionOutput(sample=result)
+        return (result,)
+
+    def _capture(
+        self, key: tuple[Any, ...], sample: torch.Tensor, timestep: torch.Tensor, ehs: torch.Tensor
+    ) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor]:
+        static = {"sample": sample.clone(), "timestep": timestep.clone(), "encoder_hidden_states": ehs.clone()}
+
+        def forward() -> torch.Tensor:
+            return self._eager(
+                static["sample"], static["timestep"], static["encoder_hidden_states"], return_dict=False
+            )[0]
+
+        side = torch.cuda.Stream(device=sample.device)
+        side.wait_stream(torch.cuda.current_stream(sample.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                forward()
+        torch.cuda.current_stream(sample.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = forward()
+        self._pool = graph.pool()
+        self._graphs[key] = (graph, static, out)
+        logger.debug("captured a CUDA graph of the diffusers UNet for %s", key)
+        return self._graphs[key]
+
+
+def bench_diffusers(
+    dpipe: Any, system: str, cfg: BenchConfig, clock: Clock, batch: int, height: int, width: int
+) -> Run:
+    """Stages and end to end of a diffusers ``StableDiffusionPipeline`` (eager or with a graphed UNet)."""
+    run = Run(system, batch)
+    run.stage_batch = batch
+    device = clock.device
+    dtype = dpipe.unet.dtype
+    c = dpipe.unet.config.in_channels
+    h, w = height // dpipe.vae_scale_factor, width // dpipe.vae_scale_factor
+    g = torch.Generator().manual_seed(cfg.seed)
+    sample = torch.randn(2 * batch, c, h, w, generator=g).to(device, dtype)
+    hidden = dpipe.text_encoder.config.hidden_size
+    ehs = torch.randn(2 * batch, 77, hidden, generator=g).to(device, dtype)
+    dpipe.scheduler.set_timesteps(cfg.steps, device=device)
+    t = dpipe.scheduler.timesteps[len(dpipe.scheduler.timesteps) // 2]
+    z = torch.randn(batch, c, h, w, generator=g).to(device, dtype)
+    n, warm = cfg.stage_iters, max(1, cfg.warmup)
+    with torch.no_grad(), nvtx(f"bench {system} b={batch} stages", device):
+        run.stages_ms["text_encoder"] = clock.stage_ms(
+            lambda: dpipe.encode_prompt(cfg.prompt, device, 1, True, cfg.negative_prompt), n, warm
+        )
+        run.stages_ms["unet_step"] = clock.stage_ms(lambda: dpipe.unet(sample, t, ehs, return_dict=False), n, warm)
+        run.stages_ms["vae_decode"] = clock.stage_ms(
+            lambda: dpipe.vae.decode(z / dpipe.vae.config.scaling_factor, return_dict=False), n, warm
+        )
+        noise = torch.randn(2 * batch, c, h, w, generator=g).to(device, dtype)
+        run.stages_ms["scheduler_glue"] = glue_ms(
+            clock, dpipe.scheduler, sample[:batch], noise, cfg.guidance_scale, cfg.steps, False, 1, min(1, warm)
+        )
+    kwargs = _call_kwargs(cfg, height, width, batch)
+    with nvtx(f"bench {system} b={batch} e2e", device):
+        samples = clock.wall_s(
+            lambda: dpipe(**kwargs, generator=torch.Generator().manual_seed(cfg.seed)), cfg.iters, cfg.warmup
+        )
+    _finish_e2e(run, samples)
+    return run
+
+
+# -- the whole bench ---------------------------------------------------------------------------------------
+
+
+def _versions() -> dict[str, str]:
+    out = {"torch": torch.__version__, "python": platform.python_version()}
+    for name in ("onnxruntime", "diffusers"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = "not installed"
+    return out
+
+
+def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run every system at every batch size; return the result dict (schema in the module docstring).
+
+    A system that cannot run here (no CUDA for the graphed baseline, fewer than two devices for multi-GPU,
+    a baseline error) is a row with ``status`` "skipped"/"error" and a ``reason``, not an exception.
+
+    Raises:
+        ArtifactError / RuntimeInputError: the artifact cannot be loaded or a batch size cannot be run by it.
+    """
+    from .artifacts import read_manifest
+    from .runtime.pipeline import EnginePipeline
+
+    say = progress or (lambda _msg: None)
+    manifest = read_manifest(cfg.artifact)
+    device_kind = cfg.device or manifest.get("device", "cpu")
+    if cfg.devices and device_kind != "cuda":
+        raise RuntimeInputError(
+            f"--devices needs device 'cuda', not {device_kind!r}; drop --devices or use --device cuda"
+        )
+    device_id = cfg.devices[0] if cfg.devices else 0
+    device = torch.device("cuda", device_id) if device_kind == "cuda" else torch.device("cpu")
+    clock = Clock(device)
+    notes: list[str] = []
+    runs: list[Run] = []
+    source = manifest.get("source", {}).get("path")
+    model_dir = cfg.model_dir or (Path(source) if source else None)
+
+    _free_memory()
+    _memory_start([device])
+    say(f"loading {cfg.artifact} on {device}")
+    pipe = EnginePipeline.from_artifacts(
+        cfg.artifact, device=device_kind, scheduler=cfg.scheduler, device_id=device_id, cuda_graph=cfg.cuda_graph
+    )
+    try:
+        height = cfg.height or pipe.default_height
+        width = cfg.width or pipe.default_width
+        scheduler_template = pipe.scheduler
+        graph_engines = [n for n, e in pipe.engines.items() if getattr(e, "cuda_graph", False)]
+        notes.append(f"ours: CUDA graphs for {', '.join(graph_engines) or 'no engine'}")
+        for batch in cfg.batch_sizes:
+            say(f"ours b={batch}")
+            _memory_start([device])
+            run = bench_ours(pipe, cfg, clock, batch, height, width)
+            run.memory_mb = _memory_read([device])
+            runs.append(run)
+        scheduler_name = pipe.scheduler_name
+    finally:
+        pipe.close()
+        del pipe
+        _free_memory()
+
+    if len(cfg.devices) >= 2:
+        from .runtime.parallel import DataParallelPipeline
+
+        devs = [torch.device("cuda", d) for d in cfg.devices]
+        say(f"ours_multi_gpu on {', '.join(map(str, devs))}")
+        multi = DataParallelPipeline.from_artifacts(
+            cfg.artifact, cfg.devices, scheduler=cfg.scheduler, cuda_graph=cfg.cuda_graph, verify=False
+        )
+        try:
+            for batch in cfg.batch_sizes:
+                _memory_start(devs)
+                try:
+                    run = bench_multi(multi, cfg, clock, batch, height, width)
+                    run.memory_mb = _memory_read(devs)
+                except RuntimeInputError as e:
+                    run = Run("ours_multi_gpu", batch, status="error", reason=str(e))
+                runs.append(run)
+        finally:
+            multi.close()
+            _free_memory()
+    else:
+        for batch in cfg.batch_sizes:
+            runs.append(Run("ours_multi_gpu", batch, status="skipped", reason="needs --devices with 2+ GPUs"))
+
+    if cfg.baseline == "diffusers":
+        runs.extend(_diffusers_runs(cfg, clock, model_dir, manifest, scheduler_template, height, width, notes, say))
+    else:
+        notes.append("baseline none: diffusers not measured")
+
+    if device.type == "cpu":
+        notes.append("CPU: wall-clock timings, no CUDA events; memory is not measured")
+    else:
+        notes.append(
+            "memory: torch_* counts torch's allocator only (ORT's arena is invisible to it); device_used is the "
+            "whole device after the run (ORT arena, CUDA context, cuDNN/cuBLAS workspaces, other processes)"
+        )
+    return {
+        "schema": SCHEMA,
+        "env": {
+            "device": device.type,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            "timing": "cuda_events" if device.type == "cuda" else "wall_clock",
+            **_versions(),
+        },
+        "config": {
+            "artifact": str(cfg.artifact),
+            "model_dir": str(model_dir) if model_dir else None,
+            "backend": str(manifest.get("backend")),
+            "precision": str(manifest.get("precision")),
+            "profile": manifest.get("profile", {}),
+            "steps": cfg.steps,
+            "height": int(height),
+            "width": int(width),
+            "guidance_scale": float(cfg.guidance_scale),
+            "seed": cfg.seed,
+            "scheduler": scheduler_name,
+            "batch_sizes": list(cfg.batch_sizes),
+            "devices": list(cfg.devices),
+            "iters": cfg.iters,
+            "warmup": cfg.warmup,
+            "stage_iters": cfg.stage_iters,
+            "baseline": cfg.baseline,
+            "cuda_graph": cfg.cuda_graph,
+        },
+        "runs": [r.to_json() for r in runs],
+        "ratios": ratios(runs),
+        "notes": notes,
+    }
+
+
+def _diffusers_runs(
+    cfg: BenchConfig,
+    clock: Clock,
+    model_dir: Path | None,
+    manifest: Mapping[str, Any],
+    scheduler_template: Any,
+    height: int,
+    width: int,
+    notes: list[str],
+    say: Callable[[str], None],
+) -> list[Run]:
+    systems = ("diffusers_eager", "diffusers_cuda_graph")
+    if model_dir is None or not Path(model_dir).is_dir():
+        reason = f"no diffusers folder (model_dir={model_dir}); pass --model-dir"
+        return [Run(s, b, status="skipped", reason=reason) for s in systems for b in cfg.batch_sizes]
+    from diffusers import StableDiffusionPipeline
+
+    cuda = clock.device.type == "cuda"
+    # the artifact's precision (fp16 on CUDA for the SD figures); fp32 on the CPU, which has no fp16 kernels
+    dtype = torch.float16 if cuda and manifest.get("precision") == "fp16" else torch.float32
+    say(f"loading diffusers from {model_dir} ({dtype})")
+    dpipe = StableDiffusionPipeline.from_pretrained(
+        model_dir, torch_dtype=dtype, safety_checker=None, requires_safety_checker=False, local_files_only=True
+    ).to(clock.device)
+    dpipe.set_progress_bar_config(disable=True)
+    dpipe.scheduler = type(scheduler_template).from_config(scheduler_template.config)
+    processors = {type(p).__name__ for p in dpipe.unet.attn_processors.values()}
+    notes.append(
+        f"diffusers: {dtype}, attention {', '.join(sorted(processors))}, scheduler {type(dpipe.scheduler).__name__}"
+    )
+    runs: list[Run] = []
+    try:
+        for batch in cfg.batch_sizes:
+            say(f"diffusers_eager b={batch}")
+            _memory_start([clock.device])
+            run = bench_diffusers(dpipe, "diffusers_eager", cfg, clock, batch, height, width)
+            run.memory_mb = _memory_read([clock.device])
+            runs.append(run)
+        if not cuda:
+            runs.extend(Run("diffusers_cuda_graph", b, status="skipped", reason="needs CUDA") for b in cfg.batch_sizes)
+            return runs
+        graphed = GraphedUNet(dpipe.unet)
+        try:
+            for batch in cfg.batch_sizes:
+                say(f"diffusers_cuda_graph b={batch}")
+                _memory_start([clock.device])
+                try:
+                    run = bench_diffusers(dpipe, "diffusers_cuda_graph", cfg, clock, batch, height, width)
+                    run.memory_mb = _memory_read([clock.device])
+                except RuntimeError as e:  # a capture torch refuses is a figure too
+                    run = Run("diffusers_cuda_graph", batch, status="error", reason=f"{type(e).__name__}: {e}"[:500])
+                runs.append(run)
+        finally:
+            graphed.remove()
+    finally:
+        del dpipe
+        _free_memory()
+    return runs
+
+
+def ratios(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """Speedups (baseline time / system time) of ``ours`` and ``ours_multi_gpu`` against every other ok run."""
+    by_key = {(r.system, r.batch_size): r for r in runs if r.status == "ok"}
+    pairs = [
+        ("ours", "diffusers_eager"),
+        ("ours", "diffusers_cuda_graph"),
+        ("ours_multi_gpu", "ours"),
+        ("ours_multi_gpu", "diffusers_eager"),
+        ("diffusers_cuda_graph", "diffusers_eager"),
+    ]
+    out: list[dict[str, Any]] = []
+    for batch in sorted({r.batch_size for r in runs}):
+        for system, baseline in pairs:
+            mine, base = by_key.get((system, batch)), by_key.get((baseline, batch))
+            if mine is None or base is None:
+                continue
+            stage = {}
+            for s in STAGES:
+                a, b = base.stages_ms.get(s), mine.stages_ms.get(s)
+                stage[s] = (a / b) if a and b else None
+            e2e = (base.e2e_s / mine.e2e_s) if base.e2e_s and mine.e2e_s else None
+            out.append(
+                {
+                    "batch_size": batch,
+                    "system": system,
+                    "baseline": baseline,
+                    "e2e_speedup": e2e,
+                    "stage_speedup": stage,
+                }
+            )
+    return out
+
+
+# -- schema, table, plot -----------------------------------------------------------------------------------
+
+_NUM = (int, float)
+_OPT_NUM = (int, float, type(None))
+_OPT_STR = (str, type(None))
+
+
+def validate_result(data: Mapping[str, Any]) -> None:
+    """Check a bench result against the schema in the module docstring.
+
+    Raises:
+        ValueError: naming the first key whose presence or type is wrong.
+    """
+
+    def check(obj: Mapping[str, Any], key: str, types: tuple[type, ...] | type, where: str) -> Any:
+        if key not in obj:
+            raise ValueError(f"{where}: missing key {key!r}")
+        value = obj[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
+            raise ValueError(f"{where}.{key} = {value!r} has type {type(value).__name__}; expected {types}")
+        return value
+
+    if check(data, "schema", str, "result") != SCHEMA:
+        raise ValueError(f"result.schema = {data['schema']!r}; expected {SCHEMA!r}")
+    env = check(data, "env", dict, "result")
+    for key, types in (
+        ("device", str),
+        ("gpu", _OPT_STR),
+        ("gpu_count", int),
+        ("timing", str),
+        ("torch", str),
+        ("onnxruntime", str),
+        ("diffusers", str),
+        ("python", str),
+    ):
+        check(env, key, types, "env")
+    config = check(data, "config", dict, "result")
+    for key, types in (
+        ("artifact", str),
+        ("model_dir", _OPT_STR),
+        ("backend", str),
+        ("precision", str),
+        ("profile", dict),
+        ("steps", int),
+        ("height", int),
+        ("width", int),
+        ("guidance_scale", float),
+        ("seed", int),
+        ("scheduler", str),
+        ("batch_sizes", list),
+        ("devices", list),
+        ("iters", int),
+        ("warmup", int),
+        ("stage_iters", int),
+        ("baseline", str),
+        ("cuda_graph", (bool, type(None))),
+    ):
+        check(config, key, types, "config")
+    for i, run in enumerate(check(data, "runs", list, "result")):
+        where = f"runs[{i}]"
+        if check(run, "system", str, where) not in SYSTEMS:
+            raise ValueError(f"{where}.system = {run['system']!r}; expected one of {SYSTEMS}")
+        check(run, "batch_size", int, where)
+        if check(run, "status", str, where) not in ("ok", "skipped", "error"):
+            raise ValueError(f"{where}.status = {run['status']!r}")
+        check(run, "reason", _OPT_STR, where)
+        check(run, "stage_batch", (int, type(None)), where)
+        stages = check(run, "stages_ms", dict, where)
+        for s in STAGES:
+            check(stages, s, _OPT_NUM, f"{where}.stages_ms")
+        for key in ("e2e_s", "s_per_image", "images_per_s"):
+            check(run, key, _OPT_NUM, where)
+        for j, v in enumerate(check(run, "e2e_samples_s", list, where)):
+            if not isinstance(v, _NUM):
+                raise ValueError(f"{where}.e2e_samples_s[{j}] = {v!r} is not a number")
+        memory = check(run, "memory_mb", dict, where)
+        for key in ("torch_peak_allocated", "torch_peak_reserved", "device_used"):
+            check(memory, key, _OPT_NUM, f"{where}.memory_mb")
+        if run["status"] == "ok" and run["e2e_s"] is None:
+            raise ValueError(f"{where}: status ok but e2e_s is null")
+    for i, ratio in enumerate(check(data, "ratios", list, "result")):
+        where = f"ratios[{i}]"
+        check(ratio, "batch_size", int, where)
+        check(ratio, "system", str, where)
+        check(ratio, "baseline", str, where)
+        check(ratio, "e2e_speedup", _OPT_NUM, where)
+        for s in STAGES:
+            check(check(ratio, "stage_speedup", dict, where), s, _OPT_NUM, f"{where}.stage_speedup")
+    for note in check(data, "notes", list, "result"):
+        if not isinstance(note, str):
+            raise ValueError(f"notes entry {note!r} is not a string")
+
+
+def _as_tuple(types: tuple[type, ...] | type) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def format_table(result: Mapping[str, Any]) -> str:
+    """A fixed-width text table of the runs (one line per system and batch size) and the speedups."""
+
+    def num(v: Any, fmt: str) -> str:
+        width = fmt.split(".")[0]
+        return format(v, fmt) if isinstance(v, _NUM) else format("-", f">{width}" if width else "")
+
+    head = (
+        f"{'system':<22}{'batch':>6}{'text ms':>9}{'unet ms':>9}{'vae ms':>9}{'glue ms':>9}"
+        f"{'e2e s':>9}{'s/img':>8}{'img/s':>8}{'peak MiB':>10}  status"
+    )
+    lines = [head, "-" * len(head)]
+    for r in result["runs"]:
+        st = r["stages_ms"]
+        mem = r["memory_mb"].get("device_used") or r["memory_mb"].get("torch_peak_allocated")
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
+        lines.append(
+            f"{r['system']:<22}{r['batch_size']:>6}{num(st['text_encoder'], '9.2f')}{num(st['unet_step'], '9.2f')}"
+            f"{num(st['vae_decode'], '9.2f')}{num(st['scheduler_glue'], '9.3f')}{num(r['e2e_s'], '9.3f')}"
+            f"{num(r['s_per_image'], '8.3f')}{num(r['images_per_s'], '8.2f')}{num(mem, '10.0f')}  {status}"
+        )
+    if result["ratios"]:
+        lines.append("")
+        lines.append("speedups (baseline time / system time):")
+        for q in result["ratios"]:
+            unet = q["stage_speedup"].get("unet_step")
+            lines.append(
+                f"  b={q['batch_size']:<3} {q['system']:<22} vs {q['baseline']:<22} e2e x{num(q['e2e_speedup'], '.2f')}"
+                f"  unet x{num(unet, '.2f')}"
+            )
+    return "\n".join(lines)
+
+
+def plot_result(result: Mapping[str, Any], path: str | Path) -> Path:
+    """A bar chart PNG: seconds per image (end to end) and per-stage ms for each system, per batch size.
+
+    Uses matplotlib when installed (``pip install diffusion-trt[plot]``), else draws with Pillow.
+    """
+    path = Path(path)
+    rows = [r for r in result["runs"] if r["status"] == "ok"]
+    title = (
+        f"{result['config'].get('precision')} {result['config'].get('height')}x{result['config'].get('width')}, "
+        f"{result['config'].get('steps')} steps, {result['env'].get('gpu') or result['env'].get('device')}"
+    )
+    try:
+        import matplotlib  # type: ignore[import-not-found]
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found]
+    except ImportError:
+        return _plot_pillow(rows, title, path)
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
+    batches = sorted({r["batch_size"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / max(1, len(systems))
+    for k, system in enumerate(systems):
+        xs, ys = [], []
+        for i, b in enumerate(batches):
+            r = next((r for r in rows if r["system"] == system and r["batch_size"] == b), None)
+            if r is not None:
+                xs.append(i + k * width)
+                ys.append(r["s_per_image"])
+        axes[0].bar(xs, ys, width, label=system)
+        first = next((r for r in rows if r["system"] == system), None)
+        if first is not None:
+            vals = [first["stages_ms"].get(s) or 0.0 for s in STAGES]
+            axes[1].bar([i + k * width for i in range(len(STAGES))], vals, width, label=system)
+    axes[0].set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(batches))], [f"b={b}" for b in batches])
+    axes[0].set_ylabel("seconds per image (end to end)")
+    axes[1].set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(STAGES))], list(STAGES))
+    axes[1].set_ylabel(f"ms per call (b={batches[0] if batches else '?'})")
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+_COLORS = [(66, 133, 244), (52, 168, 83), (234, 67, 53), (251, 188, 5)]
+
+
+def _plot_pillow(rows: list[dict[str, Any]], title: str, path: Path) -> Path:
+    from PIL import Image, ImageDraw
+
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
+    batches = sorted({r["batch_size"] for r in rows})
+    width, height, margin = 900, 420, 50
+    img = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(img)
+    draw.text((margin, 10), f"seconds per image (end to end): {title}", fill="black")
+    values = [r["s_per_image"] for r in rows if isinstance(r["s_per_image"], _NUM)]
+    top = max(values) if values else 1.0
+    plot_h = height - 2 * margin - 30
+    group_w = (width - 2 * margin) / max(1, len(batches))
+    bar_w = group_w * 0.8 / max(1, len(systems))
+    base_y = height - margin
+    draw.line([(margin, base_y), (width - margin, base_y)], fill="black")
+    for i, b in enumerate(batches):
+        draw.text((margin + i * group_w + group_w * 0.35, base_y + 6), f"batch {b}", fill="black")
+        for k, system in enumerate(systems):
+            r = next((r for r in rows if r["system"] == system and r["batch_size"] == b), None)
+            if r is None or not isinstance(r["s_per_image"], _NUM):
+                continue
+            x0 = margin + i * group_w + group_w * 0.1 + k * bar_w
+            y0 = base_y - plot_h * r["s_per_image"] / top
+            draw.rectangle([x0, y0, x0 + bar_w - 2, base_y], fill=_COLORS[k % len(_COLORS)])
+            draw.text((x0, y0 - 12), f"{r['s_per_image']:.3g}", fill="black")
+    for k, system in enumerate(systems):
+        x = margin + k * 200
+        draw.rectangle([x, 30, x + 12, 42], fill=_COLORS[k % len(_COLORS)])
+        draw.text((x + 16, 30), system, fill="black")
+    img.save(path, format="PNG")
+    return path

@@ -1,0 +1,135 @@
+"""The CUDA fast paths on a GPU: ORT CUDA-graph mode, a sync-free denoising loop, pinned outputs, two GPUs.
+
+Run on a GPU host with onnxruntime-gpu: ``pytest -m gpu tests/runtime/test_cuda_graph.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from diffusion_trt.runtime import EnginePipeline, denoise
+from diffusion_trt.runtime.ort_engine import OrtEngine
+from tests.runtime.test_engine import add_model, expected, feeds
+from tests.runtime.test_runtime_fast_paths import STATIC_SPEC
+
+pytestmark = pytest.mark.gpu
+
+NO_TF32 = {"use_tf32": 0}
+CALL: dict[str, Any] = {"prompt": "a cat", "num_inference_steps": 4, "seed": 3, "progress": False}
+
+
+@pytest.fixture(scope="module")
+def add_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("add_graph") / "model.onnx"
+    onnx.save_model(add_model(), str(path))
+    return path
+
+
+@pytest.mark.parametrize("own_stream", [False, True])
+def test_ort_cuda_graph_replays_new_inputs(add_path: Path, own_stream: bool) -> None:
+    stream = torch.cuda.Stream() if own_stream else None
+    with OrtEngine(add_path, STATIC_SPEC, name="unet", device="cuda", stream=stream, cuda_graph=True) as engine:
+        for seed in range(5):  # run 1 regular, run 2 captured, runs 3.. replayed: each must see its own inputs
+            f = feeds(b=2, h=8, w=8, seed=seed)
+            out = engine.run({k: v.cuda() for k, v in f.items()})["y"].clone()
+            torch.testing.assert_close(out.cpu(), expected(f))
+        assert engine.cuda_graph, engine.cuda_graph_reason
+
+
+@pytest.fixture(scope="module")
+def static_artifact(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny pipeline compiled for CUDA fp32 with a static profile: 64x64, batch 2 (CFG batch 4)."""
+    from diffusion_trt.compiler.pipeline import compile_pipeline
+    from diffusion_trt.config import CompileConfig
+
+    config = CompileConfig(
+        device="cuda",
+        height=64,
+        width=64,
+        min_height=64,
+        max_height=64,
+        min_width=64,
+        max_width=64,
+        batch_size=2,
+        min_batch_size=2,
+        max_batch_size=2,
+    )
+    return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("static") / "tiny", config)
+
+
+@pytest.fixture(scope="module")
+def graph_and_eager(static_artifact: Path) -> Iterator[tuple[EnginePipeline, EnginePipeline]]:
+    with (
+        EnginePipeline.from_artifacts(static_artifact, provider_options=NO_TF32) as graph,
+        EnginePipeline.from_artifacts(static_artifact, provider_options=NO_TF32, cuda_graph=False) as eager,
+    ):
+        yield graph, eager
+
+
+@pytest.mark.parametrize("scheduler", [None, "euler_a", "dpm++"])
+def test_pipeline_with_cuda_graphs_matches_eager(
+    graph_and_eager: tuple[EnginePipeline, EnginePipeline], scheduler: str | None
+) -> None:
+    graph, eager = graph_and_eager
+    reasons = {n: e.cuda_graph_reason for n, e in graph.engines.items()}  # type: ignore[attr-defined]
+    assert all(e.cuda_graph for e in graph.engines.values()), reasons  # type: ignore[attr-defined]
+    for pipe in (graph, eager):
+        pipe.set_scheduler(scheduler)
+    # 4 images = 2 chunks of 2: the graphs replay for the second chunk and the second call
+    for _ in range(2):
+        got = graph(**CALL, num_images_per_prompt=4, output_type="np").images
+        want = eager(**CALL, num_images_per_prompt=4, output_type="np").images
+        assert np.abs(got - want).max() < 1 / 255
+    assert graph._host_buffers.pin and all(b.is_pinned() for b in graph._host_buffers._buffers.values())
+
+
+@pytest.mark.parametrize("scheduler", [None, "euler", "dpm++"])
+def test_denoising_loop_never_syncs_the_host(
+    graph_and_eager: tuple[EnginePipeline, EnginePipeline], scheduler: str | None
+) -> None:
+    graph, _ = graph_and_eager
+    graph.set_scheduler(scheduler)
+    sched = graph.scheduler
+    sched.set_timesteps(10, device=graph.device)
+    timesteps = denoise.host_timesteps(sched)
+    values = timesteps.to(graph.device, torch.float32)
+    unet = graph.engines["unet"]
+    embeds = torch.randn(4, 77, unet.spec.input("encoder_hidden_states").shape[2], device=graph.device)
+    latents = torch.randn(2, 4, 8, 8, device=graph.device) * sched.init_noise_sigma
+    torch.cuda.synchronize()
+    with torch.cuda.stream(graph._stream):
+        torch.cuda.set_sync_debug_mode("error")  # any synchronising torch call inside raises
+        try:
+            out = denoise.denoise_latents(
+                unet=unet,
+                scheduler=sched,
+                prompt_embeds=embeds,
+                latents=latents,
+                timesteps=timesteps,
+                timestep_values=values,
+                guidance_scale=7.5,
+                extra={},
+            )
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out).all()
+    graph.set_scheduler(None)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_equal_one(static_artifact: Path, graph_and_eager: tuple[EnginePipeline, EnginePipeline]) -> None:
+    from diffusion_trt.runtime.parallel import DataParallelPipeline
+
+    graph, _ = graph_and_eager
+    with DataParallelPipeline.from_artifacts(static_artifact, [0, 1], provider_options=NO_TF32) as multi:
+        got = multi(**CALL, num_images_per_prompt=4, output_type="np")
+        want = graph(**CALL, num_images_per_prompt=4, output_type="np")
+        assert got.parameters["device_shares"] == [2, 2]
+        assert np.abs(got.images - want.images).max() < 1 / 255

@@ -1,0 +1,68 @@
+"""Multi-device pieces that run on the CPU: --devices parsing, the split/merge, and DataParallelPipeline itself
+over two CPU pipelines (the same threads and slicing as over two GPUs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from diffusion_trt.errors import RuntimeInputError
+from diffusion_trt.runtime import EnginePipeline
+from diffusion_trt.runtime.parallel import DataParallelPipeline, merge_outputs, parse_devices
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [
+        ("0,1", [0, 1]),
+        (" 1 , 0 ", [1, 0]),
+        ("cuda:0,cuda:1", [0, 1]),
+        ("all", [0, 1, 2, 3]),
+        ([2], [2]),
+        (None, []),
+        ("", []),
+    ],
+)
+def test_parse_devices(value: object, want: list[int]) -> None:
+    assert parse_devices(value, available=4) == want  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("value", "available", "piece"),
+    [
+        ("0,a", 2, "--devices 0,a: 'a' is not a CUDA device index; use comma-separated indices like 0,1"),
+        ("0,-1", 2, "'-1' is not a CUDA device index"),
+        ("0,,1", 2, "'' is not a CUDA device index"),
+        ("1.5", 2, "'1.5' is not a CUDA device index"),
+        ("0,2", 2, "device 2 does not exist; this host has 2 CUDA device(s), 0..1"),
+        ("0,0", 2, "device 0 is listed twice"),
+        ("0", 0, "this host has no CUDA device"),
+    ],
+)
+def test_parse_devices_errors(value: str, available: int, piece: str) -> None:
+    with pytest.raises(RuntimeInputError) as e:
+        parse_devices(value, available=available)
+    assert piece in str(e.value)
+
+
+def test_merge_outputs() -> None:
+    assert merge_outputs([["a"], ["b", "c"]], "pil") == ["a", "b", "c"]
+    assert merge_outputs([np.zeros((1, 2)), np.ones((2, 2))], "np").shape == (3, 2)
+    merged = merge_outputs([torch.zeros(1, 3), torch.ones(2, 3)], "pt")
+    assert merged.shape == (3, 3) and merged[0].sum() == 0 and merged[1:].sum() == 6
+
+
+def test_data_parallel_equals_one_pipeline(toy_artifact: Path, toy_pipe: EnginePipeline) -> None:
+    pipes = [EnginePipeline.from_artifacts(toy_artifact, verify=False) for _ in range(2)]
+    with DataParallelPipeline(pipes, warm_up=False) as multi:
+        call = {"num_inference_steps": 2, "num_images_per_prompt": 2, "seed": 4, "output_type": "np"}
+        got = multi(["a cat", "a dog", "a fox"], negative_prompt=["x", "y", "z"], **call)
+        want = toy_pipe(["a cat", "a dog", "a fox"], negative_prompt=["x", "y", "z"], progress=False, **call)
+        np.testing.assert_array_equal(got.images, want.images)  # 6 images: 3 per "device", in order
+        assert got.parameters["device_shares"] == [3, 3] and got.seed == 4
+        one = multi("a cat", num_inference_steps=2, seed=4, output_type="pil").images
+        assert len(one) == 1  # fewer images than devices: one device works
+    assert all(not p.engines["unet"].is_open for p in pipes)  # type: ignore[attr-defined]

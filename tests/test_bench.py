@@ -1,0 +1,99 @@
+"""`diffusion-trt bench` on the CPU: the tiny artifact against diffusers on its source folder; JSON schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from diffusion_trt.bench import SCHEMA, STAGES, plot_result, validate_result
+from diffusion_trt.cli import main
+
+
+def test_bench_cpu_json_schema_and_plot(tiny_artifact: Path, tmp_path: Path) -> None:
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    args = [
+        "bench",
+        str(tiny_artifact),
+        "--steps",
+        "2",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--stage-iters",
+        "1",
+        "--batch-size",
+        "1,2",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    validate_result(data)
+    assert data["schema"] == SCHEMA and data["env"]["timing"] == "wall_clock"
+    runs = {(r["system"], r["batch_size"]): r for r in data["runs"]}
+    for system in ("ours", "diffusers_eager"):
+        for b in (1, 2):
+            run = runs[(system, b)]
+            assert run["status"] == "ok" and run["e2e_s"] > 0 and all(run["stages_ms"][s] > 0 for s in STAGES)
+            assert run["images_per_s"] == pytest.approx(b / run["e2e_s"])
+    assert runs[("diffusers_cuda_graph", 1)]["status"] == "skipped"
+    assert runs[("ours_multi_gpu", 2)]["reason"] == "needs --devices with 2+ GPUs"
+    assert {(q["system"], q["baseline"]) for q in data["ratios"]} == {("ours", "diffusers_eager")}
+    assert "ours" in result.output and "speedups" in result.output
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size[0] > 100
+
+
+def test_schema_validation_names_the_bad_key(tmp_path: Path) -> None:
+    data = {"schema": SCHEMA, "env": {"device": "cpu"}}
+    with pytest.raises(ValueError, match=r"env: missing key 'gpu'"):
+        validate_result(data)
+    with pytest.raises(ValueError, match=r"result: missing key 'runs'"):
+        validate_result(
+            {
+                "schema": SCHEMA,
+                "env": {k: "x" for k in ("device", "timing", "torch", "onnxruntime", "diffusers", "python")}
+                | {"gpu": None, "gpu_count": 0},
+                "config": _config(),
+            }
+        )
+    # the plot copes with a result that has no ok run
+    plot_result({"runs": [], "config": _config(), "env": {"device": "cpu"}}, tmp_path / "empty.png")
+
+
+def _config() -> dict[str, object]:
+    return {
+        "artifact": "a",
+        "model_dir": None,
+        "backend": "ort",
+        "precision": "fp32",
+        "profile": {},
+        "steps": 1,
+        "height": 64,
+        "width": 64,
+        "guidance_scale": 7.5,
+        "seed": 0,
+        "scheduler": "pndm",
+        "batch_sizes": [1],
+        "devices": [],
+        "iters": 1,
+        "warmup": 0,
+        "stage_iters": 1,
+        "baseline": "none",
+        "cuda_graph": None,
+    }
+
+
+def test_bench_rejects_bad_options(tiny_artifact: Path) -> None:
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--batch-size", "1,x"])
+    assert result.exit_code == 2 and "'1,x' is not a comma-separated list of integers" in result.output
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--device", "cpu", "--devices", "0,1"])
+    assert result.exit_code == 2 and "--devices 0,1 needs CUDA" in result.output
