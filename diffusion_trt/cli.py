@@ -1,4 +1,4 @@
-"""Command line: ``diffusion-trt compile | run | dummy-pipeline``.
+"""Command line: ``diffusion-trt compile | run | bench | inspect | verify | export-triton | serve | dummy-pipeline``.
 
 Thin on purpose: every command parses options, sets up logging and progress bars, and calls one library
 function. Heavy imports (torch, diffusers, onnxruntime) happen inside the commands, so ``--help`` is fast.
@@ -93,7 +93,34 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
 @click.option("--backend", type=click.Choice(["ort", "tensorrt"]), default="ort", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where the engines will run (export runs there too).")
-@click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "fp8"]), default="fp32", show_default=True,
+              help="int8: ORT CPU or TensorRT; fp8: TensorRT on compute capability >= 8.9. Both calibrate the UNet "
+                   "(see --calibration-*) and gate its quality against fp32.")
+@click.option("--calibration-prompts", default="builtin", show_default=True,
+              help="int8/fp8: 'builtin' (64 bundled prompts) or a text FILE, one prompt a line.")
+@click.option("--calibration-size", type=click.IntRange(min=1), default=32, show_default=True,
+              help="int8/fp8: calibration prompts N (one image each).")
+@click.option("--calibration-steps", type=click.IntRange(min=1), default=8, show_default=True,
+              help="int8/fp8: UNet inputs captured per prompt K, spread over the schedule.")
+@click.option("--calibration-seed", type=int, default=0, show_default=True, help="int8/fp8: seed of the latents.")
+@click.option("--calibration-method", type=click.Choice(["minmax", "entropy", "percentile"]), default="minmax",
+              show_default=True, help="int8: ONNX Runtime calibrator (fp8 always uses 'distribution').")
+@click.option("--calibration-cache", type=click.Path(), default=None,
+              help="int8/fp8: reuse a calibration cache (FILE, or a DIR / artifact holding one) when the settings "
+                   "match; a DIR without one receives the new cache.")
+@click.option("--quantize-vae", is_flag=True, help="int8/fp8: quantize the VAE decoder too.")
+@click.option("--quantize-exclude", default=None,
+              help="int8/fp8: comma-separated categories and/or node names left unquantized, 'none' for none "
+                   "[default: first_conv,last_conv,time_embedding,attention_scores,softmax,normalization].")
+@click.option("--smooth-quant-alpha", type=click.FloatRange(0, 1), default=None,
+              help="int8/fp8: SmoothQuant with this alpha (needs neural-compressor) [default: off].")
+@click.option("--min-cosine", type=float, default=0.98, show_default=True,
+              help="Quality gate: worst per-step cosine similarity of the quantized UNet vs fp32.")
+@click.option("--min-psnr", type=float, default=20.0, show_default=True,
+              help="Quality gate: worst final-image PSNR (dB) vs fp32 on held-out prompts.")
+@click.option("--accept-quality-loss", is_flag=True, help="Write a quantized artifact even below the quality gate.")
+@click.option("--target-compute-capability", default=None,
+              help="fp8: compute capability of the target GPU, e.g. 9.0 [default: this machine's GPU].")
 @click.option("--height", type=int, default=None, help="Optimal image height [default: the model's].")
 @click.option("--width", type=int, default=None, help="Optimal image width [default: the model's].")
 @click.option("--batch-size", type=int, default=1, show_default=True, help="Optimal images per call.")
@@ -110,8 +137,12 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
 @click.option("--timing-cache", type=click.Path(file_okay=False), default="~/.cache/diffusion-trt/timing-cache",
               show_default=True, help="TensorRT: folder of timing caches reused across builds.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact (only once the new one is complete).")
+@click.option("--lock-timeout", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="Seconds to wait while another compile writes the same folder (0 = fail at once).")
+@click.option("--snap", is_flag=True, help="Snap image sizes that are not multiples of 8 to the nearest one (logged).")
 @_handle_errors
-def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, **options: Any) -> None:
+def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bool, lock_timeout: float,
+                **options: Any) -> None:
     """Export MODEL_DIR (a diffusers pipeline folder) to ONNX, optimize it and build engines.
 
     Writes an artifact folder with one engine per component and a manifest.json (file hashes,
@@ -122,6 +153,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, **option
       diffusion-trt compile models/tiny -o artifacts/tiny
       diffusion-trt compile models/sd15 -o artifacts/sd15-fp16 --device cuda --precision fp16
       diffusion-trt compile models/sd15 -o artifacts/sd15 --min-height 256 --max-height 768
+      diffusion-trt compile models/tiny -o artifacts/tiny-int8 --precision int8 --calibration-size 8
     """
     from .compiler.pipeline import compile_pipeline
     from .config import CompileConfig
@@ -129,11 +161,53 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, **option
     out_dir = out_dir or Path("artifacts") / Path(model_dir).resolve().name
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    config = CompileConfig(**options)
+    if snap:
+        for key in ("height", "width", "min_height", "max_height", "min_width", "max_width"):
+            options[key] = _snap(key, options[key])
+    quantize = _quantize_config(options)  # pops the int8/fp8 options first
+    config = CompileConfig(**options, quantize=quantize)
     with logging_redirect_tqdm(loggers=[logger]):
-        path = compile_pipeline(model_dir, out_dir, config, overwrite=overwrite, progress=True)
+        path = compile_pipeline(model_dir, out_dir, config, overwrite=overwrite, progress=True,
+                                lock_timeout=lock_timeout)
     _print_pass_table(path)
     click.echo(f"artifact: {path}")
+
+
+def _quantize_config(options: dict[str, Any]) -> Any:
+    """Pop the int8/fp8 options out of ``options`` into a QuantizeConfig."""
+    from .config import QuantizeConfig
+
+    exclude = options.pop("quantize_exclude")
+    if exclude is not None:
+        exclude = () if exclude.strip().lower() == "none" else tuple(x.strip() for x in exclude.split(",") if x.strip())
+    return QuantizeConfig(
+        components=("unet", "vae_decoder") if options.pop("quantize_vae") else ("unet",),
+        prompts=options.pop("calibration_prompts"),
+        size=options.pop("calibration_size"),
+        steps=options.pop("calibration_steps"),
+        seed=options.pop("calibration_seed"),
+        method=options.pop("calibration_method"),
+        cache=options.pop("calibration_cache"),
+        exclude=exclude,
+        smooth_quant_alpha=options.pop("smooth_quant_alpha"),
+        min_cosine=options.pop("min_cosine"),
+        min_psnr=options.pop("min_psnr"),
+        accept_quality_loss=options.pop("accept_quality_loss"),
+        target_compute_capability=options.pop("target_compute_capability"),
+    )
+
+
+def _snap(name: str, value: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+    """``--snap``: the nearest valid image size (config.snap_image_size), logged when it differs."""
+    from .config import snap_image_size
+
+    if value is None:
+        return None
+    snapped = snap_image_size(value, lo, hi)
+    if snapped != value:
+        logger.warning("--snap: %s %d -> %d (multiples of 8%s)", name.replace("_", "-"), value, snapped,
+                       f", profile {lo}..{hi}" if lo is not None else "")
+    return snapped
 
 
 def _print_pass_table(path: Path) -> None:
@@ -163,22 +237,35 @@ def _print_pass_table(path: Path) -> None:
 @click.option("--batch-size", type=int, default=1, show_default=True, help="Images for the prompt.")
 @click.option("--scheduler", default=None, help="Scheduler short name, e.g. ddim, euler, dpm++ [default: the model's].")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
+@click.option("--snap", is_flag=True, help="Snap --height/--width to the nearest size the artifact allows (logged).")
+@click.option("--devices", default=None,
+              help="CUDA devices, e.g. 0,1 or all: data-parallel, the images split across them [default: one].")
+@click.option("--cuda-graph/--no-cuda-graph", default=None,
+              help="Replay engines as CUDA graphs [default: on for static CUDA artifacts and TensorRT].")
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False, path_type=Path), default=Path("out.png"),
               show_default=True, help="PNG path; with several images, -1, -2 ... are appended.")
 @_handle_errors
 def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps: int, guidance: float, seed: int,
             height: int | None, width: int | None, batch_size: int, scheduler: str | None, device: str | None,
-            out: Path) -> None:
+            snap: bool, devices: str | None, cuda_graph: bool | None, out: Path) -> None:
     """Generate images from a compiled ARTIFACT_DIR.
 
     \b
     Examples:
       diffusion-trt run artifacts/tiny --prompt "a guohua landscape" -o out.png
       diffusion-trt run artifacts/sd15-fp16 -p "pixel-art castle" --steps 50 --scheduler euler --seed 7
+      diffusion-trt run artifacts/sd15-fp16 -p "a koi pond" --batch-size 8 --devices 0,1
     """
-    from .runtime.pipeline import EnginePipeline, save_png
+    from .runtime.pipeline import save_png
 
-    with EnginePipeline.from_artifacts(artifact_dir, device=device, scheduler=scheduler) as pipe:
+    if snap and (height is not None or width is not None):
+        from .artifacts import read_manifest
+
+        profile = read_manifest(artifact_dir).get("profile", {})
+        height = _snap("height", height, *(profile.get("height", [None, None, None])[::2]))
+        width = _snap("width", width, *(profile.get("width", [None, None, None])[::2]))
+    device_list = _parse_devices(devices, device)
+    with _open_pipeline(artifact_dir, device, scheduler, device_list, cuda_graph) as pipe:
         result = pipe(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -188,7 +275,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
             height=height,
             width=width,
             num_images_per_prompt=batch_size,
-            progress=True,
+            progress=len(device_list) <= 1,
         )
         params = {**result.parameters, "artifact": str(artifact_dir)}
     paths = []
@@ -198,6 +285,237 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
         paths.append(path)
     for path in paths:
         click.echo(f"image: {path}")
+
+
+@main.command("inspect")
+@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (for machines).")
+@_handle_errors
+def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
+    """Summarize a compiled ARTIFACT_DIR: components, precisions, profile, sizes, passes, build facts, tools.
+
+    Reads manifest.json only (schema and seal checked); `diffusion-trt verify` checks the files.
+
+    \b
+    Examples:
+      diffusion-trt inspect artifacts/tiny
+      diffusion-trt inspect artifacts/sd15 --json | jq .components.unet.passes
+    """
+    import json
+
+    from .artifacts import read_manifest
+    from .summary import artifact_summary, format_summary
+
+    summary = artifact_summary(artifact_dir, read_manifest(artifact_dir))
+    click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
+
+
+@main.command("verify")
+@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.option("--no-hashes", is_flag=True, help="Check sizes only, not sha256 (fast on multi-GB artifacts).")
+@click.option("--no-host", is_flag=True, help="Skip the checks against this machine (providers, TensorRT, GPU).")
+@click.option("--tensorrt", "trt_version", default=None,
+              help="Check plans against this TensorRT version instead of this machine's (with --compute-capability).")
+@click.option("--compute-capability", default=None, help="Target GPU compute capability for plans, e.g. 9.0.")
+@_handle_errors
+def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: str | None,
+               compute_capability: str | None) -> None:
+    """Check that ARTIFACT_DIR is intact and runs here; exit 3 with one line per problem if not.
+
+    Checks the manifest (JSON Schema, seal against hand edits), every file's size and sha256, that no path,
+    ONNX external-data reference or symbolic link leads outside the folder, that no unlisted file was added,
+    and this machine: ONNX Runtime's provider for the artifact's device, or TensorRT's version and the GPU's
+    compute capability for each plan.
+
+    \b
+    Examples:
+      diffusion-trt verify artifacts/tiny
+      diffusion-trt verify artifacts/sd15-trt --tensorrt 10.8.0.43 --compute-capability 9.0
+    """
+    from .trt_compat import TrtHost
+    from .verify import verify_artifact
+
+    if (trt_version is None) != (compute_capability is None):
+        raise click.UsageError("--tensorrt and --compute-capability go together")
+    target = TrtHost(trt_version, compute_capability) if trt_version and compute_capability else None
+    report = verify_artifact(artifact_dir, check_hashes=not no_hashes, check_host=not no_host, trt_host=target)
+    for line in report.warnings:
+        click.echo(f"warning: {line}", err=True)
+    if not report.ok:
+        for line in report.problems:
+            click.echo(f"problem: {line}")
+        click.echo(f"{artifact_dir}: {len(report.problems)} problem(s)", err=True)
+        sys.exit(3)
+    what = "sha256 and size" if not no_hashes else "size"
+    host = "host not checked" if no_host else "runs on this machine" if target is None else "runs on the target"
+    click.echo(f"{artifact_dir}: ok ({report.checked_files} files, {what}; {host})")
+
+
+
+def _parse_devices(devices: str | None, device: str | None) -> list[int]:
+    """``--devices`` as CUDA ordinals ([] when not given); refuses it with ``--device cpu``."""
+    if devices is None:
+        return []
+    if device == "cpu":
+        raise click.UsageError(f"--devices {devices} needs CUDA; drop it or use --device cuda")
+    from .runtime.parallel import parse_devices
+
+    return parse_devices(devices)
+
+
+def _open_pipeline(artifact_dir: Path, device: str | None, scheduler: str | None, device_list: list[int],
+                   cuda_graph: bool | None) -> Any:
+    """One EnginePipeline (on ``device_list[0]`` when given) or a DataParallelPipeline over 2+ devices."""
+    if len(device_list) >= 2:
+        from .runtime.parallel import DataParallelPipeline
+
+        return DataParallelPipeline.from_artifacts(artifact_dir, device_list, scheduler=scheduler,
+                                                   cuda_graph=cuda_graph)
+    from .runtime.pipeline import EnginePipeline
+
+    if device_list:
+        return EnginePipeline.from_artifacts(artifact_dir, device="cuda", scheduler=scheduler,
+                                             device_id=device_list[0], cuda_graph=cuda_graph)
+    return EnginePipeline.from_artifacts(artifact_dir, device=device, scheduler=scheduler, cuda_graph=cuda_graph)
+
+
+def _int_list(value: str, option: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is not a comma-separated list of integers, e.g. 1,4", param_hint=option
+        ) from None
+    if not out or any(v < 1 for v in out):
+        raise click.BadParameter(f"{value!r}: every batch size must be >= 1, e.g. 1,4", param_hint=option)
+    return out
+
+
+@main.command("bench")
+@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.option("--baseline", type=click.Choice(["diffusers", "none"]), default="diffusers", show_default=True,
+              help="Also measure diffusers (eager fp16 SDPA, and with a CUDA-graphed UNet on CUDA).")
+@click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="diffusers folder for the baseline [default: the manifest's source path].")
+@click.option("--steps", type=int, default=50, show_default=True)
+@click.option("--batch-size", "batch_sizes", default="1", show_default=True, help="Images per call, e.g. 1,4.")
+@click.option("--iters", type=int, default=3, show_default=True, help="Timed end-to-end calls (median).")
+@click.option("--warmup", type=int, default=1, show_default=True, help="Untimed calls before timing.")
+@click.option("--stage-iters", type=int, default=20, show_default=True, help="Timed calls per stage (median).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
+@click.option("--devices", default=None, help="CUDA devices, e.g. 0,1: ours on the first, multi-GPU on all.")
+@click.option("--scheduler", default=None, help="Scheduler short name for both sides [default: the model's].")
+@click.option("--cuda-graph/--no-cuda-graph", default=None,
+              help="Our engines as CUDA graphs [default: on for static CUDA artifacts and TensorRT].")
+@click.option("--prompt", default=None, help="Prompt of every call [default: a fixed landscape prompt].")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the result as JSON (schema: diffusion_trt/bench.py).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a bar chart PNG (matplotlib if installed, else Pillow).")
+@_handle_errors
+def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: int, batch_sizes: str, iters: int,
+              warmup: int, stage_iters: int, device: str | None, devices: str | None, scheduler: str | None,
+              cuda_graph: bool | None, prompt: str | None, seed: int, json_path: Path | None,
+              plot_path: Path | None) -> None:
+    """Time ARTIFACT_DIR's engines per stage and end to end, next to diffusers, in one process.
+
+    Same weights, seed, scheduler and prompt on every side; medians after warm-up; CUDA events for GPU
+    stage times; NVTX ranges around every stage (run under `nsys profile` to see them).
+
+    \b
+    Examples:
+      diffusion-trt bench artifacts/tiny --steps 2 --iters 1 --json bench.json
+      diffusion-trt bench artifacts/sd15-fp16 --batch-size 1,4 --json b.json --plot b.png
+      diffusion-trt bench artifacts/sd15-fp16-b4 --batch-size 8 --devices 0,1 --baseline none
+    """
+    import json
+
+    from .bench import DEFAULT_PROMPT, BenchConfig, format_table, plot_result, run_bench
+
+    device_list = _parse_devices(devices, device)
+    config = BenchConfig(
+        artifact=artifact_dir, baseline=baseline, model_dir=model_dir, device="cuda" if device_list else device,
+        devices=tuple(device_list), steps=steps, batch_sizes=_int_list(batch_sizes, "--batch-size"), iters=iters,
+        warmup=warmup, stage_iters=stage_iters, scheduler=scheduler, cuda_graph=cuda_graph,
+        prompt=prompt or DEFAULT_PROMPT, seed=seed,
+    )
+    result = run_bench(config, progress=lambda msg: logger.info("bench: %s", msg))
+    click.echo(format_table(result))
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=2))
+        click.echo(f"json: {json_path}")
+    if plot_path is not None:
+        click.echo(f"plot: {plot_result(result, plot_path)}")
+
+
+@main.command("export-triton")
+@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.argument("repo_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--prefix", default="", help="Prepended to every model name (several artifacts in one repository).")
+@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Instances per engine model.")
+@click.option("--max-queue-delay-us", type=click.IntRange(min=0), default=2000, show_default=True,
+              help="Dynamic-batching delay of the engine models.")
+@click.option("--overwrite", is_flag=True, help="Replace models of the same names in REPO_DIR.")
+@_handle_errors
+def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances: int, max_queue_delay_us: int,
+                      overwrite: bool) -> None:
+    """Write a Triton model repository serving ARTIFACT_DIR: one model per engine plus a BLS pipeline model.
+
+    Engine models use platform onnxruntime_onnx or tensorrt_plan with dynamic batching; the pipeline model
+    (Python backend) runs the denoising loop by calling them, and needs numpy, torch, diffusers and
+    transformers in Triton's Python environment.
+
+    \b
+    Examples:
+      diffusion-trt export-triton artifacts/sd15-trt model_repository
+      tritonserver --model-repository model_repository
+    """
+    from .serve.triton_repo import export_triton_repository
+
+    folders = export_triton_repository(artifact_dir, repo_dir, prefix=prefix, instances=instances,
+                                       max_queue_delay_us=max_queue_delay_us, overwrite=overwrite)
+    for name, folder in folders.items():
+        click.echo(f"model: {name} ({folder})")
+
+
+@main.command("serve")
+@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; 0.0.0.0 exposes the server to the network.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="KServe v2 HTTP port.")
+@click.option("--grpc-port", type=click.IntRange(1, 65535), default=None, help="KServe v2 gRPC port [default: port+1].")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Images per engine call (capped by the artifact's batch profile).")
+@click.option("--max-queue-delay-ms", type=click.FloatRange(min=0), default=10, show_default=True,
+              help="How long a request waits for batch-mates.")
+@click.option("--max-steps", type=click.IntRange(min=1), default=100, show_default=True, help="Largest steps accepted.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests waiting at most; more get 'server busy'.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
+@click.option("--scheduler", default=None, help="Scheduler short name [default: the model's].")
+@_handle_errors
+def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, max_batch_size: int,
+              max_queue_delay_ms: float, max_steps: int, max_queue: int, device: str | None,
+              scheduler: str | None) -> None:
+    """Serve ARTIFACT_DIR through a Triton Inference Server (NVIDIA PyTriton) until Ctrl-C.
+
+    Model "pipeline": inputs prompt (BYTES), optional negative_prompt, seed, steps, guidance_scale, height,
+    width; output image (UINT8 [H, W, 3]). Needs `pip install 'diffusion-trt[serve]'`.
+
+    \b
+    Examples:
+      diffusion-trt serve artifacts/tiny
+      diffusion-trt serve artifacts/sd15-fp16 --port 9000 --max-batch-size 8
+    """
+    from .serve.server import ServeConfig, serve
+
+    config = ServeConfig(host=host, http_port=port, grpc_port=grpc_port or port + 1, max_batch_size=max_batch_size,
+                         max_queue_delay_s=max_queue_delay_ms / 1000, max_steps=max_steps, max_queue=max_queue,
+                         device=device, scheduler=scheduler)
+    serve(artifact_dir, config,
+          on_ready=lambda: click.echo(f"ready: http://{host}:{port} grpc {host}:{config.grpc_port}", err=True))
 
 
 if __name__ == "__main__":

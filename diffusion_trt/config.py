@@ -13,11 +13,13 @@ from .errors import RuntimeInputError
 
 Backend = Literal["ort", "tensorrt"]
 Device = Literal["cpu", "cuda"]
-Precision = Literal["fp32", "fp16"]
+Precision = Literal["fp32", "fp16", "int8", "fp8"]
 
 BACKENDS: tuple[str, ...] = ("ort", "tensorrt")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
-PRECISIONS: tuple[str, ...] = ("fp32", "fp16")
+PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "fp8")
+#: Precisions made by calibration + QDQ insertion (compiler/calibrate.py, compiler/quantize.py).
+QUANTIZED_PRECISIONS: tuple[str, ...] = ("int8", "fp8")
 
 #: Image sizes must be multiples of this: the SD VAE downsamples by 2**3 (three stride-2 stages).
 IMAGE_ALIGNMENT = 8
@@ -49,6 +51,24 @@ def check_image_size(name: str, value: int, lo: int | None = None, hi: int | Non
             f"{name}={value} is outside the engine profile {lo}..{hi}; "
             f"use a size in that range or recompile with --min-{name}/--max-{name}"
         )
+
+
+def snap_image_size(value: int, lo: int | None = None, hi: int | None = None) -> int:
+    """The valid image size nearest ``value`` (pixels): what ``--snap`` uses instead of rejecting it.
+
+    Valid = a positive multiple of :data:`IMAGE_ALIGNMENT` inside ``[lo, hi]`` when given (``lo``/``hi`` are
+    themselves multiples, as every profile's are). A tie (700 -> 696 or 704) rounds down, as diffusers'
+    ``VaeImageProcessor`` does. This and :func:`check_image_size` are the image-size alignment policy; the
+    channel alignment of the graphs is ``passes/align_shapes.py``.
+    """
+    below, above = nearest_multiples(max(value, 1), IMAGE_ALIGNMENT)
+    snapped = value if value % IMAGE_ALIGNMENT == 0 and value > 0 else (
+        below if value - below <= above - value else above)
+    if lo is not None:
+        snapped = max(snapped, lo)
+    if hi is not None:
+        snapped = min(snapped, hi)
+    return snapped
 
 
 @dataclass(frozen=True)
@@ -107,6 +127,72 @@ class ShapeProfile:
 
 
 @dataclass(frozen=True)
+class QuantizeConfig:
+    """How ``--precision int8|fp8`` calibrates and quantizes (see compiler/calibrate.py, compiler/quantize.py).
+
+    Attributes:
+        components: the components quantized; the others stay fp32 (CPU) / fp16 (CUDA). "unet" and/or
+            "vae_decoder".
+        prompts: "builtin" (the bundled 64 prompts) or a text file, one prompt a line.
+        size: calibration prompts N (one image each, CFG batch 2).
+        steps: UNet inputs captured per prompt K, spread over the schedule.
+        seed: latents of prompt i come from seed + i.
+        method: ONNX Runtime calibrator: "minmax", "entropy" or "percentile" (fp8 always uses "distribution").
+        exclude: nodes left unquantized: categories and/or node names; ``None`` = the documented default
+            (compiler/quantize.py: first/last conv, time embedding, attention scores, softmax, normalization).
+        smooth_quant_alpha: SmoothQuant strength in [0, 1]; ``None`` = off (needs neural-compressor).
+        cache: a calibration cache to reuse (a ``<component>.json`` file, or a folder / artifact holding one);
+            a folder without one receives the new cache. ``None`` = none (the artifact always stores its own).
+        held_out: held-out prompts the quality gate generates (1..4).
+        min_cosine, min_psnr: quality-gate thresholds (worst step cosine; worst final-image PSNR, dB).
+        accept_quality_loss: write the artifact even when the gate fails (the figures stay in the manifest).
+        target_compute_capability: fp8: the GPU the plan is for, e.g. "9.0"; ``None`` = this machine's GPU.
+    """
+
+    components: tuple[str, ...] = ("unet",)
+    prompts: str = "builtin"
+    size: int = 32
+    steps: int = 8
+    seed: int = 0
+    method: str = "minmax"
+    exclude: tuple[str, ...] | None = None
+    smooth_quant_alpha: float | None = None
+    cache: str | None = None
+    held_out: int = 2
+    min_cosine: float = 0.98
+    min_psnr: float = 20.0
+    accept_quality_loss: bool = False
+    target_compute_capability: str | None = None
+
+    def __post_init__(self) -> None:
+        bad = [c for c in self.components if c not in ("unet", "vae_decoder")]
+        if bad or not self.components:
+            raise RuntimeInputError(f"quantize components {list(self.components)}: choose from unet, vae_decoder")
+        if self.size < 1 or self.steps < 1:
+            raise RuntimeInputError(
+                f"--calibration-size {self.size} and --calibration-steps {self.steps} must both be >= 1"
+            )
+        if not 1 <= self.held_out <= 4:
+            raise RuntimeInputError(f"held_out={self.held_out} must be in 1..4 (the bundled held-out prompts)")
+        if self.method not in ("minmax", "entropy", "percentile"):
+            raise RuntimeInputError(f"--calibration-method {self.method!r}: use minmax, entropy or percentile")
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["components"] = list(self.components)
+        data["exclude"] = None if self.exclude is None else list(self.exclude)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> QuantizeConfig:
+        data = dict(data)
+        data["components"] = tuple(data.get("components", cls.components))
+        if data.get("exclude") is not None:
+            data["exclude"] = tuple(data["exclude"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
 class CompileConfig:
     """What ``diffusion-trt compile`` was asked to do.
 
@@ -123,6 +209,8 @@ class CompileConfig:
         dump_passes: folder to write the graph after each pass, or ``None``.
         timing_cache: TensorRT only: folder of timing caches shared by builds (one file per TensorRT version
             and compute capability); ``None`` = none.
+        quantize: calibration and QDQ settings, used when ``precision`` is "int8" or "fp8" (int8: ORT CPU or
+            TensorRT; fp8: TensorRT on compute capability >= 8.9).
     """
 
     backend: str = "ort"
@@ -143,6 +231,7 @@ class CompileConfig:
     dump_passes: str | None = None
     timing_cache: str | None = "~/.cache/diffusion-trt/timing-cache"
     extra: dict[str, Any] = field(default_factory=dict)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
 
     def __post_init__(self) -> None:
         for name, allowed in (("backend", BACKENDS), ("device", DEVICES), ("precision", PRECISIONS)):
@@ -161,6 +250,12 @@ class CompileConfig:
                                     "use --device cuda or --backend ort")
         if self.batch_size < 1:
             raise RuntimeInputError(f"batch_size={self.batch_size} must be >= 1")
+        if self.precision == "int8" and self.backend == "ort" and self.device != "cpu":
+            raise RuntimeInputError("precision='int8' with --backend ort runs on the CPU provider only; use "
+                                    "--device cpu, or --backend tensorrt for int8 on CUDA")
+        if self.precision == "fp8" and self.backend != "tensorrt":
+            raise RuntimeInputError("precision='fp8' is for TensorRT only (ONNX Runtime has no fp8 kernels for these "
+                                    "ops); use --backend tensorrt --device cuda, or --precision int8")
 
     def resolve_profile(self, default_size: int) -> ShapeProfile:
         """Fill the ``None`` bounds from the model's default image size (pixels)."""
@@ -193,10 +288,13 @@ class CompileConfig:
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["components"] = list(self.components)
+        data["quantize"] = self.quantize.to_json()
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CompileConfig:
         data = dict(data)
         data["components"] = tuple(data.get("components", cls.components))
+        if isinstance(data.get("quantize"), dict):
+            data["quantize"] = QuantizeConfig.from_json(data["quantize"])
         return cls(**data)

@@ -69,7 +69,9 @@ def test_run_writes_png_with_parameters(tiny_artifact: Path, tmp_path: Path) -> 
         (["--scheduler", "nope"], r"scheduler='nope' is unknown; use one of pndm, ddim"),
         (["--height", "60"], r"height=60 is not a positive multiple of 8; use 56 or 64 \(engine profile allows 32"),
         (["--width", "256"], r"width=256 is outside the engine profile 32\.\.128; .* --min-width/--max-width"),
-        (["--batch-size", "9"], r"exceeds the engine profile's max batch 4 .* --max-batch-size 9"),
+        # --batch-size 9 now runs in chunks (tests/runtime/test_batching.py)
+        (["--device", "cpu", "--devices", "0,1"], r"--devices 0,1 needs CUDA; drop it or use --device cuda"),
+        (["--devices", "0,x"], r"'x' is not a CUDA device index|this host has no CUDA device"),
     ],
 )
 def test_run_bad_input(tiny_artifact: Path, tmp_path: Path, args: list[str], message: str) -> None:

@@ -10,6 +10,7 @@ the component, and leaves no half artifact (an existing artifact at the destinat
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime as _dt
 import hashlib
 import importlib.metadata
@@ -24,9 +25,9 @@ from typing import Any
 import onnx
 
 from .. import artifacts
-from ..config import IMAGE_ALIGNMENT, CompileConfig, ShapeProfile
+from ..config import IMAGE_ALIGNMENT, QUANTIZED_PRECISIONS, CompileConfig, ShapeProfile
 from ..errors import BuildError, DiffusionTrtError, ExportError, PassError
-from . import build_ort, export
+from . import build_ort, export, quantize
 from .components import ComponentSpec, component_specs, tensor_manifest
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,28 @@ def pass_options(spec: ComponentSpec, profile: ShapeProfile) -> dict[str, Any]:
     return options
 
 
+def _quantize_stage(folder: export.ModelFolder, models: dict[str, Any], config: CompileConfig,
+                    profile: ShapeProfile, source_hash: str, facts: dict[str, Any]) -> quantize.QuantizeStage:
+    """The calibrate -> quantize -> gate stage (compiler/quantize.py) over the loaded fp32 torch modules."""
+    from transformers import CLIPTokenizer
+
+    from ..passes import pipeline_for
+    from ..passes.base import pass_name
+    from .calibrate import Generation
+
+    tokenizer = CLIPTokenizer.from_pretrained(folder.path / "tokenizer", local_files_only=True)
+    # calibration runs on the CPU in fp32 (the ORT CPU sessions of the gate read numpy): copy CUDA-loaded modules
+    cpu_models = {k: (m if next(m.parameters()).device.type == "cpu" else copy.deepcopy(m).to("cpu"))
+                  for k, m in models.items()}
+    generation = Generation(cpu_models, tokenizer, folder.config("scheduler", "scheduler_config.json"),
+                            facts["vae_scaling_factor"])
+    passes = pipeline_for(config.backend, config.device, "fp32", "unet", static=profile.is_static())
+    key_facts = {"source_sha256": source_hash, "passes": [pass_name(p) for p in passes],
+                 "device": config.device, "onnxruntime": tool_versions().get("onnxruntime", "")}
+    return quantize.QuantizeStage(generation, config.quantize, config.precision, config.backend,
+                                  profile.height.opt, profile.width.opt, key_facts)
+
+
 def compile_pipeline(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -117,6 +140,7 @@ def compile_pipeline(
     *,
     overwrite: bool = False,
     progress: bool = False,
+    lock_timeout: float = 0.0,
 ) -> Path:
     """Compile a diffusers SD 1.x pipeline folder into an artifact folder.
 
@@ -126,6 +150,8 @@ def compile_pipeline(
         config: what to build; ``None`` = ``CompileConfig()`` (ORT, CPU, fp32, the model's default size).
         overwrite: replace an existing artifact (atomically, only once the new one is complete).
         progress: show a progress bar (stderr) over components and stages.
+        lock_timeout: seconds to wait while another compile writes ``out_dir`` (0 = fail at once); see
+            :func:`~diffusion_trt.artifacts.staging_dir`.
 
     Returns:
         ``out_dir`` as a Path.
@@ -133,12 +159,16 @@ def compile_pipeline(
     Raises:
         ModelFolderError: the model folder is missing, incomplete or pickled without ``trust_pickle``.
         ExportError, PassError, BuildError: a stage failed (message names the stage and component).
-        ArtifactError: ``out_dir`` exists and ``overwrite`` is false.
+        ArtifactError: ``out_dir`` exists and ``overwrite`` is false, or another compile holds its lock.
         RuntimeInputError: the config asks for an impossible profile.
     """
     from ..passes import PassContext, optimize_model, pipeline_for
 
     config = config or CompileConfig()
+    quantized = config.quantize.components if config.precision in QUANTIZED_PRECISIONS else ()
+    if quantized:
+        with _stage("quantization preflight"):  # fp8: the target GPU's compute capability, before any work
+            quantize.check_fp8_target(config.precision, config.quantize.target_compute_capability)
     trt_build = None
     if config.backend == "tensorrt":
         from . import build_trt
@@ -169,7 +199,7 @@ def compile_pipeline(
 
     from tqdm.auto import tqdm
 
-    with artifacts.staging_dir(out, overwrite=overwrite) as stage:
+    with artifacts.staging_dir(out, overwrite=overwrite, lock_timeout=lock_timeout) as stage:
         with _stage("copy tokenizer and scheduler"):
             shutil.copytree(folder.path / "tokenizer", stage / "tokenizer")
             shutil.copytree(folder.path / "scheduler", stage / "scheduler")
@@ -180,11 +210,15 @@ def compile_pipeline(
         with _stage("source hash"):
             source_hash = folder_hash(folder.path)
         components: dict[str, Any] = {}
+        # int8/fp8: quantized components are fp32 graphs + QDQ; the others stay fp16 (CUDA) / fp32 (CPU)
+        other_precision = ("fp16" if config.device == "cuda" else "fp32") if quantized else config.precision
+        qstage = _quantize_stage(folder, models, config, profile, source_hash, facts) if quantized else None
         bar = tqdm(total=3 * len(config.components), desc="compile", unit="stage", disable=not progress)
         try:
             for name in config.components:
                 spec = specs[name]
-                entry: dict[str, Any] = {"precision": config.precision}
+                precision = config.precision if name in quantized else other_precision
+                entry: dict[str, Any] = {"precision": precision}
                 raw = stage / ".raw" / name / "model.onnx"
                 bar.set_postfix_str(f"{name}: export")
                 t0 = time.perf_counter()
@@ -202,26 +236,37 @@ def compile_pipeline(
                         component=name,
                         backend=config.backend,
                         device=config.device,
-                        precision=config.precision,
+                        precision="fp32" if name in quantized else precision,
                         opset=config.opset,
                         dump_dir=Path(config.dump_passes) if config.dump_passes else None,
                         options=pass_options(spec, profile),
                     )
-                    passes = pipeline_for(config.backend, config.device, config.precision, name, static=static)
+                    passes = pipeline_for(config.backend, config.device, "fp32" if name in quantized else precision,
+                                          name, static=static)
                     model, records = optimize_model(model, passes, ctx)
                 entry["passes"] = [r.to_json() for r in records]
                 bar.update()
                 bar.set_postfix_str(f"{name}: build")
-                entry["inputs"] = [tensor_manifest(t, config.precision, profile) for t in spec.inputs]
+                entry["inputs"] = [tensor_manifest(t, precision, profile) for t in spec.inputs]
+                if qstage is not None and name in quantized:
+                    with _stage("calibrate and quantize", name):
+                        fp32_files = build_ort.save_onnx(model, stage / ".raw" / name / "fp32" / "model.onnx")
+                        del model
+                        entry["quantization"] = qstage.run(name, fp32_files[0], stage / name / "model.onnx",
+                                                           stage / "calibration")
+                        entry["quality"] = entry["quantization"].pop("quality")
                 with _stage("build", name):
-                    files = build_ort.save_onnx(model, stage / name / "model.onnx")
-                    del model
+                    if name in quantized:
+                        files = sorted((stage / name).glob("model.onnx*"))
+                    else:
+                        files = build_ort.save_onnx(model, stage / name / "model.onnx")
+                        del model
                     if trt_build is None:
                         entry["build"] = build_ort.engine_from_onnx(files[0], config.device)
                     else:
                         plan = stage / name / "model.plan"
                         entry["build"] = build_trt.engine_from_onnx(
-                            files[0], plan, entry["inputs"], precision=config.precision, build=trt_build,
+                            files[0], plan, entry["inputs"], precision=precision, build=trt_build,
                             timing_cache_dir=Path(config.timing_cache).expanduser() if config.timing_cache else None,
                         )
                         entry["plan"] = f"{name}/model.plan"
@@ -230,7 +275,7 @@ def compile_pipeline(
                 bar.update()
                 entry["onnx"] = f"{name}/model.onnx"
                 entry["files"] = [f.relative_to(stage).as_posix() for f in files]
-                entry["outputs"] = [tensor_manifest(t, config.precision, profile) for t in spec.outputs]
+                entry["outputs"] = [tensor_manifest(t, precision, profile) for t in spec.outputs]
                 components[name] = entry
         finally:
             bar.close()
@@ -263,6 +308,6 @@ def compile_pipeline(
                 "tools": tool_versions(),
                 "compile_seconds": round(time.perf_counter() - t_start, 3),
             }
-            artifacts.write_json_atomic(stage / artifacts.MANIFEST_NAME, manifest)
+            artifacts.write_manifest(stage, manifest)  # sealed: manifest_sha256 over the rest
     logger.info("compiled %s -> %s in %.1f s", folder.path, out, time.perf_counter() - t_start)
     return out

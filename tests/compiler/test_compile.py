@@ -84,7 +84,8 @@ def test_failed_compile_leaves_existing_artifact_intact(tiny_pipeline_dir: Path,
     with pytest.raises(ExportError, match=r"compile failed at export of text_encoder"):
         compile_pipeline(tiny_pipeline_dir, out, CompileConfig(opset=99), overwrite=True)
     assert (out / "keep.txt").read_text() == "previous artifact"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"], "staging folder left behind"
+    # the writer's lock file stays beside the folder by design (artifacts.artifact_lock); no staging folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".art.lock", "art"], "staging folder left behind"
 
 
 def test_existing_output_needs_overwrite(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
