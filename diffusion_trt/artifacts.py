@@ -431,6 +431,17 @@ def _exchange(a: Path, b: Path) -> bool:
     return rc == 0
 
 
+def umask_mode(kind: str) -> int:
+    """The mode a plain ``open``/``mkdir`` would give under this process's umask ("file": 0o666, "dir": 0o777).
+
+    ``tempfile.mkstemp``/``mkdtemp`` create 0600/0700 whatever the umask; artifacts are shipped to other users
+    and containers (Triton), so files renamed into place get the ordinary mode back.
+    """
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o666 if kind == "file" else 0o777) & ~mask
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON to ``path`` through a temporary file and ``os.replace``: readers never see half a file."""
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
@@ -438,6 +449,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2, sort_keys=False)
             f.write("\n")
+        os.chmod(tmp, umask_mode("file"))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -463,9 +475,19 @@ def staging_dir(final: Path, overwrite: bool = False, lock_timeout: float = 0.0)
     final.parent.mkdir(parents=True, exist_ok=True)
     with artifact_lock(final, timeout=lock_timeout):
         _recover(final)
+        if final.exists() and not final.is_dir():
+            raise ArtifactError(f"output {final} is a file, not a folder; choose another -o")
+        if final.is_dir() and not any(final.iterdir()):
+            final.rmdir()  # an empty folder (made with mkdir -p) is no artifact to protect
         if final.exists() and not overwrite:
             raise ArtifactError(f"output folder {final} already exists; pass --overwrite or choose another -o")
+        if final.exists() and not (final / MANIFEST_NAME).is_file():
+            raise ArtifactError(
+                f"output folder {final} is not empty and holds no {MANIFEST_NAME}: --overwrite only replaces an "
+                "artifact; choose another -o (nothing was deleted)"
+            )
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.staging-", dir=final.parent))
+        os.chmod(tmp, umask_mode("dir"))
         try:
             yield tmp
         except BaseException:
@@ -491,6 +513,8 @@ def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
             under the schema (one line per violation), or edited after it was written (broken seal).
     """
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ArtifactError(f"{root} is a file, not an artifact folder; pass the folder `diffusion-trt compile` wrote")
     if not root.is_dir():
         raise ArtifactError(f"artifact folder {root} does not exist; run `diffusion-trt compile` first")
     path = root / MANIFEST_NAME

@@ -210,6 +210,26 @@ def _snap(name: str, value: int | None, lo: int | None = None, hi: int | None = 
     return snapped
 
 
+def _check_writable_file(path: Path, flag: str, suffix: str | None) -> None:
+    """Refuse an output path that cannot be written, before any work.
+
+    Raises:
+        click.BadParameter: wrong suffix, or a parent folder that cannot be created or written.
+    """
+    if suffix is not None and path.suffix.lower() != suffix:
+        raise click.BadParameter(f"{str(path)!r} does not end in {suffix}; use e.g. out{suffix}", param_hint=flag)
+    parent = path.parent if str(path.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise click.BadParameter(f"cannot create the folder {parent} ({e.strerror}); choose another path",
+                                 param_hint=flag) from None
+    import os
+
+    if not os.access(parent, os.W_OK):
+        raise click.BadParameter(f"the folder {parent} is not writable; choose another path", param_hint=flag)
+
+
 def _print_pass_table(path: Path) -> None:
     from .artifacts import read_manifest
 
@@ -258,6 +278,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
     """
     from .runtime.pipeline import save_png
 
+    _check_writable_file(out, "-o", ".png")  # before minutes of denoising, not after
     if snap and (height is not None or width is not None):
         from .artifacts import read_manifest
 
@@ -433,6 +454,9 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
 
     from .bench import DEFAULT_PROMPT, BenchConfig, format_table, plot_result, run_bench
 
+    for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
+        if path is not None:
+            _check_writable_file(path, flag, None)  # before the benchmark, not after
     device_list = _parse_devices(devices, device)
     config = BenchConfig(
         artifact=artifact_dir, baseline=baseline, model_dir=model_dir, device="cuda" if device_list else device,

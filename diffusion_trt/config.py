@@ -41,7 +41,11 @@ def check_image_size(name: str, value: int, lo: int | None = None, hi: int | Non
         lo, hi: the engine profile's range in pixels, when known.
     """
     rng = f" (engine profile allows {lo}..{hi})" if lo is not None and hi is not None else ""
-    if value % IMAGE_ALIGNMENT != 0 or value <= 0:
+    if value <= 0:
+        raise RuntimeInputError(
+            f"{name}={value} must be a positive multiple of {IMAGE_ALIGNMENT}; use e.g. {lo if lo else 512}{rng}"
+        )
+    if value % IMAGE_ALIGNMENT != 0:
         below, above = nearest_multiples(max(value, 1), IMAGE_ALIGNMENT)
         raise RuntimeInputError(
             f"{name}={value} is not a positive multiple of {IMAGE_ALIGNMENT}; use {below} or {above}{rng}"
@@ -261,7 +265,7 @@ class CompileConfig:
         """Fill the ``None`` bounds from the model's default image size (pixels)."""
 
         def rng(opt: int | None, lo: int | None, hi: int | None, name: str) -> Range:
-            opt = opt or default_size
+            opt = default_size if opt is None else opt  # 0 is a value to refuse, not "the default"
             check_image_size(name, opt)
             lo = lo if lo is not None else max(IMAGE_ALIGNMENT, opt // 2 // IMAGE_ALIGNMENT * IMAGE_ALIGNMENT)
             hi = hi if hi is not None else opt * 2

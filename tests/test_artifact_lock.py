@@ -132,6 +132,7 @@ def test_overwrite_swaps_in_one_step(tmp_path: Path) -> None:
     final = tmp_path / "art"
     final.mkdir()
     (final / "v").write_text("1")
+    (final / artifacts.MANIFEST_NAME).write_text("{}")  # an artifact: --overwrite replaces only those
     with artifacts.staging_dir(final, overwrite=True) as stage:
         (stage / "v").write_text("2")
     assert (final / "v").read_text() == "2"

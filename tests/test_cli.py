@@ -162,3 +162,57 @@ def test_compile_tensorrt_fails_before_export_without_gpu_or_tensorrt(tiny_pipel
                         "cuda")
     assert code == 1 and "compile failed at TensorRT preflight" in out and "use --backend ort" in out
     assert not (tmp_path / "art").exists()
+
+
+def test_overwrite_refuses_a_folder_that_is_no_artifact(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    precious = tmp_path / "mine"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("precious")
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", precious, "--overwrite")
+    assert code == 3 and "holds no manifest.json: --overwrite only replaces an artifact" in out
+    assert (precious / "thesis.txt").read_text() == "precious"
+
+
+def test_output_inside_model_folder_is_refused(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(tiny_pipeline_dir, model)
+    for target in (model, model / "art"):
+        code, out = _invoke("compile", model, "-o", target, "--overwrite")
+        assert code == 3 and "overlaps the model folder" in out
+    assert (model / "model_index.json").is_file()
+
+
+def test_zero_height_is_refused_not_defaulted(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", "--height", "0")
+    assert code == 2 and "height=0 must be a positive multiple of 8; use e.g. 512" in out
+
+
+def test_file_given_for_a_folder(tmp_path: Path) -> None:
+    f = tmp_path / "README.md"
+    f.write_text("x")
+    code, out = _invoke("run", f, "-p", "x")
+    assert code == 3 and "is a file, not an artifact folder" in out
+    code, out = _invoke("compile", f, "-o", tmp_path / "art")
+    assert code == 2 and "is a file, not a folder" in out
+
+
+def test_run_checks_output_path_before_work(tiny_artifact: Path, tmp_path: Path) -> None:
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "-o", tmp_path / "x.jpg")
+    assert code == 2 and "does not end in .png; use e.g. out.png" in out
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "-o", "/proc/nope/x.png")
+    assert code == 2 and "cannot create the folder /proc/nope" in out
+
+
+def test_too_many_steps_for_the_scheduler(tiny_artifact: Path, tmp_path: Path) -> None:
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "5000", "--scheduler", "ddim",
+                        "-o", tmp_path / "o.png")
+    assert code == 2 and "num_inference_steps=5000 is not valid for DDIMScheduler" in out and "use at most 1000" in out
+
+
+def test_artifact_files_respect_umask(tiny_artifact: Path) -> None:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tiny_artifact / "manifest.json").stat().st_mode & 0o777 == 0o666 & ~mask
+    assert tiny_artifact.stat().st_mode & 0o777 == 0o777 & ~mask

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import trt_compat
+from .. import artifacts, trt_compat
 from ..config import ShapeProfile
 from ..errors import BuildError, RuntimeInputError
 from .components import symbol_ranges
@@ -374,6 +374,7 @@ def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, artifacts.umask_mode("file"))  # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -62,6 +62,10 @@ def check_model_folder(path: str | Path, trust_pickle: bool = False) -> ModelFol
             ``trust_pickle`` is false (unpickling runs arbitrary code).
     """
     root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise ModelFolderError(
+            f"{root} is a file, not a folder; pass the pipeline folder (the one with model_index.json)"
+        )
     if not root.is_dir():
         raise ModelFolderError(
             f"model folder {root} does not exist; pass a folder written by StableDiffusionPipeline.save_pretrained "

@@ -133,6 +133,21 @@ def _quantize_stage(folder: export.ModelFolder, models: dict[str, Any], config: 
                                   profile.height.opt, profile.width.opt, key_facts)
 
 
+def check_output_folder(out: Path, model_dir: Path) -> None:
+    """Refuse an artifact folder that is, contains or lies inside the model folder (replacing it would delete
+    the model).
+
+    Raises:
+        ArtifactError: naming both folders and the fix.
+    """
+    o, m = out.resolve(), model_dir.resolve()
+    if o == m or m in o.parents or o in m.parents:
+        raise artifacts.ArtifactError(
+            f"output folder {out} overlaps the model folder {model_dir}; write the artifact elsewhere "
+            "(e.g. -o artifacts/<name>)"
+        )
+
+
 def compile_pipeline(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -181,6 +196,7 @@ def compile_pipeline(
     out = Path(out_dir)
     with _stage("model check"):
         folder = export.check_model_folder(model_dir, trust_pickle=config.trust_pickle)
+        check_output_folder(out, folder.path)
         facts = model_facts(folder)
         profile: ShapeProfile = config.resolve_profile(facts["default_height"])
     specs = component_specs(

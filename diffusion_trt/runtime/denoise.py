@@ -88,14 +88,11 @@ def tokenize(tokenizer: Any, texts: Sequence[str], device: torch.device) -> torc
     ids = tokenizer(
         list(texts), padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
     ).input_ids
-    untruncated = tokenizer(list(texts), padding="longest", return_tensors="pt").input_ids
-    if untruncated.shape[-1] > ids.shape[-1]:
-        removed = tokenizer.batch_decode(untruncated[:, max_length - 1 : -1])
-        logger.warning(
-            "The following part of your input was truncated because CLIP can only handle sequences up to %d tokens: %s",
-            max_length,
-            removed,
-        )
+    # one line per truncated text (diffusers logs the decoded tail of every row, padding included)
+    lengths = [len(tokenizer(t, truncation=False, verbose=False).input_ids) for t in texts]
+    for text, n in zip(texts, lengths, strict=True):
+        if n > max_length:
+            logger.warning("prompt truncated to %d of its %d CLIP tokens: %.60r...", max_length, n, text)
     return ids.to(device=device, dtype=torch.int64)
 
 
@@ -446,7 +443,14 @@ def text_to_image(
     # of the WHOLE request, drawn once (the generator stream of one diffusers call) and sliced per chunk. Both
     # copy host->device blockingly, so they come before any engine work is queued (neither encoding the
     # prompt nor setting timesteps draws random numbers: the order does not change the images).
-    scheduler.set_timesteps(num_inference_steps, device=device)
+    try:
+        scheduler.set_timesteps(num_inference_steps, device=device)
+    except ValueError as e:  # e.g. DDIM: more steps than the training schedule has timesteps
+        train = getattr(scheduler.config, "num_train_timesteps", "?")
+        raise RuntimeInputError(
+            f"num_inference_steps={num_inference_steps} is not valid for {type(scheduler).__name__} ({e}); "
+            f"use at most {train}"
+        ) from e
     timesteps = host_timesteps(scheduler)
     timestep_values = timesteps.to(device=device, dtype=torch.float32)
     shape = (batch, num_channels_latents, height // vae_scale_factor, width // vae_scale_factor)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..artifacts import umask_mode
 from ..errors import RuntimeInputError
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ def save_png(image: Any, path: str | os.PathLike[str], params: Mapping[str, Any]
     try:
         with os.fdopen(fd, "wb") as f:
             image.save(f, format="PNG", pnginfo=info)
+        os.chmod(tmp, umask_mode("file"))  # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

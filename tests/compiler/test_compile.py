@@ -76,22 +76,30 @@ def test_manifest_describes_the_artifact(tiny_artifact: Path) -> None:
     assert not any(p.name.startswith(".") for p in tiny_artifact.iterdir())
 
 
-def test_failed_compile_leaves_existing_artifact_intact(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+def test_failed_compile_leaves_existing_artifact_intact(
+    tiny_pipeline_dir: Path, tiny_artifact: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "art"
-    out.mkdir()
-    (out / "keep.txt").write_text("previous artifact")
+    shutil.copytree(tiny_artifact, out)
     # opset 99 does not exist: the export stage fails after the staging folder was filled
     with pytest.raises(ExportError, match=r"compile failed at export of text_encoder"):
         compile_pipeline(tiny_pipeline_dir, out, CompileConfig(opset=99), overwrite=True)
-    assert (out / "keep.txt").read_text() == "previous artifact"
+    artifacts.load_verified(out)  # the previous artifact, whole
     # the writer's lock file stays beside the folder by design (artifacts.artifact_lock); no staging folder
     assert sorted(p.name for p in tmp_path.iterdir()) == [".art.lock", "art"], "staging folder left behind"
 
 
-def test_existing_output_needs_overwrite(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
-    (tmp_path / "art").mkdir()
+def test_existing_output_needs_overwrite(tiny_pipeline_dir: Path, tiny_artifact: Path, tmp_path: Path) -> None:
+    shutil.copytree(tiny_artifact, tmp_path / "art")
     with pytest.raises(ArtifactError, match="already exists; pass --overwrite"):
         compile_pipeline(tiny_pipeline_dir, tmp_path / "art")
+
+
+def test_existing_empty_output_folder_is_used(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "art").mkdir()  # mkdir -p before compiling is common
+    compile_pipeline(tiny_pipeline_dir, tmp_path / "art", CompileConfig(components=("text_encoder", "unet",
+                                                                                    "vae_decoder")))
+    artifacts.load_verified(tmp_path / "art")
 
 
 def test_missing_model_folder(tmp_path: Path) -> None:

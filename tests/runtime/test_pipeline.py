@@ -111,7 +111,7 @@ def test_size_outside_profile(toy_pipe: EnginePipeline, kw: str, value: int) -> 
     ("kwargs", "piece"),
     [
         ({"height": "64"}, "height='64' must be an integer"),
-        ({"height": 0}, "height=0 is not a positive multiple of 8"),
+        ({"height": 0}, "height=0 must be a positive multiple of 8"),
         ({"num_inference_steps": 0}, "num_inference_steps=0 must be an integer >= 1"),
         ({"num_inference_steps": 2.5}, "num_inference_steps=2.5"),
         ({"guidance_scale": -1.0}, "guidance_scale=-1.0 must be a finite number >= 0"),
