@@ -22,7 +22,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 import numpy as np
 import torch
@@ -320,3 +320,64 @@ class Engine(Protocol):
     def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Validate then run; return output name -> tensor on :attr:`device` (may alias engine buffers)."""
         ...
+
+
+class EngineBase:
+    """What every :class:`Engine` implementation shares: the protocol's properties, re-entrant ``with``
+    (the first enter calls ``_open``, the last exit ``close``) and validation against the manifest.
+
+    Subclasses set ``_name``, ``_spec``, ``_device`` and ``_depth = 0`` in ``__init__`` and implement
+    ``_open``, ``close`` and ``run``.
+    """
+
+    _name: str
+    _spec: EngineSpec
+    _device: torch.device
+    _depth: int
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def spec(self) -> EngineSpec:
+        return self._spec
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self._spec.input_names
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self._spec.output_names
+
+    def _open(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        if self._depth == 0:
+            self._open()
+        self._depth += 1
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.close()
+
+    def validate(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        """Check ``feeds`` against the manifest (names, dtypes, device, shapes); return the symbol values.
+
+        Raises:
+            RuntimeInputError: naming the tensor, its shape and the allowed range.
+        """
+        return self._spec.validate(feeds, self._device)

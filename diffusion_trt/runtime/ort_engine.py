@@ -40,13 +40,12 @@ import os
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal
 
 import torch
 
 from ..errors import ArtifactError
-from .engine import EngineSpec, _fmt_shape
+from .engine import EngineBase, EngineSpec, _fmt_shape
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +88,7 @@ def cuda_graph_refusal(spec: EngineSpec, device: str) -> str | None:
     return None
 
 
-class OrtEngine:
+class OrtEngine(EngineBase):
     """One ONNX component run by ONNX Runtime on torch tensors.
 
     Args:
@@ -182,26 +181,6 @@ class OrtEngine:
     # -- Engine protocol -------------------------------------------------------------------------------
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def spec(self) -> EngineSpec:
-        return self._spec
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return self._spec.input_names
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return self._spec.output_names
-
-    @property
     def providers(self) -> list[str]:
         """Execution providers of the open session (empty when closed)."""
         return list(self._session.get_providers()) if self._session is not None else []
@@ -220,19 +199,6 @@ class OrtEngine:
         """Why a requested CUDA graph is not used (``None`` when in use or not requested)."""
         return self._graph_reason
 
-    def __enter__(self) -> OrtEngine:
-        if self._depth == 0:
-            self._open()
-        self._depth += 1
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            self.close()
-
     def close(self) -> None:
         """Free the session and every buffer (idempotent)."""
         if self._session is not None and self._async:
@@ -247,10 +213,6 @@ class OrtEngine:
         self._graph_runs = 0
         self._graph_bound = False
         self._depth = 0
-
-    def validate(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        """See :meth:`EngineSpec.validate`; also requires every tensor on :attr:`device`."""
-        return self._spec.validate(feeds, self._device)
 
     def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the component.

@@ -37,7 +37,6 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -46,7 +45,7 @@ import torch
 from .. import trt_compat
 from ..artifacts import verify_files
 from ..errors import ArtifactError, RuntimeInputError
-from .engine import EngineSpec
+from .engine import EngineBase, EngineSpec
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +253,7 @@ def _import_tensorrt() -> Any:
     return trt
 
 
-class TrtEngine:
+class TrtEngine(EngineBase):
     """One TensorRT plan run on torch CUDA tensors.
 
     Args:
@@ -327,26 +326,6 @@ class TrtEngine:
     # -- Engine protocol -------------------------------------------------------------------------------
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def spec(self) -> EngineSpec:
-        return self._spec
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return self._spec.input_names
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return self._spec.output_names
-
-    @property
     def is_open(self) -> bool:
         return self._engine is not None
 
@@ -354,19 +333,6 @@ class TrtEngine:
     def profiles(self) -> list[RuntimeProfile]:
         """The plan's optimization profiles (read from the engine; empty while closed)."""
         return list(self._profiles)
-
-    def __enter__(self) -> TrtEngine:
-        if self._depth == 0:
-            self._open()
-        self._depth += 1
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            self.close()
 
     def close(self) -> None:
         """Free contexts, graphs, buffers and the engine (idempotent). The shared memory stays with its owner."""
@@ -382,14 +348,6 @@ class TrtEngine:
             self._memory.release()
         self._memory = None
         self._depth = 0
-
-    def validate(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        """Check ``feeds`` against the manifest (names, dtypes, device, shapes); return the symbol values.
-
-        Raises:
-            RuntimeInputError: naming the tensor, its shape and the allowed range.
-        """
-        return self._spec.validate(feeds, self._device)
 
     def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the component on the engine's stream (ordered after the caller's stream, and it after us).
