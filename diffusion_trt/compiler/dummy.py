@@ -29,7 +29,7 @@ CLIP_VOCAB_SIZE = 49408
 CLIP_MAX_LENGTH = 77
 
 # SD-1.5 scheduler config (scheduler/scheduler_config.json of runwayml/stable-diffusion-v1-5).
-_SD15_SCHEDULER: dict[str, Any] = {
+SD15_SCHEDULER_CONFIG: dict[str, Any] = {
     "beta_start": 0.00085,
     "beta_end": 0.012,
     "beta_schedule": "scaled_linear",
@@ -213,7 +213,7 @@ def write_dummy_pipeline(out_dir: str | Path, arch: str = "tiny", seed: int = 0,
     vae = AutoencoderKL(**cfg["vae"])
     torch.manual_seed(seed + 2)
     text_encoder = CLIPTextModel(CLIPTextConfig(**cfg["text_encoder"]))
-    scheduler = PNDMScheduler.from_config(_SD15_SCHEDULER)
+    scheduler = PNDMScheduler.from_config(SD15_SCHEDULER_CONFIG)
 
     out.mkdir(parents=True, exist_ok=True)
     write_clip_tokenizer(out / "_tokenizer_tmp")

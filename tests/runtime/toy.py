@@ -22,24 +22,15 @@ from onnx import TensorProto, helper
 
 from diffusion_trt import artifacts
 from diffusion_trt.compiler.components import component_specs, tensor_manifest
+from diffusion_trt.compiler.dummy import SD15_SCHEDULER_CONFIG
 from diffusion_trt.config import Range, ShapeProfile
 from tests.graphs import const, make_model, tensor_info
 
 HIDDEN = 8
 TEXT_LEN = 77
-#: SD 1.5's scheduler_config.json (PNDM).
+#: SD 1.5's scheduler_config.json (PNDM): the dummy pipeline's, with the keys save_pretrained adds.
 SD15_SCHEDULER: dict[str, Any] = {
-    "_class_name": "PNDMScheduler",
-    "_diffusers_version": "0.42.1",
-    "beta_start": 0.00085,
-    "beta_end": 0.012,
-    "beta_schedule": "scaled_linear",
-    "num_train_timesteps": 1000,
-    "set_alpha_to_one": False,
-    "skip_prk_steps": True,
-    "steps_offset": 1,
-    "clip_sample": False,
-    "trained_betas": None,
+    "_class_name": "PNDMScheduler", "_diffusers_version": "0.42.1", **SD15_SCHEDULER_CONFIG
 }
 
 
