@@ -119,6 +119,21 @@ def static_shape(tensor: gs.Tensor) -> list[int] | None:
     return [int(dim) for dim in shape]
 
 
+def same_shape(a: gs.Tensor, b: gs.Tensor) -> list[int | str] | None:
+    """The shape ``a`` and ``b`` provably share (every dim the same int, or the same symbolic name), else None.
+
+    Symbolic dims of a dynamic profile (``"batch"``, ``"height"``...) count as equal only by name: two tensors
+    whose dims are unknown (None) or differently named may differ at run time, so they give None.
+    """
+    shape_a, shape_b = a.shape, b.shape
+    if shape_a is None or shape_b is None or len(shape_a) != len(shape_b):
+        return None
+    for da, db in zip(shape_a, shape_b, strict=True):
+        if da is None or db is None or da != db or (isinstance(da, int) and da < 0):
+            return None
+    return list(shape_a)
+
+
 def rank(tensor: gs.Tensor) -> int | None:
     """The rank of ``tensor`` if known."""
     return None if tensor.shape is None else len(tensor.shape)

@@ -7,10 +7,20 @@ Ordering rules (keep them next to the tuples they constrain):
     shape arithmetic folds away and no Shape node is left to run on the host.
   * fold_constants before infer_shapes: folding turns shape computations into constants, which lets
     inference resolve more shapes (Reshape / Expand targets).
-  * infer_shapes last in BASE: the fusions match on shapes and ranks (head size, channel counts).
+  * infer_shapes before eliminate_noops: whether ``x / 1`` can go depends on x's rank (no broadcasting).
+  * eliminate_noops last in BASE: the ``Div(x, 1)`` diffusers writes after each attention's output projection
+    and each ResNet's residual sum sit inside the patterns fuse_skip_layer_norm / fuse_bias match; the fusions
+    match on shapes and ranks (head size, channel counts), which the noop removal leaves as they were.
   * fuse_geglu before fuse_gelu: BiasSplitGelu takes the gate's GELU with it; fuse_gelu then fuses the rest.
   * fuse_attention after fuse_layer_norm: the norms in front of each attention are then one node, which
     makes the self/cross classification structural.
+  * fuse_skip_layer_norm after fuse_attention: the attention fusion finds its LayerNorm in front of the Q/K/V
+    projections; once that LayerNorm is a SkipLayerNormalization it would not.
+  * fuse_bias after fuse_skip_layer_norm: a residual sum that feeds a LayerNorm is better fused into it (one
+    kernel for bias + residual + norm); fuse_bias takes the residual sums that feed anything else.
+  * fuse_skip_group_norm after fuse_group_norm (it rewrites the ort-cuda GroupNorm that pass emits) and before
+    align_shapes / cancel_transposes: it moves Conv biases into the norm and adds Transposes that pair with
+    the ones fuse_group_norm inserted.
   * every fusion before convert_fp16: the Casts it inserts at fp32 islands break the patterns.
   * align_shapes after the fusions, before convert_fp16: the padding changes channel counts the fusions check
     (and it touches only Convs with channel counts that are not multiples of 8: conv_in / conv_out and the VAE's
@@ -30,12 +40,16 @@ from .base import Pass
 from .cancel_transposes import cancel_transposes
 from .convert_fp16 import convert_fp16
 from .eliminate_dead_nodes import eliminate_dead_nodes
+from .eliminate_noops import eliminate_noops
 from .fold_constants import fold_constants
 from .fuse_attention import fuse_attention
+from .fuse_bias import fuse_bias
 from .fuse_geglu import fuse_geglu
 from .fuse_gelu import fuse_gelu
 from .fuse_group_norm import fuse_group_norm
 from .fuse_layer_norm import fuse_layer_norm
+from .fuse_skip_group_norm import fuse_skip_group_norm
+from .fuse_skip_layer_norm import fuse_skip_layer_norm
 from .infer_shapes import infer_shapes
 from .specialize_shapes import specialize_shapes
 
@@ -46,7 +60,8 @@ BACKENDS: tuple[str, ...] = ("ort", "tensorrt")
 BASE: tuple[Pass, ...] = (
     eliminate_dead_nodes,  # first: later passes see only live nodes, duplicate constants merged
     fold_constants,  # before infer_shapes: folded shape subgraphs let inference resolve more shapes
-    infer_shapes,  # last: the fusions added after BASE match on shapes
+    infer_shapes,  # the fusions added after BASE match on shapes
+    eliminate_noops,  # after infer_shapes (needs ranks); clears Div-by-1 out of the fusion patterns
 )
 
 #: The fusions, in order. Each emits the form of the target in ctx (ORT CUDA contrib ops, ORT CPU ops,
@@ -57,6 +72,9 @@ FUSIONS: tuple[Pass, ...] = (
     fuse_geglu,  # before fuse_gelu
     fuse_gelu,
     fuse_attention,  # after fuse_layer_norm
+    fuse_skip_layer_norm,  # after fuse_attention
+    fuse_bias,  # after fuse_skip_layer_norm
+    fuse_skip_group_norm,  # after fuse_group_norm; before align_shapes (it moves Conv biases)
 )
 
 #: After the fusions on CUDA targets: channel padding, then (ORT CUDA) the NHWC Transposes that cancel.

@@ -58,8 +58,12 @@ def test_tiny_golden_has_the_sd_structure() -> None:
         unet = profile["components"]["unet"]
         assert unet["ops"]["com.microsoft.MultiHeadAttention"] == 32
         assert unet["passes"]["fuse_attention"]["self"] == unet["passes"]["fuse_attention"]["cross"] == 16
-        assert unet["ops"]["com.microsoft.GroupNorm"] == 61 and unet["ops"]["LayerNormalization"] == 48
-        assert profile["components"]["text_encoder"]["ops"]["LayerNormalization"] == 5
+        ops, text_ops = unet["ops"], profile["components"]["text_encoder"]["ops"]
+        # GroupNorm sites: plain + with the residual / time-embedding add fused in (fuse_skip_group_norm)
+        assert ops["com.microsoft.GroupNorm"] + ops.get("com.microsoft.SkipGroupNorm", 0) == 61
+        # LayerNorm sites: plain + with the residual add fused in (fuse_skip_layer_norm)
+        assert ops["LayerNormalization"] + ops.get("com.microsoft.SkipLayerNormalization", 0) == 48
+        assert text_ops["LayerNormalization"] + text_ops.get("com.microsoft.SkipLayerNormalization", 0) == 5
 
 
 @pytest.mark.slow
@@ -83,8 +87,10 @@ def test_sd15_golden_numbers() -> None:
         unet = parts["unet"]
         assert unet["ops"]["com.microsoft.MultiHeadAttention"] == 32
         assert unet["passes"]["fuse_attention"]["self"] == unet["passes"]["fuse_attention"]["cross"] == 16
-        assert unet["ops"]["com.microsoft.GroupNorm"] == 61 and unet["ops"]["LayerNormalization"] == 48
-        assert parts["text_encoder"]["ops"]["LayerNormalization"] == 25
+        ops, text_ops = unet["ops"], parts["text_encoder"]["ops"]
+        assert ops["com.microsoft.GroupNorm"] + ops.get("com.microsoft.SkipGroupNorm", 0) == 61
+        assert ops["LayerNormalization"] + ops.get("com.microsoft.SkipLayerNormalization", 0) == 48
+        assert text_ops["LayerNormalization"] + text_ops.get("com.microsoft.SkipLayerNormalization", 0) == 25
         assert parts["vae_decoder"]["ops"]["com.microsoft.GroupNorm"] > 0
 
 

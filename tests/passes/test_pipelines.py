@@ -65,7 +65,7 @@ def test_base_pipeline_end_to_end() -> None:
     )
     ctx = PassContext(component="unet", backend="ort", device="cpu", precision="fp32")
     out, records = optimize_model(model, BASE, ctx)
-    assert [r.name for r in records] == ["eliminate_dead_nodes", "fold_constants", "infer_shapes"]
+    assert [r.name for r in records] == ["eliminate_dead_nodes", "fold_constants", "infer_shapes", "eliminate_noops"]
     assert records[0].counts == {"nodes_removed": 1, "constants_deduped": 1}
     assert records[1].counts == {"nodes_folded": 5}
     assert graphs.op_counts(out) == {"Reshape": 1, "Mul": 2}
