@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,23 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "cuda_graph": {"enable_cuda_graph": "1"},
     "cuda_graph+nhwc": {"enable_cuda_graph": "1", "prefer_nhwc": "1"},
 }
+
+
+def variant_options(name: str) -> dict[str, str]:
+    """Provider options of a variant name: a key of VARIANTS, or '+'-joined tokens (``cuda_graph``, ``nhwc``,
+    ``key=value`` for any CUDA provider option, e.g. ``cuda_graph+nhwc+sdpa_kernel=8``)."""
+    if name in VARIANTS:
+        return dict(VARIANTS[name])
+    opts: dict[str, str] = {}
+    for tok in name.split("+"):
+        if tok in VARIANTS:
+            opts.update(VARIANTS[tok])
+        elif "=" in tok:
+            k, v = tok.split("=", 1)
+            opts[k] = v
+        else:
+            raise SystemExit(f"unknown variant token {tok!r} in {name!r}")
+    return opts
 
 
 def median_ms(fn, warmup: int = 5, iters: int = 30) -> float:
@@ -74,7 +94,7 @@ def time_artifact(art: Path, variants: list[str], iters: int) -> dict[str, Any]:
             key = f"{comp}/{var}"
             try:
                 with OrtEngine(art / entry["onnx"], entry, name=comp, device="cuda",
-                               provider_options=VARIANTS[var]) as eng:
+                               provider_options=variant_options(var)) as eng:
                     res[key + "_ms"] = median_ms(lambda e=eng, f=feeds: e.run(f), iters=iters)
                     if comp == "unet" and var == variants[0]:
                         res["unet_output"] = eng.run(feeds)["noise_pred"].float().cpu()
@@ -117,8 +137,12 @@ def diffusers_baseline(model_dir: Path, unet_feeds: dict[str, torch.Tensor], ite
     return res
 
 
-def ort_optimizer_baseline(model_dir: Path, work: Path, feeds: dict[str, torch.Tensor], iters: int) -> dict[str, Any]:
-    """ORT's own path: plain fp32 export -> onnxruntime.transformers.optimizer (model_type="unet") -> fp16."""
+def ort_optimizer_baseline(model_dir: Path, work: Path, feeds: dict[str, torch.Tensor], iters: int,
+                           numpy1: str | None = None) -> dict[str, Any]:
+    """ORT's own path: plain fp32 export -> onnxruntime.transformers.optimizer (model_type="unet") -> fp16.
+
+    The optimizer runs in a child process; ``numpy1`` names a folder holding numpy 1.x to put first on its path.
+    """
     import onnxruntime as ort
 
     from diffusion_trt.compiler import export
@@ -135,25 +159,38 @@ def ort_optimizer_baseline(model_dir: Path, work: Path, feeds: dict[str, torch.T
                                opset=17, device="cuda")
     del models
     torch.cuda.empty_cache()
-    try:
-        from onnxruntime.transformers.optimizer import optimize_model
-
-        t0 = time.perf_counter()
-        m = optimize_model(str(raw), model_type="unet", opt_level=0, use_gpu=True)
-        m.convert_float_to_float16(keep_io_types=False)
-        out = work / "ort_opt_unet" / "model.onnx"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        m.save_model_to_file(str(out), use_external_data_format=True)
-        res["ort_optimizer/optimize_s"] = time.perf_counter() - t0
-        res["ort_optimizer/op_counts"] = dict(m.get_operator_statistics())
-    except Exception as e:  # noqa: BLE001 - the peer's failure is a figure too
-        res["ort_optimizer/error"] = f"{type(e).__name__}: {str(e)[:500]}"
+    out = work / "ort_opt_unet" / "model.onnx"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # ORT 1.31.1's UNet fusions crash under numpy 2 ("only 0-dimensional arrays can be converted to Python
+    # scalars"): run the optimizer in a child process, with a numpy 1.x folder first on its path when given.
+    script = (
+        "import json, sys, time\n"
+        "from onnxruntime.transformers.optimizer import optimize_model\n"
+        "t0 = time.perf_counter()\n"
+        "m = optimize_model(sys.argv[1], model_type='unet', opt_level=0, use_gpu=True)\n"
+        "m.convert_float_to_float16(keep_io_types=False)\n"
+        "m.save_model_to_file(sys.argv[2], use_external_data_format=True)\n"
+        "print('RESULT', json.dumps({'seconds': time.perf_counter() - t0,"
+        " 'ops': dict(m.get_operator_statistics())}))\n"
+    )
+    env = dict(os.environ)
+    if numpy1:
+        env["PYTHONPATH"] = f"{numpy1}:{env.get('PYTHONPATH', '')}"
+    proc = subprocess.run([sys.executable, "-c", script, str(raw), str(out)], env=env, capture_output=True,
+                          text=True, check=False)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        res["ort_optimizer/error"] = (proc.stderr or proc.stdout)[-800:]
         return res
-    for var in ("plain", "cuda_graph"):
+    info = json.loads(line[len("RESULT "):])
+    res["ort_optimizer/optimize_s"] = info["seconds"]
+    res["ort_optimizer/op_counts"] = info["ops"]
+    res["ort_optimizer/numpy"] = "1.x (child process)" if numpy1 else "as installed"
+    for var in ("plain", "cuda_graph", "cuda_graph+nhwc"):
         try:
             so = ort.SessionOptions()
             so.log_severity_level = 3
-            prov = [("CUDAExecutionProvider", {**VARIANTS[var], "cudnn_conv_algo_search": "EXHAUSTIVE"})]
+            prov = [("CUDAExecutionProvider", {**variant_options(var), "cudnn_conv_algo_search": "EXHAUSTIVE"})]
             sess = ort.InferenceSession(str(out), so, providers=prov)
             types = {i.name: i.type for i in sess.get_inputs()}
             bound = {k: (v.cuda().half() if "float16" in types[k] else v.cuda()).contiguous() for k, v in feeds.items()}
@@ -184,6 +221,7 @@ def main() -> None:
     ap.add_argument("--variants", default="plain,nhwc,cuda_graph,cuda_graph+nhwc")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--ort-optimizer-baseline", action="store_true")
+    ap.add_argument("--numpy1", default=None, help="folder with numpy 1.x for ORT's optimizer (child process)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-work"))
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -211,7 +249,7 @@ def main() -> None:
             results[label]["unet_vs_torch_fp32"] = compare(out, ref32)
         results["torch_fp16_vs_fp32"] = compare(ref16, ref32)
         if args.ort_optimizer_baseline:
-            results.update(ort_optimizer_baseline(args.model_dir, args.work, unet_feeds, args.iters))
+            results.update(ort_optimizer_baseline(args.model_dir, args.work, unet_feeds, args.iters, args.numpy1))
     text = json.dumps(results, indent=2, default=str)
     print(text)
     if args.json:
