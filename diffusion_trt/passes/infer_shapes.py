@@ -32,14 +32,16 @@ def infer_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Requires: nothing; runs with strict_mode off (an op it cannot type is skipped, not an error) and data
               propagation on (shapes computed by Shape -> Gather -> Concat chains are resolved).
 
-    Two ways, chosen by the size of the graph's weights (sum of its constants' bytes):
-      * below ``infer_shapes_path_threshold_bytes`` (default 2 GiB - 128 MiB): in memory, with
-        ``onnx.shape_inference.infer_shapes`` on the exported model;
-      * at or above it (an fp32 SD-XL UNet, ~10 GB): the model is saved to a temporary folder with its
-        weights as external data, ``onnx.shape_inference.infer_shapes_path`` writes the inferred model next
-        to it, and only its value_info is read back (weights not loaded). Needs free disk space about the
-        size of the weights.
-    Either way the export builds a ModelProto holding a copy of the weights while the pass runs.
+    The weights' values do not decide any shape: every float initializer of more than
+    :data:`WEIGHT_STUB_MIN_ELEMENTS` elements becomes a graph input of the same dtype and shape for the inference
+    (integer constants, the small float ones such as Resize scales, and Constant nodes stay). What is left is
+    inferred in memory with ``onnx.shape_inference.infer_shapes`` (an SD-1.5 UNet: megabytes instead of 3.4 GB
+    serialized). Two ways, chosen by the size of what is left:
+      * below ``infer_shapes_path_threshold_bytes`` (default 2 GiB - 128 MiB): in memory;
+      * at or above it (a graph whose Constant nodes alone pass 2 GB): the model is saved to a temporary folder
+        with its weights as external data, ``onnx.shape_inference.infer_shapes_path`` writes the inferred model
+        next to it, and only its value_info is read back. Needs free disk space about the size of the weights.
+    The export builds a ModelProto holding a copy of the weights while the pass runs.
 
     The graph's tensors keep their names; only Variables are annotated (inputs and constants are left as
     they are). A shape already known is replaced by the inferred one only where that refines it (same rank,
@@ -49,8 +51,9 @@ def infer_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     ``dtypes_added``; modified when any of them is non-zero.
     """
     threshold = int(ctx.options.get("infer_shapes_path_threshold_bytes", DEFAULT_PATH_THRESHOLD_BYTES))
-    weight_bytes = sum(constant_nbytes(t) for t in graph.tensors().values() if isinstance(t, gs.Constant))
     model = gs.export_onnx(graph, do_type_check=False)
+    stubbed = _stub_weights(model)
+    weight_bytes = sum(constant_nbytes(t) for t in graph.tensors().values() if isinstance(t, gs.Constant)) - stubbed
     if weight_bytes >= threshold:
         logger.debug("weights are %d bytes >= %d: shape inference through a temporary file", weight_bytes, threshold)
         value_infos = _infer_via_path(model)
@@ -59,6 +62,36 @@ def infer_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     del model
     counts = _annotate(graph, value_infos)
     return PassResult(modified=any(counts.values()), counts=counts)
+
+
+#: Float initializers above this many elements are replaced by graph inputs (dtype and shape only) for inference.
+WEIGHT_STUB_MIN_ELEMENTS = 1024
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
+                          onnx.TensorProto.DOUBLE})
+
+
+def _stub_weights(model: onnx.ModelProto) -> int:
+    """Move the large float initializers of ``model`` to graph inputs of the same type; returns their bytes."""
+    graph = model.graph
+    listed = {value.name for value in graph.input}
+    keep: list[onnx.TensorProto] = []
+    stubs: list[onnx.ValueInfoProto] = []
+    moved = 0
+    for init in graph.initializer:
+        count = 1
+        for dim in init.dims:
+            count *= dim
+        if init.data_type in _FLOAT_TYPES and count > WEIGHT_STUB_MIN_ELEMENTS:
+            if init.name not in listed:
+                stubs.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+            moved += count * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+        else:
+            keep.append(init)
+    if stubs or moved:
+        del graph.initializer[:]
+        graph.initializer.extend(keep)
+        graph.input.extend(stubs)
+    return moved
 
 
 def _infer_in_memory(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
