@@ -504,6 +504,11 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
 
     say = progress or (lambda _msg: None)
     manifest = read_manifest(cfg.artifact)
+    if manifest.get("model", {}).get("architecture", "sd") != "sd":
+        raise RuntimeInputError(
+            f"{cfg.artifact} is an {manifest['model']['architecture']} artifact; bench times SD 1.x/2.x artifacts "
+            "(its per-stage timings run the SD prompt encoding): use benchmarks/sdxl_e2e.py for SDXL"
+        )
     device_kind = cfg.device or manifest.get("device", "cpu")
     if cfg.devices and device_kind != "cuda":
         raise RuntimeInputError(

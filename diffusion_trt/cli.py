@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from .compiler.dummy import ARCHS  # a tuple of names: dummy.py imports torch/diffusers only when called
 from .errors import DiffusionTrtError
 
 logger = logging.getLogger("diffusion_trt")
@@ -64,13 +65,16 @@ def main(verbose: int) -> None:
 
 @main.command("dummy-pipeline")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--arch", type=click.Choice(["tiny", "sd15"]), default="tiny", show_default=True,
-              help="tiny: a few-MB SD-shaped pipeline for tests; sd15: the true SD-1.5 architecture (~4 GB).")
+@click.option("--arch", type=click.Choice(ARCHS), default="tiny", show_default=True,
+              help="tiny: a few-MB SD-shaped pipeline for tests; sd15 / sd21 / sdxl: the true SD-1.5 (~4 GB), SD-2.1 "
+                   "(768x768, v-prediction, ~5 GB) and SDXL-base (1024x1024, two text encoders, ~14 GB) architectures; "
+                   "tiny-sd21 / tiny-sdxl: their structures at toy widths; sd15-inpaint / tiny-sd15-inpaint: the "
+                   "SD-1.5 inpainting UNet (9 input channels), true size / toy widths.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty OUT_DIR.")
 @_handle_errors
 def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None:
-    """Write a diffusers StableDiffusionPipeline folder with seeded random weights.
+    """Write a diffusers StableDiffusionPipeline (StableDiffusionXLPipeline for sdxl) folder with seeded random weights.
 
     It stands in for a trained checkpoint (none can be downloaded here): same configs, same CLIP
     tokenizer, same code paths.
@@ -79,6 +83,7 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
     Examples:
       diffusion-trt dummy-pipeline models/tiny
       diffusion-trt dummy-pipeline --arch sd15 --seed 1 models/sd15
+      diffusion-trt dummy-pipeline --arch tiny-sdxl models/tiny-sdxl
     """
     from .compiler.dummy import write_dummy_pipeline
 
@@ -132,6 +137,14 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
 @click.option("--max-batch-size", type=int, default=None, help="[default: max(4, batch-size)]")
 @click.option("--opset", type=int, default=17, show_default=True)
 @click.option("--trust-pickle", is_flag=True, help="Allow .bin/.ckpt weights (unpickling runs arbitrary code).")
+@click.option("--lora", "loras", multiple=True, metavar="FILE[:SCALE]",
+              help="Merge a LoRA (.safetensors, diffusers or kohya format) into the weights before export, scale "
+                   "default 1; repeatable, merged in order. Recorded in the manifest.")
+@click.option("--refittable", is_flag=True,
+              help="TensorRT: refittable engines, so EnginePipeline.load_lora can swap LoRAs at run time.")
+@click.option("--fp16-safe-vae", is_flag=True,
+              help="SDXL, --precision fp16: build the VAE in fp16 too (only for an fp16-safe VAE, e.g. "
+                   "sdxl-vae-fp16-fix). By default it stays fp32 unless vae/config.json says force_upcast: false.")
 @click.option("--dump-passes", type=click.Path(file_okay=False), default=None,
               help="Write the graph after each pass into this folder.")
 @click.option("--timing-cache", type=click.Path(file_okay=False), default="~/.cache/diffusion-trt/timing-cache",
@@ -154,6 +167,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
       diffusion-trt compile models/sd15 -o artifacts/sd15-fp16 --device cuda --precision fp16
       diffusion-trt compile models/sd15 -o artifacts/sd15 --min-height 256 --max-height 768
       diffusion-trt compile models/tiny -o artifacts/tiny-int8 --precision int8 --calibration-size 8
+      diffusion-trt compile models/sd15 -o artifacts/sd15-ink --lora ink.safetensors:0.8 --lora detail.safetensors
     """
     from .compiler.pipeline import compile_pipeline
     from .config import CompileConfig
@@ -165,6 +179,9 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
         for key in ("height", "width", "min_height", "max_height", "min_width", "max_width"):
             options[key] = _snap(key, options[key])
     quantize = _quantize_config(options)  # pops the int8/fp8 options first
+    from .lora import parse_lora_arg
+
+    options["loras"] = tuple(parse_lora_arg(x) for x in options["loras"])
     config = CompileConfig(**options, quantize=quantize)
     with logging_redirect_tqdm(loggers=[logger]):
         path = compile_pipeline(model_dir, out_dir, config, overwrite=overwrite, progress=True,
@@ -208,6 +225,22 @@ def _snap(name: str, value: int | None, lo: int | None = None, hi: int | None = 
         logger.warning("--snap: %s %d -> %d (multiples of 8%s)", name.replace("_", "-"), value, snapped,
                        f", profile {lo}..{hi}" if lo is not None else "")
     return snapped
+
+
+def _read_image(path: Path, flag: str, mode: str) -> Any:
+    """Open an image file as a PIL image in ``mode`` ("RGB" for --image, "L" for --mask).
+
+    Raises:
+        click.BadParameter: the file is not an image Pillow can read.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            return im.convert(mode)
+    except (UnidentifiedImageError, OSError) as e:
+        raise click.BadParameter(f"cannot read {str(path)!r} as an image ({e}); pass a PNG or JPEG file",
+                                 param_hint=flag) from None
 
 
 def _check_writable_file(path: Path, flag: str, suffix: str | None) -> None:
@@ -264,20 +297,37 @@ def _print_pass_table(path: Path) -> None:
               help="Replay engines as CUDA graphs [default: on for static CUDA artifacts and TensorRT].")
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False, path_type=Path), default=Path("out.png"),
               show_default=True, help="PNG path; with several images, -1, -2 ... are appended.")
+@click.option("--image", "image_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Image-to-image: the start image (its size is the output size, a multiple of 8).")
+@click.option("--strength", type=float, default=None,
+              help="With --image: how much of it is re-noised, in (0, 1] [default: 0.8; 1.0 with --mask].")
+@click.option("--mask", "mask_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Inpainting, with --image: white = repaint, black = keep (read as grayscale, the image's size).")
 @_handle_errors
 def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps: int, guidance: float, seed: int,
             height: int | None, width: int | None, batch_size: int, scheduler: str | None, device: str | None,
-            snap: bool, devices: str | None, cuda_graph: bool | None, out: Path) -> None:
-    """Generate images from a compiled ARTIFACT_DIR.
+            snap: bool, devices: str | None, cuda_graph: bool | None, out: Path, image_path: Path | None,
+            strength: float | None, mask_path: Path | None) -> None:
+    """Generate images from a compiled ARTIFACT_DIR: from text, or from an image (--image), or inpaint (--mask).
 
     \b
     Examples:
       diffusion-trt run artifacts/tiny --prompt "a guohua landscape" -o out.png
       diffusion-trt run artifacts/sd15-fp16 -p "pixel-art castle" --steps 50 --scheduler euler --seed 7
       diffusion-trt run artifacts/sd15-fp16 -p "a koi pond" --batch-size 8 --devices 0,1
+      diffusion-trt run artifacts/sd15 -p "an oil painting" --image photo.png --strength 0.6
+      diffusion-trt run artifacts/sd15-inpaint -p "a red door" --image house.png --mask door.png
     """
     from .runtime.pipeline import save_png
 
+    if mask_path is not None and image_path is None:
+        raise click.UsageError("--mask needs --image: the image to inpaint (the mask marks what to repaint)")
+    if strength is not None and image_path is None:
+        raise click.UsageError("--strength needs --image: it is how much of the start image is re-noised")
+    if image_path is not None and devices is not None:
+        raise click.UsageError("--image runs on one device; drop --devices (or use --device cuda)")
+    image = _read_image(image_path, "--image", "RGB") if image_path is not None else None
+    mask = _read_image(mask_path, "--mask", "L") if mask_path is not None else None
     _check_writable_file(out, "-o", ".png")  # before minutes of denoising, not after
     if snap and (height is not None or width is not None):
         from .artifacts import read_manifest
@@ -297,8 +347,11 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
             width=width,
             num_images_per_prompt=batch_size,
             progress=len(device_list) <= 1,
+            **({"image": image, "mask_image": mask, "strength": strength} if image is not None else {}),
         )
         params = {**result.parameters, "artifact": str(artifact_dir)}
+        if image_path is not None:
+            params.update(image=str(image_path), **({"mask": str(mask_path)} if mask_path is not None else {}))
     paths = []
     for i, image in enumerate(result.images):
         path = out if i == 0 else out.with_name(f"{out.stem}-{i}{out.suffix}")

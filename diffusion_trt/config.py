@@ -208,13 +208,21 @@ class CompileConfig:
         height, width, batch_size: the optimal ("opt") shape; ``None`` = the model's default size
             (``unet.config.sample_size * 8``) and batch 1.
         min_*/max_*: profile bounds; ``None`` = half / double the opt size, batch 1..max(4, opt).
-        components: which components to export, in order.
+        components: which components to export, in order (an SDXL model adds ``text_encoder_2`` after
+            ``text_encoder``: its prompt encoding needs both).
+        fp16_safe_vae: SDXL with ``precision="fp16"``: build the VAE in fp16 too. By default an SDXL VAE stays fp32
+            (it overflows in fp16) unless its vae/config.json says ``force_upcast: false``; set this for an fp16-safe
+            VAE whose config does not say so. No effect on SD 1.x/2.x models (their VAEs run fp16).
         trust_pickle: allow ``.bin``/``.ckpt`` weights (unpickling runs arbitrary code).
         dump_passes: folder to write the graph after each pass, or ``None``.
         timing_cache: TensorRT only: folder of timing caches shared by builds (one file per TensorRT version
             and compute capability); ``None`` = none.
         quantize: calibration and QDQ settings, used when ``precision`` is "int8" or "fp8" (int8: ORT CPU or
             TensorRT; fp8: TensorRT on compute capability >= 8.9).
+        loras: LoRAs merged into the weights before export, in order: ``(safetensors path, scale)`` pairs (see
+            :mod:`diffusion_trt.lora`); the manifest records each file's name, sha256 and scale.
+        refittable: TensorRT only: build refittable engines (``BuilderFlag.REFIT``) and write a refit map per UNet
+            and text encoder, so that ``EnginePipeline.load_lora`` can swap LoRAs at run time.
     """
 
     backend: str = "ort"
@@ -231,13 +239,31 @@ class CompileConfig:
     min_batch_size: int = 1
     max_batch_size: int | None = None
     components: tuple[str, ...] = ("text_encoder", "unet", "vae_decoder", "vae_encoder")
+    fp16_safe_vae: bool = False
     trust_pickle: bool = False
     dump_passes: str | None = None
     timing_cache: str | None = "~/.cache/diffusion-trt/timing-cache"
     extra: dict[str, Any] = field(default_factory=dict)
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+    loras: tuple[tuple[str, float], ...] = ()
+    refittable: bool = False
 
     def __post_init__(self) -> None:
+        if self.refittable and self.backend != "tensorrt":
+            raise RuntimeInputError(
+                f"refittable=True is a TensorRT build flag, but backend={self.backend!r}; use --backend tensorrt, or "
+                "merge LoRAs into an ORT artifact at compile time with --lora FILE[:SCALE]"
+            )
+        if self.refittable and self.loras:
+            raise RuntimeInputError(
+                "refittable=True with loras: a refittable artifact keeps the base weights (load_lora refits from them "
+                "every time); drop --lora and call EnginePipeline.load_lora, or drop --refittable"
+            )
+        if self.refittable and self.precision in QUANTIZED_PRECISIONS:
+            raise RuntimeInputError(
+                f"refittable=True with precision={self.precision!r}: refitting quantized (QDQ) weights is not "
+                "supported; use --precision fp16, or merge the LoRA at compile time with --lora FILE[:SCALE]"
+            )
         for name, allowed in (("backend", BACKENDS), ("device", DEVICES), ("precision", PRECISIONS)):
             value = getattr(self, name)
             if value not in allowed:
@@ -293,6 +319,7 @@ class CompileConfig:
         data = dataclasses.asdict(self)
         data["components"] = list(self.components)
         data["quantize"] = self.quantize.to_json()
+        data["loras"] = [[str(p), float(s)] for p, s in self.loras]
         return data
 
     @classmethod
@@ -301,4 +328,5 @@ class CompileConfig:
         data["components"] = tuple(data.get("components", cls.components))
         if isinstance(data.get("quantize"), dict):
             data["quantize"] = QuantizeConfig.from_json(data["quantize"])
+        data["loras"] = tuple((str(p), float(s)) for p, s in data.get("loras", ()))
         return cls(**data)

@@ -45,6 +45,12 @@ class RuntimeInputError(DiffusionTrtError, ValueError):
     exit_code = 2
 
 
+class LoraError(DiffusionTrtError, ValueError):
+    """A LoRA file cannot be merged: missing, not safetensors, matching no layer, a bad scale, or merged already."""
+
+    exit_code = 2
+
+
 class QualityGateError(BuildError):
     """A quantized engine is further from fp32 than the quality thresholds allow (``--accept-quality-loss``)."""
 

@@ -15,8 +15,8 @@ from typing import Any
 #: Manifest keys the summary presents itself; any other top-level key is listed under "other".
 _KNOWN = {
     "schema_version", "name", "created_utc", "pipeline_class", "source", "backend", "device", "precision",
-    "profile", "model", "scheduler", "tokenizer", "components", "files", "config", "tools", "compile_seconds",
-    "manifest_sha256",
+    "profile", "model", "scheduler", "tokenizer", "tokenizer_2", "components", "files", "config", "tools",
+    "compile_seconds", "manifest_sha256",
 }
 #: Build facts worth a line (the rest stay in ``--json`` / the manifest).
 _BUILD_KEYS = ("providers", "test_loaded", "tensorrt", "compute_capability", "gpu", "flags", "strongly_typed",

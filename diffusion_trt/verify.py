@@ -99,7 +99,8 @@ def integrity_problems(root: str | os.PathLike[str], check_hashes: bool = True) 
     problems += artifacts.link_problems(root)
     for rel in artifacts.unlisted_files(root, manifest):
         problems.append(f"{rel}: not listed in the manifest (added after compile?); remove it or recompile")
-    for key, rel in (("tokenizer", manifest.get("tokenizer")), ("scheduler", manifest.get("scheduler", {}).get(
+    for key, rel in (("tokenizer", manifest.get("tokenizer")), ("tokenizer_2", manifest.get("tokenizer_2")),
+                     ("scheduler", manifest.get("scheduler", {}).get(
             "config") if isinstance(manifest.get("scheduler"), dict) else None)):
         if isinstance(rel, str):
             try:

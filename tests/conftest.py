@@ -43,3 +43,40 @@ def tiny_artifact(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFact
     from diffusion_trt.compiler.pipeline import compile_pipeline
 
     return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("artifacts") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_sd21_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `StableDiffusionPipeline` folder, tiny-sd21 arch (SD-2.1 structure: v-prediction DDIM, upcast attention)."""
+    from diffusion_trt.compiler.dummy import write_dummy_pipeline
+
+    return write_dummy_pipeline(tmp_path_factory.mktemp("models") / "tiny-sd21", arch="tiny-sd21", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `StableDiffusionXLPipeline` folder, tiny-sdxl arch (two text encoders, text_time conditioning)."""
+    from diffusion_trt.compiler.dummy import write_dummy_pipeline
+
+    return write_dummy_pipeline(tmp_path_factory.mktemp("models") / "tiny-sdxl", arch="tiny-sdxl", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd21_artifact(tiny_sd21_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-sd21 compiled for ONNX Runtime CPU, fp32, default profile (64x64, batch 1..4)."""
+    from diffusion_trt.compiler.pipeline import compile_pipeline
+
+    return compile_pipeline(tiny_sd21_dir, tmp_path_factory.mktemp("artifacts") / "tiny-sd21")
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl_artifact(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-sdxl compiled for ONNX Runtime CPU, fp32, default profile (64x64, batch 1..4), every component's weights
+    in external data (the > 2 GB path of the real SDXL's UNet and text_encoder_2, forced by a 1-byte threshold)."""
+    from unittest import mock
+
+    from diffusion_trt.compiler import build_ort
+    from diffusion_trt.compiler.pipeline import compile_pipeline
+
+    with mock.patch.object(build_ort, "EXTERNAL_DATA_THRESHOLD_BYTES", 1):
+        return compile_pipeline(tiny_sdxl_dir, tmp_path_factory.mktemp("artifacts") / "tiny-sdxl")

@@ -8,6 +8,10 @@ Symbolic dims:
             classifier-free guidance (CFG) and B without, so its range is ``[min_B, 2*max_B]``.
     ``H``/``W`` image size in pixels; ``h``/``w`` = latent size = H/8, W/8.
     ``S``   text length: CLIP's 77 positions (``tokenizer.model_max_length``).
+
+SDXL (``StableDiffusionXLPipeline``) has its own table: two text encoders whose penultimate hidden states are
+concatenated into the UNet's ``encoder_hidden_states``, the second one's pooled projection as the UNet's
+``text_embeds``, and the ``time_ids`` (see :func:`component_specs`).
 """
 
 from __future__ import annotations
@@ -51,17 +55,38 @@ class ComponentSpec:
 
 
 def component_specs(
-    *, text_hidden: int, text_len: int, unet_in: int, unet_out: int, latent: int
+    *,
+    text_hidden: int,
+    text_len: int,
+    unet_in: int,
+    unet_out: int,
+    latent: int,
+    text_hidden_2: int | None = None,
+    text_embeds: int | None = None,
+    time_ids: int = 6,
 ) -> dict[str, ComponentSpec]:
-    """The SD 1.x component table, sized from the model's configs.
+    """The component table, sized from the model's configs: SD 1.x/2.x, or SDXL when ``text_hidden_2`` is given.
 
     Args:
-        text_hidden: CLIP hidden size (768 for SD 1.x).
+        text_hidden: hidden size of the (first) text encoder (768 for SD 1.x and SDXL, 1024 for SD 2.x).
         text_len: tokenizer max length (77).
         unet_in: UNet input channels (4; 9 for inpainting checkpoints).
         unet_out: UNet output channels (4).
         latent: VAE latent channels (4).
+        text_hidden_2: SDXL: hidden size of ``text_encoder_2`` (1280); ``None`` = an SD 1.x/2.x table.
+        text_embeds: SDXL: ``text_encoder_2.config.projection_dim`` (1280), the pooled ``text_embeds`` width.
+        time_ids: SDXL: the number of ``time_ids`` per row (6: original size, crop top-left, target size).
+
+    SDXL, as diffusers' ``StableDiffusionXLPipeline.encode_prompt``: each text encoder runs with
+    ``output_hidden_states=True`` and gives ``hidden_states[-2]`` (the penultimate layer, before the final layer
+    norm) as ``penultimate_hidden_state``; ``text_encoder_2`` (``CLIPTextModelWithProjection``) also gives the
+    projected pooled output ``text_embeds`` [B2, text_embeds]. The UNet reads ``encoder_hidden_states`` =
+    concat(penultimate states, dim=-1) [B2, S, text_hidden + text_hidden_2], ``text_embeds`` and ``time_ids``
+    [B2, time_ids] (float32: pixel sizes up to 4096 must stay exact; they feed a sinusoidal embedding).
     """
+    if text_hidden_2 is not None:
+        return _sdxl_specs(text_hidden, text_len, unet_in, unet_out, latent, text_hidden_2,
+                           text_embeds if text_embeds is not None else text_hidden_2, time_ids)
     return {
         "text_encoder": ComponentSpec(
             "text_encoder",
@@ -87,6 +112,53 @@ def component_specs(
             inputs=(TensorSpec("sample", "float", ("B", 3, "H", "W")),),
             outputs=(TensorSpec("latent_parameters", "float", ("B", 2 * latent, "h", "w")),),
         ),
+    }
+
+
+def _vae_specs(latent: int) -> dict[str, ComponentSpec]:
+    return {
+        "vae_decoder": ComponentSpec(
+            "vae_decoder",
+            inputs=(TensorSpec("latent_sample", "float", ("B", latent, "h", "w")),),
+            outputs=(TensorSpec("sample", "float", ("B", 3, "H", "W")),),
+        ),
+        "vae_encoder": ComponentSpec(
+            "vae_encoder",
+            inputs=(TensorSpec("sample", "float", ("B", 3, "H", "W")),),
+            outputs=(TensorSpec("latent_parameters", "float", ("B", 2 * latent, "h", "w")),),
+        ),
+    }
+
+
+def _sdxl_specs(text_hidden: int, text_len: int, unet_in: int, unet_out: int, latent: int, text_hidden_2: int,
+                text_embeds: int, time_ids: int) -> dict[str, ComponentSpec]:
+    """SDXL's table (see :func:`component_specs`)."""
+    return {
+        "text_encoder": ComponentSpec(
+            "text_encoder",
+            inputs=(TensorSpec("input_ids", "int64", ("B2", text_len)),),
+            outputs=(TensorSpec("penultimate_hidden_state", "float", ("B2", text_len, text_hidden)),),
+        ),
+        "text_encoder_2": ComponentSpec(
+            "text_encoder_2",
+            inputs=(TensorSpec("input_ids", "int64", ("B2", text_len)),),
+            outputs=(
+                TensorSpec("text_embeds", "float", ("B2", text_embeds)),
+                TensorSpec("penultimate_hidden_state", "float", ("B2", text_len, text_hidden_2)),
+            ),
+        ),
+        "unet": ComponentSpec(
+            "unet",
+            inputs=(
+                TensorSpec("sample", "float", ("B2", unet_in, "h", "w")),
+                TensorSpec("timestep", "float32", ("B2",)),
+                TensorSpec("encoder_hidden_states", "float", ("B2", text_len, text_hidden + text_hidden_2)),
+                TensorSpec("text_embeds", "float", ("B2", text_embeds)),
+                TensorSpec("time_ids", "float32", ("B2", time_ids)),
+            ),
+            outputs=(TensorSpec("noise_pred", "float", ("B2", unet_out, "h", "w")),),
+        ),
+        **_vae_specs(latent),
     }
 
 

@@ -1,4 +1,4 @@
-"""Load a diffusers SD 1.x pipeline folder offline and export each component to ONNX.
+"""Load a diffusers SD 1.x / 2.x / SDXL pipeline folder offline and export each component to ONNX.
 
 This is the only module of the package that touches diffusers/transformers model classes and
 ``torch.onnx``. It uses the TorchScript-based exporter (``dynamo=False``): its graphs keep the op
@@ -32,7 +32,19 @@ REQUIRED_SUBFOLDERS: dict[str, str] = {
 }
 _WEIGHT_FOLDERS = ("text_encoder", "unet", "vae")
 _PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth", ".pkl")
-SUPPORTED_PIPELINES = ("StableDiffusionPipeline",)
+# StableDiffusionImg2ImgPipeline / StableDiffusionInpaintPipeline folders hold the same components (an inpainting
+# checkpoint's UNet takes 9 input channels); the runtime does text-to-image, image-to-image and inpainting on any.
+SUPPORTED_PIPELINES = ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "StableDiffusionImg2ImgPipeline",
+                       "StableDiffusionInpaintPipeline")
+#: Pipeline classes whose folders hold more than :data:`REQUIRED_SUBFOLDERS`: sub-folder -> (required file, why).
+EXTRA_SUBFOLDERS: dict[str, dict[str, tuple[str, str]]] = {
+    "StableDiffusionXLPipeline": {
+        "text_encoder_2": ("config.json", "SDXL has a second text encoder (OpenCLIP-bigG)"),
+        "tokenizer_2": ("", "SDXL has a second tokenizer"),
+    },
+}
+#: Pipeline class -> architecture recorded in the manifest (``model.architecture``), which picks the runtime loop.
+ARCHITECTURES: dict[str, str] = {"StableDiffusionXLPipeline": "sdxl"}
 
 
 @dataclass(frozen=True)
@@ -49,12 +61,17 @@ class ModelFolder:
     pipeline_class: str
     pickled: tuple[str, ...]
 
+    @property
+    def architecture(self) -> str:
+        """"sdxl" for a StableDiffusionXLPipeline folder, else "sd" (SD 1.x and 2.x share one loop)."""
+        return ARCHITECTURES.get(self.pipeline_class, "sd")
+
     def config(self, sub: str, name: str = "config.json") -> dict[str, Any]:
         return json.loads((self.path / sub / name).read_text(encoding="utf-8"))
 
 
 def check_model_folder(path: str | Path, trust_pickle: bool = False) -> ModelFolder:
-    """Check that ``path`` is a complete SD 1.x diffusers folder whose weights are safe to load.
+    """Check that ``path`` is a complete SD 1.x / 2.x / SDXL diffusers folder whose weights are safe to load.
 
     Raises:
         ModelFolderError: the folder, model_index.json, a component folder, its config or its weights
@@ -71,6 +88,8 @@ def check_model_folder(path: str | Path, trust_pickle: bool = False) -> ModelFol
             f"model folder {root} does not exist; pass a folder written by StableDiffusionPipeline.save_pretrained "
             "(or make one with `diffusion-trt dummy-pipeline`)"
         )
+    if (root / "manifest.json").is_file() and not (root / "model_index.json").is_file():
+        raise ModelFolderError(_artifact_as_source(root))
     index_path = root / "model_index.json"
     if not index_path.is_file():
         raise ModelFolderError(
@@ -92,8 +111,20 @@ def check_model_folder(path: str | Path, trust_pickle: bool = False) -> ModelFol
             raise ModelFolderError(f"{root} is incomplete: the {sub}/ folder is missing; re-save the whole pipeline")
         if required and not (d / required).is_file():
             raise ModelFolderError(f"{root} is incomplete: {sub}/{required} is missing; re-save the whole pipeline")
+    extra = EXTRA_SUBFOLDERS.get(cls, {})
+    for sub, (required, why) in extra.items():
+        d = root / sub
+        if not d.is_dir():
+            raise ModelFolderError(
+                f"{root} is incomplete: the {sub}/ folder is missing ({why}; model_index.json names a {cls}); "
+                "re-save the whole pipeline"
+            )
+        if required and not (d / required).is_file():
+            raise ModelFolderError(f"{root} is incomplete: {sub}/{required} is missing ({why}); re-save the whole "
+                                   "pipeline")
     pickled = []
-    for sub in _WEIGHT_FOLDERS:
+    # the extra folders with a config.json are models and hold weights (as text_encoder, unet and vae do)
+    for sub in (*_WEIGHT_FOLDERS, *(k for k, (required, _) in extra.items() if required == "config.json")):
         files = [p for p in (root / sub).iterdir() if p.is_file()]
         if any(p.suffix == ".safetensors" for p in files):
             continue
@@ -112,6 +143,23 @@ def check_model_folder(path: str | Path, trust_pickle: bool = False) -> ModelFol
     return ModelFolder(root, cls, tuple(pickled))
 
 
+def _artifact_as_source(root: Path) -> str:
+    """The message for a compiled artifact passed as the model folder (naming its source and merged LoRAs)."""
+    try:
+        manifest = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        manifest = {}
+    source = manifest.get("source", {}).get("path")
+    loras = manifest.get("loras") or []
+    msg = (f"{root} is a compiled artifact (it has manifest.json), not a diffusers pipeline folder; compile from "
+           f"the model folder it was made from{f' ({source})' if source else ''}")
+    if loras:
+        merged = ", ".join(f"{r.get('file')} (scale {r.get('scale')})" for r in loras)
+        msg += (f". Its weights have the LoRA(s) {merged} merged already: pass them again with --lora to rebuild "
+                "the same model, never on top of these weights")
+    return msg
+
+
 class _TextEncoder(torch.nn.Module):
     """(input_ids[B2,S] int64) -> last_hidden_state[B2,S,D]."""
 
@@ -121,6 +169,51 @@ class _TextEncoder(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.text_encoder(input_ids, return_dict=False)[0]
+
+
+class _TextEncoderPenultimate(torch.nn.Module):
+    """SDXL: (input_ids[B2,S] int64) -> penultimate_hidden_state[B2,S,D] = ``hidden_states[-2]``.
+
+    As diffusers' ``StableDiffusionXLPipeline.encode_prompt`` (``clip_skip=None``): the output of the last-but-one
+    encoder layer, without the final layer norm. The last layer is dead code in the export and is dropped.
+    """
+
+    def __init__(self, text_encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.text_encoder = text_encoder
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.text_encoder(input_ids, output_hidden_states=True).hidden_states[-2]
+
+
+class _TextEncoderWithProjection(torch.nn.Module):
+    """SDXL ``text_encoder_2``: (input_ids[B2,S]) -> (text_embeds[B2,P], penultimate_hidden_state[B2,S,D]).
+
+    ``text_embeds`` is ``CLIPTextModelWithProjection``'s output 0: the final-layer-normed state at the EOS token
+    times the text projection (diffusers' ``pooled_prompt_embeds``).
+    """
+
+    def __init__(self, text_encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.text_encoder = text_encoder
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.text_encoder(input_ids, output_hidden_states=True)
+        return out.text_embeds, out.hidden_states[-2]
+
+
+class _UNetXL(torch.nn.Module):
+    """SDXL: (sample, timestep[B2] fp32, encoder_hidden_states[B2,S,D1+D2], text_embeds[B2,P], time_ids[B2,6] fp32)
+    -> noise_pred[B2,4,h,w]; ``text_embeds``/``time_ids`` are diffusers' ``added_cond_kwargs``."""
+
+    def __init__(self, unet: torch.nn.Module) -> None:
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                text_embeds: torch.Tensor, time_ids: torch.Tensor) -> torch.Tensor:
+        added = {"text_embeds": text_embeds, "time_ids": time_ids}
+        return self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added, return_dict=False)[0]
 
 
 class _UNet(torch.nn.Module):
@@ -161,7 +254,14 @@ class _VaeEncoder(torch.nn.Module):
         return h
 
 
-def _wrap(component: str, models: dict[str, Any]) -> torch.nn.Module:
+def _wrap(component: str, models: dict[str, Any], architecture: str = "sd") -> torch.nn.Module:
+    if architecture == "sdxl":
+        if component == "text_encoder":
+            return _TextEncoderPenultimate(models["text_encoder"])
+        if component == "text_encoder_2":
+            return _TextEncoderWithProjection(models["text_encoder_2"])
+        if component == "unet":
+            return _UNetXL(models["unet"])
     if component == "text_encoder":
         return _TextEncoder(models["text_encoder"])
     if component == "unet":
@@ -170,7 +270,8 @@ def _wrap(component: str, models: dict[str, Any]) -> torch.nn.Module:
         return _VaeDecoder(models["vae"])
     if component == "vae_encoder":
         return _VaeEncoder(models["vae"])
-    raise ExportError(f"unknown component {component!r}; known: text_encoder, unet, vae_decoder, vae_encoder")
+    known = "text_encoder, text_encoder_2 (SDXL), unet, vae_decoder, vae_encoder"
+    raise ExportError(f"unknown component {component!r} for a {architecture!r} pipeline; known: {known}")
 
 
 def export_device(target: str) -> str:
@@ -187,26 +288,31 @@ def export_device(target: str) -> str:
 
 
 def load_models(folder: ModelFolder, precision: str, device: str) -> dict[str, Any]:
-    """Load text encoder, UNet and VAE offline (``local_files_only``) in eval mode on ``device``.
+    """Load text encoder(s), UNet and VAE offline (``local_files_only``) in eval mode on ``device``.
+
+    An SDXL folder also gives ``text_encoder_2`` (``CLIPTextModelWithProjection``).
 
     Args:
         precision: "fp32" or "fp16" (``torch.float16`` weights).
         device: torch device string ("cpu", "cuda").
     """
     from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     dtype = torch.float16 if precision == "fp16" else torch.float32
     kw: dict[str, Any] = {"local_files_only": True, "torch_dtype": dtype}
     models: dict[str, Any] = {}
-    for name, cls, sub in (
+    todo: list[tuple[str, Any, str]] = [
         ("text_encoder", CLIPTextModel, "text_encoder"),
         ("unet", UNet2DConditionModel, "unet"),
         ("vae", AutoencoderKL, "vae"),
-    ):
+    ]
+    if folder.architecture == "sdxl":
+        todo.insert(1, ("text_encoder_2", CLIPTextModelWithProjection, "text_encoder_2"))
+    for name, cls, sub in todo:
         use_st = sub not in folder.pickled
         try:
-            if cls is CLIPTextModel:
+            if cls in (CLIPTextModel, CLIPTextModelWithProjection):
                 # eager attention: traces to plain MatMul/Softmax that every backend parses
                 m = cls.from_pretrained(folder.path / sub, use_safetensors=use_st, attn_implementation="eager", **kw)
             else:
@@ -234,6 +340,10 @@ def sample_inputs(spec: ComponentSpec, precision: str, ranges: dict[str, tuple[i
             args.append(torch.randint(0, 1000, shape, dtype=torch.int64, device=device))
         elif t.name == "timestep":
             args.append(torch.full(shape, 500.0, dtype=torch.float32, device=device))
+        elif t.name == "time_ids":  # SDXL: original size, crop top-left, target size (values do not shape the graph)
+            h, w = ranges["H"][1], ranges["W"][1]
+            row = torch.tensor([h, w, 0, 0, h, w], dtype=torch.float32, device=device)
+            args.append(row[: shape[1]].expand(shape[0], -1).contiguous())
         else:
             args.append(torch.randn(shape, dtype=getattr(torch, dtype), device=device))
     return tuple(args)
@@ -249,14 +359,19 @@ def onnx_from_component(
     profile_ranges: dict[str, tuple[int, int, int]],
     opset: int,
     device: str,
+    architecture: str = "sd",
 ) -> Path:
     """Export one component to ``out_path`` (an ONNX file; weights may land beside it as external data).
+
+    Args:
+        architecture: "sd" or "sdxl" (:attr:`ModelFolder.architecture`): picks the wrappers of SDXL's text encoders
+            and UNet (see :func:`~diffusion_trt.compiler.components.component_specs`).
 
     Raises:
         ExportError: torch.onnx failed; the message names the component and the cause.
     """
 
-    module = _wrap(component, models)
+    module = _wrap(component, models, architecture)
     args = sample_inputs(spec, precision, profile_ranges, device)
     dynamic_axes = {t.name: t.dynamic_axes() for t in (*spec.inputs, *spec.outputs)}
     out_path.parent.mkdir(parents=True, exist_ok=True)

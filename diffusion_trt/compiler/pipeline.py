@@ -18,15 +18,15 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import onnx
 
-from .. import artifacts
+from .. import artifacts, lora
 from ..config import IMAGE_ALIGNMENT, QUANTIZED_PRECISIONS, CompileConfig, ShapeProfile
-from ..errors import BuildError, DiffusionTrtError, ExportError, PassError
+from ..errors import BuildError, DiffusionTrtError, ExportError, PassError, RuntimeInputError
 from . import build_ort, export, quantize
 from .components import ComponentSpec, component_specs, tensor_manifest
 
@@ -67,15 +67,78 @@ def _stage(stage: str, component: str | None = None) -> Iterator[None]:
         raise cls(f"compile failed at {where}: {type(e).__name__}: {e}") from e
 
 
+def _text_max_length(folder: export.ModelFolder, tokenizer: str, text_encoder: dict[str, Any]) -> int:
+    """The tokenizer's ``model_max_length``, capped by the text encoder's positions."""
+    tok_cfg_path = folder.path / tokenizer / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
+    max_len = int(tok_cfg.get("model_max_length") or text_encoder.get("max_position_embeddings", 77))
+    return min(max_len, int(text_encoder.get("max_position_embeddings", max_len)))
+
+
+#: SDXL's ``time_ids`` per row: original_size (2) + crops_coords_top_left (2) + target_size (2), the list diffusers'
+#: ``StableDiffusionXLPipeline._get_add_time_ids`` builds.
+SDXL_TIME_IDS = 6
+
+
+def _sdxl_facts(folder: export.ModelFolder, unet: dict[str, Any], vae: dict[str, Any], te: dict[str, Any],
+                max_len: int) -> dict[str, Any]:
+    """SDXL's extra model facts, checked against each other as diffusers' pipeline checks them.
+
+    Raises:
+        ExportError: the UNet's added conditioning or cross-attention width does not fit the two text encoders.
+    """
+    te2 = folder.config("text_encoder_2")
+    max_len_2 = _text_max_length(folder, "tokenizer_2", te2)
+    if max_len_2 != max_len:
+        raise ExportError(f"tokenizer/ pads to {max_len} tokens but tokenizer_2/ to {max_len_2}; SDXL concatenates the "
+                          "two encoders' states position by position, so both must match: fix the tokenizer configs")
+    hidden, hidden_2 = int(te["hidden_size"]), int(te2["hidden_size"])
+    pooled = int(te2.get("projection_dim") or hidden_2)
+    cross = unet.get("cross_attention_dim")
+    if cross != hidden + hidden_2:
+        raise ExportError(f"unet/config.json cross_attention_dim={cross}, but text_encoder ({hidden}) + text_encoder_2 "
+                          f"({hidden_2}) give {hidden + hidden_2}: the folder mixes components of different models")
+    if unet.get("addition_embed_type") != "text_time":
+        raise ExportError(f"unet/config.json addition_embed_type={unet.get('addition_embed_type')!r}; an SDXL base "
+                          "UNet has 'text_time' (the pooled text and time_ids conditioning): this UNet is not "
+                          "supported")
+    time_dim = int(unet.get("addition_time_embed_dim") or 0)
+    expected = unet.get("projection_class_embeddings_input_dim")
+    if time_dim * SDXL_TIME_IDS + pooled != expected:  # diffusers' _get_add_time_ids check
+        raise ExportError(f"unet/config.json projection_class_embeddings_input_dim={expected}, but "
+                          f"{SDXL_TIME_IDS} time ids x addition_time_embed_dim {time_dim} + text_encoder_2 "
+                          f"projection_dim {pooled} = {time_dim * SDXL_TIME_IDS + pooled}: the UNet and "
+                          "text_encoder_2 do not belong together")
+    index = json.loads((folder.path / "model_index.json").read_text(encoding="utf-8"))
+    facts: dict[str, Any] = {
+        "text_encoder_2_hidden_size": hidden_2,
+        "text_embeds_size": pooled,
+        "time_ids_size": SDXL_TIME_IDS,
+        "force_zeros_for_empty_prompt": bool(index.get("force_zeros_for_empty_prompt", True)),
+        "vae_force_upcast": bool(vae.get("force_upcast", True)),
+    }
+    if vae.get("latents_mean") is not None and vae.get("latents_std") is not None:
+        # diffusers' SDXL pipeline then decodes latents * std / scaling_factor + mean; the runtime does not (yet)
+        raise ExportError("vae/config.json sets latents_mean/latents_std (a VAE with normalised latents); the SDXL "
+                          "runtime decodes latents / scaling_factor only: this VAE is not supported yet")
+    return facts
+
+
 def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
-    """The numbers the runtime needs about the model, read from the component configs."""
+    """The numbers the runtime needs about the model, read from the component configs.
+
+    Always: VAE factors, UNet/latent channels, text length and width, default size, ``architecture`` ("sd" or
+    "sdxl": which loop the runtime runs), ``prediction_type`` (scheduler config) and ``upcast_attention`` (UNet
+    config; SD 2.x). SDXL adds the second text encoder's widths, ``time_ids_size``,
+    ``force_zeros_for_empty_prompt`` (model_index.json) and ``vae_force_upcast`` (vae/config.json).
+
+    Raises:
+        ExportError: a VAE that does not downsample by 8, or SDXL components that do not fit together.
+    """
     unet = folder.config("unet")
     vae = folder.config("vae")
     te = folder.config("text_encoder")
-    tok_cfg_path = folder.path / "tokenizer" / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
-    max_len = int(tok_cfg.get("model_max_length") or te.get("max_position_embeddings", 77))
-    max_len = min(max_len, int(te.get("max_position_embeddings", max_len)))
+    max_len = _text_max_length(folder, "tokenizer", te)
     vae_scale = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1)
     if vae_scale != IMAGE_ALIGNMENT:
         raise ExportError(
@@ -83,7 +146,8 @@ def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
         )
     sample_size = unet.get("sample_size", 64)
     sample_size = sample_size[0] if isinstance(sample_size, list | tuple) else sample_size
-    return {
+    sched = folder.config("scheduler", "scheduler_config.json")
+    facts: dict[str, Any] = {
         "vae_scale_factor": vae_scale,
         "vae_scaling_factor": float(vae.get("scaling_factor", 0.18215)),
         "unet_in_channels": int(unet.get("in_channels", 4)),
@@ -93,26 +157,84 @@ def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
         "text_hidden_size": int(te["hidden_size"]),
         "default_height": int(sample_size) * vae_scale,
         "default_width": int(sample_size) * vae_scale,
+        "architecture": folder.architecture,
+        "prediction_type": str(sched.get("prediction_type") or "epsilon"),
+        "upcast_attention": bool(unet.get("upcast_attention") or False),
     }
+    if folder.architecture == "sdxl":
+        facts.update(_sdxl_facts(folder, unet, vae, te, max_len))
+    return facts
 
 
-def pass_options(spec: ComponentSpec, profile: ShapeProfile) -> dict[str, Any]:
+def specs_for(facts: Mapping[str, Any]) -> dict[str, ComponentSpec]:
+    """The component table (:func:`~.components.component_specs`) of a model, from :func:`model_facts`."""
+    sdxl: dict[str, Any] = {}
+    if facts.get("architecture") == "sdxl":
+        sdxl = {"text_hidden_2": facts["text_encoder_2_hidden_size"], "text_embeds": facts["text_embeds_size"],
+                "time_ids": facts["time_ids_size"]}
+    return component_specs(
+        text_hidden=facts["text_hidden_size"],
+        text_len=facts["text_max_length"],
+        unet_in=facts["unet_in_channels"],
+        unet_out=facts["unet_out_channels"],
+        latent=facts["latent_channels"],
+        **sdxl,
+    )
+
+
+def component_names(requested: Sequence[str], facts: Mapping[str, Any]) -> tuple[str, ...]:
+    """The components to build: ``requested``, with SDXL's ``text_encoder_2`` right after ``text_encoder``.
+
+    SDXL's prompt encoding needs both text encoders, so asking for ``text_encoder`` means both.
+    """
+    names = list(dict.fromkeys(requested))
+    if facts.get("architecture") == "sdxl" and "text_encoder" in names and "text_encoder_2" not in names:
+        names.insert(names.index("text_encoder") + 1, "text_encoder_2")
+    return tuple(names)
+
+
+#: The components that run the VAE's weights (diffusers' SDXL pipelines upcast the VAE for both).
+VAE_COMPONENTS: tuple[str, ...] = ("vae_decoder", "vae_encoder")
+
+
+def component_precision(name: str, precision: str, facts: Mapping[str, Any], fp16_safe_vae: bool) -> tuple[str, str]:
+    """The precision one component is built at, and why it is not ``precision`` ("" when it is).
+
+    SDXL's VAE produces NaN/inf in fp16 (its activations pass 65504; diffusers' ``StableDiffusionXLPipeline`` runs it
+    in fp32 whenever ``vae.config.force_upcast`` is true): with ``precision="fp16"`` the VAE components of an SDXL
+    model are built fp32, unless the VAE says it is fp16-safe (``force_upcast: false`` in vae/config.json, e.g.
+    madebyollin/sdxl-vae-fp16-fix) or the caller says so (``fp16_safe_vae``, ``--fp16-safe-vae``).
+    """
+    if (precision == "fp16" and name in VAE_COMPONENTS and facts.get("architecture") == "sdxl"
+            and facts.get("vae_force_upcast", True) and not fp16_safe_vae):
+        return "fp32", ("SDXL VAE kept fp32: it overflows in fp16 (vae/config.json force_upcast=true); pass "
+                        "--fp16-safe-vae with an fp16-safe VAE")
+    return precision, ""
+
+
+def pass_options(spec: ComponentSpec, profile: ShapeProfile, facts: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Per-component ``PassContext.options``.
 
-    * every float input of a spec whose dtype is pinned to "float32" (the UNet ``timestep``) stays fp32 through
-      ``convert_fp16``: the manifest promises that dtype to the runtime;
-    * a static profile gives ``specialize_shapes`` the one shape of every input.
+    * every float input of a spec whose dtype is pinned to "float32" (the UNet ``timestep``, SDXL's ``time_ids``)
+      stays fp32 through ``convert_fp16``: the manifest promises that dtype to the runtime;
+    * a static profile gives ``specialize_shapes`` the one shape of every input;
+    * a UNet whose config says ``upcast_attention: true`` (SD 2.x; ``facts["upcast_attention"]``) keeps its attention
+      scores fp32 through ``convert_fp16`` (``convert_fp16_fp32_attention``): diffusers computes Q.K^T and the
+      softmax in fp32 for these models, whose scores overflow fp16 (the known black images of SD 2.1 in fp16).
     """
     options: dict[str, Any] = {
         "convert_fp16_fp32_inputs": [t.name for t in spec.inputs if t.dtype == "float32"],
     }
+    if facts is not None and spec.name == "unet" and facts.get("upcast_attention"):
+        options["convert_fp16_fp32_attention"] = True
     if profile.is_static():
         options["static_shapes"] = {t.name: tensor_manifest(t, "fp32", profile)["opt"] for t in spec.inputs}
     return options
 
 
 def _quantize_stage(folder: export.ModelFolder, models: dict[str, Any], config: CompileConfig,
-                    profile: ShapeProfile, source_hash: str, facts: dict[str, Any]) -> quantize.QuantizeStage:
+                    profile: ShapeProfile, source_hash: str, facts: dict[str, Any],
+                    lora_records: Sequence[Mapping[str, Any]] = ()) -> quantize.QuantizeStage:
     """The calibrate -> quantize -> gate stage (compiler/quantize.py) over the loaded fp32 torch modules."""
     from transformers import CLIPTokenizer
 
@@ -129,6 +251,8 @@ def _quantize_stage(folder: export.ModelFolder, models: dict[str, Any], config: 
     passes = pipeline_for(config.backend, config.device, "fp32", "unet", static=profile.is_static())
     key_facts = {"source_sha256": source_hash, "passes": [pass_name(p) for p in passes],
                  "device": config.device, "onnxruntime": tool_versions().get("onnxruntime", "")}
+    if lora_records:  # merged LoRAs change the weights: a cache made without them does not apply
+        key_facts["loras"] = [[r["sha256"], r["scale"]] for r in lora_records]
     return quantize.QuantizeStage(generation, config.quantize, config.precision, config.backend,
                                   profile.height.opt, profile.width.opt, key_facts)
 
@@ -157,10 +281,12 @@ def compile_pipeline(
     progress: bool = False,
     lock_timeout: float = 0.0,
 ) -> Path:
-    """Compile a diffusers SD 1.x pipeline folder into an artifact folder.
+    """Compile a diffusers SD 1.x / 2.x / SDXL pipeline folder into an artifact folder.
 
     Args:
-        model_dir: folder written by ``StableDiffusionPipeline.save_pretrained``.
+        model_dir: folder written by ``StableDiffusionPipeline.save_pretrained`` (or ``StableDiffusionXLPipeline``:
+            then ``text_encoder_2`` is built with ``text_encoder``, and with ``precision="fp16"`` the VAE components
+            stay fp32 unless the VAE is fp16-safe; see :func:`component_precision`).
         out_dir: artifact destination; must not exist unless ``overwrite``.
         config: what to build; ``None`` = ``CompileConfig()`` (ORT, CPU, fp32, the model's default size).
         overwrite: replace an existing artifact (atomically, only once the new one is complete).
@@ -175,7 +301,7 @@ def compile_pipeline(
         ModelFolderError: the model folder is missing, incomplete or pickled without ``trust_pickle``.
         ExportError, PassError, BuildError: a stage failed (message names the stage and component).
         ArtifactError: ``out_dir`` exists and ``overwrite`` is false, or another compile holds its lock.
-        RuntimeInputError: the config asks for an impossible profile.
+        RuntimeInputError: the config asks for an impossible profile, or int8/fp8 for an SDXL model.
     """
     from ..passes import PassContext, optimize_model, pipeline_for
 
@@ -189,24 +315,27 @@ def compile_pipeline(
         from . import build_trt
 
         # fp16 is made by convert_fp16 (see passes/pipelines.py), so the network is strongly typed
-        trt_build = build_trt.TrtBuildConfig(strongly_typed=True if config.precision == "fp16" else None)
+        trt_build = build_trt.TrtBuildConfig(strongly_typed=True if config.precision == "fp16" else None,
+                                             refittable=config.refittable)
         with _stage("TensorRT preflight"):
             build_trt.preflight(config.precision, trt_build)
     t_start = time.perf_counter()
     out = Path(out_dir)
+    with _stage("LoRA check"):  # missing / non-safetensors / duplicate files fail before any work
+        lora_files = lora.check_lora_files(config.loras)
     with _stage("model check"):
         folder = export.check_model_folder(model_dir, trust_pickle=config.trust_pickle)
         check_output_folder(out, folder.path)
         facts = model_facts(folder)
+        if quantized and facts["architecture"] == "sdxl":
+            raise RuntimeInputError(
+                f"precision={config.precision!r} is not supported for SDXL models yet: calibration runs the SD 1.x "
+                "prompt encoding and loop; use --precision fp16 (or fp32)"
+            )
         profile: ShapeProfile = config.resolve_profile(facts["default_height"])
-    specs = component_specs(
-        text_hidden=facts["text_hidden_size"],
-        text_len=facts["text_max_length"],
-        unet_in=facts["unet_in_channels"],
-        unet_out=facts["unet_out_channels"],
-        latent=facts["latent_channels"],
-    )
-    unknown = [c for c in config.components if c not in specs]
+    specs = specs_for(facts)
+    names = component_names(config.components, facts)
+    unknown = [c for c in names if c not in specs]
     if unknown:
         raise ExportError(f"unknown component(s) {unknown}; choose from {', '.join(specs)}")
     torch_device = export.export_device(config.device)
@@ -219,22 +348,31 @@ def compile_pipeline(
         with _stage("copy tokenizer and scheduler"):
             shutil.copytree(folder.path / "tokenizer", stage / "tokenizer")
             shutil.copytree(folder.path / "scheduler", stage / "scheduler")
+            if facts["architecture"] == "sdxl":
+                shutil.copytree(folder.path / "tokenizer_2", stage / "tokenizer_2")
         with _stage("load models"):
             # always fp32: fp16 is made by the convert_fp16 pass (fp32 islands, Casts at the borders) for ORT,
             # and by the builder's FP16 flag for TensorRT
             models = export.load_models(folder, "fp32", torch_device)
+        with _stage("merge LoRA"):  # diffusers' load_lora_weights + fuse_lora, before export (see lora.py)
+            lora_records = lora.merge_loras(models, lora_files)
         with _stage("source hash"):
             source_hash = folder_hash(folder.path)
         components: dict[str, Any] = {}
         # int8/fp8: quantized components are fp32 graphs + QDQ; the others stay fp16 (CUDA) / fp32 (CPU)
         other_precision = ("fp16" if config.device == "cuda" else "fp32") if quantized else config.precision
-        qstage = _quantize_stage(folder, models, config, profile, source_hash, facts) if quantized else None
-        bar = tqdm(total=3 * len(config.components), desc="compile", unit="stage", disable=not progress)
+        qstage = (_quantize_stage(folder, models, config, profile, source_hash, facts, lora_records)
+                  if quantized else None)
+        bar = tqdm(total=3 * len(names), desc="compile", unit="stage", disable=not progress)
         try:
-            for name in config.components:
+            for name in names:
                 spec = specs[name]
                 precision = config.precision if name in quantized else other_precision
+                precision, why = component_precision(name, precision, facts, config.fp16_safe_vae)
                 entry: dict[str, Any] = {"precision": precision}
+                if why:
+                    logger.info("%s: %s", name, why)
+                    entry["precision_note"] = why
                 raw = stage / ".raw" / name / "model.onnx"
                 bar.set_postfix_str(f"{name}: export")
                 t0 = time.perf_counter()
@@ -242,6 +380,7 @@ def compile_pipeline(
                     export.onnx_from_component(
                         name, models, spec, raw,
                         precision="fp32", profile_ranges=ranges, opset=config.opset, device=torch_device,
+                        architecture=folder.architecture,
                     )
                     model = onnx.load(str(raw))
                 entry["export_seconds"] = round(time.perf_counter() - t0, 3)
@@ -255,12 +394,21 @@ def compile_pipeline(
                         precision="fp32" if name in quantized else precision,
                         opset=config.opset,
                         dump_dir=Path(config.dump_passes) if config.dump_passes else None,
-                        options=pass_options(spec, profile),
+                        options=pass_options(spec, profile, facts),
                     )
                     passes = pipeline_for(config.backend, config.device, "fp32" if name in quantized else precision,
                                           name, static=static)
                     model, records = optimize_model(model, passes, ctx)
                 entry["passes"] = [r.to_json() for r in records]
+                if config.refittable and name in lora.REFIT_COMPONENTS and name in models:
+                    with _stage("refit map", name):  # which initializer holds each LoRA-targetable weight
+                        (stage / name).mkdir(parents=True, exist_ok=True)
+                        rmap = lora.refit_map(model, models[name])
+                        (stage / name / "refit_map.json").write_text(json.dumps(rmap, indent=1))
+                        entry["refit_map"] = f"{name}/refit_map.json"
+                        if rmap["unmapped"]:
+                            logger.info("%s: %d weight(s) not refittable by load_lora (padded or shared): %s", name,
+                                        len(rmap["unmapped"]), ", ".join(rmap["unmapped"][:4]))
                 bar.update()
                 bar.set_postfix_str(f"{name}: build")
                 entry["inputs"] = [tensor_manifest(t, precision, profile) for t in spec.inputs]
@@ -318,7 +466,9 @@ def compile_pipeline(
                 "model": facts,
                 "scheduler": {"class_name": sched_cfg.get("_class_name"), "config": "scheduler/scheduler_config.json"},
                 "tokenizer": "tokenizer",
+                **({"tokenizer_2": "tokenizer_2"} if facts["architecture"] == "sdxl" else {}),
                 "components": components,
+                **({"loras": lora_records} if lora_records else {}),
                 "files": files,
                 "config": config.to_json(),
                 "tools": tool_versions(),

@@ -58,6 +58,13 @@ FP32_CUSTOM_INPUTS: dict[tuple[str, str], frozenset[int]] = {
     ("com.microsoft", "SkipGroupNorm"): frozenset({1, 2}),
 }
 
+#: Fused attention ops that ``convert_fp16_fp32_attention`` keeps whole in float32: their scores live in the kernel.
+FUSED_ATTENTION_OPS: frozenset[tuple[str, str]] = frozenset(
+    {("com.microsoft", "MultiHeadAttention"), ("com.microsoft", "Attention")}
+)
+#: Ops that may sit between the scores MatMul and its Softmax (scale, additive bias or mask, dtype casts).
+_SCORE_PATH_OPS = frozenset({"Mul", "Div", "Add", "Cast"})
+
 _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
 
@@ -86,9 +93,13 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
         convert_fp16_keep_io_types (bool): graph inputs and outputs stay float32, with Casts inside; default False.
         convert_fp16_fp32_inputs (Iterable[str]): graph inputs that stay float32 (e.g. the UNet ``timestep``:
             Euler-family schedulers give fractional timesteps that fp16 rounds to 0.5 above 512).
+        convert_fp16_fp32_attention (bool): keep attention scores float32 (:func:`attention_score_nodes`): each
+            Softmax with the Q.K^T MatMul and the scale/bias ops between them, and fused attention ops whole. What
+            diffusers' ``upcast_attention`` does (SD 2.x UNets, whose scores pass 65504); default False.
 
     Counts: ``fp16_nodes``, ``fp32_nodes`` (nodes with float data kept fp32), ``constants`` (converted),
-        ``clipped`` (constants with values beyond fp16 range), ``Cast_inserted``, ``Cast_removed``.
+        ``clipped`` (constants with values beyond fp16 range), ``Cast_inserted``, ``Cast_removed``; with
+        ``convert_fp16_fp32_attention``: ``fp32_attention`` (attention sites kept fp32).
 
     Raises:
         PassError: a float tensor read by a node has no known dtype after shape inference.
@@ -105,11 +116,16 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
     infer_shapes(graph, ctx)
     counts = {"fp16_nodes": 0, "fp32_nodes": 0, "constants": 0, "clipped": 0, "Cast_inserted": 0,
               "Cast_removed": 0}
+    fp32_ids: set[int] = set()
+    if ctx.options.get("convert_fp16_fp32_attention", False):
+        sites = attention_score_nodes(graph)
+        fp32_ids = {id(node) for site in sites for node in site}
+        counts["fp32_attention"] = len(sites)
 
     # 1. classify: which nodes compute in fp16, and which dtype each float slot wants.
     wants: list[tuple[gs.Node, int, np.dtype | None]] = []  # (node, input slot, wanted dtype or None: any)
     for node in graph.nodes:
-        fp16 = _fp16_node(node, fp32_ops, fp32_names)
+        fp16 = _fp16_node(node, fp32_ops, fp32_names) and id(node) not in fp32_ids
         has_float = any(_is_float(t) for t in (*node.inputs, *node.outputs) if t.name)
         if has_float:
             counts["fp16_nodes" if fp16 else "fp32_nodes"] += 1
@@ -185,6 +201,44 @@ def _graph_opset(graph: gs.Graph) -> int:
 
 def _is_float(tensor: gs.Tensor) -> bool:
     return tensor.dtype is not None and np.dtype(tensor.dtype) in (_F32, _F16)
+
+
+def attention_score_nodes(graph: gs.Graph) -> list[list[gs.Node]]:
+    """The nodes that compute attention scores, one list per attention site.
+
+    Matches:  MatMul(q, kT) -> [Mul|Div(scale)]* -> [Add(bias)]* -> [Cast]* -> Softmax   (walked up from each Softmax)
+              com.microsoft MultiHeadAttention / Attention                                (the whole op)
+    Why:      these are the values diffusers' ``upcast_attention`` computes in fp32; the probabilities after the
+              Softmax are in [0, 1] and the second MatMul may stay fp16.
+    A Softmax whose input does not lead to a MatMul this way is still returned, with the ops walked above it: they
+    are kept fp32 too. Node identity, not names, is what the caller keeps (names from fusions may repeat).
+    """
+    sites: list[list[gs.Node]] = []
+    for node in graph.nodes:
+        if not in_onnx_domain(node):
+            if (node.domain, node.op) in FUSED_ATTENTION_OPS:
+                sites.append([node])
+            continue
+        if node.op != "Softmax":
+            continue
+        site = [node]
+        tensor: gs.Tensor | None = node.inputs[0]
+        while tensor is not None and len(tensor.inputs) == 1:
+            producer = tensor.inputs[0]
+            if not in_onnx_domain(producer) or producer.op not in (_SCORE_PATH_OPS | {"MatMul"}):
+                break
+            site.append(producer)
+            if producer.op == "MatMul":
+                break
+            # the scores input: a variable made by the score path (a constant scale or a mask leads elsewhere)
+            tensor = next((t for t in producer.inputs if isinstance(t, gs.Variable) and len(t.inputs) == 1
+                           and in_onnx_domain(t.inputs[0]) and t.inputs[0].op in (_SCORE_PATH_OPS | {"MatMul"})),
+                          None)
+        if site[-1].op != "MatMul":
+            logger.debug("convert_fp16: Softmax %r has no Q.K^T MatMul above it; kept fp32 with %d op(s) above it",
+                         node.name, len(site) - 1)
+        sites.append(site)
+    return sites
 
 
 def _fp16_node(node: gs.Node, fp32_ops: frozenset[str], fp32_names: frozenset[str]) -> bool:

@@ -5,7 +5,9 @@ scheduler and steps: CLIP tokenisation padded to 77, the negative prompt "" by d
 repeated per image, classifier-free guidance (CFG) as ONE batch ``[negative; positive]`` when
 ``guidance_scale > 1``, latents from ``diffusers.utils.torch_utils.randn_tensor`` times
 ``scheduler.init_noise_sigma``, timesteps as diffusers' ``retrieve_timesteps`` sets them, the scheduler's own
-``scale_model_input`` and ``step``, and decoding of ``latents / scaling_factor``.
+``scale_model_input`` and ``step``, and decoding of ``latents / scaling_factor``. Image-to-image and inpainting run
+the same loop from a later step with the image's latents (and, for inpainting, the mask): see
+:mod:`.image_inputs` (``text_to_image(image_request=...)``).
 
 Beyond diffusers:
 
@@ -42,8 +44,8 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -53,6 +55,9 @@ from ..errors import RuntimeInputError
 from .batching import plan_chunks
 from .cuda import HostBuffers, HostImageSink, images_float, images_uint8, nvtx_range, to_pil
 from .engine import Engine
+
+if TYPE_CHECKING:
+    from .sdxl import SdxlConditioning
 
 logger = logging.getLogger(__name__)
 
@@ -304,6 +309,8 @@ def denoise_latents(
     extra: dict[str, Any],
     bar: Any = None,
     callback: StepCallback | None = None,
+    conditioning: Any = None,
+    added_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The denoising loop of one chunk; the scheduler has had ``set_timesteps``.
 
@@ -316,6 +323,10 @@ def denoise_latents(
         guidance_scale: CFG scale; > 1 means CFG (B2 = 2b).
         extra: scheduler step kwargs (:func:`step_kwargs`).
         bar: a tqdm bar updated once per step, or ``None``.
+        conditioning: inpainting: a :class:`~.image_inputs.ChunkConditioning` (the 9-channel UNet input, or the
+            4-channel blend after each step); ``None`` for text-to-image and image-to-image.
+        added_inputs: further UNet inputs, the same every step (SDXL: ``text_embeds`` [B2, E] and ``time_ids``
+            [B2, 6], see :mod:`.sdxl`); ``None`` for SD 1.x/2.x.
 
     Returns:
         The final latents [b, C, h, w] (a fresh tensor, the scheduler's dtype).
@@ -334,12 +345,15 @@ def denoise_latents(
             latent_model_input = torch.cat([latents] * 2) if do_cfg else latents
             if hasattr(scheduler, "scale_model_input"):
                 latent_model_input = scheduler.scale_model_input(latent_model_input, t)
+            if conditioning is not None:  # inpainting UNet: cat([latents, mask, masked_image_latents], dim=1)
+                latent_model_input = conditioning.unet_sample(latent_model_input)
             with nvtx_range("unet", device):
                 noise_pred = unet.run(
                     {
                         "sample": latent_model_input.to(sample_dtype),
                         "timestep": timestep_feeds[i],
                         "encoder_hidden_states": prompt_embeds,
+                        **(added_inputs or {}),
                     }
                 )["noise_pred"]
             with nvtx_range("scheduler", device):
@@ -350,6 +364,8 @@ def denoise_latents(
                     # the engine overwrites its output buffer next step; multistep schedulers keep past outputs
                     noise_pred = noise_pred.clone()
                 latents = scheduler.step(noise_pred, t, latents, **extra, return_dict=False)[0]
+                if conditioning is not None:  # 4-channel inpainting: the unmasked area follows the image
+                    latents = conditioning.after_step(scheduler, latents, i, timesteps)
         if callback is not None:
             callback(i, t, latents)
         if bar is not None:
@@ -411,6 +427,8 @@ def text_to_image(
     copy_stream: Any = None,
     progress: bool = True,
     callback: StepCallback | None = None,
+    image_request: Any = None,
+    sdxl: SdxlConditioning | None = None,
 ) -> Any:
     """Run the whole text-to-image request; arguments are assumed validated (see ``EnginePipeline.__call__``).
 
@@ -426,6 +444,10 @@ def text_to_image(
         host_buffers: where "pil"/"np" results land (pinned on CUDA, reused across calls); ``None`` = fresh.
         copy_stream: CUDA side stream for the device->host copies (overlap the next chunk); ``None`` = the
             current stream.
+        image_request: image-to-image / inpainting: a checked :class:`~.image_inputs.ImageRequest` (the schedule
+            starts at its strength, the initial latents come from its image); ``None`` = text-to-image.
+        sdxl: an SDXL artifact's second text encoder, texts and time ids (:class:`.sdxl.SdxlConditioning`): the
+            prompt is encoded the SDXL way and the UNet gets ``text_embeds``/``time_ids``; ``None`` for SD 1.x/2.x.
 
     Returns:
         The images in ``output_type`` (host results are copies the caller owns; "pt"/"latent" are fresh
@@ -452,14 +474,29 @@ def text_to_image(
             f"use at most {train}"
         ) from e
     timesteps = host_timesteps(scheduler)
+    begin_index: int | None = None
+    if image_request is not None:  # diffusers' get_timesteps: strength drops the first steps
+        timesteps, begin_index = image_request.start(scheduler, num_inference_steps, timesteps)
     timestep_values = timesteps.to(device=device, dtype=torch.float32)
     shape = (batch, num_channels_latents, height // vae_scale_factor, width // vae_scale_factor)
-    all_latents = prepare_latents(scheduler, shape, sample_dtype, device, generator, latents)
+    conditioning = None
+    if image_request is None:
+        all_latents = prepare_latents(scheduler, shape, sample_dtype, device, generator, latents)
+    else:  # the image's latents, noised to the first timestep (and the inpainting mask tensors)
+        conditioning = image_request.prepare(scheduler, timesteps, shape, sample_dtype, device, generator)
+        all_latents = conditioning.latents
 
     # 2. encode prompt: one text-encoder run over the distinct texts, then one row per image
-    positive, negative = encode_prompt_embeds(
-        text_encoder, tokenizer, prompts, negative_prompts if do_cfg else None, text_dtype, embedding_cache
-    )
+    if sdxl is None:
+        positive, negative = encode_prompt_embeds(
+            text_encoder, tokenizer, prompts, negative_prompts if do_cfg else None, text_dtype, embedding_cache
+        )
+        added = None
+    else:  # SDXL: both text encoders, pooled text_embeds and time_ids (see runtime/sdxl.py)
+        positive, negative, added = sdxl.encode(
+            text_encoder, tokenizer, prompts, negative_prompts if do_cfg else None, text_dtype, embedding_cache
+        )
+        added = added.repeat_interleave(num_images_per_prompt)
     positive = positive.repeat_interleave(num_images_per_prompt, dim=0)
     negative = negative.repeat_interleave(num_images_per_prompt, dim=0) if negative is not None else None
     per_image_generators = isinstance(generator, list) and len(generator) == batch and batch > 1
@@ -478,6 +515,8 @@ def text_to_image(
             sched = scheduler if k == 0 else fresh_scheduler(scheduler)
             if k > 0:
                 sched.set_timesteps(num_inference_steps, device=device)
+                if begin_index is not None and hasattr(sched, "set_begin_index"):
+                    sched.set_begin_index(begin_index)
             gen = generator[rows.start : rows.stop] if per_image_generators else generator  # type: ignore[index]
             embeds = positive[rows.start : rows.stop]
             if negative is not None:
@@ -494,6 +533,8 @@ def text_to_image(
                     extra=step_kwargs(sched, gen, eta),
                     bar=bar,
                     callback=callback,
+                    conditioning=None if conditioning is None else conditioning.rows(rows, do_cfg),
+                    added_inputs=None if added is None else added.unet_inputs(rows, unet),
                 )
             if output_type == "latent":
                 parts.append(final)

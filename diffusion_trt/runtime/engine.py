@@ -50,7 +50,8 @@ NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
 }
 
 #: Output symbols that no input binds, derived as ``symbol = factor * other``: the VAE decoder's image
-#: size ``H``/``W`` from the latent size ``h``/``w`` (SD's VAE downsamples by 8).
+#: size ``H``/``W`` from the latent size ``h``/``w`` (SD's VAE downsamples by 8). The relation is also read the
+#: other way (``other = symbol // factor``): the VAE encoder's latent size ``h``/``w`` from its image size.
 DEFAULT_DERIVED_DIMS: dict[str, tuple[str, int]] = {"H": ("h", IMAGE_ALIGNMENT), "W": ("w", IMAGE_ALIGNMENT)}
 
 Shape = tuple[int, ...]
@@ -154,9 +155,11 @@ class EngineSpec:
             derived=dict(DEFAULT_DERIVED_DIMS if derived is None else derived),
         )
         bound = {d for t in spec.inputs for d in t.shape if isinstance(d, str)}
+        inverse = {base: sym for sym, (base, _) in spec.derived.items() if sym in bound}  # h from H = 8h
         for t in spec.outputs:
             for d in t.shape:
-                if isinstance(d, str) and d not in bound and not (d in spec.derived and spec.derived[d][0] in bound):
+                if (isinstance(d, str) and d not in bound and d not in inverse
+                        and not (d in spec.derived and spec.derived[d][0] in bound)):
                     raise ArtifactError(
                         f"component {name!r} output {t.name!r} has dim {d!r} that no input determines "
                         f"(inputs bind {', '.join(sorted(bound)) or 'nothing'}); the manifest and runtime disagree: "
@@ -264,9 +267,12 @@ class EngineSpec:
                     dims.append(d)
                 elif d in symbols:
                     dims.append(symbols[d])
-                else:
+                elif d in self.derived and self.derived[d][0] in symbols:
                     base, factor = self.derived[d]
                     dims.append(symbols[base] * factor)
+                else:  # the relation read backwards: h = H // 8
+                    sym, (_, factor) = next((k, v) for k, v in self.derived.items() if v[0] == d and k in symbols)
+                    dims.append(symbols[sym] // factor)
             shapes[info.name] = tuple(dims)
         return shapes
 

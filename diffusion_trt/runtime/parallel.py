@@ -118,7 +118,12 @@ class DataParallelPipeline:
             raise RuntimeInputError("DataParallelPipeline needs at least one pipeline (one per device)")
         self.pipes = list(pipes)
         self.devices = [p.device for p in self.pipes]  # two pipelines may share a device (and CPU tests do)
-        self._pool = ThreadPoolExecutor(max_workers=len(self.pipes), thread_name_prefix="diffusion-trt-device")
+        # One thread per pipeline, for its whole life: ONNX Runtime's CUDA provider keeps per-thread state (cuBLAS /
+        # cuDNN handles, the captured CUDA graph), so an engine warmed up and captured on one thread must replay
+        # on that thread. A shared pool handed a device's work to whichever thread was free, and a capture on a
+        # fresh thread failed in cublasCreate (CUBLAS_STATUS_NOT_INITIALIZED; two H200s, 2026-11-30).
+        self._threads = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diffusion-trt-device{k}")
+                         for k in range(len(self.pipes))]
         self._closed = False
         uses_graphs = any(getattr(e, "cuda_graph", False) for p in self.pipes for e in p.engines.values())
         if warm_up if warm_up is not None else uses_graphs:
@@ -156,25 +161,30 @@ class DataParallelPipeline:
         return self.pipes[0].profile
 
     def warm_up(self, num_inference_steps: int = 2) -> None:
-        """Run every device's first calls (CUDA graph warm-up and capture, cuDNN autotuning) one device at a time.
+        """Run every device's first calls (CUDA graph warm-up and capture, cuDNN autotuning) one device at a time,
+        each on the pipeline's own thread (the one its later calls run on).
 
         Two calls of ``num_inference_steps`` steps at the default size and the profile's opt batch: ORT
         captures an engine's graph on its second run, so text encoder, UNet and VAE decoder are all captured.
         Calls at other shapes later (dynamic artifacts) run eagerly anyway: ORT graphs need static profiles.
         """
-        for pipe in self.pipes:
+        def warm(pipe: EnginePipeline) -> None:
             batch = pipe.profile.batch.opt
-            for _ in range(2):
-                pipe(
-                    "",
-                    num_inference_steps=num_inference_steps,
-                    num_images_per_prompt=batch,
-                    seed=0,
-                    output_type="np",  # runs the VAE decoder too: every engine captures here
-                    progress=False,
-                )
-            if pipe.device.type == "cuda":
-                torch.cuda.synchronize(pipe.device)
+            with torch.cuda.device(pipe.device) if pipe.device.type == "cuda" else contextlib.nullcontext():
+                for _ in range(2):
+                    pipe(
+                        "",
+                        num_inference_steps=num_inference_steps,
+                        num_images_per_prompt=batch,
+                        seed=0,
+                        output_type="np",  # runs the VAE decoder too: every engine captures here
+                        progress=False,
+                    )
+                if pipe.device.type == "cuda":
+                    torch.cuda.synchronize(pipe.device)
+
+        for k, pipe in enumerate(self.pipes):  # one device at a time, each on the thread that will run it
+            self._threads[k].submit(warm, pipe).result()
         logger.info("warmed up %d device(s): %s", len(self.pipes), ", ".join(map(str, self.devices)))
 
     def __call__(
@@ -201,6 +211,10 @@ class DataParallelPipeline:
         """
         if self._closed:
             raise RuntimeError("DataParallelPipeline is closed; load it again")
+        if any(kwargs.get(k) is not None for k in ("image", "mask_image", "strength")):
+            raise RuntimeInputError(
+                "image-to-image and inpainting run on one device: use EnginePipeline (CLI: drop --devices)"
+            )
         first = self.pipes[0]
         prompts = _prompt_list("prompt", prompt)
         negatives = _negative_list(negative_prompt, len(prompts))
@@ -248,7 +262,8 @@ class DataParallelPipeline:
             with torch.cuda.device(pipe.device) if pipe.device.type == "cuda" else contextlib.nullcontext():
                 return pipe(
                     image_prompts[rows.start : rows.stop],
-                    negative_prompt=image_negatives[rows.start : rows.stop],
+                    # None stays None: SDXL's force_zeros_for_empty_prompt tells None from "" (SD: the same)
+                    negative_prompt=None if negative_prompt is None else image_negatives[rows.start : rows.stop],
                     num_images_per_prompt=1,
                     generator=g,
                     latents=latents[rows.start : rows.stop],
@@ -258,7 +273,7 @@ class DataParallelPipeline:
                     **{"progress": False, **kwargs},
                 )
 
-        futures = [self._pool.submit(work, k) for k in range(len(shares))]
+        futures = [self._threads[k].submit(work, k) for k in range(len(shares))]
         results = [f.result() for f in futures]
         images = merge_outputs([r.images for r in results], output_type, self.devices[0])
         parameters = {
@@ -278,7 +293,8 @@ class DataParallelPipeline:
         """Close every pipeline and the thread pool (idempotent)."""
         if not self._closed:
             self._closed = True
-            self._pool.shutdown(wait=True)
+            for thread in self._threads:
+                thread.shutdown(wait=True)
             for p in self.pipes:
                 p.close()
 

@@ -31,14 +31,16 @@ import torch
 
 from ..artifacts import load_verified, safe_join
 from ..config import ShapeProfile, check_image_size
-from ..errors import ArtifactError, RuntimeInputError
+from ..errors import ArtifactError, LoraError, RuntimeInputError
 from . import denoise
 from .batching import plan_chunks
 from .cuda import HostBuffers
 from .denoise import EmbeddingCache, Generator, StepCallback
 from .engine import Engine
+from .image_inputs import ImageRequest, image_request
 from .png import save_png
 from .schedulers import make_scheduler, short_name
+from .sdxl import SDXL_COMPONENTS, SdxlConditioning, add_time_ids
 
 __all__ = ["OUTPUT_TYPES", "EnginePipeline", "EnginePipelineOutput", "save_png"]
 
@@ -46,6 +48,12 @@ logger = logging.getLogger(__name__)
 
 #: Components the text-to-image loop opens (the VAE encoder is for image-to-image, not loaded here).
 TXT2IMG_COMPONENTS: tuple[str, ...] = ("text_encoder", "unet", "vae_decoder")
+#: Arguments of :meth:`EnginePipeline.__call__` that only SDXL artifacts take (diffusers' SDXL pipeline arguments).
+SDXL_ARGUMENTS: tuple[str, ...] = ("prompt_2", "negative_prompt_2", "original_size", "crops_coords_top_left",
+                                   "target_size", "negative_original_size", "negative_crops_coords_top_left",
+                                   "negative_target_size")
+#: Components opened on first use only: the VAE encoder, by the first image-to-image / inpainting call.
+LAZY_COMPONENTS: tuple[str, ...] = ("vae_encoder",)
 OUTPUT_TYPES: tuple[str, ...] = ("pil", "np", "pt", "latent")
 _MAX_SEED = 2**63 - 1
 
@@ -57,9 +65,35 @@ _MAX_SEED = 2**63 - 1
 NHWC_COMPONENTS: frozenset[str] = frozenset({"unet", "vae_decoder", "vae_encoder"})
 
 
+#: ORT's attention backend for every CUDA engine: ``sdpa_kernel`` bit 8 = cuDNN flash attention (ORT's
+#: AttentionBackend enum, contrib_ops/cpu/bert/attention_common.h). Why: ORT 1.31.1's default pick for the VAE's
+#: one-head 512-wide attention, the CUTLASS memory-efficient kernel, fails with "cudaErrorInvalidValue" on the
+#: second GPU a process uses (a launch attribute set once per process; reproduced on two H200s, 2026-11-30),
+#: which broke data-parallel runs; cuDNN's kernel runs on every device and was as fast or faster on an H200
+#: (UNet step 8.0 vs 8.1 ms, VAE decode 9.8 vs 10.0 ms, benchmarks/components.py). Where cuDNN has no kernel for
+#: a shape, ORT falls back to its unfused path.
+CUDA_ATTENTION_OPTIONS: dict[str, str] = {"sdpa_kernel": "8"}
+
+
+#: Components whose Conv biases ORT should add inside the convolution (``fuse_conv_bias=1``: cuDNN's fused
+#: epilogue instead of a separate ``op_generic_tensor_kernel`` per Conv). Measured on an H200 (SD-1.5 fp16 static
+#: 512x512, CUDA graph + NHWC): VAE decode 9.90 -> 9.35 ms; UNet step 7.28 -> 7.28 ms (most of its Conv biases
+#: already ride in SkipGroupNorm), so only the VAE takes it. benchmarks/results/h200-2026-11-30-components-*.
+FUSED_CONV_BIAS_COMPONENTS: frozenset[str] = frozenset({"vae_decoder", "vae_encoder"})
+
+
 def cuda_layout_options(component: str, device: str) -> dict[str, str]:
-    """Default CUDA provider options of one component (overridden by the caller's ``provider_options``)."""
-    return {"prefer_nhwc": "1"} if device == "cuda" and component in NHWC_COMPONENTS else {}
+    """Default CUDA provider options of one component (overridden by the caller's ``provider_options``):
+    :data:`CUDA_ATTENTION_OPTIONS` for every component, ``prefer_nhwc=1`` for :data:`NHWC_COMPONENTS`,
+    ``fuse_conv_bias=1`` for :data:`FUSED_CONV_BIAS_COMPONENTS`; nothing on the CPU."""
+    if device != "cuda":
+        return {}
+    options = dict(CUDA_ATTENTION_OPTIONS)
+    if component in NHWC_COMPONENTS:
+        options["prefer_nhwc"] = "1"
+    if component in FUSED_CONV_BIAS_COMPONENTS:
+        options["fuse_conv_bias"] = "1"
+    return options
 
 
 @dataclass
@@ -87,16 +121,18 @@ class EnginePipeline:
     Args:
         manifest: the artifact's manifest (``profile``, ``model``, ``scheduler`` and ``components`` are read).
         engines: at least ``text_encoder``, ``unet``, ``vae_decoder``; the pipeline enters them now (allocating)
-            and exits them on :meth:`close`.
+            and exits them on :meth:`close`. A ``vae_encoder`` (image-to-image, inpainting) is entered on first use.
         tokenizer: a ``CLIPTokenizer``.
         scheduler_config: the contents of the artifact's ``scheduler_config.json``.
         scheduler: short scheduler name (see :data:`~diffusion_trt.runtime.schedulers.SCHEDULERS`); ``None``
             = the model's own.
         stream: CUDA: the stream the engines were built with; each call runs on it.
         root: the artifact folder, for messages.
+        tokenizer_2: SDXL artifacts (``model.architecture == "sdxl"``): the second ``CLIPTokenizer``.
 
     Raises:
-        ArtifactError: a required engine is missing or the tokenizer disagrees with the manifest.
+        ArtifactError: a required engine (SDXL: also ``text_encoder_2``) or ``tokenizer_2`` is missing, or a
+            tokenizer disagrees with the manifest.
         RuntimeInputError: unknown scheduler name.
     """
 
@@ -110,10 +146,12 @@ class EnginePipeline:
         scheduler: str | None = None,
         stream: torch.cuda.Stream | None = None,
         root: str | os.PathLike[str] | None = None,
+        tokenizer_2: Any = None,
     ) -> None:
         self._closed = True  # until the engines are open
         self.root = Path(root) if root is not None else None
-        missing = [c for c in TXT2IMG_COMPONENTS if c not in engines]
+        required = txt2img_components(manifest)
+        missing = [c for c in required if c not in engines]
         if missing:
             raise ArtifactError(f"EnginePipeline needs the engine(s) {', '.join(missing)}; recompile with them")
         self.manifest = dict(manifest)
@@ -135,6 +173,20 @@ class EnginePipeline:
                 f"tokenizer model_max_length={tokenizer.model_max_length} but the manifest says text_max_length="
                 f"{text_len}; the artifact's tokenizer/ folder is not the one it was compiled with: recompile"
             )
+        #: "sd" (SD 1.x/2.x) or "sdxl": which loop runs (manifest ``model.architecture``)
+        self.architecture = str(model.get("architecture", "sd"))
+        self.tokenizer_2 = tokenizer_2
+        #: SDXL: negative_prompt=None gives zero negative embeddings (model_index.json force_zeros_for_empty_prompt)
+        self.force_zeros_for_empty_prompt = bool(model.get("force_zeros_for_empty_prompt", True))
+        if self.architecture == "sdxl":
+            if tokenizer_2 is None:
+                raise ArtifactError("an SDXL artifact needs tokenizer_2 (its tokenizer_2/ folder): recompile it")
+            if text_len is not None and tokenizer_2.model_max_length != text_len:
+                raise ArtifactError(
+                    f"tokenizer_2 model_max_length={tokenizer_2.model_max_length} but the manifest says "
+                    f"text_max_length={text_len}; the artifact's tokenizer_2/ folder is not the one it was compiled "
+                    "with: recompile"
+                )
         self._scheduler_config = dict(scheduler_config)
         self._default_scheduler_class = self.manifest.get("scheduler", {}).get("class_name") or str(
             scheduler_config.get("_class_name", "")
@@ -146,16 +198,24 @@ class EnginePipeline:
         self._stack = contextlib.ExitStack()
         self.engines: dict[str, Engine] = {}
         try:
-            for name in TXT2IMG_COMPONENTS:
+            for name in required:
                 self.engines[name] = self._stack.enter_context(engines[name])
         except BaseException:
             self._stack.close()
             raise
+        #: engines entered on first use (see LAZY_COMPONENTS)
+        self._lazy: dict[str, Engine] = {n: engines[n] for n in LAZY_COMPONENTS if n in engines}
         unet = self.engines["unet"]
         self.device: torch.device = unet.device
-        self.num_channels_latents = int(model.get("unet_in_channels", unet.spec.input("sample").shape[1]))
+        #: channels of the UNet's ``sample`` input: 4, or 9 for an inpainting UNet (latents + mask + masked image)
+        self.unet_in_channels = int(model.get("unet_in_channels", unet.spec.input("sample").shape[1]))
+        #: channels of the latents the scheduler denoises (the VAE's latent channels)
+        self.num_channels_latents = int(model.get("latent_channels", min(self.unet_in_channels, 4)))
         #: negative-prompt embeddings, per (text, engine): most requests share "" (see denoise.EmbeddingCache)
         self.embedding_cache = EmbeddingCache(maxsize=8)
+        #: the LoRA :meth:`load_lora` refitted (``{"file", "sha256", "scale"}``), ``None`` = the compiled weights
+        self.lora: dict[str, Any] | None = None
+        self._lora_weights: dict[str, dict[str, Any]] = {}  # what the last refit changed, per component
         # "pil"/"np" results land in pinned host buffers kept across calls, copied on a side stream
         self._host_buffers = HostBuffers(pin=self.device.type == "cuda" and torch.cuda.is_available())
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._host_buffers.pin else None
@@ -244,6 +304,15 @@ class EnginePipeline:
             tokenizer = CLIPTokenizer.from_pretrained(tok_dir, local_files_only=True)
         except (OSError, ValueError) as e:
             raise ArtifactError(f"cannot load the tokenizer from {tok_dir} ({e}); recompile the artifact") from e
+        tokenizer_2 = None
+        if manifest.get("model", {}).get("architecture") == "sdxl":
+            tok2_dir = safe_join(root, str(manifest.get("tokenizer_2", "tokenizer_2")))
+            try:
+                tokenizer_2 = CLIPTokenizer.from_pretrained(tok2_dir, local_files_only=True)
+            except (OSError, ValueError) as e:
+                raise ArtifactError(
+                    f"cannot load the SDXL tokenizer_2 from {tok2_dir} ({e}); recompile the artifact"
+                ) from e
         sched = manifest.get("scheduler", {})
         sched_path = safe_join(root, str(sched.get("config", "scheduler/scheduler_config.json")))
         try:
@@ -266,7 +335,7 @@ class EnginePipeline:
             engines = _trt_engines(root, manifest, device_id, stream, derived, cuda_graphs=bool(cuda_graph))
         else:
             engines = {}
-            for name in TXT2IMG_COMPONENTS:
+            for name in _components_to_open(manifest):
                 entry = manifest["components"][name]
                 if "onnx" not in entry:
                     raise ArtifactError(f"manifest component {name!r} has no 'onnx' path; recompile the artifact")
@@ -284,7 +353,8 @@ class EnginePipeline:
                     derived=derived,
                     cuda_graph=cuda_graph,
                 )
-        pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=scheduler, stream=stream, root=root)
+        pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=scheduler, stream=stream, root=root,
+                   tokenizer_2=tokenizer_2)
         logger.info(
             "loaded %s (%s, %s, %s; profile %s; scheduler %s)",
             root,
@@ -318,7 +388,90 @@ class EnginePipeline:
         t = self._scheduler_template
         return type(t).from_config(t.config)
 
+    # -- LoRA -------------------------------------------------------------------------------------------
+
+    def load_lora(
+        self, path: str | os.PathLike[str], scale: float = 1.0, *, model_dir: str | os.PathLike[str] | None = None
+    ) -> dict[str, Any]:
+        """Refit the engines to the compiled (base) weights plus ``scale`` x this LoRA: TensorRT ``--refittable``
+        artifacts only. Every call starts from the base weights, never from the previous LoRA; ``scale=0`` gives
+        the base output.
+
+        How (see :mod:`diffusion_trt.lora`): the base UNet and text encoder(s) are loaded from ``model_dir``
+        (checked weight by weight against the artifact's refit maps), the LoRA is merged with diffusers'
+        ``load_lora_weights`` + ``fuse_lora(lora_scale=scale)`` exactly as ``compile --lora`` merges it, and the ONNX
+        initializers whose value changed (and those the previous LoRA changed) are refitted with
+        ``tensorrt.Refitter``. Takes seconds (model load + refit); the CUDA graphs are re-captured on the next call.
+
+        ONNX Runtime artifacts are refused: their sessions cannot swap weights in place (a new session per LoRA
+        would re-run graph optimisation and double the memory while it loads); merge the LoRA at compile time
+        with ``diffusion-trt compile MODEL --lora FILE:SCALE`` instead.
+
+        Args:
+            path: a ``.safetensors`` LoRA (any format diffusers' ``load_lora_weights`` reads).
+            scale: its weight, a finite number.
+            model_dir: the diffusers folder the artifact was compiled from; default the manifest's ``source.path``.
+
+        Returns:
+            ``{"file", "sha256", "scale", "refitted": {component: initializers refitted}}``, also kept in :attr:`lora`.
+
+        Raises:
+            LoraError: a missing / non-safetensors file or a bad scale; the file merged into the artifact at compile
+                time already (applying it again would double it); an ORT artifact; a TensorRT artifact built without
+                ``--refittable``; a model folder that is missing or not the artifact's source; a LoRA changing
+                weights the engines cannot refit.
+        """
+        from ..lora import check_lora_file, onnx_initializers, refit_weights
+
+        if self._closed:
+            raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
+        lora = check_lora_file(path, scale)
+        for rec in self.manifest.get("loras", []):
+            if rec.get("sha256") == lora.sha256:
+                raise LoraError(
+                    f"LoRA {lora.path.name} is merged into this artifact already (compile --lora, scale "
+                    f"{rec.get('scale')}); loading it again would apply it twice. Use an artifact compiled without it"
+                )
+        backend = self.manifest.get("backend")
+        if backend != "tensorrt":
+            raise LoraError(
+                f"load_lora refits TensorRT engines built with --refittable; this is a {backend!r} artifact, whose "
+                f"ONNX Runtime sessions cannot swap weights in place: merge the LoRA at compile time with "
+                f"`diffusion-trt compile MODEL --lora {lora.path.name}:{lora.scale:g}`"
+            )
+        comps = {c: e for c, e in self.manifest["components"].items() if e.get("refit_map") and c in self.engines}
+        if not comps:
+            raise LoraError(
+                "this TensorRT artifact was built without --refittable (its engines cannot be refitted); recompile "
+                "with `diffusion-trt compile MODEL --backend tensorrt --refittable`, or merge the LoRA with --lora"
+            )
+        root = self.root or Path(".")
+        maps = {c: json.loads(safe_join(root, str(e["refit_map"])).read_text(encoding="utf-8"))
+                for c, e in comps.items()}
+        source = model_dir if model_dir is not None else self.manifest.get("source", {}).get("path")
+        if not source:
+            raise LoraError("the manifest names no source model folder; pass model_dir= the diffusers folder")
+        weights = refit_weights(maps, Path(source), lora, self._lora_weights)
+        for comp, values in weights.items():
+            if values:
+                onnx_path = safe_join(root, str(comps[comp]["onnx"]))
+                self.engines[comp].refit(  # type: ignore[attr-defined]
+                    values, fill_missing=lambda names, p=onnx_path: onnx_initializers(p, names)
+                )
+        self.embedding_cache.clear()  # the text encoder may have changed
+        self._lora_weights = weights
+        self.lora = {**lora.record({}), "refitted": {c: len(v) for c, v in weights.items()}}
+        self.lora.pop("layers")
+        logger.info("LoRA %s (scale %g): refitted %s", lora.path.name, lora.scale, self.lora["refitted"])
+        return dict(self.lora)
+
     # -- lifecycle --------------------------------------------------------------------------------------
+
+    def engine(self, name: str) -> Engine | None:
+        """The open engine ``name``; a lazily opened one (the VAE encoder) is entered now. ``None`` if absent."""
+        if name not in self.engines and name in self._lazy:
+            self.engines[name] = self._stack.enter_context(self._lazy.pop(name))
+        return self.engines.get(name)
 
     def close(self) -> None:
         """Free every engine (idempotent)."""
@@ -354,7 +507,7 @@ class EnginePipeline:
         prompt: str | Sequence[str],
         negative_prompt: str | Sequence[str] | None = None,
         num_inference_steps: int = 50,
-        guidance_scale: float = 7.5,
+        guidance_scale: float | None = None,
         generator: Generator = None,
         seed: int | None = None,
         height: int | None = None,
@@ -365,8 +518,20 @@ class EnginePipeline:
         progress: bool = True,
         callback: StepCallback | None = None,
         eta: float = 0.0,
+        image: Any = None,
+        strength: float | None = None,
+        mask_image: Any = None,
+        prompt_2: str | Sequence[str] | None = None,
+        negative_prompt_2: str | Sequence[str] | None = None,
+        original_size: tuple[int, int] | None = None,
+        crops_coords_top_left: tuple[int, int] = (0, 0),
+        target_size: tuple[int, int] | None = None,
+        negative_original_size: tuple[int, int] | None = None,
+        negative_crops_coords_top_left: tuple[int, int] = (0, 0),
+        negative_target_size: tuple[int, int] | None = None,
     ) -> EnginePipelineOutput:
-        """Generate images from text, as ``diffusers.StableDiffusionPipeline.__call__``.
+        """Generate images from text, as ``diffusers.StableDiffusionPipeline.__call__``; with ``image`` as
+        ``StableDiffusionImg2ImgPipeline``, with ``image`` and ``mask_image`` as ``StableDiffusionInpaintPipeline``.
 
         Args:
             prompt: one prompt or a list of P prompts.
@@ -374,6 +539,7 @@ class EnginePipeline:
                 ``guidance_scale <= 1`` (no classifier-free guidance).
             num_inference_steps: scheduler steps, >= 1.
             guidance_scale: classifier-free guidance weight, >= 0; CFG runs (doubling the UNet batch) when > 1.
+                ``None`` = diffusers' default of the artifact's pipeline class: 7.5 (SD 1.x/2.x), 5.0 (SDXL).
             generator: a ``torch.Generator`` or a list of B of them (as diffusers); excludes ``seed``.
             seed: seeds a CPU ``torch.Generator`` (same image on CPU and CUDA; same image as diffusers with
                 ``generator=torch.Generator("cpu").manual_seed(seed)``). With neither ``seed`` nor
@@ -389,12 +555,33 @@ class EnginePipeline:
             callback: ``callback(step_index, timestep, latents)`` after each scheduler step (timestep: 0-d CPU
                 tensor; latents of the running chunk on the device; once per step of every chunk).
             eta: DDIM's eta (ignored by other schedulers), >= 0.
+            image: image-to-image / inpainting: the start image(s): a ``PIL.Image`` (RGB), a float numpy array
+                [H, W, 3] / [n, H, W, 3] in [0, 1], a float tensor [3, H, W] / [n, 3, H, W] in [0, 1] (or [-1, 1]),
+                or a list of them (see :mod:`~diffusion_trt.runtime.image_inputs`). Its size is the output size
+                (multiples of 8 inside the profile; never resized); n must divide the batch.
+            strength: in (0, 1]: how much of the image is re-noised (the first ``steps - int(steps * strength)``
+                steps are skipped, diffusers' ``get_timesteps``); ``None`` = 0.8 (image-to-image) or 1.0
+                (inpainting), diffusers' defaults. Only with ``image``.
+            mask_image: inpainting: white (>= 0.5) = repaint, black = keep; a PIL image (any mode, read as
+                grayscale), numpy array or tensor in [0, 1] of the image's size; one mask or one per image.
+                Required by an inpainting artifact (UNet with 9 input channels); with a 4-channel UNet the
+                unmasked area is blended back after every step (diffusers' legacy inpainting).
+            prompt_2, negative_prompt_2: SDXL: the texts for ``text_encoder_2`` (one string for every prompt, or P
+                strings); ``None`` = ``prompt`` / the negative prompt, as diffusers' ``StableDiffusionXLPipeline``.
+                For SDXL, ``negative_prompt=None`` means zero negative embeddings when the model's
+                ``force_zeros_for_empty_prompt`` is true (SDXL base), not the encoded "".
+            original_size, crops_coords_top_left, target_size: SDXL micro-conditioning, (height, width) and
+                (top, left) pairs in pixels; the UNet's ``time_ids`` are ``original_size + crops_coords_top_left +
+                target_size`` (diffusers' ``_get_add_time_ids``); sizes default to (height, width).
+            negative_original_size, negative_crops_coords_top_left, negative_target_size: SDXL: the time ids of the
+                negative rows, used only when both sizes are given (else the prompt's), as diffusers.
 
         Returns:
             :class:`EnginePipelineOutput` with ``images``, ``seed`` and ``parameters``.
 
         Raises:
-            RuntimeInputError: any argument the engines cannot honour; the message names the value and the fix.
+            RuntimeInputError: any argument the engines cannot honour; the message names the value and the fix
+                (for images: see :func:`~diffusion_trt.runtime.image_inputs.image_request`).
             RuntimeError: the pipeline was closed.
         """
         if self._closed:
@@ -403,8 +590,55 @@ class EnginePipeline:
         negatives = _negative_list(negative_prompt, len(prompts))
         steps = _positive_int("num_inference_steps", num_inference_steps, "use e.g. 30 or 50")
         n_per = _positive_int("num_images_per_prompt", num_images_per_prompt, "use 1 or more")
+        if guidance_scale is None:
+            guidance_scale = 5.0 if self.architecture == "sdxl" else 7.5
         guidance = _non_negative_float("guidance_scale", guidance_scale, "use e.g. 7.5 (values <= 1 disable CFG)")
         eta = _non_negative_float("eta", eta, "use 0.0 (deterministic DDIM) .. 1.0")
+        sdxl_given = {
+            k: v for k, v in (
+                ("prompt_2", prompt_2), ("negative_prompt_2", negative_prompt_2), ("original_size", original_size),
+                ("crops_coords_top_left", None if _zero_pair(crops_coords_top_left) else crops_coords_top_left),
+                ("target_size", target_size), ("negative_original_size", negative_original_size),
+                ("negative_crops_coords_top_left",
+                 None if _zero_pair(negative_crops_coords_top_left) else negative_crops_coords_top_left),
+                ("negative_target_size", negative_target_size),
+            ) if v is not None
+        }
+        if self.architecture != "sdxl" and sdxl_given:
+            raise RuntimeInputError(
+                f"{', '.join(sdxl_given)} apply to SDXL artifacts only; this one is model.architecture="
+                f"{self.architecture!r} (SD 1.x/2.x): leave them out"
+            )
+        if self.architecture == "sdxl" and (image is not None or mask_image is not None):
+            raise RuntimeInputError(
+                "image= / mask_image= (image-to-image, inpainting) are not supported for SDXL artifacts yet; "
+                "run text-to-image (no image=) or use an SD 1.x/2.x artifact"
+            )
+        request: ImageRequest | None = None
+        if image is not None or mask_image is not None:
+            if latents is not None:
+                raise RuntimeInputError(
+                    "latents= is for text-to-image; with image= the initial latents come from the image and the seed"
+                )
+            request = image_request(
+                image, mask_image, strength,
+                num_inference_steps=steps, batch=len(prompts) * n_per, height=height, width=width,
+                vae_encoder=self.engines.get("vae_encoder") or self._lazy.get("vae_encoder"),
+                unet_in_channels=self.unet_in_channels, vae_scale_factor=self.vae_scale_factor,
+                scaling_factor=self.vae_scaling_factor, profile=self.profile,
+            )
+            height, width = request.height, request.width
+            self.engine("vae_encoder")  # opened on first use, after the checks
+        elif strength is not None:
+            raise RuntimeInputError(
+                f"strength={strength!r} needs image=: it is how much of the start image is re-noised "
+                "(CLI: --image FILE)"
+            )
+        elif self.unet_in_channels != self.num_channels_latents:
+            raise RuntimeInputError(
+                f"this artifact's UNet is an inpainting UNet ({self.unet_in_channels} input channels: latents, mask, "
+                "masked-image latents); pass image= and mask_image= (CLI: --image FILE --mask FILE)"
+            )
         height = self.default_height if height is None else height
         width = self.default_width if width is None else width
         for name, value, rng in (("height", height, self.profile.height), ("width", width, self.profile.width)):
@@ -434,6 +668,14 @@ class EnginePipeline:
                     f"latents have shape {tuple(latents.shape)}; for batch {batch} at {height}x{width} they must be "
                     f"{shape} (batch, channels, height/{self.vae_scale_factor}, width/{self.vae_scale_factor})"
                 )
+
+        sdxl = None
+        if self.architecture == "sdxl":
+            sdxl = self._sdxl_conditioning(
+                prompts, negatives, negative_prompt, prompt_2, negative_prompt_2, height, width,
+                original_size, crops_coords_top_left, target_size,
+                negative_original_size, negative_crops_coords_top_left, negative_target_size,
+            )
 
         stream = self._stream
         caller = torch.cuda.current_stream(self.device) if stream is not None else None
@@ -466,6 +708,8 @@ class EnginePipeline:
                 copy_stream=self._copy_stream,
                 progress=progress,
                 callback=callback,
+                image_request=request,
+                sdxl=sdxl,
             )
             images = result
         if caller is not None and stream is not None and isinstance(images, torch.Tensor):
@@ -490,7 +734,46 @@ class EnginePipeline:
             "precision": self.manifest.get("precision"),
             "device": str(self.device),
         }
+        if request is not None:
+            parameters.update(mode=request.mode, strength=request.strength)
+        parameters.update({k: v if isinstance(v, str) else list(v) for k, v in sdxl_given.items()})
         return EnginePipelineOutput(images=images, seed=seed, parameters=parameters)
+
+    def _sdxl_conditioning(
+        self,
+        prompts: list[str],
+        negatives: list[str],
+        negative_prompt: Any,
+        prompt_2: Any,
+        negative_prompt_2: Any,
+        height: int,
+        width: int,
+        original_size: Any,
+        crops_coords_top_left: Any,
+        target_size: Any,
+        negative_original_size: Any,
+        negative_crops_coords_top_left: Any,
+        negative_target_size: Any,
+    ) -> SdxlConditioning:
+        """The SDXL part of a request, checked (see :mod:`.sdxl` for diffusers' rules it follows)."""
+        n = len(prompts)
+        prompts_2 = prompts if prompt_2 is None else _per_prompt("prompt_2", prompt_2, n)
+        negatives_2 = negatives if negative_prompt_2 is None else _per_prompt("negative_prompt_2", negative_prompt_2, n)
+        time_ids = add_time_ids(original_size or (height, width), crops_coords_top_left, target_size or (height, width))
+        negative_time_ids = time_ids
+        if negative_original_size is not None and negative_target_size is not None:
+            negative_time_ids = add_time_ids(
+                negative_original_size, negative_crops_coords_top_left, negative_target_size
+            )
+        return SdxlConditioning(
+            text_encoder_2=self.engines["text_encoder_2"],
+            tokenizer_2=self.tokenizer_2,
+            prompts_2=prompts_2,
+            negative_prompts_2=negatives_2,
+            zero_negative=negative_prompt is None and self.force_zeros_for_empty_prompt,
+            time_ids=time_ids,
+            negative_time_ids=negative_time_ids,
+        )
 
     def _generator(self, generator: Generator, seed: int | None, batch: int) -> tuple[Generator, int | None]:
         if generator is not None and seed is not None:
@@ -525,7 +808,7 @@ def _trt_engines(
 
     shared = SharedActivationMemory(torch.device("cuda", device_id))
     engines: dict[str, Engine] = {}
-    for name in TXT2IMG_COMPONENTS:
+    for name in _components_to_open(manifest):
         entry = manifest["components"][name]
         if "plan" not in entry:
             raise ArtifactError(f"manifest component {name!r} has no 'plan' path; recompile the artifact")
@@ -543,12 +826,40 @@ def _trt_engines(
     return engines
 
 
+def txt2img_components(manifest: Mapping[str, Any]) -> tuple[str, ...]:
+    """The components the text-to-image loop opens: :data:`TXT2IMG_COMPONENTS`, with ``text_encoder_2`` for an SDXL
+    artifact (``model.architecture == "sdxl"``; absent = "sd")."""
+    return SDXL_COMPONENTS if manifest.get("model", {}).get("architecture") == "sdxl" else TXT2IMG_COMPONENTS
+
+
+def _components_to_open(manifest: Mapping[str, Any]) -> tuple[str, ...]:
+    """The text-to-image components, then the lazily opened ones the artifact has."""
+    return (*txt2img_components(manifest), *(c for c in LAZY_COMPONENTS if c in manifest.get("components", {})))
+
+
 def _prompt_list(name: str, prompt: Any) -> list[str]:
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, Sequence) and prompt and all(isinstance(p, str) for p in prompt):
         return list(prompt)
     raise RuntimeInputError(f"{name}={prompt!r} must be a string or a non-empty list of strings")
+
+
+def _zero_pair(value: Any) -> bool:
+    """``value`` is the default (0, 0) crop (any sequence type)."""
+    return isinstance(value, Sequence) and not isinstance(value, str) and list(value) == [0, 0]
+
+
+def _per_prompt(name: str, value: Any, n: int) -> list[str]:
+    """One string for each of ``n`` prompts: a string for all of them, or a list of ``n``."""
+    if isinstance(value, str):
+        return [value] * n
+    values = _prompt_list(name, value)
+    if len(values) != n:
+        raise RuntimeInputError(
+            f"{name} has {len(values)} entries but prompt has {n}; pass one string for all prompts or {n} strings"
+        )
+    return values
 
 
 def _negative_list(negative: Any, n: int) -> list[str]:

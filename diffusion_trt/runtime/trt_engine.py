@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -415,10 +415,19 @@ class TrtEngine(EngineBase):
         self._live_inputs = dict(feeds)  # eager runs read the caller's tensors asynchronously: keep them alive
         return outputs
 
-    def refit(self, weights: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+    def refit(
+        self,
+        weights: Mapping[str, np.ndarray | torch.Tensor],
+        fill_missing: Callable[[list[str]], Mapping[str, np.ndarray]] | None = None,
+    ) -> None:
         """Replace named weights (ONNX initializer names) in a plan built with ``refittable=True``.
 
         Waits for queued work, refits synchronously, and drops every CUDA graph.
+
+        Args:
+            weights: initializer name -> new value (the initializer's dtype and shape).
+            fill_missing: called with the names ``Refitter.get_missing_weights`` still wants (weights TensorRT
+                fused with the ones given); returns their values (e.g. the unchanged ONNX initializers).
 
         Raises:
             ArtifactError: the plan is not refittable, or TensorRT's refit failed.
@@ -447,6 +456,13 @@ class TrtEngine(EngineBase):
                     "wrong shape/dtype); names are the ONNX initializer names"
                 )
         missing = list(refitter.get_missing_weights())
+        if missing and fill_missing is not None:
+            for wname, value in fill_missing(missing).items():
+                arr = np.ascontiguousarray(value)
+                keep.append(arr)
+                if not refitter.set_named_weights(wname, trt.Weights(arr)):
+                    raise RuntimeInputError(f"engine {self._name!r}: weight {wname!r} was refused while filling in")
+            missing = list(refitter.get_missing_weights())
         if missing:
             raise RuntimeInputError(
                 f"engine {self._name!r}: refit also needs the weight(s) {missing[:8]}"

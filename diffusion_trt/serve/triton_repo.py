@@ -191,6 +191,11 @@ def export_triton_repository(
     root = Path(artifact_dir)
     repo = Path(repo_dir)
     manifest = artifacts.load_verified(root)
+    if manifest.get("model", {}).get("architecture", "sd") != "sd":
+        raise ArtifactError(
+            f"{root} is an {manifest['model']['architecture']} artifact; the Triton pipeline model runs the SD 1.x/2.x "
+            "loop only: run SDXL artifacts with EnginePipeline (Python) or diffusion-trt run"
+        )
     backend, device = manifest["backend"], manifest["device"]
     names = {c: f"{prefix}{c}" for c in manifest["components"]}
     pipeline_name = f"{prefix}pipeline"

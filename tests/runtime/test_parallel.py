@@ -66,3 +66,36 @@ def test_data_parallel_equals_one_pipeline(toy_artifact: Path, toy_pipe: EngineP
         one = multi("a cat", num_inference_steps=2, seed=4, output_type="pil").images
         assert len(one) == 1  # fewer images than devices: one device works
     assert all(not p.engines["unet"].is_open for p in pipes)  # type: ignore[attr-defined]
+
+
+def test_each_pipeline_always_runs_on_its_own_thread(toy_artifact: Path) -> None:
+    """ONNX Runtime's CUDA provider keeps per-thread state (the captured CUDA graph among it): warm-up and every
+    later call of one pipeline must run on the same thread, and two pipelines on different threads."""
+    import threading
+
+    pipes = [EnginePipeline.from_artifacts(toy_artifact, verify=False) for _ in range(2)]
+    seen: dict[int, set[int]] = {0: set(), 1: set()}
+    for k, pipe in enumerate(pipes):
+        run = pipe.engines["unet"].run
+
+        def spy(feeds: dict, k: int = k, run=run) -> dict:  # a thin wrapper around Engine.run
+            seen[k].add(threading.get_ident())
+            return run(feeds)
+
+        pipe.engines["unet"].run = spy  # type: ignore[method-assign]
+    with DataParallelPipeline(pipes, warm_up=True) as multi:
+        for _ in range(3):
+            multi(["a", "b"], num_inference_steps=1, seed=0, output_type="np")
+    assert len(seen[0]) == len(seen[1]) == 1 and seen[0] != seen[1]
+    assert threading.get_ident() not in seen[0] | seen[1]
+
+
+def test_cuda_default_provider_options() -> None:
+    """Per-component CUDA defaults (each measured on an H200; see their constants): NHWC for the conv-heavy
+    components, cuDNN flash attention everywhere (runs on every device of a process), fused Conv bias in the VAE."""
+    from diffusion_trt.runtime.pipeline import cuda_layout_options
+
+    assert cuda_layout_options("unet", "cpu") == {}
+    assert cuda_layout_options("text_encoder", "cuda") == {"sdpa_kernel": "8"}
+    assert cuda_layout_options("unet", "cuda") == {"sdpa_kernel": "8", "prefer_nhwc": "1"}
+    assert cuda_layout_options("vae_decoder", "cuda") == {"sdpa_kernel": "8", "prefer_nhwc": "1", "fuse_conv_bias": "1"}

@@ -1,0 +1,527 @@
+"""Image-to-image and inpainting inputs: checks, preprocessing, strength, VAE encoding and the initial latents.
+
+Step for step as diffusers 0.42 (same seed, scheduler and steps -> same images):
+
+* image-to-image: ``StableDiffusionImg2ImgPipeline`` (``diffusers/pipelines/stable_diffusion/
+  pipeline_stable_diffusion_img2img.py``): ``get_timesteps`` (strength -> first step), ``prepare_latents``
+  (VAE-encode, *sample* the latent distribution with the generator, times ``vae.config.scaling_factor``, then
+  ``scheduler.add_noise`` at the first timestep);
+* inpainting: ``StableDiffusionInpaintPipeline`` (``pipeline_stable_diffusion_inpaint.py``): ``prepare_latents``
+  (pure noise times ``init_noise_sigma`` at strength 1), ``prepare_mask_latents`` (the mask resized to the latent
+  size, the masked image ``image * (mask < 0.5)`` VAE-encoded) and, in the loop, either the 9-channel UNet input
+  ``cat([latents, mask, masked_image_latents])`` (inpainting checkpoints) or, for a 4-channel UNet, the blend
+  ``(1 - mask) * add_noise(image_latents, noise, t_next) + mask * latents`` after every step.
+
+Images and masks are read by diffusers' own ``VaeImageProcessor`` (``diffusers/image_processor.py``), so they are
+accepted as diffusers accepts them: a ``PIL.Image``, a float numpy array [H, W, C] / [N, H, W, C] in [0, 1], a
+float torch tensor [C, H, W] / [N, C, H, W] in [0, 1] (or [-1, 1]), or a list of them; a mask may also be
+single-channel ([H, W], [N, H, W], ...). Unlike diffusers, nothing is resized: an image whose size is not a
+multiple of 8, a mask of another size, or values outside the expected range are refused with the fix.
+
+Shapes: ``n`` images given, ``B`` images generated (prompts x images per prompt; ``B % n == 0``, rows tiled
+as diffusers does), ``H``/``W`` pixels, ``h = H / 8``, ``w = W / 8``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import RuntimeInputError
+from .denoise import Generator, _run_rows
+from .engine import Engine
+
+#: diffusers' defaults: StableDiffusionImg2ImgPipeline strength=0.8, StableDiffusionInpaintPipeline strength=1.0.
+DEFAULT_IMG2IMG_STRENGTH = 0.8
+DEFAULT_INPAINT_STRENGTH = 1.0
+
+
+def _kind(x: Any) -> str:
+    from PIL import Image
+
+    if isinstance(x, Image.Image):
+        return "pil"
+    if isinstance(x, np.ndarray):
+        return "np"
+    if isinstance(x, torch.Tensor):
+        return "pt"
+    return type(x).__name__
+
+
+def _item_nhw(x: Any, name: str, mask: bool) -> tuple[int, int, int]:
+    """(rows, H, W) of one image-like, read the way diffusers' VaeImageProcessor.preprocess reads it."""
+    kind = _kind(x)
+    if kind == "pil":
+        return 1, x.height, x.width
+    if kind not in ("np", "pt"):
+        raise RuntimeInputError(
+            f"{name} is a {kind}; pass a PIL.Image, a numpy array, a torch tensor or a list of them (as diffusers)"
+        )
+    shape = tuple(x.shape)
+    if kind == "np":
+        if x.dtype == np.uint8:
+            raise RuntimeInputError(
+                f"{name} is a uint8 numpy array; diffusers reads numpy images as floats in [0, 1]: pass "
+                "np.asarray(img, dtype=np.float32) / 255, or the PIL image"
+            )
+        # numpy: [H, W, C] or [N, H, W, C]; a mask may also be [H, W] or [N, H, W] (single channel)
+        if x.ndim == 4:
+            return shape[0], shape[1], shape[2]
+        if x.ndim == 3 and not (mask and shape[-1] != 1):
+            return 1, shape[0], shape[1]
+        if x.ndim == 3:  # a mask [N, H, W]
+            return shape[0], shape[1], shape[2]
+        if x.ndim == 2 and mask:
+            return 1, shape[0], shape[1]
+    else:
+        if not x.is_floating_point():
+            raise RuntimeInputError(
+                f"{name} is a {x.dtype} tensor; pass floats in [0, 1] (e.g. tensor.float() / 255), as diffusers"
+            )
+        # torch: [C, H, W] or [N, C, H, W]; a mask may also be [H, W] or [N, H, W]
+        if x.ndim == 4:
+            return shape[0], shape[2], shape[3]
+        if x.ndim == 3:
+            return (shape[0] if mask else 1), shape[1], shape[2]
+        if x.ndim == 2 and mask:
+            return 1, shape[0], shape[1]
+    layout = "[H, W], [N, H, W] or [N, H, W, 1]" if mask and kind == "np" else "[H, W] or [N, 1, H, W]" if mask else (
+        "[H, W, 3] or [N, H, W, 3]" if kind == "np" else "[3, H, W] or [N, 3, H, W]")
+    raise RuntimeInputError(f"{name} has shape {list(shape)}; a {kind} {'mask' if mask else 'image'} is {layout}")
+
+
+def image_rows_and_size(image: Any, name: str = "image", mask: bool = False) -> tuple[int, int, int]:
+    """The number of images ``n`` and their size (H, W) in pixels, as diffusers' processor would read them.
+
+    Args:
+        image: a PIL image, numpy array, torch tensor or a non-empty list of them (all the same size).
+        name: "image" or "mask_image", for messages.
+        mask: read single-channel layouts as a mask.
+
+    Raises:
+        RuntimeInputError: an unsupported type, layout or dtype, an empty list, or images of different sizes.
+    """
+    items = image if isinstance(image, list) else [image]
+    if not items:
+        raise RuntimeInputError(f"{name} is an empty list; pass at least one image")
+    sizes = [_item_nhw(x, f"{name}[{i}]" if len(items) > 1 else name, mask) for i, x in enumerate(items)]
+    hw = {s[1:] for s in sizes}
+    if len(hw) > 1:
+        raise RuntimeInputError(
+            f"the {name} list holds images of different sizes {sorted(hw)} (H, W); resize them to one size"
+        )
+    return sum(s[0] for s in sizes), sizes[0][1], sizes[0][2]
+
+
+def check_image_hw(name: str, height: int, width: int, vae_scale_factor: int, profile: Any) -> None:
+    """Refuse an image size that is not a multiple of ``vae_scale_factor`` or outside the engine profile.
+
+    Raises:
+        RuntimeInputError: naming the size, the nearest valid sizes and the profile's range.
+    """
+    f = vae_scale_factor
+    for what, v, rng in (("height", height, profile.height), ("width", width, profile.width)):
+        if v % f:
+            lo = max(f, v // f * f)
+            raise RuntimeInputError(
+                f"{name} {what}={v} is not a multiple of {f} (the VAE downsamples by {f}); resize or crop the image "
+                f"to {lo} or {lo + f} (engine profile allows {rng.min}..{rng.max})"
+            )
+        if not rng.min <= v <= rng.max:
+            raise RuntimeInputError(
+                f"{name} {what}={v} is outside the engine profile {rng.min}..{rng.max}; resize the image into that "
+                f"range or recompile with --min-{what}/--max-{what}"
+            )
+
+
+def preprocess_image(image: Any, vae_scale_factor: int = 8) -> torch.Tensor:
+    """An image batch as the VAE encoder takes it: float32 [n, 3, H, W] in [-1, 1] on the CPU.
+
+    diffusers' ``VaeImageProcessor(vae_scale_factor).preprocess`` (``diffusers/image_processor.py``): PIL ->
+    /255, numpy [0, 1] -> tensor, then ``2x - 1`` unless the values are already below 0 ([-1, 1] tensors).
+    Call :func:`image_rows_and_size` and :func:`check_image_hw` first (the processor would resize silently).
+
+    Raises:
+        RuntimeInputError: not 3 channels (e.g. RGBA, or 4-channel latents), or values outside [-1, 1].
+    """
+    from diffusers.image_processor import VaeImageProcessor
+
+    _check_range("image", image, -1.0, 1.0, "scale it to [0, 1] (diffusers' range)")
+    items = image if isinstance(image, list) else [image]
+    if _kind(items[0]) == "pil":
+        modes = {x.mode for x in items}
+        if modes - {"RGB"}:
+            raise RuntimeInputError(f"image mode {sorted(modes)}; convert it with image.convert('RGB')")
+    out = VaeImageProcessor(vae_scale_factor=vae_scale_factor).preprocess(image)
+    if out.shape[1] != 3:
+        raise RuntimeInputError(
+            f"image has {out.shape[1]} channels; pass RGB images (3 channels; latents are not accepted)"
+        )
+    return out.float()
+
+
+def preprocess_mask(mask_image: Any, height: int, width: int, vae_scale_factor: int = 8) -> torch.Tensor:
+    """A mask batch: float32 [m, 1, H, W] of 0 (keep) and 1 (repaint) on the CPU.
+
+    diffusers' mask processor of ``StableDiffusionInpaintPipeline.__init__``: ``VaeImageProcessor(do_normalize=
+    False, do_binarize=True, do_convert_grayscale=True)``: grayscale, [0, 1], then ``>= 0.5 -> 1`` else 0.
+
+    Raises:
+        RuntimeInputError: values outside [0, 1].
+    """
+    from diffusers.image_processor import VaeImageProcessor
+
+    _check_range("mask_image", mask_image, 0.0, 1.0, "pass a mask in [0, 1] (white = repaint)")
+    proc = VaeImageProcessor(
+        vae_scale_factor=vae_scale_factor, do_normalize=False, do_binarize=True, do_convert_grayscale=True
+    )
+    return proc.preprocess(mask_image, height=height, width=width).float()
+
+
+def _check_range(name: str, image: Any, lo: float, hi: float, fix: str) -> None:
+    items = image if isinstance(image, list) else [image]
+    for x in items:
+        kind = _kind(x)
+        if kind not in ("np", "pt"):
+            continue
+        a = torch.as_tensor(np.asarray(x)) if kind == "np" else x.detach()
+        if a.numel():
+            xmin, xmax = float(a.min()), float(a.max())
+            if not (math.isfinite(xmin) and math.isfinite(xmax)) or xmin < lo - 1e-3 or xmax > hi + 1e-3:
+                raise RuntimeInputError(f"{name} has values in [{xmin:g}, {xmax:g}], outside [{lo:g}, {hi:g}]; {fix}")
+
+
+def check_strength(strength: Any, num_inference_steps: int) -> float:
+    """``strength`` as a float in (0, 1] that leaves at least one denoising step.
+
+    diffusers' ``get_timesteps`` runs ``min(int(num_inference_steps * strength), num_inference_steps)`` steps.
+
+    Raises:
+        RuntimeInputError: not a number, outside (0, 1], or ``int(steps * strength) == 0``.
+    """
+    number = not isinstance(strength, bool) and isinstance(strength, int | float | np.number)
+    if not number or not math.isfinite(strength) or not 0 < strength <= 1:
+        raise RuntimeInputError(
+            f"strength={strength!r} must be a number in (0, 1]: how much of the image is re-noised "
+            "(1 = all of it, e.g. 0.8 for image-to-image)"
+        )
+    strength = float(strength)
+    if min(int(num_inference_steps * strength), num_inference_steps) < 1:
+        need = math.ceil(1 / strength)
+        raise RuntimeInputError(
+            f"strength={strength:g} with num_inference_steps={num_inference_steps} leaves "
+            f"int({num_inference_steps} * {strength:g}) = 0 denoising steps; raise strength to >= "
+            f"{1 / num_inference_steps:g} or num_inference_steps to >= {need}"
+        )
+    return strength
+
+
+def strength_start(num_inference_steps: int, strength: float) -> int:
+    """Index of the first of ``num_inference_steps`` steps that runs: ``t_start`` of diffusers' ``get_timesteps``
+    (``pipeline_stable_diffusion_img2img.py``): ``num_inference_steps - min(int(steps * strength), steps)``."""
+    init_timestep = min(int(num_inference_steps * strength), num_inference_steps)
+    return max(num_inference_steps - init_timestep, 0)
+
+
+def encode_image_latents(
+    vae_encoder: Engine,
+    images: torch.Tensor,
+    generator: Generator,
+    scaling_factor: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``scaling_factor * retrieve_latents(vae.encode(images), generator)`` in diffusers' sample mode.
+
+    The engine returns the latent distribution's parameters (mean, logvar) [n, 8, h, w]; like
+    ``DiagonalGaussianDistribution.sample`` (``diffusers/models/autoencoders/vae.py``) the logvar is clamped to
+    [-30, 20] and the sample is ``mean + exp(logvar / 2) * randn_tensor(mean.shape, generator)``.
+
+    Args:
+        images: [n, 3, H, W] in [-1, 1], any device (moved to the engine's).
+        generator: one generator, or a list whose first n entries draw row by row (as diffusers' per-image loop).
+        dtype: the latents' dtype (the noise is drawn in it, as diffusers draws in the VAE's dtype).
+
+    Returns:
+        Latents [n, 4, h, w] of ``dtype`` on the engine device (a fresh tensor).
+    """
+    from diffusers.utils.torch_utils import randn_tensor
+
+    device = vae_encoder.device
+    info = vae_encoder.spec.input("sample")
+    params = _run_rows(vae_encoder, "sample", images.to(device=device, dtype=info.torch_dtype), "latent_parameters")
+    mean, logvar = params.to(dtype).chunk(2, dim=1)
+    std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
+    if isinstance(generator, list):
+        generator = generator[: mean.shape[0]]
+    sample = mean + std * randn_tensor(mean.shape, generator=generator, device=device, dtype=dtype)
+    return scaling_factor * sample
+
+
+def _tile(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """Rows repeated as a block up to ``batch`` (diffusers: ``torch.cat([x] * (batch // n))`` / ``x.repeat``)."""
+    return x if x.shape[0] == batch else x.repeat(batch // x.shape[0], *([1] * (x.ndim - 1)))
+
+
+@dataclass
+class ChunkConditioning:
+    """What the denoising loop of one chunk of b images adds to text-to-image.
+
+    Attributes:
+        unet_extra: inpainting UNet (9 channels): ``cat([mask, masked_image_latents], 1)`` [B2, 5, h, w] (CFG rows
+            duplicated); ``None`` otherwise.
+        mask, image_latents, noise: 4-channel inpainting: [b, 1, h, w], [b, 4, h, w], [b, 4, h, w] for the
+            per-step blend; ``None`` otherwise.
+    """
+
+    unet_extra: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    image_latents: torch.Tensor | None = None
+    noise: torch.Tensor | None = None
+
+    def unet_sample(self, latent_model_input: torch.Tensor) -> torch.Tensor:
+        """The UNet's ``sample`` after ``scale_model_input``: [B2, 9, h, w] for an inpainting UNet, else unchanged."""
+        if self.unet_extra is None:
+            return latent_model_input
+        return torch.cat([latent_model_input, self.unet_extra.to(latent_model_input.dtype)], dim=1)
+
+    def after_step(self, scheduler: Any, latents: torch.Tensor, i: int, timesteps: torch.Tensor) -> torch.Tensor:
+        """4-channel inpainting: keep the unmasked area on the image's noise trajectory (diffusers' inpaint loop)."""
+        if self.image_latents is None:
+            return latents
+        proper = self.image_latents
+        if i < len(timesteps) - 1:
+            proper = scheduler.add_noise(proper, self.noise, timesteps[i + 1 : i + 2])
+        return (1 - self.mask) * proper + self.mask * latents
+
+
+@dataclass
+class Conditioning:
+    """The initial latents of a request and, for inpainting, the tensors every step needs (B rows each).
+
+    Attributes:
+        latents: [B, 4, h, w] initial latents (noised image latents, or noise times ``init_noise_sigma``).
+        mask: [B, 1, h, w] mask at latent size (inpainting), else ``None``.
+        masked_image_latents: [B, 4, h, w] (inpainting UNet), else ``None``.
+        image_latents, noise: [B, 4, h, w] (4-channel inpainting blend), else ``None``.
+    """
+
+    latents: torch.Tensor
+    mask: torch.Tensor | None = None
+    masked_image_latents: torch.Tensor | None = None
+    image_latents: torch.Tensor | None = None
+    noise: torch.Tensor | None = None
+
+    def rows(self, rows: range, do_cfg: bool) -> ChunkConditioning:
+        """The tensors of images ``rows`` (CFG doubles the UNet's extra input, negative rows first)."""
+        sl = slice(rows.start, rows.stop)
+        chunk = ChunkConditioning()
+        if self.masked_image_latents is not None and self.mask is not None:
+            extra = torch.cat([self.mask[sl], self.masked_image_latents[sl]], dim=1)
+            chunk.unet_extra = torch.cat([extra] * 2) if do_cfg else extra
+        if self.image_latents is not None and self.mask is not None and self.noise is not None:
+            chunk.mask, chunk.image_latents, chunk.noise = self.mask[sl], self.image_latents[sl], self.noise[sl]
+        return chunk
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """A checked image-to-image or inpainting request (built by :func:`image_request`).
+
+    Attributes:
+        image: [n, 3, H, W] float32 in [-1, 1] (CPU).
+        mask: [m, 1, H, W] float32 of {0, 1} (CPU; m = 1 or n), or ``None`` for image-to-image.
+        strength: in (0, 1].
+        vae_encoder: the engine that encodes images.
+        scaling_factor: ``vae.config.scaling_factor``.
+        unet_in_channels: 4, or 9 for an inpainting UNet.
+    """
+
+    image: torch.Tensor
+    mask: torch.Tensor | None
+    strength: float
+    vae_encoder: Engine
+    scaling_factor: float
+    unet_in_channels: int
+
+    @property
+    def height(self) -> int:
+        return int(self.image.shape[2])
+
+    @property
+    def width(self) -> int:
+        return int(self.image.shape[3])
+
+    @property
+    def mode(self) -> str:
+        return "img2img" if self.mask is None else "inpaint"
+
+    def start(self, scheduler: Any, num_inference_steps: int, timesteps: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """diffusers' ``get_timesteps``: the timesteps from ``t_start * order`` on, and that begin index, which
+        schedulers with ``set_begin_index`` are given (this one now; fresh ones per chunk by the caller).
+
+        Args:
+            timesteps: the full schedule as a CPU tensor (after ``set_timesteps``).
+        """
+        begin = strength_start(num_inference_steps, self.strength) * int(getattr(scheduler, "order", 1))
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(begin)
+        return timesteps[begin:], begin
+
+    def prepare(
+        self,
+        scheduler: Any,
+        timesteps: torch.Tensor,
+        shape: tuple[int, int, int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+        generator: Generator,
+    ) -> Conditioning:
+        """The initial latents (and inpainting tensors) of the whole request, drawn in diffusers' order.
+
+        Args:
+            scheduler: after :meth:`start`.
+            timesteps: the timesteps that run (CPU), from :meth:`start`.
+            shape: latents [B, 4, h, w].
+            dtype: latents dtype (the UNet's ``sample`` dtype).
+            generator: one generator or a list of B.
+
+        Returns:
+            :class:`Conditioning` with B rows on ``device``.
+        """
+        from diffusers.utils.torch_utils import randn_tensor
+
+        batch = shape[0]
+        per_row = isinstance(generator, list) and len(generator) == batch
+        if isinstance(generator, list) and not per_row:
+            generator = generator[0]
+        t0 = timesteps[:1].to(device).repeat(batch)
+        image = self.image.to(device)
+        enc = self.vae_encoder
+
+        if self.mask is None:  # image-to-image: StableDiffusionImg2ImgPipeline.prepare_latents
+            if per_row:  # the images are tiled to B first, then encoded row by row with generator[i]
+                init = encode_image_latents(enc, _tile(image, batch), generator, self.scaling_factor, dtype)
+            else:
+                init = _tile(encode_image_latents(enc, image, generator, self.scaling_factor, dtype), batch)
+            noise = randn_tensor(shape, generator=generator, device=device, dtype=dtype)
+            return Conditioning(latents=scheduler.add_noise(init, noise, t0))
+
+        # inpainting: StableDiffusionInpaintPipeline.prepare_latents, then prepare_mask_latents
+        strength_max = self.strength == 1.0
+        image_latents = None
+        if self.unet_in_channels == 4 or not strength_max:  # _encode_vae_image: generator[i] for image row i
+            image_latents = _tile(encode_image_latents(enc, image, generator, self.scaling_factor, dtype), batch)
+        noise = randn_tensor(shape, generator=generator, device=device, dtype=dtype)
+        if strength_max:
+            latents = noise * scheduler.init_noise_sigma
+        else:
+            latents = scheduler.add_noise(image_latents, noise, t0)
+        mask = self.mask.to(device)
+        masked_image = image * (mask < 0.5)
+        small = torch.nn.functional.interpolate(mask, size=(shape[2], shape[3])).to(dtype)
+        masked_latents = encode_image_latents(enc, masked_image, generator, self.scaling_factor, dtype)
+        cond = Conditioning(latents=latents, mask=_tile(small, batch))
+        if self.unet_in_channels == 9:
+            cond.masked_image_latents = _tile(masked_latents, batch)
+        else:
+            cond.image_latents, cond.noise = image_latents, noise
+        return cond
+
+
+def image_request(
+    image: Any,
+    mask_image: Any,
+    strength: Any,
+    *,
+    num_inference_steps: int,
+    batch: int,
+    height: int | None,
+    width: int | None,
+    vae_encoder: Engine | None,
+    unet_in_channels: int,
+    vae_scale_factor: int,
+    scaling_factor: float,
+    profile: Any,
+) -> ImageRequest:
+    """Check an image-to-image / inpainting call and preprocess its image and mask.
+
+    Args:
+        image, mask_image: image-likes (see the module docstring); ``mask_image`` ``None`` = image-to-image.
+        strength: in (0, 1]; ``None`` = diffusers' default (0.8 image-to-image, 1.0 inpainting).
+        num_inference_steps: the steps of the full schedule.
+        batch: images generated B; the n images given must divide it.
+        height, width: ``None``, or the image's own size (images are never resized).
+        vae_encoder: the artifact's VAE encoder engine (``None`` when it has none).
+        unet_in_channels: 4, or 9 (inpainting UNet: needs ``mask_image``).
+        profile: the artifact's :class:`~diffusion_trt.config.ShapeProfile`.
+
+    Raises:
+        RuntimeInputError: every input the engines cannot honour: a bad type, layout, range or size (not a multiple
+            of 8, outside the profile), ``height``/``width`` other than the image's, a mask of another size or
+            count, an image count that does not divide the batch, a bad ``strength``, an inpainting UNet without a
+            mask, or an artifact without a VAE encoder.
+    """
+    if image is None:
+        raise RuntimeInputError("mask_image= needs image=: the image to inpaint (the mask marks what to repaint)")
+    if unet_in_channels not in (4, 9):
+        raise RuntimeInputError(
+            f"the artifact's UNet takes {unet_in_channels} input channels; image-to-image and inpainting need 4 "
+            "(StableDiffusionImg2ImgPipeline) or 9 (an inpainting checkpoint)"
+        )
+    if unet_in_channels == 9 and mask_image is None:
+        raise RuntimeInputError(
+            "this artifact's UNet is an inpainting UNet (9 input channels: latents, mask, masked-image latents); "
+            "pass mask_image= (white = repaint) with image= (CLI: --mask FILE)"
+        )
+    if vae_encoder is None:
+        raise RuntimeInputError(
+            "the artifact has no vae_encoder component, which image-to-image and inpainting need; recompile it with "
+            "the default components (text_encoder, unet, vae_decoder, vae_encoder)"
+        )
+    if strength is None:
+        strength = DEFAULT_IMG2IMG_STRENGTH if mask_image is None else DEFAULT_INPAINT_STRENGTH
+    strength = check_strength(strength, num_inference_steps)
+    n, h, w = image_rows_and_size(image, "image")
+    for what, given, own in (("height", height, h), ("width", width, w)):
+        if given is not None and given != own:
+            raise RuntimeInputError(
+                f"{what}={given} but the image is {w}x{h} (WxH); with image= the size is the image's: drop "
+                f"{what}= or resize the image (it is never resized here)"
+            )
+    check_image_hw("image", h, w, vae_scale_factor, profile)
+    if batch % n:
+        raise RuntimeInputError(
+            f"{n} images were given for {batch} images to generate; pass 1 image, or a number that divides {batch} "
+            "(the images are repeated as a block, as diffusers does)"
+        )
+    pixels = preprocess_image(image, vae_scale_factor)
+    mask = None
+    if mask_image is not None:
+        m, mh, mw = image_rows_and_size(mask_image, "mask_image", mask=True)
+        if (mh, mw) != (h, w):
+            raise RuntimeInputError(
+                f"mask_image is {mw}x{mh} (WxH) but the image is {w}x{h}; pass a mask of the image's size"
+            )
+        if m not in (1, n):
+            raise RuntimeInputError(f"{m} masks for {n} images; pass one mask, or one per image")
+        mask = preprocess_mask(mask_image, h, w, vae_scale_factor)
+    return ImageRequest(pixels, mask, strength, vae_encoder, scaling_factor, unet_in_channels)
+
+
+__all__: Sequence[str] = (
+    "DEFAULT_IMG2IMG_STRENGTH",
+    "DEFAULT_INPAINT_STRENGTH",
+    "Conditioning",
+    "ImageRequest",
+    "check_strength",
+    "encode_image_latents",
+    "image_request",
+    "preprocess_image",
+    "preprocess_mask",
+    "strength_start",
+)

@@ -1,0 +1,214 @@
+"""SDXL's prompt encoding and added conditioning on compiled engines, step for step as diffusers' SDXL pipeline.
+
+Reproduces ``diffusers.StableDiffusionXLPipeline`` (diffusers 0.42, ``pipeline_stable_diffusion_xl.py``):
+
+* ``encode_prompt``: each of the two CLIP tokenizers pads/truncates to its ``model_max_length`` (77); each text
+  encoder gives ``hidden_states[-2]`` (the penultimate layer, no final layer norm: the engines' output
+  ``penultimate_hidden_state``), concatenated on the last axis into ``prompt_embeds`` [P, 77, D1 + D2];
+  ``text_encoder_2`` (``CLIPTextModelWithProjection``) also gives the pooled, projected ``text_embeds`` [P, E].
+  ``prompt_2`` (the text for the second encoder) defaults to ``prompt``.
+* negative prompt: with ``negative_prompt=None`` and the model's ``force_zeros_for_empty_prompt`` (true for
+  SDXL base), the negative embeddings and pooled embeddings are **zeros**; otherwise the negative prompt ("" by
+  default; ``negative_prompt_2`` defaults to it) is encoded like the prompt.
+* ``_get_add_time_ids``: ``time_ids = list(original_size + crops_coords_top_left + target_size)``, six numbers
+  (height, width pairs), defaults ``original_size = target_size = (height, width)`` and ``(0, 0)``. The negative
+  row uses ``negative_original_size``/``negative_crops_coords_top_left``/``negative_target_size`` only when both
+  ``negative_original_size`` and ``negative_target_size`` are given, else the same ids as the prompt.
+* CFG: ``[negative; positive]`` for ``encoder_hidden_states``, ``text_embeds`` and ``time_ids`` (repeated per
+  image), fed to the UNet every step as ``added_cond_kwargs``.
+
+Shapes: P prompts; ``text_embeds`` [B2, E]; ``time_ids`` [B2, 6] float32 (the UNet engine's dtype for it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import RuntimeInputError
+from .cuda import nvtx_range
+from .denoise import EmbeddingCache, tokenize
+from .engine import Engine
+
+logger = logging.getLogger(__name__)
+
+#: The engines an SDXL artifact's text-to-image loop opens.
+SDXL_COMPONENTS: tuple[str, ...] = ("text_encoder", "text_encoder_2", "unet", "vae_decoder")
+#: The UNet inputs SDXL adds to the SD ones (diffusers' ``added_cond_kwargs``).
+ADDED_INPUTS: tuple[str, ...] = ("text_embeds", "time_ids")
+HIDDEN_OUTPUT = "penultimate_hidden_state"
+POOLED_OUTPUT = "text_embeds"
+
+
+def add_time_ids(
+    original_size: Sequence[int], crops_coords_top_left: Sequence[int], target_size: Sequence[int]
+) -> torch.Tensor:
+    """SDXL's micro-conditioning row: ``original_size + crops_coords_top_left + target_size``.
+
+    As diffusers' ``StableDiffusionXLPipeline._get_add_time_ids`` (``list(original_size + crops_coords_top_left +
+    target_size)``); each argument is a (height, width) / (top, left) pair in pixels.
+
+    Returns:
+        float32 CPU tensor [6].
+
+    Raises:
+        RuntimeInputError: an argument is not a pair of integers (sizes > 0, crop coordinates >= 0).
+    """
+    values: list[float] = []
+    for name, pair, least in (("original_size", original_size, 1), ("crops_coords_top_left", crops_coords_top_left, 0),
+                              ("target_size", target_size, 1)):
+        ok = isinstance(pair, Sequence) and not isinstance(pair, str) and len(pair) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= least for v in pair)
+        if not ok:
+            raise RuntimeInputError(
+                f"{name}={pair!r} must be a pair of integers >= {least} (pixels, (height, width) or (top, left)), "
+                "e.g. (1024, 1024) or (0, 0)"
+            )
+        values += [float(v) for v in pair]
+    return torch.tensor(values, dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class SdxlConditioning:
+    """What one SDXL request adds to the SD loop: the second encoder, its texts and the time ids.
+
+    Attributes:
+        text_encoder_2: the ``text_encoder_2`` engine (outputs ``text_embeds`` and ``penultimate_hidden_state``).
+        tokenizer_2: its ``CLIPTokenizer``.
+        prompts_2: P texts for ``text_encoder_2`` (diffusers' ``prompt_2``; the prompts when not given).
+        negative_prompts_2: P negative texts for ``text_encoder_2`` (the negative prompts when not given).
+        zero_negative: negative embeddings are zeros (``negative_prompt is None`` and the model's
+            ``force_zeros_for_empty_prompt``), the negative texts are not encoded.
+        time_ids: [6] float32, see :func:`add_time_ids`.
+        negative_time_ids: [6] float32 for the negative (unconditional) rows.
+    """
+
+    text_encoder_2: Engine
+    tokenizer_2: Any
+    prompts_2: Sequence[str]
+    negative_prompts_2: Sequence[str]
+    zero_negative: bool
+    time_ids: torch.Tensor
+    negative_time_ids: torch.Tensor
+
+    def encode(
+        self,
+        text_encoder: Engine,
+        tokenizer: Any,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str] | None,
+        dtype: torch.dtype,
+        cache: EmbeddingCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, AddedConditioning]:
+        """Per-prompt SDXL embeddings, each distinct text run once per encoder (negatives cached).
+
+        Args:
+            prompts: P prompts (for ``text_encoder``); negative_prompts: P negatives, or ``None`` (no CFG).
+            dtype: the UNet's ``encoder_hidden_states`` / ``text_embeds`` dtype.
+
+        Returns:
+            (positive [P, 77, D1+D2], negative [P, 77, D1+D2] or ``None``, the pooled ``text_embeds`` and time ids),
+            fresh tensors on the engines' device.
+        """
+        device = text_encoder.device
+        # host->device copies of pageable memory synchronise the stream: made before any engine work is queued
+        time_ids, negative_time_ids = self.time_ids.to(device), self.negative_time_ids.to(device)
+        rows_2 = list(self.prompts_2)
+        negatives = None if negative_prompts is None else list(negative_prompts)
+        negatives_2 = None if negative_prompts is None else list(self.negative_prompts_2)
+        encode_negatives = negatives is not None and not self.zero_negative
+        pairs = list(zip(prompts, rows_2, strict=True))
+        neg_pairs = list(zip(negatives, negatives_2, strict=True)) if encode_negatives else []  # type: ignore[arg-type]
+        got: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        keys = {p: self._key(text_encoder, p, dtype) for p in neg_pairs}
+        if cache is not None:
+            for pair, key in keys.items():
+                hidden, pooled = cache.get((*key, "hidden")), cache.get((*key, "pooled"))
+                if hidden is not None and pooled is not None:
+                    got[pair] = (hidden, pooled)
+        todo = [p for p in dict.fromkeys([*neg_pairs, *pairs]) if p not in got]
+        if todo:
+            with nvtx_range("text_encoders", device):
+                texts_1 = list(dict.fromkeys(p[0] for p in todo))
+                texts_2 = list(dict.fromkeys(p[1] for p in todo))
+                h1 = run_rows(text_encoder, tokenize(tokenizer, texts_1, device), (HIDDEN_OUTPUT,))[HIDDEN_OUTPUT]
+                out2 = run_rows(self.text_encoder_2, tokenize(self.tokenizer_2, texts_2, self.text_encoder_2.device),
+                                (POOLED_OUTPUT, HIDDEN_OUTPUT))
+            h2, pooled_2 = out2[HIDDEN_OUTPUT].to(device), out2[POOLED_OUTPUT].to(device)
+            index_1 = {t: i for i, t in enumerate(texts_1)}
+            index_2 = {t: i for i, t in enumerate(texts_2)}
+            for pair in todo:
+                i, j = index_1[pair[0]], index_2[pair[1]]
+                hidden = torch.cat([h1[i], h2[j]], dim=-1).to(dtype)
+                got[pair] = (hidden, pooled_2[j].to(dtype))
+                if cache is not None and pair in keys:
+                    cache.put((*keys[pair], "hidden"), got[pair][0].clone())
+                    cache.put((*keys[pair], "pooled"), got[pair][1].clone())
+        positive = torch.stack([got[p][0] for p in pairs])
+        pooled = torch.stack([got[p][1] for p in pairs])
+        negative = pooled_negative = None
+        if negatives is not None:
+            if self.zero_negative:
+                negative, pooled_negative = torch.zeros_like(positive), torch.zeros_like(pooled)
+            else:
+                negative = torch.stack([got[p][0] for p in neg_pairs])
+                pooled_negative = torch.stack([got[p][1] for p in neg_pairs])
+        added = AddedConditioning(pooled, pooled_negative, time_ids, negative_time_ids)
+        return positive, negative, added
+
+    def _key(self, text_encoder: Engine, pair: tuple[str, str], dtype: torch.dtype) -> tuple[Any, ...]:
+        return ("sdxl", id(text_encoder), id(self.text_encoder_2), *pair, dtype)
+
+
+@dataclass(frozen=True)
+class AddedConditioning:
+    """SDXL's per-image ``text_embeds`` and the time ids, sliced per chunk into the UNet's extra inputs.
+
+    Attributes:
+        pooled: [B, E] positive pooled text embeddings (one row per image after :meth:`repeat_interleave`).
+        pooled_negative: [B, E] negative ones, or ``None`` without CFG.
+        time_ids, negative_time_ids: [6] float32 on the device.
+    """
+
+    pooled: torch.Tensor
+    pooled_negative: torch.Tensor | None
+    time_ids: torch.Tensor
+    negative_time_ids: torch.Tensor
+
+    def repeat_interleave(self, n: int) -> AddedConditioning:
+        """One row per image: each prompt's row ``n`` times in a row (diffusers' ``repeat(1, n).view``)."""
+        neg = self.pooled_negative.repeat_interleave(n, dim=0) if self.pooled_negative is not None else None
+        return AddedConditioning(self.pooled.repeat_interleave(n, dim=0), neg, self.time_ids, self.negative_time_ids)
+
+    def unet_inputs(self, rows: range, unet: Engine) -> dict[str, torch.Tensor]:
+        """``text_embeds`` [b2, E] and ``time_ids`` [b2, 6] for images ``rows``: ``[negative; positive]`` with CFG."""
+        b = len(rows)
+        embeds = self.pooled[rows.start : rows.stop]
+        ids = self.time_ids.expand(b, -1)
+        if self.pooled_negative is not None:
+            embeds = torch.cat([self.pooled_negative[rows.start : rows.stop], embeds])
+            ids = torch.cat([self.negative_time_ids.expand(b, -1), ids])
+        return {
+            "text_embeds": embeds.to(unet.spec.input("text_embeds").torch_dtype).contiguous(),
+            "time_ids": ids.to(unet.spec.input("time_ids").torch_dtype).contiguous(),
+        }
+
+
+def run_rows(engine: Engine, ids: torch.Tensor, output_names: Sequence[str]) -> Mapping[str, torch.Tensor]:
+    """Run a text encoder on ``ids`` [N, 77], padding or chunking N to its batch range; fresh output tensors."""
+    info = engine.spec.input("input_ids")
+    lo, hi = info.min[0], info.max[0]
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in output_names}
+    for start in range(0, ids.shape[0], hi):
+        chunk = ids[start : start + hi]
+        rows = chunk.shape[0]
+        if rows < lo:  # e.g. one prompt without CFG on an engine built for batch >= 2
+            chunk = torch.cat([chunk, chunk[-1:].expand(lo - rows, *chunk.shape[1:])])
+        out = engine.run({"input_ids": chunk})
+        for name in output_names:  # clone: the engine overwrites its output buffers on its next run
+            parts[name].append(out[name][:rows].clone())
+    return {name: p[0] if len(p) == 1 else torch.cat(p) for name, p in parts.items()}

@@ -1,0 +1,393 @@
+"""compile --lora: merged LoRAs vs diffusers' load_lora_weights + fuse_lora, the manifest record, bad inputs.
+
+The LoRAs are made here: random low-rank matrices for the tiny pipeline's UNet (attention projections,
+proj_in, ResNet conv1: Linear and Conv LoRA layers) and text encoder (q/v projections), written as diffusers
+(peft-key) and kohya (``lora_unet_*`` with ``.alpha``) safetensors files. The kohya file has UNet layers only:
+diffusers 0.42.1 itself cannot load kohya text-encoder keys with transformers 5 ("Could not automatically infer
+state dict type" in convert_state_dict_to_diffusers), which compile reports as a LoraError quoting it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from diffusion_trt import artifacts
+from diffusion_trt.cli import main
+from diffusion_trt.compiler.pipeline import compile_pipeline
+from diffusion_trt.config import CompileConfig
+from diffusion_trt.errors import LoraError, ModelFolderError, RuntimeInputError
+from diffusion_trt.lora import parse_lora_arg
+from diffusion_trt.runtime import EnginePipeline
+
+pytest.importorskip("peft", reason="LoRA merging needs peft (pip install -e '.[test]')")
+
+UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "conv1"]
+TEXT_TARGETS = ["q_proj", "v_proj"]
+CALL: dict[str, Any] = {"prompt": "a watercolor fox", "num_inference_steps": 4, "output_type": "np"}
+
+
+def _lora_tensors(module: torch.nn.Module, targets: list[str], rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """{module path: (A [r, in(, k, k)], B [out, r(, 1, 1)])} for every Linear/Conv2d whose name ends in a target."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, Any] = {}
+    for name, m in module.named_modules():
+        if not any(name == t or name.endswith("." + t) for t in targets):
+            continue
+        if isinstance(m, torch.nn.Linear):
+            a, b = (rank, m.in_features), (m.out_features, rank)
+        elif isinstance(m, torch.nn.Conv2d):
+            a, b = (rank, m.in_channels, *m.kernel_size), (m.out_channels, rank, 1, 1)
+        else:
+            continue
+        out[name] = (torch.randn(a, generator=g) * 0.1, torch.randn(b, generator=g) * 0.1)
+    return out
+
+
+def make_lora(pipeline_dir: Path, path: Path, fmt: str, seed: int = 0, rank: int = 4, alpha: float = 8.0) -> Path:
+    """Write a random LoRA for the tiny pipeline in diffusers ("peft") or "kohya" format."""
+    from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    unet = UNet2DConditionModel.from_pretrained(pipeline_dir, subfolder="unet", local_files_only=True)
+    te = CLIPTextModel.from_pretrained(pipeline_dir / "text_encoder", local_files_only=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for comp, module, targets in (("unet", unet, UNET_TARGETS), ("text_encoder", te, TEXT_TARGETS)):
+        if fmt == "kohya" and comp == "text_encoder":
+            continue  # see the module docstring
+        for name, (a, b) in _lora_tensors(module, targets, rank, seed + len(comp)).items():
+            if fmt == "peft":
+                tensors[f"{comp}.{name}.lora_A.weight"] = a
+                tensors[f"{comp}.{name}.lora_B.weight"] = b
+            else:  # kohya: '.' -> '_'
+                key = "lora_unet_" + name.replace(".", "_")
+                tensors[f"{key}.lora_down.weight"] = a
+                tensors[f"{key}.lora_up.weight"] = b
+                tensors[f"{key}.alpha"] = torch.tensor(alpha)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def loras(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("loras")
+    return {
+        "peft": make_lora(tiny_pipeline_dir, d / "style.safetensors", "peft", seed=1),
+        "kohya": make_lora(tiny_pipeline_dir, d / "kohya_detail.safetensors", "kohya", seed=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def peft_artifact(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny pipeline compiled with the peft-format LoRA at scale 0.7."""
+    return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("artifacts") / "tiny-style",
+                            CompileConfig(loras=((str(loras["peft"]), 0.7),)))
+
+
+def _diffusers_with(tiny_pipeline_dir: Path, merged: list[tuple[Path, float]]) -> Any:
+    ref = diffusers.StableDiffusionPipeline.from_pretrained(tiny_pipeline_dir, local_files_only=True)
+    ref.set_progress_bar_config(disable=True)
+    for i, (path, scale) in enumerate(merged):
+        ref.load_lora_weights(str(path), adapter_name=f"l{i}")
+        ref.fuse_lora(lora_scale=scale, adapter_names=[f"l{i}"])
+        ref.unload_lora_weights()
+    return ref
+
+
+def _ours(artifact: Path) -> np.ndarray:
+    with EnginePipeline.from_artifacts(artifact) as pipe:
+        return pipe(**CALL, seed=5, progress=False).images
+
+
+def _theirs(ref: Any) -> np.ndarray:
+    return ref(**CALL, generator=torch.Generator().manual_seed(5)).images
+
+
+@pytest.mark.parametrize(
+    "merged", [[("peft", 0.7)], [("kohya", 1.0), ("peft", -0.5)]], ids=["peft-0.7", "kohya-then-peft"]
+)
+def test_merged_lora_matches_diffusers_fuse_lora(
+    tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path, merged: list[tuple[str, float]],
+    request: pytest.FixtureRequest,
+) -> None:
+    specs = tuple((str(loras[f]), s) for f, s in merged)
+    if merged == [("peft", 0.7)]:
+        art = request.getfixturevalue("peft_artifact")
+    else:
+        art = compile_pipeline(tiny_pipeline_dir, tmp_path / "art", CompileConfig(loras=specs))
+    ref = _diffusers_with(tiny_pipeline_dir, [(loras[f], s) for f, s in merged])
+    got, want = _ours(art), _theirs(ref)
+    diff = float(np.abs(got - want).max())
+    assert diff < 1e-4, diff
+    # and the LoRA did change the image: the base pipeline's differs
+    base = _theirs(_diffusers_with(tiny_pipeline_dir, []))
+    assert np.abs(want - base).max() > 1e-2
+
+    manifest = artifacts.load_verified(art)
+    records = manifest["loras"]
+    assert [(r["file"], r["scale"]) for r in records] == [(loras[f].name, s) for f, s in merged]
+    assert all(r["sha256"] == artifacts.sha256_file(loras[f]) for r, (f, _) in zip(records, merged, strict=True))
+    n_unet = len(_lora_tensors(ref.unet, UNET_TARGETS, 1, 0))
+    for r, (f, _) in zip(records, merged, strict=True):  # text encoder: 2 layers x (q, v)
+        assert r["layers"] == ({"unet": n_unet, "text_encoder": 4} if f == "peft" else {"unet": n_unet})
+    assert manifest["config"]["loras"] == [[str(loras[f]), s] for f, s in merged]
+
+
+def test_lora_scale_zero_is_the_base_output(tiny_pipeline_dir: Path, tiny_artifact: Path, loras: dict[str, Path],
+                                           tmp_path: Path) -> None:
+    art = compile_pipeline(tiny_pipeline_dir, tmp_path / "art", CompileConfig(loras=((str(loras["peft"]), 0.0),)))
+    assert np.abs(_ours(art) - _ours(tiny_artifact)).max() < 1e-6
+    assert artifacts.read_manifest(art)["loras"][0]["scale"] == 0.0
+
+
+# -- bad inputs -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("a.safetensors:strong", "'strong' is not a scale"),
+        ("a.safetensors:", "'' is not a scale"),
+        ("a.safetensors:nan", "'nan' is not a scale"),
+        ("a.safetensors:inf", "'inf' is not a scale"),
+        (":0.5", "is not a scale"),
+    ],
+)
+def test_bad_scale_strings(text: str, message: str) -> None:
+    with pytest.raises(LoraError, match="use FILE or FILE:SCALE") as e:
+        parse_lora_arg(text)
+    assert message in str(e.value)
+
+
+def test_scale_strings() -> None:
+    assert parse_lora_arg("a.safetensors") == ("a.safetensors", 1.0)
+    assert parse_lora_arg("dir/a.safetensors:0.75") == ("dir/a.safetensors", 0.75)
+    assert parse_lora_arg("a.safetensors:-1") == ("a.safetensors", -1.0)
+    assert parse_lora_arg("C:/loras/a.safetensors") == ("C:/loras/a.safetensors", 1.0)
+
+
+def _bad_files(d: Path) -> dict[str, tuple[Path, str]]:
+    (d / "weights.bin").write_bytes(b"\x80\x04")
+    (d / "garbage.safetensors").write_bytes(b"not a safetensors file")
+    save_file({"unet.conv_in.weight": torch.zeros(2, 2)}, str(d / "plain.safetensors"))
+    (d / "folder.safetensors").mkdir()
+    return {
+        "missing": (d / "nope.safetensors", "does not exist"),
+        "folder": (d / "folder.safetensors", "is a folder"),
+        "not-safetensors": (d / "weights.bin", "is not a .safetensors file"),
+        "invalid": (d / "garbage.safetensors", "is not a valid safetensors file"),
+        "no-lora-keys": (d / "plain.safetensors", "holds no LoRA tensors"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "folder", "not-safetensors", "invalid", "no-lora-keys"])
+def test_bad_lora_files_fail_before_any_work(tiny_pipeline_dir: Path, tmp_path: Path, case: str) -> None:
+    path, message = _bad_files(tmp_path)[case]
+    with pytest.raises(LoraError, match="compile failed at LoRA check") as e:
+        compile_pipeline(tiny_pipeline_dir, tmp_path / "art", CompileConfig(loras=((str(path), 1.0),)))
+    assert message in str(e.value)
+    assert not (tmp_path / "art").exists()
+
+
+def test_same_lora_twice_is_refused(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path) -> None:
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(loras["peft"].read_bytes())
+    specs = ((str(loras["peft"]), 0.5), (str(copy), 0.5))
+    with pytest.raises(LoraError, match="is the same file as"):
+        compile_pipeline(tiny_pipeline_dir, tmp_path / "art", CompileConfig(loras=specs))
+
+
+@pytest.mark.parametrize(
+    ("prefix", "message"),
+    [
+        ("transformer.", "none of its 1 LoRA layers matches a layer of this model's unet or text_encoder"),
+        ("unet.", r"diffusers could not load it into this model \(Target modules .*no_such_block.* not found"),
+    ],
+    ids=["unknown-component", "unknown-module"],
+)
+def test_lora_matching_nothing_is_refused(tiny_pipeline_dir: Path, tmp_path: Path, prefix: str, message: str) -> None:
+    path = tmp_path / "other_model.safetensors"
+    save_file({f"{prefix}no_such_block.proj.lora_A.weight": torch.zeros(4, 8),
+               f"{prefix}no_such_block.proj.lora_B.weight": torch.zeros(8, 4)}, str(path))
+    with pytest.raises(LoraError, match=message):
+        compile_pipeline(tiny_pipeline_dir, tmp_path / "art", CompileConfig(loras=((str(path), 1.0),)))
+    assert not (tmp_path / "art").exists()
+
+
+def test_lora_matching_part_of_the_model_is_refused(
+    tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(loras["peft"]))
+    tensors["unet.no_such_block.proj.lora_A.weight"] = torch.zeros(4, 8)
+    tensors["unet.no_such_block.proj.lora_B.weight"] = torch.zeros(8, 4)
+    path = tmp_path / "partial.safetensors"
+    save_file(tensors, str(path))
+    with pytest.raises(LoraError, match=r"only \d+ of its \d+ LoRA layers match"):
+        compile_pipeline(tiny_pipeline_dir, tmp_path / "art", CompileConfig(loras=((str(path), 1.0),)))
+
+
+def test_refittable_is_tensorrt_only() -> None:
+    with pytest.raises(RuntimeInputError, match="refittable=True is a TensorRT build flag"):
+        CompileConfig(refittable=True)
+
+
+def test_compiling_an_artifact_is_refused(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path) -> None:
+    """A second compile from an artifact (whose weights hold a merged LoRA) names the source and the LoRA."""
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "manifest.json").write_text(json.dumps({
+        "source": {"path": str(tiny_pipeline_dir)},
+        "loras": [{"file": "style.safetensors", "sha256": "0" * 64, "scale": 0.7}],
+    }))
+    with pytest.raises(ModelFolderError) as e:
+        compile_pipeline(art, tmp_path / "again", CompileConfig(loras=((str(loras["peft"]), 0.7),)))
+    msg = str(e.value)
+    assert "is a compiled artifact" in msg and str(tiny_pipeline_dir) in msg
+    assert "style.safetensors (scale 0.7) merged already" in msg
+
+
+def test_cli_lora_errors(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path) -> None:
+    runner = CliRunner()
+    for lora_arg, message in [
+        (f"{loras['peft']}:strong", "'strong' is not a scale"),
+        (str(tmp_path / "missing.safetensors"), "does not exist"),
+    ]:
+        result = runner.invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"), "--lora", lora_arg])
+        assert result.exit_code == 2, result.output
+        assert message in result.output
+    result = runner.invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"), "--refittable"])
+    assert result.exit_code == 2 and "refittable=True is a TensorRT build flag" in result.output
+
+
+# -- load_lora: the refit weights (computed on the CPU; refitting needs TensorRT) --------------------------------
+
+
+def _initializers(artifact: Path, comp: str) -> dict[str, np.ndarray]:
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(artifact / comp / "model.onnx"))
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+@pytest.fixture(scope="module")
+def refit_maps(tiny_pipeline_dir: Path, tiny_artifact: Path) -> dict[str, dict[str, Any]]:
+    """Refit maps of the tiny artifact's graphs (what compile --backend tensorrt --refittable writes beside a plan)."""
+    import onnx
+
+    from diffusion_trt.lora import load_base_modules, refit_map
+
+    base = load_base_modules(tiny_pipeline_dir, ["unet", "text_encoder"])
+    return {c: refit_map(onnx.load(str(tiny_artifact / c / "model.onnx")), base[c]) for c in ("unet", "text_encoder")}
+
+
+def test_refit_map_covers_the_lora_targets(refit_maps: dict[str, dict[str, Any]]) -> None:
+    unet, te = refit_maps["unet"], refit_maps["text_encoder"]
+    targets = ("attn1.to_q.weight", "attn2.to_k.weight", "proj_in.weight", "resnets.0.conv1.weight", "ff.net.2.weight")
+    for suffix in targets:
+        assert any(w.endswith(suffix) for w in unet["weights"]), suffix
+    assert "encoder.layers.0.self_attn.q_proj.weight" in te["weights"]
+    assert any(e["transpose"] for e in unet["weights"].values())  # Linear -> MatMul with the transposed weight
+    assert len({e["initializer"] for e in unet["weights"].values()}) == len(unet["weights"])
+
+
+def test_refit_weights_are_a_compile_with_the_lora(
+    tiny_pipeline_dir: Path, tiny_artifact: Path, peft_artifact: Path, loras: dict[str, Path],
+    refit_maps: dict[str, dict[str, Any]],
+) -> None:
+    """base + LoRA computed for refitting == the initializers of the artifact compiled with --lora at that scale;
+    scale 0 after it restores exactly the base initializers; a second LoRA is applied to the base, not on top."""
+    from diffusion_trt.lora import check_lora_file, refit_weights
+
+    first = refit_weights(refit_maps, tiny_pipeline_dir, check_lora_file(loras["peft"], 0.7))
+    from diffusion_trt.lora import safetensors_keys
+
+    n_unet = sum(1 for k in safetensors_keys(loras["peft"]) if k.startswith("unet.") and k.endswith("lora_A.weight"))
+    for comp in ("unet", "text_encoder"):
+        base, merged = _initializers(tiny_artifact, comp), _initializers(peft_artifact, comp)
+        assert set(base) == set(merged)
+        changed = {n for n in base if base[n].shape != merged[n].shape or not np.array_equal(base[n], merged[n])}
+        assert set(first[comp]) == changed  # exactly the weights the LoRA moves
+        for name, value in first[comp].items():
+            assert value.dtype == merged[name].dtype and value.shape == merged[name].shape
+            np.testing.assert_allclose(value, merged[name], rtol=0, atol=1e-6)
+    assert len(first["text_encoder"]) == 4 and len(first["unet"]) == n_unet
+
+    zero = refit_weights(refit_maps, tiny_pipeline_dir, check_lora_file(loras["peft"], 0.0), previous=first)
+    for comp in ("unet", "text_encoder"):
+        base = _initializers(tiny_artifact, comp)
+        assert set(zero[comp]) == set(first[comp])  # the previous LoRA's weights go back ...
+        assert all(np.array_equal(v, base[n]) for n, v in zero[comp].items())  # ... to the base values
+
+    # kohya (UNet only) after the peft LoRA: the text encoder returns to base, the UNet is base + kohya only
+    second = refit_weights(refit_maps, tiny_pipeline_dir, check_lora_file(loras["kohya"], 1.0), previous=first)
+    base_te = _initializers(tiny_artifact, "text_encoder")
+    assert all(np.array_equal(v, base_te[n]) for n, v in second["text_encoder"].items())
+    alone = refit_weights(refit_maps, tiny_pipeline_dir, check_lora_file(loras["kohya"], 1.0))
+    for n, v in alone["unet"].items():
+        np.testing.assert_array_equal(second["unet"][n], v)
+
+
+def test_refit_weights_refuse_another_model_folder(
+    tmp_path: Path, loras: dict[str, Path], refit_maps: dict[str, dict[str, Any]]
+) -> None:
+    from diffusion_trt.compiler.dummy import write_dummy_pipeline
+    from diffusion_trt.lora import check_lora_file, refit_weights
+
+    other = write_dummy_pipeline(tmp_path / "other", arch="tiny", seed=1)
+    with pytest.raises(LoraError, match="is not the one the artifact was compiled from"):
+        refit_weights(refit_maps, other, check_lora_file(loras["peft"], 1.0))
+
+
+def test_load_lora_bad_input(tiny_artifact: Path, peft_artifact: Path, loras: dict[str, Path], tmp_path: Path) -> None:
+    (tmp_path / "w.bin").write_bytes(b"x")
+    with EnginePipeline.from_artifacts(tiny_artifact) as pipe:
+        cases: list[tuple[Any, Any, str]] = [
+            (loras["peft"], 1.0, "ONNX Runtime sessions cannot swap weights in place: merge the LoRA at compile "
+                                 "time with `diffusion-trt compile MODEL --lora style.safetensors:1`"),
+            (tmp_path / "missing.safetensors", 1.0, "does not exist"),
+            (tmp_path / "w.bin", 1.0, "is not a .safetensors file"),
+            (loras["peft"], float("nan"), "scale=nan must be a finite number"),
+            (loras["peft"], "0.5", "scale='0.5' must be a finite number"),
+        ]
+        for path, scale, message in cases:
+            with pytest.raises(LoraError) as e:
+                pipe.load_lora(path, scale)
+            assert message in str(e.value)
+        assert pipe.lora is None
+    with EnginePipeline.from_artifacts(peft_artifact) as pipe, pytest.raises(LoraError) as e:
+        pipe.load_lora(loras["peft"], 0.3)
+    assert "merged into this artifact already (compile --lora, scale 0.7)" in str(e.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.tensorrt
+def test_load_lora_refits_tensorrt_engines(
+    tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path
+) -> None:
+    """A refittable TensorRT artifact: load_lora = compile --lora (fp32), scale 0 = base, never on top."""
+    cfg = {"backend": "tensorrt", "device": "cuda", "precision": "fp32"}
+    art = compile_pipeline(tiny_pipeline_dir, tmp_path / "refit", CompileConfig(**cfg, refittable=True))
+    merged = compile_pipeline(tiny_pipeline_dir, tmp_path / "merged",
+                              CompileConfig(**cfg, loras=((str(loras["peft"]), 0.7),)))
+    call = {**CALL, "seed": 5, "progress": False}
+    with EnginePipeline.from_artifacts(merged) as pipe:
+        want = pipe(**call).images
+    with EnginePipeline.from_artifacts(art) as pipe:
+        base = pipe(**call).images
+        pipe.load_lora(loras["kohya"], 1.0)
+        pipe.load_lora(loras["peft"], 0.7)  # from the base weights, not on top of kohya
+        assert pipe.lora is not None and pipe.lora["refitted"]["text_encoder"] == 4
+        np.testing.assert_allclose(pipe(**call).images, want, atol=2e-3)
+        pipe.load_lora(loras["peft"], 0.0)
+        np.testing.assert_allclose(pipe(**call).images, base, atol=1e-5)
