@@ -11,7 +11,13 @@ driven by the loop of :mod:`diffusion_trt.runtime.denoise` (its ``tokenize``, ``
 ``step_kwargs``, diffusers' scheduler from the model folder), i.e. diffusers' ``StableDiffusionPipeline`` step for
 step. Why not an fp32 artifact through ``EnginePipeline``: the compile would need a second full export first; the
 torch modules are exact fp32 and already in memory. The UNet is a callable (:data:`UNetFn`), so the quality gate
-(:mod:`.quantize`) runs the very same loop with an ONNX Runtime session of the quantized graph instead.
+(:mod:`.quantize`) runs the very same loop with an ONNX Runtime session of the quantized graph instead, and the
+UNet's calibration runs it with the fp32 graph being calibrated (``quantize.LoopCalibrator``: one UNet run per
+step gives both the next latents and the tensor statistics, instead of a torch run now and a replay later).
+
+Cost (SD-1.5, 512x512, 2-core CPU): every UNet call is one fp32 batch-2 UNet run of ~11 s on a quiet machine, and a
+loop cannot skip steps (step k's input needs steps 0..k-1). ``run(final_latents=False)`` stops after the last
+captured step; ``batch_size`` runs several prompts per UNet call.
 
 Determinism: the latents of prompt ``i`` come from ``torch.Generator("cpu").manual_seed(seed + i)``; the loop has
 no other randomness (schedulers with noise, e.g. Euler ancestral, draw from that generator too). Same prompts,
@@ -26,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,6 +212,9 @@ class Generation:
         *,
         keep_outputs: bool = False,
         decode: bool = False,
+        batch_size: int = 1,
+        final_latents: bool = True,
+        on_capture: Callable[[], None] | None = None,
     ) -> CapturedData:
         """Generate one image per prompt and capture the UNet inputs at the chosen steps.
 
@@ -213,13 +223,30 @@ class Generation:
             unet_fn: the UNet to denoise with; ``None`` = the fp32 torch UNet.
             keep_outputs: also keep the UNet's output per captured feed (``CapturedData.noise_preds``).
             decode: also decode each final latent with the fp32 VAE (``CapturedData.images``).
+            batch_size: prompts denoised together: one UNet call of batch ``2 * batch_size`` (CFG) per step
+                instead of ``batch_size`` calls of batch 2 (fewer, larger calls: ~15 % less time per image for the
+                SD-1.5 UNet on a 2-core CPU). Each prompt keeps its own scheduler and generator, and the feeds are
+                still captured per prompt, in prompt order: the same feeds as ``batch_size=1`` up to the float
+                rounding of a larger batch (bit-identical for ``batch_size=1``).
+            final_latents: run every loop to its end for the VAE decoder feeds. ``False`` stops each loop after its
+                last captured step (the UNet feeds are the same; the UNet calls after it are skipped) and captures
+                no VAE decoder feed; ``decode`` implies ``True``.
+            on_capture: called right after each UNet call at a captured step (e.g. to fold the tensor statistics
+                of that call into calibration ranges; see :class:`~.quantize.LoopCalibrator`).
 
         Returns:
-            The captured feeds (UNet: ``len(prompts) * K``; VAE decoder: ``len(prompts)``), in prompt order.
+            The captured feeds (UNet: ``len(prompts) * K``; VAE decoder: ``len(prompts)`` when the loops run to
+            their end), in prompt order.
+
+        Raises:
+            RuntimeInputError: ``batch_size`` < 1.
         """
         from ..runtime.denoise import prepare_latents, step_kwargs
         from ..runtime.schedulers import make_scheduler
 
+        if batch_size < 1:
+            raise RuntimeInputError(f"calibration batch_size={batch_size} must be >= 1")
+        final_latents = final_latents or decode
         unet_fn = unet_fn or torch_unet_fn(self.models["unet"])
         unet_cfg = self.models["unet"].config
         channels = int(unet_cfg.in_channels)
@@ -228,33 +255,57 @@ class Generation:
         wanted = set(capture_indices(settings.num_inference_steps, settings.steps))
         template = make_scheduler(self.scheduler_config)
         shape = (1, channels, settings.height // 8, settings.width // 8)
-        for index, prompt in enumerate(prompts):
-            # 1. encode prompt
-            embeds = self._embeddings(prompt, do_cfg)
-            # 2. prepare latents
-            scheduler = type(template).from_config(template.config)
-            scheduler.set_timesteps(settings.num_inference_steps, device="cpu")
-            generator = torch.Generator(device="cpu").manual_seed(settings.seed + index)
-            latents = prepare_latents(scheduler, shape, torch.float32, torch.device("cpu"), generator)
-            extra = step_kwargs(scheduler, generator, 0.0)
-            # 3. denoise, capturing the UNet's inputs at the wanted steps
-            for i, t in enumerate(scheduler.timesteps):
-                model_input = torch.cat([latents] * 2) if do_cfg else latents
-                model_input = scheduler.scale_model_input(model_input, t)
+        t_start = time.perf_counter()
+        for first in range(0, len(prompts), batch_size):
+            group = list(prompts[first:first + batch_size])
+            # 1. encode prompts: [negative; positive] per prompt, prompts one after the other
+            embeds = torch.cat([self._embeddings(prompt, do_cfg) for prompt in group])
+            # 2. prepare latents: a scheduler and a generator per prompt, as if each ran alone
+            schedulers, latents, extras = [], [], []
+            for index in range(first, first + len(group)):
+                scheduler = type(template).from_config(template.config)
+                scheduler.set_timesteps(settings.num_inference_steps, device="cpu")
+                generator = torch.Generator(device="cpu").manual_seed(settings.seed + index)
+                latents.append(prepare_latents(scheduler, shape, torch.float32, torch.device("cpu"), generator))
+                extras.append(step_kwargs(scheduler, generator, 0.0))
+                schedulers.append(scheduler)
+            timesteps = schedulers[0].timesteps
+            last = len(timesteps) - 1 if final_latents else min(max(wanted), len(timesteps) - 1)
+            feeds: list[list[dict[str, np.ndarray]]] = [[] for _ in group]
+            preds: list[list[np.ndarray]] = [[] for _ in group]
+            # 3. denoise (the prompts of the group in lockstep), capturing the UNet's inputs at the wanted steps
+            for i, t in enumerate(timesteps[:last + 1]):
+                model_input = torch.cat([
+                    s.scale_model_input(torch.cat([x] * 2) if do_cfg else x, t)
+                    for s, x in zip(schedulers, latents, strict=True)
+                ])
                 timestep = t.to(torch.float32).expand(model_input.shape[0]).contiguous()
                 noise_pred = unet_fn(model_input, timestep, embeds)
-                if i in wanted:
-                    out.feeds["unet"].append({"sample": model_input.numpy().copy(), "timestep": timestep.numpy().copy(),
-                                              "encoder_hidden_states": embeds.numpy().copy()})
-                    if keep_outputs:
-                        out.noise_preds.append(noise_pred.numpy().copy())
-                if do_cfg:
-                    uncond, text = noise_pred.chunk(2)
-                    noise_pred = uncond + settings.guidance_scale * (text - uncond)
-                latents = scheduler.step(noise_pred, t, latents, **extra, return_dict=False)[0]
-            # 4. what the VAE decoder sees
-            latent_sample = latents / self.vae_scaling_factor
-            out.feeds["vae_decoder"].append({"latent_sample": latent_sample.numpy().copy()})
-            if decode:
-                out.images.append(self.decode(latent_sample))
+                rows = model_input.shape[0] // len(group)
+                for j, (scheduler, extra) in enumerate(zip(schedulers, extras, strict=True)):
+                    part = slice(j * rows, (j + 1) * rows)
+                    pred = noise_pred[part]
+                    if i in wanted:
+                        feeds[j].append({"sample": model_input[part].numpy().copy(),
+                                         "timestep": timestep[part].numpy().copy(),
+                                         "encoder_hidden_states": embeds[part].numpy().copy()})
+                        if keep_outputs:
+                            preds[j].append(pred.numpy().copy())
+                    if do_cfg:
+                        uncond, text = pred.chunk(2)
+                        pred = uncond + settings.guidance_scale * (text - uncond)
+                    latents[j] = scheduler.step(pred, t, latents[j], **extra, return_dict=False)[0]
+                if i in wanted and on_capture is not None:
+                    on_capture()
+            for j in range(len(group)):
+                out.feeds["unet"].extend(feeds[j])
+                out.noise_preds.extend(preds[j])
+                if final_latents:
+                    # 4. what the VAE decoder sees
+                    latent_sample = latents[j] / self.vae_scaling_factor
+                    out.feeds["vae_decoder"].append({"latent_sample": latent_sample.numpy().copy()})
+                    if decode:
+                        out.images.append(self.decode(latent_sample))
+            logger.debug("loop: prompts %d..%d of %d done, %d UNet calls each, %.1f s so far", first + 1,
+                         first + len(group), len(prompts), last + 1, time.perf_counter() - t_start)
         return out

@@ -30,8 +30,11 @@ one ORT accepts for float8; TensorRT only, and only for compute capability >= 8.
 any calibration).
 
 SmoothQuant: ``onnxruntime.quantization`` implements it (``extra_options={"SmoothQuant": True,
-"SmoothQuantAlpha": a}``) by calling Intel Neural Compressor, which must be installed; it then smooths every
-MatMul whose input comes from a foldable op (attention projections and feed-forward layers in the UNet).
+"SmoothQuantAlpha": a}``) by importing Intel Neural Compressor's ONNX Runtime adaptor
+(:data:`SMOOTH_QUANT_MODULE`); it then smooths every MatMul whose input comes from a foldable op (attention
+projections and feed-forward layers in the UNet). That adaptor ships with neural-compressor 2.x through 3.7.1 only
+(3.8 removed it; ``pip install neural-compressor`` gets 3.10 without it), and every one of those releases requires
+numpy<2, so it cannot be installed beside this project's numpy 2 environment; see :func:`smooth_quant_unavailable`.
 """
 
 from __future__ import annotations
@@ -68,8 +71,16 @@ _NORM_OPS = frozenset({"LayerNormalization", "GroupNormalization", "InstanceNorm
                        "GroupNorm", "SkipGroupNorm", "SkipLayerNormalization", "SimplifiedLayerNormalization"})
 CALIBRATION_METHODS: tuple[str, ...] = ("minmax", "entropy", "percentile")
 CACHE_FORMAT = 1
-#: Calibration feeds run per ``collect_data`` call (bounds the memory of the intermediate outputs).
-CALIBRATION_CHUNK = 8
+#: Calibration feeds run per ``collect_data`` call. The histogram calibrators (entropy, percentile, fp8's
+#: distribution) hold every calibrated tensor of every feed of a call until it is folded (478 tensors of up to
+#: [2, 320, 64, 64] for the SD-1.5 UNet at 512x512), so one feed per call. MinMax holds two scalars per tensor.
+CALIBRATION_CHUNK = 1
+#: Prompts denoised together by the calibration loops (UNet batch 2 * CALIBRATION_BATCH with CFG); see
+#: ``Generation.run(batch_size=...)``; part of the cache key (a larger batch changes float rounding). 1: on the
+#: 2-core CPU host the augmented SD-1.5 graph (ORT, no graph optimizations, as ORT's calibrators run it) took
+#: 32.1 s per prompt and UNet call at batch 4 vs 25.6 s at batch 2 (both at load ~4.3) and peaked at 20.7 GiB RSS
+#: instead of 14.0 GiB (benchmarks/results/README.md); the torch UNet is ~10 % faster per image at batch 4.
+CALIBRATION_BATCH = 1
 
 
 @dataclass(frozen=True)
@@ -100,9 +111,33 @@ def onnx_precision_types(precision: str, backend: str) -> tuple[Any, Any, bool]:
     raise RuntimeInputError(f"precision={precision!r} is not a quantized precision; use int8 or fp8")
 
 
+#: What ``onnxruntime.quantization.quantize_static`` imports for SmoothQuant (neural-compressor 2.x..3.7.1).
+SMOOTH_QUANT_MODULE = "neural_compressor.adaptor.ox_utils.smooth_quant"
+
+
+def smooth_quant_unavailable() -> str | None:
+    """Why ``onnxruntime.quantization``'s SmoothQuant cannot run here, or ``None`` when it can.
+
+    Imports :data:`SMOOTH_QUANT_MODULE` (and with it neural-compressor, seconds) when the package is installed.
+    """
+    if importlib.util.find_spec("neural_compressor") is None:
+        return "Intel Neural Compressor (neural-compressor) is not installed"
+    try:
+        importlib.import_module(SMOOTH_QUANT_MODULE)
+    except Exception as e:  # noqa: BLE001 - any import failure means the same to the caller
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            have = f"neural-compressor {version('neural-compressor')}"
+        except PackageNotFoundError:
+            have = "the installed neural_compressor"
+        return f"{have} cannot import {SMOOTH_QUANT_MODULE} ({type(e).__name__}: {e})"
+    return None
+
+
 def smooth_quant_available() -> bool:
-    """Whether ``onnxruntime.quantization``'s SmoothQuant can run here (it imports Intel Neural Compressor)."""
-    return importlib.util.find_spec("neural_compressor") is not None
+    """Whether ``onnxruntime.quantization``'s SmoothQuant can run here (see :func:`smooth_quant_unavailable`)."""
+    return smooth_quant_unavailable() is None
 
 
 # -- structure: node names and the sensitive-node categories ---------------------------------------------------
@@ -316,6 +351,109 @@ def calibrate_ranges(model_path: Path, feeds: Sequence[Mapping[str, np.ndarray]]
     return out
 
 
+
+class _ReplaySession:
+    """Stands in for a calibrator's ``infer_session`` for one ``collect_data`` call: ``run`` returns outputs that
+    were already computed for the very feed the reader gives (everything else goes to the real session)."""
+
+    def __init__(self, session: Any, outputs: list[np.ndarray]) -> None:
+        self._session = session
+        self._outputs = outputs
+
+    def run(self, output_names: Any, feeds: Any, *args: Any, **kwargs: Any) -> list[np.ndarray]:
+        del output_names, feeds, args, kwargs
+        return self._outputs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+
+class LoopCalibrator:
+    """ONNX Runtime's calibrator driven by the denoising loop itself: one run of the augmented fp32 UNet graph per
+    UNet call both continues the loop (its ``noise_pred``) and yields that call's tensor statistics.
+
+    ::
+
+        prompts ──loop (Generation.run, unet_fn=this.unet_fn)──► augmented graph: noise_pred + statistics per call
+                                     captured step: on_capture=this.fold ──► calibrator.collect_data (its own merge)
+
+    Why: capturing the inputs with the torch UNet and then replaying them through the augmented graph runs the
+    UNet twice per captured step. Here the graph being quantized denoises: same prompts, seeds, schedule, size and
+    captured steps, half the UNet runs; its inputs differ from the torch loop's by fp32 rounding only (the same
+    function, other kernels). The statistics are folded by the calibrator's own ``collect_data`` (one call's
+    outputs replayed through :class:`_ReplaySession`), one UNet call at a time: memory holds one call's
+    intermediate outputs at most (MinMax: two scalars per tensor; histogram methods: the tensors).
+
+    Deterministic: same graph, prompts and settings give a byte-identical ranges file on the same machine and
+    library versions (ONNX Runtime's CPU kernels do not depend on timing).
+
+    Args:
+        model_path: the fp32 graph to calibrate (inputs ``sample``, ``timestep``, ``encoder_hidden_states``).
+        method: an ``onnxruntime.quantization.CalibrationMethod``.
+        work_dir: where the augmented graph is written (a temporary folder; ~ the size of the graph).
+        output_name: the graph output the loop continues with.
+    """
+
+    def __init__(self, model_path: Path, method: Any, work_dir: Path, output_name: str = "noise_pred") -> None:
+        from onnxruntime.quantization import create_calibrator
+
+        self.calibrator = create_calibrator(
+            model_path, list(QUANTIZED_OP_TYPES), augmented_model_path=str(Path(work_dir) / "augmented.onnx"),
+            calibrate_method=method, use_external_data_format=True,
+        )
+        self.session = self.calibrator.infer_session
+        names = [o.name for o in self.session.get_outputs()]
+        if output_name not in names:
+            raise BuildError(f"{model_path}: no output {output_name!r} to continue the calibration loop with")
+        self._index = names.index(output_name)
+        self._last: tuple[dict[str, np.ndarray], list[np.ndarray]] | None = None
+        self.calls = 0
+        self.folded = 0
+
+    def unet_fn(self, sample: Any, timestep: Any, encoder_hidden_states: Any) -> Any:
+        """A :data:`~.calibrate.UNetFn`: run the augmented graph, keep the statistics until :meth:`fold`."""
+        import torch
+
+        feeds = {"sample": sample.numpy(), "timestep": timestep.numpy(),
+                 "encoder_hidden_states": encoder_hidden_states.numpy()}
+        outputs = self.session.run(None, feeds)
+        self._last = (feeds, outputs)
+        self.calls += 1
+        return torch.from_numpy(outputs[self._index])
+
+    def fold(self) -> None:
+        """Fold the statistics of the last UNet call into the ranges (the loop's ``on_capture``)."""
+        if self._last is None:
+            raise BuildError("LoopCalibrator.fold called before any UNet call")
+        feeds, outputs = self._last
+        self._last = None
+        self.calibrator.infer_session = _ReplaySession(self.session, outputs)
+        try:
+            self.calibrator.collect_data(_data_reader([feeds]))
+        finally:
+            self.calibrator.infer_session = self.session
+        self.folded += 1
+
+    def save(self, out: Path) -> Path:
+        """Write the ranges (``save_tensors_data``, the format of :func:`calibrate_ranges`); free the session.
+
+        Raises:
+            BuildError: nothing was folded.
+        """
+        from onnxruntime.quantization.calibrate import save_tensors_data
+
+        if not self.folded:
+            raise BuildError("no calibration data: the loop captured no UNet call; raise --calibration-size")
+        save_tensors_data(self.calibrator.compute_data(), out)
+        self.close()
+        return out
+
+    def close(self) -> None:
+        """Drop the calibrator and its session (GBs for SD-1.5)."""
+        self.calibrator = None  # type: ignore[assignment]
+        self.session = None
+
+
 # -- quantize -----------------------------------------------------------------------------------------------
 
 
@@ -360,6 +498,7 @@ def quantize_onnx(
     cache_in: str | Path | None = None,
     cache_out: Path | None = None,
     component: str = "unet",
+    calibrate: Callable[[Path, Any, Path], Any] | None = None,
 ) -> dict[str, Any]:
     """Quantize ``fp32_path`` into a QDQ graph at ``out_path`` (weights external beside it when > 1.8 GB).
 
@@ -371,6 +510,9 @@ def quantize_onnx(
         cache_in: a calibration cache to reuse (:func:`find_cache`); used when its key matches.
         cache_out: folder to write ``<component>.json`` + ``<component>.ranges.json`` into (the artifact's
             ``calibration/``).
+        calibrate: on a cache miss, ``calibrate(graph_path, method, ranges_path)`` writes the ranges of the graph
+            (e.g. :class:`LoopCalibrator` through the denoising loop) instead of :func:`calibrate_ranges` over
+            ``feeds``; ``feeds`` are then only fetched for SmoothQuant.
 
     Returns:
         Manifest facts: settings, excluded nodes per category, QDQ counts, cache path/key/reused, seconds.
@@ -384,13 +526,16 @@ def quantize_onnx(
     settings = {**spec.settings(), **cache_settings, "component": component}
     key = cache_key(settings)
     if spec.smooth_quant_alpha is not None:
-        if not smooth_quant_available():
-            raise BuildError(
-                "SmoothQuant (--smooth-quant-alpha) runs through onnxruntime.quantization, which needs Intel Neural "
-                "Compressor; `pip install neural-compressor` or drop --smooth-quant-alpha"
-            )
         if not 0.0 <= spec.smooth_quant_alpha <= 1.0:
             raise RuntimeInputError(f"--smooth-quant-alpha {spec.smooth_quant_alpha} must be in [0, 1]")
+        why = smooth_quant_unavailable()
+        if why is not None:
+            raise BuildError(
+                f"SmoothQuant (--smooth-quant-alpha) runs through onnxruntime.quantization, which imports "
+                f"{SMOOTH_QUANT_MODULE}: {why}. Only neural-compressor 2.x to 3.7.1 ship it (3.8 removed it) and "
+                "those releases require numpy<2: install `neural-compressor>=2.4,<3.8` in an environment with "
+                "numpy<2 (plus a setuptools that still has pkg_resources), or drop --smooth-quant-alpha"
+            )
     model = onnx.load(str(fp32_path))
     name_nodes(model)
     excluded = sensitive_nodes(model, spec.exclude)
@@ -407,9 +552,10 @@ def quantize_onnx(
             ranges_src = None
         else:
             logger.info("%s: calibration cache hit (%s): skipping calibration", component, meta_path)
+    smooth = spec.smooth_quant_alpha is not None
     if callable(feeds):
-        feeds = feeds() if ranges_src is None or spec.smooth_quant_alpha is not None else None
-    if ranges_src is None and not feeds:
+        feeds = feeds() if smooth or (ranges_src is None and calibrate is None) else None
+    if (smooth or (ranges_src is None and calibrate is None)) and not feeds:
         raise BuildError(f"{component}: no calibration data and no matching calibration cache")
 
     act, weight, sym = onnx_precision_types(spec.precision, spec.backend)
@@ -432,11 +578,15 @@ def quantize_onnx(
                         location="named.onnx.data")
         del model
         tq = time.perf_counter()
-        smooth = spec.smooth_quant_alpha is not None
+        ranges_seconds = 0.0
         try:
             with _quiet_ort_quantization():
                 if ranges_src is None and not smooth:
-                    calibrate_ranges(named, feeds or [], ranges_tmp, method[spec._method_name()])
+                    if calibrate is not None:
+                        calibrate(named, method[spec._method_name()], ranges_tmp)
+                    else:
+                        calibrate_ranges(named, feeds or [], ranges_tmp, method[spec._method_name()])
+                    ranges_seconds = time.perf_counter() - tq
                 quantize_static(
                     str(named), str(out_path), _data_reader(feeds or []) if smooth else None,
                     quant_format=QuantFormat.QDQ,
@@ -480,6 +630,9 @@ def quantize_onnx(
                         "samples": 0 if ranges_src is not None else len(feeds or [])},
         "seconds": round(time.perf_counter() - t0, 3),
         "quantize_seconds": round(quant_seconds, 3),
+        # of which: computing the ranges (calibrator; with ``calibrate``, the whole loop) / writing the QDQ graph
+        "ranges_seconds": round(ranges_seconds, 3),
+        "qdq_seconds": round(quant_seconds - ranges_seconds, 3),
     }
 
 
@@ -630,8 +783,10 @@ def check_fp8_target(precision: str, target_compute_capability: str | None) -> s
 class QuantizeStage:
     """Calibrate -> quantize -> gate for the components of one compile, sharing the captured data.
 
-    Calibration feeds are captured once, on the first cache miss (all components from the same loops); the
-    held-out reference once, on the first gate.
+    Calibration feeds are captured once, on the first cache miss (all components from the same loops): the UNet's
+    ranges come from the loop its own fp32 graph drives (:class:`LoopCalibrator`, one UNet run per step), the VAE
+    decoder's from the final latents of that loop (or of the torch UNet's loop when the UNet's ranges came from the
+    cache, or with SmoothQuant, which needs the feeds themselves). The held-out reference once, on the first gate.
 
     Args:
         generation: the fp32 torch modules, tokenizer and scheduler (:class:`~.calibrate.Generation`).
@@ -654,8 +809,11 @@ class QuantizeStage:
         )
         self.prompts = select_prompts(read_prompts(config.prompts), config.size)
         self.settings = LoopSettings(steps=config.steps, seed=config.seed, height=height, width=width)
+        self.batch_size = CALIBRATION_BATCH
+        # the UNet is calibrated through the loop its own fp32 graph drives (LoopCalibrator), prompts in batches
         self.key_facts = {**key_facts, "prompts_sha256": prompts_sha256(self.prompts), "size": config.size,
-                          **{f"loop_{k}": v for k, v in self.settings.to_json().items()}}
+                          **{f"loop_{k}": v for k, v in self.settings.to_json().items()},
+                          "loop_batch_size": self.batch_size, "loop_unet": "onnx"}
         self.thresholds = Thresholds(config.min_cosine, config.min_psnr)
         from .calibrate import HELD_OUT_PROMPTS
 
@@ -665,13 +823,34 @@ class QuantizeStage:
         self.capture_seconds = 0.0
 
     def _feeds(self, component: str) -> list[dict[str, np.ndarray]]:
+        """The captured feeds of ``component`` (the torch loop runs once if no loop ran yet: SmoothQuant, or a VAE
+        decoder calibrated after a UNet cache hit)."""
         if self._data is None:
             t0 = time.perf_counter()
-            logger.info("calibration: %d prompts x %d steps (seed %d, %dx%d)", len(self.prompts), self.settings.steps,
-                        self.settings.seed, self.settings.width, self.settings.height)
-            self._data = self.generation.run(self.prompts, self.settings)
+            logger.info("calibration: %d prompts x %d steps (seed %d, %dx%d, torch UNet)", len(self.prompts),
+                        self.settings.steps, self.settings.seed, self.settings.width, self.settings.height)
+            self._data = self.generation.run(self.prompts, self.settings, batch_size=self.batch_size)
             self.capture_seconds = time.perf_counter() - t0
         return self._data.feeds[component]
+
+    def _loop_ranges(self, graph: Path, method: Any, out: Path) -> None:
+        """Calibrate the UNet graph through the denoising loop it drives itself (:class:`LoopCalibrator`); the
+        feeds the loop saw are kept for the components after it (the VAE decoder's) and for the record."""
+        t0 = time.perf_counter()
+        logger.info("calibration: %d prompts x %d steps (seed %d, %dx%d, the fp32 UNet graph through ONNX Runtime, "
+                    "%d prompts per UNet call)", len(self.prompts), self.settings.steps, self.settings.seed,
+                    self.settings.width, self.settings.height, self.batch_size)
+        with tempfile.TemporaryDirectory(prefix="dtrt-calib-") as tmp:
+            loop = LoopCalibrator(graph, method, Path(tmp))
+            try:
+                self._data = self.generation.run(
+                    self.prompts, self.settings, loop.unet_fn, batch_size=self.batch_size,
+                    final_latents="vae_decoder" in self.config.components, on_capture=loop.fold,
+                )
+                loop.save(out)
+            finally:
+                loop.close()
+        self.capture_seconds = time.perf_counter() - t0
 
     def run(self, component: str, fp32_path: Path, out_path: Path, cache_out: Path) -> dict[str, Any]:
         """Quantize ``fp32_path`` into ``out_path``, store the cache in ``cache_out``, measure and gate.
@@ -682,12 +861,17 @@ class QuantizeStage:
         Raises:
             QualityGateError: below a threshold without ``accept_quality_loss``.
         """
+        loop = component == "unet" and self.spec.smooth_quant_alpha is None
         facts = quantize_onnx(fp32_path, out_path, self.spec, lambda: self._feeds(component),
                               cache_settings=self.key_facts, cache_in=self.config.cache, cache_out=cache_out,
-                              component=component)
-        facts["calibration"].update({"prompts_sha256": self.key_facts["prompts_sha256"], "seed": self.settings.seed,
-                                     "size": self.config.size, "steps": self.settings.steps,
-                                     "capture_seconds": round(self.capture_seconds, 3)})
+                              component=component, calibrate=self._loop_ranges if loop else None)
+        calibration = facts["calibration"]
+        if not calibration["reused"] and self._data is not None:
+            calibration["samples"] = len(self._data.feeds[component])
+        calibration.update({"prompts_sha256": self.key_facts["prompts_sha256"], "seed": self.settings.seed,
+                            "size": self.config.size, "steps": self.settings.steps,
+                            "loop": "onnx" if loop else "torch", "batch_size": self.batch_size,
+                            "capture_seconds": round(self.capture_seconds, 3)})
         self._share_cache(component, cache_out, facts)
         if self._reference is None:
             self._reference = self.generation.run(self.held_out, self.settings, decode=True)

@@ -191,6 +191,9 @@ def test_int8_unet_runs_in_ort_cpu_through_engine_pipeline(int8_artifact: Path) 
     assert unet["quality"]["passed"] and unet["quality"]["cosine_min"] >= 0.98
     assert unet["quantization"]["qdq"]["DequantizeLinear"] > 0
     assert unet["quantization"]["calibration"]["cache"] == "calibration/unet.json"
+    # calibrated through the loop its own fp32 graph drives: 2 prompts x 2 captured steps
+    assert unet["quantization"]["calibration"]["loop"] == "onnx"
+    assert unet["quantization"]["calibration"]["samples"] == 4
     assert "calibration/unet.ranges.json" in manifest["files"]
     assert (int8_artifact.parent / "cache" / "unet.ranges.json").read_bytes() == (
         int8_artifact / "calibration" / "unet.ranges.json").read_bytes()
@@ -200,3 +203,31 @@ def test_int8_unet_runs_in_ort_cpu_through_engine_pipeline(int8_artifact: Path) 
         assert pipe.engines["unet"].providers == ["CPUExecutionProvider"]
         out = pipe("an ink painting of a crane", num_inference_steps=3, seed=3, output_type="np")
     assert out.images.shape == (1, 64, 64, 3) and np.isfinite(out.images).all()
+
+
+def test_smooth_quant_says_exactly_what_is_missing(mini_path: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pip install neural-compressor` gives 3.8+, which lacks the ONNX Runtime adaptor onnxruntime imports."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("neural_compressor") is not None:
+        pytest.skip("a real neural-compressor is installed here")
+    assert "not installed" in str(quantize.smooth_quant_unavailable())
+    spec = quantize.QuantizeSpec("int8", "ort", smooth_quant_alpha=0.5)
+    with pytest.raises(BuildError, match=r"neural-compressor>=2\.4,<3\.8.*numpy<2"):
+        quantize.quantize_onnx(mini_path, tmp_path / "q" / "model.onnx", spec, feeds(), cache_settings={})
+    with pytest.raises(RuntimeInputError, match=r"must be in \[0, 1\]"):
+        quantize.quantize_onnx(mini_path, tmp_path / "q" / "model.onnx",
+                               quantize.QuantizeSpec("int8", "ort", smooth_quant_alpha=1.5), feeds(), cache_settings={})
+    site = tmp_path / "site" / "neural_compressor"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")  # a 3.8+ layout: no adaptor package
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    try:
+        why = str(quantize.smooth_quant_unavailable())
+        assert quantize.SMOOTH_QUANT_MODULE in why and "ModuleNotFoundError" in why
+        assert not quantize.smooth_quant_available()
+    finally:
+        for name in [m for m in sys.modules if m == "neural_compressor" or m.startswith("neural_compressor.")]:
+            del sys.modules[name]
