@@ -509,6 +509,12 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
             f"{cfg.artifact} is an {manifest['model']['architecture']} artifact; bench times SD 1.x/2.x artifacts "
             "(its per-stage timings run the SD prompt encoding): use benchmarks/sdxl_e2e.py for SDXL"
         )
+    model = manifest.get("model", {})
+    if int(model.get("unet_in_channels", 4)) != int(model.get("latent_channels", 4)):
+        raise RuntimeInputError(
+            f"{cfg.artifact} is an inpainting artifact (UNet with {model['unet_in_channels']} input channels); bench "
+            "times text-to-image: bench the text-to-image checkpoint it was fine-tuned from"
+        )
     device_kind = cfg.device or manifest.get("device", "cpu")
     if cfg.devices and device_kind != "cuda":
         raise RuntimeInputError(

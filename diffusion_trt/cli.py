@@ -282,8 +282,8 @@ def _print_pass_table(path: Path) -> None:
 @click.option("-p", "--prompt", required=True, help="Text prompt.")
 @click.option("-n", "--negative-prompt", default=None, help="Negative prompt [default: empty].")
 @click.option("--steps", type=int, default=30, show_default=True, help="Denoising steps.")
-@click.option("--guidance", type=float, default=7.5, show_default=True,
-              help="Classifier-free guidance scale; <= 1 disables CFG.")
+@click.option("--guidance", type=float, default=None,
+              help="Classifier-free guidance scale; <= 1 disables CFG [default: 7.5; 5.0 for SDXL, as diffusers].")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--height", type=int, default=None, help="[default: the artifact's opt height]")
 @click.option("--width", type=int, default=None, help="[default: the artifact's opt width]")
@@ -304,7 +304,7 @@ def _print_pass_table(path: Path) -> None:
 @click.option("--mask", "mask_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Inpainting, with --image: white = repaint, black = keep (read as grayscale, the image's size).")
 @_handle_errors
-def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps: int, guidance: float, seed: int,
+def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps: int, guidance: float | None, seed: int,
             height: int | None, width: int | None, batch_size: int, scheduler: str | None, device: str | None,
             snap: bool, devices: str | None, cuda_graph: bool | None, out: Path, image_path: Path | None,
             strength: float | None, mask_path: Path | None) -> None:

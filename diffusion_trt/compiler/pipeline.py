@@ -332,6 +332,12 @@ def compile_pipeline(
                 f"precision={config.precision!r} is not supported for SDXL models yet: calibration runs the SD 1.x "
                 "prompt encoding and loop; use --precision fp16 (or fp32)"
             )
+        if quantized and facts["unet_in_channels"] != facts.get("latent_channels", 4):
+            raise RuntimeInputError(
+                f"precision={config.precision!r} is not supported for inpainting models yet (UNet with "
+                f"{facts['unet_in_channels']} input channels): calibration runs the text-to-image loop; use "
+                "--precision fp16 (or fp32)"
+            )
         profile: ShapeProfile = config.resolve_profile(facts["default_height"])
     specs = specs_for(facts)
     names = component_names(config.components, facts)

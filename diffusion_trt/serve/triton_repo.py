@@ -196,6 +196,12 @@ def export_triton_repository(
             f"{root} is an {manifest['model']['architecture']} artifact; the Triton pipeline model runs the SD 1.x/2.x "
             "loop only: run SDXL artifacts with EnginePipeline (Python) or diffusion-trt run"
         )
+    model = manifest.get("model", {})
+    if int(model.get("unet_in_channels", 4)) != int(model.get("latent_channels", 4)):
+        raise ArtifactError(
+            f"{root} is an inpainting artifact (UNet with {model['unet_in_channels']} input channels); the Triton "
+            "pipeline model runs text-to-image only: serve it with EnginePipeline (Python) or diffusion-trt run"
+        )
     backend, device = manifest["backend"], manifest["device"]
     names = {c: f"{prefix}{c}" for c in manifest["components"]}
     pipeline_name = f"{prefix}pipeline"

@@ -295,3 +295,18 @@ def test_cli_bad_image_input(inpaint_artifact: Path, tiny_artifact: Path, tmp_pa
         code, out = _invoke(*args, "--steps", "2", "-o", out_png)
         assert code == code_want, (args, out)
         assert message in " ".join(out.split()), (args, out)
+
+
+def test_text_to_image_only_tools_refuse_inpainting_artifacts(inpaint_artifact: Path, inpaint_pipeline_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """export-triton, bench and int8 compile run the text-to-image loop: an inpainting artifact / model is refused up
+    front with the reason, not failed deep inside (a fresh user's findings)."""
+    code, out = _invoke("export-triton", inpaint_artifact, tmp_path / "repo")
+    assert code != 0 and "inpainting artifact" in out and "text-to-image only" in out, out
+    assert not (tmp_path / "repo").exists()
+    code, out = _invoke("bench", inpaint_artifact, "--steps", "1", "--iters", "1", "--baseline", "none")
+    assert code != 0 and "inpainting artifact" in out, out
+    code, out = _invoke("compile", inpaint_pipeline_dir, "-o", tmp_path / "int8", "--precision", "int8",
+                        "--calibration-size", "1")
+    assert code != 0 and "not supported for inpainting models" in out, out
+    assert not (tmp_path / "int8").exists()

@@ -160,3 +160,18 @@ def test_sdxl_default_guidance_is_diffusers(sdxl_reference: diffusers.StableDiff
 def test_sdxl_bad_arguments(sdxl_pipes: dict[bool, EnginePipeline], kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(RuntimeInputError, match=message):
         sdxl_pipes[False]("a cat", num_inference_steps=1, progress=False, **kwargs)
+
+
+def test_cli_run_takes_each_architectures_default_guidance(tiny_sdxl_artifact: Path, tiny_sd21_artifact: Path,
+                                                           tmp_path: Path) -> None:
+    """`run` without --guidance: 5.0 for SDXL, 7.5 for SD (diffusers' defaults), recorded in the PNG."""
+    from click.testing import CliRunner
+
+    from diffusion_trt.cli import main
+    from diffusion_trt.runtime.png import read_png_parameters
+
+    for artifact, want in ((tiny_sdxl_artifact, 5.0), (tiny_sd21_artifact, 7.5)):
+        out = tmp_path / f"{artifact.name}.png"
+        result = CliRunner().invoke(main, ["run", str(artifact), "-p", "a cat", "--steps", "2", "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        assert read_png_parameters(out)["guidance_scale"] == want
