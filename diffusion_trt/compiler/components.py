@@ -102,16 +102,7 @@ def component_specs(
             ),
             outputs=(TensorSpec("noise_pred", "float", ("B2", unet_out, "h", "w")),),
         ),
-        "vae_decoder": ComponentSpec(
-            "vae_decoder",
-            inputs=(TensorSpec("latent_sample", "float", ("B", latent, "h", "w")),),
-            outputs=(TensorSpec("sample", "float", ("B", 3, "H", "W")),),
-        ),
-        "vae_encoder": ComponentSpec(
-            "vae_encoder",
-            inputs=(TensorSpec("sample", "float", ("B", 3, "H", "W")),),
-            outputs=(TensorSpec("latent_parameters", "float", ("B", 2 * latent, "h", "w")),),
-        ),
+        **_vae_specs(latent),
     }
 
 

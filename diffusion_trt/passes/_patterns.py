@@ -172,6 +172,14 @@ class Namer:
         return name
 
 
+def redirect_readers(tensor: gs.Tensor, new: gs.Tensor, readers: Iterable[gs.Node] | None = None) -> None:
+    """Make ``readers`` (default: every node reading ``tensor``) read ``new`` wherever they read ``tensor``."""
+    for reader in list(tensor.outputs if readers is None else readers):
+        for i, inp in enumerate(reader.inputs):
+            if inp is tensor:
+                reader.inputs[i] = new
+
+
 def replace_output(graph: gs.Graph, last: gs.Node, new_node: gs.Node) -> None:
     """Make ``new_node`` the producer of ``last``'s outputs and add it to the graph.
 

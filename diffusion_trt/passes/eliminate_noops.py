@@ -8,7 +8,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ._match import Rejection, in_onnx_domain, is_graph_output, reject
-from ._patterns import const_value, is_const, rank
+from ._patterns import const_value, is_const, rank, redirect_readers
 from .base import PassContext, PassResult
 
 logger = logging.getLogger(__name__)
@@ -55,11 +55,7 @@ def eliminate_noops(graph: gs.Graph, ctx: PassContext) -> PassResult:
         if problem is not None:
             rejections.append(reject(NAME, node, problem))
             continue
-        out = node.outputs[0]
-        for reader in list(out.outputs):
-            for i, tensor in enumerate(reader.inputs):
-                if tensor is out:
-                    reader.inputs[i] = x
+        redirect_readers(node.outputs[0], x)
         node.outputs.clear()
         removed += 1
     return PassResult(modified=removed > 0, counts={"removed": removed, "rejected": len(rejections)})

@@ -9,7 +9,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ._match import Rejection, is_graph_output, reject, single_consumer
-from ._patterns import ORT_CUDA, Namer, const_value, is_const, producer, target_of
+from ._patterns import ORT_CUDA, Namer, const_value, is_const, producer, redirect_readers, target_of
 from .base import PassContext, PassResult
 
 logger = logging.getLogger(__name__)
@@ -150,10 +150,7 @@ def _rewrite(graph: gs.Graph, match: _SkipGroupNormMatch, names: Namer) -> None:
                                shape=None if total.shape is None else [total.shape[p] for p in _TO_NHWC])
         outputs.append(sum_nhwc)
         sum_nchw = _transpose(graph, names, sum_nhwc, _TO_NCHW, f"{total.name}_nchw")
-        for reader in others:
-            for i, tensor in enumerate(reader.inputs):
-                if tensor is total:
-                    reader.inputs[i] = sum_nchw
+        redirect_readers(total, sum_nchw, others)
     graph.nodes.append(gs.Node(op="SkipGroupNorm", domain="com.microsoft", name=names(f"{base}_SkipGroupNorm"),
                                attrs=dict(norm.attrs), inputs=inputs, outputs=outputs))
     match.add.outputs.clear()

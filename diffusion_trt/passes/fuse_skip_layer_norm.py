@@ -9,7 +9,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ._match import Rejection, in_onnx_domain, is_graph_output, reject, single_consumer
-from ._patterns import ORT_CUDA, Namer, const_value, is_const, producer, same_shape, target_of
+from ._patterns import ORT_CUDA, Namer, const_value, is_const, producer, redirect_readers, same_shape, target_of
 from .base import PassContext, PassResult
 
 logger = logging.getLogger(__name__)
@@ -145,10 +145,7 @@ def _rewrite(graph: gs.Graph, match: _SkipMatch, names: Namer) -> None:
     if others:
         summed = gs.Variable(names(f"{total.name}_sln_sum"), dtype=total.dtype, shape=total.shape)
         outputs += [gs.Variable.empty(), gs.Variable.empty(), summed]
-        for reader in others:
-            for i, tensor in enumerate(reader.inputs):
-                if tensor is total:
-                    reader.inputs[i] = summed
+        redirect_readers(total, summed, others)
     node = gs.Node(op="SkipLayerNormalization", name=names(f"{norm.name}_SkipLayerNorm"), domain="com.microsoft",
                    attrs={"epsilon": float(norm.attrs.get("epsilon", 1e-5))}, inputs=inputs, outputs=outputs)
     graph.nodes.append(node)
