@@ -53,7 +53,7 @@ from collections.abc import Collection, Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from .errors import ArtifactError
+from .errors import ArtifactError, OutputPathError
 
 logger = logging.getLogger(__name__)
 
@@ -344,7 +344,7 @@ def artifact_lock(final: str | os.PathLike[str], timeout: float = 0.0, poll: flo
         poll: seconds between attempts while waiting.
 
     Raises:
-        ArtifactError: another process holds the lock past ``timeout`` (message names its pid and host).
+        OutputPathError: another process holds the lock past ``timeout`` (message names its pid and host).
     """
     import fcntl
 
@@ -361,7 +361,7 @@ def artifact_lock(final: str | os.PathLike[str], timeout: float = 0.0, poll: flo
                 if time.monotonic() >= deadline:
                     holder = _lock_holder(path)
                     waited = f"after waiting {timeout:g} s" if timeout > 0 else "now"
-                    raise ArtifactError(
+                    raise OutputPathError(
                         f"another compile ({holder}) is writing {final} {waited}; wait for it to finish, write "
                         f"to another folder, or pass --lock-timeout SECONDS to wait (lock file {path})"
                     ) from None
@@ -468,21 +468,22 @@ def staging_dir(final: Path, overwrite: bool = False, lock_timeout: float = 0.0)
     it is two renames, and a writer killed between them has the old folder restored by the next writer.
 
     Raises:
-        ArtifactError: ``final`` exists and ``overwrite`` is false, or another writer holds the lock past
-            ``lock_timeout`` seconds.
+        OutputPathError: ``final`` is a file, or exists and ``overwrite`` is false (or holds no manifest), or another
+            writer holds the lock past ``lock_timeout`` seconds.
+        OSError: a folder on the way to ``final`` cannot be created (a file in its place, no permission).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     with artifact_lock(final, timeout=lock_timeout):
         _recover(final)
         if final.exists() and not final.is_dir():
-            raise ArtifactError(f"output {final} is a file, not a folder; choose another -o")
+            raise OutputPathError(f"output {final} is a file, not a folder; choose another -o")
         if final.is_dir() and not any(final.iterdir()):
             final.rmdir()  # an empty folder (made with mkdir -p) is no artifact to protect
         if final.exists() and not overwrite:
-            raise ArtifactError(f"output folder {final} already exists; pass --overwrite or choose another -o")
+            raise OutputPathError(f"output folder {final} already exists; pass --overwrite or choose another -o")
         if final.exists() and not (final / MANIFEST_NAME).is_file():
-            raise ArtifactError(
+            raise OutputPathError(
                 f"output folder {final} is not empty and holds no {MANIFEST_NAME}: --overwrite only replaces an "
                 "artifact; choose another -o (nothing was deleted)"
             )

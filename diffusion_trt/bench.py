@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from .errors import RuntimeInputError
+from .errors import ModelFolderError, RuntimeInputError
 
 logger = logging.getLogger(__name__)
 
@@ -498,6 +498,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
 
     Raises:
         ArtifactError / RuntimeInputError: the artifact cannot be loaded or a batch size cannot be run by it.
+        ModelFolderError: ``model_dir`` was given for the diffusers baseline but holds no model_index.json.
     """
     from .artifacts import read_manifest
     from .runtime.pipeline import EnginePipeline
@@ -527,6 +528,11 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     runs: list[Run] = []
     source = manifest.get("source", {}).get("path")
     model_dir = cfg.model_dir or (Path(source) if source else None)
+    if cfg.baseline == "diffusers" and cfg.model_dir is not None and not _is_pipeline_folder(cfg.model_dir):
+        raise ModelFolderError(
+            f"--model-dir {cfg.model_dir} has no model_index.json; pass the diffusers pipeline folder the artifact "
+            "was compiled from, or --baseline none"
+        )
 
     _free_memory()
     _memory_start([device])
@@ -623,6 +629,10 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     }
 
 
+def _is_pipeline_folder(path: str | Path) -> bool:
+    return (Path(path) / "model_index.json").is_file()
+
+
 def _diffusers_runs(
     cfg: BenchConfig,
     clock: Clock,
@@ -635,8 +645,8 @@ def _diffusers_runs(
     say: Callable[[str], None],
 ) -> list[Run]:
     systems = ("diffusers_eager", "diffusers_cuda_graph")
-    if model_dir is None or not Path(model_dir).is_dir():
-        reason = f"no diffusers folder (model_dir={model_dir}); pass --model-dir"
+    if model_dir is None or not _is_pipeline_folder(model_dir):
+        reason = f"no diffusers pipeline folder (model_dir={model_dir}, no model_index.json); pass --model-dir"
         return [Run(s, b, status="skipped", reason=reason) for s in systems for b in cfg.batch_sizes]
     from diffusers import StableDiffusionPipeline
 

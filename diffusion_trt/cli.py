@@ -7,7 +7,9 @@ Any :class:`~diffusion_trt.errors.DiffusionTrtError` becomes one ``error: ...`` 
 
 from __future__ import annotations
 
+import errno
 import functools
+import json
 import logging
 import sys
 from collections.abc import Callable
@@ -20,6 +22,9 @@ from .compiler.dummy import ARCHS  # a tuple of names: dummy.py imports torch/di
 from .errors import DiffusionTrtError
 
 logger = logging.getLogger("diffusion_trt")
+
+#: Seeds: what torch.Generator.manual_seed takes without overflow (as the runtime checks).
+SEED = click.IntRange(0, 2**63 - 1)
 
 
 def _setup_logging(verbose: int) -> None:
@@ -36,7 +41,38 @@ def _setup_logging(verbose: int) -> None:
             logging.getLogger(name).setLevel(logging.ERROR)
 
 
+#: Exit codes (the top-level --help and README.md list them; errors.py maps each error class to one).
+EXIT_CODES_HELP = """\b
+Exit codes:
+  0  success
+  1  unexpected error, or a compile stage failed (export, passes, build)
+  2  bad input or usage: options, model folder, LoRA, images, an output path that exists or cannot be written
+  3  the artifact is missing, damaged or incompatible with this machine (verify found problems)
+  4  a quantized build failed the quality gate (--accept-quality-loss writes it anyway)"""
+
+#: errno -> the fix for an OS error on a path the user gave.
+_OS_ERROR_FIXES = {
+    errno.EEXIST: "a file stands where a folder is needed; choose another path",
+    errno.ENOTDIR: "part of the path is a file, not a folder; choose another path",
+    errno.EISDIR: "it is a folder; pass a file path",
+    errno.EACCES: "no permission; choose a writable location or fix the permissions",
+    errno.EPERM: "no permission; choose a writable location or fix the permissions",
+    errno.EROFS: "read-only file system; choose another location",
+    errno.ENOSPC: "the disk is full; free space or choose another location",
+    errno.ENOENT: "check the path",
+}
+
+
+def _os_error_message(e: OSError) -> str:
+    """One line for an OS error: the path, the cause and the fix."""
+    where = f"{e.filename}: " if e.filename else ""
+    return f"{where}{e.strerror or e}; {_OS_ERROR_FIXES.get(e.errno or 0, 'check the path and its permissions')}"
+
+
 def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a DiffusionTrtError into one ``error:`` line and its exit code, and an OSError (a path that cannot be
+    created, read or written: a file in the way, no permission, disk full) into one line and exit 2."""
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -44,11 +80,16 @@ def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except DiffusionTrtError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
+        except OSError as e:
+            logger.debug("%s", type(e).__name__, exc_info=True)
+            click.echo(f"error: {_os_error_message(e)}", err=True)
+            sys.exit(2)
 
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+             epilog=EXIT_CODES_HELP)
 @click.option("-v", "--verbose", count=True, help="Debug logs (pass rejections, per-stage timings).")
 @click.version_option(package_name="diffusion-trt")
 def main(verbose: int) -> None:
@@ -70,7 +111,7 @@ def main(verbose: int) -> None:
                    "(768x768, v-prediction, ~5 GB) and SDXL-base (1024x1024, two text encoders, ~14 GB) architectures; "
                    "tiny-sd21 / tiny-sdxl: their structures at toy widths; sd15-inpaint / tiny-sd15-inpaint: the "
                    "SD-1.5 inpainting UNet (9 input channels), true size / toy widths.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty OUT_DIR.")
 @_handle_errors
 def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None:
@@ -107,7 +148,7 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
               help="int8/fp8: calibration prompts N (one image each).")
 @click.option("--calibration-steps", type=click.IntRange(min=1), default=8, show_default=True,
               help="int8/fp8: UNet inputs captured per prompt K, spread over the schedule.")
-@click.option("--calibration-seed", type=int, default=0, show_default=True, help="int8/fp8: seed of the latents.")
+@click.option("--calibration-seed", type=SEED, default=0, show_default=True, help="int8/fp8: seed of the latents.")
 @click.option("--calibration-method", type=click.Choice(["minmax", "entropy", "percentile"]), default="minmax",
               show_default=True, help="int8: ONNX Runtime calibrator (fp8 always uses 'distribution').")
 @click.option("--calibration-cache", type=click.Path(), default=None,
@@ -147,6 +188,9 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
                    "sdxl-vae-fp16-fix). By default it stays fp32 unless vae/config.json says force_upcast: false.")
 @click.option("--dump-passes", type=click.Path(file_okay=False), default=None,
               help="Write the graph after each pass into this folder.")
+@click.option("--pass-option", "pass_options", multiple=True, metavar="KEY=VALUE",
+              help="An option for the passes (PassContext.options; each pass's docstring lists its own), e.g. "
+                   "pack_qkv=true or fuse_attention_emit=none; VALUE is read as JSON when it parses. Repeatable.")
 @click.option("--timing-cache", type=click.Path(file_okay=False), default="~/.cache/diffusion-trt/timing-cache",
               show_default=True, help="TensorRT: folder of timing caches reused across builds.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact (only once the new one is complete).")
@@ -178,16 +222,58 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     if snap:
         for key in ("height", "width", "min_height", "max_height", "min_width", "max_width"):
             options[key] = _snap(key, options[key])
+    _warn_unused_compile_options(options)
     quantize = _quantize_config(options)  # pops the int8/fp8 options first
     from .lora import parse_lora_arg
 
     options["loras"] = tuple(parse_lora_arg(x) for x in options["loras"])
+    options["pass_options"] = _parse_pass_options(options["pass_options"])
     config = CompileConfig(**options, quantize=quantize)
     with logging_redirect_tqdm(loggers=[logger]):
         path = compile_pipeline(model_dir, out_dir, config, overwrite=overwrite, progress=True,
                                 lock_timeout=lock_timeout)
     _print_pass_table(path)
     click.echo(f"artifact: {path}")
+
+
+def _parse_pass_options(items: tuple[str, ...]) -> dict[str, Any]:
+    """``("pack_qkv=false", "fuse_attention_emit=none")`` -> ``{"pack_qkv": False, "fuse_attention_emit": "none"}``."""
+    parsed: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE (e.g. pack_qkv=false)", param_hint="--pass-option")
+        try:
+            parsed[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            parsed[key.strip()] = value
+    return parsed
+
+
+#: compile options that only int8/fp8 builds read.
+_QUANTIZE_OPTIONS = ("calibration_prompts", "calibration_size", "calibration_steps", "calibration_seed",
+                     "calibration_method", "calibration_cache", "quantize_vae", "quantize_exclude",
+                     "smooth_quant_alpha", "min_cosine", "min_psnr", "accept_quality_loss", "target_compute_capability")
+
+
+def _given(names: tuple[str, ...]) -> list[str]:
+    """The options among ``names`` (parameter names) set on the command line, as ``--flags``."""
+    ctx = click.get_current_context()
+    return [f"--{n.replace('_', '-')}" for n in names
+            if ctx.get_parameter_source(n) not in (None, click.core.ParameterSource.DEFAULT)]
+
+
+def _warn_unused_compile_options(options: dict[str, Any]) -> None:
+    """One warning line per compile option given where it has no effect (the build goes on)."""
+    from .config import QUANTIZED_PRECISIONS
+
+    precision, backend = options["precision"], options["backend"]
+    unused = _given(_QUANTIZE_OPTIONS) if precision not in QUANTIZED_PRECISIONS else []
+    if unused:
+        logger.warning("%s: no effect with --precision %s (calibration and quantization options apply to int8/fp8)",
+                       " ".join(unused), precision)
+    if backend != "tensorrt" and _given(("timing_cache",)):
+        logger.warning("--timing-cache: no effect with --backend %s (it caches TensorRT kernel timings)", backend)
 
 
 def _quantize_config(options: dict[str, Any]) -> Any:
@@ -230,13 +316,30 @@ def _snap(name: str, value: int | None, lo: int | None = None, hi: int | None = 
 def _read_image(path: Path, flag: str, mode: str) -> Any:
     """Open an image file as a PIL image in ``mode`` ("RGB" for --image, "L" for --mask).
 
+    16-bit grayscale (PIL modes "I;16*", and "I" holding 0..65535) is scaled to 8 bits (``v / 257``) first: a
+    plain ``convert`` clips it to 255 (a white image). Images with transparency are refused, as
+    ``EnginePipeline`` refuses RGBA: dropping the alpha channel would silently change the picture.
+
     Raises:
-        click.BadParameter: the file is not an image Pillow can read.
+        click.BadParameter: the file is not an image Pillow can read, has transparency, or holds 32-bit values
+            outside 0..65535.
     """
+    import numpy as np
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as im:
+            if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
+                raise click.BadParameter(
+                    f"{str(path)!r} has transparency (mode {im.mode}), which would be dropped silently; flatten it "
+                    "onto a background first and save it without alpha (RGB PNG or JPEG)", param_hint=flag)
+            if im.mode == "I" or im.mode.startswith("I;16"):
+                values = np.asarray(im).astype(np.int64)
+                if values.size and (values.min() < 0 or values.max() > 65535):
+                    raise click.BadParameter(
+                        f"{str(path)!r} is a 32-bit integer image with values in [{values.min()}, {values.max()}]; "
+                        "save it as an 8- or 16-bit PNG", param_hint=flag)
+                im = Image.fromarray(((values + 128) // 257).astype(np.uint8))  # 16 -> 8 bits ("L"), rounded
             return im.convert(mode)
     except (UnidentifiedImageError, OSError) as e:
         raise click.BadParameter(f"cannot read {str(path)!r} as an image ({e}); pass a PNG or JPEG file",
@@ -255,8 +358,8 @@ def _check_writable_file(path: Path, flag: str, suffix: str | None) -> None:
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise click.BadParameter(f"cannot create the folder {parent} ({e.strerror}); choose another path",
-                                 param_hint=flag) from None
+        fix = _OS_ERROR_FIXES.get(e.errno or 0, "choose another path")
+        raise click.BadParameter(f"cannot create the folder {parent} ({e.strerror}); {fix}", param_hint=flag) from None
     import os
 
     if not os.access(parent, os.W_OK):
@@ -284,7 +387,7 @@ def _print_pass_table(path: Path) -> None:
 @click.option("--steps", type=int, default=30, show_default=True, help="Denoising steps.")
 @click.option("--guidance", type=float, default=None,
               help="Classifier-free guidance scale; <= 1 disables CFG [default: 7.5; 5.0 for SDXL, as diffusers].")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--height", type=int, default=None, help="[default: the artifact's opt height]")
 @click.option("--width", type=int, default=None, help="[default: the artifact's opt width]")
 @click.option("--batch-size", type=int, default=1, show_default=True, help="Images for the prompt.")
@@ -326,6 +429,9 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
         raise click.UsageError("--strength needs --image: it is how much of the start image is re-noised")
     if image_path is not None and devices is not None:
         raise click.UsageError("--image runs on one device; drop --devices (or use --device cuda)")
+    if negative_prompt is not None and guidance is not None and guidance <= 1:
+        logger.warning("--negative-prompt: no effect with --guidance %g (guidance <= 1 turns classifier-free guidance "
+                       "off, and the negative prompt only acts through it)", guidance)
     image = _read_image(image_path, "--image", "RGB") if image_path is not None else None
     mask = _read_image(mask_path, "--mask", "L") if mask_path is not None else None
     _check_writable_file(out, "-o", ".png")  # before minutes of denoising, not after
@@ -482,7 +588,7 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
               help="Our engines as CUDA graphs [default: on for static CUDA artifacts and TensorRT].")
 @click.option("--prompt", default=None, help="Prompt of every call [default: a fixed landscape prompt].")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the result as JSON (schema: diffusion_trt/bench.py).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,

@@ -23,6 +23,14 @@ QUANTIZED_PRECISIONS: tuple[str, ...] = ("int8", "fp8")
 
 #: Image sizes must be multiples of this: the SD VAE downsamples by 2**3 (three stride-2 stages).
 IMAGE_ALIGNMENT = 8
+#: Largest image side a compile profile may hold (pixels): SD 1.x/2.x/SDXL are trained at 512..1024, and far larger
+#: sizes export for minutes before the engines fail to fit in memory.
+MAX_IMAGE_SIZE = 4096
+#: Largest batch (images per engine call) a compile profile may hold; ``run`` splits larger requests into chunks.
+MAX_BATCH_SIZE = 64
+#: Opsets compile exports: 17 (LayerNormalization) up to the newest that torch.onnx's TorchScript exporter
+#: (``dynamo=False``, compiler/export.py) writes.
+MIN_OPSET, MAX_OPSET = 17, 20
 
 
 def nearest_multiples(value: int, multiple: int) -> tuple[int, int]:
@@ -196,6 +204,10 @@ class QuantizeConfig:
         return cls(**data)
 
 
+_SIZE_FIELDS = ("height", "width", "min_height", "max_height", "min_width", "max_width")
+_BATCH_FIELDS = ("batch_size", "min_batch_size", "max_batch_size")
+
+
 @dataclass(frozen=True)
 class CompileConfig:
     """What ``diffusion-trt compile`` was asked to do.
@@ -204,10 +216,12 @@ class CompileConfig:
         backend: "ort" (ONNX Runtime) or "tensorrt".
         device: "cpu" or "cuda": where the engines will run (and where export runs).
         precision: "fp32" or "fp16" weights and activations. fp16 requires ``device="cuda"`` for ORT.
-        opset: ONNX opset of the exported graphs (>= 17: LayerNormalization).
+        opset: ONNX opset of the exported graphs, :data:`MIN_OPSET`..:data:`MAX_OPSET` (17: LayerNormalization).
         height, width, batch_size: the optimal ("opt") shape; ``None`` = the model's default size
             (``unet.config.sample_size * 8``) and batch 1.
-        min_*/max_*: profile bounds; ``None`` = half / double the opt size, batch 1..max(4, opt).
+        min_*/max_*: profile bounds; ``None`` = half / double the opt size (at most :data:`MAX_IMAGE_SIZE`),
+            batch 1..max(4, opt). Sizes above :data:`MAX_IMAGE_SIZE` and batches above :data:`MAX_BATCH_SIZE` are
+            refused.
         components: which components to export, in order (an SDXL model adds ``text_encoder_2`` after
             ``text_encoder``: its prompt encoding needs both).
         fp16_safe_vae: SDXL with ``precision="fp16"``: build the VAE in fp16 too. By default an SDXL VAE stays fp32
@@ -223,6 +237,9 @@ class CompileConfig:
             :mod:`diffusion_trt.lora`); the manifest records each file's name, sha256 and scale.
         refittable: TensorRT only: build refittable engines (``BuilderFlag.REFIT``) and write a refit map per UNet
             and text encoder, so that ``EnginePipeline.load_lora`` can swap LoRAs at run time.
+        pass_options: ``PassContext.options`` for every component, over the ones compile derives itself (each
+            pass's docstring lists the options it reads, e.g. ``{"pack_qkv": True}``,
+            ``{"fuse_attention_emit": "none"}``); for experiments and A/B timings (``--pass-option``).
     """
 
     backend: str = "ort"
@@ -243,7 +260,7 @@ class CompileConfig:
     trust_pickle: bool = False
     dump_passes: str | None = None
     timing_cache: str | None = "~/.cache/diffusion-trt/timing-cache"
-    extra: dict[str, Any] = field(default_factory=dict)
+    pass_options: dict[str, Any] = field(default_factory=dict)
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     loras: tuple[tuple[str, float], ...] = ()
     refittable: bool = False
@@ -268,8 +285,16 @@ class CompileConfig:
             value = getattr(self, name)
             if value not in allowed:
                 raise RuntimeInputError(f"{name}={value!r} is not supported; use one of {', '.join(allowed)}")
-        if self.opset < 17:
-            raise RuntimeInputError(f"opset={self.opset} is too old; use 17 or newer (LayerNormalization)")
+        if self.opset < MIN_OPSET:
+            raise RuntimeInputError(f"opset={self.opset} is too old; use {MIN_OPSET} or newer (LayerNormalization)")
+        if self.opset > MAX_OPSET:
+            raise RuntimeInputError(f"opset={self.opset} is newer than torch.onnx's exporter writes; use "
+                                    f"{MIN_OPSET}..{MAX_OPSET}")
+        for name, limit, unit in (*((n, MAX_IMAGE_SIZE, " px") for n in _SIZE_FIELDS),
+                                  *((n, MAX_BATCH_SIZE, "") for n in _BATCH_FIELDS)):
+            value = getattr(self, name)
+            if value is not None and value > limit:
+                raise RuntimeInputError(f"{name}={value} is above the limit of {limit}{unit}; use {limit} or less")
         if self.precision == "fp16" and self.device == "cpu":
             raise RuntimeInputError(
                 "precision='fp16' with device='cpu' is not supported: ONNX Runtime's CPU provider has "
@@ -294,7 +319,7 @@ class CompileConfig:
             opt = default_size if opt is None else opt  # 0 is a value to refuse, not "the default"
             check_image_size(name, opt)
             lo = lo if lo is not None else max(IMAGE_ALIGNMENT, opt // 2 // IMAGE_ALIGNMENT * IMAGE_ALIGNMENT)
-            hi = hi if hi is not None else opt * 2
+            hi = hi if hi is not None else min(opt * 2, max(opt, MAX_IMAGE_SIZE))
             check_image_size(f"min-{name}", lo)
             check_image_size(f"max-{name}", hi)
             if not lo <= opt <= hi:

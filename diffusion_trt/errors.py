@@ -2,7 +2,17 @@
 
 Every message states the cause, the offending value and the fix, e.g.
 ``"height=700 is not a multiple of 8; use 696 or 704 (engine profile allows 256..1024)"``.
-The CLI turns any :class:`DiffusionTrtError` into one line on stderr and a non-zero exit.
+The CLI turns any :class:`DiffusionTrtError` into one line on stderr and its class's exit code:
+
+====  ==========================================================================================================
+code  meaning
+====  ==========================================================================================================
+0     success
+1     an unexpected error, or a compile stage failed (:class:`ExportError`, :class:`PassError`, :class:`BuildError`)
+2     bad input or usage: options, model folder, LoRA, runtime arguments, an output path that cannot be used
+3     the artifact is missing, damaged or incompatible with this machine (``verify`` found problems)
+4     a quantized engine failed the quality gate (:class:`QualityGateError`)
+====  ==========================================================================================================
 """
 
 from __future__ import annotations
@@ -37,6 +47,13 @@ class ArtifactError(DiffusionTrtError):
     """An artifact folder is missing files, fails verification or is incompatible with this machine."""
 
     exit_code = 3
+
+
+class OutputPathError(ArtifactError):
+    """An output path cannot be used: it exists (without ``--overwrite``), is a file where a folder is needed, overlaps
+    the input, or another compile is writing it. A usage error (exit 2), not a damaged artifact."""
+
+    exit_code = 2
 
 
 class RuntimeInputError(DiffusionTrtError, ValueError):

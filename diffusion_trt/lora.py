@@ -19,8 +19,10 @@ checks are used by the runtime too.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,11 +209,13 @@ def merge_loras(models: dict[str, Any], loras: list[LoraFile]) -> list[dict[str,
         state, _ = type(host).lora_state_dict(str(lora.path))
         expected = sum(1 for k in state if _is_down_key(k))
         try:
-            host.load_lora_weights(str(lora.path), adapter_name=adapter)
+            with _diffusers_logs_at_debug():
+                host.load_lora_weights(str(lora.path), adapter_name=adapter)
         except (ValueError, KeyError, RuntimeError, TypeError) as e:
+            logger.debug("load_lora_weights(%s) failed:\n%s", lora.path, e)
             raise LoraError(
-                f"LoRA file {lora.path}: diffusers could not load it into this model ({e}); was it made for another "
-                "architecture (SD 1.x / 2.x / SDXL)?"
+                f"LoRA file {lora.path}: diffusers could not load it into this model ({_summary(e)}); was it made for "
+                "another architecture (SD 1.x / 2.x / SDXL)?"
             ) from e
         layers = {c: lora_layer_count(models[c], adapter) for c in components}
         if not any(layers.values()):
@@ -231,6 +235,30 @@ def merge_loras(models: dict[str, Any], loras: list[LoraFile]) -> list[dict[str,
                     ", ".join(f"{c} {n} layers" for c, n in layers.items() if n))
         records.append(lora.record({c: n for c, n in layers.items() if n}))
     return records
+
+
+@contextlib.contextmanager
+def _diffusers_logs_at_debug() -> Iterator[None]:
+    """Silence diffusers' own log lines (it logs the error it then raises, and warnings per key prefix) unless this
+    module logs at DEBUG (``-v``): the error is reported once, by the caller."""
+    diffusers_logger = logging.getLogger("diffusers")
+    level = diffusers_logger.level
+    if not logger.isEnabledFor(logging.DEBUG):
+        diffusers_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        diffusers_logger.setLevel(level)
+
+
+def _summary(e: BaseException, lines: int = 2, chars: int = 400) -> str:
+    """The first ``lines`` non-empty lines of an error message on one line, at most ``chars`` long (for a LoRA of
+    another architecture, peft lists every mismatched tensor or missing module: hundreds of lines or names)."""
+    text = [line.strip() for line in str(e).splitlines() if line.strip()]
+    head = " ".join(text[:lines])
+    if len(text) <= lines and len(head) <= chars:
+        return head
+    return f"{head[:chars]} ... (cut; the whole message is logged at DEBUG: diffusion-trt -v)"
 
 
 def _is_down_key(key: str) -> bool:

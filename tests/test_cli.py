@@ -169,7 +169,7 @@ def test_overwrite_refuses_a_folder_that_is_no_artifact(tiny_pipeline_dir: Path,
     precious.mkdir()
     (precious / "thesis.txt").write_text("precious")
     code, out = _invoke("compile", tiny_pipeline_dir, "-o", precious, "--overwrite")
-    assert code == 3 and "holds no manifest.json: --overwrite only replaces an artifact" in out
+    assert code == 2 and "holds no manifest.json: --overwrite only replaces an artifact" in out
     assert (precious / "thesis.txt").read_text() == "precious"
 
 
@@ -178,7 +178,7 @@ def test_output_inside_model_folder_is_refused(tiny_pipeline_dir: Path, tmp_path
     shutil.copytree(tiny_pipeline_dir, model)
     for target in (model, model / "art"):
         code, out = _invoke("compile", model, "-o", target, "--overwrite")
-        assert code == 3 and "overlaps the model folder" in out
+        assert code == 2 and "overlaps the model folder" in out
     assert (model / "model_index.json").is_file()
 
 
@@ -216,3 +216,136 @@ def test_artifact_files_respect_umask(tiny_artifact: Path) -> None:
     os.umask(mask)
     assert (tiny_artifact / "manifest.json").stat().st_mode & 0o777 == 0o666 & ~mask
     assert tiny_artifact.stat().st_mode & 0o777 == 0o777 & ~mask
+
+
+def test_pass_options_parse_as_json_or_text() -> None:
+    from diffusion_trt.cli import _parse_pass_options
+
+    assert _parse_pass_options(("pack_qkv=false", "fuse_attention_emit=none", "n=3")) == {
+        "pack_qkv": False, "fuse_attention_emit": "none", "n": 3}
+    code, out = _invoke("compile", "nowhere", "--pass-option", "pack_qkv")
+    assert code == 2 and "is not KEY=VALUE" in out
+
+
+# -- images, OS errors, options without effect, exit codes -------------------------------------------------------
+
+
+def test_16_bit_images_are_scaled_not_clipped(tiny_artifact: Path, tmp_path: Path) -> None:
+    import numpy as np
+    from PIL import Image
+
+    from diffusion_trt.cli import _read_image
+
+    ramp = np.linspace(0, 65535, 64 * 64).reshape(64, 64).astype(np.uint16)
+    path = tmp_path / "g16.png"
+    Image.fromarray(ramp).save(path)
+    assert Image.open(path).mode.startswith("I")
+    gray = np.asarray(_read_image(path, "--mask", "L")).astype(int)
+    assert np.abs(gray - np.round(ramp / 257)).max() <= 1  # a plain convert("L") clips: 254.5 on average
+    rgb = np.asarray(_read_image(path, "--image", "RGB"))
+    assert rgb.shape == (64, 64, 3) and 120 < rgb.mean() < 135
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "2", "--image", path, "--mask", path,
+                        "-o", tmp_path / "o.png")
+    assert code == 0, out
+
+
+@pytest.mark.parametrize(("flag", "mode"), [("--image", "RGBA"), ("--mask", "LA")])
+def test_transparent_images_are_refused(tiny_artifact: Path, tmp_path: Path, flag: str, mode: str) -> None:
+    from PIL import Image
+
+    image = tmp_path / "image.png"
+    Image.new("RGB", (64, 64)).save(image)
+    alpha = tmp_path / "alpha.png"
+    Image.new(mode, (64, 64)).save(alpha)
+    args = ["--image", alpha] if flag == "--image" else ["--image", image, "--mask", alpha]
+    code, out = _invoke("run", tiny_artifact, "-p", "x", *args, "-o", tmp_path / "o.png")
+    assert code == 2
+    assert f"'{alpha}' has transparency (mode {mode})" in out and "flatten it onto a background first" in out
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_output_path_errors_are_one_line(tiny_pipeline_dir: Path, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    from diffusion_trt import artifacts
+
+    a_file = tmp_path / "somefile.txt"
+    a_file.write_text("x")
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", a_file / "out")
+    assert code == 2 and "Traceback" not in out
+    assert f"error: {a_file}: File exists; a file stands where a folder is needed; choose another path" in out
+
+    def denied(*args: object, **kwargs: object) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(tmp_path / "ro"))
+
+    monkeypatch.setattr(artifacts.tempfile, "mkdtemp", denied)  # as for a folder without write permission
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "ro" / "art")
+    assert code == 2 and "Traceback" not in out
+    assert f"error: {tmp_path / 'ro'}: Permission denied; no permission; choose a writable location" in out
+
+
+@pytest.mark.parametrize("command", ["run", "dummy-pipeline", "bench"])
+def test_seed_beyond_int64_is_refused(tiny_artifact: Path, tmp_path: Path, command: str) -> None:
+    target = tmp_path / "m" if command == "dummy-pipeline" else tiny_artifact
+    code, out = _invoke(command, target, *(["-p", "x"] if command == "run" else []), "--seed", "99999999999999999999")
+    assert code == 2 and "99999999999999999999 is not in the range 0<=x<=9223372036854775807" in out
+
+
+def test_bench_model_dir_without_model_index(tiny_artifact: Path, tmp_path: Path) -> None:
+    code, out = _invoke("bench", tiny_artifact, "--model-dir", tmp_path, "--steps", "1", "--iters", "1")
+    assert code == 2 and f"error: --model-dir {tmp_path} has no model_index.json" in out and "--baseline none" in out
+
+
+def test_corrupt_model_config_names_the_file(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_pipeline_dir, broken)
+    (broken / "vae" / "config.json").write_text("{")
+    code, out = _invoke("compile", broken, "-o", tmp_path / "art")
+    assert code == 2 and f"{broken / 'vae' / 'config.json'} is not valid JSON" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--height", "100000"], "error: height=100000 is above the limit of 4096 px; use 4096 or less"),
+        (["--max-batch-size", "1000"], "error: max_batch_size=1000 is above the limit of 64; use 64 or less"),
+        (["--opset", "99"], "error: opset=99 is newer than torch.onnx's exporter writes; use 17..20"),
+    ],
+)
+def test_compile_limits_fail_at_once_in_one_line(tiny_pipeline_dir: Path, tmp_path: Path, args: list[str],
+                                                 message: str) -> None:
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", *args)
+    assert code == 2 and out.strip() == message
+
+
+def test_options_without_effect_warn(tiny_pipeline_dir: Path, tiny_artifact: Path, tmp_path: Path) -> None:
+    # compiling onto an existing artifact stops after the checks (exit 2), once every warning was given
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tiny_artifact, "--calibration-size", "4", "--min-psnr",
+                        "10", "--timing-cache", tmp_path / "tc", "--fp16-safe-vae")
+    assert code == 2 and "already exists; pass --overwrite" in out
+    assert "--calibration-size --min-psnr: no effect with --precision fp32" in out
+    assert "--timing-cache: no effect with --backend ort" in out
+    assert "--fp16-safe-vae: no effect on an SD 1.x/2.x model" in out
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tiny_artifact)
+    assert code == 2 and "no effect" not in out
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "-n", "blurry", "--guidance", "1", "--steps", "1",
+                        "-o", tmp_path / "o.png")
+    assert code == 0 and "--negative-prompt: no effect with --guidance 1" in out
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "-n", "blurry", "--steps", "1", "-o", tmp_path / "o.png")
+    assert code == 0 and "no effect" not in out
+
+
+def test_exit_codes_are_documented() -> None:
+    from diffusion_trt import errors
+
+    code, out = _invoke("--help")
+    assert code == 0
+    documented = {int(m) for m in re.findall(r"^\s+(\d)\s{2}", out.split("Exit codes:")[1], re.M)}
+    assert documented == {0, 1, 2, 3, 4}
+    readme = (REPO / "README.md").read_text()
+    assert documented == {int(m) for m in re.findall(r"^\| (\d) \|", readme, re.M)}
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.DiffusionTrtError)]
+    assert {c.exit_code for c in classes} <= documented
+    assert errors.OutputPathError.exit_code == errors.ModelFolderError.exit_code == 2  # "exists": one code

@@ -108,7 +108,7 @@ def test_tensorrt_artifact_exports_plans_on_gpu(tiny_artifact: Path, tmp_path: P
 
 def test_export_refuses_a_damaged_artifact_and_existing_models(tiny_artifact: Path, repo: Path, tmp_path: Path) -> None:
     code, out = _invoke("export-triton", tiny_artifact, repo)
-    assert code == 3 and "exist; pass --overwrite or use --prefix" in out
+    assert code == 2 and "exist; pass --overwrite or use --prefix" in out
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact, art)
     (art / "unet" / "model.onnx").write_bytes(b"x")

@@ -67,7 +67,19 @@ class ModelFolder:
         return ARCHITECTURES.get(self.pipeline_class, "sd")
 
     def config(self, sub: str, name: str = "config.json") -> dict[str, Any]:
-        return json.loads((self.path / sub / name).read_text(encoding="utf-8"))
+        """``sub/name`` parsed.
+
+        Raises:
+            ModelFolderError: the file is not a JSON object (naming it).
+        """
+        path = self.path / sub / name
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelFolderError(f"{path} is not valid JSON ({e}); restore it or re-save the pipeline") from None
+        if not isinstance(data, dict):
+            raise ModelFolderError(f"{path} holds a JSON {type(data).__name__}, not an object; re-save the pipeline")
+        return data
 
 
 def check_model_folder(path: str | Path, trust_pickle: bool = False) -> ModelFolder:

@@ -26,7 +26,7 @@ import onnx
 
 from .. import artifacts, lora
 from ..config import IMAGE_ALIGNMENT, QUANTIZED_PRECISIONS, CompileConfig, ShapeProfile
-from ..errors import BuildError, DiffusionTrtError, ExportError, PassError, RuntimeInputError
+from ..errors import BuildError, DiffusionTrtError, ExportError, OutputPathError, PassError, RuntimeInputError
 from . import build_ort, export, quantize
 from .components import ComponentSpec, component_specs, tensor_manifest
 
@@ -70,7 +70,7 @@ def _stage(stage: str, component: str | None = None) -> Iterator[None]:
 def _text_max_length(folder: export.ModelFolder, tokenizer: str, text_encoder: dict[str, Any]) -> int:
     """The tokenizer's ``model_max_length``, capped by the text encoder's positions."""
     tok_cfg_path = folder.path / tokenizer / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
+    tok_cfg = folder.config(tokenizer, "tokenizer_config.json") if tok_cfg_path.is_file() else {}
     max_len = int(tok_cfg.get("model_max_length") or text_encoder.get("max_position_embeddings", 77))
     return min(max_len, int(text_encoder.get("max_position_embeddings", max_len)))
 
@@ -262,11 +262,11 @@ def check_output_folder(out: Path, model_dir: Path) -> None:
     the model).
 
     Raises:
-        ArtifactError: naming both folders and the fix.
+        OutputPathError: naming both folders and the fix.
     """
     o, m = out.resolve(), model_dir.resolve()
     if o == m or m in o.parents or o in m.parents:
-        raise artifacts.ArtifactError(
+        raise OutputPathError(
             f"output folder {out} overlaps the model folder {model_dir}; write the artifact elsewhere "
             "(e.g. -o artifacts/<name>)"
         )
@@ -339,6 +339,10 @@ def compile_pipeline(
                 "--precision fp16 (or fp32)"
             )
         profile: ShapeProfile = config.resolve_profile(facts["default_height"])
+        if config.fp16_safe_vae and (facts["architecture"] != "sdxl" or config.precision != "fp16"):
+            logger.warning("--fp16-safe-vae: no effect %s (it builds an SDXL VAE in fp16 for --precision fp16)",
+                           "on an SD 1.x/2.x model, whose VAE follows --precision already"
+                           if facts["architecture"] != "sdxl" else f"with --precision {config.precision}")
     specs = specs_for(facts)
     names = component_names(config.components, facts)
     unknown = [c for c in names if c not in specs]
@@ -400,7 +404,7 @@ def compile_pipeline(
                         precision="fp32" if name in quantized else precision,
                         opset=config.opset,
                         dump_dir=Path(config.dump_passes) if config.dump_passes else None,
-                        options=pass_options(spec, profile, facts),
+                        options={**pass_options(spec, profile, facts), **config.pass_options},
                     )
                     passes = pipeline_for(config.backend, config.device, "fp32" if name in quantized else precision,
                                           name, static=static)

@@ -32,7 +32,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from .. import artifacts
-from ..errors import ArtifactError
+from ..errors import ArtifactError, OutputPathError
 from . import triton_model
 
 logger = logging.getLogger(__name__)
@@ -185,8 +185,8 @@ def export_triton_repository(
         Model name -> model folder.
 
     Raises:
-        ArtifactError: the artifact fails verification, lacks an engine, or a model folder exists without
-            ``overwrite``.
+        ArtifactError: the artifact fails verification or lacks an engine.
+        OutputPathError: a model folder exists without ``overwrite``.
     """
     root = Path(artifact_dir)
     repo = Path(repo_dir)
@@ -208,7 +208,7 @@ def export_triton_repository(
     folders = {n: repo / n for n in [*names.values(), pipeline_name]}
     clash = [str(p) for p in folders.values() if p.exists()]
     if clash and not overwrite:
-        raise ArtifactError(f"model folder(s) {', '.join(clash)} exist; pass --overwrite or use --prefix")
+        raise OutputPathError(f"model folder(s) {', '.join(clash)} exist; pass --overwrite or use --prefix")
     for path in folders.values():
         shutil.rmtree(path, ignore_errors=True)
 

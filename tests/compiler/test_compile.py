@@ -77,13 +77,18 @@ def test_manifest_describes_the_artifact(tiny_artifact: Path) -> None:
 
 
 def test_failed_compile_leaves_existing_artifact_intact(
-    tiny_pipeline_dir: Path, tiny_artifact: Path, tmp_path: Path
+    tiny_pipeline_dir: Path, tiny_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "art"
     shutil.copytree(tiny_artifact, out)
-    # opset 99 does not exist: the export stage fails after the staging folder was filled
-    with pytest.raises(ExportError, match=r"compile failed at export of text_encoder"):
-        compile_pipeline(tiny_pipeline_dir, out, CompileConfig(opset=99), overwrite=True)
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("exporter exploded")
+
+    # the export stage fails after the staging folder was filled
+    monkeypatch.setattr(export, "onnx_from_component", fail)
+    with pytest.raises(ExportError, match=r"compile failed at export of text_encoder: RuntimeError: exporter exploded"):
+        compile_pipeline(tiny_pipeline_dir, out, overwrite=True)
     artifacts.load_verified(out)  # the previous artifact, whole
     # the writer's lock file stays beside the folder by design (artifacts.artifact_lock); no staging folder
     assert sorted(p.name for p in tmp_path.iterdir()) == [".art.lock", "art"], "staging folder left behind"
@@ -148,11 +153,32 @@ def test_fp16_on_cpu_is_refused_with_fix() -> None:
         ({"height": 700}, r"height=700 is not a positive multiple of 8; use 696 or 704"),
         ({"height": 512, "min_height": 600}, r"height=512 is outside --min-height 600 .. --max-height 1024"),
         ({"batch_size": 8, "max_batch_size": 4}, r"batch_size=8 is outside --min-batch-size 1 .. --max-batch-size 4"),
+        ({"height": 100000}, r"height=100000 is above the limit of 4096 px; use 4096 or less"),
+        ({"max_width": 4104}, r"max_width=4104 is above the limit of 4096 px; use 4096 or less"),
+        ({"max_batch_size": 65}, r"max_batch_size=65 is above the limit of 64; use 64 or less"),
+        ({"opset": 99}, r"opset=99 is newer than torch.onnx's exporter writes; use 17\.\.20"),
     ],
 )
 def test_bad_profile_is_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(RuntimeInputError, match=message):
         CompileConfig(**kwargs).resolve_profile(512)
+
+
+def test_profile_limits_keep_the_largest_sizes() -> None:
+    """The limits themselves are valid, and a default max (2 x opt) stops at the limit instead of failing."""
+    profile = CompileConfig(height=4096, width=2048, batch_size=64).resolve_profile(512)
+    assert profile.height.to_list() == [2048, 4096, 4096] and profile.width.to_list() == [1024, 2048, 4096]
+    assert profile.batch.to_list() == [1, 64, 64]
+    assert CompileConfig().resolve_profile(1024).height.to_list() == [512, 1024, 2048]  # SDXL's default, unchanged
+
+
+def test_corrupt_component_config_is_a_model_folder_error(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_pipeline_dir, broken)
+    (broken / "unet" / "config.json").write_text('{"in_channels": ')
+    with pytest.raises(ModelFolderError, match=r"compile failed at model check: .*unet/config\.json is not valid JSON"):
+        compile_pipeline(broken, tmp_path / "art")
+    assert not (tmp_path / "art").exists()
 
 
 def test_manifest_json_is_plain(tiny_artifact: Path) -> None:
@@ -181,3 +207,12 @@ def test_external_data_artifact_runs_and_matches(
         with EnginePipeline.from_artifacts(path) as pipe:
             images.append(np.asarray(pipe("a boat", num_inference_steps=2, seed=3, progress=False).images[0]))
     assert np.array_equal(images[0], images[1])
+
+
+def test_pass_options_reach_the_passes(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """CompileConfig.pass_options (``--pass-option``) go to every pass over compile's own options."""
+    art = compile_pipeline(tiny_pipeline_dir, tmp_path / "art", CompileConfig(
+        components=("text_encoder", "unet", "vae_decoder"), pass_options={"fuse_attention_emit": "none"}))
+    manifest = artifacts.load_verified(art)
+    records = {r["name"]: r["counts"] for r in manifest["components"]["unet"]["passes"]}
+    assert records["fuse_attention"]["Attention"] == 0 and records["fuse_attention"]["matched"] == 32

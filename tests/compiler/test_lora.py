@@ -236,6 +236,31 @@ def test_lora_matching_part_of_the_model_is_refused(
         compile_pipeline(tiny_pipeline_dir, tmp_path / "art", CompileConfig(loras=((str(path), 1.0),)))
 
 
+def test_lora_for_a_wider_model_is_one_error_line(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """A LoRA for another architecture: diffusers lists every mismatched tensor (hundreds of lines for SDXL on SD
+    1.5) and logs its error itself; the CLI prints one line with the first mismatch and nothing else from diffusers."""
+    import logging
+
+    prefix = "unet.down_blocks.0.attentions.0.transformer_blocks.0"
+    save_file({f"{prefix}.{attn}.to_q.lora_{ab}.weight": torch.zeros(shape)
+               for attn in ("attn1", "attn2") for ab, shape in (("A", (4, 1280)), ("B", (1280, 4)))},
+              str(tmp_path / "wide.safetensors"))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("diffusers").addHandler(handler)
+    try:
+        result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"),
+                                           "--lora", str(tmp_path / "wide.safetensors")])
+    finally:
+        logging.getLogger("diffusers").removeHandler(handler)
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].count("size mismatch") == 1, result.output
+    assert "diffusers could not load it into this model" in errors[0] and "logged at DEBUG" in errors[0]
+    assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage()[:200] for r in records]
+
+
 def test_refittable_is_tensorrt_only() -> None:
     with pytest.raises(RuntimeInputError, match="refittable=True is a TensorRT build flag"):
         CompileConfig(refittable=True)
