@@ -21,6 +21,10 @@ Ordering rules (keep them next to the tuples they constrain):
   * fuse_skip_group_norm after fuse_group_norm (it rewrites the ort-cuda GroupNorm that pass emits) and before
     align_shapes / cancel_transposes: it moves Conv biases into the norm and adds Transposes that pair with
     the ones fuse_group_norm inserted.
+  * merge_conv_biases after fuse_skip_group_norm: a ResNet sum that feeds a GroupNorm is better taken whole into
+    SkipGroupNorm (both Conv biases and the Add in the norm kernel); merge_conv_biases takes the other sums.
+  * pack_qkv after fuse_attention (it rewrites the MultiHeadAttention nodes that pass emits), last of the
+    fusions: the projections it merges are read by nothing else, so no later fusion looks at them.
   * every fusion before convert_fp16: the Casts it inserts at fp32 islands break the patterns.
   * align_shapes after the fusions, before convert_fp16: the padding changes channel counts the fusions check
     (and it touches only Convs with channel counts that are not multiples of 8: conv_in / conv_out and the VAE's
@@ -51,6 +55,8 @@ from .fuse_layer_norm import fuse_layer_norm
 from .fuse_skip_group_norm import fuse_skip_group_norm
 from .fuse_skip_layer_norm import fuse_skip_layer_norm
 from .infer_shapes import infer_shapes
+from .merge_conv_biases import merge_conv_biases
+from .pack_qkv import pack_qkv
 from .specialize_shapes import specialize_shapes
 
 #: The backends a pipeline exists for (same values as diffusion_trt.config.BACKENDS; passes/ may not import it).
@@ -75,6 +81,8 @@ FUSIONS: tuple[Pass, ...] = (
     fuse_skip_layer_norm,  # after fuse_attention
     fuse_bias,  # after fuse_skip_layer_norm
     fuse_skip_group_norm,  # after fuse_group_norm; before align_shapes (it moves Conv biases)
+    merge_conv_biases,  # after fuse_skip_group_norm (which takes the ResNet sums feeding a GroupNorm whole)
+    pack_qkv,  # after fuse_attention; ort-cuda only, off unless ctx.options["pack_qkv"] (measured neutral)
 )
 
 #: After the fusions on CUDA targets: channel padding, then (ORT CUDA) the NHWC Transposes that cancel.
