@@ -81,6 +81,17 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
+def folder_hash(root: str | os.PathLike[str]) -> str:
+    """sha256 over the sorted (relative path, file sha256) pairs of every file under ``root``: the manifest's
+    ``source.sha256`` of the diffusers folder an artifact was compiled from."""
+    root = Path(root)
+    h = hashlib.sha256()
+    for p in sorted(q for q in root.rglob("*") if q.is_file()):
+        h.update(p.relative_to(root).as_posix().encode())
+        h.update(sha256_file(p).encode())
+    return h.hexdigest()
+
+
 def file_entry(root: Path, rel: str) -> dict[str, Any]:
     """``{"sha256": ..., "size": bytes}`` for ``root / rel``."""
     p = root / rel

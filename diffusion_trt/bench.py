@@ -633,6 +633,21 @@ def _is_pipeline_folder(path: str | Path) -> bool:
     return (Path(path) / "model_index.json").is_file()
 
 
+def _baseline_mismatch(model_dir: Path, manifest: Mapping[str, Any]) -> str | None:
+    """Why the diffusers baselines would not run the artifact's weights, or None: ``model_dir`` hashes differently
+    from the manifest's ``source.sha256`` (another model, or the folder changed since compile), or LoRAs were merged
+    into the artifact (the baseline runs the base weights)."""
+    from .artifacts import folder_hash
+
+    source = manifest.get("source", {})
+    if source.get("sha256") and folder_hash(model_dir) != source["sha256"]:
+        return (f"{model_dir} is not the folder the artifact was compiled from (its sha256 differs from the "
+                f"manifest's source {source.get('path')}): the figures compare different weights")
+    if manifest.get("loras"):
+        return "the artifact has LoRAs merged in; the diffusers baselines run the base weights without them"
+    return None
+
+
 def _diffusers_runs(
     cfg: BenchConfig,
     clock: Clock,
@@ -648,6 +663,10 @@ def _diffusers_runs(
     if model_dir is None or not _is_pipeline_folder(model_dir):
         reason = f"no diffusers pipeline folder (model_dir={model_dir}, no model_index.json); pass --model-dir"
         return [Run(s, b, status="skipped", reason=reason) for s in systems for b in cfg.batch_sizes]
+    mismatch = _baseline_mismatch(model_dir, manifest)
+    if mismatch:
+        logger.warning("bench: %s", mismatch)
+        notes.append(f"diffusers baselines: {mismatch}")
     from diffusers import StableDiffusionPipeline
 
     cuda = clock.device.type == "cuda"

@@ -97,3 +97,20 @@ def test_bench_rejects_bad_options(tiny_artifact: Path) -> None:
     assert result.exit_code == 2 and "'1,x' is not a comma-separated list of integers" in result.output
     result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--device", "cpu", "--devices", "0,1"])
     assert result.exit_code == 2 and "--devices 0,1 needs CUDA" in result.output
+
+
+def test_baseline_on_other_weights_is_flagged(tiny_artifact: Path, tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """The diffusers baselines must run the artifact's weights: another folder (or a merged LoRA) is said so."""
+    import shutil
+
+    from diffusion_trt.artifacts import load_verified
+    from diffusion_trt.bench import _baseline_mismatch
+
+    manifest = load_verified(tiny_artifact)
+    assert _baseline_mismatch(tiny_pipeline_dir, manifest) is None
+    other = tmp_path / "other"
+    shutil.copytree(tiny_pipeline_dir, other)
+    (other / "scheduler" / "scheduler_config.json").write_text('{"_class_name": "DDIMScheduler"}')
+    assert "is not the folder the artifact was compiled from" in _baseline_mismatch(other, manifest)
+    with_lora = {**manifest, "loras": [{"name": "ink.safetensors", "sha256": "0" * 64, "scale": 1.0}]}
+    assert "LoRAs merged in" in _baseline_mismatch(tiny_pipeline_dir, with_lora)

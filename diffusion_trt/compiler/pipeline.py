@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime as _dt
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -43,15 +42,6 @@ def tool_versions() -> dict[str, str]:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[name] = importlib.metadata.version(name)
     return out
-
-
-def folder_hash(root: Path) -> str:
-    """sha256 over the sorted (relative path, file sha256) pairs of every file under ``root``."""
-    h = hashlib.sha256()
-    for p in sorted(q for q in root.rglob("*") if q.is_file()):
-        h.update(p.relative_to(root).as_posix().encode())
-        h.update(artifacts.sha256_file(p).encode())
-    return h.hexdigest()
 
 
 @contextlib.contextmanager
@@ -367,7 +357,7 @@ def compile_pipeline(
         with _stage("merge LoRA"):  # diffusers' load_lora_weights + fuse_lora, before export (see lora.py)
             lora_records = lora.merge_loras(models, lora_files)
         with _stage("source hash"):
-            source_hash = folder_hash(folder.path)
+            source_hash = artifacts.folder_hash(folder.path)
         components: dict[str, Any] = {}
         # int8/fp8: quantized components are fp32 graphs + QDQ; the others stay fp16 (CUDA) / fp32 (CPU)
         other_precision = ("fp16" if config.device == "cuda" else "fp32") if quantized else config.precision
