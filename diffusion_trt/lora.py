@@ -231,10 +231,29 @@ def merge_loras(models: dict[str, Any], loras: list[LoraFile]) -> list[dict[str,
             )
         host.fuse_lora(components=[c for c, n in layers.items() if n], lora_scale=lora.scale, adapter_names=[adapter])
         host.unload_lora_weights()
+        _check_finite(models, [c for c, n in layers.items() if n], lora)
         logger.info("merged LoRA %s (scale %g): %s", lora.path.name, lora.scale,
                     ", ".join(f"{c} {n} layers" for c, n in layers.items() if n))
         records.append(lora.record({c: n for c, n in layers.items() if n}))
     return records
+
+
+def _check_finite(models: dict[str, Any], components: list[str], lora: LoraFile) -> None:
+    """Refuse a merge that left NaN/Inf in a weight (a broken file, or a scale that overflows fp32): the engines
+    would only ever give black images.
+
+    Raises:
+        LoraError: naming the first non-finite parameter.
+    """
+    import torch
+
+    for component in components:
+        for name, param in models[component].named_parameters():
+            if not bool(torch.isfinite(param).all()):
+                raise LoraError(
+                    f"LoRA file {lora.path} at scale {lora.scale:g} leaves NaN/Inf in {component}.{name}: the file "
+                    "holds non-finite values or the scale is too large; check the file, or use a smaller scale"
+                )
 
 
 @contextlib.contextmanager

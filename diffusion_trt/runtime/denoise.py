@@ -258,6 +258,21 @@ def decode_latents(vae_decoder: Engine, latents: torch.Tensor, scaling_factor: f
     return vae_decoder.run({"latent_sample": (latents / scaling_factor).to(dtype)})["sample"]
 
 
+def _nonfinite_flag(x: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor:
+    """``flag`` or-ed with "``x`` holds a NaN or Inf", kept on the device (no host sync)."""
+    bad = ~torch.isfinite(x).all()
+    return bad if flag is None else flag | bad
+
+
+def _warn_nonfinite(flag: torch.Tensor | None) -> None:
+    """One warning when any decoded image (or final latents) held NaN/Inf: they come out black or garbled, as in
+    diffusers, but not silently. Reads the device flag once, after the loop."""
+    if flag is not None and bool(flag):
+        logger.warning("the generated images hold NaN/Inf values (they come out black): an fp16 overflow, a LoRA "
+                       "scale or guidance scale too large, or non-finite weights; check the LoRA and guidance, or "
+                       "compile --precision fp32 to compare")
+
+
 def postprocess(image: torch.Tensor, output_type: str) -> list[Any] | np.ndarray | torch.Tensor:
     """diffusers' ``VaeImageProcessor.postprocess``: denormalise to [0, 1], then convert.
 
@@ -465,15 +480,24 @@ def text_to_image(
     # of the WHOLE request, drawn once (the generator stream of one diffusers call) and sliced per chunk. Both
     # copy host->device blockingly, so they come before any engine work is queued (neither encoding the
     # prompt nor setting timesteps draws random numbers: the order does not change the images).
+    train = int(getattr(scheduler.config, "num_train_timesteps", 1000))
+    if num_inference_steps > train:  # before set_timesteps: 10**9 steps would allocate gigabytes there
+        raise RuntimeInputError(f"num_inference_steps={num_inference_steps} is more than the {train} timesteps "
+                                f"{type(scheduler).__name__} was trained with; use at most {train}")
     try:
         scheduler.set_timesteps(num_inference_steps, device=device)
     except ValueError as e:  # e.g. DDIM: more steps than the training schedule has timesteps
-        train = getattr(scheduler.config, "num_train_timesteps", "?")
         raise RuntimeInputError(
             f"num_inference_steps={num_inference_steps} is not valid for {type(scheduler).__name__} ({e}); "
             f"use at most {train}"
         ) from e
     timesteps = host_timesteps(scheduler)
+    if len(timesteps) and float(timesteps.max()) >= train:  # PNDM/DDIM with steps_offset=1 at 1000 steps: t=1000
+        offset = int(getattr(scheduler.config, "steps_offset", 0) or 0)
+        raise RuntimeInputError(
+            f"num_inference_steps={num_inference_steps} makes {type(scheduler).__name__} (steps_offset={offset}) "
+            f"step from timestep {int(timesteps.max())}, past its {train} training timesteps (its step would index "
+            f"out of range); use at most {train - max(offset, 1)}")
     begin_index: int | None = None
     if image_request is not None:  # diffusers' get_timesteps: strength drops the first steps
         timesteps, begin_index = image_request.start(scheduler, num_inference_steps, timesteps)
@@ -508,6 +532,7 @@ def text_to_image(
         dtype = torch.uint8 if output_type == "pil" else torch.float32
         sink = HostImageSink(rows_shape, dtype, buffers, device, copy_stream)
     parts: list[torch.Tensor] = []
+    nonfinite: torch.Tensor | None = None  # device flag: any image (or final latents) with NaN/Inf
 
     # 3. denoise, 4. decode: chunk after chunk
     with tqdm(total=len(timesteps) * len(chunks), disable=not progress, desc="denoise", unit="step") as bar:
@@ -537,17 +562,20 @@ def text_to_image(
                     added_inputs=None if added is None else added.unet_inputs(rows, unet),
                 )
             if output_type == "latent":
+                nonfinite = _nonfinite_flag(final, nonfinite)
                 parts.append(final)
                 continue
             assert vae_decoder is not None
             with nvtx_range("vae_decode", device):
                 image = decode_latents(vae_decoder, final, vae_scaling_factor)
+                nonfinite = _nonfinite_flag(image, nonfinite)
             with nvtx_range("postprocess", device):
                 if sink is None:  # "pt": a fresh tensor, the VAE buffer is overwritten by the next chunk
                     parts.append((image * 0.5 + 0.5).clamp(0, 1))
                 else:
                     sink.write(rows.start, images_uint8(image) if output_type == "pil" else images_float(image))
 
+    _warn_nonfinite(nonfinite)
     if sink is None:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
     host = sink.finish().numpy()

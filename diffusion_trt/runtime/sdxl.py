@@ -15,7 +15,11 @@ Reproduces ``diffusers.StableDiffusionXLPipeline`` (diffusers 0.42, ``pipeline_s
   row uses ``negative_original_size``/``negative_crops_coords_top_left``/``negative_target_size`` only when both
   ``negative_original_size`` and ``negative_target_size`` are given, else the same ids as the prompt.
 * CFG: ``[negative; positive]`` for ``encoder_hidden_states``, ``text_embeds`` and ``time_ids`` (repeated per
-  image), fed to the UNet every step as ``added_cond_kwargs``.
+  image), fed to the UNet every step as ``added_cond_kwargs``. One deliberate difference: diffusers builds
+  ``time_ids`` as the two rows ``[negative; positive]`` ``.repeat(B, 1)``, i.e. alternating, while its embeddings
+  are ``[negative x B; positive x B]``; with B >= 2 images and negative sizes that differ from the positive ones,
+  diffusers thus gives some negative rows the positive ids. Here every row gets its own ids (identical results
+  whenever the negative and positive ids are equal, i.e. unless ``negative_original_size`` is given).
 
 Shapes: P prompts; ``text_embeds`` [B2, E]; ``time_ids`` [B2, 6] float32 (the UNet engine's dtype for it).
 """

@@ -416,3 +416,17 @@ def test_load_lora_refits_tensorrt_engines(
         np.testing.assert_allclose(pipe(**call).images, want, atol=2e-3)
         pipe.load_lora(loras["peft"], 0.0)
         np.testing.assert_allclose(pipe(**call).images, base, atol=1e-5)
+
+
+def test_a_lora_that_leaves_nan_is_refused(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path) -> None:
+    """NaN in the file (or a scale that overflows) would only give black images: refused at compile time."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(loras["peft"]))
+    first = next(iter(tensors))
+    tensors[first] = torch.full_like(tensors[first], float("nan"))
+    bad = tmp_path / "nan.safetensors"
+    save_file(tensors, str(bad))
+    with pytest.raises(LoraError, match=r"leaves NaN/Inf in (unet|text_encoder)\..*check the file, or use a smaller"):
+        compile_pipeline(tiny_pipeline_dir, tmp_path / "art", CompileConfig(loras=((str(bad), 1.0),)))
+    assert not (tmp_path / "art").exists()

@@ -240,3 +240,15 @@ def test_parameters_feed_save_png(toy_pipe: EnginePipeline, tmp_path: Path) -> N
     assert (p["seed"], p["guidance_scale"], p["num_inference_steps"], p["scheduler"]) == (3, 5.0, 2, "pndm")
     path = save_png(out.images[1], tmp_path / "dog.png", {**p, "index": 1})
     assert read_png_parameters(path) == json.loads(json.dumps({**p, "index": 1}))
+
+
+def test_non_finite_images_are_warned_about(toy_pipe: EnginePipeline, caplog: pytest.LogCaptureFixture) -> None:
+    """NaN latents decode to black images, as in diffusers, but with one warning (read once, after the loop)."""
+    nan_latents = torch.full((1, 4, 8, 8), float("nan"))
+    with caplog.at_level("WARNING", logger="diffusion_trt.runtime.denoise"):
+        toy_pipe("a cat", latents=nan_latents, seed=0, **FAST)
+    assert "hold NaN/Inf values" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="diffusion_trt.runtime.denoise"):
+        toy_pipe("a cat", seed=0, **FAST)
+    assert "NaN" not in caplog.text
