@@ -48,7 +48,8 @@ Exit codes:
   1  unexpected error, or a compile stage failed (export, passes, build)
   2  bad input or usage: options, model folder, LoRA, images, an output path that exists or cannot be written
   3  the artifact is missing, damaged or incompatible with this machine (verify found problems)
-  4  a quantized build failed the quality gate (--accept-quality-loss writes it anyway)"""
+  4  a quantized build failed the quality gate (--accept-quality-loss writes it anyway)
+  130  interrupted (Ctrl-C); a compile leaves no half-written artifact"""
 
 #: errno -> the fix for an OS error on a path the user gave.
 _OS_ERROR_FIXES = {
@@ -71,7 +72,8 @@ def _os_error_message(e: OSError) -> str:
 
 def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn a DiffusionTrtError into one ``error:`` line and its exit code, and an OSError (a path that cannot be
-    created, read or written: a file in the way, no permission, disk full) into one line and exit 2."""
+    created, read or written: a file in the way, no permission, disk full) into one line and exit 2; Ctrl-C exits
+    130 (the shell's convention for SIGINT)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -84,6 +86,9 @@ def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             logger.debug("%s", type(e).__name__, exc_info=True)
             click.echo(f"error: {_os_error_message(e)}", err=True)
             sys.exit(2)
+        except KeyboardInterrupt:  # after the context managers cleaned up (staging folders, locks)
+            click.echo("interrupted", err=True)
+            sys.exit(130)
 
     return wrapper
 
@@ -160,7 +165,7 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
                    "[default: first_conv,last_conv,time_embedding,attention_scores,softmax,normalization].")
 @click.option("--smooth-quant-alpha", type=click.FloatRange(0, 1), default=None,
               help="int8/fp8: SmoothQuant with this alpha (needs neural-compressor) [default: off].")
-@click.option("--min-cosine", type=float, default=0.98, show_default=True,
+@click.option("--min-cosine", type=click.FloatRange(min=0, max=1), default=0.98, show_default=True,
               help="Quality gate: worst per-step cosine similarity of the quantized UNet vs fp32.")
 @click.option("--min-psnr", type=float, default=20.0, show_default=True,
               help="Quality gate: worst final-image PSNR (dB) vs fp32 on held-out prompts.")
@@ -190,7 +195,8 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
               help="Write the graph after each pass into this folder.")
 @click.option("--pass-option", "pass_options", multiple=True, metavar="KEY=VALUE",
               help="An option for the passes (PassContext.options; each pass's docstring lists its own), e.g. "
-                   "pack_qkv=true or fuse_attention_emit=none; VALUE is read as JSON when it parses. Repeatable.")
+                   "pack_qkv=true or fuse_attention_emit=none (the keys: diffusion_trt/passes/options.py); VALUE is "
+                   "read as JSON when it parses. Repeatable.")
 @click.option("--timing-cache", type=click.Path(file_okay=False), default="~/.cache/diffusion-trt/timing-cache",
               show_default=True, help="TensorRT: folder of timing caches reused across builds.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact (only once the new one is complete).")
@@ -383,7 +389,9 @@ def _print_pass_table(path: Path) -> None:
 @main.command("run")
 @click.argument("artifact_dir", type=click.Path(path_type=Path))
 @click.option("-p", "--prompt", required=True, help="Text prompt.")
-@click.option("-n", "--negative-prompt", default=None, help="Negative prompt [default: empty].")
+@click.option("-n", "--negative-prompt", default=None,
+              help="Negative prompt [default: none: SD uses the empty prompt's embedding, SDXL zeros, as diffusers "
+                   "does; -n '' gives SDXL the empty prompt's embedding instead].")
 @click.option("--steps", type=int, default=30, show_default=True, help="Denoising steps.")
 @click.option("--guidance", type=float, default=None,
               help="Classifier-free guidance scale; <= 1 disables CFG [default: 7.5; 5.0 for SDXL, as diffusers].")

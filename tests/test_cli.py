@@ -206,7 +206,12 @@ def test_run_checks_output_path_before_work(tiny_artifact: Path, tmp_path: Path)
 def test_too_many_steps_for_the_scheduler(tiny_artifact: Path, tmp_path: Path) -> None:
     code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "5000", "--scheduler", "ddim",
                         "-o", tmp_path / "o.png")
-    assert code == 2 and "num_inference_steps=5000 is not valid for DDIMScheduler" in out and "use at most 1000" in out
+    assert code == 2 and "num_inference_steps=5000 is more than the 1000 timesteps DDIMScheduler" in out
+    assert "use at most 1000" in out
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1000", "-o", tmp_path / "o.png")  # PNDM, offset 1
+    assert code == 2 and "step from timestep 1000, past its 1000 training timesteps" in out and "at most 999" in out
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", str(10**9), "-o", tmp_path / "o.png")
+    assert code == 2 and "use at most 1000" in out  # refused before set_timesteps allocates anything
 
 
 def test_artifact_files_respect_umask(tiny_artifact: Path) -> None:
@@ -342,10 +347,27 @@ def test_exit_codes_are_documented() -> None:
 
     code, out = _invoke("--help")
     assert code == 0
-    documented = {int(m) for m in re.findall(r"^\s+(\d)\s{2}", out.split("Exit codes:")[1], re.M)}
-    assert documented == {0, 1, 2, 3, 4}
+    documented = {int(m) for m in re.findall(r"^\s+(\d+)\s{2}", out.split("Exit codes:")[1], re.M)}
+    assert documented == {0, 1, 2, 3, 4, 130}
     readme = (REPO / "README.md").read_text()
-    assert documented == {int(m) for m in re.findall(r"^\| (\d) \|", readme, re.M)}
+    assert documented == {int(m) for m in re.findall(r"^\| (\d+) \|", readme, re.M)}
     classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.DiffusionTrtError)]
     assert {c.exit_code for c in classes} <= documented
     assert errors.OutputPathError.exit_code == errors.ModelFolderError.exit_code == 2  # "exists": one code
+
+
+def test_bad_pass_option_fails_before_export(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "a", "--pass-option", "pack_qkv=no")
+    assert code == 2 and "pass option pack_qkv='no' (pack_qkv): expects true or false" in out
+    assert not (tmp_path / "a").exists()
+
+
+def test_ctrl_c_exits_130(tiny_pipeline_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import diffusion_trt.compiler.pipeline as pipeline
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "compile_pipeline", interrupted)
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "a")
+    assert code == 130 and "interrupted" in out

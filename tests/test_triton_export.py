@@ -204,3 +204,9 @@ def test_bls_loop_gives_the_images_of_engine_pipeline(repo: Path, tiny_artifact:
                         guidance_scale=6.0, seed=7, height=48, width=64, progress=False).images[0]
     diff = np.abs(image.astype(int) - np.asarray(expected).astype(int))
     assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (diff.max(), (diff > 0).mean())
+
+
+def test_a_prefix_that_makes_bad_model_names_is_refused(tiny_artifact: Path, tmp_path: Path) -> None:
+    code, text = _invoke("export-triton", tiny_artifact, tmp_path / "repo", "--prefix", "bad name/")
+    assert code == 2 and "would make model names Triton cannot load" in text
+    assert not (tmp_path / "repo").exists()

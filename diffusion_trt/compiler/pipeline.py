@@ -291,11 +291,18 @@ def compile_pipeline(
         ModelFolderError: the model folder is missing, incomplete or pickled without ``trust_pickle``.
         ExportError, PassError, BuildError: a stage failed (message names the stage and component).
         ArtifactError: ``out_dir`` exists and ``overwrite`` is false, or another compile holds its lock.
-        RuntimeInputError: the config asks for an impossible profile, or int8/fp8 for an SDXL model.
+        RuntimeInputError: the config asks for an impossible profile, int8/fp8 for an SDXL model, or has a pass
+            option that does not exist or has the wrong type (:mod:`diffusion_trt.passes.options`).
     """
     from ..passes import PassContext, optimize_model, pipeline_for
 
     config = config or CompileConfig()
+    from ..passes.options import check_pass_options
+
+    try:  # unknown keys and wrong types fail here, before any export
+        check_pass_options(config.pass_options)
+    except ValueError as e:
+        raise RuntimeInputError(f"pass option {e}; see each pass's docstring (or --dump-passes)") from None
     quantized = config.quantize.components if config.precision in QUANTIZED_PRECISIONS else ()
     if quantized:
         with _stage("quantization preflight"):  # fp8: the target GPU's compute capability, before any work

@@ -26,13 +26,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path, PurePath
 from typing import Any
 
 from .. import artifacts
-from ..errors import ArtifactError, OutputPathError
+from ..errors import ArtifactError, OutputPathError, RuntimeInputError
 from . import triton_model
 
 logger = logging.getLogger(__name__)
@@ -186,22 +187,26 @@ def export_triton_repository(
 
     Raises:
         ArtifactError: the artifact fails verification or lacks an engine.
+        RuntimeInputError: an SDXL or inpainting artifact (the Triton pipeline model runs the SD text-to-image loop).
         OutputPathError: a model folder exists without ``overwrite``.
     """
     root = Path(artifact_dir)
     repo = Path(repo_dir)
     manifest = artifacts.load_verified(root)
-    if manifest.get("model", {}).get("architecture", "sd") != "sd":
-        raise ArtifactError(
+    if manifest.get("model", {}).get("architecture", "sd") != "sd":  # a usage error (exit 2), not a damaged artifact
+        raise RuntimeInputError(
             f"{root} is an {manifest['model']['architecture']} artifact; the Triton pipeline model runs the SD 1.x/2.x "
             "loop only: run SDXL artifacts with EnginePipeline (Python) or diffusion-trt run"
         )
     model = manifest.get("model", {})
     if int(model.get("unet_in_channels", 4)) != int(model.get("latent_channels", 4)):
-        raise ArtifactError(
+        raise RuntimeInputError(
             f"{root} is an inpainting artifact (UNet with {model['unet_in_channels']} input channels); the Triton "
             "pipeline model runs text-to-image only: serve it with EnginePipeline (Python) or diffusion-trt run"
         )
+    if prefix and not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):  # a model name is one folder of the repository
+        raise RuntimeInputError(f"prefix={prefix!r} would make model names Triton cannot load; use letters, digits, "
+                                "'_', '.' or '-' (e.g. sd15_ink_)")
     backend, device = manifest["backend"], manifest["device"]
     names = {c: f"{prefix}{c}" for c in manifest["components"]}
     pipeline_name = f"{prefix}pipeline"

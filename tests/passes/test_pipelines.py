@@ -86,3 +86,30 @@ def test_layout_passes_after_the_fusions_before_fp16(key: tuple[str, str, str]) 
         if name in names:
             assert names.index(name) > last_fusion
             assert "convert_fp16" not in names or names.index(name) < names.index("convert_fp16")
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"pack_qkv": "yes"}, r"pack_qkv='yes' \(pack_qkv\): expects true or false"),
+    ({"foo_bar": 1}, r"'foo_bar' is not a pass option one can set; known: align_shapes_channels"),
+    ({"static_shapes": {}}, r"'static_shapes' is not a pass option"),
+    ({"fuse_attention_emit": "bogus"}, r"expects one of mha, trt, none"),
+    ({"fold_constants_size_threshold_bytes": "abc"}, r"expects a positive integer"),
+    ({"convert_fp16_fp32_ops": "Softmax"}, r"expects a JSON list of names"),
+])
+def test_user_pass_options_are_checked(options: dict, message: str) -> None:
+    from diffusion_trt.passes.options import check_pass_options
+
+    with pytest.raises(ValueError, match=message):
+        check_pass_options(options)
+
+
+def test_every_user_pass_option_is_read_by_a_pass() -> None:
+    """The table names only keys some pass reads (a renamed option would leave a dead entry)."""
+    from pathlib import Path
+
+    from diffusion_trt.passes.options import USER_OPTIONS
+
+    sources = "".join(p.read_text() for p in Path(__file__).parents[2].glob("diffusion_trt/passes/*.py")
+                      if p.name != "options.py")
+    for key in USER_OPTIONS:
+        assert f'"{key}"' in sources, key

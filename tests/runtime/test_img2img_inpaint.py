@@ -302,7 +302,7 @@ def test_text_to_image_only_tools_refuse_inpainting_artifacts(inpaint_artifact: 
     """export-triton, bench and int8 compile run the text-to-image loop: an inpainting artifact / model is refused up
     front with the reason, not failed deep inside (a fresh user's findings)."""
     code, out = _invoke("export-triton", inpaint_artifact, tmp_path / "repo")
-    assert code != 0 and "inpainting artifact" in out and "text-to-image only" in out, out
+    assert code == 2 and "inpainting artifact" in out and "text-to-image only" in out, out
     assert not (tmp_path / "repo").exists()
     code, out = _invoke("bench", inpaint_artifact, "--steps", "1", "--iters", "1", "--baseline", "none")
     assert code != 0 and "inpainting artifact" in out, out
