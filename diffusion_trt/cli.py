@@ -392,7 +392,7 @@ def _print_pass_table(path: Path) -> None:
 @click.option("-n", "--negative-prompt", default=None,
               help="Negative prompt [default: none: SD uses the empty prompt's embedding, SDXL zeros, as diffusers "
                    "does; -n '' gives SDXL the empty prompt's embedding instead].")
-@click.option("--steps", type=int, default=30, show_default=True, help="Denoising steps.")
+@click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True, help="Denoising steps.")
 @click.option("--guidance", type=float, default=None,
               help="Classifier-free guidance scale; <= 1 disables CFG [default: 7.5; 5.0 for SDXL, as diffusers].")
 @click.option("--seed", type=SEED, default=0, show_default=True)
@@ -440,6 +440,10 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
     if negative_prompt is not None and guidance is not None and guidance <= 1:
         logger.warning("--negative-prompt: no effect with --guidance %g (guidance <= 1 turns classifier-free guidance "
                        "off, and the negative prompt only acts through it)", guidance)
+    if scheduler is not None:  # a typo fails before the engines load
+        from .runtime.schedulers import resolve_scheduler
+
+        resolve_scheduler(scheduler)
     image = _read_image(image_path, "--image", "RGB") if image_path is not None else None
     mask = _read_image(mask_path, "--mask", "L") if mask_path is not None else None
     _check_writable_file(out, "-o", ".png")  # before minutes of denoising, not after
@@ -585,7 +589,7 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
               help="Also measure diffusers (eager fp16 SDPA, and with a CUDA-graphed UNet on CUDA).")
 @click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="diffusers folder for the baseline [default: the manifest's source path].")
-@click.option("--steps", type=int, default=50, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True)
 @click.option("--batch-size", "batch_sizes", default="1", show_default=True, help="Images per call, e.g. 1,4.")
 @click.option("--iters", type=int, default=3, show_default=True, help="Timed end-to-end calls (median).")
 @click.option("--warmup", type=int, default=1, show_default=True, help="Untimed calls before timing.")
