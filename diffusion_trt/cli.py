@@ -234,6 +234,8 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
 
     options["loras"] = tuple(parse_lora_arg(x) for x in options["loras"])
     options["pass_options"] = _parse_pass_options(options["pass_options"])
+    if options["dump_passes"] is not None:  # the graphs are written after export: check the folder now
+        _check_writable_file(Path(options["dump_passes"]) / "unet.onnx", "--dump-passes", None)
     config = CompileConfig(**options, quantize=quantize)
     with logging_redirect_tqdm(loggers=[logger]):
         path = compile_pipeline(model_dir, out_dir, config, overwrite=overwrite, progress=True,

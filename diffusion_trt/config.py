@@ -322,6 +322,8 @@ class CompileConfig:
             hi = hi if hi is not None else min(opt * 2, max(opt, MAX_IMAGE_SIZE))
             check_image_size(f"min-{name}", lo)
             check_image_size(f"max-{name}", hi)
+            if lo > hi:
+                raise RuntimeInputError(f"--min-{name} {lo} is larger than --max-{name} {hi}; swap them")
             if not lo <= opt <= hi:
                 raise RuntimeInputError(
                     f"{name}={opt} is outside --min-{name} {lo} .. --max-{name} {hi}; widen the range"
@@ -329,6 +331,9 @@ class CompileConfig:
             return Range(lo, opt, hi)
 
         max_batch = self.max_batch_size if self.max_batch_size is not None else max(4, self.batch_size)
+        if self.min_batch_size > max_batch:
+            raise RuntimeInputError(f"--min-batch-size {self.min_batch_size} is larger than --max-batch-size "
+                                    f"{max_batch}; swap them")
         if not self.min_batch_size <= self.batch_size <= max_batch:
             raise RuntimeInputError(
                 f"batch_size={self.batch_size} is outside --min-batch-size {self.min_batch_size} .. "

@@ -371,3 +371,11 @@ def test_ctrl_c_exits_130(tiny_pipeline_dir: Path, tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(pipeline, "compile_pipeline", interrupted)
     code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "a")
     assert code == 130 and "interrupted" in out
+
+
+def test_dump_passes_folder_checked_before_export(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "a", "--dump-passes", blocker / "dump")
+    assert code == 2 and "--dump-passes" in out and "cannot create the folder" in out
+    assert not (tmp_path / "a").exists()

@@ -157,6 +157,9 @@ def test_fp16_on_cpu_is_refused_with_fix() -> None:
         ({"max_width": 4104}, r"max_width=4104 is above the limit of 4096 px; use 4096 or less"),
         ({"max_batch_size": 65}, r"max_batch_size=65 is above the limit of 64; use 64 or less"),
         ({"opset": 99}, r"opset=99 is newer than torch.onnx's exporter writes; use 17\.\.20"),
+        ({"min_height": 128, "max_height": 64}, r"--min-height 128 is larger than --max-height 64; swap them"),
+        ({"min_batch_size": 4, "max_batch_size": 2, "batch_size": 2},
+         r"--min-batch-size 4 is larger than --max-batch-size 2; swap them"),
     ],
 )
 def test_bad_profile_is_refused(kwargs: dict, message: str) -> None:
