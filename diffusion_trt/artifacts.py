@@ -49,7 +49,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -79,6 +79,12 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
         for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def is_inpainting(model: Mapping[str, Any]) -> bool:
+    """Whether model facts (a manifest's ``model``, or compile's ``model_facts``) describe an inpainting UNet: more
+    input channels than latent channels (SD inpainting: 9 = 4 latents + 1 mask + 4 masked-image latents)."""
+    return int(model.get("unet_in_channels", 4)) != int(model.get("latent_channels", 4))
 
 
 def folder_hash(root: str | os.PathLike[str]) -> str:

@@ -500,7 +500,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
         ArtifactError / RuntimeInputError: the artifact cannot be loaded or a batch size cannot be run by it.
         ModelFolderError: ``model_dir`` was given for the diffusers baseline but holds no model_index.json.
     """
-    from .artifacts import read_manifest
+    from .artifacts import is_inpainting, read_manifest
     from .runtime.pipeline import EnginePipeline
 
     say = progress or (lambda _msg: None)
@@ -511,7 +511,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
             "(its per-stage timings run the SD prompt encoding): use benchmarks/sdxl_e2e.py for SDXL"
         )
     model = manifest.get("model", {})
-    if int(model.get("unet_in_channels", 4)) != int(model.get("latent_channels", 4)):
+    if is_inpainting(model):
         raise RuntimeInputError(
             f"{cfg.artifact} is an inpainting artifact (UNet with {model['unet_in_channels']} input channels); bench "
             "times text-to-image: bench the text-to-image checkpoint it was fine-tuned from"

@@ -329,7 +329,7 @@ def compile_pipeline(
                 f"precision={config.precision!r} is not supported for SDXL models yet: calibration runs the SD 1.x "
                 "prompt encoding and loop; use --precision fp16 (or fp32)"
             )
-        if quantized and facts["unet_in_channels"] != facts.get("latent_channels", 4):
+        if quantized and artifacts.is_inpainting(facts):
             raise RuntimeInputError(
                 f"precision={config.precision!r} is not supported for inpainting models yet (UNet with "
                 f"{facts['unet_in_channels']} input channels): calibration runs the text-to-image loop; use "

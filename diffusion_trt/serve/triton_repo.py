@@ -199,7 +199,7 @@ def export_triton_repository(
             "loop only: run SDXL artifacts with EnginePipeline (Python) or diffusion-trt run"
         )
     model = manifest.get("model", {})
-    if int(model.get("unet_in_channels", 4)) != int(model.get("latent_channels", 4)):
+    if artifacts.is_inpainting(model):
         raise RuntimeInputError(
             f"{root} is an inpainting artifact (UNet with {model['unet_in_channels']} input channels); the Triton "
             "pipeline model runs text-to-image only: serve it with EnginePipeline (Python) or diffusion-trt run"
