@@ -235,7 +235,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     options["loras"] = tuple(parse_lora_arg(x) for x in options["loras"])
     options["pass_options"] = _parse_pass_options(options["pass_options"])
     if options["dump_passes"] is not None:  # the graphs are written after export: check the folder now
-        _check_writable_file(Path(options["dump_passes"]) / "unet.onnx", "--dump-passes", None)
+        _check_writable_dir(Path(options["dump_passes"]), "--dump-passes")
     config = CompileConfig(**options, quantize=quantize)
     with logging_redirect_tqdm(loggers=[logger]):
         path = compile_pipeline(model_dir, out_dir, config, overwrite=overwrite, progress=True,
@@ -362,16 +362,24 @@ def _check_writable_file(path: Path, flag: str, suffix: str | None) -> None:
     """
     if suffix is not None and path.suffix.lower() != suffix:
         raise click.BadParameter(f"{str(path)!r} does not end in {suffix}; use e.g. out{suffix}", param_hint=flag)
-    parent = path.parent if str(path.parent) else Path(".")
+    _check_writable_dir(path.parent if str(path.parent) else Path("."), flag)
+
+
+def _check_writable_dir(folder: Path, flag: str) -> None:
+    """Create ``folder`` (and its parents) if needed and refuse it when that fails or it is not writable.
+
+    Raises:
+        click.BadParameter: naming the folder, the cause and the fix.
+    """
     try:
-        parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         fix = _OS_ERROR_FIXES.get(e.errno or 0, "choose another path")
-        raise click.BadParameter(f"cannot create the folder {parent} ({e.strerror}); {fix}", param_hint=flag) from None
+        raise click.BadParameter(f"cannot create the folder {folder} ({e.strerror}); {fix}", param_hint=flag) from None
     import os
 
-    if not os.access(parent, os.W_OK):
-        raise click.BadParameter(f"the folder {parent} is not writable; choose another path", param_hint=flag)
+    if not os.access(folder, os.W_OK):
+        raise click.BadParameter(f"the folder {folder} is not writable; choose another path", param_hint=flag)
 
 
 def _print_pass_table(path: Path) -> None:
