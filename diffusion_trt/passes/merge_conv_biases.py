@@ -80,12 +80,13 @@ def merge_conv_biases(graph: gs.Graph, ctx: PassContext) -> PassResult:
         return PassResult(modified=False, counts=counts)
     names = Namer(graph)
     for first, second in sums:
-        total = _bias(first) + _bias(second)
+        total = _vector(first.inputs[2]) + _vector(second.inputs[2])
         second.inputs[2] = gs.Constant(names(f"{second.name or 'conv'}_merged_bias"), total)
         first.inputs.pop()
         counts["merged"] += 1
     for conv, norm in norms:
-        total = _bias(conv) + (_bias_of(norm) if len(norm.inputs) > 4 and norm.inputs[4].name else 0.0)
+        total = _vector(conv.inputs[2]) + (_vector(norm.inputs[4]) if len(norm.inputs) > 4 and norm.inputs[4].name
+                                             else 0.0)
         bias = gs.Constant(names(f"{norm.name or 'skip_group_norm'}_merged_bias"), np.asarray(total))
         if len(norm.inputs) > 4:
             norm.inputs[4] = bias
@@ -96,12 +97,9 @@ def merge_conv_biases(graph: gs.Graph, ctx: PassContext) -> PassResult:
     return PassResult(modified=bool(sums or norms), counts=counts)
 
 
-def _bias(conv: gs.Node) -> np.ndarray:
-    return np.asarray(const_value(conv.inputs[2])).reshape(-1)
-
-
-def _bias_of(norm: gs.Node) -> np.ndarray:
-    return np.asarray(const_value(norm.inputs[4])).reshape(-1)
+def _vector(bias: gs.Tensor) -> np.ndarray:
+    """A constant bias input, flattened to [C]."""
+    return np.asarray(const_value(bias)).reshape(-1)
 
 
 def _bias_problem(conv: gs.Node, channels: object) -> str | None:
