@@ -14,7 +14,7 @@ from diffusion_trt.passes import PassContext, optimize_model
 from diffusion_trt.passes.fuse_group_norm import fuse_group_norm
 from diffusion_trt.passes.fuse_skip_group_norm import fuse_skip_group_norm
 from tests import graphs
-from tests.passes.fusion_helpers import reasons
+from tests.passes.fusion_helpers import CUDA_FP32, assert_cuda_parity, reasons
 
 N, C, H, W, G = 2, 8, 4, 6, 4
 
@@ -108,13 +108,6 @@ def test_other_targets_have_nothing_to_fuse(backend: str, device: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("skip", ["residual", "temb"])
 def test_cuda_parity(skip: str) -> None:
-    import onnxruntime as ort
-
     model = resnet_tail(skip=skip)
     out, _ = fused(model)
-    feeds = graphs.random_feeds(model)
-    want = graphs.run(model, feeds)
-    for options in ({"use_tf32": 0}, {"use_tf32": 0, "prefer_nhwc": 1}):
-        session = ort.InferenceSession(out.SerializeToString(), providers=[("CUDAExecutionProvider", options)])
-        for got, ref in zip(session.run(None, feeds), want, strict=True):
-            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    assert_cuda_parity(model, out, (CUDA_FP32, {**CUDA_FP32, "prefer_nhwc": 1}))

@@ -17,7 +17,7 @@ from diffusion_trt.passes.fuse_group_norm import fuse_group_norm
 from diffusion_trt.passes.fuse_skip_group_norm import fuse_skip_group_norm
 from diffusion_trt.passes.merge_conv_biases import merge_conv_biases
 from tests import graphs
-from tests.passes.fusion_helpers import fuse, reasons
+from tests.passes.fusion_helpers import CUDA_FP32, assert_cuda_parity, fuse, reasons
 from tests.passes.test_fuse_skip_group_norm import resnet_tail
 
 N, C, H, W = 2, 8, 4, 6
@@ -126,14 +126,7 @@ def test_a_broadcast_time_embedding_skip_is_left_alone() -> None:
 
 @pytest.mark.gpu
 def test_skip_group_norm_cuda_parity() -> None:
-    import onnxruntime as ort
-
     model = shortcut_tail()
     out, counts = skip_group_norm_passes(model)
     assert counts["into_skip_group_norm"] == 1
-    feeds = graphs.random_feeds(model)
-    want = graphs.run(model, feeds)
-    for options in ({"use_tf32": 0}, {"use_tf32": 0, "prefer_nhwc": 1}):
-        session = ort.InferenceSession(out.SerializeToString(), providers=[("CUDAExecutionProvider", options)])
-        for got, ref in zip(session.run(None, feeds), want, strict=True):
-            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    assert_cuda_parity(model, out, (CUDA_FP32, {**CUDA_FP32, "prefer_nhwc": 1}))

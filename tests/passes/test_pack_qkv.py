@@ -18,7 +18,7 @@ from onnx import helper
 from diffusion_trt.passes.fuse_attention import fuse_attention
 from diffusion_trt.passes.pack_qkv import pack_qkv, pack_weights
 from tests import graphs
-from tests.passes.fusion_helpers import fuse, reasons
+from tests.passes.fusion_helpers import assert_cuda_parity, fuse, reasons
 
 HEADS, HEAD_DIM = 2, 4
 
@@ -140,13 +140,7 @@ def test_a_biased_projection_is_rejected(caplog: pytest.LogCaptureFixture) -> No
 @pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
 def test_packed_attention_cuda_parity(cross: bool) -> None:
     """The packed graph on ORT CUDA gives the unfused graph's outputs (fp32, TF32 off)."""
-    import onnxruntime as ort
-
     reference = graphs.attention_model(heads=HEADS, head_dim=HEAD_DIM, cross=cross)
     out, counts = fuse(attention(cross=cross), pack_qkv, device="cuda", pack_qkv=True)
     assert counts["packed_kv" if cross else "packed_qkv"] == 1
-    feeds = graphs.random_feeds(reference)
-    want = graphs.run(reference, feeds)
-    session = ort.InferenceSession(out.SerializeToString(), providers=[("CUDAExecutionProvider", {"use_tf32": 0})])
-    for got, ref in zip(session.run(None, feeds), want, strict=True):
-        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    assert_cuda_parity(reference, out)

@@ -15,7 +15,7 @@ from diffusion_trt.passes.eliminate_noops import eliminate_noops
 from diffusion_trt.passes.fuse_bias import fuse_bias
 from diffusion_trt.passes.fuse_skip_layer_norm import fuse_skip_layer_norm
 from tests import graphs
-from tests.passes.fusion_helpers import domains, fuse, reasons
+from tests.passes.fusion_helpers import assert_cuda_parity, domains, fuse, reasons
 
 S = 6  # tokens
 
@@ -188,16 +188,10 @@ def test_bias_add_other_targets(backend: str, device: str) -> None:
 
 @pytest.mark.gpu
 def test_bias_add_and_skip_layer_norm_cuda_parity() -> None:
-    import onnxruntime as ort
-
     for model in (residual_block(width=320, norm=False), residual_block(width=640)):
         out, _ = run_passes(model, [eliminate_noops, fuse_skip_layer_norm, fuse_bias])
         assert {"BiasAdd", "SkipLayerNormalization"} & set(graphs.op_counts(out))
-        feeds = graphs.random_feeds(model)
-        want = graphs.run(model, feeds)
-        session = ort.InferenceSession(out.SerializeToString(), providers=[("CUDAExecutionProvider", {"use_tf32": 0})])
-        for got, ref in zip(session.run(None, feeds), want, strict=True):
-            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+        assert_cuda_parity(model, out)
 
 
 def test_skip_layer_norm_on_a_dynamic_batch() -> None:
