@@ -57,6 +57,126 @@ TIMING_CACHE_FORMAT = 1
 _LEN = struct.Struct("<I")  # little-endian uint32: length of the JSON header that follows the magic
 
 
+# -- the two TensorRT libraries ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrtLibrary:
+    """What differs between full TensorRT and TensorRT for RTX: the one table the build and engine code read.
+
+    Both libraries share the Python API (``Builder``, ``OnnxParser``, ``Runtime``, ``ICudaEngine``); the build
+    stage (``compiler/build_trt.py``) and the engine (``runtime/trt_engine.py``) take a :class:`TrtLibrary` and
+    branch on its fields, never on the backend name.
+
+    Attributes:
+        backend: the ``--backend`` name, "tensorrt" or "tensorrt-rtx".
+        module: the import name ("tensorrt"; "tensorrt_rtx_bindings" for the ``tensorrt-rtx-cu13-bindings`` wheel).
+        display: the library's name in messages.
+        install: how to install it (for messages).
+        precision_flags: the builder has FP16/BF16/INT8/FP8 flags (full TensorRT 10). TensorRT-RTX has none:
+            every network is strongly typed, its types come from the graph (fp16 from ``convert_fp16``).
+        int8_calibrator: implicit int8 calibration exists (full TensorRT 10, deprecated); TensorRT-RTX has
+            int8 only as weight-only GEMM quantization, so our int8 QDQ activations are refused for it.
+        compute_capability_targets: plans are built for named compute capabilities
+            (``IBuilderConfig.set_compute_capability``) on any machine, with or without a GPU (TensorRT-RTX's
+            "CPU-only AOT" build). Full TensorRT builds for the GPU it runs on.
+        runtime_config: ``ICudaEngine.create_runtime_config`` exists (TensorRT-RTX: CUDA-graph strategy, dynamic
+            shape kernel specialisation, a runtime cache of kernels compiled on the user's GPU).
+        supported: compute capabilities its engines run on; ``None`` = any the release supports (full TensorRT).
+        portable: the targets of a build that names none (TensorRT-RTX's own default portable set).
+    """
+
+    backend: str
+    module: str
+    display: str
+    install: str
+    precision_flags: bool
+    int8_calibrator: bool
+    compute_capability_targets: bool
+    runtime_config: bool
+    supported: tuple[tuple[int, int], ...] | None
+    portable: tuple[tuple[int, int], ...] = ()
+
+    def import_module(self, error: type[Exception] = BuildError) -> Any:
+        """Import the library's Python module.
+
+        Raises:
+            ``error`` (BuildError by default; the runtime passes ArtifactError): naming the module, the
+            exception and the install line. The PyPI ``tensorrt`` stubs raise arbitrary errors on import.
+        """
+        import importlib
+
+        try:
+            return importlib.import_module(self.module)
+        except Exception as e:  # stub wheels raise arbitrary errors
+            other = "--backend tensorrt-rtx" if self.backend == "tensorrt" else "--backend ort"
+            raise error(
+                f"`import {self.module}` failed ({type(e).__name__}: {e}); {self.display} is needed: "
+                f"{self.install}, or compile with {other}"
+            ) from e
+
+    def check_runs_on(self, cc: str | tuple[int, int], targets: Iterable[str | tuple[int, int]] | None,
+                      gpu: str = "", where: str = "this artifact") -> None:
+        """Refuse, before anything is deserialised, a GPU this library or the plan's targets do not cover.
+
+        Args:
+            cc: this GPU's compute capability ("9.0").
+            targets: the plan's build targets (``build.compute_capabilities``); ``None`` = not recorded.
+            gpu: device name for the message.
+            where: what is being loaded, for the message.
+
+        Raises:
+            ArtifactError: naming the compute capability, the GPU, what is supported and the alternative
+                (``--backend ort --device cuda``).
+        """
+        have = parse_compute_capability(cc)
+        name = f"{format_compute_capability(have)}{f' ({gpu})' if gpu else ''}"
+        if self.supported is not None and have not in self.supported:
+            raise ArtifactError(
+                f"{where} needs {self.display}, which does not support this GPU of compute capability {name}; "
+                f"its engines run on compute capability {', '.join(map(format_compute_capability, self.supported))}: "
+                "on this GPU compile with --backend ort --device cuda (or full TensorRT, --backend tensorrt)"
+            )
+        wanted = [parse_compute_capability(t) for t in targets or ()]
+        if wanted and have not in wanted:
+            raise ArtifactError(
+                f"{where} was built for compute capability {', '.join(map(format_compute_capability, wanted))}, "
+                f"not for this GPU's {name}; recompile with --compute-capability "
+                f"{format_compute_capability(have)} (or `current` on this machine)"
+            )
+
+
+#: The libraries by ``--backend`` name. Sources: TensorRT-RTX support matrix (1.x: engines portable across
+#: 8.0/8.6/8.9/12.0 by default, 7.5 only when named; FP8 from 8.9, BF16 from 8.0, INT8 weight-only GEMM only)
+#: and ``tensorrt_rtx_bindings.ComputeCapability`` of 1.7.1 (SM75, SM80, SM86, SM89, SM120, SM121).
+LIBRARIES: dict[str, TrtLibrary] = {
+    "tensorrt": TrtLibrary(
+        backend="tensorrt", module="tensorrt", display="TensorRT", install="`pip install tensorrt` (TensorRT 10+)",
+        precision_flags=True, int8_calibrator=True, compute_capability_targets=False, runtime_config=False,
+        supported=None,
+    ),
+    "tensorrt-rtx": TrtLibrary(
+        backend="tensorrt-rtx", module="tensorrt_rtx_bindings", display="TensorRT-RTX",
+        install="`pip install 'diffusion-trt[rtx]'` (tensorrt-rtx-cu13-libs and -bindings)",
+        precision_flags=False, int8_calibrator=False, compute_capability_targets=True, runtime_config=True,
+        supported=((7, 5), (8, 0), (8, 6), (8, 9), (12, 0), (12, 1)),
+        portable=((8, 0), (8, 6), (8, 9), (12, 0)),
+    ),
+}
+
+
+def library(backend: str) -> TrtLibrary:
+    """The :class:`TrtLibrary` of a backend name.
+
+    Raises:
+        BuildError: not a TensorRT backend (the message lists them).
+    """
+    try:
+        return LIBRARIES[backend]
+    except KeyError:
+        raise BuildError(f"backend {backend!r} is not a TensorRT library; use one of {', '.join(LIBRARIES)}") from None
+
+
 # -- versions and compute capabilities ----------------------------------------------------------------
 
 
