@@ -141,9 +141,15 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Artifact folder [default: artifacts/<model folder name>].")
-@click.option("--backend", type=click.Choice(["ort", "tensorrt"]), default="ort", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where the engines will run (export runs there too).")
+@click.option("--backend", type=click.Choice(["ort", "tensorrt", "tensorrt-rtx"]), default="ort", show_default=True,
+              help="ort: ONNX Runtime; tensorrt: full TensorRT (built on the GPU it runs on); tensorrt-rtx: TensorRT for "
+                   "RTX (built on any machine, even without a GPU, for --compute-capability).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="Where the engines will run (export runs there too when it has a GPU) [default: cpu; cuda for the "
+                   "TensorRT backends].")
+@click.option("--compute-capability", "compute_capabilities", default=None, metavar="CC[,CC...]|current",
+              help="tensorrt-rtx: the GPUs to build for, e.g. 8.6,8.9,12.0 (RTX 30xx, 40xx, 50xx), or 'current' "
+                   "for this machine's GPU [default: TensorRT-RTX's portable set 8.0,8.6,8.9,12.0].")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "fp8"]), default="fp32", show_default=True,
               help="int8: ORT CPU or TensorRT; fp8: TensorRT on compute capability >= 8.9. Both calibrate the UNet "
                    "(see --calibration-*) and gate its quality against fp32.")
@@ -215,6 +221,9 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     Examples:
       diffusion-trt compile models/tiny -o artifacts/tiny
       diffusion-trt compile models/sd15 -o artifacts/sd15-fp16 --device cuda --precision fp16
+      diffusion-trt compile models/sd15 -o artifacts/sd15-rtx --backend tensorrt-rtx --precision fp16
+      diffusion-trt compile models/sd15 -o artifacts/sd15-4090 --backend tensorrt-rtx --precision fp8 \
+          --compute-capability 8.9 --calibration-size 8
       diffusion-trt compile models/sd15 -o artifacts/sd15 --min-height 256 --max-height 768
       diffusion-trt compile models/tiny -o artifacts/tiny-int8 --precision int8 --calibration-size 8
       diffusion-trt compile models/sd15 -o artifacts/sd15-ink --lora ink.safetensors:0.8 --lora detail.safetensors
@@ -234,6 +243,11 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
 
     options["loras"] = tuple(parse_lora_arg(x) for x in options["loras"])
     options["pass_options"] = _parse_pass_options(options["pass_options"])
+    if options["device"] is None:
+        options["device"] = "cuda" if options["backend"] in ("tensorrt", "tensorrt-rtx") else "cpu"
+    if options["compute_capabilities"] is not None:
+        options["compute_capabilities"] = tuple(c.strip() for c in options["compute_capabilities"].split(",")
+                                                if c.strip())
     if options["dump_passes"] is not None:  # the graphs are written after export: check the folder now
         _check_writable_dir(Path(options["dump_passes"]), "--dump-passes")
     config = CompileConfig(**options, quantize=quantize)
@@ -281,7 +295,11 @@ def _warn_unused_compile_options(options: dict[str, Any]) -> None:
         logger.warning("%s: no effect with --precision %s (calibration and quantization options apply to int8/fp8)",
                        " ".join(unused), precision)
     if backend != "tensorrt" and _given(("timing_cache",)):
-        logger.warning("--timing-cache: no effect with --backend %s (it caches TensorRT kernel timings)", backend)
+        logger.warning("--timing-cache: no effect with --backend %s (it caches full TensorRT's kernel timings; "
+                       "TensorRT-RTX times no kernels at build)", backend)
+    if backend == "tensorrt-rtx" and _given(("target_compute_capability",)):
+        logger.warning("--target-compute-capability: no effect with --backend tensorrt-rtx (the plans are built for "
+                       "--compute-capability)")
 
 
 def _quantize_config(options: dict[str, Any]) -> Any:

@@ -11,11 +11,13 @@ from typing import Any, Literal
 
 from .errors import RuntimeInputError
 
-Backend = Literal["ort", "tensorrt"]
+Backend = Literal["ort", "tensorrt", "tensorrt-rtx"]
 Device = Literal["cpu", "cuda"]
 Precision = Literal["fp32", "fp16", "int8", "fp8"]
 
-BACKENDS: tuple[str, ...] = ("ort", "tensorrt")
+BACKENDS: tuple[str, ...] = ("ort", "tensorrt", "tensorrt-rtx")
+#: The backends that build TensorRT plans (full TensorRT, TensorRT for RTX; trt_compat.LIBRARIES says how they differ).
+TRT_BACKENDS: tuple[str, ...] = ("tensorrt", "tensorrt-rtx")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "fp8")
 #: Precisions made by calibration + QDQ insertion (compiler/calibrate.py, compiler/quantize.py).
@@ -213,8 +215,9 @@ class CompileConfig:
     """What ``diffusion-trt compile`` was asked to do.
 
     Attributes:
-        backend: "ort" (ONNX Runtime) or "tensorrt".
-        device: "cpu" or "cuda": where the engines will run (and where export runs).
+        backend: "ort" (ONNX Runtime), "tensorrt" (full TensorRT, built on the GPU it runs on) or "tensorrt-rtx"
+            (TensorRT for RTX: built on any machine, GPU or not, for :attr:`compute_capabilities`).
+        device: "cpu" or "cuda": where the engines will run (and where export runs when it has a GPU).
         precision: "fp32" or "fp16" weights and activations. fp16 requires ``device="cuda"`` for ORT.
         opset: ONNX opset of the exported graphs, :data:`MIN_OPSET`..:data:`MAX_OPSET` (17: LayerNormalization).
         height, width, batch_size: the optimal ("opt") shape; ``None`` = the model's default size
@@ -237,6 +240,9 @@ class CompileConfig:
             :mod:`diffusion_trt.lora`); the manifest records each file's name, sha256 and scale.
         refittable: TensorRT only: build refittable engines (``BuilderFlag.REFIT``) and write a refit map per UNet
             and text encoder, so that ``EnginePipeline.load_lora`` can swap LoRAs at run time.
+        compute_capabilities: TensorRT-RTX only: the GPUs the plans are built for, e.g. ``("8.6", "8.9", "12.0")``, or
+            ``("current",)`` for this machine's GPU; ``None`` = TensorRT-RTX's portable set (8.0, 8.6, 8.9, 12.0;
+            ``trt_compat.LIBRARIES``). fp8 needs every target >= 8.9.
         pass_options: ``PassContext.options`` for every component, over the ones compile derives itself (each
             pass's docstring lists the options it reads, e.g. ``{"pack_qkv": True}``,
             ``{"fuse_attention_emit": "none"}``); for experiments and A/B timings (``--pass-option``).
@@ -264,9 +270,12 @@ class CompileConfig:
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     loras: tuple[tuple[str, float], ...] = ()
     refittable: bool = False
+    compute_capabilities: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.refittable and self.backend != "tensorrt":
+        if self.compute_capabilities is not None:
+            object.__setattr__(self, "compute_capabilities", tuple(str(c) for c in self.compute_capabilities))
+        if self.refittable and self.backend not in TRT_BACKENDS:
             raise RuntimeInputError(
                 f"refittable=True is a TensorRT build flag, but backend={self.backend!r}; use --backend tensorrt, or "
                 "merge LoRAs into an ORT artifact at compile time with --lora FILE[:SCALE]"
@@ -300,17 +309,46 @@ class CompileConfig:
                 "precision='fp16' with device='cpu' is not supported: ONNX Runtime's CPU provider has "
                 "no fp16 kernels for most UNet ops; use --precision fp32 or --device cuda"
             )
-        if self.backend == "tensorrt" and self.device != "cuda":
-            raise RuntimeInputError(f"backend='tensorrt' runs on CUDA only, not device={self.device!r}; "
+        if self.backend in TRT_BACKENDS and self.device != "cuda":
+            raise RuntimeInputError(f"backend={self.backend!r} runs on CUDA only, not device={self.device!r}; "
                                     "use --device cuda or --backend ort")
+        self._check_rtx()
         if self.batch_size < 1:
             raise RuntimeInputError(f"batch_size={self.batch_size} must be >= 1")
         if self.precision == "int8" and self.backend == "ort" and self.device != "cpu":
             raise RuntimeInputError("precision='int8' with --backend ort runs on the CPU provider only; use "
                                     "--device cpu, or --backend tensorrt for int8 on CUDA")
-        if self.precision == "fp8" and self.backend != "tensorrt":
+        if self.precision == "fp8" and self.backend not in TRT_BACKENDS:
             raise RuntimeInputError("precision='fp8' is for TensorRT only (ONNX Runtime has no fp8 kernels for these "
-                                    "ops); use --backend tensorrt --device cuda, or --precision int8")
+                                    "ops); use --backend tensorrt-rtx (or tensorrt) --device cuda, or --precision int8")
+
+    def _check_rtx(self) -> None:
+        """TensorRT-RTX rules: compute-capability targets it has, no int8 QDQ, fp8 only for targets >= 8.9."""
+        from .trt_compat import resolve_rtx_targets
+
+        if self.compute_capabilities is not None and self.backend != "tensorrt-rtx":
+            raise RuntimeInputError(
+                f"compute_capabilities={list(self.compute_capabilities)} are TensorRT-RTX build targets, but "
+                f"backend={self.backend!r} builds for the GPU it runs on; use --backend tensorrt-rtx or drop "
+                "--compute-capability"
+            )
+        if self.backend != "tensorrt-rtx":
+            return
+        if self.precision == "int8":
+            raise RuntimeInputError(
+                "precision='int8' with --backend tensorrt-rtx: TensorRT-RTX has int8 only as weight-only GEMM "
+                "quantization, not the int8 QDQ activations this compile makes; use --precision fp8 (targets >= 8.9), "
+                "fp16, or --backend ort --device cpu for int8"
+            )
+        targets = resolve_rtx_targets(self.compute_capabilities, current=None)
+        if self.precision == "fp8":
+            old = [t for t in targets if t != "current" and tuple(map(int, t.split("."))) < (8, 9)]
+            if old:
+                raise RuntimeInputError(
+                    f"precision='fp8' needs every target GPU to be compute capability >= 8.9 (Ada Lovelace or "
+                    f"Blackwell), but the targets include {', '.join(old)}; pass --compute-capability 8.9,12.0 (or "
+                    "--precision fp16 for 8.0/8.6 GPUs)"
+                )
 
     def resolve_profile(self, default_size: int) -> ShapeProfile:
         """Fill the ``None`` bounds from the model's default image size (pixels)."""
@@ -350,6 +388,7 @@ class CompileConfig:
         data["components"] = list(self.components)
         data["quantize"] = self.quantize.to_json()
         data["loras"] = [[str(p), float(s)] for p, s in self.loras]
+        data["compute_capabilities"] = list(self.compute_capabilities) if self.compute_capabilities else None
         return data
 
     @classmethod

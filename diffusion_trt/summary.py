@@ -19,8 +19,8 @@ _KNOWN = {
     "compile_seconds", "manifest_sha256",
 }
 #: Build facts worth a line (the rest stay in ``--json`` / the manifest).
-_BUILD_KEYS = ("providers", "test_loaded", "tensorrt", "compute_capability", "gpu", "flags", "strongly_typed",
-               "build_seconds", "plan_bytes")
+_BUILD_KEYS = ("providers", "test_loaded", "library", "tensorrt", "compute_capability", "compute_capabilities", "gpu",
+               "flags", "strongly_typed", "num_layers", "runtime_cache", "build_seconds", "plan_bytes")
 
 
 def human_bytes(n: int) -> str:
@@ -61,7 +61,7 @@ def artifact_summary(root: str | os.PathLike[str], manifest: dict[str, Any]) -> 
             "inputs": [_tensor(t) for t in entry.get("inputs", [])],
             "outputs": [_tensor(t) for t in entry.get("outputs", [])],
             "passes": _nonzero_passes(entry.get("passes", [])),
-            "build": {k: build[k] for k in _BUILD_KEYS if k in build},
+            "build": {k: build[k] for k in _BUILD_KEYS if build.get(k) is not None},
         }
         if "profiles" in build:
             comp["build"]["profiles"] = len(build["profiles"])

@@ -177,6 +177,48 @@ def library(backend: str) -> TrtLibrary:
         raise BuildError(f"backend {backend!r} is not a TensorRT library; use one of {', '.join(LIBRARIES)}") from None
 
 
+def resolve_rtx_targets(requested: Iterable[str] | None, current: str | None) -> tuple[str, ...]:
+    """TensorRT-RTX build targets as "major.minor" strings, checked against what the library supports.
+
+    Args:
+        requested: ``--compute-capability`` values ("8.6", "sm_89", "current"); ``None``/empty = the portable set.
+        current: this machine's GPU compute capability, substituted for "current"; ``None`` keeps "current" as is
+            (config validation, before the GPU is looked at).
+
+    Raises:
+        RuntimeInputError: a value that is not a compute capability, one TensorRT-RTX cannot build for (the message
+            lists the supported ones), or "current" on a GPU it does not support.
+    """
+    from .errors import RuntimeInputError
+
+    lib = LIBRARIES["tensorrt-rtx"]
+    supported = ", ".join(map(format_compute_capability, lib.supported or ()))
+    if not requested:
+        return tuple(map(format_compute_capability, lib.portable))
+    out: list[str] = []
+    for value in requested:
+        if str(value).strip().lower() == "current":
+            if current is None:
+                out.append("current")
+                continue
+            value = current
+        try:
+            cc = parse_compute_capability(value)
+        except BuildError:
+            raise RuntimeInputError(
+                f"--compute-capability {value!r} is not a compute capability; write e.g. 8.9, or 'current' for "
+                f"this machine's GPU (TensorRT-RTX builds for {supported})"
+            ) from None
+        if cc not in (lib.supported or ()):
+            raise RuntimeInputError(
+                f"--compute-capability {format_compute_capability(cc)}: TensorRT-RTX cannot build for it (it builds "
+                f"for {supported}); for other GPUs (e.g. 9.0, H100/H200) use --backend ort --device cuda"
+            )
+        if format_compute_capability(cc) not in out:
+            out.append(format_compute_capability(cc))
+    return tuple(out)
+
+
 # -- versions and compute capabilities ----------------------------------------------------------------
 
 

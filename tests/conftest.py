@@ -17,6 +17,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         except Exception:  # noqa: BLE001 - the PyPI stubs raise on import
             has_trt = False
     try:
+        import tensorrt_rtx_bindings  # noqa: F401
+
+        has_rtx = True
+    except Exception:  # noqa: BLE001 - a missing or broken wheel
+        has_rtx = False
+    try:
         import torch
 
         has_gpu = torch.cuda.is_available()
@@ -25,6 +31,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "tensorrt" in item.keywords and not has_trt:
             item.add_marker(pytest.mark.skip(reason="`import tensorrt` fails here: no TensorRT on this machine"))
+        if "rtx_builder" in item.keywords and not has_rtx:
+            item.add_marker(pytest.mark.skip(reason="tensorrt_rtx_bindings is not importable: pip install -e '.[rtx]'"))
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="no CUDA GPU on this machine"))
 

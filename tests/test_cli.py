@@ -148,9 +148,11 @@ def test_dummy_pipeline_refuses_non_empty_folder(tmp_path: Path) -> None:
     assert code == 2 and "exists and is not empty; choose another folder or pass --overwrite" in out
 
 
-def test_compile_tensorrt_needs_cuda_device(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
-    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", "--backend", "tensorrt")
-    assert code == 2 and "backend='tensorrt' runs on CUDA only, not device='cpu'; use --device cuda" in out
+@pytest.mark.parametrize("backend", ["tensorrt", "tensorrt-rtx"], ids=["full-trt", "rtx"])
+def test_compile_tensorrt_needs_cuda_device(tiny_pipeline_dir: Path, tmp_path: Path, backend: str) -> None:
+    """--device defaults to cuda for the TensorRT backends; an explicit cpu is refused."""
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", "--backend", backend, "--device", "cpu")
+    assert code == 2 and f"backend={backend!r} runs on CUDA only, not device='cpu'; use --device cuda" in out
 
 
 def test_compile_tensorrt_fails_before_export_without_gpu_or_tensorrt(tiny_pipeline_dir: Path, tmp_path: Path) -> None:

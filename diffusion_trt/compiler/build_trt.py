@@ -82,6 +82,9 @@ class TrtBuildConfig:
         static_profile: add a profile fixed at the opt shape (the fast path), when the range is dynamic.
         extra_profiles: more image-level ranges (batch / height / width), each one more profile with its own
             opt point; each must lie inside the artifact's profile (the runtime validates against that).
+        library: "tensorrt" (full TensorRT: built on the GPU it runs on) or "tensorrt-rtx" (TensorRT for RTX: built
+            anywhere for :attr:`compute_capabilities`); see :data:`~diffusion_trt.trt_compat.LIBRARIES`.
+        compute_capabilities: TensorRT-RTX targets ("8.9", "current"); ``None`` = its portable set.
     """
 
     builder_optimization_level: int | None = None
@@ -91,8 +94,13 @@ class TrtBuildConfig:
     strongly_typed: bool | None = None
     static_profile: bool = True
     extra_profiles: tuple[ShapeProfile, ...] = field(default_factory=tuple)
+    library: str = "tensorrt"
+    compute_capabilities: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        trt_compat.library(self.library)  # a backend that is not a TensorRT library fails here
+        if self.compute_capabilities is not None:
+            object.__setattr__(self, "compute_capabilities", tuple(str(c) for c in self.compute_capabilities))
         level = self.builder_optimization_level
         if level is not None and (isinstance(level, bool) or level not in OPTIMIZATION_LEVELS):
             raise RuntimeInputError(
@@ -139,6 +147,7 @@ class TrtBuildConfig:
         data = dataclasses.asdict(self)
         data["flags"] = list(self.flags) if self.flags is not None else None
         data["extra_profiles"] = [p.to_json() for p in self.extra_profiles]
+        data["compute_capabilities"] = list(self.compute_capabilities) if self.compute_capabilities else None
         return data
 
     @classmethod
@@ -155,6 +164,8 @@ class TrtBuildConfig:
         if data.get("flags") is not None:
             data["flags"] = tuple(data["flags"])
         data["extra_profiles"] = tuple(ShapeProfile.from_json(p) for p in data.get("extra_profiles") or ())
+        if data.get("compute_capabilities") is not None:
+            data["compute_capabilities"] = tuple(data["compute_capabilities"])
         return cls(**data)
 
 
@@ -385,15 +396,94 @@ def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
 # -- the stage ------------------------------------------------------------------------------------------
 
 
-def _import_tensorrt() -> Any:
-    try:
-        import tensorrt as trt
-    except Exception as e:  # PyPI stub wheels raise arbitrary errors on import
+@dataclass(frozen=True)
+class BuildTarget:
+    """What a build is for: the library and the GPU(s), resolved once by :func:`build_target`.
+
+    Attributes:
+        library: the TensorRT library (:data:`~diffusion_trt.trt_compat.LIBRARIES`).
+        compute_capabilities: TensorRT-RTX: the targets ("8.6", ...); full TensorRT: the build GPU's one.
+        gpu: the build GPU's name; "" when the build runs without one (TensorRT-RTX).
+        host_compute_capability: the build GPU's compute capability, ``None`` without a GPU.
+    """
+
+    library: trt_compat.TrtLibrary
+    compute_capabilities: tuple[str, ...]
+    gpu: str = ""
+    host_compute_capability: str | None = None
+
+
+def build_target(precision: str, build: TrtBuildConfig) -> BuildTarget:
+    """Resolve and check where a build's plans will run, before any work.
+
+    Full TensorRT builds on the GPU it runs on (torch must see one). TensorRT-RTX builds on any machine for
+    ``build.compute_capabilities`` (default: its portable set; "current" = this GPU). Precision rules (fp8 >= 8.9,
+    bf16 >= 8.0) are checked against every target.
+
+    Raises:
+        BuildError: no CUDA GPU for full TensorRT (or for "current"), a precision a target lacks.
+        RuntimeInputError: a target TensorRT-RTX cannot build for.
+    """
+    lib = trt_compat.library(build.library)
+    host = trt_compat.gpu_facts()
+    if lib.compute_capability_targets:
+        wants_current = any(str(c).lower() == "current" for c in build.compute_capabilities or ())
+        if wants_current and host is None:
+            raise BuildError(
+                "--compute-capability current needs a CUDA GPU and torch sees none here; name the targets instead "
+                "(e.g. --compute-capability 8.6,8.9,12.0) or leave it out for TensorRT-RTX's portable set"
+            )
+        targets = trt_compat.resolve_rtx_targets(build.compute_capabilities,
+                                                 host.compute_capability if host else None)
+    elif host is None:
         raise BuildError(
-            f"`import tensorrt` failed ({type(e).__name__}: {e}); install TensorRT 10+ for this CUDA "
-            "(`pip install tensorrt`) on the GPU host, or compile with --backend ort"
-        ) from e
-    return trt
+            "TensorRT engines are built on the GPU they will run on, and torch sees no CUDA device here; "
+            "compile on the GPU host, use --backend tensorrt-rtx (builds without a GPU), or use --backend ort"
+        )
+    else:
+        targets = (host.compute_capability,)
+    flags = _precision_needs(precision, build)
+    for cc in targets:
+        trt_compat.check_precision_supported(flags, cc)
+    return BuildTarget(lib, targets, host.gpu if host else "", host.compute_capability if host else None)
+
+
+def _precision_needs(precision: str, build: TrtBuildConfig) -> tuple[str, ...]:
+    """The precisions whose hardware minimum applies (:data:`trt_compat.PRECISION_MIN_COMPUTE_CAPABILITY`)."""
+    if build.flags is not None:
+        return tuple(build.flags)
+    return PRECISION_FLAGS.get(precision, ())
+
+
+def preflight(precision: str, build: TrtBuildConfig) -> BuildTarget:
+    """Fail before any export work when this machine cannot build: :func:`build_target`, then the import.
+
+    Raises:
+        BuildError: as :func:`engine_from_onnx` would, minutes later.
+    """
+    target = build_target(precision, build)
+    target.library.import_module()
+    return target
+
+
+def network_from_onnx(trt: Any, onnx_path: Path, strongly_typed: bool) -> tuple[Any, Any, Any]:
+    """Parse an ONNX file into a network: ``(builder, network, parser)`` (keep all three alive together).
+
+    Parsed from its path so external data (``model.onnx.data``) beside it is found.
+
+    Raises:
+        BuildError: parser errors, one line per node (index, name, op, message).
+    """
+    trt_logger = trt_compat.make_trt_logger(trt)
+    trt_logger.errors = []  # quote this build's errors only
+    builder = trt.Builder(trt_logger)
+    network = builder.create_network(_network_flags(trt, strongly_typed))
+    parser = trt.OnnxParser(network, trt_logger)
+    ok = parser.parse_from_file(str(onnx_path))
+    if not ok or parser.num_errors:
+        errors = [ParserErrorInfo.from_trt(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise BuildError(format_parser_errors(onnx_path, errors))
+    return builder, network, parser
 
 
 def _network_flags(trt: Any, strongly_typed: bool) -> int:
@@ -409,21 +499,122 @@ def _network_flags(trt: Any, strongly_typed: bool) -> int:
     return flags
 
 
-def preflight(precision: str, build: TrtBuildConfig) -> None:
-    """Fail before any export work when this machine cannot build: no CUDA GPU, a precision the GPU lacks, or
-    no importable TensorRT.
+def network_inputs(trt: Any, network: Any) -> dict[str, str]:
+    """The network's inputs: name -> manifest dtype name ("float32"...)."""
+    out = {}
+    for i in range(network.num_inputs):
+        t = network.get_input(i)
+        out[t.name] = trt_compat.TRT_DTYPES.get(t.dtype.name, t.dtype.name)
+    return out
+
+
+def config_for(trt: Any, builder: Any, target: BuildTarget, build: TrtBuildConfig, precision: str,
+               strongly_typed: bool, profiles: Sequence[TrtProfile]) -> tuple[Any, list[str]]:
+    """The ``IBuilderConfig``: precision flags (full TensorRT, weakly typed only), refit, memory pool, optimization
+    level, compute-capability targets (TensorRT-RTX), one optimization profile each.
+
+    Returns:
+        ``(config, flags set on it)``.
 
     Raises:
-        BuildError: as :func:`engine_from_onnx` would, minutes later.
+        BuildError: TensorRT rejected a profile.
     """
-    host = trt_compat.gpu_facts()
-    if host is None:
+    config = builder.create_builder_config()
+    applied = _set_precision_flags(trt, config, target.library, build.flags_for(precision), strongly_typed)
+    if build.refittable:
+        config.set_flag(trt.BuilderFlag.REFIT)
+    if build.workspace_bytes is not None:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, build.workspace_bytes)
+    if build.builder_optimization_level is not None:
+        config.builder_optimization_level = build.builder_optimization_level
+    if target.library.compute_capability_targets:
+        config.num_compute_capabilities = len(target.compute_capabilities)
+        for i, cc in enumerate(target.compute_capabilities):
+            major, minor = trt_compat.parse_compute_capability(cc)
+            config.set_compute_capability(getattr(trt.ComputeCapability, f"SM{major}{minor}"), i)
+    for p in profiles:
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in p.shapes.items():
+            profile.set_shape(name, lo, opt, hi)
+        if config.add_optimization_profile(profile) < 0:
+            raise BuildError(f"TensorRT rejected the {p.kind} optimization profile {p.to_json()['inputs']}")
+    return config, applied
+
+
+def _set_precision_flags(trt: Any, config: Any, lib: trt_compat.TrtLibrary, flags: Sequence[str],
+                         strongly_typed: bool) -> list[str]:
+    """Set the builder precision flags a weakly typed full-TensorRT network takes; return those set."""
+    if not flags:
+        return []
+    if strongly_typed or not lib.precision_flags:
+        logger.info("strongly typed network: precision flags %s not set (types come from the graph)", list(flags))
+        return []
+    applied = []
+    for f in flags:
+        flag = getattr(trt.BuilderFlag, f.upper(), None)
+        if flag is None:
+            logger.warning("TensorRT %s has no BuilderFlag.%s (networks are always strongly typed from TensorRT 11): "
+                           "precision comes from the graph's own types", trt.__version__, f.upper())
+            continue
+        config.set_flag(flag)
+        applied.append(f)
+    return applied
+
+
+def attach_timing_cache(config: Any, target: BuildTarget, version: str,
+                        cache_dir: Path | None) -> tuple[trt_compat.TimingCacheKey | None, dict[str, Any]]:
+    """Load this (version, compute capability)'s timing cache into ``config`` (or a fresh one).
+
+    TensorRT-RTX builds ahead of time without timing kernels (they are specialised on the user's GPU at first
+    load, kept in the runtime cache), so no timing cache is used for it.
+
+    Returns:
+        ``(key or None, facts)``; facts = ``{"file", "loaded", "saved", "ignored"}``.
+    """
+    facts: dict[str, Any] = {"file": None, "loaded": False, "saved": False, "ignored": None}
+    if not target.library.precision_flags and target.library.compute_capability_targets:
+        facts["ignored"] = "TensorRT-RTX builds without kernel timing (see the runtime cache)"
+        return None, facts
+    key = trt_compat.TimingCacheKey(version, target.compute_capabilities[0])
+    payload: bytes | None = None
+    if cache_dir is not None:
+        payload, facts = read_timing_cache(Path(cache_dir), key)
+        facts["saved"] = False
+    cache = None
+    if payload:
+        try:
+            cache = config.create_timing_cache(payload)
+        except Exception as e:  # noqa: BLE001 - the bindings raise various types on a corrupt blob
+            logger.debug("create_timing_cache failed: %s", e)
+        if cache is None:
+            facts["ignored"] = "TensorRT could not deserialize it"
+    if cache is not None and not config.set_timing_cache(cache, False):  # ignore_mismatch=False
+        facts["ignored"] = "TensorRT reports it was made on another device or version"
+        cache = None
+    if payload and cache is None:  # a framing mismatch was already reported by read_timing_cache
+        logger.warning("timing cache %s ignored: %s; building with a fresh cache", facts["file"], facts["ignored"])
+    if cache is None:
+        config.set_timing_cache(config.create_timing_cache(b""), False)
+    else:
+        facts["loaded"] = True
+    return key, facts
+
+
+def engine_from_network(trt: Any, builder: Any, network: Any, config: Any, where: str) -> memoryview:
+    """``build_serialized_network``; the serialized plan as a memoryview.
+
+    Raises:
+        BuildError: the build failed, quoting TensorRT's last errors.
+    """
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        errors = getattr(trt_compat.make_trt_logger(trt), "errors", [])
+        last = "\n  ".join(errors[-5:]) or "(no error logged; rerun with DEBUG logging)"
         raise BuildError(
-            "TensorRT engines are built on the GPU they will run on, and torch sees no CUDA device here; "
-            "compile on the GPU host or use --backend ort"
+            f"TensorRT failed to build {where}; its last errors:\n  {last}\nfix: raise workspace_bytes, lower "
+            "builder_optimization_level, or compile with --precision fp32 to isolate a precision problem"
         )
-    trt_compat.check_precision_supported(build.flags_for(precision), host.compute_capability)
-    _import_tensorrt()
+    return memoryview(plan)
 
 
 def engine_from_onnx(
@@ -435,162 +626,69 @@ def engine_from_onnx(
     build: TrtBuildConfig,
     timing_cache_dir: Path | None,
 ) -> dict[str, Any]:
-    """Build a TensorRT plan from an optimized ONNX file and write it to ``plan_path``.
+    """Build a TensorRT (or TensorRT-RTX) plan from an optimized ONNX file and write it to ``plan_path``.
+
+    ``network_from_onnx`` -> ``config_for`` -> ``attach_timing_cache`` -> ``engine_from_network``, each a loader of
+    its own (after Polygraphy's).
 
     Args:
         onnx_path: the optimized ``model.onnx``; parsed from its path so ``model.onnx.data`` beside it is found.
         plan_path: where the serialized plan goes (written atomically).
         inputs: the component's manifest input entries (name, dtype, symbolic shape, concrete min/opt/max).
         precision: "fp32", "fp16", "bf16", "int8" or "fp8" (see :data:`PRECISION_FLAGS`).
-        build: how to build.
+        build: how to build (``build.library`` picks full TensorRT or TensorRT-RTX).
         timing_cache_dir: folder of timing caches shared across builds (one file per TensorRT version and
-            compute capability); ``None`` = no persistent cache.
+            compute capability); ``None`` = no persistent cache. Not used by TensorRT-RTX.
 
     Returns:
-        The manifest's ``build`` facts: ``tensorrt`` (version), ``gpu``, ``compute_capability`` ("9.0"),
-        ``precision``, ``flags`` (set on the builder), ``strongly_typed``, ``has_qdq``,
-        ``builder_optimization_level``, ``workspace_bytes``, ``refittable``, ``profiles`` (list of
-        ``{"kind", "inputs": {name: {"min", "opt", "max"}}}`` in TensorRT profile order), ``build_seconds``,
-        ``plan`` (file name), ``plan_sha256``, ``plan_bytes``, ``timing_cache``
-        (``{"file", "loaded", "saved", "ignored"}``), ``config`` (``build.to_json()``).
+        The manifest's ``build`` facts: ``engine`` / ``library`` ("tensorrt" or "tensorrt-rtx"), ``tensorrt``
+        (the library's version), ``gpu`` and ``compute_capability`` (the build GPU; ``None`` for a TensorRT-RTX
+        build without one), ``compute_capabilities`` (the targets), ``precision``, ``flags``, ``strongly_typed``,
+        ``has_qdq``, ``builder_optimization_level``, ``workspace_bytes``, ``refittable``, ``profiles`` (list of
+        ``{"kind", "inputs": {name: {"min", "opt", "max"}}}`` in TensorRT profile order), ``num_layers``,
+        ``build_seconds``, ``plan``, ``plan_sha256``, ``plan_bytes``, ``timing_cache``, ``runtime_cache``
+        (TensorRT-RTX: the cache file name the runtime uses), ``config``.
 
     Raises:
-        BuildError: no CUDA GPU, no TensorRT, a precision the GPU lacks (checked first, before any work),
-            parser errors (one line per node: index, name, op, message), graph inputs that differ from the
+        BuildError: no GPU where one is needed, no library, a precision a target lacks (checked first, before any
+            work), parser errors (one line per node: index, name, op, message), graph inputs that differ from the
             manifest, or a failed build (quoting TensorRT's last errors).
-        RuntimeInputError: unknown precision.
+        RuntimeInputError: unknown precision or compute capability.
     """
     t_start = time.perf_counter()
-    flags = build.flags_for(precision)
-    host = trt_compat.gpu_facts()
-    if host is None:
-        raise BuildError(
-            "TensorRT engines are built on the GPU they will run on, and torch sees no CUDA device here; "
-            "compile on the GPU host or use --backend ort"
-        )
-    trt_compat.check_precision_supported(flags, host.compute_capability)  # before any work
+    build.flags_for(precision)  # unknown precision: refused before any work
+    target = build_target(precision, build)
     profiles = profiles_from_inputs(inputs, build)
-    trt = _import_tensorrt()
+    trt = target.library.import_module()
     version = str(trt.__version__)
-
     has_qdq = graph_has_qdq(onnx_path)
-    strongly_typed = has_qdq if build.strongly_typed is None else build.strongly_typed
-    trt_logger = trt_compat.make_trt_logger(trt)
-    trt_logger.errors = []  # quote this build's errors only
-    builder = trt.Builder(trt_logger)
-    network = builder.create_network(_network_flags(trt, strongly_typed))
-    parser = trt.OnnxParser(network, trt_logger)
-    ok = parser.parse_from_file(str(onnx_path))
-    if not ok or parser.num_errors:
-        errors = [ParserErrorInfo.from_trt(parser.get_error(i)) for i in range(parser.num_errors)]
-        raise BuildError(format_parser_errors(onnx_path, errors))
-
-    net_inputs = {}
-    for i in range(network.num_inputs):
-        t = network.get_input(i)
-        net_inputs[t.name] = trt_compat.TRT_DTYPES.get(t.dtype.name, t.dtype.name)
-    check_network_inputs(onnx_path, net_inputs, inputs)
-
-    config = builder.create_builder_config()
-    applied: list[str] = []
-    if strongly_typed and flags:
-        logger.info(
-            "%s: strongly typed network: precision flags %s not set (types come from the graph)",
-            onnx_path.name,
-            list(flags),
-        )
-    else:
-        for f in flags:
-            flag = getattr(trt.BuilderFlag, f.upper(), None)
-            if flag is None:
-                logger.warning(
-                    "TensorRT %s has no BuilderFlag.%s (networks are always strongly typed from TensorRT 11): "
-                    "precision comes from the graph's own types",
-                    version,
-                    f.upper(),
-                )
-                continue
-            config.set_flag(flag)
-            applied.append(f)
-    if build.refittable:
-        config.set_flag(trt.BuilderFlag.REFIT)
-    if build.workspace_bytes is not None:
-        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, build.workspace_bytes)
-    if build.builder_optimization_level is not None:
-        config.builder_optimization_level = build.builder_optimization_level
-
-    for p in profiles:
-        profile = builder.create_optimization_profile()
-        for name, (lo, opt, hi) in p.shapes.items():
-            profile.set_shape(name, lo, opt, hi)
-        if config.add_optimization_profile(profile) < 0:
-            raise BuildError(f"TensorRT rejected the {p.kind} optimization profile {p.to_json()['inputs']}")
-
-    cc = host.compute_capability
-    cache_key = trt_compat.TimingCacheKey(version, cc)
-    cache_facts: dict[str, Any] = {"file": None, "loaded": False, "saved": False, "ignored": None}
-    payload: bytes | None = None
-    if timing_cache_dir is not None:
-        payload, cache_facts = read_timing_cache(Path(timing_cache_dir), cache_key)
-        cache_facts["saved"] = False
-    cache = None
-    if payload:
-        try:
-            cache = config.create_timing_cache(payload)
-        except Exception as e:  # noqa: BLE001 - the bindings raise various types on a corrupt blob
-            logger.debug("create_timing_cache failed: %s", e)
-        if cache is None:
-            cache_facts["ignored"] = "TensorRT could not deserialize it"
-    if cache is not None and not config.set_timing_cache(cache, False):  # ignore_mismatch=False
-        cache_facts["ignored"] = "TensorRT reports it was made on another device or version"
-        cache = None
-    if payload and cache is None:  # a framing mismatch was already reported by read_timing_cache
-        logger.warning(
-            "timing cache %s ignored: %s; building with a fresh cache", cache_facts["file"], cache_facts["ignored"]
-        )
-    if cache is None:
-        cache = config.create_timing_cache(b"")
-        config.set_timing_cache(cache, False)
-    else:
-        cache_facts["loaded"] = True
-
-    logger.info(
-        "building %s: TensorRT %s on %s (%s), flags %s, strongly_typed=%s, %d profile(s)",
-        onnx_path,
-        version,
-        host.gpu,
-        cc,
-        applied,
-        strongly_typed,
-        len(profiles),
-    )
+    strongly_typed = (has_qdq if build.strongly_typed is None else build.strongly_typed) or \
+        not target.library.precision_flags
+    builder, network, _parser = network_from_onnx(trt, onnx_path, strongly_typed and target.library.precision_flags)
+    check_network_inputs(onnx_path, network_inputs(trt, network), inputs)
+    config, applied = config_for(trt, builder, target, build, precision, strongly_typed, profiles)
+    cache_key, cache_facts = attach_timing_cache(config, target, version, timing_cache_dir)
+    logger.info("building %s: %s %s for compute capability %s, flags %s, strongly_typed=%s, %d profile(s)",
+                onnx_path, target.library.display, version, ",".join(target.compute_capabilities), applied,
+                strongly_typed, len(profiles))
     t_build = time.perf_counter()
-    plan = builder.build_serialized_network(network, config)
+    view = engine_from_network(trt, builder, network, config,
+                               f"{onnx_path} (flags {applied}, profiles {[p.kind for p in profiles]})")
     build_seconds = time.perf_counter() - t_build
-    if plan is None:
-        last = "\n  ".join(getattr(trt_logger, "errors", [])[-5:]) or "(no error logged; rerun with DEBUG logging)"
-        raise BuildError(
-            f"TensorRT failed to build {onnx_path} (flags {applied}, profiles {[p.kind for p in profiles]}); "
-            f"its last errors:\n  {last}\nfix: raise workspace_bytes, lower builder_optimization_level, or "
-            "compile with --precision fp32 to isolate a precision problem"
-        )
-    view = memoryview(plan)
     write_bytes_atomic(plan_path, view)
-    digest = hashlib.sha256(view).hexdigest()
-
-    if timing_cache_dir is not None:
+    if cache_key is not None and timing_cache_dir is not None:
         serialized = config.get_timing_cache().serialize()
-        write_bytes_atomic(
-            Path(timing_cache_dir) / cache_key.filename,
-            trt_compat.pack_timing_cache(cache_key, bytes(memoryview(serialized))),
-        )
+        write_bytes_atomic(Path(timing_cache_dir) / cache_key.filename,
+                           trt_compat.pack_timing_cache(cache_key, bytes(memoryview(serialized))))
         cache_facts["saved"] = True
-
+    rtx = target.library.compute_capability_targets
     facts = {
-        "engine": "tensorrt",
+        "engine": target.library.backend,
+        "library": target.library.backend,
         "tensorrt": version,
-        "gpu": host.gpu,
-        "compute_capability": cc,
+        "gpu": target.gpu or None,
+        "compute_capability": None if rtx else target.compute_capabilities[0],
+        "compute_capabilities": list(target.compute_capabilities),
         "precision": precision,
         "flags": applied,
         "strongly_typed": strongly_typed,
@@ -599,14 +697,15 @@ def engine_from_onnx(
         "workspace_bytes": build.workspace_bytes,
         "refittable": build.refittable,
         "profiles": [p.to_json() for p in profiles],
+        "num_layers": int(network.num_layers),
         "build_seconds": round(build_seconds, 3),
         "plan": plan_path.name,
-        "plan_sha256": digest,
+        "plan_sha256": hashlib.sha256(view).hexdigest(),
         "plan_bytes": len(view),
         "timing_cache": cache_facts,
+        "runtime_cache": f"{plan_path.parent.name}.runtime-cache" if target.library.runtime_config else None,
         "config": build.to_json(),
     }
-    logger.info(
-        "built %s -> %s (%.1f MB) in %.1f s", onnx_path.name, plan_path, len(view) / 1e6, time.perf_counter() - t_start
-    )
+    logger.info("built %s -> %s (%.1f MB, %d layers) in %.1f s", onnx_path.name, plan_path, len(view) / 1e6,
+                facts["num_layers"], time.perf_counter() - t_start)
     return facts

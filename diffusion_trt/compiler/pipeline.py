@@ -24,15 +24,18 @@ from typing import Any
 import onnx
 
 from .. import artifacts, lora
-from ..config import IMAGE_ALIGNMENT, QUANTIZED_PRECISIONS, CompileConfig, ShapeProfile
+from ..config import IMAGE_ALIGNMENT, QUANTIZED_PRECISIONS, TRT_BACKENDS, CompileConfig, ShapeProfile
 from ..errors import BuildError, DiffusionTrtError, ExportError, OutputPathError, PassError, RuntimeInputError
 from . import build_ort, export, quantize
 from .components import ComponentSpec, component_specs, tensor_manifest
+from .plan import VAE_COMPONENTS, ComponentPlan, component_precision, plan_components
+
+__all__ = ["VAE_COMPONENTS", "compile_pipeline", "component_precision", "model_facts", "pass_options", "specs_for"]
 
 logger = logging.getLogger(__name__)
 
 _TOOLS = ("diffusion-trt", "torch", "diffusers", "transformers", "onnx", "onnx-graphsurgeon",
-          "onnxruntime", "onnxruntime-gpu", "tensorrt")
+          "onnxruntime", "onnxruntime-gpu", "tensorrt", "tensorrt-rtx-cu13-bindings", "tensorrt-rtx-cu13-libs")
 
 
 def tool_versions() -> dict[str, str]:
@@ -183,25 +186,6 @@ def component_names(requested: Sequence[str], facts: Mapping[str, Any]) -> tuple
     return tuple(names)
 
 
-#: The components that run the VAE's weights (diffusers' SDXL pipelines upcast the VAE for both).
-VAE_COMPONENTS: tuple[str, ...] = ("vae_decoder", "vae_encoder")
-
-
-def component_precision(name: str, precision: str, facts: Mapping[str, Any], fp16_safe_vae: bool) -> tuple[str, str]:
-    """The precision one component is built at, and why it is not ``precision`` ("" when it is).
-
-    SDXL's VAE produces NaN/inf in fp16 (its activations pass 65504; diffusers' ``StableDiffusionXLPipeline`` runs it
-    in fp32 whenever ``vae.config.force_upcast`` is true): with ``precision="fp16"`` the VAE components of an SDXL
-    model are built fp32, unless the VAE says it is fp16-safe (``force_upcast: false`` in vae/config.json, e.g.
-    madebyollin/sdxl-vae-fp16-fix) or the caller says so (``fp16_safe_vae``, ``--fp16-safe-vae``).
-    """
-    if (precision == "fp16" and name in VAE_COMPONENTS and facts.get("architecture") == "sdxl"
-            and facts.get("vae_force_upcast", True) and not fp16_safe_vae):
-        return "fp32", ("SDXL VAE kept fp32: it overflows in fp16 (vae/config.json force_upcast=true); pass "
-                        "--fp16-safe-vae with an fp16-safe VAE")
-    return precision, ""
-
-
 def pass_options(spec: ComponentSpec, profile: ShapeProfile, facts: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Per-component ``PassContext.options``.
 
@@ -238,13 +222,27 @@ def _quantize_stage(folder: export.ModelFolder, models: dict[str, Any], config: 
                   for k, m in models.items()}
     generation = Generation(cpu_models, tokenizer, folder.config("scheduler", "scheduler_config.json"),
                             facts["vae_scaling_factor"])
-    passes = pipeline_for(config.backend, config.device, "fp32", "unet", static=profile.is_static())
+    qbackend = "tensorrt" if config.backend in TRT_BACKENDS else config.backend  # the QDQ format both libraries read
+    passes = pipeline_for(qbackend, config.device, "fp32", "unet", static=profile.is_static())
     key_facts = {"source_sha256": source_hash, "passes": [pass_name(p) for p in passes],
                  "device": config.device, "onnxruntime": tool_versions().get("onnxruntime", "")}
     if lora_records:  # merged LoRAs change the weights: a cache made without them does not apply
         key_facts["loras"] = [[r["sha256"], r["scale"]] for r in lora_records]
-    return quantize.QuantizeStage(generation, config.quantize, config.precision, config.backend,
+    return quantize.QuantizeStage(generation, config.quantize, config.precision, qbackend,
                                   profile.height.opt, profile.width.opt, key_facts)
+
+
+def _build_engine(plan: ComponentPlan, files: list[Path], inputs: list[dict[str, Any]], folder: Path,
+                  config: CompileConfig) -> dict[str, Any]:
+    """The build stage of one component: an ORT model check, or a TensorRT / TensorRT-RTX plan in ``folder``."""
+    build = plan.trt_build_config(config.refittable)
+    if build is None:
+        return build_ort.engine_from_onnx(files[0], config.device)
+    from . import build_trt
+
+    cache = Path(config.timing_cache).expanduser() if config.timing_cache else None
+    return build_trt.engine_from_onnx(files[0], folder / build_trt.PLAN_NAME, inputs, precision=plan.precision,
+                                      build=build, timing_cache_dir=cache)
 
 
 def check_output_folder(out: Path, model_dir: Path) -> None:
@@ -304,18 +302,17 @@ def compile_pipeline(
     except ValueError as e:
         raise RuntimeInputError(f"pass option {e}; see each pass's docstring (or --dump-passes)") from None
     quantized = config.quantize.components if config.precision in QUANTIZED_PRECISIONS else ()
-    if quantized:
+    if quantized and config.backend != "tensorrt-rtx":  # TensorRT-RTX: CompileConfig checked its targets
         with _stage("quantization preflight"):  # fp8: the target GPU's compute capability, before any work
             quantize.check_fp8_target(config.precision, config.quantize.target_compute_capability)
-    trt_build = None
-    if config.backend == "tensorrt":
+    if config.backend in TRT_BACKENDS:
         from . import build_trt
 
-        # fp16 is made by convert_fp16 (see passes/pipelines.py), so the network is strongly typed
-        trt_build = build_trt.TrtBuildConfig(strongly_typed=True if config.precision == "fp16" else None,
-                                             refittable=config.refittable)
-        with _stage("TensorRT preflight"):
-            build_trt.preflight(config.precision, trt_build)
+        with _stage("TensorRT preflight"):  # no GPU / library / a precision a target lacks: before any work
+            target = build_trt.preflight(config.precision, build_trt.TrtBuildConfig(
+                library=config.backend, compute_capabilities=config.compute_capabilities))
+        logger.info("TensorRT target: %s for compute capability %s", target.library.display,
+                    ", ".join(target.compute_capabilities))
     t_start = time.perf_counter()
     out = Path(out_dir)
     with _stage("LoRA check"):  # missing / non-safetensors / duplicate files fail before any work
@@ -358,35 +355,33 @@ def compile_pipeline(
             if facts["architecture"] == "sdxl":
                 shutil.copytree(folder.path / "tokenizer_2", stage / "tokenizer_2")
         with _stage("load models"):
-            # always fp32: fp16 is made by the convert_fp16 pass (fp32 islands, Casts at the borders) for ORT,
-            # and by the builder's FP16 flag for TensorRT
+            # always fp32 (ComponentPlan.export_dtype): fp16 is made by the convert_fp16 pass (fp32 islands, Casts
+            # at the borders) for every backend; TensorRT networks are built strongly typed from those types
             models = export.load_models(folder, "fp32", torch_device)
         with _stage("merge LoRA"):  # diffusers' load_lora_weights + fuse_lora, before export (see lora.py)
             lora_records = lora.merge_loras(models, lora_files)
         with _stage("source hash"):
             source_hash = artifacts.folder_hash(folder.path)
         components: dict[str, Any] = {}
-        # int8/fp8: quantized components are fp32 graphs + QDQ; the others stay fp16 (CUDA) / fp32 (CPU)
-        other_precision = ("fp16" if config.device == "cuda" else "fp32") if quantized else config.precision
+        plans = plan_components(config, facts, names)  # every precision / pipeline / builder decision, once
         qstage = (_quantize_stage(folder, models, config, profile, source_hash, facts, lora_records)
                   if quantized else None)
         bar = tqdm(total=3 * len(names), desc="compile", unit="stage", disable=not progress)
         try:
             for name in names:
-                spec = specs[name]
-                precision = config.precision if name in quantized else other_precision
-                precision, why = component_precision(name, precision, facts, config.fp16_safe_vae)
-                entry: dict[str, Any] = {"precision": precision}
-                if why:
-                    logger.info("%s: %s", name, why)
-                    entry["precision_note"] = why
+                spec, plan = specs[name], plans[name]
+                precision = plan.precision
+                entry: dict[str, Any] = {"precision": precision, "compile_plan": plan.to_json()}
+                if plan.precision_note:
+                    logger.info("%s: %s", name, plan.precision_note)
+                    entry["precision_note"] = plan.precision_note
                 raw = stage / ".raw" / name / "model.onnx"
                 bar.set_postfix_str(f"{name}: export")
                 t0 = time.perf_counter()
                 with _stage("export", name):
                     export.onnx_from_component(
                         name, models, spec, raw,
-                        precision="fp32", profile_ranges=ranges, opset=config.opset, device=torch_device,
+                        precision=plan.export_dtype, profile_ranges=ranges, opset=config.opset, device=torch_device,
                         architecture=folder.architecture,
                     )
                     model = onnx.load(str(raw))
@@ -396,15 +391,14 @@ def compile_pipeline(
                 with _stage("passes", name):
                     ctx = PassContext(
                         component=name,
-                        backend=config.backend,
+                        backend=plan.pass_backend,
                         device=config.device,
-                        precision="fp32" if name in quantized else precision,
+                        precision=plan.pass_precision,
                         opset=config.opset,
                         dump_dir=Path(config.dump_passes) if config.dump_passes else None,
                         options={**pass_options(spec, profile, facts), **config.pass_options},
                     )
-                    passes = pipeline_for(config.backend, config.device, "fp32" if name in quantized else precision,
-                                          name, static=static)
+                    passes = pipeline_for(plan.pass_backend, config.device, plan.pass_precision, name, static=static)
                     model, records = optimize_model(model, passes, ctx)
                 entry["passes"] = [r.to_json() for r in records]
                 if config.refittable and name in lora.REFIT_COMPONENTS and name in models:
@@ -419,7 +413,7 @@ def compile_pipeline(
                 bar.update()
                 bar.set_postfix_str(f"{name}: build")
                 entry["inputs"] = [tensor_manifest(t, precision, profile) for t in spec.inputs]
-                if qstage is not None and name in quantized:
+                if qstage is not None and plan.quantized:
                     with _stage("calibrate and quantize", name):
                         fp32_files = build_ort.save_onnx(model, stage / ".raw" / name / "fp32" / "model.onnx")
                         del model
@@ -427,21 +421,15 @@ def compile_pipeline(
                                                            stage / "calibration")
                         entry["quality"] = entry["quantization"].pop("quality")
                 with _stage("build", name):
-                    if name in quantized:
+                    if plan.quantized:
                         files = sorted((stage / name).glob("model.onnx*"))
                     else:
                         files = build_ort.save_onnx(model, stage / name / "model.onnx")
                         del model
-                    if trt_build is None:
-                        entry["build"] = build_ort.engine_from_onnx(files[0], config.device)
-                    else:
-                        plan = stage / name / "model.plan"
-                        entry["build"] = build_trt.engine_from_onnx(
-                            files[0], plan, entry["inputs"], precision=precision, build=trt_build,
-                            timing_cache_dir=Path(config.timing_cache).expanduser() if config.timing_cache else None,
-                        )
-                        entry["plan"] = f"{name}/model.plan"
-                        files.append(plan)
+                    entry["build"] = _build_engine(plan, files, entry["inputs"], stage / name, config)
+                    if "plan" in entry["build"]:
+                        entry["plan"] = f"{name}/{entry['build']['plan']}"
+                        files.append(stage / entry["plan"])
                 shutil.rmtree(stage / ".raw" / name, ignore_errors=True)
                 bar.update()
                 entry["onnx"] = f"{name}/model.onnx"
