@@ -142,11 +142,14 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Artifact folder [default: artifacts/<model folder name>].")
 @click.option("--backend", type=click.Choice(["ort", "tensorrt", "tensorrt-rtx"]), default="ort", show_default=True,
-              help="ort: ONNX Runtime; tensorrt: full TensorRT (built on the GPU it runs on); tensorrt-rtx: TensorRT for "
-                   "RTX (built on any machine, even without a GPU, for --compute-capability).")
+              help="ort: ONNX Runtime; tensorrt: full TensorRT (built on the GPU it runs on); tensorrt-rtx: TensorRT "
+                   "for RTX (built on any machine, even without a GPU, for --compute-capability).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
               help="Where the engines will run (export runs there too when it has a GPU) [default: cpu; cuda for the "
                    "TensorRT backends].")
+@click.option("--components", default=None, metavar="NAME[,NAME...]",
+              help="Build only these components (text_encoder, unet, vae_decoder, vae_encoder; SDXL adds "
+                   "text_encoder_2 with text_encoder) [default: all].")
 @click.option("--compute-capability", "compute_capabilities", default=None, metavar="CC[,CC...]|current",
               help="tensorrt-rtx: the GPUs to build for, e.g. 8.6,8.9,12.0 (RTX 30xx, 40xx, 50xx), or 'current' "
                    "for this machine's GPU [default: TensorRT-RTX's portable set 8.0,8.6,8.9,12.0].")
@@ -245,6 +248,10 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     options["pass_options"] = _parse_pass_options(options["pass_options"])
     if options["device"] is None:
         options["device"] = "cuda" if options["backend"] in ("tensorrt", "tensorrt-rtx") else "cpu"
+    if options["components"] is None:
+        del options["components"]
+    else:
+        options["components"] = tuple(c.strip() for c in options["components"].split(",") if c.strip())
     if options["compute_capabilities"] is not None:
         options["compute_capabilities"] = tuple(c.strip() for c in options["compute_capabilities"].split(",")
                                                 if c.strip())

@@ -340,8 +340,9 @@ def compile_pipeline(
     specs = specs_for(facts)
     names = component_names(config.components, facts)
     unknown = [c for c in names if c not in specs]
-    if unknown:
-        raise ExportError(f"unknown component(s) {unknown}; choose from {', '.join(specs)}")
+    if unknown or not names:
+        raise RuntimeInputError(f"--components: unknown component(s) {unknown or 'none given'}; choose from "
+                                f"{', '.join(specs)}")
     torch_device = export.export_device(config.device)
     static = profile.is_static()
     ranges = export.export_ranges(profile)

@@ -211,3 +211,8 @@ def test_a_graph_the_parser_cannot_map_fails_the_build_stage_and_leaves_no_artif
     text = str(e.value)
     assert "compile failed at build of text_encoder" in text and "(QuickGelu)" in text and "node " in text
     assert not (tmp_path / "art").exists() and not list(tmp_path.glob(".art.staging*"))
+
+
+def test_unknown_component_is_bad_input(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    code, out = _compile(tiny_pipeline_dir, "-o", tmp_path / "art", "--components", "unet,vea_decoder")
+    assert code == 2 and "--components: unknown component(s) ['vea_decoder']; choose from text_encoder, unet" in out
