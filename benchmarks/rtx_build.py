@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--components", default="text_encoder,unet,vae_decoder,vae_encoder")
     ap.add_argument("--extra", default="", help="more compile options, space-separated")
     a = ap.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "what": "compile --backend tensorrt-rtx per component in a child process (peak RSS per component)",
         "command": " ".join(sys.argv),
