@@ -16,7 +16,7 @@ from typing import Any
 _KNOWN = {
     "schema_version", "name", "created_utc", "pipeline_class", "source", "backend", "device", "precision",
     "profile", "model", "scheduler", "tokenizer", "tokenizer_2", "components", "files", "config", "tools",
-    "compile_seconds", "manifest_sha256",
+    "compile_seconds", "manifest_sha256", "partial",
 }
 #: Build facts worth a line (the rest stay in ``--json`` / the manifest).
 _BUILD_KEYS = ("providers", "test_loaded", "library", "tensorrt", "compute_capability", "compute_capabilities", "gpu",

@@ -470,6 +470,8 @@ def compile_pipeline(
                 "tools": tool_versions(),
                 "compile_seconds": round(time.perf_counter() - t_start, 3),
             }
+            if not set(artifacts.REQUIRED_COMPONENTS) <= set(components):
+                manifest["partial"] = True  # compile --components: inspect/verify read it, the runtime refuses it
             artifacts.write_manifest(stage, manifest)  # sealed: manifest_sha256 over the rest
     logger.info("compiled %s -> %s in %.1f s", folder.path, out, time.perf_counter() - t_start)
     return out

@@ -833,8 +833,19 @@ def txt2img_components(manifest: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def _components_to_open(manifest: Mapping[str, Any]) -> tuple[str, ...]:
-    """The text-to-image components, then the lazily opened ones the artifact has."""
-    return (*txt2img_components(manifest), *(c for c in LAZY_COMPONENTS if c in manifest.get("components", {})))
+    """The text-to-image components, then the lazily opened ones the artifact has.
+
+    Raises:
+        ArtifactError: a partial artifact (``compile --components``) that lacks a text-to-image component.
+    """
+    have = manifest.get("components", {})
+    missing = [c for c in txt2img_components(manifest) if c not in have]
+    if missing:
+        raise ArtifactError(
+            f"the artifact has only the component(s) {sorted(have)} and lacks {missing}, which generating images "
+            "needs (it was compiled with --components); recompile without --components"
+        )
+    return (*txt2img_components(manifest), *(c for c in LAZY_COMPONENTS if c in have))
 
 
 def _prompt_list(name: str, prompt: Any) -> list[str]:

@@ -216,3 +216,16 @@ def test_a_graph_the_parser_cannot_map_fails_the_build_stage_and_leaves_no_artif
 def test_unknown_component_is_bad_input(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
     code, out = _compile(tiny_pipeline_dir, "-o", tmp_path / "art", "--components", "unet,vea_decoder")
     assert code == 2 and "--components: unknown component(s) ['vea_decoder']; choose from text_encoder, unet" in out
+
+
+def test_a_partial_artifact_is_valid_but_refused_by_the_runtime(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    from diffusion_trt.errors import ArtifactError
+    from diffusion_trt.runtime import EnginePipeline
+
+    code, out = _compile(tiny_pipeline_dir, "-o", tmp_path / "art", "--components", "vae_decoder")
+    assert code == 0, out
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert manifest["partial"] is True and list(manifest["components"]) == ["vae_decoder"]
+    assert CliRunner().invoke(main, ["verify", str(tmp_path / "art")]).exit_code == 0
+    with pytest.raises(ArtifactError, match=r"lacks \['text_encoder', 'unet'\].*recompile without --components"):
+        EnginePipeline.from_artifacts(tmp_path / "art", device="cpu")
