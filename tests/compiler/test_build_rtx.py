@@ -229,3 +229,20 @@ def test_a_partial_artifact_is_valid_but_refused_by_the_runtime(tiny_pipeline_di
     assert CliRunner().invoke(main, ["verify", str(tmp_path / "art")]).exit_code == 0
     with pytest.raises(ArtifactError, match=r"lacks \['text_encoder', 'unet'\].*recompile without --components"):
         EnginePipeline.from_artifacts(tmp_path / "art", device="cpu")
+
+
+@pytest.mark.slow
+def test_sd15_unet_over_2gb_with_external_data_builds(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The fp32 SD-1.5 UNet (3.4 GB of weights) keeps them in model.onnx.data; the RTX parser reads them from beside
+    the file and the builder writes a plan. Real size: minutes and ~15 GB of RAM on the 2-core machine."""
+    from diffusion_trt.compiler.dummy import write_dummy_pipeline
+
+    model = write_dummy_pipeline(tmp_path_factory.mktemp("models") / "sd15", arch="sd15", seed=0)
+    out = tmp_path_factory.mktemp("rtx-sd15") / "unet-fp32"
+    code, text = _compile(model, "-o", out, "--backend", RTX, "--precision", "fp32", "--components", "unet",
+                          "--compute-capability", "8.9", "--min-height", 512, "--max-height", 512, "--min-width",
+                          512, "--max-width", 512, "--height", 512, "--width", 512, "--max-batch-size", 1)
+    assert code == 0, text
+    entry = json.loads((out / "manifest.json").read_text())["components"]["unet"]
+    assert (out / "unet" / "model.onnx.data").stat().st_size > 2**31
+    assert entry["build"]["plan_bytes"] > 2**31 and entry["build"]["num_layers"] > 1000
