@@ -53,6 +53,7 @@ from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
+from .artifact_values import parse_json, schema_problems
 from .errors import ArtifactError, OutputPathError
 
 logger = logging.getLogger(__name__)
@@ -108,17 +109,26 @@ def safe_join(root: Path, rel: str) -> Path:
     """Join a manifest path to the artifact root, refusing anything that escapes it.
 
     Raises:
-        ArtifactError: ``rel`` is absolute, contains ``..``, or resolves (through links) outside ``root``.
+        ArtifactError: ``rel`` is absolute, contains ``..``, a backslash or a NUL byte, runs into a symbolic link
+            loop, or resolves (through links) outside ``root``.
     """
     pure = PurePosixPath(rel)
     if pure.is_absolute() or ".." in pure.parts or "\\" in rel:
         raise ArtifactError(f"manifest path {rel!r} points outside the artifact folder; paths must be relative")
+    if "\0" in rel:
+        raise ArtifactError(f"manifest path {rel!r} contains a NUL byte, which no file name can; recompile")
     path = root.joinpath(*pure.parts)
     try:
-        path.resolve().relative_to(root.resolve())
+        resolved = path.resolve()
+        resolved.relative_to(root.resolve())
+    except (RuntimeError, OSError) as e:  # RuntimeError: Python < 3.13's "Symlink loop"; OSError: ELOOP and friends
+        raise ArtifactError(
+            f"manifest path {rel!r} cannot be resolved ({e}): a symbolic link loop inside the artifact folder? "
+            "replace the links with the files themselves"
+        ) from None
     except ValueError:
         raise ArtifactError(
-            f"manifest path {rel!r} resolves to {path.resolve()} outside the artifact folder {root}; "
+            f"manifest path {rel!r} resolves to {resolved} outside the artifact folder {root}; "
             "remove the symbolic link and copy the file in"
         ) from None
     return path
@@ -161,29 +171,16 @@ def write_manifest(root: str | os.PathLike[str], manifest: dict[str, Any]) -> di
     return sealed
 
 
-def _json_path(parts: Collection[Any]) -> str:
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out or "(top level)"
-
-
 def manifest_problems(manifest: Any) -> list[str]:
     """Schema violations and a broken seal, one line each; empty when the manifest is valid and sealed.
+
+    Integers must be JSON integers (``64``, not ``64.0``); the model facts and the profile are bounded (see the
+    schema), so a resealed manifest cannot make the runtime allocate without limit.
 
     Raises:
         ArtifactError: ``jsonschema`` is not installed (it is a dependency of diffusion-trt).
     """
-    try:
-        import jsonschema
-    except ImportError:  # pragma: no cover - a declared dependency
-        raise ArtifactError(
-            "the manifest cannot be validated: jsonschema is not installed; pip install 'jsonschema>=4.18'"
-        ) from None
-    validator = jsonschema.Draft202012Validator(manifest_schema())
-    problems = []
-    for error in sorted(validator.iter_errors(manifest), key=lambda e: [str(p) for p in e.absolute_path]):
-        problems.append(f"manifest.json {_json_path(error.absolute_path)}: {error.message}")
+    problems = schema_problems(manifest, manifest_schema(), MANIFEST_NAME)
     if isinstance(manifest, dict) and isinstance(manifest.get(SEAL_KEY), str):
         stored, actual = manifest[SEAL_KEY], manifest_digest(manifest)
         if stored != actual:
@@ -198,21 +195,58 @@ def manifest_problems(manifest: Any) -> list[str]:
 # -- what loading may read: external data and links -------------------------------------------------------
 
 
-def _onnx_tensors(graph: Any) -> Iterator[Any]:
-    """Every TensorProto of a graph and its subgraphs: initializers, sparse ones, Constant/attribute tensors."""
+def _attribute_tensors(attr: Any) -> Iterator[Any]:
+    """The TensorProtos of one attribute: TENSOR(S), SPARSE_TENSOR(S) (values and indices), and GRAPH(S) recursively."""
+    if attr.HasField("t"):
+        yield attr.t
+    yield from attr.tensors
+    sparse = [attr.sparse_tensor] if attr.HasField("sparse_tensor") else []
+    for s in (*sparse, *attr.sparse_tensors):
+        yield s.values
+        yield s.indices
+    if attr.HasField("g"):
+        yield from _graph_tensors(attr.g)
+    for sub in attr.graphs:
+        yield from _graph_tensors(sub)
+
+
+def _node_tensors(nodes: Any) -> Iterator[Any]:
+    """Tensors held by nodes' attributes: Constant ``value``/``sparse_value``, any TENSOR attribute, and the
+    subgraphs of If/Loop/Scan (and any other GRAPH attribute), recursively."""
+    for node in nodes:
+        for attr in node.attribute:
+            yield from _attribute_tensors(attr)
+
+
+def _graph_tensors(graph: Any) -> Iterator[Any]:
+    """Every TensorProto of a graph and its subgraphs: initializers, sparse initializers, attribute tensors."""
     yield from graph.initializer
     for sparse in graph.sparse_initializer:
         yield sparse.values
         yield sparse.indices
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            if attr.HasField("g"):
-                yield from _onnx_tensors(attr.g)
-            for sub in attr.graphs:
-                yield from _onnx_tensors(sub)
+    yield from _node_tensors(graph.node)
+
+
+def onnx_model_tensors(model: Any) -> Iterator[Any]:
+    """Every TensorProto the ONNX spec lets a model carry, wherever it may hold external data: the main graph's
+    (:func:`_graph_tensors`, subgraphs included) and those of every model-local function's nodes
+    (``model.functions[*].node``: Constants and attributes, their subgraphs included)."""
+    yield from _graph_tensors(model.graph)
+    for function in model.functions:
+        yield from _node_tensors(function.node)
+
+
+def external_data_locations(model: Any) -> list[str]:
+    """The distinct external-data ``location`` strings of a parsed ``onnx.ModelProto``, in order (``""`` for a
+    tensor that claims external data but names no location)."""
+    import onnx
+
+    seen: dict[str, None] = {}
+    for tensor in onnx_model_tensors(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in tensor.external_data}
+            seen.setdefault(info.get("location", ""), None)
+    return list(seen)
 
 
 def onnx_external_data_locations(path: str | os.PathLike[str]) -> list[str]:
@@ -227,19 +261,15 @@ def onnx_external_data_locations(path: str | os.PathLike[str]) -> list[str]:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and friends
         raise ArtifactError(f"{path} is not a readable ONNX model ({type(e).__name__}: {e}); recompile") from None
-    seen: dict[str, None] = {}
-    for tensor in _onnx_tensors(model.graph):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            info = {e.key: e.value for e in tensor.external_data}
-            seen.setdefault(info.get("location", ""), None)
-    return list(seen)
+    return external_data_locations(model)
 
 
 def onnx_external_data_problems(root: str | os.PathLike[str], rel: str, listed: Collection[str]) -> list[str]:
     """Check the external-data references of the ONNX file ``root/rel`` before any runtime opens it.
 
-    Every ``location`` must be a relative path that stays inside the artifact folder (no ``..``, no absolute
-    path, no link leading out) and must name a file the manifest lists (so its sha256 is checked).
+    Every ``location`` (of every tensor :func:`onnx_model_tensors` walks) must be a relative path that stays inside
+    the artifact folder (no ``..``, no absolute path, no link leading out) and must name a file the manifest lists
+    (so its sha256 is checked).
 
     Returns:
         One line per problem; empty when every reference is safe.
@@ -249,24 +279,21 @@ def onnx_external_data_problems(root: str | os.PathLike[str], rel: str, listed: 
         locations = onnx_external_data_locations(safe_join(root, rel))
     except ArtifactError as e:
         return [str(e)]
+    return external_location_problems(root, rel, locations, listed)
+
+
+def external_location_problems(root: Path, rel: str, locations: Collection[str], listed: Collection[str]) -> list[str]:
+    """The problems of the external-data ``locations`` of the ONNX file ``rel`` (see
+    :func:`onnx_external_data_problems`); empty when each is a listed file inside ``root``."""
     problems = []
-    model_dir = PurePosixPath(rel).parent
     for location in locations:
-        pure = PurePosixPath(location)
-        if (
-            not location
-            or pure.is_absolute()
-            or PureWindowsPath(location).is_absolute()
-            or PureWindowsPath(location).drive
-            or "\\" in location
-            or ".." in pure.parts
-        ):
+        target = external_data_target(rel, location)
+        if target is None:
             problems.append(
                 f"{rel}: external data location {location!r} points outside the artifact folder; external data "
                 "must sit beside the model (location 'model.onnx.data'): recompile the artifact"
             )
             continue
-        target = (model_dir / pure).as_posix()
         try:
             safe_join(root, target)
         except ArtifactError:
@@ -283,6 +310,23 @@ def onnx_external_data_problems(root: str | os.PathLike[str], rel: str, listed: 
     return problems
 
 
+def external_data_target(rel: str, location: str) -> str | None:
+    """The artifact path (``unet/model.onnx.data``) an external-data ``location`` of ONNX file ``rel`` names, or
+    ``None`` when the location is empty, absolute (POSIX or Windows), has a backslash, a NUL or a ``..`` part."""
+    pure = PurePosixPath(location)
+    if (
+        not location
+        or "\0" in location
+        or pure.is_absolute()
+        or PureWindowsPath(location).is_absolute()
+        or PureWindowsPath(location).drive
+        or "\\" in location
+        or ".." in pure.parts
+    ):
+        return None
+    return (PurePosixPath(rel).parent / pure).as_posix()
+
+
 def link_problems(root: str | os.PathLike[str]) -> list[str]:
     """Symbolic links under ``root`` that resolve outside it (loaders such as the tokenizer read whole folders)."""
     root = Path(root)
@@ -292,7 +336,14 @@ def link_problems(root: str | os.PathLike[str]) -> list[str]:
         for name in [*dirnames, *filenames]:
             path = Path(dirpath) / name
             if path.is_symlink():
-                target = path.resolve()
+                try:
+                    target = path.resolve()
+                except (RuntimeError, OSError) as e:  # a loop: Python < 3.13 raises RuntimeError
+                    problems.append(
+                        f"{path.relative_to(root).as_posix()}: symbolic link that cannot be resolved ({e}); "
+                        "replace it with the file itself"
+                    )
+                    continue
                 if not target.is_relative_to(real_root):
                     problems.append(
                         f"{path.relative_to(root).as_posix()}: symbolic link to {target}, outside the artifact "
@@ -407,28 +458,80 @@ def _lock_holder(path: Path) -> str:
         return "unknown process"
 
 
+def _leftover_pattern(final: Path) -> re.Pattern[str]:
+    """Names of what writers of ``final`` leave beside it: ``.<name>.staging-<pid>-<random>`` (``staging-<random>``
+    before the pid was recorded) and ``.<name>.old-<pid>``. Exact names only: ``.sd15.fp16.staging-x`` belongs to
+    artifact ``sd15.fp16`` (another lock), not to ``sd15``."""
+    prefix = re.escape(f".{final.name}.")
+    return re.compile(rf"{prefix}(?:staging-(?:(?P<spid>\d+)-)?[A-Za-z0-9_]+|old-(?P<opid>\d+))")
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (signal 0; a process of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def leftovers(final: str | os.PathLike[str]) -> list[tuple[Path, int | None]]:
+    """Folders an interrupted writer of ``final`` left beside it, oldest first, with the pid that made each
+    (``None`` for staging folders of older versions, which did not record it)."""
+    final = Path(final)
+    pattern = _leftover_pattern(final)
+    found = []
+    for p in final.parent.glob(f".{glob_escape(final.name)}.*"):
+        m = pattern.fullmatch(p.name)
+        if m and p.is_dir() and not p.is_symlink():
+            pid = m.group("spid") or m.group("opid")
+            found.append((p, int(pid) if pid else None))
+    return sorted(found, key=lambda item: item[0].stat().st_mtime)
+
+
+def glob_escape(name: str) -> str:
+    """``name`` with the glob metacharacters ``*?[`` made literal."""
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def leftover_warnings(final: str | os.PathLike[str]) -> list[str]:
+    """One line per :func:`leftovers` folder: its size, the writer that left it, and the fix (for inspect/verify)."""
+    lines = []
+    for path, pid in leftovers(final):
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+        who = "an older compile" if pid is None else (
+            f"compile pid {pid}, still running" if _pid_alive(pid) else f"compile pid {pid}, no longer running")
+        lines.append(
+            f"{path.name} beside the artifact ({size / 1e6:.1f} MB) was left by an interrupted write ({who}); the "
+            f"next compile into {Path(final).name} removes it, or delete it: rm -r {path}"
+        )
+    return lines
+
+
 def _recover(final: Path) -> None:
     """Under the lock: clean what a killed writer of ``final`` left beside it.
 
-    ``.<name>.staging-*`` folders are dead (every writer holds the lock); an ``.<name>.old-*`` folder with no
-    ``final`` means a writer died between the two renames of a non-atomic swap: it is put back.
+    A staging folder whose writer is gone is dead (every writer holds the lock while its staging folder lives);
+    one whose recorded pid still runs on this host is left alone with a warning (another host sharing the folder,
+    or a reused pid). An ``.<name>.old-*`` folder with no ``final`` means a writer died between the two renames of
+    a non-atomic swap: it is put back.
     """
-    prefix = f".{final.name}."
-    # exact names only: ".sd15.fp16.staging-x" belongs to artifact "sd15.fp16" (another lock), not to "sd15"
-    mine = re.compile(rf"{re.escape(prefix)}(staging-[A-Za-z0-9_]+|old-\d+)")
-    leftovers = sorted(
-        (p for p in final.parent.glob(f"{prefix}*") if mine.fullmatch(p.name) and p.is_dir() and not p.is_symlink()),
-        key=lambda p: p.stat().st_mtime,
-    )
-    old = [p for p in leftovers if p.name.startswith(f"{prefix}old-")]
+    found = leftovers(final)
+    old = [p for p, _ in found if ".old-" in p.name]
     if not final.exists() and old:
         logger.warning("restoring %s from %s (a compile was interrupted while swapping folders)", final, old[-1])
         os.replace(old[-1], final)
         old = old[:-1]
-    for p in leftovers:
-        if p.exists() and (p.name.startswith(f"{prefix}staging-") or p in old):
-            logger.warning("removing %s, left by an interrupted compile", p)
-            shutil.rmtree(p, ignore_errors=True)
+    for p, pid in found:
+        if not p.exists() or (".old-" in p.name and p not in old):
+            continue
+        if pid is not None and pid != os.getpid() and _pid_alive(pid) and ".staging-" in p.name:
+            logger.warning("leaving %s: its writer (pid %d) still runs on this host", p, pid)
+            continue
+        logger.warning("removing %s, left by an interrupted compile", p)
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -474,24 +577,43 @@ def write_json_atomic(path: Path, data: Any) -> None:
         raise
 
 
+def refuse_symlinked_output(final: Path) -> None:
+    """An output folder given as a symbolic link is refused: the lock and the staging folder are named after the
+    path given, so a compile into a link and one into its target would not exclude each other, and the final
+    rename would replace the link with a folder.
+
+    Raises:
+        OutputPathError: ``final`` is a symbolic link (the message names its target and the fix).
+    """
+    if final.is_symlink():
+        target = os.readlink(final)
+        raise OutputPathError(
+            f"output {final} is a symbolic link (to {target}); compiling through a link would lock and replace the "
+            f"link, not the folder it points to: pass the real folder (-o {final.parent / target}) or remove the link"
+        )
+
+
 @contextlib.contextmanager
 def staging_dir(final: Path, overwrite: bool = False, lock_timeout: float = 0.0) -> Iterator[Path]:
     """Yield a temporary folder beside ``final``; on success it replaces ``final`` in one step.
 
     The whole block runs under :func:`artifact_lock`, so two writers of ``final`` never interleave; leftovers
-    of a killed writer are cleaned first. On any exception the staging folder is deleted and an existing
-    ``final`` is left untouched, so a failed or killed compile leaves no half artifact. The swap with an
+    of a killed writer (``.<name>.staging-<pid>-*`` whose pid is gone) are cleaned first. ``final`` given as a
+    symbolic link is refused (:func:`refuse_symlinked_output`). On any exception the staging folder is deleted and
+    an existing ``final`` is left untouched, so a failed or killed compile leaves no half artifact. The swap with an
     existing ``final`` is atomic where the kernel offers ``renameat2(RENAME_EXCHANGE)`` (Linux); elsewhere
     it is two renames, and a writer killed between them has the old folder restored by the next writer.
 
     Raises:
-        OutputPathError: ``final`` is a file, or exists and ``overwrite`` is false (or holds no manifest), or another
-            writer holds the lock past ``lock_timeout`` seconds.
+        OutputPathError: ``final`` is a symbolic link or a file, or exists and ``overwrite`` is false (or holds no
+            manifest), or another writer holds the lock past ``lock_timeout`` seconds.
         OSError: a folder on the way to ``final`` cannot be created (a file in its place, no permission).
     """
     final = Path(final)
+    refuse_symlinked_output(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     with artifact_lock(final, timeout=lock_timeout):
+        refuse_symlinked_output(final)  # made while we waited for the lock
         _recover(final)
         if final.exists() and not final.is_dir():
             raise OutputPathError(f"output {final} is a file, not a folder; choose another -o")
@@ -504,7 +626,7 @@ def staging_dir(final: Path, overwrite: bool = False, lock_timeout: float = 0.0)
                 f"output folder {final} is not empty and holds no {MANIFEST_NAME}: --overwrite only replaces an "
                 "artifact; choose another -o (nothing was deleted)"
             )
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.staging-", dir=final.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.staging-{os.getpid()}-", dir=final.parent))
         os.chmod(tmp, umask_mode("dir"))
         try:
             yield tmp
@@ -538,20 +660,28 @@ def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
     path = root / MANIFEST_NAME
     if not path.is_file():
         raise ArtifactError(f"{path} is missing; {root} is not a compiled artifact (run `diffusion-trt compile`)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ArtifactError(f"{path} is not valid JSON ({e}); recompile the artifact") from None
+    manifest = parse_manifest(path.read_bytes(), path)
+    problems = manifest_problems(manifest)
+    if problems:
+        raise ArtifactError(
+            f"{path} is not a valid artifact manifest (run `diffusion-trt verify {root}`):\n  " + "\n  ".join(problems)
+        )
+    return manifest
+
+
+def parse_manifest(data: bytes, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest object of ``manifest.json``'s bytes, of this :data:`SCHEMA_VERSION` (not yet schema-checked).
+
+    Raises:
+        ArtifactError: not UTF-8 / JSON / an object (:func:`~diffusion_trt.artifact_values.parse_json`), or another
+            schema version.
+    """
+    manifest = parse_json(data, str(path))
     version = manifest.get("schema_version") if isinstance(manifest, dict) else None
     if version != SCHEMA_VERSION:
         raise ArtifactError(
             f"{path} has schema_version={version!r}; this diffusion-trt reads {SCHEMA_VERSION}: "
             "recompile with this version"
-        )
-    problems = manifest_problems(manifest)
-    if problems:
-        raise ArtifactError(
-            f"{path} is not a valid artifact manifest (run `diffusion-trt verify {root}`):\n  " + "\n  ".join(problems)
         )
     return manifest
 
@@ -587,24 +717,49 @@ def verify_files(root: str | os.PathLike[str], manifest: dict[str, Any], check_h
     return problems
 
 
+def folder_problems(root: str | os.PathLike[str], manifest: dict[str, Any], check_hashes: bool = True) -> list[str]:
+    """What loading needs of the files of a schema-valid ``manifest``: :func:`verify_files` (inside the folder,
+    present, size, and sha256 unless ``check_hashes`` is false), every component file listed and its ONNX external
+    data inside the folder (:func:`component_file_problems`), and no symbolic link leading out
+    (:func:`link_problems`). One line per problem."""
+    problems = verify_files(root, manifest, check_hashes=check_hashes)
+    problems += component_file_problems(root, manifest)
+    problems += link_problems(root)
+    return problems
+
+
 def load_verified(root: str | os.PathLike[str], check_hashes: bool = True) -> dict[str, Any]:
     """Everything loading needs checked, before any file is deserialised; one error listing every problem.
 
-    :func:`read_manifest` (schema, seal), then :func:`verify_files` (inside the folder, present, size, and
-    sha256 unless ``check_hashes`` is false), every component file listed and its ONNX external data inside
-    the folder (:func:`component_file_problems`), and no symbolic link leading out (:func:`link_problems`).
-    Files the manifest does not list are logged as a warning (``diffusion-trt verify`` reports them).
+    :func:`read_manifest` (schema, seal), then :func:`folder_problems`. Files the manifest does not list are logged
+    as a warning (``diffusion-trt verify`` reports them).
 
     Raises:
         ArtifactError: as :func:`read_manifest`, or when any check fails.
     """
     manifest = read_manifest(root)
-    problems = verify_files(root, manifest, check_hashes=check_hashes)
-    problems += component_file_problems(root, manifest)
-    problems += link_problems(root)
+    problems = folder_problems(root, manifest, check_hashes=check_hashes)
     if problems:
         raise ArtifactError(f"artifact {root} failed verification:\n  " + "\n  ".join(problems))
     extra = unlisted_files(root, manifest)
     if extra:
         logger.warning("artifact %s holds files its manifest does not list: %s", root, ", ".join(extra[:10]))
     return manifest
+
+
+def pin_problems(manifest: dict[str, Any], expect_sha256: str | None) -> list[str]:
+    """The manifest is not the one a service pinned: its digest (:func:`manifest_digest`, the ``manifest_sha256``
+    that ``inspect`` prints) differs from ``expect_sha256``. The seal alone is an unkeyed sha256 anyone can recompute
+    after an edit; a digest received out of band (a deployment config) pins every file, since the manifest lists
+    each file's sha256. Empty when ``expect_sha256`` is ``None`` or matches."""
+    if expect_sha256 is None:
+        return []
+    expected = expect_sha256.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{64}", expected):
+        return [f"--expect-sha256 {expect_sha256!r} is not a sha256 (64 hex digits); pass the manifest_sha256 that "
+                "`diffusion-trt inspect --json` prints for the artifact you trust"]
+    actual = manifest_digest(manifest)
+    if actual != expected:
+        return [f"manifest digest {actual} is not the expected {expected}: this is not the artifact that was pinned "
+                "(rebuilt, or altered and resealed); fetch the pinned artifact again or update the pin"]
+    return []

@@ -1,0 +1,164 @@
+"""Untrusted JSON of an artifact: parsing ``manifest.json`` / ``scheduler_config.json`` bytes, and checking values.
+
+An artifact may come from another host, and its seal is an unkeyed sha256 (it catches accidents, not intent: anyone
+can edit a manifest and reseal it). So whatever the manifest and the shipped configs say is checked before the
+runtime uses it, the same way in ``verify`` and in the loader:
+
+* :func:`parse_json`: UTF-8, JSON, no ``NaN``/``Infinity``, nesting at most :data:`MAX_JSON_DEPTH`, integers of at
+  most :data:`MAX_INT_DIGITS` digits; every failure is one :class:`~diffusion_trt.errors.ArtifactError` line
+  (never ``UnicodeDecodeError``, ``RecursionError`` or the interpreter's int-parsing ``ValueError``).
+* :func:`schema_problems`: JSON Schema validation where integers are JSON integers (``1000``, not ``1000.0`` or
+  ``true``), one line per violation with its JSON path.
+* :func:`scheduler_config_problems`: ``scheduler_config.json`` against ``data/scheduler_config.schema.json``
+  (``num_train_timesteps`` an integer in 1..100000, betas in (0, 1), known enums...).
+
+Imports no torch, diffusers or compiler code (the runtime and ``verify`` use it).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import json
+from collections.abc import Collection
+from typing import Any
+
+from .errors import ArtifactError
+
+#: Deepest nesting of objects/arrays accepted in an artifact's JSON (the real manifests nest 6 deep).
+MAX_JSON_DEPTH = 32
+#: Most digits of a JSON integer (sha256 hex is a string; sizes and shapes have at most 20 digits).
+MAX_INT_DIGITS = 30
+#: The JSON Schema of ``scheduler/scheduler_config.json``, shipped inside the package.
+SCHEDULER_SCHEMA_RESOURCE = ("diffusion_trt.data", "scheduler_config.schema.json")
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits (more than {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _depth_exceeded(data: Any, limit: int) -> bool:
+    """Whether ``data`` nests deeper than ``limit`` (iterative: a deep document must not recurse here either)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth > limit:
+                return True
+            children = value.values() if isinstance(value, dict) else value
+            stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
+
+
+def parse_json(data: bytes, where: str, fix: str = "recompile the artifact") -> Any:
+    """Parse untrusted JSON bytes.
+
+    Args:
+        data: the file's bytes.
+        where: the file, for messages.
+        fix: what the user should do, for messages.
+
+    Raises:
+        ArtifactError: not UTF-8, not JSON, ``NaN``/``Infinity``, an integer of more than :data:`MAX_INT_DIGITS`
+            digits, or nested deeper than :data:`MAX_JSON_DEPTH`; one line naming the file, the cause and ``fix``.
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ArtifactError(f"{where} is not UTF-8 text (byte {e.start}: {e.reason}); {fix}") from None
+    try:
+        value = json.loads(text, parse_int=_int, parse_constant=_constant)
+    except RecursionError:
+        raise ArtifactError(f"{where} nests deeper than Python can parse; {fix}") from None
+    except ValueError as e:  # JSONDecodeError is a ValueError, and so are _int's and _constant's refusals
+        raise ArtifactError(f"{where} is not valid JSON ({e}); {fix}") from None
+    if _depth_exceeded(value, MAX_JSON_DEPTH):
+        raise ArtifactError(f"{where} nests objects/arrays deeper than {MAX_JSON_DEPTH} levels; {fix}")
+    return value
+
+
+def json_path(parts: Collection[Any]) -> str:
+    """``components.unet.inputs[0]`` for a jsonschema error's ``absolute_path``."""
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "(top level)"
+
+
+@functools.cache
+def _validator_class() -> Any:
+    try:
+        import jsonschema
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise ArtifactError(
+            "the artifact cannot be validated: jsonschema is not installed; pip install 'jsonschema>=4.18'"
+        ) from None
+    base = jsonschema.Draft202012Validator
+    strict = base.TYPE_CHECKER.redefine(
+        "integer", lambda _checker, value: isinstance(value, int) and not isinstance(value, bool)
+    )
+    return jsonschema.validators.extend(base, type_checker=strict)
+
+
+def schema_problems(data: Any, schema: dict[str, Any], file: str) -> list[str]:
+    """JSON Schema violations of ``data``, one line each (``"<file> <json path>: <message>"``), sorted by path.
+
+    Integers must be JSON integers: ``1000.0`` and ``true`` are not (jsonschema's default accepts ``1000.0``).
+
+    Raises:
+        ArtifactError: jsonschema is not installed (a dependency of diffusion-trt).
+    """
+    validator = _validator_class()(schema)
+    errors = sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
+    return [f"{file} {json_path(e.absolute_path)}: {_short(e.message)}" for e in errors]
+
+
+def _short(message: str, limit: int = 200) -> str:
+    """jsonschema quotes the offending value; a 100 kB value must not make a 100 kB error line."""
+    return message if len(message) <= limit else message[: limit - 1] + "…"
+
+
+@functools.cache
+def scheduler_schema() -> dict[str, Any]:
+    """The JSON Schema of ``scheduler/scheduler_config.json`` (``data/scheduler_config.schema.json``), parsed once."""
+    package, name = SCHEDULER_SCHEMA_RESOURCE
+    return json.loads(importlib.resources.files(package).joinpath(name).read_text(encoding="utf-8"))
+
+
+def scheduler_config_problems(config: Any, file: str = "scheduler_config.json") -> list[str]:
+    """Values of a scheduler config the runtime would hand to diffusers that are of the wrong type or out of range.
+
+    Returns:
+        One line per problem (``"scheduler_config.json num_train_timesteps: -5 is less than the minimum of 1"``);
+        empty when the config is safe to build a scheduler from.
+    """
+    problems = schema_problems(config, scheduler_schema(), file)
+    if isinstance(config, dict) and not problems:
+        start, end = config.get("beta_start"), config.get("beta_end")
+        if isinstance(start, int | float) and isinstance(end, int | float) and start > end:
+            problems.append(f"{file}: beta_start={start} is larger than beta_end={end}")
+        betas, steps = config.get("trained_betas"), config.get("num_train_timesteps", 1000)
+        if isinstance(betas, list) and len(betas) != steps:
+            problems.append(f"{file} trained_betas: {len(betas)} values for num_train_timesteps={steps}")
+    return problems
+
+
+def check_scheduler_config(config: Any, file: str = "scheduler_config.json") -> dict[str, Any]:
+    """``config`` when :func:`scheduler_config_problems` finds nothing.
+
+    Raises:
+        ArtifactError: one line listing every problem and the fix.
+    """
+    problems = scheduler_config_problems(config, file)
+    if problems:
+        raise ArtifactError(
+            f"the artifact's scheduler config is unsafe to use: {'; '.join(problems)}; restore the original "
+            "scheduler/scheduler_config.json (diffusers' values) or recompile the artifact"
+        )
+    return dict(config)
