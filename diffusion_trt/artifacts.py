@@ -365,8 +365,10 @@ def unlisted_files(root: str | os.PathLike[str], manifest: dict[str, Any]) -> li
     return sorted(out)
 
 
-def component_file_problems(root: str | os.PathLike[str], manifest: dict[str, Any]) -> list[str]:
-    """Each component's ``onnx``/``plan``/``files`` must be listed in ``files`` (hashed); ONNX external data safe."""
+def component_file_problems(root: str | os.PathLike[str], manifest: dict[str, Any], parse_onnx: bool = True
+                            ) -> list[str]:
+    """Each component's ``onnx``/``plan``/``files`` must be listed in ``files`` (hashed); ONNX external data safe
+    (read from each file by path unless ``parse_onnx`` is false: a reader checks it on the bytes it loads)."""
     listed = manifest.get("files", {})
     problems = []
     for name, entry in manifest.get("components", {}).items():
@@ -379,7 +381,7 @@ def component_file_problems(root: str | os.PathLike[str], manifest: dict[str, An
                     "recompile the artifact"
                 )
         onnx_rel = entry.get("onnx")
-        if isinstance(onnx_rel, str) and onnx_rel in listed:
+        if parse_onnx and isinstance(onnx_rel, str) and onnx_rel in listed:
             try:
                 exists = safe_join(Path(root), onnx_rel).is_file()
             except ArtifactError:
@@ -717,13 +719,14 @@ def verify_files(root: str | os.PathLike[str], manifest: dict[str, Any], check_h
     return problems
 
 
-def folder_problems(root: str | os.PathLike[str], manifest: dict[str, Any], check_hashes: bool = True) -> list[str]:
+def folder_problems(root: str | os.PathLike[str], manifest: dict[str, Any], check_hashes: bool = True,
+                    parse_onnx: bool = True) -> list[str]:
     """What loading needs of the files of a schema-valid ``manifest``: :func:`verify_files` (inside the folder,
     present, size, and sha256 unless ``check_hashes`` is false), every component file listed and its ONNX external
     data inside the folder (:func:`component_file_problems`), and no symbolic link leading out
-    (:func:`link_problems`). One line per problem."""
+    (:func:`link_problems`). One line per problem. ``parse_onnx``: see :func:`component_file_problems`."""
     problems = verify_files(root, manifest, check_hashes=check_hashes)
-    problems += component_file_problems(root, manifest)
+    problems += component_file_problems(root, manifest, parse_onnx=parse_onnx)
     problems += link_problems(root)
     return problems
 

@@ -38,13 +38,14 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from ..errors import ArtifactError
+from ..artifact_reader import OnnxBytes
+from ..errors import ArtifactError, RuntimeInputError
 from .engine import EngineBase, EngineSpec, _fmt_shape
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ class OrtEngine(EngineBase):
     """One ONNX component run by ONNX Runtime on torch tensors.
 
     Args:
-        path: the component's ``model.onnx`` (external ``.data`` beside it is found automatically).
+        path: the component's ``model.onnx`` (external ``.data`` beside it is found automatically); with ``source``,
+            for messages only.
         spec: the manifest's component entry (``{"inputs": [...], "outputs": [...], ...}``) or a parsed
             :class:`EngineSpec`.
         name: component name for messages; default the spec's name or the folder name.
@@ -113,6 +115,10 @@ class OrtEngine(EngineBase):
         cuda_graph: run through ONNX Runtime's CUDA graph (see the module docstring); falls back to eager runs
             with one WARNING when the engine is not static-shaped, not on CUDA, or ORT refuses.
             :attr:`cuda_graph` says whether it is in use, :attr:`cuda_graph_reason` why not.
+        source: called on each session creation for the model's bytes and its external-data files
+            (:class:`~diffusion_trt.artifact_reader.OnnxBytes`, e.g. ``ArtifactReader.onnx``): ONNX Runtime then
+            builds the session from those bytes (``add_external_initializers_from_files_in_memory``) and opens no
+            file by name, so what was hashed is what runs. ``None`` = ONNX Runtime opens ``path`` itself.
 
     Nothing is loaded until ``__enter__``.
 
@@ -140,8 +146,10 @@ class OrtEngine(EngineBase):
         session_options: Any = None,
         derived: Mapping[str, tuple[str, int]] | None = None,
         cuda_graph: bool = False,
+        source: Callable[[], OnnxBytes] | None = None,
     ) -> None:
         self.path = Path(path)
+        self._source = source
         component = name or (spec.name if isinstance(spec, EngineSpec) else self.path.parent.name)
         self._spec = spec if isinstance(spec, EngineSpec) else EngineSpec.from_manifest(component, spec, derived)
         self._name = component
@@ -287,7 +295,7 @@ class OrtEngine(EngineBase):
     def _open(self) -> None:
         import onnxruntime as ort
 
-        if not self.path.is_file():
+        if self._source is None and not self.path.is_file():
             raise ArtifactError(f"engine {self._name!r}: model file {self.path} is missing; recompile the artifact")
         if self._graph_requested and self._graph_reason is None:
             refusal = cuda_graph_refusal(self._spec, self._kind)
@@ -301,21 +309,18 @@ class OrtEngine(EngineBase):
                 f"engine {self._name!r}: device='cuda' but torch sees no CUDA device "
                 f"(torch {torch.__version__}); install a CUDA build of torch or run with device='cpu'"
             )
-        so = self._session_options
-        if so is None:
-            so = ort.SessionOptions()
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            so.log_severity_level = 2  # warning
-            if self._threads is not None:
-                so.intra_op_num_threads = self._threads
+        data = self._source() if self._source is not None else None  # read (and hashed) before any session
+        model: str | bytes = data.model if data is not None else str(self.path)
         try:
             try:
-                session = ort.InferenceSession(str(self.path), sess_options=so, providers=providers)
+                session = ort.InferenceSession(model, sess_options=self._make_session_options(data),
+                                               providers=providers)
             except Exception as e:  # ORT refuses graph capture at session creation (nodes on the CPU EP...)
                 if not self._graph:
                     raise
                 self._disable_graph(f"ONNX Runtime refused enable_cuda_graph=1 for {self.path.name}: {e}")
-                session = ort.InferenceSession(str(self.path), sess_options=so, providers=self._providers())
+                session = ort.InferenceSession(model, sess_options=self._make_session_options(data),
+                                               providers=self._providers())
         except Exception as e:  # onnxruntime raises its own exception types (Fail, InvalidGraph, ...)
             raise ArtifactError(
                 f"engine {self._name!r}: ONNX Runtime could not load {self.path}: {e}; "
@@ -345,6 +350,37 @@ class OrtEngine(EngineBase):
             self._async,
             self._graph,
         )
+
+    def _make_session_options(self, data: OnnxBytes | None) -> Any:
+        """Session options for one session creation: the caller's, or fresh ones (ORT_ENABLE_ALL, warnings and up);
+        with ``data``, its external-data files handed over from memory (ORT keeps pointers to them in the options, so
+        these options serve this one creation while ``data`` is alive).
+
+        Raises:
+            RuntimeInputError: the caller's own ``session_options`` with in-memory external data.
+        """
+        import onnxruntime as ort
+
+        so = self._session_options
+        if so is not None and data is not None and data.external:
+            # ORT keeps pointers to in-memory files in the options object: reusing one across sessions would read
+            # freed buffers, and adding twice is refused ("An entry for this name has already been added")
+            raise RuntimeInputError(
+                f"engine {self._name!r}: session_options cannot be combined with source= for a model with external "
+                "data (ONNX Runtime keeps the in-memory files in the options); pass intra_op_num_threads= instead, "
+                "or no source"
+            )
+        if so is None:
+            so = ort.SessionOptions()
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            so.log_severity_level = 2  # warning
+            if self._threads is not None:
+                so.intra_op_num_threads = self._threads
+        if data is not None and data.external:
+            names = list(data.external)
+            buffers = [data.external[n] for n in names]
+            so.add_external_initializers_from_files_in_memory(names, buffers, [len(b) for b in buffers])
+        return so
 
     def _check_graph_io(self, session: Any) -> None:
         """The graph's inputs/outputs must be the manifest's: same names and element types."""

@@ -16,6 +16,7 @@ argument before anything runs, with messages that name the value and the fix. It
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -29,7 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..artifacts import load_verified, safe_join
+from ..artifact_reader import ArtifactReader, ArtifactReplacedError
+from ..artifact_values import check_scheduler_config
+from ..artifacts import safe_join
 from ..config import ShapeProfile, check_image_size
 from ..errors import ArtifactError, LoraError, RuntimeInputError
 from . import denoise
@@ -133,6 +136,8 @@ class EnginePipeline:
     Raises:
         ArtifactError: a required engine (SDXL: also ``text_encoder_2``) or ``tokenizer_2`` is missing, or a
             tokenizer disagrees with the manifest.
+            Also: a scheduler config whose values are of the wrong type or out of range
+            (:func:`~diffusion_trt.artifact_values.scheduler_config_problems`).
         RuntimeInputError: unknown scheduler name.
     """
 
@@ -187,7 +192,7 @@ class EnginePipeline:
                     f"text_max_length={text_len}; the artifact's tokenizer_2/ folder is not the one it was compiled "
                     "with: recompile"
                 )
-        self._scheduler_config = dict(scheduler_config)
+        self._scheduler_config = check_scheduler_config(scheduler_config)  # before diffusers allocates anything
         self._default_scheduler_class = self.manifest.get("scheduler", {}).get("class_name") or str(
             scheduler_config.get("_class_name", "")
         )
@@ -237,16 +242,23 @@ class EnginePipeline:
         io_binding: bool | None = None,
         provider_options: Mapping[str, Any] | None = None,
         cuda_graph: bool | None = None,
+        expect_sha256: str | None = None,
     ) -> EnginePipeline:
         """Load a compiled artifact folder and open its engines.
+
+        Every file is read once through one descriptor of the folder (:class:`~diffusion_trt.artifact_reader.
+        ArtifactReader`) and the loaders get the bytes that were hashed, so a file swapped meanwhile is never run
+        and a folder exchanged meanwhile (``compile --overwrite``) is never mixed with the old one; when the old
+        folder is deleted in the middle, the load starts again once, on the new one.
 
         Args:
             path: the artifact folder (with ``manifest.json``).
             device: "cpu" or "cuda"; ``None`` = the device the artifact was compiled for.
             scheduler: short scheduler name ("euler_a", "dpm++"...); ``None`` = the model's own.
-            verify: check every file's sha256 against the manifest before loading (seconds for a full SD
-                model); ``False`` skips the hashes only: the manifest's schema and seal, file sizes, and that no
-                path, ONNX external-data reference or link leads outside the folder are always checked.
+            verify: check the sha256 of every file loaded against the manifest (on the bytes read; seconds for a
+                full SD model); ``False`` skips the hashes only: the manifest's schema and seal, the scheduler config's
+                values, file sizes, and that no path, ONNX external-data reference or link leads outside the folder
+                are always checked.
             device_id: CUDA device ordinal.
             cudnn_conv_algo_search, intra_op_num_threads, io_binding, provider_options: passed to
                 :class:`~diffusion_trt.runtime.ort_engine.OrtEngine` (ignored for TensorRT artifacts, which run on
@@ -255,19 +267,60 @@ class EnginePipeline:
                 buffers; TensorRT: captured enqueues). ``None`` = on for CUDA artifacts with a static profile
                 (ORT) and for every TensorRT artifact; ``True`` where it cannot work falls back to eager runs
                 with one warning per engine naming the cause.
+            expect_sha256: the manifest digest (``manifest_sha256``, see ``diffusion-trt inspect --json``) a
+                service trusts: any other artifact is refused, even one correctly resealed after an edit (the seal
+                is an unkeyed sha256: it catches accidents, not intent).
 
         Raises:
-            ArtifactError: missing/altered files, an unsupported backend, an fp16 artifact on CPU, the CUDA
+            ArtifactError: missing/altered files, a manifest other than ``expect_sha256``, unsafe scheduler config
+                values, an unsupported backend, an fp16 artifact on CPU, the CUDA
                 provider unavailable, or engines inconsistent with the manifest.
             RuntimeInputError: unknown ``scheduler`` or ``device``.
         """
+        root = Path(path)
+        options = dict(device=device, scheduler=scheduler, device_id=device_id,
+                       cudnn_conv_algo_search=cudnn_conv_algo_search, intra_op_num_threads=intra_op_num_threads,
+                       io_binding=io_binding, provider_options=provider_options, cuda_graph=cuda_graph)
+        for attempt in (1, 2):
+            # schema, seal, pin, paths, sizes, external data and links (never read outside the folder); the
+            # hashes are checked on the bytes each loader gets
+            reader = ArtifactReader.open(root, check_hashes=verify, expect_sha256=expect_sha256)
+            try:
+                pipe = cls._from_reader(reader, **options)
+            except ArtifactReplacedError:
+                reader.close()
+                if attempt == 2:
+                    raise
+                logger.warning("artifact %s was replaced while it loaded; loading the new one", root)
+                continue
+            except BaseException:
+                reader.close()
+                raise
+            pipe._stack.callback(reader.close)  # lazily opened engines read through it
+            return pipe
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @classmethod
+    def _from_reader(
+        cls,
+        reader: ArtifactReader,
+        *,
+        device: str | None,
+        scheduler: str | None,
+        device_id: int,
+        cudnn_conv_algo_search: str,
+        intra_op_num_threads: int | None,
+        io_binding: bool | None,
+        provider_options: Mapping[str, Any] | None,
+        cuda_graph: bool | None,
+    ) -> EnginePipeline:
+        """:meth:`from_artifacts` on an open reader: every file comes through it (one folder, hashed bytes)."""
         from transformers import CLIPTokenizer
 
         from .ort_engine import OrtEngine
 
-        root = Path(path)
-        # even without hashes: schema, seal, paths, sizes, external data and links (never read outside the folder)
-        manifest = load_verified(root, check_hashes=verify)
+        root = reader.root
+        manifest = reader.manifest
         backend = manifest.get("backend")
         if backend not in ("ort", "tensorrt"):
             raise ArtifactError(
@@ -299,26 +352,13 @@ class EnginePipeline:
                 device,
             )
 
-        tok_dir = safe_join(root, str(manifest.get("tokenizer", "tokenizer")))
-        try:
-            tokenizer = CLIPTokenizer.from_pretrained(tok_dir, local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise ArtifactError(f"cannot load the tokenizer from {tok_dir} ({e}); recompile the artifact") from e
+        tokenizer = _tokenizer(reader, str(manifest.get("tokenizer", "tokenizer")), "tokenizer", CLIPTokenizer)
         tokenizer_2 = None
         if manifest.get("model", {}).get("architecture") == "sdxl":
-            tok2_dir = safe_join(root, str(manifest.get("tokenizer_2", "tokenizer_2")))
-            try:
-                tokenizer_2 = CLIPTokenizer.from_pretrained(tok2_dir, local_files_only=True)
-            except (OSError, ValueError) as e:
-                raise ArtifactError(
-                    f"cannot load the SDXL tokenizer_2 from {tok2_dir} ({e}); recompile the artifact"
-                ) from e
+            tokenizer_2 = _tokenizer(reader, str(manifest.get("tokenizer_2", "tokenizer_2")), "SDXL tokenizer_2",
+                                     CLIPTokenizer)
         sched = manifest.get("scheduler", {})
-        sched_path = safe_join(root, str(sched.get("config", "scheduler/scheduler_config.json")))
-        try:
-            scheduler_config = json.loads(sched_path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ArtifactError(f"cannot read the scheduler config {sched_path} ({e}); recompile the artifact") from e
+        scheduler_config = reader.json(str(sched.get("config", "scheduler/scheduler_config.json")))
 
         stream: torch.cuda.Stream | None = None
         if device == "cuda" and torch.cuda.is_available():
@@ -332,7 +372,7 @@ class EnginePipeline:
             )
         engines: dict[str, Engine]
         if backend == "tensorrt":
-            engines = _trt_engines(root, manifest, device_id, stream, derived, cuda_graphs=bool(cuda_graph))
+            engines = _trt_engines(reader, device_id, stream, derived, cuda_graphs=bool(cuda_graph))
         else:
             engines = {}
             for name in _components_to_open(manifest):
@@ -352,6 +392,7 @@ class EnginePipeline:
                     provider_options={**cuda_layout_options(name, device), **(provider_options or {})},
                     derived=derived,
                     cuda_graph=cuda_graph,
+                    source=functools.partial(reader.onnx, str(entry["onnx"])),
                 )
         pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=scheduler, stream=stream, root=root,
                    tokenizer_2=tokenizer_2)
@@ -796,8 +837,7 @@ class EnginePipeline:
 
 
 def _trt_engines(
-    root: Path,
-    manifest: Mapping[str, Any],
+    reader: ArtifactReader,
     device_id: int,
     stream: torch.cuda.Stream | None,
     derived: Mapping[str, tuple[str, int]],
@@ -806,6 +846,7 @@ def _trt_engines(
     """The TensorRT engines of a verified artifact, sharing one activation allocation (they run in sequence)."""
     from .trt_engine import SharedActivationMemory, TrtEngine
 
+    root, manifest = reader.root, reader.manifest
     shared = SharedActivationMemory(torch.device("cuda", device_id))
     engines: dict[str, Engine] = {}
     for name in _components_to_open(manifest):
@@ -819,11 +860,26 @@ def _trt_engines(
             device_id=device_id,
             stream=stream,
             shared_memory=shared,
-            verify=False,  # from_artifacts hashed every file already (or was told not to)
+            verify=False,  # the reader checks the bytes it hands over (or was told not to)
             derived=derived,
             cuda_graphs=cuda_graphs,
+            source=functools.partial(reader.read, str(entry["plan"])),
         )
     return engines
+
+
+def _tokenizer(reader: ArtifactReader, rel: str, what: str, tokenizer_class: Any) -> Any:
+    """A tokenizer loaded from a private copy of the hashed files under ``rel``.
+
+    Raises:
+        ArtifactError: a file fails its check, or the tokenizer cannot be built from them.
+    """
+    with reader.private_copy(rel) as folder:
+        try:
+            return tokenizer_class.from_pretrained(folder, local_files_only=True)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise ArtifactError(f"cannot load the {what} from {reader.root / rel} ({e}); recompile the artifact"
+                                ) from None
 
 
 def txt2img_components(manifest: Mapping[str, Any]) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ checks, plan verification, the shared allocation) are tested on machines without
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -228,6 +229,22 @@ def verify_plan(path: Path, build: Mapping[str, Any], engine: str) -> None:
         raise ArtifactError(f"engine {engine!r}: plan {path} failed verification: " + "; ".join(problems))
 
 
+def check_plan_bytes(blob: bytes, build: Mapping[str, Any], where: str) -> None:
+    """:func:`verify_plan` on bytes already read (the bytes then deserialised).
+
+    Raises:
+        ArtifactError: missing facts, or the bytes differ from ``plan_bytes``/``plan_sha256``.
+    """
+    if "plan_sha256" not in build or "plan_bytes" not in build:
+        raise ArtifactError(f"{where}: the manifest records no plan_sha256/plan_bytes; recompile the artifact")
+    digest = hashlib.sha256(blob).hexdigest()
+    if len(blob) != int(build["plan_bytes"]) or digest != str(build["plan_sha256"]):
+        raise ArtifactError(
+            f"{where}: plan of {len(blob)} bytes, sha256 {digest[:12]}… != {build['plan_bytes']} bytes, "
+            f"{str(build['plan_sha256'])[:12]}… in the manifest; the file was altered: recompile it"
+        )
+
+
 # -- the engine -----------------------------------------------------------------------------------------
 
 
@@ -295,8 +312,10 @@ class TrtEngine(EngineBase):
         cuda_graphs: bool = True,
         verify: bool = True,
         derived: Mapping[str, tuple[str, int]] | None = None,
+        source: Callable[[], bytes] | None = None,
     ) -> None:
         self.path = Path(path)
+        self._source = source  # the plan's bytes (e.g. ArtifactReader.read, checked there); None = read path
         component = name or (spec.name if isinstance(spec, EngineSpec) else self.path.parent.name)
         self._spec = spec if isinstance(spec, EngineSpec) else EngineSpec.from_manifest(component, spec, derived)
         self._name = component
@@ -542,15 +561,16 @@ class TrtEngine(EngineBase):
         facts = trt_compat.gpu_facts(self._device_id) or trt_compat.TrtHost("", "0.0")
         host = dataclasses.replace(facts, tensorrt=str(trt.__version__))
         trt_compat.check_plan_compat(self._build, host, where)  # before deserialising
-        if not self.path.is_file():
+        if self._source is None and not self.path.is_file():
             raise ArtifactError(f"{where}: the plan file is missing; recompile the artifact")
+        blob = self._source() if self._source is not None else self.path.read_bytes()  # read once: hashed = loaded
         if self._verify:
-            verify_plan(self.path, self._build, self._name)
+            check_plan_bytes(blob, self._build, where)
         self._trt = trt
         self._logger = trt_compat.make_trt_logger(trt)
         self._runtime = trt.Runtime(self._logger)  # must outlive the engine
         with torch.cuda.device(self._device):
-            engine = self._runtime.deserialize_cuda_engine(self.path.read_bytes())
+            engine = self._runtime.deserialize_cuda_engine(blob)
         if engine is None:
             raise ArtifactError(
                 f"{where}: TensorRT could not deserialize the plan: {self._last_errors()}; recompile it"

@@ -1,0 +1,300 @@
+"""An artifact folder opened once for loading: every file read through one directory descriptor, hashed as read.
+
+Why (issue 14): loading by path (hash a file, then let a loader open it again by name) loads whatever was swapped
+in between, and a folder exchanged while a run loads it (``compile --overwrite``'s rename-exchange) mixes engines of
+two artifacts. :class:`ArtifactReader` opens the folder once (``O_DIRECTORY``) and reads ``manifest.json`` and every
+file relative to that descriptor (``dir_fd=``), so one run sees one folder even when another takes its name; the
+bytes it returns are the bytes it hashed, and the loaders get those bytes, never a path (ONNX Runtime: the model and
+its external-data files from memory, :meth:`ArtifactReader.onnx`; TensorRT: the plan; the tokenizer: a private copy
+of its hashed files; the scheduler config: parsed from its hashed bytes).
+
+If the folder the descriptor holds is deleted while it loads (the writer removes the previous artifact after the
+exchange), a read fails with :class:`ArtifactReplacedError`: the caller loads again from the path.
+
+Costs: each engine's bytes sit in memory while its session is created (ONNX Runtime copies the external data then),
+so the peak is about twice the largest component (SD-1.5 fp32 UNet: ~7 GB for a moment).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import stat
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from . import artifacts
+from .errors import ArtifactError
+
+logger = logging.getLogger(__name__)
+
+#: The most bytes ``manifest.json`` may have (real ones are tens of kB).
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+class ArtifactReplacedError(ArtifactError):
+    """The artifact folder was deleted or replaced while it was being loaded; loading again reads the new one."""
+
+
+@dataclass(frozen=True)
+class OnnxBytes:
+    """An ONNX model read from an artifact: the ``.onnx`` bytes and each external-data file, by its ``location``.
+
+    Attributes:
+        rel: the model's path in the artifact (``unet/model.onnx``).
+        model: the ``.onnx`` file's bytes (hashed against the manifest when the reader checks hashes).
+        external: ``location`` as the model's tensors name it -> that file's bytes (hashed likewise).
+    """
+
+    rel: str
+    model: bytes
+    external: dict[str, bytes] = field(default_factory=dict)
+
+
+class ArtifactReader:
+    """Read one artifact folder through one directory descriptor; a context manager (closes the descriptor).
+
+    Build it with :meth:`open`. Not thread-safe for concurrent reads of the same file (each read opens its own
+    descriptor, so concurrent reads of different files are fine).
+
+    Attributes:
+        root: the folder's path as given (for messages only: nothing is opened by it after :meth:`open`).
+        manifest: the schema-valid, sealed manifest read through the descriptor.
+        check_hashes: whether :meth:`read` compares each file's sha256 with the manifest (sizes always).
+        loaded: artifact path -> sha256 of every file read so far (when hashes are checked).
+    """
+
+    def __init__(self, root: Path, fd: int, manifest: dict[str, Any], check_hashes: bool) -> None:
+        self.root = root
+        self._fd: int | None = fd
+        self.manifest = manifest
+        self.check_hashes = check_hashes
+        self.loaded: dict[str, str] = {}
+
+    @classmethod
+    def open(cls, root: str | os.PathLike[str], *, check_hashes: bool = True,
+             expect_sha256: str | None = None) -> ArtifactReader:
+        """Open ``root`` and read its manifest; check the schema, the seal and (given) the pinned digest, and what
+        loading needs of the files (:func:`~diffusion_trt.artifacts.folder_problems` without hashes: every file
+        present at its size, every component file listed, no link leading out). Hashes and ONNX external data are
+        checked by :meth:`read` / :meth:`onnx` on the bytes they return.
+
+        Args:
+            root: the artifact folder.
+            check_hashes: compare every file read with its sha256 in the manifest.
+            expect_sha256: the manifest digest the caller trusts (``manifest_sha256``); ``None`` = any sealed one.
+
+        Raises:
+            ArtifactError: the folder or manifest is missing or unreadable, the manifest is invalid, unsealed or not
+                the pinned one, or a file check fails (one line per problem).
+        """
+        root = Path(root)
+        try:
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ArtifactError(f"artifact folder {root} does not exist; run `diffusion-trt compile` first") from None
+        except NotADirectoryError:
+            raise ArtifactError(
+                f"{root} is a file, not an artifact folder; pass the folder `diffusion-trt compile` wrote"
+            ) from None
+        except OSError as e:
+            raise ArtifactError(f"cannot open the artifact folder {root} ({e.strerror}); check the path") from None
+        try:
+            reader = cls(root, fd, {}, check_hashes)
+            reader.manifest = reader._read_manifest(expect_sha256)
+            pinned = reader.pinned_root
+            problems = [p.replace(str(pinned), str(root)) for p in
+                        artifacts.folder_problems(pinned, reader.manifest, check_hashes=False, parse_onnx=False)]
+            if problems:
+                raise ArtifactError(f"artifact {root} failed verification:\n  " + "\n  ".join(problems))
+        except BaseException:
+            os.close(fd)
+            raise
+        extra = artifacts.unlisted_files(reader.pinned_root, reader.manifest)
+        if extra:
+            logger.warning("artifact %s holds files its manifest does not list: %s", root, ", ".join(extra[:10]))
+        return reader
+
+    # -- reading ----------------------------------------------------------------------------------------
+
+    @property
+    def pinned_root(self) -> Path:
+        """A path to the very folder the descriptor holds (``/proc/self/fd/N`` on Linux), for checks that walk the
+        folder by path; elsewhere the path as given."""
+        proc = Path(f"/proc/self/fd/{self._require_fd()}")
+        return proc if proc.is_dir() else self.root
+
+    def read(self, rel: str) -> bytes:
+        """The bytes of the listed file ``rel``, read once through the folder descriptor, checked against the
+        manifest's size and (when :attr:`check_hashes`) sha256.
+
+        Raises:
+            ArtifactError: ``rel`` is not listed, leaves the folder, is not a regular file, or differs from the
+                manifest; :class:`ArtifactReplacedError` when the folder was deleted meanwhile.
+        """
+        entry = self.manifest["files"].get(rel)
+        if entry is None:
+            raise ArtifactError(f"{rel} is not listed in the manifest of {self.root}, so it cannot be checked; "
+                                "recompile the artifact")
+        data = self._read_file(rel, int(entry["size"]))
+        if self.check_hashes:
+            digest = hashlib.sha256(data).hexdigest()
+            if digest != entry["sha256"]:
+                raise ArtifactError(
+                    f"{self.root}/{rel}: sha256 {digest[:12]}… != {entry['sha256'][:12]}… in the manifest; the file "
+                    "was altered: recopy or recompile the artifact"
+                )
+            self.loaded[rel] = digest
+        return data
+
+    def json(self, rel: str) -> Any:
+        """:meth:`read` ``rel`` and parse it as untrusted JSON (:func:`~diffusion_trt.artifact_values.parse_json`)."""
+        from .artifact_values import parse_json
+
+        return parse_json(self.read(rel), f"{self.root}/{rel}")
+
+    def onnx(self, rel: str) -> OnnxBytes:
+        """The ONNX model ``rel`` and every external-data file its tensors name, each :meth:`read` (checked).
+
+        Raises:
+            ArtifactError: as :meth:`read`; the model does not parse; an external-data location leaves the folder or
+                names an unlisted file.
+        """
+        import onnx
+
+        data = self.read(rel)
+        model = onnx.ModelProto()
+        try:
+            model.ParseFromString(data)
+        except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and friends
+            raise ArtifactError(f"{self.root}/{rel} is not a readable ONNX model ({type(e).__name__}: {e}); "
+                                "recompile") from None
+        locations = artifacts.external_data_locations(model)
+        del model
+        pinned = self.pinned_root
+        problems = [p.replace(str(pinned), str(self.root)) for p in
+                    artifacts.external_location_problems(pinned, rel, locations, self.manifest["files"])]
+        if problems:
+            raise ArtifactError(f"artifact {self.root} failed verification:\n  " + "\n  ".join(problems))
+        external = {loc: self.read(str(artifacts.external_data_target(rel, loc))) for loc in locations}
+        return OnnxBytes(rel, data, external)
+
+    @contextlib.contextmanager
+    def private_copy(self, rel_dir: str) -> Iterator[Path]:
+        """A temporary folder holding the :meth:`read` bytes of every listed file under ``rel_dir/`` (for loaders
+        that take a folder, like a tokenizer); removed on exit."""
+        prefix = rel_dir.rstrip("/") + "/"
+        with tempfile.TemporaryDirectory(prefix="diffusion-trt-") as tmp:
+            for rel in self.manifest["files"]:
+                if rel.startswith(prefix):
+                    dest = Path(tmp).joinpath(*PurePosixPath(rel[len(prefix):]).parts)
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    dest.write_bytes(self.read(rel))
+            yield Path(tmp)
+
+    def close(self) -> None:
+        """Close the folder descriptor (idempotent)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> ArtifactReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _require_fd(self) -> int:
+        if self._fd is None:
+            raise ArtifactError(f"the reader of {self.root} is closed; load the artifact again")
+        return self._fd
+
+    def _read_manifest(self, expect_sha256: str | None) -> dict[str, Any]:
+        where = self.root / artifacts.MANIFEST_NAME
+        try:
+            data = self._read_file(artifacts.MANIFEST_NAME, None, limit=MAX_MANIFEST_BYTES)
+        except ArtifactReplacedError:
+            raise
+        except ArtifactError as e:
+            if "is missing" in str(e):
+                raise ArtifactError(
+                    f"{where} is missing; {self.root} is not a compiled artifact (run `diffusion-trt compile`)"
+                ) from None
+            raise
+        manifest = artifacts.parse_manifest(data, where)
+        problems = artifacts.manifest_problems(manifest) + artifacts.pin_problems(manifest, expect_sha256)
+        if problems:
+            raise ArtifactError(
+                f"{where} is not a valid artifact manifest (run `diffusion-trt verify {self.root}`):\n  "
+                + "\n  ".join(problems)
+            )
+        return manifest
+
+    def _read_file(self, rel: str, size: int | None, limit: int | None = None) -> bytes:
+        """Open ``rel`` relative to the folder descriptor (non-blocking: a FIFO must not hang us), check that it is a
+        regular file inside the folder of ``size`` bytes, and read it whole."""
+        fd = self._require_fd()
+        artifacts.safe_join(self.pinned_root, rel)  # lexical checks and links (raises ArtifactError)
+        try:
+            f = os.open(rel, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=fd)
+        except FileNotFoundError:
+            if self._replaced():
+                raise ArtifactReplacedError(
+                    f"artifact {self.root} was deleted or replaced while it loaded (a compile --overwrite?); load it "
+                    "again"
+                ) from None
+            raise ArtifactError(f"{self.root}/{rel}: file is missing; copy the whole artifact folder or recompile"
+                                ) from None
+        except OSError as e:
+            raise ArtifactError(f"{self.root}/{rel}: cannot be opened ({e.strerror}); recopy the artifact") from None
+        try:
+            st = os.fstat(f)
+            if not stat.S_ISREG(st.st_mode):
+                raise ArtifactError(f"{self.root}/{rel} is not a regular file; recopy or recompile the artifact")
+            self._check_inside(f, rel)
+            if size is not None and st.st_size != size:
+                raise ArtifactError(f"{self.root}/{rel}: size {st.st_size} != {size} in the manifest; the file is "
+                                    "truncated or altered")
+            if limit is not None and st.st_size > limit:
+                raise ArtifactError(f"{self.root}/{rel} has {st.st_size} bytes, more than {limit}; recompile")
+            with os.fdopen(f, "rb", closefd=False) as stream:
+                data = stream.read(st.st_size + 1)
+        finally:
+            os.close(f)
+        if len(data) != st.st_size:
+            raise ArtifactError(f"{self.root}/{rel} changed size while it was read; recopy the artifact")
+        return data
+
+    def _replaced(self) -> bool:
+        """The folder the descriptor holds was deleted, or its path now names another folder."""
+        held = os.fstat(self._require_fd())
+        if held.st_nlink == 0:
+            return True
+        try:
+            now = os.stat(self.root)
+        except OSError:
+            return True
+        return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
+    def _check_inside(self, f: int, rel: str) -> None:
+        """Where ``/proc`` tells: the opened file lies under the folder the descriptor holds (a link swapped in
+        after the checks cannot lead out)."""
+        try:
+            where = Path(os.readlink(f"/proc/self/fd/{f}"))
+            top = Path(os.readlink(f"/proc/self/fd/{self._require_fd()}"))
+        except OSError:
+            return
+        if not where.is_relative_to(top):
+            raise ArtifactError(f"{self.root}/{rel} resolves to {where}, outside the artifact folder; replace the "
+                                "symbolic link with the file itself")
