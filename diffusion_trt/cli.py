@@ -11,6 +11,7 @@ import errno
 import functools
 import json
 import logging
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +50,8 @@ Exit codes:
   2  bad input or usage: options, model folder, LoRA, images, an output path that exists or cannot be written
   3  the artifact is missing, damaged or incompatible with this machine (verify found problems)
   4  a quantized build failed the quality gate (--accept-quality-loss writes it anyway)
-  130  interrupted (Ctrl-C); a compile leaves no half-written artifact"""
+  130  interrupted (Ctrl-C); a compile leaves no half-written artifact
+  143  terminated (SIGTERM); a compile cleans up as for Ctrl-C"""
 
 #: errno -> the fix for an OS error on a path the user gave.
 _OS_ERROR_FIXES = {
@@ -68,6 +70,22 @@ def _os_error_message(e: OSError) -> str:
     """One line for an OS error: the path, the cause and the fix."""
     where = f"{e.filename}: " if e.filename else ""
     return f"{where}{e.strerror or e}; {_OS_ERROR_FIXES.get(e.errno or 0, 'check the path and its permissions')}"
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (see :func:`_terminate_like_interrupt`): unwinds like KeyboardInterrupt, so every ``with``
+    block cleans up (the staging folder is deleted, the lock released); exit 143 (128 + SIGTERM)."""
+
+
+def _terminate_like_interrupt() -> None:
+    """Make SIGTERM unwind the stack like Ctrl-C instead of killing the process where it stands (which left a
+    hidden ``.NAME.staging-*`` folder of the size of the artifact behind)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
+        raise Terminated(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -89,6 +107,9 @@ def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt:  # after the context managers cleaned up (staging folders, locks)
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except Terminated:  # SIGTERM, raised by _terminate_like_interrupt's handler; cleaned up likewise
+            click.echo("terminated", err=True)
+            sys.exit(143)
 
     return wrapper
 
@@ -234,6 +255,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     from .compiler.pipeline import compile_pipeline
     from .config import CompileConfig
 
+    _terminate_like_interrupt()
     out_dir = out_dir or Path("artifacts") / Path(model_dir).resolve().name
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -530,10 +552,12 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
     """
     import json
 
-    from .artifacts import read_manifest
+    from .artifacts import leftover_warnings, read_manifest
     from .summary import artifact_summary, format_summary
 
     summary = artifact_summary(artifact_dir, read_manifest(artifact_dir))
+    for line in leftover_warnings(artifact_dir):
+        click.echo(f"warning: {line}", err=True)
     click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
 
 
@@ -544,9 +568,12 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
 @click.option("--tensorrt", "trt_version", default=None,
               help="Check plans against this TensorRT version instead of this machine's (with --compute-capability).")
 @click.option("--compute-capability", default=None, help="Target GPU compute capability for plans, e.g. 9.0.")
+@click.option("--expect-sha256", default=None, metavar="HEX",
+              help="The manifest digest (manifest_sha256, see `inspect --json`) you trust; any other artifact fails, "
+                   "even one resealed after an edit (the seal is an unkeyed sha256: it catches accidents, not intent).")
 @_handle_errors
 def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: str | None,
-               compute_capability: str | None) -> None:
+               compute_capability: str | None, expect_sha256: str | None) -> None:
     """Check that ARTIFACT_DIR is intact and runs here; exit 3 with one line per problem if not.
 
     Checks the manifest (JSON Schema, seal against hand edits), every file's size and sha256, that no path,
@@ -565,7 +592,8 @@ def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: 
     if (trt_version is None) != (compute_capability is None):
         raise click.UsageError("--tensorrt and --compute-capability go together")
     target = TrtHost(trt_version, compute_capability) if trt_version and compute_capability else None
-    report = verify_artifact(artifact_dir, check_hashes=not no_hashes, check_host=not no_host, trt_host=target)
+    report = verify_artifact(artifact_dir, check_hashes=not no_hashes, check_host=not no_host, trt_host=target,
+                             expect_sha256=expect_sha256)
     for line in report.warnings:
         click.echo(f"warning: {line}", err=True)
     if not report.ok:

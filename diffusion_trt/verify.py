@@ -4,8 +4,9 @@ Two halves, each returning one line per problem (nothing raised for a problem fo
 all):
 
 * :func:`integrity_problems`: the manifest (JSON, schema, seal), every listed file (inside the folder,
-  present, size, sha256), every component file listed, ONNX external data inside the folder, no symbolic
-  link leading out, no file the manifest does not list.
+  present, size, sha256), every component file listed, ONNX external data inside the folder (every tensor the
+  ONNX spec allows, functions and subgraphs included), no symbolic link leading out, no file the manifest does
+  not list, and the scheduler config's values (types, ranges).
 * :func:`host_problems`: the machine: ONNX Runtime and the execution provider of the artifact's device for
   ``ort`` artifacts; TensorRT's version and the GPU's compute capability for each plan
   (:func:`~diffusion_trt.trt_compat.check_plan_compat`) for ``tensorrt`` artifacts. A target host can be
@@ -17,7 +18,6 @@ the runtime's dependencies alone.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from . import artifacts, trt_compat
+from .artifact_values import parse_json, scheduler_config_problems
 from .errors import ArtifactError
 
 logger = logging.getLogger(__name__)
@@ -54,24 +55,42 @@ class VerifyReport:
 
 
 def load_manifest_json(root: Path) -> tuple[dict[str, Any] | None, list[str]]:
-    """Read ``manifest.json`` without raising: ``(manifest or None, problems)``; schema and seal checked."""
+    """Read ``manifest.json`` without raising: ``(manifest or None, problems)``; schema and seal checked.
+
+    Untrusted bytes: not UTF-8, not JSON, nested too deep, a huge integer... are one problem line each
+    (:func:`~diffusion_trt.artifact_values.parse_json`), never a traceback.
+    """
     path = root / artifacts.MANIFEST_NAME
     if not root.is_dir():
         return None, [f"{root}: artifact folder does not exist"]
     if not path.is_file():
         return None, [f"{path}: missing; the folder is not a compiled artifact (run `diffusion-trt compile`)"]
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return None, [f"{path}: not valid JSON ({e}); recompile the artifact"]
-    if not isinstance(manifest, dict):
-        return None, [f"{path}: not a JSON object; recompile the artifact"]
-    if manifest.get("schema_version") != artifacts.SCHEMA_VERSION:
-        return None, [
-            f"{path}: schema_version={manifest.get('schema_version')!r}; this diffusion-trt reads "
-            f"{artifacts.SCHEMA_VERSION}: recompile with this version"
-        ]
+        manifest = artifacts.parse_manifest(path.read_bytes(), path)
+    except OSError as e:
+        return None, [f"{path}: cannot be read ({e.strerror}); check its permissions"]
+    except ArtifactError as e:
+        return None, [str(e)]
     return manifest, artifacts.manifest_problems(manifest)
+
+
+def scheduler_problems(root: Path, manifest: dict[str, Any]) -> list[str]:
+    """The shipped scheduler config is readable JSON whose values the runtime can use
+    (:func:`~diffusion_trt.artifact_values.scheduler_config_problems`); one line per problem."""
+    sched = manifest.get("scheduler")
+    rel = sched.get("config") if isinstance(sched, dict) else None
+    if not isinstance(rel, str):
+        return []  # the schema problems say so
+    try:
+        path = artifacts.safe_join(root, rel)
+        if not path.is_file():
+            return []  # verify_files reports a missing listed file
+        config = parse_json(path.read_bytes(), rel)
+    except ArtifactError as e:
+        return [f"scheduler: {e}"]
+    except OSError as e:
+        return [f"scheduler: {rel} cannot be read ({e.strerror})"]
+    return [f"{p}; restore the original file or recompile" for p in scheduler_config_problems(config, rel)]
 
 
 def integrity_problems(root: str | os.PathLike[str], check_hashes: bool = True) -> tuple[dict[str, Any] | None,
@@ -99,6 +118,7 @@ def integrity_problems(root: str | os.PathLike[str], check_hashes: bool = True) 
     problems += artifacts.link_problems(root)
     for rel in artifacts.unlisted_files(root, manifest):
         problems.append(f"{rel}: not listed in the manifest (added after compile?); remove it or recompile")
+    problems += scheduler_problems(root, manifest)
     for key, rel in (("tokenizer", manifest.get("tokenizer")), ("tokenizer_2", manifest.get("tokenizer_2")),
                      ("scheduler", manifest.get("scheduler", {}).get(
             "config") if isinstance(manifest.get("scheduler"), dict) else None)):
@@ -185,6 +205,7 @@ def verify_artifact(
     check_host: bool = True,
     providers: Sequence[str] | None = None,
     trt_host: trt_compat.TrtHost | None = None,
+    expect_sha256: str | None = None,
 ) -> VerifyReport:
     """Check an artifact folder: integrity always, this machine's compatibility unless ``check_host`` is false.
 
@@ -193,9 +214,15 @@ def verify_artifact(
         check_hashes: compute every file's sha256 (seconds per GB); sizes are always checked.
         check_host: also check :func:`host_problems`.
         providers, trt_host: a target host to check against instead of this machine.
+        expect_sha256: the manifest digest a service trusts (``manifest_sha256``); another one is a problem even
+            when sealed correctly (the seal is an unkeyed sha256: it catches accidents, not intent).
+
+    Folders an interrupted compile left beside the artifact (``.NAME.staging-*``) are reported as warnings.
     """
     manifest, problems, checked = integrity_problems(root, check_hashes=check_hashes)
-    report = VerifyReport(problems=problems, checked_files=checked)
+    if manifest is not None:
+        problems += artifacts.pin_problems(manifest, expect_sha256)
+    report = VerifyReport(problems=problems, checked_files=checked, warnings=artifacts.leftover_warnings(root))
     schema_ok = manifest is not None and not artifacts.manifest_problems(manifest)
     if check_host and schema_ok and manifest is not None:
         host, warnings = host_problems(manifest, providers=providers, trt_host=trt_host)
