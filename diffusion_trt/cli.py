@@ -7,13 +7,14 @@ Any :class:`~diffusion_trt.errors.DiffusionTrtError` becomes one ``error: ...`` 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +78,24 @@ class Terminated(BaseException):
     block cleans up (the staging folder is deleted, the lock released); exit 143 (128 + SIGTERM)."""
 
 
-def _terminate_like_interrupt() -> None:
-    """Make SIGTERM unwind the stack like Ctrl-C instead of killing the process where it stands (which left a
-    hidden ``.NAME.staging-*`` folder of the size of the artifact behind)."""
+@contextlib.contextmanager
+def _terminate_like_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM unwinds the stack like Ctrl-C instead of killing the process where it stands
+    (which left a hidden ``.NAME.staging-*`` folder of the size of the artifact behind); restored afterwards."""
 
     def handler(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
         raise Terminated(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, handler)
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: signals stay as they are
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -255,7 +265,6 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     from .compiler.pipeline import compile_pipeline
     from .config import CompileConfig
 
-    _terminate_like_interrupt()
     out_dir = out_dir or Path("artifacts") / Path(model_dir).resolve().name
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -280,7 +289,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     if options["dump_passes"] is not None:  # the graphs are written after export: check the folder now
         _check_writable_dir(Path(options["dump_passes"]), "--dump-passes")
     config = CompileConfig(**options, quantize=quantize)
-    with logging_redirect_tqdm(loggers=[logger]):
+    with _terminate_like_interrupt(), logging_redirect_tqdm(loggers=[logger]):
         path = compile_pipeline(model_dir, out_dir, config, overwrite=overwrite, progress=True,
                                 lock_timeout=lock_timeout)
     _print_pass_table(path)
