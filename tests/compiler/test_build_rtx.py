@@ -246,3 +246,20 @@ def test_sd15_unet_over_2gb_with_external_data_builds(tmp_path_factory: pytest.T
     entry = json.loads((out / "manifest.json").read_text())["components"]["unet"]
     assert (out / "unet" / "model.onnx.data").stat().st_size > 2**31
     assert entry["build"]["plan_bytes"] > 2**31 and entry["build"]["num_layers"] > 1000
+
+
+def test_fp8_unet_for_ada_passes_the_builder(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """fp8: the calibrated QDQ UNet (onnxruntime.quantization, E4M3) is parsed and built strongly typed for 8.9."""
+    out = tmp_path / "fp8"
+    code, text = _compile(tiny_pipeline_dir, "-o", out, "--backend", RTX, "--precision", "fp8", "--components",
+                          "unet", "--compute-capability", "8.9", "--calibration-size", 1, "--calibration-steps", 1,
+                          "--min-height", 64, "--max-height", 64, "--min-width", 64, "--max-width", 64,
+                          "--max-batch-size", 1)
+    assert code == 0, text
+    entry = json.loads((out / "manifest.json").read_text())["components"]["unet"]
+    assert entry["precision"] == "fp8" and entry["compile_plan"]["quantized"] is True
+    assert entry["build"]["has_qdq"] is True and entry["build"]["strongly_typed"] is True
+    assert entry["build"]["compute_capabilities"] == ["8.9"] and entry["build"]["plan_bytes"] > 0
+    graph = onnx.load(str(out / entry["onnx"]), load_external_data=False).graph
+    fp8 = [n for n in graph.node if n.op_type == "QuantizeLinear"]
+    assert fp8 and entry["quality"]["passed"] is True
