@@ -104,8 +104,8 @@ class ArtifactReader:
             ) from None
         except OSError as e:
             raise ArtifactError(f"cannot open the artifact folder {root} ({e.strerror}); check the path") from None
+        reader = cls(root, fd, {}, check_hashes)  # owns fd from here: close it through the reader, once
         try:
-            reader = cls(root, fd, {}, check_hashes)
             reader.manifest = reader._read_manifest(expect_sha256)
             pinned = reader.pinned_root
             problems = [p.replace(str(pinned), str(root)) for p in
@@ -113,7 +113,7 @@ class ArtifactReader:
             if problems:
                 raise ArtifactError(f"artifact {root} failed verification:\n  " + "\n  ".join(problems))
         except BaseException:
-            os.close(fd)
+            reader.close()  # not os.close(fd): the reader's __del__ would close the number again, by then reused
             raise
         extra = artifacts.unlisted_files(reader.pinned_root, reader.manifest)
         if extra:

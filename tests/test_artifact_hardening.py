@@ -443,3 +443,27 @@ def test_a_stale_staging_folder_is_reported_then_removed_by_the_next_compile(art
     finally:
         sleeper.kill()
         sleeper.wait(timeout=30)
+
+
+def test_a_refused_folder_does_not_close_a_descriptor_it_no_longer_owns(tmp_path: Path) -> None:
+    """ArtifactReader.open closes its folder descriptor once when it refuses the folder: a second close by the
+    reader's finaliser would close whatever file had been given the same number since ('Bad file descriptor')."""
+    import gc
+    import os
+
+    from diffusion_trt.artifact_reader import ArtifactReader
+    from diffusion_trt.errors import ArtifactError
+
+    (tmp_path / "art").mkdir()
+    (tmp_path / "art" / "manifest.json").write_text("{}")
+    (tmp_path / "other.txt").write_text("still open")
+    try:
+        ArtifactReader.open(tmp_path / "art")
+    except ArtifactError:
+        pass
+    fd = os.open(tmp_path / "other.txt", os.O_RDONLY)  # likely the number the refused reader held
+    try:
+        gc.collect()
+        assert os.read(fd, 10) == b"still open"
+    finally:
+        os.close(fd)
