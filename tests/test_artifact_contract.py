@@ -266,6 +266,8 @@ def test_verify_catches_external_data_leaving_the_folder(art: Path, tmp_path: Pa
     code, out = _invoke("verify", art)
     assert code == 3
     assert re.search("problem: unet/model.onnx: " + message, out), out
+    if location == "weights.bin":  # loading walks the folder first (ArtifactReader.open): the link itself is refused
+        message = r"unet/weights\.bin: symbolic link to .*secret\.bin, outside the artifact folder"
     for verify in (True, False):  # refused before ONNX Runtime opens the file, with or without hashes
         with pytest.raises(ArtifactError, match=message):
             _load(art, verify=verify)
