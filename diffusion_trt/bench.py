@@ -94,6 +94,7 @@ class BenchConfig:
         iters / warmup: end-to-end calls timed / run before timing; stage_iters: calls per stage timing.
         height, width: image size; ``None`` = the artifact's default.
         cuda_graph: passed to ``EnginePipeline.from_artifacts`` (``None``: on for static CUDA artifacts).
+        runtime_cache_dir: passed to ``EnginePipeline.from_artifacts`` (TensorRT-RTX; ``None``: the user cache).
     """
 
     artifact: Path
@@ -114,6 +115,7 @@ class BenchConfig:
     seed: int = 0
     scheduler: str | None = None
     cuda_graph: bool | None = None
+    runtime_cache_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.baseline not in BASELINES:
@@ -538,7 +540,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     _memory_start([device])
     say(f"loading {cfg.artifact} on {device}")
     pipe = EnginePipeline.from_artifacts(
-        cfg.artifact, device=device_kind, scheduler=cfg.scheduler, device_id=device_id, cuda_graph=cfg.cuda_graph
+        cfg.artifact, device=device_kind, scheduler=cfg.scheduler, device_id=device_id, cuda_graph=cfg.cuda_graph,
+        runtime_cache_dir=cfg.runtime_cache_dir,
     )
     try:
         height = cfg.height or pipe.default_height
@@ -564,7 +567,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
         devs = [torch.device("cuda", d) for d in cfg.devices]
         say(f"ours_multi_gpu on {', '.join(map(str, devs))}")
         multi = DataParallelPipeline.from_artifacts(
-            cfg.artifact, cfg.devices, scheduler=cfg.scheduler, cuda_graph=cfg.cuda_graph, verify=False
+            cfg.artifact, cfg.devices, scheduler=cfg.scheduler, cuda_graph=cfg.cuda_graph, verify=False,
+            runtime_cache_dir=cfg.runtime_cache_dir,
         )
         try:
             for batch in cfg.batch_sizes:

@@ -472,6 +472,9 @@ def _print_pass_table(path: Path) -> None:
               help="CUDA devices, e.g. 0,1 or all: data-parallel, the images split across them [default: one].")
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
               help="Replay engines as CUDA graphs [default: on for static CUDA artifacts and TensorRT].")
+@click.option("--runtime-cache", "runtime_cache", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="TensorRT-RTX: folder of the artifact's runtime cache (kernels compiled for this GPU on first load) "
+                   "[default: ~/.cache/diffusion-trt/runtime-cache/<manifest sha256[:16]>].")
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False, path_type=Path), default=Path("out.png"),
               show_default=True, help="PNG path; with several images, -1, -2 ... are appended.")
 @click.option("--image", "image_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -483,8 +486,8 @@ def _print_pass_table(path: Path) -> None:
 @_handle_errors
 def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps: int, guidance: float | None, seed: int,
             height: int | None, width: int | None, batch_size: int, scheduler: str | None, device: str | None,
-            snap: bool, devices: str | None, cuda_graph: bool | None, out: Path, image_path: Path | None,
-            strength: float | None, mask_path: Path | None) -> None:
+            snap: bool, devices: str | None, cuda_graph: bool | None, runtime_cache: Path | None, out: Path,
+            image_path: Path | None, strength: float | None, mask_path: Path | None) -> None:
     """Generate images from a compiled ARTIFACT_DIR: from text, or from an image (--image), or inpaint (--mask).
 
     \b
@@ -520,7 +523,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
         height = _snap("height", height, *(profile.get("height", [None, None, None])[::2]))
         width = _snap("width", width, *(profile.get("width", [None, None, None])[::2]))
     device_list = _parse_devices(devices, device)
-    with _open_pipeline(artifact_dir, device, scheduler, device_list, cuda_graph) as pipe:
+    with _open_pipeline(artifact_dir, device, scheduler, device_list, cuda_graph, runtime_cache) as pipe:
         result = pipe(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -575,7 +578,8 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
 @click.option("--no-hashes", is_flag=True, help="Check sizes only, not sha256 (fast on multi-GB artifacts).")
 @click.option("--no-host", is_flag=True, help="Skip the checks against this machine (providers, TensorRT, GPU).")
 @click.option("--tensorrt", "trt_version", default=None,
-              help="Check plans against this TensorRT version instead of this machine's (with --compute-capability).")
+              help="Check plans against this TensorRT (or TensorRT-RTX, e.g. 1.7.1.116) version instead of this "
+                   "machine's (with --compute-capability).")
 @click.option("--compute-capability", default=None, help="Target GPU compute capability for plans, e.g. 9.0.")
 @click.option("--expect-sha256", default=None, metavar="HEX",
               help="The manifest digest (manifest_sha256, see `inspect --json`) you trust; any other artifact fails, "
@@ -628,19 +632,21 @@ def _parse_devices(devices: str | None, device: str | None) -> list[int]:
 
 
 def _open_pipeline(artifact_dir: Path, device: str | None, scheduler: str | None, device_list: list[int],
-                   cuda_graph: bool | None) -> Any:
+                   cuda_graph: bool | None, runtime_cache: Path | None = None) -> Any:
     """One EnginePipeline (on ``device_list[0]`` when given) or a DataParallelPipeline over 2+ devices."""
     if len(device_list) >= 2:
         from .runtime.parallel import DataParallelPipeline
 
         return DataParallelPipeline.from_artifacts(artifact_dir, device_list, scheduler=scheduler,
-                                                   cuda_graph=cuda_graph)
+                                                   cuda_graph=cuda_graph, runtime_cache_dir=runtime_cache)
     from .runtime.pipeline import EnginePipeline
 
     if device_list:
         return EnginePipeline.from_artifacts(artifact_dir, device="cuda", scheduler=scheduler,
-                                             device_id=device_list[0], cuda_graph=cuda_graph)
-    return EnginePipeline.from_artifacts(artifact_dir, device=device, scheduler=scheduler, cuda_graph=cuda_graph)
+                                             device_id=device_list[0], cuda_graph=cuda_graph,
+                                             runtime_cache_dir=runtime_cache)
+    return EnginePipeline.from_artifacts(artifact_dir, device=device, scheduler=scheduler, cuda_graph=cuda_graph,
+                                         runtime_cache_dir=runtime_cache)
 
 
 def _int_list(value: str, option: str) -> tuple[int, ...]:
@@ -671,6 +677,9 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
 @click.option("--scheduler", default=None, help="Scheduler short name for both sides [default: the model's].")
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
               help="Our engines as CUDA graphs [default: on for static CUDA artifacts and TensorRT].")
+@click.option("--runtime-cache", "runtime_cache", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="TensorRT-RTX: folder of the artifact's runtime cache (kernels compiled for this GPU on first load) "
+                   "[default: ~/.cache/diffusion-trt/runtime-cache/<manifest sha256[:16]>].")
 @click.option("--prompt", default=None, help="Prompt of every call [default: a fixed landscape prompt].")
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -680,8 +689,8 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
 @_handle_errors
 def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: int, batch_sizes: str, iters: int,
               warmup: int, stage_iters: int, device: str | None, devices: str | None, scheduler: str | None,
-              cuda_graph: bool | None, prompt: str | None, seed: int, json_path: Path | None,
-              plot_path: Path | None) -> None:
+              cuda_graph: bool | None, runtime_cache: Path | None, prompt: str | None, seed: int,
+              json_path: Path | None, plot_path: Path | None) -> None:
     """Time ARTIFACT_DIR's engines per stage and end to end, next to diffusers, in one process.
 
     Same weights, seed, scheduler and prompt on every side; medians after warm-up; CUDA events for GPU
@@ -705,7 +714,7 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
         artifact=artifact_dir, baseline=baseline, model_dir=model_dir, device="cuda" if device_list else device,
         devices=tuple(device_list), steps=steps, batch_sizes=_int_list(batch_sizes, "--batch-size"), iters=iters,
         warmup=warmup, stage_iters=stage_iters, scheduler=scheduler, cuda_graph=cuda_graph,
-        prompt=prompt or DEFAULT_PROMPT, seed=seed,
+        runtime_cache_dir=runtime_cache, prompt=prompt or DEFAULT_PROMPT, seed=seed,
     )
     result = run_bench(config, progress=lambda msg: logger.info("bench: %s", msg))
     click.echo(format_table(result))

@@ -353,6 +353,56 @@ def check_plan_compat(build: Mapping[str, Any], host: TrtHost, where: str) -> li
     return warnings
 
 
+def check_host(lib: TrtLibrary, build: Mapping[str, Any], host: TrtHost, where: str) -> list[str]:
+    """Can ``host`` load this plan? The one check the engine and ``verify`` run, before anything is deserialised.
+
+    Full TensorRT (``lib.compute_capability_targets`` false): :func:`check_plan_compat` (the plan's one compute
+    capability and release). A library that builds for named targets (TensorRT-RTX): first
+    :meth:`TrtLibrary.check_runs_on` against ``build["compute_capabilities"]`` (so a GPU the library does not
+    support is refused with that reason even where the library is missing), then the release: major.minor.patch
+    equal (an RTX plan "does not guarantee forward compatibility": one build per release), another build number
+    warns.
+
+    Args:
+        lib: the artifact's library (``library(manifest["backend"])``).
+        build: the component's ``build`` facts.
+        host: this machine's (or a target's) library version and GPU; ``tensorrt`` may be "" when only the
+            compute capability is to be checked (the library is not importable here).
+        where: what is loaded, for messages.
+
+    Returns:
+        Warnings (already logged).
+
+    Raises:
+        ArtifactError: naming the manifest's value, this machine's, and the fix.
+    """
+    if not lib.compute_capability_targets:
+        return check_plan_compat(build, host, where)
+    targets = build.get("compute_capabilities")
+    lib.check_runs_on(host.compute_capability, targets if isinstance(targets, list) else None, host.gpu, where)
+    built = build.get("tensorrt")
+    if not isinstance(built, str) or not version_tuple(built):
+        raise ArtifactError(
+            f"{where}: the manifest's build facts lack the {lib.display} version ('tensorrt'); recompile the artifact "
+            "with this diffusion-trt version"
+        )
+    warnings: list[str] = []
+    if host.tensorrt:
+        built_v, host_v = version_tuple(built), version_tuple(host.tensorrt)
+        if built_v[:3] != host_v[:3]:
+            raise ArtifactError(
+                f"{where} was built with {lib.display} {built} but this machine has {lib.display} {host.tensorrt}; "
+                f"its plans load only on the release that built them: install {lib.display} {built} ({lib.install}) "
+                f"or recompile the artifact (`diffusion-trt compile --backend {lib.backend}`)"
+            )
+        if built_v != host_v:
+            warnings.append(f"{where} was built with {lib.display} {built}, this machine has {host.tensorrt} "
+                            "(same release)")
+    for w in warnings:
+        logger.warning("%s", w)
+    return warnings
+
+
 # -- timing cache ---------------------------------------------------------------------------------------
 
 

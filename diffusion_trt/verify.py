@@ -8,9 +8,11 @@ all):
   ONNX spec allows, functions and subgraphs included), no symbolic link leading out, no file the manifest does
   not list, and the scheduler config's values (types, ranges).
 * :func:`host_problems`: the machine: ONNX Runtime and the execution provider of the artifact's device for
-  ``ort`` artifacts; TensorRT's version and the GPU's compute capability for each plan
-  (:func:`~diffusion_trt.trt_compat.check_plan_compat`) for ``tensorrt`` artifacts. A target host can be
-  given instead of this machine (checking, on a build box, what will load on a serving host).
+  ``ort`` artifacts; for ``tensorrt`` and ``tensorrt-rtx`` artifacts, the library (importable, the plan's
+  release) and the GPU's compute capability for each plan (:func:`~diffusion_trt.trt_compat.check_host`: the
+  plan's one compute capability for full TensorRT; for TensorRT-RTX, one the library supports and the plan was
+  built for). A target host can be given instead of this machine (checking, on a build box, what will load on a
+  serving host: ``--tensorrt 1.7.1.116 --compute-capability 8.9`` needs no GPU).
 
 Imports neither torch (except to read the GPU's facts, lazily) nor the compiler: a serving host runs it with
 the runtime's dependencies alone.
@@ -27,7 +29,7 @@ from typing import Any
 
 from . import artifacts, trt_compat
 from .artifact_values import parse_json, scheduler_config_problems
-from .errors import ArtifactError
+from .errors import ArtifactError, DiffusionTrtError
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +143,7 @@ def host_problems(
     Args:
         manifest: a schema-valid manifest.
         providers: ONNX Runtime providers to assume instead of ``onnxruntime.get_available_providers()``.
-        trt_host: TensorRT version and GPU to assume instead of this machine's.
+        trt_host: TensorRT (or TensorRT-RTX) version and GPU to assume instead of this machine's.
 
     Returns:
         ``(problems, warnings)``.
@@ -167,8 +169,9 @@ def host_problems(
                 f"(available: {', '.join(providers) or 'none'}); {fix}, or recompile for --device "
                 f"{'cpu' if device == 'cuda' else 'cuda'}"
             )
-    elif backend == "tensorrt":
-        host = trt_host or _this_trt_host(problems)
+    elif backend in trt_compat.LIBRARIES:
+        lib = trt_compat.library(str(backend))
+        host = trt_host or _this_trt_host(lib, problems)
         if host is None:
             return problems, warnings
         for name, entry in sorted(manifest.get("components", {}).items()):
@@ -176,26 +179,36 @@ def host_problems(
                 continue
             where = f"engine {name!r} ({entry['plan']})"
             try:
-                warnings += trt_compat.check_plan_compat(entry.get("build") or {}, host, where)
-            except ArtifactError as e:
+                warnings += trt_compat.check_host(lib, entry.get("build") or {}, host, where)
+            except DiffusionTrtError as e:  # ArtifactError; BuildError for an unreadable compute capability
                 problems.append(str(e))
     return problems, warnings
 
 
-def _this_trt_host(problems: list[str]) -> trt_compat.TrtHost | None:
+def _this_trt_host(lib: trt_compat.TrtLibrary, problems: list[str]) -> trt_compat.TrtHost | None:
+    """This machine's library version and GPU; ``None`` (with the problems noted) when nothing can be checked.
+
+    A library that builds for named targets (TensorRT-RTX) still gets its compute-capability check when it is not
+    importable here (``tensorrt`` is then ""): an unsupported GPU is the more useful news.
+    """
+    version = ""
     try:
-        import tensorrt
-    except Exception as e:  # noqa: BLE001 - the PyPI stub package raises on import
+        version = str(lib.import_module(ArtifactError).__version__)
+    except ArtifactError as e:
         problems.append(
-            f"TensorRT is not importable here ({type(e).__name__}: {e}); plans load only with TensorRT on a CUDA "
-            "GPU: run verify on the serving host, or pass --tensorrt/--compute-capability to check against one"
+            f"{lib.display} is not importable here ({e.__cause__.__class__.__name__}: {e.__cause__}); plans load "
+            f"only with {lib.display} on a CUDA GPU: {lib.install}, run verify on the serving host, or pass "
+            "--tensorrt/--compute-capability to check against one"
         )
-        return None
     facts = trt_compat.gpu_facts()
     if facts is None:
-        problems.append("no CUDA GPU is visible (torch.cuda.is_available() is False); TensorRT plans need one")
+        problems.append(
+            f"no CUDA GPU is visible (torch.cuda.is_available() is False); {lib.display} plans need one"
+        )
         return None
-    return trt_compat.TrtHost(str(tensorrt.__version__), facts.compute_capability, facts.gpu)
+    if not version and not lib.compute_capability_targets:
+        return None
+    return trt_compat.TrtHost(version, facts.compute_capability, facts.gpu)
 
 
 def verify_artifact(

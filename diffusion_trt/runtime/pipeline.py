@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import trt_compat
 from ..artifact_reader import ArtifactReader, ArtifactReplacedError
 from ..artifact_values import check_scheduler_config
 from ..artifacts import safe_join
@@ -243,6 +244,7 @@ class EnginePipeline:
         provider_options: Mapping[str, Any] | None = None,
         cuda_graph: bool | None = None,
         expect_sha256: str | None = None,
+        runtime_cache_dir: str | os.PathLike[str] | None = None,
     ) -> EnginePipeline:
         """Load a compiled artifact folder and open its engines.
 
@@ -266,21 +268,27 @@ class EnginePipeline:
             cuda_graph: replay each engine as a CUDA graph (ORT: ``enable_cuda_graph`` with engine-owned input
                 buffers; TensorRT: captured enqueues). ``None`` = on for CUDA artifacts with a static profile
                 (ORT) and for every TensorRT artifact; ``True`` where it cannot work falls back to eager runs
-                with one warning per engine naming the cause.
+                with one warning per engine naming the cause. TensorRT-RTX: its own capture of static profiles.
             expect_sha256: the manifest digest (``manifest_sha256``, see ``diffusion-trt inspect --json``) a
                 service trusts: any other artifact is refused, even one correctly resealed after an edit (the seal
                 is an unkeyed sha256: it catches accidents, not intent).
+            runtime_cache_dir: TensorRT-RTX: the folder of this artifact's runtime-cache files (kernels compiled for
+                this GPU on first load, read on later loads); ``None`` =
+                ``$XDG_CACHE_HOME/diffusion-trt/runtime-cache/<manifest_sha256[:16]>`` (see
+                :mod:`~diffusion_trt.runtime.runtime_cache`). Never inside the (sealed) artifact folder.
 
         Raises:
             ArtifactError: missing/altered files, a manifest other than ``expect_sha256``, unsafe scheduler config
-                values, an unsupported backend, an fp16 artifact on CPU, the CUDA
+                values, an unsupported backend, a GPU the artifact's TensorRT library does not support
+                (TensorRT-RTX on compute capability 9.0: before any plan is read), an fp16 artifact on CPU, the CUDA
                 provider unavailable, or engines inconsistent with the manifest.
-            RuntimeInputError: unknown ``scheduler`` or ``device``.
+            RuntimeInputError: unknown ``scheduler`` or ``device``; ``runtime_cache_dir`` inside the artifact.
         """
         root = Path(path)
         options = dict(device=device, scheduler=scheduler, device_id=device_id,
                        cudnn_conv_algo_search=cudnn_conv_algo_search, intra_op_num_threads=intra_op_num_threads,
-                       io_binding=io_binding, provider_options=provider_options, cuda_graph=cuda_graph)
+                       io_binding=io_binding, provider_options=provider_options, cuda_graph=cuda_graph,
+                       runtime_cache_dir=runtime_cache_dir)
         for attempt in (1, 2):
             # schema, seal, pin, paths, sizes, external data and links (never read outside the folder); the
             # hashes are checked on the bytes each loader gets
@@ -313,6 +321,7 @@ class EnginePipeline:
         io_binding: bool | None,
         provider_options: Mapping[str, Any] | None,
         cuda_graph: bool | None,
+        runtime_cache_dir: str | os.PathLike[str] | None,
     ) -> EnginePipeline:
         """:meth:`from_artifacts` on an open reader: every file comes through it (one folder, hashed bytes)."""
         from transformers import CLIPTokenizer
@@ -322,18 +331,19 @@ class EnginePipeline:
         root = reader.root
         manifest = reader.manifest
         backend = manifest.get("backend")
-        if backend not in ("ort", "tensorrt"):
+        is_trt = backend in trt_compat.LIBRARIES  # any TensorRT library: full TensorRT or TensorRT-RTX
+        if backend != "ort" and not is_trt:
             raise ArtifactError(
-                f"artifact {root} was compiled for backend={backend!r}; this runtime runs 'ort' and 'tensorrt' "
-                "artifacts: recompile with --backend ort"
+                f"artifact {root} was compiled for backend={backend!r}; this runtime runs 'ort', "
+                f"{', '.join(repr(b) for b in trt_compat.LIBRARIES)} artifacts: recompile with --backend ort"
             )
         compiled_for = manifest.get("device", "cpu")
         device = device or compiled_for
         if device not in ("cpu", "cuda"):
             raise RuntimeInputError(f"device={device!r} is not supported; use 'cpu' or 'cuda'")
-        if backend == "tensorrt" and device != "cuda":
+        if is_trt and device != "cuda":
             raise ArtifactError(
-                f"artifact {root} was compiled for backend='tensorrt', whose engines run on CUDA only, but "
+                f"artifact {root} was compiled for backend={backend!r}, whose engines run on CUDA only, but "
                 f"device={device!r}; use device='cuda' on a GPU host, or recompile with --backend ort to run on the CPU"
             )
         if device == "cpu" and manifest.get("precision") == "fp16":
@@ -368,11 +378,14 @@ class EnginePipeline:
         derived = {"H": ("h", scale), "W": ("w", scale)}
         if cuda_graph is None:
             cuda_graph = device == "cuda" and (
-                backend == "tensorrt" or ShapeProfile.from_json(manifest["profile"]).is_static()
+                is_trt or ShapeProfile.from_json(manifest["profile"]).is_static()
             )
+        if runtime_cache_dir is not None and not (is_trt and trt_compat.LIBRARIES[backend].runtime_config):
+            logger.warning("runtime_cache_dir: no effect on a %r artifact (TensorRT-RTX caches its kernels)", backend)
         engines: dict[str, Engine]
-        if backend == "tensorrt":
-            engines = _trt_engines(reader, device_id, stream, derived, cuda_graphs=bool(cuda_graph))
+        if is_trt:
+            engines = _trt_engines(reader, device_id, stream, derived, cuda_graphs=bool(cuda_graph),
+                                   runtime_cache_dir=runtime_cache_dir)
         else:
             engines = {}
             for name in _components_to_open(manifest):
@@ -842,11 +855,16 @@ def _trt_engines(
     stream: torch.cuda.Stream | None,
     derived: Mapping[str, tuple[str, int]],
     cuda_graphs: bool = True,
+    runtime_cache_dir: str | os.PathLike[str] | None = None,
 ) -> dict[str, Engine]:
-    """The TensorRT engines of a verified artifact, sharing one activation allocation (they run in sequence)."""
+    """The TensorRT engines of a verified artifact (full TensorRT or TensorRT-RTX, by ``manifest["backend"]``),
+    sharing one activation allocation (they run in sequence)."""
+    from .runtime_cache import runtime_cache_path
     from .trt_engine import SharedActivationMemory, TrtEngine
 
     root, manifest = reader.root, reader.manifest
+    backend = str(manifest["backend"])
+    cached = trt_compat.LIBRARIES[backend].runtime_config
     shared = SharedActivationMemory(torch.device("cuda", device_id))
     engines: dict[str, Engine] = {}
     for name in _components_to_open(manifest):
@@ -864,6 +882,9 @@ def _trt_engines(
             derived=derived,
             cuda_graphs=cuda_graphs,
             source=functools.partial(reader.read, str(entry["plan"])),
+            backend=backend,
+            runtime_cache=runtime_cache_path(root, manifest, entry.get("build") or {}, runtime_cache_dir)
+            if cached else None,
         )
     return engines
 

@@ -22,11 +22,36 @@ What happens, in order:
    the owned input buffers and replay. A profile's graph is dropped when its shape changes, when the
    shared activation memory moves, and on :meth:`TrtEngine.refit`.
 
+5. **Two libraries, one code path**: the engine takes its :class:`~diffusion_trt.trt_compat.TrtLibrary` from the
+   manifest's backend ("tensorrt" or "tensorrt-rtx", :func:`~diffusion_trt.trt_compat.library`) and branches on its
+   fields only. Where ``library.runtime_config`` (TensorRT-RTX), each context is created from an
+   ``IRuntimeConfig`` (after NVIDIA's TensorRT-RTX samples):
+
+   * CUDA graphs are TensorRT-RTX's own: ``CudaGraphStrategy.WHOLE_GRAPH_CAPTURE`` on static profiles (one shape;
+     inputs are copied into engine-owned buffers so the addresses it captured stay valid), ``DISABLED`` on dynamic
+     ones (:func:`rtx_cuda_graph_strategy`). Our torch capture of item 4 is off for these engines: with dynamic
+     shapes TensorRT-RTX swaps a fallback kernel for a shape-specialised one once compiled, which a graph captured
+     from outside would never see.
+   * ``DynamicShapesKernelSpecializationStrategy.LAZY`` (TensorRT-RTX's default, set explicitly): a new shape of a
+     dynamic profile runs a generic fallback kernel at once while the specialised one compiles in the background
+     and is used from a later call on. EAGER would stall the call at every new image size for the compilation;
+     NONE would never specialise.
+   * one ``IRuntimeCache`` per engine, shared by its contexts, loaded from and saved (atomically, on
+     :meth:`TrtEngine.close`) to the file ``runtime_cache`` names (:mod:`~diffusion_trt.runtime.runtime_cache`):
+     the first load compiles the kernels for this GPU, later loads read them. A corrupt or foreign file is
+     ignored with a warning.
+   * activation memory stays USER_MANAGED and shared (``set_execution_context_allocation_strategy``).
+
+   The compute-capability refusal comes first, from manifest facts alone
+   (:func:`~diffusion_trt.trt_compat.check_host`): on a GPU TensorRT-RTX does not support (the H200's 9.0) no plan
+   byte is read.
+
 **The tensors ``run`` returns ARE the engine's output buffers: the next ``run`` at the same shape
 overwrites them. ``.clone()`` anything that must outlive the next call.**
 
-``tensorrt`` is imported only inside this module's methods; the pure parts (profile selection, I/O
-checks, plan verification, the shared allocation) are tested on machines without it.
+``tensorrt`` / ``tensorrt_rtx_bindings`` are imported only inside this module's methods; the pure parts (profile
+selection, I/O checks, plan verification, the shared allocation, the CUDA-graph strategy, the refusal of an
+unsupported GPU) are tested on machines without it.
 """
 
 from __future__ import annotations
@@ -45,7 +70,8 @@ import torch
 
 from .. import trt_compat
 from ..artifacts import verify_files
-from ..errors import ArtifactError, RuntimeInputError
+from ..errors import ArtifactError, DiffusionTrtError, RuntimeInputError
+from . import runtime_cache
 from .engine import EngineBase, EngineSpec
 
 logger = logging.getLogger(__name__)
@@ -257,17 +283,26 @@ class _ContextState:
     warm: bool = False
     graph: Any = None
     generation: int = -1
+    native_graph: bool = False  # TensorRT-RTX captures this context itself (WHOLE_GRAPH_CAPTURE)
 
 
-def _import_tensorrt() -> Any:
-    try:
-        import tensorrt as trt
-    except Exception as e:  # PyPI stub wheels raise arbitrary errors on import
-        raise ArtifactError(
-            f"`import tensorrt` failed ({type(e).__name__}: {e}); this artifact needs TensorRT: install the "
-            "version its manifest names (`pip install tensorrt==<version>`) or use an ORT artifact"
-        ) from e
-    return trt
+def rtx_cuda_graph_strategy(profile: RuntimeProfile, cuda_graphs: bool = True) -> str:
+    """The ``CudaGraphStrategy`` member name for a profile's context on a library with a runtime config.
+
+    ``"WHOLE_GRAPH_CAPTURE"`` when ``cuda_graphs`` and the profile is static (min == max for every input: one shape,
+    captured once by TensorRT-RTX and replayed); ``"DISABLED"`` for dynamic profiles (each new shape would be
+    captured and kept) and when CUDA graphs are off.
+    """
+    static = all(lo == hi for lo, _, hi in profile.shapes.values())
+    return "WHOLE_GRAPH_CAPTURE" if cuda_graphs and static else "DISABLED"
+
+
+def _key_shapes(engine: Any, names: Sequence[str], index: int) -> dict[str, tuple[Shape, Shape, Shape]]:
+    shapes = {}
+    for n in names:
+        lo, opt, hi = engine.get_tensor_profile_shape(n, index)
+        shapes[n] = (tuple(lo), tuple(opt), tuple(hi))
+    return shapes
 
 
 class TrtEngine(EngineBase):
@@ -288,12 +323,18 @@ class TrtEngine(EngineBase):
         verify: check the plan's sha256 before deserialising (the pipeline passes ``False`` when it already
             verified the whole artifact).
         derived: output symbols no input binds; see :meth:`EngineSpec.from_manifest`.
+        backend: the manifest's backend, "tensorrt" or "tensorrt-rtx": which library loads the plan
+            (:func:`~diffusion_trt.trt_compat.library`).
+        runtime_cache: TensorRT-RTX: the runtime-cache file to load on enter and save on close
+            (:func:`~diffusion_trt.runtime.runtime_cache.runtime_cache_path`); ``None`` = kernels kept in memory only.
+            Ignored for full TensorRT.
 
     Nothing is loaded until ``__enter__``.
 
     Raises:
-        ArtifactError: on enter: no CUDA, no TensorRT, a TensorRT version or compute capability other than the
-            plan's, a missing or altered plan, a plan TensorRT cannot load, or I/O that differ from the manifest.
+        ArtifactError: on enter: no CUDA, a GPU the library does not support or the plan was not built for (raised
+            before the library is imported or the plan read), the library missing or of another release, a missing
+            or altered plan, a plan TensorRT cannot load, or I/O that differ from the manifest.
 
     **Outputs are the engine's own buffers, overwritten by the next ``run`` at the same shape.**
     Not thread-safe: use one engine per thread.
@@ -313,9 +354,16 @@ class TrtEngine(EngineBase):
         verify: bool = True,
         derived: Mapping[str, tuple[str, int]] | None = None,
         source: Callable[[], bytes] | None = None,
+        backend: str = "tensorrt",
+        runtime_cache: str | os.PathLike[str] | None = None,
     ) -> None:
         self.path = Path(path)
         self._source = source  # the plan's bytes (e.g. ArtifactReader.read, checked there); None = read path
+        try:
+            self._library = trt_compat.library(backend)
+        except DiffusionTrtError as e:
+            raise ArtifactError(str(e)) from None
+        self._cache_path = Path(runtime_cache) if runtime_cache is not None else None
         component = name or (spec.name if isinstance(spec, EngineSpec) else self.path.parent.name)
         self._spec = spec if isinstance(spec, EngineSpec) else EngineSpec.from_manifest(component, spec, derived)
         self._name = component
@@ -341,6 +389,10 @@ class TrtEngine(EngineBase):
         self._live_inputs: dict[str, torch.Tensor] = {}
         self._graphs_failed = False
         self._depth = 0
+        self._runtime_configs: list[Any] = []  # TensorRT-RTX: one per context, kept as long as the contexts
+        self._runtime_cache: Any = None
+        self._cache_key: runtime_cache.RuntimeCacheKey | None = None
+        self._cache_loaded: bytes | None = None
 
     # -- Engine protocol -------------------------------------------------------------------------------
 
@@ -354,10 +406,18 @@ class TrtEngine(EngineBase):
         return list(self._profiles)
 
     def close(self) -> None:
-        """Free contexts, graphs, buffers and the engine (idempotent). The shared memory stays with its owner."""
+        """Save the runtime cache (TensorRT-RTX), free contexts, graphs, buffers and the engine (idempotent).
+
+        The shared memory stays with its owner. A runtime cache that cannot be written is a warning.
+        """
         if self._engine is not None and self._stream is not None:
             self._stream.synchronize()  # queued work may still use our buffers
-        self._states = []
+        if self._engine is not None:
+            self._save_runtime_cache()
+        self._states = []  # contexts first, then their runtime configs and cache, then the engine
+        self._runtime_configs = []
+        self._runtime_cache = None
+        self._cache_loaded = None
         self._buffers = {}
         self._live_inputs = {}
         self._engine = None
@@ -409,9 +469,10 @@ class TrtEngine(EngineBase):
             state.generation, state.warm, state.graph = self._memory.generation, False, None
 
         outputs = {n: self._buffer(n, out_shapes[n]) for n in self.output_names}
-        use_graph = self._cuda_graphs and not self._graphs_failed
+        # our torch capture: full TensorRT only (TensorRT-RTX captures its static contexts itself)
+        use_graph = self._cuda_graphs and not self._graphs_failed and not self._library.runtime_config
         with torch.cuda.stream(stream):
-            if use_graph:
+            if use_graph or state.native_graph:  # graphs replay fixed addresses: inputs go to owned buffers
                 bound = {n: self._buffer(f"input:{n}", in_shapes[n]) for n in self.input_names}
                 for n, buf in bound.items():
                     src = feeds[n]
@@ -551,29 +612,37 @@ class TrtEngine(EngineBase):
         return int(getattr(engine, "device_memory_size_v2", engine.device_memory_size))
 
     def _open(self) -> None:
+        lib = self._library
         where = f"engine {self._name!r} ({self.path})"
-        if not torch.cuda.is_available():
+        facts = trt_compat.gpu_facts(self._device_id)
+        if facts is None:
             raise ArtifactError(
-                f"{where}: TensorRT engines run on CUDA and torch sees no CUDA device (torch {torch.__version__}); "
-                "run on the GPU host with a CUDA build of torch, or use an ORT artifact"
+                f"{where}: {lib.display} engines run on CUDA and torch sees no CUDA device "
+                f"(torch {torch.__version__}); run on the GPU host with a CUDA build of torch, or use an ORT artifact"
             )
-        trt = _import_tensorrt()
-        facts = trt_compat.gpu_facts(self._device_id) or trt_compat.TrtHost("", "0.0")
+        # 1. before anything else: a GPU the library (or the plan's targets) does not cover, from manifest facts alone
+        if lib.compute_capability_targets:
+            targets = self._build.get("compute_capabilities")
+            lib.check_runs_on(facts.compute_capability, targets if isinstance(targets, list) else None, facts.gpu,
+                              where)
+        trt = lib.import_module(ArtifactError)
         host = dataclasses.replace(facts, tensorrt=str(trt.__version__))
-        trt_compat.check_plan_compat(self._build, host, where)  # before deserialising
+        trt_compat.check_host(lib, self._build, host, where)  # the release (and, for full TensorRT, the GPU)
         if self._source is None and not self.path.is_file():
             raise ArtifactError(f"{where}: the plan file is missing; recompile the artifact")
         blob = self._source() if self._source is not None else self.path.read_bytes()  # read once: hashed = loaded
         if self._verify:
             check_plan_bytes(blob, self._build, where)
         self._trt = trt
-        self._logger = trt_compat.make_trt_logger(trt)
+        self._logger = trt_compat.make_trt_logger(trt, name=lib.module)
         self._runtime = trt.Runtime(self._logger)  # must outlive the engine
         with torch.cuda.device(self._device):
+            self._check_validity(blob, where)
             engine = self._runtime.deserialize_cuda_engine(blob)
+        del blob
         if engine is None:
             raise ArtifactError(
-                f"{where}: TensorRT could not deserialize the plan: {self._last_errors()}; recompile it"
+                f"{where}: {lib.display} could not deserialize the plan: {self._last_errors()}; recompile it"
             )
         io: dict[str, tuple[str, str]] = {}
         for i in range(engine.num_io_tensors):
@@ -589,40 +658,121 @@ class TrtEngine(EngineBase):
             )
 
         kinds = [p.get("kind", "") for p in self._build.get("profiles", [])]
-        self._profiles = []
-        for p in range(engine.num_optimization_profiles):
-            shapes = {}
-            for n in self.input_names:
-                lo, opt, hi = engine.get_tensor_profile_shape(n, p)
-                shapes[n] = (tuple(lo), tuple(opt), tuple(hi))
-            self._profiles.append(RuntimeProfile(p, kinds[p] if p < len(kinds) else "", shapes))
+        self._profiles = [
+            RuntimeProfile(p, kinds[p] if p < len(kinds) else "", _key_shapes(engine, self.input_names, p))
+            for p in range(engine.num_optimization_profiles)
+        ]
 
         self._stream = self._user_stream
         if self._stream is None or int(self._stream.cuda_stream) == 0:
             self._stream = torch.cuda.Stream(device=self._device)
         self._memory = self._shared_arg or SharedActivationMemory(self._device)
         self._memory.reserve(max(self._memory_size(engine, p) for p in range(engine.num_optimization_profiles)))
-        strategy = getattr(trt, "ExecutionContextAllocationStrategy", None)
         self._states = []
-        for p in range(engine.num_optimization_profiles):
-            if strategy is not None:
-                ctx = engine.create_execution_context(strategy.USER_MANAGED)
-            else:  # TensorRT < 10
-                ctx = engine.create_execution_context_without_device_memory()
-            if ctx is None:
-                raise ArtifactError(f"{where}: TensorRT could not create an execution context: {self._last_errors()}")
-            if not ctx.set_optimization_profile_async(p, self._stream.cuda_stream):
-                raise ArtifactError(f"{where}: TensorRT refused optimization profile {p}: {self._last_errors()}")
-            self._states.append(_ContextState(ctx))
+        with torch.cuda.device(self._device):  # runtime-cache deserialisation and JIT need a current CUDA context
+            if lib.runtime_config:
+                self._cache_key = runtime_cache.RuntimeCacheKey(lib.backend, str(trt.__version__),
+                                                                facts.compute_capability, facts.gpu)
+            for profile in self._profiles:
+                ctx, native = self._create_context(engine, profile, where)
+                if ctx is None:
+                    raise ArtifactError(
+                        f"{where}: {lib.display} could not create an execution context: {self._last_errors()}"
+                    )
+                if not ctx.set_optimization_profile_async(profile.index, self._stream.cuda_stream):
+                    raise ArtifactError(
+                        f"{where}: {lib.display} refused optimization profile {profile.index}: {self._last_errors()}"
+                    )
+                self._states.append(_ContextState(ctx, native_graph=native))
         self._engine = engine
         self._graphs_failed = False
         logger.debug(
-            "opened %s: %d profile(s), activation memory %.1f MB (shared %s)",
+            "opened %s: %d profile(s), activation memory %.1f MB (shared %s), library CUDA graphs on profiles %s",
             where,
             len(self._profiles),
             self._memory.nbytes / 1e6,
             self._memory is self._shared_arg,
+            [i for i, state in enumerate(self._states) if state.native_graph],
         )
+
+    def _check_validity(self, plan: bytes, where: str) -> None:
+        """``Runtime.get_engine_validity`` where the library has it (TensorRT-RTX, as NVIDIA's samples do): the
+        library's own verdict on this GPU, driver and release, with its diagnostics named, before deserialising."""
+        trt = self._trt
+        check = getattr(self._runtime, "get_engine_validity", None)
+        validity_enum = getattr(trt, "EngineValidity", None)
+        if check is None or validity_enum is None:
+            return
+        validity, diagnostics = check(plan)
+        if validity == validity_enum.VALID:
+            return
+        flags = getattr(trt, "EngineInvalidityDiagnostics", None)
+        reasons = [
+            name for name, member in (flags.__members__.items() if flags is not None else ())
+            if int(diagnostics) & int(member.value)
+        ]
+        said = ", ".join(reasons) or "no diagnostics"
+        if validity == validity_enum.INVALID:
+            raise ArtifactError(
+                f"{where}: {self._library.display} says the plan cannot run here ({said}; {self._last_errors()}); "
+                "OLD_CUDA_DRIVER: update the NVIDIA driver; VERSION_MISMATCH or MALFORMED_ENGINE: recompile the "
+                "artifact; UNSUPPORTED_CC: run on a supported GPU or compile with --backend ort --device cuda"
+            )
+        logger.warning("%s: %s loads the plan but calls it %s (%s)", where, self._library.display,
+                       getattr(validity, "name", validity), said)
+
+    def _create_context(self, engine: Any, profile: RuntimeProfile, where: str) -> tuple[Any, bool]:
+        """One execution context without device memory (USER_MANAGED) for ``profile``.
+
+        Returns:
+            ``(context, native_graph)``: ``native_graph`` when TensorRT-RTX captures its CUDA graph itself.
+        """
+        trt = self._trt
+        strategy = getattr(trt, "ExecutionContextAllocationStrategy", None)
+        if not self._library.runtime_config:
+            if strategy is not None:
+                return engine.create_execution_context(strategy.USER_MANAGED), False
+            return engine.create_execution_context_without_device_memory(), False  # TensorRT < 10
+        config = engine.create_runtime_config()
+        if config is None:
+            raise ArtifactError(f"{where}: {self._library.display} could not create a runtime config")
+        config.set_execution_context_allocation_strategy(strategy.USER_MANAGED)
+        # LAZY (the library's default, stated): a new shape runs a fallback kernel while its specialised one compiles
+        config.dynamic_shapes_kernel_specialization_strategy = trt.DynamicShapesKernelSpecializationStrategy.LAZY
+        graph = rtx_cuda_graph_strategy(profile, self._cuda_graphs)
+        config.cuda_graph_strategy = getattr(trt.CudaGraphStrategy, graph)
+        if self._runtime_cache is None:
+            self._runtime_cache = config.create_runtime_cache()
+            payload = runtime_cache.load_runtime_cache(self._cache_path, self._cache_key, where)
+            if payload is not None:
+                if self._runtime_cache.deserialize(payload):
+                    self._cache_loaded = payload
+                    logger.info("%s: runtime cache loaded from %s (%d bytes)", where, self._cache_path, len(payload))
+                else:
+                    logger.warning(
+                        "%s: %s refused the runtime cache %s (written by another driver, GPU or release?); kernels "
+                        "are compiled again and the file is replaced on close", where, self._library.display,
+                        self._cache_path,
+                    )
+        if not config.set_runtime_cache(self._runtime_cache):
+            logger.warning("%s: %s did not take the runtime cache; kernels are not cached", where,
+                           self._library.display)
+        self._runtime_configs.append(config)
+        return engine.create_execution_context(config), graph != "DISABLED"
+
+    def _save_runtime_cache(self) -> None:
+        """Serialise the runtime cache to its file when it holds anything new (never raises: a warning at most)."""
+        if self._runtime_cache is None or self._cache_path is None or self._cache_key is None:
+            return
+        where = f"engine {self._name!r}"
+        try:
+            with torch.cuda.device(self._device):
+                payload = bytes(memoryview(self._runtime_cache.serialize()))
+        except Exception as e:  # noqa: BLE001 - a cache must never fail a close
+            logger.warning("%s: could not serialise the runtime cache (%s: %s)", where, type(e).__name__, e)
+            return
+        if payload and payload != self._cache_loaded:
+            runtime_cache.save_runtime_cache(self._cache_path, self._cache_key, payload, where)
 
     def __repr__(self) -> str:
         state = "open" if self.is_open else "closed"
