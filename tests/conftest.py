@@ -9,7 +9,7 @@ import pytest
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `gpu` / `tensorrt` tests with a reason where the hardware or library is absent."""
+    """Skip `gpu` / `tensorrt` / `tensorrt_rtx_gpu` tests with a reason where the hardware or library is absent."""
     has_trt = importlib.util.find_spec("tensorrt") is not None
     if has_trt:
         try:
@@ -28,7 +28,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         has_gpu = torch.cuda.is_available()
     except Exception:  # noqa: BLE001
         has_gpu = False
+    rtx_gpu = False
+    if has_gpu and importlib.util.find_spec("tensorrt_rtx_bindings") is not None:
+        from diffusion_trt.trt_compat import LIBRARIES
+
+        rtx_gpu = tuple(torch.cuda.get_device_capability(0)) in (LIBRARIES["tensorrt-rtx"].supported or ())
     for item in items:
+        if "tensorrt_rtx_gpu" in item.keywords and not rtx_gpu:
+            item.add_marker(pytest.mark.skip(
+                reason="needs a GPU TensorRT-RTX supports (compute capability 7.5/8.0/8.6/8.9/12.x); none is lent here"
+            ))
         if "tensorrt" in item.keywords and not has_trt:
             item.add_marker(pytest.mark.skip(reason="`import tensorrt` fails here: no TensorRT on this machine"))
         if "rtx_builder" in item.keywords and not has_rtx:
