@@ -9,7 +9,8 @@ import pytest
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `gpu` / `tensorrt` / `tensorrt_rtx_gpu` tests with a reason where the hardware or library is absent."""
+    """Skip `gpu` / `tensorrt` / `rtx_builder` / `tensorrt_rtx_gpu` tests with a reason where the hardware or library
+    is absent."""
     has_trt = importlib.util.find_spec("tensorrt") is not None
     if has_trt:
         try:
@@ -28,8 +29,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         has_gpu = torch.cuda.is_available()
     except Exception:  # noqa: BLE001
         has_gpu = False
-    rtx_gpu = False
-    if has_gpu and importlib.util.find_spec("tensorrt_rtx_bindings") is not None:
+    rtx_gpu = False  # a GPU TensorRT-RTX engines run on (the lent H200, 9.0, is not one)
+    if has_gpu and has_rtx:
         from diffusion_trt.trt_compat import LIBRARIES
 
         rtx_gpu = tuple(torch.cuda.get_device_capability(0)) in (LIBRARIES["tensorrt-rtx"].supported or ())

@@ -229,6 +229,7 @@ def _rtx_artifact(src: Path, dest: Path, targets: list[str] | None = None) -> di
         entry["plan"], entry["build"] = f"{name}/model.plan", build
         (dest / entry["plan"]).write_bytes(b"not a plan: never deserialised here")
         manifest["files"][entry["plan"]] = artifacts.file_entry(dest, entry["plan"])
+        build["plan_sha256"], build["plan_bytes"] = (manifest["files"][entry["plan"]][k] for k in ("sha256", "size"))
     return artifacts.write_manifest(dest, manifest)
 
 
@@ -310,54 +311,47 @@ def test_verify_checks_tensorrt_rtx_plans_against_a_target_without_a_gpu(toy_art
 # --- with a GPU TensorRT-RTX supports ------------------------------------------------------------------------
 
 
-def build_rtx_plan(onnx_path: Path, plan_path: Path, inputs: list[dict[str, Any]], target: str = "CURRENT",
-                   runtime_cache: str = "model.runtime-cache") -> dict[str, Any]:
-    """Build a plan with the real TensorRT-RTX builder (a dynamic profile, then a static one at the opt shapes);
-    return the manifest's build facts (the contract's keys). Runs on any machine for a named ``target``."""
-    import tensorrt_rtx_bindings as trt
+def build_rtx_plan(root: Path, compute_capability: str) -> dict[str, Any]:
+    """The toy add graph built by our build stage with the real TensorRT-RTX builder; returns the manifest entry.
 
-    logger = trt_compat.make_trt_logger(trt, name="tensorrt_rtx_bindings")
-    builder = trt.Builder(logger)
-    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-    parser = trt.OnnxParser(network, logger)
-    assert parser.parse(onnx_path.read_bytes()), [str(parser.get_error(i)) for i in range(parser.num_errors)]
-    config = builder.create_builder_config()
-    profiles = []
-    for kind in ("dynamic", "static"):
-        p = builder.create_optimization_profile()
-        shapes = {}
-        for t in inputs:
-            lo, opt, hi = (t["opt"], t["opt"], t["opt"]) if kind == "static" else (t["min"], t["opt"], t["max"])
-            p.set_shape(t["name"], lo, opt, hi)
-            shapes[t["name"]] = {"min": list(lo), "opt": list(opt), "max": list(hi)}
-        config.add_optimization_profile(p)
-        profiles.append({"kind": kind, "inputs": shapes})
-    config.num_compute_capabilities = 1
-    config.set_compute_capability(getattr(trt.ComputeCapability, target), 0)
-    plan = builder.build_serialized_network(network, config)
-    assert plan is not None, logger.errors
-    plan_path.write_bytes(bytes(memoryview(plan)))
-    if target == "CURRENT":
-        major, minor = torch.cuda.get_device_capability(0)
-        targets = [f"{major}.{minor}"]
-    else:
-        targets = [f"{target[2:-1]}.{target[-1]}"]
-    return {
-        "engine": "tensorrt-rtx", "library": "tensorrt-rtx", "tensorrt": str(trt.__version__),
-        "compute_capabilities": targets, "compute_capability": None, "gpu": None, "profiles": profiles,
-        "strongly_typed": True, "precision": "fp32", "plan_sha256": artifacts.sha256_file(plan_path),
-        "plan_bytes": plan_path.stat().st_size, "runtime_cache": runtime_cache,
-    }
+    ``compute_capability`` "8.9" builds on any machine (no GPU); "current" needs a GPU TensorRT-RTX supports.
+    """
+    from diffusion_trt.compiler.build_trt import TrtBuildConfig, engine_from_onnx
+
+    onnx.save_model(_add_model(), str(root / "model.onnx"))
+    build = engine_from_onnx(
+        root / "model.onnx", root / "model.plan", ADD_ENTRY["inputs"], precision="fp32",
+        build=TrtBuildConfig(library="tensorrt-rtx", compute_capabilities=(compute_capability,)),
+        timing_cache_dir=None,
+    )
+    return {**ADD_ENTRY, "build": build}
+
+
+@pytest.mark.rtx_builder
+def test_a_real_rtx_plan_from_the_build_stage_is_refused_on_9_0_before_deserialising(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build stage's facts are what the runtime checks: same keys, same meaning (no GPU needed)."""
+    entry = build_rtx_plan(tmp_path, "8.9")
+    assert entry["build"]["compute_capabilities"] == ["8.9"] and entry["build"]["runtime_cache"]
+    assert check_host(RTX, entry["build"], TrtHost(entry["build"]["tensorrt"], "8.9"), "engine 'unet'") == []
+    _fake_gpu(monkeypatch, H200)
+    monkeypatch.setattr(trt_compat.TrtLibrary, "import_module", _no_library)
+    engine = TrtEngine(tmp_path / "model.plan", entry, name="unet", backend="tensorrt-rtx")
+    with pytest.raises(ArtifactError, match=r"compute capability 9\.0 \(NVIDIA H200\).*--backend ort --device cuda"):
+        engine.__enter__()
+    _fake_gpu(monkeypatch, TrtHost("", "8.6", "NVIDIA GeForce RTX 3090"))  # supported, but not a target of this plan
+    with pytest.raises(ArtifactError, match=r"built for compute capability 8\.9, not for this GPU's 8\.6 .*"
+                                            r"--compute-capability 8\.6"):
+        engine.__enter__()
 
 
 @pytest.mark.tensorrt_rtx_gpu
 def test_rtx_engine_matches_ort_and_reuses_its_runtime_cache(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from diffusion_trt.runtime.ort_engine import OrtEngine
 
-    onnx.save_model(_add_model(), str(tmp_path / "model.onnx"))
-    build = build_rtx_plan(tmp_path / "model.onnx", tmp_path / "model.plan", ADD_ENTRY["inputs"])
-    entry = {**ADD_ENTRY, "build": build}
-    cache = tmp_path / "rc" / build["runtime_cache"]
+    entry = build_rtx_plan(tmp_path, "current")
+    cache = tmp_path / "rc" / entry["build"]["runtime_cache"]
     shapes = [(2, 8, 8), (2, 8, 8), (2, 8, 8), (3, 8, 12), (3, 8, 12), (1, 4, 16), (2, 8, 8)]
     for run in range(2):  # the second open reads the kernels the first one compiled and saved
         with caplog.at_level(logging.INFO, logger="diffusion_trt"):
