@@ -297,7 +297,8 @@ def rtx_cuda_graph_strategy(profile: RuntimeProfile, cuda_graphs: bool = True) -
     return "WHOLE_GRAPH_CAPTURE" if cuda_graphs and static else "DISABLED"
 
 
-def _key_shapes(engine: Any, names: Sequence[str], index: int) -> dict[str, tuple[Shape, Shape, Shape]]:
+def _profile_shapes(engine: Any, names: Sequence[str], index: int) -> dict[str, tuple[Shape, Shape, Shape]]:
+    """Input name -> (min, opt, max) of profile ``index``, read from the deserialised engine."""
     shapes = {}
     for n in names:
         lo, opt, hi = engine.get_tensor_profile_shape(n, index)
@@ -659,7 +660,7 @@ class TrtEngine(EngineBase):
 
         kinds = [p.get("kind", "") for p in self._build.get("profiles", [])]
         self._profiles = [
-            RuntimeProfile(p, kinds[p] if p < len(kinds) else "", _key_shapes(engine, self.input_names, p))
+            RuntimeProfile(p, kinds[p] if p < len(kinds) else "", _profile_shapes(engine, self.input_names, p))
             for p in range(engine.num_optimization_profiles)
         ]
 
