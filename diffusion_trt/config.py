@@ -275,6 +275,12 @@ class CompileConfig:
     def __post_init__(self) -> None:
         if self.compute_capabilities is not None:
             object.__setattr__(self, "compute_capabilities", tuple(str(c) for c in self.compute_capabilities))
+        if self.refittable and self.backend == "tensorrt-rtx":
+            raise RuntimeInputError(
+                "refittable=True with backend='tensorrt-rtx': EnginePipeline.load_lora refits full-TensorRT engines "
+                "only (no TensorRT-RTX refit could be run here to test it); merge LoRAs at compile time with "
+                "--lora FILE[:SCALE]"
+            )
         if self.refittable and self.backend not in TRT_BACKENDS:
             raise RuntimeInputError(
                 f"refittable=True is a TensorRT build flag, but backend={self.backend!r}; use --backend tensorrt, or "

@@ -168,8 +168,9 @@ def test_verify_and_inspect_read_an_rtx_artifact(rtx_artifact: Path) -> None:
         (["--precision", "int8"], ["int8' with --backend tensorrt-rtx", "--precision fp8"]),
         (["--min-height", "128", "--max-height", "64"], ["--min-height 128 is larger than --max-height 64",
                                                          "swap them"]),
+        (["--refittable"], ["refittable=True with backend='tensorrt-rtx'", "--lora FILE[:SCALE]"]),
     ],
-    ids=["cc-unsupported", "cc-malformed", "fp8-on-ampere", "int8", "min-above-max"],
+    ids=["cc-unsupported", "cc-malformed", "fp8-on-ampere", "int8", "min-above-max", "refittable"],
 )
 def test_bad_input_is_one_error_line_exit_2_and_nothing_written(tiny_pipeline_dir: Path, tmp_path: Path,
                                                                  args: list[str], pieces: list[str]) -> None:
