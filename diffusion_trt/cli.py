@@ -1,4 +1,4 @@
-"""Command line: ``diffusion-trt compile | run | bench | inspect | verify | export-triton | serve | dummy-pipeline``.
+"""Command line: ``diffusion-trt compile | optimize | run | bench | inspect | verify | export-triton | serve``...
 
 Thin on purpose: every command parses options, sets up logging and progress bars, and calls one library
 function. Heavy imports (torch, diffusers, onnxruntime) happen inside the commands, so ``--help`` is fast.
@@ -450,6 +450,70 @@ def _print_pass_table(path: Path) -> None:
             if counts:
                 parts.append(f"{rec['name']}({counts})")
         click.echo(f"  {name:<13} {'; '.join(parts) or 'no change'}", err=True)
+
+
+@main.command("optimize")
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Optimized .onnx to write (weights beside it in OUTPUT.data when > ~1.8 GB).")
+@click.option("--target", type=click.Choice(["ort-cuda", "ort-cpu", "tensorrt"]), default="ort-cuda",
+              show_default=True, help="Which engine the graph is for: picks the fusions' emitted ops.")
+@click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+              help="fp16: convert_fp16 with the activation range check (overflowing tensors stay fp32).")
+@click.option("--dump-passes", type=click.Path(file_okay=False), default=None,
+              help="Write the graph before the first pass and after each pass into this folder.")
+@click.option("--pass-option", "pass_options", multiple=True, metavar="KEY=VALUE",
+              help="Per-pass option (JSON value), e.g. fuse_attention_emit=none; repeatable.")
+@click.option("--check", is_flag=True,
+              help="Run original and optimized graphs in ONNX Runtime; report max abs / cosine per output.")
+@click.option("--inputs", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="An .npz with one array per graph input (fp16 calibration and --check); default: random.")
+@click.option("--shape", "shapes", multiple=True, metavar="NAME:DxDx..",
+              help="Dims of a random input, e.g. sample:1x4x64x64 (unknown dims are otherwise 1); repeatable.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the counts, fp16 islands and parity as JSON here.")
+@_handle_errors
+def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_passes: str | None,
+                 pass_options: tuple[str, ...], check: bool, inputs: Path | None, shapes: tuple[str, ...],
+                 seed: int, json_path: Path | None) -> None:
+    """Optimize any ONNX file SOURCE for an engine: the pass pipeline of compile, on one graph.
+
+    \b
+    Examples:
+      diffusion-trt optimize unet.onnx -o unet.opt.onnx --target tensorrt --precision fp16 --check
+      diffusion-trt optimize model.onnx -o out.onnx --target ort-cpu --shape x:1x3x48x320 --check
+      diffusion-trt optimize model.onnx -o out.onnx --pass-option fuse_attention_emit=none --dump-passes dump/
+    """
+    from .errors import ModelFileError
+    from .optimize import format_table, optimize_file, parse_shape
+
+    if output.suffix.lower() != ".onnx":
+        raise click.BadParameter(f"{str(output)!r} does not end in .onnx; use e.g. out.onnx", param_hint="--output")
+    if output.resolve() == Path(source).resolve():
+        raise click.BadParameter(f"{str(output)!r} is the input file; write the result elsewhere",
+                                 param_hint="--output")
+    _check_writable_dir(output.parent if str(output.parent) else Path("."), "--output")
+    if dump_passes is not None:
+        _check_writable_dir(Path(dump_passes), "--dump-passes")
+    if inputs is not None and not inputs.is_file():
+        raise click.BadParameter(f"{str(inputs)!r} does not exist; pass an .npz written by numpy.savez",
+                                 param_hint="--inputs")
+    if inputs is not None and shapes:
+        raise click.BadParameter("--shape sets the dims of random inputs; with --inputs the arrays give them: "
+                                 "drop one of the two", param_hint="--shape")
+    try:
+        shape_map = dict(parse_shape(item) for item in shapes)
+    except ModelFileError as e:
+        raise click.BadParameter(str(e), param_hint="--shape") from None
+    result = optimize_file(source, output, target=target, precision=precision,
+                           dump_dir=Path(dump_passes) if dump_passes else None,
+                           pass_options=_parse_pass_options(pass_options), check=check, inputs=inputs,
+                           shapes=shape_map, seed=seed)
+    click.echo(format_table(result), err=True)
+    if json_path is not None:
+        json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    click.echo(f"wrote: {', '.join(str(f) for f in result.files)}")
 
 
 @main.command("run")

@@ -62,6 +62,12 @@ class RuntimeInputError(DiffusionTrtError, ValueError):
     exit_code = 2
 
 
+class ModelFileError(DiffusionTrtError, ValueError):
+    """``optimize`` got an ONNX file, an inputs file or a shape it cannot use (missing, not ONNX, wrong names)."""
+
+    exit_code = 2
+
+
 class LoraError(DiffusionTrtError, ValueError):
     """A LoRA file cannot be merged: missing, not safetensors, matching no layer, a bad scale, or merged already."""
 

@@ -15,7 +15,12 @@ turns down goes through :func:`reject`, so a pass that fired 0 times can explain
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import re
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,4 +141,35 @@ def reject(pass_name: str, node: gs.Node, reason: str) -> Rejection:
     logging.getLogger(f"{__package__}.{pass_name}").debug(
         "%s: rejected %s %r: %s", pass_name, node.op, node.name, reason
     )
+    collected = _COLLECTED.get()
+    if collected is not None:
+        collected.append(rejection)
     return rejection
+
+
+#: The rejections of the pass now running under :func:`collect_rejections` (None: nobody collects).
+_COLLECTED: contextvars.ContextVar[list[Rejection] | None] = contextvars.ContextVar("rejections", default=None)
+
+#: A quoted tensor / node name inside a reason: ``'h' has 2 consumers`` and ``'x.1' has 2 consumers`` are one reason.
+_QUOTED = re.compile(r"'[^']*'")
+
+
+@contextmanager
+def collect_rejections() -> Iterator[list[Rejection]]:
+    """Collect every :func:`reject` made inside the ``with`` block (the PassManager wraps each pass in one)."""
+    collected: list[Rejection] = []
+    token = _COLLECTED.set(collected)
+    try:
+        yield collected
+    finally:
+        _COLLECTED.reset(token)
+
+
+def rejection_reasons(rejections: list[Rejection]) -> dict[str, int]:
+    """Rejections grouped by reason, most frequent first: ``{"Softmax: '…' has 2 consumers (Add, Mul)": 28}``.
+
+    Quoted names are replaced by ``'…'`` so that the same reason at different sites counts as one; the op of the
+    node the pass looked at leads the key.
+    """
+    counts = Counter(f"{r.op}: {_QUOTED.sub(chr(39) + '…' + chr(39), r.reason)}" for r in rejections)
+    return dict(counts.most_common())

@@ -23,6 +23,7 @@ import onnx_graphsurgeon as gs
 from diffusion_trt.errors import PassError
 
 from ._dump import GraphDumper
+from ._match import collect_rejections, rejection_reasons
 
 logger = logging.getLogger(__name__)
 
@@ -84,18 +85,24 @@ Pass = Callable[[gs.Graph, PassContext], PassResult]
 class PassRecord:
     """One pass run by :class:`PassManager`: kept in manifest.json to show what shaped an engine.
 
-    ``seconds`` is wall time of the pass plus the cleanup/toposort after it (not the dump).
+    ``seconds`` is wall time of the pass plus the cleanup/toposort after it (not the dump). ``rejections`` are
+    the candidates the pass turned down, grouped by reason (:func:`._match.rejection_reasons`).
     """
 
     name: str
     modified: bool
     counts: dict[str, int]
     seconds: float
+    rejections: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-ready dict: ``{"name": ..., "modified": ..., "counts": {...}, "seconds": 0.123}``."""
-        return {"name": self.name, "modified": self.modified, "counts": dict(self.counts),
-                "seconds": round(self.seconds, 3)}
+        """JSON-ready dict: ``{"name": ..., "modified": ..., "counts": {...}, "seconds": 0.123}``, plus
+        ``"rejections": {reason: count}`` when the pass turned candidates down."""
+        data: dict[str, Any] = {"name": self.name, "modified": self.modified, "counts": dict(self.counts),
+                                "seconds": round(self.seconds, 3)}
+        if self.rejections:
+            data["rejections"] = dict(self.rejections)
+        return data
 
     def summary(self) -> str:
         """The INFO line: ``fuse_group_norm: GroupNormalization=61 (0.8 s)``; ``fold_constants: no change (0.1 s)``.
@@ -141,14 +148,16 @@ class PassManager:
             name = pass_name(pass_)
             start = time.perf_counter()
             try:
-                result = pass_(graph, ctx)
+                with collect_rejections() as rejected:
+                    result = pass_(graph, ctx)
                 if not isinstance(result, PassResult):
                     raise TypeError(f"pass returned {type(result).__name__}, expected PassResult")
                 if result.modified:
                     graph.cleanup().toposort()
             except Exception as err:
                 raise PassError(self._failure_message(name, ctx, records, err)) from err
-            record = PassRecord(name, result.modified, dict(result.counts), time.perf_counter() - start)
+            record = PassRecord(name, result.modified, dict(result.counts), time.perf_counter() - start,
+                                rejection_reasons(rejected))
             records.append(record)
             logger.info("%s %s", ctx.component, record.summary())
             if dumper is not None:

@@ -11,6 +11,8 @@ Ordering rules (keep them next to the tuples they constrain):
   * eliminate_noops last in BASE: the ``Div(x, 1)`` diffusers writes after each attention's output projection
     and each ResNet's residual sum sit inside the patterns fuse_skip_layer_norm / fuse_bias match; the fusions
     match on shapes and ranks (head size, channel counts), which the noop removal leaves as they were.
+  * lower_einsum first of the fusions: the attention it lowers to MatMul-Softmax-MatMul is what fuse_attention
+    (and TensorRT's own attention fusion) look for.
   * fuse_geglu before fuse_gelu: BiasSplitGelu takes the gate's GELU with it; fuse_gelu then fuses the rest.
   * fuse_attention after fuse_layer_norm: the norms in front of each attention are then one node, which
     makes the self/cross classification structural.
@@ -55,6 +57,7 @@ from .fuse_layer_norm import fuse_layer_norm
 from .fuse_skip_group_norm import fuse_skip_group_norm
 from .fuse_skip_layer_norm import fuse_skip_layer_norm
 from .infer_shapes import infer_shapes
+from .lower_einsum import lower_einsum
 from .merge_conv_biases import merge_conv_biases
 from .pack_qkv import pack_qkv
 from .specialize_shapes import specialize_shapes
@@ -73,6 +76,7 @@ BASE: tuple[Pass, ...] = (
 #: The fusions, in order. Each emits the form of the target in ctx (ORT CUDA contrib ops, ORT CPU ops,
 #: TensorRT-parsable standard ops) or counts `skipped_for_target` where the target has nothing better.
 FUSIONS: tuple[Pass, ...] = (
+    lower_einsum,  # first: Einsum attention becomes MatMul-Softmax-MatMul
     fuse_layer_norm,
     fuse_group_norm,
     fuse_geglu,  # before fuse_gelu

@@ -1,0 +1,164 @@
+"""Run a graph with ONNX Runtime for the checks around the passes (fp16 range check, ``optimize --check``).
+
+ONNX Runtime is imported lazily, only by the functions here: the passes themselves need only onnx,
+onnx-graphsurgeon and numpy. Where a graph runs: the CPU provider when every op of the graph has a CPU kernel
+there, otherwise CUDA when this ONNX Runtime has it; when neither can run it :func:`open_session` says why
+(e.g. ``com.microsoft.GroupNorm`` has only a CUDA kernel, so an ``ort-cuda`` graph does not run on a CPU-only
+machine).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+logger = logging.getLogger(__name__)
+
+#: Models bigger than this are handed to ONNX Runtime as a file with external data (protobuf stops at 2 GiB).
+INLINE_LIMIT_BYTES = 1_800_000_000
+
+#: Intermediate tensors exposed per session when every activation is read (bounds the memory of one run).
+EXPOSE_PER_RUN = 256
+
+_ONNX_TO_NUMPY = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64,
+                  TensorProto.INT64: np.int64, TensorProto.INT32: np.int32, TensorProto.INT8: np.int8,
+                  TensorProto.UINT8: np.uint8, TensorProto.BOOL: np.bool_}
+
+
+@dataclass
+class Session:
+    """An ONNX Runtime session and the provider it runs on ("CPUExecutionProvider" / "CUDAExecutionProvider")."""
+
+    session: Any
+    provider: str
+
+    def run(self, feeds: Mapping[str, np.ndarray], names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Run on ``feeds`` (cast to the dtypes the graph's inputs declare) and return ``{output name: array}``."""
+        wanted = list(names) if names is not None else [o.name for o in self.session.get_outputs()]
+        inputs = {i.name: i.type for i in self.session.get_inputs()}
+        typed = {name: _as_type(value, inputs.get(name)) for name, value in feeds.items() if name in inputs}
+        return dict(zip(wanted, self.session.run(wanted, typed), strict=True))
+
+
+def _as_type(value: np.ndarray, ort_type: str | None) -> np.ndarray:
+    table = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+             "tensor(int64)": np.int64, "tensor(int32)": np.int32}
+    dtype = table.get(ort_type or "")
+    return np.asarray(value, dtype=dtype) if dtype is not None else np.asarray(value)
+
+
+def available_providers() -> list[str]:
+    """The providers of the installed ONNX Runtime that :func:`open_session` may use, CPU first."""
+    import onnxruntime as ort
+
+    have = ort.get_available_providers()
+    return [p for p in ("CPUExecutionProvider", "CUDAExecutionProvider") if p in have]
+
+
+def open_session(model: onnx.ModelProto, providers: Iterable[str] | None = None) -> Session | str:
+    """A session for ``model`` on the first provider (CPU, then CUDA) that can run every op of it, or the reason
+    none can: ``"CPUExecutionProvider: ...NOT_IMPLEMENTED... GroupNorm...; CUDAExecutionProvider: not in this
+    onnxruntime"``. Graph optimizations are off: what runs is the graph as written."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    have = set(ort.get_available_providers())
+    reasons: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="dtrt-ort-") as tmp:
+        source: Any = model.SerializeToString() if model.ByteSize() < INLINE_LIMIT_BYTES else _save(model, tmp)
+        for provider in providers or ("CPUExecutionProvider", "CUDAExecutionProvider"):
+            if provider not in have:
+                reasons.append(f"{provider}: not in this onnxruntime ({ort.__version__})")
+                continue
+            try:
+                session = ort.InferenceSession(source, options, providers=[provider])
+            except Exception as err:  # noqa: BLE001 - ORT raises its own classes (Fail, NotImplemented...)
+                reasons.append(f"{provider}: {_first_line(err)}")
+                continue
+            return Session(session, provider)
+    return "; ".join(reasons)
+
+
+def _save(model: onnx.ModelProto, folder: str) -> str:
+    path = str(Path(folder) / "model.onnx")
+    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="model.data")
+    return path
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:400]
+
+
+def float_tensor_types(model: onnx.ModelProto) -> dict[str, int]:
+    """``{tensor name: ONNX elem type}`` for every float (fp32/fp16) node output of the main graph, from shape
+    inference (models over 2 GiB: only the types the model already declares)."""
+    if model.ByteSize() < INLINE_LIMIT_BYTES:
+        model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    infos = [*model.graph.value_info, *model.graph.output]
+    return {info.name: info.type.tensor_type.elem_type for info in infos
+            if info.type.tensor_type.elem_type in (TensorProto.FLOAT, TensorProto.FLOAT16)}
+
+
+def with_outputs(model: onnx.ModelProto, names: Iterable[str], types: Mapping[str, int]) -> onnx.ModelProto:
+    """A copy of ``model`` whose graph also outputs ``names`` (intermediate tensors, typed from ``types``)."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    have = {output.name for output in probe.graph.output}
+    for name in names:
+        if name not in have:
+            probe.graph.output.append(onnx.helper.make_tensor_value_info(name, types[name], None))
+            have.add(name)
+    return probe
+
+
+def activation_peaks(model: onnx.ModelProto, feed_list: Sequence[Mapping[str, np.ndarray]],
+                     providers: Iterable[str] | None = None) -> tuple[dict[str, float], str] | str:
+    """``({tensor: max |x| over the feeds (inf if any value is not finite)}, provider)`` for every float node
+    output of ``model``, or the reason the model cannot run here.
+
+    The tensors are read :data:`EXPOSE_PER_RUN` at a time (one session each), so the memory of one run is bounded
+    by that many activations, not by the whole graph's.
+    """
+    types = float_tensor_types(model)
+    produced = [name for node in model.graph.node for name in node.output if name in types]
+    peaks: dict[str, float] = {}
+    provider = ""
+    if not produced:
+        return peaks, provider
+    for start in range(0, max(len(produced), 1), EXPOSE_PER_RUN):
+        chunk = produced[start:start + EXPOSE_PER_RUN]
+        session = open_session(with_outputs(model, chunk, types), providers)
+        if isinstance(session, str):
+            return session
+        provider = session.provider
+        providers = [provider]  # the first chunk decided where the graph runs
+        for feeds in feed_list:
+            for name, value in session.run(feeds, chunk).items():
+                peaks[name] = max(peaks.get(name, 0.0), peak(value))
+    return peaks, provider
+
+
+def peak(value: np.ndarray) -> float:
+    """max |x| of a float array as a Python float; ``inf`` when it holds a NaN or an infinity; 0 when empty."""
+    if value.dtype.kind != "f" or value.size == 0:
+        return 0.0
+    as32 = value.astype(np.float32, copy=False)
+    if not np.all(np.isfinite(as32)):
+        return float("inf")
+    return float(np.max(np.abs(as32)))
+
+
+def numpy_dtype(elem_type: int) -> type[np.generic] | None:
+    """The NumPy dtype of an ONNX elem type this module feeds (float, int, bool), else None."""
+    return _ONNX_TO_NUMPY.get(elem_type)

@@ -1,0 +1,295 @@
+"""fp16 that never silently returns NaN: an activation range check around ``convert_fp16``.
+
+``convert_fp16`` rewrites types; it does not know the values. A graph whose fp32 activations pass 65,504 (the
+SDXL VAE decoder's late ResNet convs, a foreign UNet's time-embedding Gemm at 75,312) converts cleanly, passes
+``onnx.checker`` and returns inf/NaN for every input. :func:`optimize_fp16_checked` runs a pipeline that ends in
+``convert_fp16`` like this::
+
+    model ─passes before convert_fp16─► fp32 graph ──run on calibration inputs (ORT)──► |max| per tensor
+        tensors above FP16_SAFE_MAX: their producer and readers become fp32 islands (convert_fp16_fp32_nodes)
+    ─convert_fp16 (islands)─► fp16 graph ──run again──► every output finite? ── yes ──► done, islands reported
+                                                   └─ no: the first node writing inf/NaN joins the islands;
+                                                      up to MAX_ROUNDS rounds, then PassError naming that node
+
+Where the graphs run is :func:`._ort.open_session`'s choice (CPU, else CUDA). When the fp32 graph after the
+fusions cannot run here (``ort-cuda`` contrib ops on a CPU machine), the graph the passes got is calibrated
+instead and each hot tensor maps to the fused node that absorbed it. When the fp16 graph cannot run here, the
+result says so (``finite=None``) and a WARNING is logged: it is written unchecked, never silently.
+
+On the CPU provider fp16 nodes without an fp16 kernel run in fp32 between Casts that ONNX Runtime inserts; the
+storage of each fp16 tensor is still fp16, so an activation beyond 65,504 still becomes inf there, which is the
+overflow this check is about (fp32 accumulation inside a kernel is what TensorRT and cuBLAS do too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+
+from diffusion_trt.errors import PassError
+
+from . import _ort
+from .base import Pass, PassContext, PassRecord, optimize_model, pass_name
+
+logger = logging.getLogger(__name__)
+
+FP16_MAX = float(np.finfo(np.float16).max)  # 65504
+
+#: Activations above this (in fp32, on the calibration inputs) are kept in fp32. Half of fp16's range (2**15,
+#: one binade below 65,504): calibration sees a handful of inputs, real inputs reach further (the SDXL VAE's
+#: peaks grow with image size and content), and a kernel's fp16 intermediates (a GEMM's partial sums, a
+#: norm's x**2) exceed its output; a factor 2 of headroom covers that for the sites measured (the foreign UNet's
+#: 75,312 Gemm, the SDXL VAE convs), while activations of healthy fp16 graphs stay far below (< 2,000 in SD 1.5).
+FP16_SAFE_MAX = 32768.0
+
+#: Re-check rounds after the first conversion (each adds the first nodes still writing inf/NaN).
+MAX_ROUNDS = 4
+
+#: Options (ctx.options) read here, settable with --pass-option.
+RANGE_CHECK_OPTION = "convert_fp16_range_check"  # bool, default True
+MARGIN_OPTION = "convert_fp16_range_max"  # float (|x| threshold), default FP16_SAFE_MAX
+
+
+@dataclass
+class Fp16Check:
+    """What the range check found and did (kept in manifest.json as ``fp16_check``).
+
+    Attributes:
+        threshold: |x| above which an fp32 activation was kept in fp32.
+        calibrated: which graph gave the ranges: "optimized" (the fp32 graph after the fusions), "input" (the graph
+            the passes got: the fused one did not run here), or "none" (neither ran: no islands from ranges).
+        provider: where the calibration ran ("CPUExecutionProvider" / "CUDAExecutionProvider"), or "".
+        hot: the tensors above ``threshold`` and their |max| (fp32), highest first (at most 20 listed).
+        islands: node names kept fp32 by the check (ranges, then re-check rounds).
+        rounds: conversions made (1 when the first was finite).
+        finite: every output that is finite in fp32 is finite in fp16 on the calibration inputs; None when the fp16
+            graph cannot run here (``note`` says why).
+        note: why something was not checked, else "".
+        seconds: wall time of the check (calibration + conversions + re-checks), not of the other passes.
+    """
+
+    threshold: float
+    calibrated: str
+    provider: str
+    hot: dict[str, float] = field(default_factory=dict)
+    islands: list[str] = field(default_factory=list)
+    rounds: int = 0
+    finite: bool | None = None
+    note: str = ""
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict of the fields (``hot`` rounded)."""
+        data = dataclasses.asdict(self)
+        data["hot"] = {k: round(v, 1) if np.isfinite(v) else "inf" for k, v in list(self.hot.items())[:20]}
+        data["seconds"] = round(self.seconds, 2)
+        return data
+
+    def summary(self) -> str:
+        """One log line: ``fp16 range check: 3 tensor(s) > 32768 (max 75312 at 'x'), 6 node(s) kept fp32, ...``."""
+        if self.hot:
+            top, value = next(iter(self.hot.items()))
+            found = f"{len(self.hot)} tensor(s) > {self.threshold:g} (max {value:.0f} at {top!r})"
+        else:
+            found = f"no tensor > {self.threshold:g}" if self.calibrated != "none" else "not calibrated"
+        verdict = {True: "outputs finite", False: "outputs NOT finite", None: "fp16 graph not run"}[self.finite]
+        text = f"fp16 range check: {found}, {len(self.islands)} node(s) kept fp32, {verdict} ({self.seconds:.1f} s)"
+        return f"{text}; {self.note}" if self.note else text
+
+
+def optimize_fp16_checked(
+    model: onnx.ModelProto, passes: Sequence[Pass], ctx: PassContext,
+    feeds: Sequence[Mapping[str, np.ndarray]],
+) -> tuple[onnx.ModelProto, list[PassRecord], Fp16Check | None]:
+    """:func:`.base.optimize_model`, with the range check around ``convert_fp16`` when ``passes`` contain it.
+
+    Args:
+        feeds: calibration inputs, one dict per run (names -> arrays; dtypes are cast to the graph's inputs).
+
+    Returns:
+        The fp16 model, the pass records (``convert_fp16``'s counts gain ``fp32_range_islands``) and the check's
+        result; ``None`` for the result when no ``convert_fp16`` is in ``passes`` or
+        ``ctx.options["convert_fp16_range_check"]`` is False.
+
+    Raises:
+        PassError: the fp16 graph still writes inf/NaN after :data:`MAX_ROUNDS` rounds, or a node that does is
+            already fp32 (the message names the node, its op and the value reached), or a pass failed.
+    """
+    names = [pass_name(p) for p in passes]
+    if "convert_fp16" not in names or not ctx.options.get(RANGE_CHECK_OPTION, True):
+        model, records = optimize_model(model, passes, ctx)
+        return model, records, None
+    start = time.perf_counter()
+    split = names.index("convert_fp16")
+    fp32, records = optimize_model(model, passes[:split], ctx)
+    pre_seconds = sum(r.seconds for r in records)
+    _name_nodes(fp32)
+    threshold = float(ctx.options.get(MARGIN_OPTION, FP16_SAFE_MAX))
+    check = _calibrate(model, fp32, feeds, threshold)
+    islands = _islands_of(fp32, check.hot)
+    fixed = list(ctx.options.get("convert_fp16_fp32_nodes", ()))
+    reference = _reference_finite(fp32, feeds, check)
+    convert_ctx = dataclasses.replace(ctx, dump_dir=ctx.dump_dir / f"{ctx.component}.fp16_checked"
+                                      if ctx.dump_dir is not None else None)
+    while True:
+        check.rounds += 1
+        options = {**ctx.options, "convert_fp16_fp32_nodes": sorted({*fixed, *islands})}
+        fp16, tail = optimize_model(fp32, passes[split:], dataclasses.replace(convert_ctx, options=options))
+        bad = _nonfinite_outputs(fp16, feeds, reference, check)
+        if not bad:
+            break
+        origins = _first_nonfinite_nodes(fp16, feeds, check, {node.name for node in fp32.graph.node})
+        new = [name for name in origins if name not in islands]
+        if not new or check.rounds > MAX_ROUNDS:
+            node = origins[0] if origins else "?"
+            raise PassError(
+                f"{ctx.component}: convert_fp16 cannot make this graph finite: output(s) {', '.join(bad)} hold "
+                f"inf/NaN on the calibration inputs after {check.rounds} round(s) with {len(islands)} node(s) kept "
+                f"fp32; the first node writing inf/NaN is {node!r}{' (already fp32)' if not new else ''}; build "
+                f"this component in fp32, or pass --pass-option convert_fp16_fp32_nodes='[\"{node}\"]' with the "
+                f"nodes feeding it"
+            )
+        logger.info("%s: fp16 round %d: outputs %s not finite; keeping %s fp32 too", ctx.component, check.rounds,
+                    ", ".join(bad), ", ".join(new))
+        islands.extend(new)
+    check.islands = sorted(islands)
+    check.seconds = time.perf_counter() - start - pre_seconds
+    for record in tail:
+        if record.name == "convert_fp16":
+            record.counts["fp32_range_islands"] = len(check.islands)
+    log = logger.warning if check.finite is None else logger.info
+    log("%s %s", ctx.component, check.summary())
+    return fp16, [*records, *tail], check
+
+
+def _name_nodes(model: onnx.ModelProto) -> None:
+    """Give every unnamed node of the main graph a unique name (islands are named nodes)."""
+    taken = {node.name for node in model.graph.node if node.name}
+    for index, node in enumerate(model.graph.node):
+        if not node.name:
+            name, k = f"{node.op_type}_{index}", 0
+            while name in taken:
+                k += 1
+                name = f"{node.op_type}_{index}_{k}"
+            node.name = name
+            taken.add(name)
+
+
+def _calibrate(model: onnx.ModelProto, fp32: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
+               threshold: float) -> Fp16Check:
+    found = _ort.activation_peaks(fp32, feeds)
+    if not isinstance(found, str):
+        peaks, provider = found
+        return Fp16Check(threshold, "optimized", provider, _hot(peaks, threshold))
+    why_fused = found
+    found = _ort.activation_peaks(model, feeds)
+    if isinstance(found, str):
+        return Fp16Check(threshold, "none", "", note=f"calibration skipped: the graph runs nowhere here "
+                                                      f"(fused: {why_fused}; input: {found})")
+    peaks, provider = found
+    logger.info("fp16 range check: the fused fp32 graph does not run here (%s); calibrating the input graph",
+                why_fused)
+    return Fp16Check(threshold, "input", provider, _map_to(model, fp32, _hot(peaks, threshold)))
+
+
+def _hot(peaks: Mapping[str, float], threshold: float) -> dict[str, float]:
+    hot = {name: value for name, value in peaks.items() if value > threshold}
+    return dict(sorted(hot.items(), key=lambda item: -item[1]))
+
+
+def _map_to(source: onnx.ModelProto, target: onnx.ModelProto, hot: dict[str, float]) -> dict[str, float]:
+    """Hot tensors of ``source`` as tensors of ``target``: the same name, or (a tensor a fusion absorbed) the
+    first tensors downstream of it that ``target`` still has."""
+    have = {name for node in target.graph.node for name in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in source.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    mapped: dict[str, float] = {}
+    for name, value in hot.items():
+        todo, seen = [name], {name}
+        while todo:
+            tensor = todo.pop()
+            if tensor in have:
+                mapped[tensor] = max(mapped.get(tensor, 0.0), value)
+                continue
+            for node in readers.get(tensor, []):
+                for out in node.output:
+                    if out and out not in seen:
+                        seen.add(out)
+                        todo.append(out)
+    return dict(sorted(mapped.items(), key=lambda item: -item[1]))
+
+
+def _islands_of(model: onnx.ModelProto, hot: Mapping[str, float]) -> list[str]:
+    """The producers and the readers of the hot tensors (both fp32: the Casts then sit on in-range tensors)."""
+    names: list[str] = []
+    for node in model.graph.node:
+        if (hot.keys() & set(node.output)) or (hot.keys() & set(node.input)):
+            names.append(node.name)
+    return names
+
+
+def _reference_finite(fp32: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
+                      check: Fp16Check) -> set[str] | None:
+    """The outputs that are finite in fp32 on every feed (only those must be finite in fp16); None: not run."""
+    session = _ort.open_session(fp32)
+    if isinstance(session, str):
+        return None
+    finite = {o.name for o in fp32.graph.output}
+    for feed in feeds:
+        for name, value in session.run(feed).items():
+            if not np.isfinite(_ort.peak(value)):
+                finite.discard(name)
+    dropped = {o.name for o in fp32.graph.output} - finite
+    if dropped:
+        check.note = f"output(s) {', '.join(sorted(dropped))} are not finite in fp32 on these inputs: not checked"
+    return finite
+
+
+def _nonfinite_outputs(fp16: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
+                       reference: set[str] | None, check: Fp16Check) -> list[str]:
+    session = _ort.open_session(fp16)
+    if isinstance(session, str):
+        check.finite = None
+        check.note = "; ".join(filter(None, [check.note, f"the fp16 graph was not run (not checked): {session}"]))
+        return []
+    bad: set[str] = set()
+    for feed in feeds:
+        for name, value in session.run(feed).items():
+            if (reference is None or name in reference) and not np.isfinite(_ort.peak(value)):
+                bad.add(name)
+    check.finite = not bad
+    return sorted(bad)
+
+
+def _first_nonfinite_nodes(fp16: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
+                           check: Fp16Check, fp32_names: set[str]) -> list[str]:
+    """The nodes of the fp32 graph to keep fp32 next: those that write inf/NaN from finite inputs (where the
+    overflow starts), in graph order; for a border Cast that convert_fp16 inserted (an fp32 island's value
+    that does not fit fp16), the nodes that read the Cast."""
+    found = _ort.activation_peaks(fp16, feeds)
+    if isinstance(found, str):
+        return []
+    peaks, _ = found
+    bad = {name for name, value in peaks.items() if not np.isfinite(value)}
+    origins: list[str] = []
+    readers: dict[str, list[str]] = {}
+    for node in fp16.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node.name)
+    for node in fp16.graph.node:
+        if bad & set(node.output) and not bad & set(node.input):
+            if node.name in fp32_names:
+                origins.append(node.name)
+            else:  # an inserted Cast
+                origins.extend(r for out in node.output for r in readers.get(out, []) if r in fp32_names)
+            check.hot.setdefault(next(iter(bad & set(node.output))), float("inf"))
+    return list(dict.fromkeys(origins))
