@@ -6,6 +6,7 @@ run in milliseconds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -267,3 +268,52 @@ def attention_model(*, static: bool = True, cross: bool = False, mask: bool = Fa
     inputs = [tensor_info("x", [batch, seq, c])] + ([tensor_info("ctx", [batch, kv_seq, c])] if cross else [])
     model = make_model(nodes, inputs, [tensor_info("y", [batch, seq, c])], inits)
     return onnx.shape_inference.infer_shapes(model)
+
+
+def einsum_attention_model(heads_batch: int = 4, channels: int = 8, tokens: int = 6) -> onnx.ModelProto:
+    """guided-diffusion's QKVAttentionLegacy as its exporters write it (the foreign terrain UNet's form):
+
+        qkv[BH, 3C, T] -> Split -> q*s, k*s -> Einsum("bct,bcs->bts") -> Softmax(-1) -> Einsum("bts,bcs->bct", w, v)
+    """
+    scale = 1.0 / math.sqrt(math.sqrt(channels))
+    nodes = [
+        helper.make_node("Split", ["qkv", "split"], ["q0", "k0", "v"], axis=1),
+        helper.make_node("Mul", ["q0", "s"], ["q"]),
+        helper.make_node("Mul", ["k0", "s"], ["k"]),
+        helper.make_node("Einsum", ["q", "k"], ["w"], equation="bct,bcs->bts"),
+        helper.make_node("Softmax", ["w"], ["p"], axis=-1),
+        helper.make_node("Einsum", ["p", "v"], ["out"], equation="bts,bcs->bct"),
+    ]
+    inits = [const("split", [channels] * 3, np.int64), const("s", scale)]
+    return make_model(nodes, [tensor_info("qkv", [heads_batch, 3 * channels, tokens])],
+                      [tensor_info("out", [heads_batch, channels, tokens])], inits)
+
+
+def einsum_model(equation: str, shapes: Sequence[Sequence[int]], out_shape: Sequence[int]) -> onnx.ModelProto:
+    """One Einsum over inputs a, b, ... of the given shapes."""
+    names = [chr(ord("a") + i) for i in range(len(shapes))]
+    nodes = [helper.make_node("Einsum", names, ["y"], equation=equation)]
+    return make_model(nodes, [tensor_info(n, list(s)) for n, s in zip(names, shapes, strict=True)],
+                      [tensor_info("y", list(out_shape))])
+
+
+def overflow_model(gain: float = 1e5, width: int = 16) -> onnx.ModelProto:
+    """A block whose fp32 activations pass fp16's range and are normalized away (the SDXL VAE mechanism):
+
+        x[2, D] -> MatMul(W * gain) -> h (|h| ~ gain) -> LayerNormalization -> y (|y| ~ 1)
+
+    In fp16 without islands h is inf and y NaN; with MatMul and LayerNormalization fp32 it is finite.
+    """
+    rng = np.random.default_rng(0)
+    weight = (rng.standard_normal((width, width)) * gain / math.sqrt(width)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="proj"),
+             helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["n"], axis=-1, name="norm"),
+             helper.make_node("Relu", ["n"], ["y"], name="act")]
+    inits = [const("w", weight), const("gamma", np.ones(width)), const("beta", np.zeros(width))]
+    return make_model(nodes, [tensor_info("x", [2, width])], [tensor_info("y", [2, width])], inits)
+
+
+def huge_output_model(gain: float = 1e5) -> onnx.ModelProto:
+    """y = x * gain: an fp32 output fp16 cannot hold whatever stays fp32 inside (the check must refuse)."""
+    nodes = [helper.make_node("Mul", ["x", "g"], ["y"], name="amplify")]
+    return make_model(nodes, [tensor_info("x", [2, 4])], [tensor_info("y", [2, 4])], [const("g", gain)])

@@ -292,7 +292,9 @@ def compile_pipeline(
         RuntimeInputError: the config asks for an impossible profile, int8/fp8 for an SDXL model, or has a pass
             option that does not exist or has the wrong type (:mod:`diffusion_trt.passes.options`).
     """
-    from ..passes import PassContext, optimize_model, pipeline_for
+    from ..passes import PassContext, pipeline_for
+    from ..passes.fp16_check import optimize_fp16_checked
+    from .fp16_calibration import calibration_feeds
 
     config = config or CompileConfig()
     from ..passes.options import check_pass_options
@@ -400,8 +402,11 @@ def compile_pipeline(
                         options={**pass_options(spec, profile, facts), **config.pass_options},
                     )
                     passes = pipeline_for(plan.pass_backend, config.device, plan.pass_precision, name, static=static)
-                    model, records = optimize_model(model, passes, ctx)
+                    # fp16: the range check keeps overflowing activations fp32 and refuses a graph it cannot make finite
+                    model, records, fp16 = optimize_fp16_checked(model, passes, ctx, calibration_feeds(spec, profile))
                 entry["passes"] = [r.to_json() for r in records]
+                if fp16 is not None:
+                    entry["fp16_check"] = fp16.to_json()
                 if config.refittable and name in lora.REFIT_COMPONENTS and name in models:
                     with _stage("refit map", name):  # which initializer holds each LoRA-targetable weight
                         (stage / name).mkdir(parents=True, exist_ok=True)

@@ -16,9 +16,11 @@ fusions cannot run here (``ort-cuda`` contrib ops on a CPU machine), the graph t
 instead and each hot tensor maps to the fused node that absorbed it. When the fp16 graph cannot run here, the
 result says so (``finite=None``) and a WARNING is logged: it is written unchecked, never silently.
 
-On the CPU provider fp16 nodes without an fp16 kernel run in fp32 between Casts that ONNX Runtime inserts; the
-storage of each fp16 tensor is still fp16, so an activation beyond 65,504 still becomes inf there, which is the
-overflow this check is about (fp32 accumulation inside a kernel is what TensorRT and cuBLAS do too).
+On the CPU provider, fp16 nodes without an fp16 kernel run in fp32 between Casts that ONNX Runtime inserts, and
+it drops the Cast pairs between two such nodes: a chain of them keeps its overflowing value in fp32 and the fp16
+graph looks finite on CPU while TensorRT (strongly typed fp16) writes inf there. The re-check therefore reads
+every tensor back as a graph output, which makes ORT store each one in its fp16 type: an activation beyond
+65,504 is then inf, as on the GPU (fp32 accumulation inside a kernel is what TensorRT and cuBLAS do too).
 """
 
 from __future__ import annotations
@@ -132,32 +134,32 @@ def optimize_fp16_checked(
     pre_seconds = sum(r.seconds for r in records)
     _name_nodes(fp32)
     threshold = float(ctx.options.get(MARGIN_OPTION, FP16_SAFE_MAX))
-    check = _calibrate(model, fp32, feeds, threshold)
+    check, fp32_peaks = _calibrate(model, fp32, feeds, threshold)
     islands = _islands_of(fp32, check.hot)
     fixed = list(ctx.options.get("convert_fp16_fp32_nodes", ()))
-    reference = _reference_finite(fp32, feeds, check)
+    fp32_names = {node.name for node in fp32.graph.node}
     convert_ctx = dataclasses.replace(ctx, dump_dir=ctx.dump_dir / f"{ctx.component}.fp16_checked"
                                       if ctx.dump_dir is not None else None)
     while True:
         check.rounds += 1
         options = {**ctx.options, "convert_fp16_fp32_nodes": sorted({*fixed, *islands})}
         fp16, tail = optimize_model(fp32, passes[split:], dataclasses.replace(convert_ctx, options=options))
-        bad = _nonfinite_outputs(fp16, feeds, reference, check)
+        bad = _nonfinite_tensors(fp16, feeds, fp32_peaks, check)
         if not bad:
             break
-        origins = _first_nonfinite_nodes(fp16, feeds, check, {node.name for node in fp32.graph.node})
+        origins = _first_nonfinite_nodes(fp16, bad, fp32_names)
         new = [name for name in origins if name not in islands]
         if not new or check.rounds > MAX_ROUNDS:
             node = origins[0] if origins else "?"
             raise PassError(
-                f"{ctx.component}: convert_fp16 cannot make this graph finite: output(s) {', '.join(bad)} hold "
-                f"inf/NaN on the calibration inputs after {check.rounds} round(s) with {len(islands)} node(s) kept "
-                f"fp32; the first node writing inf/NaN is {node!r}{' (already fp32)' if not new else ''}; build "
-                f"this component in fp32, or pass --pass-option convert_fp16_fp32_nodes='[\"{node}\"]' with the "
-                f"nodes feeding it"
+                f"{ctx.component}: convert_fp16 cannot make this graph finite: {len(bad)} tensor(s) (e.g. "
+                f"{sorted(bad)[0]!r}) hold inf/NaN on the calibration inputs in fp16 but not in fp32, after "
+                f"{check.rounds} round(s) with {len(islands)} node(s) kept fp32; the first node writing inf/NaN is "
+                f"{node!r}{' (already fp32)' if origins and not new else ''}; build this component in fp32, or "
+                f"pass --pass-option convert_fp16_fp32_nodes='[\"{node}\"]' with the nodes feeding it"
             )
-        logger.info("%s: fp16 round %d: outputs %s not finite; keeping %s fp32 too", ctx.component, check.rounds,
-                    ", ".join(bad), ", ".join(new))
+        logger.info("%s: fp16 round %d: %d tensor(s) not finite; keeping %s fp32 too", ctx.component,
+                    check.rounds, len(bad), ", ".join(new))
         islands.extend(new)
     check.islands = sorted(islands)
     check.seconds = time.perf_counter() - start - pre_seconds
@@ -183,20 +185,21 @@ def _name_nodes(model: onnx.ModelProto) -> None:
 
 
 def _calibrate(model: onnx.ModelProto, fp32: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
-               threshold: float) -> Fp16Check:
+               threshold: float) -> tuple[Fp16Check, dict[str, float] | None]:
+    """The check's start and the fp32 peaks of the fused graph's tensors (None when it did not run here)."""
     found = _ort.activation_peaks(fp32, feeds)
     if not isinstance(found, str):
         peaks, provider = found
-        return Fp16Check(threshold, "optimized", provider, _hot(peaks, threshold))
+        return Fp16Check(threshold, "optimized", provider, _hot(peaks, threshold)), peaks
     why_fused = found
     found = _ort.activation_peaks(model, feeds)
     if isinstance(found, str):
         return Fp16Check(threshold, "none", "", note=f"calibration skipped: the graph runs nowhere here "
-                                                      f"(fused: {why_fused}; input: {found})")
+                                                      f"(fused: {why_fused}; input: {found})"), None
     peaks, provider = found
     logger.info("fp16 range check: the fused fp32 graph does not run here (%s); calibrating the input graph",
                 why_fused)
-    return Fp16Check(threshold, "input", provider, _map_to(model, fp32, _hot(peaks, threshold)))
+    return Fp16Check(threshold, "input", provider, _map_to(model, fp32, _hot(peaks, threshold))), None
 
 
 def _hot(peaks: Mapping[str, float], threshold: float) -> dict[str, float]:
@@ -237,59 +240,44 @@ def _islands_of(model: onnx.ModelProto, hot: Mapping[str, float]) -> list[str]:
     return names
 
 
-def _reference_finite(fp32: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
-                      check: Fp16Check) -> set[str] | None:
-    """The outputs that are finite in fp32 on every feed (only those must be finite in fp16); None: not run."""
-    session = _ort.open_session(fp32)
-    if isinstance(session, str):
-        return None
-    finite = {o.name for o in fp32.graph.output}
-    for feed in feeds:
-        for name, value in session.run(feed).items():
-            if not np.isfinite(_ort.peak(value)):
-                finite.discard(name)
-    dropped = {o.name for o in fp32.graph.output} - finite
-    if dropped:
-        check.note = f"output(s) {', '.join(sorted(dropped))} are not finite in fp32 on these inputs: not checked"
-    return finite
-
-
-def _nonfinite_outputs(fp16: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
-                       reference: set[str] | None, check: Fp16Check) -> list[str]:
-    session = _ort.open_session(fp16)
-    if isinstance(session, str):
+def _nonfinite_tensors(fp16: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
+                       fp32_peaks: Mapping[str, float] | None, check: Fp16Check) -> set[str]:
+    """The tensors that are inf/NaN in the fp16 graph and finite in fp32 (every tensor when the fp32 peaks are
+    unknown). Every tensor is read back as a graph output, so each is stored in its fp16 type: ONNX Runtime CPU
+    otherwise runs chains of nodes that lack an fp16 kernel in fp32 and would hide the overflow between them."""
+    found = _ort.activation_peaks(fp16, feeds)
+    if isinstance(found, str):
         check.finite = None
-        check.note = "; ".join(filter(None, [check.note, f"the fp16 graph was not run (not checked): {session}"]))
-        return []
-    bad: set[str] = set()
-    for feed in feeds:
-        for name, value in session.run(feed).items():
-            if (reference is None or name in reference) and not np.isfinite(_ort.peak(value)):
-                bad.add(name)
+        check.note = "; ".join(filter(None, [check.note, f"the fp16 graph was not run (not checked): {found}"]))
+        return set()
+    peaks, _ = found
+    bad = {name for name, value in peaks.items() if not np.isfinite(value)
+           and (fp32_peaks is None or np.isfinite(fp32_peaks.get(name, 0.0)))}
+    if fp32_peaks is not None:
+        skipped = sorted(name for name, value in fp32_peaks.items() if not np.isfinite(value))
+        if skipped:
+            check.note = f"{len(skipped)} tensor(s) are inf/NaN in fp32 already on these inputs (e.g. {skipped[0]!r})"
     check.finite = not bad
-    return sorted(bad)
+    for name in bad:
+        check.hot.setdefault(name, float("inf"))
+    return bad
 
 
-def _first_nonfinite_nodes(fp16: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
-                           check: Fp16Check, fp32_names: set[str]) -> list[str]:
+def _first_nonfinite_nodes(fp16: onnx.ModelProto, bad: set[str], fp32_names: set[str]) -> list[str]:
     """The nodes of the fp32 graph to keep fp32 next: those that write inf/NaN from finite inputs (where the
     overflow starts), in graph order; for a border Cast that convert_fp16 inserted (an fp32 island's value
     that does not fit fp16), the nodes that read the Cast."""
-    found = _ort.activation_peaks(fp16, feeds)
-    if isinstance(found, str):
-        return []
-    peaks, _ = found
-    bad = {name for name, value in peaks.items() if not np.isfinite(value)}
-    origins: list[str] = []
     readers: dict[str, list[str]] = {}
+    producers = {out: node.name for node in fp16.graph.node for out in node.output}
     for node in fp16.graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node.name)
+    origins: list[str] = []
     for node in fp16.graph.node:
         if bad & set(node.output) and not bad & set(node.input):
             if node.name in fp32_names:
                 origins.append(node.name)
-            else:  # an inserted Cast
-                origins.extend(r for out in node.output for r in readers.get(out, []) if r in fp32_names)
-            check.hot.setdefault(next(iter(bad & set(node.output))), float("inf"))
+            else:  # an inserted Cast: its readers, or (a graph output) the fp32 node it casts
+                after = [r for out in node.output for r in readers.get(out, []) if r in fp32_names]
+                origins.extend(after or [producers[i] for i in node.input if producers.get(i) in fp32_names])
     return list(dict.fromkeys(origins))
