@@ -460,7 +460,7 @@ def _print_pass_table(path: Path) -> None:
               show_default=True, help="Which engine the graph is for: picks the fusions' emitted ops.")
 @click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
               help="fp16: convert_fp16 with the activation range check (overflowing tensors stay fp32).")
-@click.option("--dump-passes", type=click.Path(file_okay=False), default=None,
+@click.option("--dump-passes", type=click.Path(), default=None,
               help="Write the graph before the first pass and after each pass into this folder.")
 @click.option("--pass-option", "pass_options", multiple=True, metavar="KEY=VALUE",
               help="Per-pass option (JSON value), e.g. fuse_attention_emit=none; repeatable.")
@@ -495,6 +495,9 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
                                  param_hint="--output")
     _check_writable_dir(output.parent if str(output.parent) else Path("."), "--output")
     if dump_passes is not None:
+        if Path(dump_passes).is_file():
+            raise click.BadParameter(f"{dump_passes!r} is a file; give a folder (created if needed), e.g. dump/",
+                                     param_hint="--dump-passes")
         _check_writable_dir(Path(dump_passes), "--dump-passes")
     if inputs is not None and not inputs.is_file():
         raise click.BadParameter(f"{str(inputs)!r} does not exist; pass an .npz written by numpy.savez",

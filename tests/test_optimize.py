@@ -1,0 +1,152 @@
+"""diffusion-trt optimize: any ONNX file through the pass pipelines, the count table, --check, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from diffusion_trt import optimize as opt
+from diffusion_trt.cli import main
+from tests import graphs
+from tests.passes.test_fuse_group_norm import group_norm_model
+
+
+def _invoke(*args: object) -> tuple[int, str]:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+@pytest.fixture
+def attention_onnx(tmp_path: Path) -> Path:
+    path = tmp_path / "attn.onnx"
+    onnx.save_model(graphs.einsum_attention_model(), path)
+    return path
+
+
+def test_optimize_prints_counts_rejections_and_parity(attention_onnx: Path, tmp_path: Path) -> None:
+    out, report = tmp_path / "out" / "attn.opt.onnx", tmp_path / "r.json"
+    code, text = _invoke("optimize", attention_onnx, "-o", out, "--target", "tensorrt", "--check",
+                         "--dump-passes", tmp_path / "dump", "--json", report)
+    assert code == 0, text
+    assert "lower_einsum" in text and "MatMul=2" in text
+    assert "rejected 1x: Softmax: Softmax input is rank 3" in text  # the framework's reason, aggregated
+    assert "check: original on CPUExecutionProvider, optimized on CPUExecutionProvider" in text
+    data = json.loads(report.read_text())
+    (parity,) = data["parity"]["outputs"]
+    assert parity["max_abs"] <= 1e-4 * max(parity["scale"], 1.0) and parity["cosine"] > 0.9999
+    assert "Einsum" not in graphs.op_counts(onnx.load(out))
+    assert (tmp_path / "dump" / "attn" / "00_input.onnx").is_file()
+
+
+def test_fp16_reports_islands(tmp_path: Path) -> None:
+    src = tmp_path / "block.onnx"
+    onnx.save_model(graphs.overflow_model(gain=1e5), src)
+    code, text = _invoke("optimize", src, "-o", tmp_path / "o.onnx", "--target", "tensorrt", "--precision", "fp16",
+                         "--check")
+    assert code == 0, text
+    assert "fp16 range check: 1 tensor(s) > 32768" in text and "kept fp32: norm, proj" in text
+    assert "fp32_range_islands=2" in text and "NOT FINITE" not in text
+
+
+def test_fp16_refusal_exits_1_naming_the_node(tmp_path: Path) -> None:
+    src = tmp_path / "amp.onnx"
+    onnx.save_model(graphs.huge_output_model(), src)
+    code, text = _invoke("optimize", src, "-o", tmp_path / "o.onnx", "--target", "tensorrt", "--precision", "fp16")
+    assert code == 1 and "'amplify'" in text and "cannot make this graph finite" in text
+    assert not (tmp_path / "o.onnx").exists()  # never a NaN graph written
+
+
+def test_check_says_when_the_graph_cannot_run_here(tmp_path: Path) -> None:
+    """ort-cuda fuses GroupNorm into com.microsoft.GroupNorm, which has no CPU kernel."""
+    src = tmp_path / "gn.onnx"
+    onnx.save_model(group_norm_model(), src)
+    code, text = _invoke("optimize", src, "-o", tmp_path / "o.onnx", "--target", "ort-cuda", "--check",
+                         "--shape", "x:2x8x4x4")
+    assert code == 0, text
+    if "CUDAExecutionProvider" not in opt._ort.available_providers():
+        assert "check: not compared: the optimized graph cannot run on this machine" in text
+        assert "CUDAExecutionProvider: not in this onnxruntime" in text
+
+
+def test_unknown_dims_warn_and_shape_overrides(tmp_path: Path) -> None:
+    model = group_norm_model()
+    feeds, warnings = opt.random_feeds(model)
+    assert feeds[0]["x"].shape[0] == 1 and "--shape x:1x" in warnings[0]
+    feeds, warnings = opt.random_feeds(model, {"x": [3, 8, 4, 4]})
+    assert feeds[0]["x"].shape == (3, 8, 4, 4) and warnings == []
+
+
+def test_external_data_in_and_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "in" / "mlp.onnx"
+    src.parent.mkdir()
+    onnx.save_model(graphs.mlp_model(hidden=64), src, save_as_external_data=True, location="mlp.weights",
+                    size_threshold=0)
+    monkeypatch.setattr(opt, "EXTERNAL_DATA_THRESHOLD_BYTES", 1)  # "large": as a > 2 GB model is written
+    result = opt.optimize_file(src, tmp_path / "out" / "mlp.onnx", target="ort-cpu", check=True)
+    assert [f.name for f in result.files] == ["mlp.onnx", "mlp.onnx.data"]
+    assert all(o.max_abs < 1e-5 for o in result.parity.outputs)
+
+
+def test_low_opset_is_raised_to_17(tmp_path: Path) -> None:
+    model = graphs.mlp_model()
+    model.opset_import[0].version = 13
+    src = tmp_path / "m13.onnx"
+    onnx.save_model(model, src)
+    result = opt.optimize_file(src, tmp_path / "o.onnx", target="ort-cpu")
+    assert result.opset == (13, 17)
+
+
+# --- bad input: exit 2 and a message naming the value and the fix -------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--target", "onnx-web"], ["'onnx-web'", "ort-cuda", "tensorrt"]),
+    (["--precision", "int4"], ["'int4'", "fp16"]),
+    (["--target", "ort-cpu", "--precision", "fp16"], ["ort-cpu", "--precision fp32"]),
+    (["--shape", "qkv:4xAx6"], ["qkv:4xAx6", "--shape sample:1x4x64x64"]),
+    (["--shape", "nope:1x2x3"], ["'nope'", "inputs are qkv"]),
+    (["--shape", "qkv:4x24"], ["rank 2", "rank 3"]),
+    (["--pass-option", "no_such_option=1"], ["no_such_option", "known:"]),
+    (["--pass-option", "pack_qkv"], ["'pack_qkv' is not KEY=VALUE", "pack_qkv=false"]),
+    (["--pass-option", "pack_qkv=yes"], ["pack_qkv='yes'", "true or false"]),
+    (["--inputs", "missing.npz"], ["missing.npz", "numpy.savez"]),
+    (["--seed", "-1"], ["-1", "--seed"]),
+])
+def test_bad_option_values(attention_onnx: Path, tmp_path: Path, args: list[str], needles: list[str]) -> None:
+    code, text = _invoke("optimize", attention_onnx, "-o", tmp_path / "o.onnx", *args)
+    assert code == 2, text
+    for needle in needles:
+        assert needle in text, (needle, text)
+
+
+def test_bad_inputs_file(attention_onnx: Path, tmp_path: Path) -> None:
+    npz = tmp_path / "in.npz"
+    np.savez(npz, x=np.zeros((4, 24, 6), np.float32))
+    code, text = _invoke("optimize", attention_onnx, "-o", tmp_path / "o.onnx", "--inputs", npz)
+    assert code == 2 and "missing: qkv" in text and "unknown: x" in text and "under its name" in text
+    code, text = _invoke("optimize", attention_onnx, "-o", tmp_path / "o.onnx", "--inputs", npz,
+                         "--shape", "qkv:4x24x6")
+    assert code == 2 and "drop one of the two" in text
+    (tmp_path / "bad.npz").write_text("not numpy")
+    code, text = _invoke("optimize", attention_onnx, "-o", tmp_path / "o.onnx", "--inputs", tmp_path / "bad.npz")
+    assert code == 2 and "is not a NumPy .npz file" in text
+
+
+def test_bad_paths(attention_onnx: Path, tmp_path: Path) -> None:
+    code, text = _invoke("optimize", tmp_path / "none.onnx", "-o", tmp_path / "o.onnx")
+    assert code == 2 and "none.onnx" in text and "does not exist" in text
+    (tmp_path / "junk.onnx").write_text("junk")
+    code, text = _invoke("optimize", tmp_path / "junk.onnx", "-o", tmp_path / "o.onnx")
+    assert code == 2 and "is not an ONNX model" in text
+    code, text = _invoke("optimize", attention_onnx, "-o", tmp_path / "o.txt")
+    assert code == 2 and "does not end in .onnx" in text
+    code, text = _invoke("optimize", attention_onnx, "-o", attention_onnx)
+    assert code == 2 and "is the input file" in text
+    (tmp_path / "file").write_text("")
+    code, text = _invoke("optimize", attention_onnx, "-o", tmp_path / "o.onnx", "--dump-passes", tmp_path / "file")
+    assert code == 2 and "--dump-passes" in text and "is a file; give a folder" in text
