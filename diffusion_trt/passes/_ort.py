@@ -20,6 +20,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from diffusion_trt.errors import ModelFileError
+
 logger = logging.getLogger(__name__)
 
 #: Models bigger than this are handed to ONNX Runtime as a file with external data (protobuf stops at 2 GiB).
@@ -45,7 +47,13 @@ class Session:
         wanted = list(names) if names is not None else [o.name for o in self.session.get_outputs()]
         inputs = {i.name: i.type for i in self.session.get_inputs()}
         typed = {name: _as_type(value, inputs.get(name)) for name, value in feeds.items() if name in inputs}
-        return dict(zip(wanted, self.session.run(wanted, typed), strict=True))
+        try:
+            return dict(zip(wanted, self.session.run(wanted, typed), strict=True))
+        except Exception as err:
+            shapes = ", ".join(f"{name}:{'x'.join(map(str, value.shape)) or 'scalar'}" for name, value in typed.items())
+            raise ModelFileError(
+                f"the graph does not run on these inputs ({shapes}) on {self.provider}: {_first_line(err)}; give the "
+                "real sizes with --shape NAME:DxD.. or real inputs with --inputs FILE.npz") from err
 
 
 def _as_type(value: np.ndarray, ort_type: str | None) -> np.ndarray:
@@ -71,7 +79,7 @@ def open_session(model: onnx.ModelProto, providers: Iterable[str] | None = None)
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # failures are reported by the caller, with the fix
     have = set(ort.get_available_providers())
     reasons: list[str] = []
     with tempfile.TemporaryDirectory(prefix="dtrt-ort-") as tmp:

@@ -62,6 +62,10 @@ def fold_constants(graph: gs.Graph, ctx: PassContext) -> PassResult:
             error_ok=error_ok,
             size_threshold=size_threshold,
             should_exclude_node=lambda node: not in_onnx_domain(node),
+            # gs inlines an If with a constant condition into its parent graph; inside another If's branch it leaves
+            # the branch's nodes out of topological order, which ONNX Runtime refuses ("Nodes in a graph must be
+            # topologically sorted": silero-vad's nested If). ORT and TensorRT fold such Ifs themselves.
+            flatten_subgraphs=False,
         )
     except Exception as err:
         raise PassError(

@@ -94,3 +94,39 @@ def test_evaluation_error_tolerated_when_asked() -> None:
     graph = gs.import_onnx(unevaluable_model())
     result = fold_constants(graph, ctx(fold_constants_error_ok=True))
     assert not result.modified and [node.op for node in graph.nodes] == ["Reshape", "Add"]
+
+
+def test_nested_if_with_a_constant_condition_stays_runnable() -> None:
+    """silero-vad's form: an If whose branch holds an If with a constant condition. On silero_vad.onnx (package
+    silero-vad 6.2.3) gs's inlining of such Ifs left a branch out of topological order, which ONNX Runtime
+    refuses; this smaller graph did not reproduce that order, so the test pins the fix: the inner If stays."""
+    from onnx import TensorProto, helper
+
+    from diffusion_trt.passes import PassContext, optimize_model
+
+    def branch(name: str, nodes: list, out: str) -> object:
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)])
+
+    inner_then = branch("inner_then", [helper.make_node("Add", ["x", "x"], ["t1"]),
+                                       helper.make_node("Mul", ["t1", "x"], ["t2"])], "t2")
+    inner_else = branch("inner_else", [helper.make_node("Neg", ["x"], ["e1"])], "e1")
+    outer_else = branch("outer_else", [
+        helper.make_node("Constant", [], ["k"], value=helper.make_tensor("k", TensorProto.BOOL, [], [True])),
+        helper.make_node("If", ["k"], ["inner"], then_branch=inner_then, else_branch=inner_else),
+        # reads ``inner`` only from inside its branches (an implicit outer-scope input)
+        helper.make_node("If", ["c"], ["o2"],
+                         then_branch=branch("t", [helper.make_node("Relu", ["inner"], ["r"])], "r"),
+                         else_branch=branch("e", [helper.make_node("Neg", ["inner"], ["n"])], "n")),
+    ], "o2")
+    outer_then = branch("outer_then", [helper.make_node("Sigmoid", ["x"], ["o1"])], "o1")
+    model = graphs.make_model(
+        [helper.make_node("If", ["c"], ["y"], then_branch=outer_then, else_branch=outer_else)],
+        [graphs.tensor_info("x", [2, 3]), graphs.tensor_info("c", [], TensorProto.BOOL)],
+        [graphs.tensor_info("y", None)], check=False)
+    ctx = PassContext(component="vad", backend="ort", device="cpu", precision="fp32")
+    out, _ = optimize_model(model, [fold_constants], ctx)
+    feeds = {"x": np.arange(6, dtype=np.float32).reshape(2, 3), "c": np.array(False)}
+    np.testing.assert_allclose(graphs.run(out, feeds)[0], graphs.run(model, feeds)[0])
+    (else_branch,) = [a.g for a in out.graph.node[0].attribute if a.name == "else_branch"]
+    inner = [n for n in else_branch.node if n.op_type == "If"]
+    assert len(inner) == 2, "the If with a constant condition was inlined (flatten_subgraphs)"
