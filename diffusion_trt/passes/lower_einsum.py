@@ -95,7 +95,9 @@ def _plan(node: gs.Node) -> _Plan | str:
 
 def _swap_last(graph: gs.Graph, tensor: gs.Tensor, rank: int, names: Namer, base: str) -> gs.Tensor:
     perm = [*range(rank - 2), rank - 1, rank - 2]
-    out = gs.Variable(names(f"{base}_T"), dtype=tensor.dtype)
+    shape = None if tensor.shape is None or len(tensor.shape) != rank else [*tensor.shape[:-2], tensor.shape[-1],
+                                                                             tensor.shape[-2]]
+    out = gs.Variable(names(f"{base}_T"), dtype=tensor.dtype, shape=shape)  # later fusions read the shape
     graph.nodes.append(gs.Node("Transpose", names(f"{base}_Transpose"), attrs={"perm": perm},
                                inputs=[tensor], outputs=[out]))
     return out

@@ -16,6 +16,8 @@ Ordering rules (keep them next to the tuples they constrain):
   * fuse_geglu before fuse_gelu: BiasSplitGelu takes the gate's GELU with it; fuse_gelu then fuses the rest.
   * fuse_attention after fuse_layer_norm: the norms in front of each attention are then one node, which
     makes the self/cross classification structural.
+  * fuse_batched_attention after lower_einsum (it matches the MatMul form) and fuse_attention (which takes the
+    rank-4 sites; this pass only looks at rank-3 Softmax nodes).
   * fuse_skip_layer_norm after fuse_attention: the attention fusion finds its LayerNorm in front of the Q/K/V
     projections; once that LayerNorm is a SkipLayerNormalization it would not.
   * fuse_bias after fuse_skip_layer_norm: a residual sum that feeds a LayerNorm is better fused into it (one
@@ -49,6 +51,7 @@ from .eliminate_dead_nodes import eliminate_dead_nodes
 from .eliminate_noops import eliminate_noops
 from .fold_constants import fold_constants
 from .fuse_attention import fuse_attention
+from .fuse_batched_attention import fuse_batched_attention
 from .fuse_bias import fuse_bias
 from .fuse_geglu import fuse_geglu
 from .fuse_gelu import fuse_gelu
@@ -82,6 +85,7 @@ FUSIONS: tuple[Pass, ...] = (
     fuse_geglu,  # before fuse_gelu
     fuse_gelu,
     fuse_attention,  # after fuse_layer_norm
+    fuse_batched_attention,  # after lower_einsum; the rank-3 (heads-in-batch) sites fuse_attention leaves
     fuse_skip_layer_norm,  # after fuse_attention
     fuse_bias,  # after fuse_skip_layer_norm
     fuse_skip_group_norm,  # after fuse_group_norm; before align_shapes (it moves Conv biases)
