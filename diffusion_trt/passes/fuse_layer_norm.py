@@ -48,7 +48,9 @@ def fuse_layer_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
                                        |                                                  |
                                        +-------------------> Div(., sqrt) <---------------+
                                                               -> Mul(gamma) -> Add(beta)      (Mul/Add optional)
-              ReduceMean with an ``axes`` attribute (opset < 18) or input (18+); Pow(d, 2) or Mul(d, d).
+              ReduceMean with an ``axes`` attribute (opset < 18) or input (18+); Pow(d, 2) or Mul(d, d);
+              the normalization as Div(d, Sqrt(v)) (torch < 1.x, paddle2onnx: PP-OCRv4), Div(d, Pow(v, 0.5)),
+              Mul(d, Reciprocal(Sqrt(v))) or Mul(d, Pow(v, -0.5)) (rsqrt exporters).
     Emits:    LayerNormalization(x, gamma, beta, axis=-1, epsilon=eps)   (gamma = ones, beta absent without them)
     Why:      one kernel instead of nine, on every target; TensorRT maps it to its normalization layer.
     Requires: epsilon a one-element constant; gamma / beta constants of D elements ([D] or [1, .., D]); the last
@@ -105,9 +107,8 @@ def _match(mean: gs.Node) -> _LayerNormMatch | str:
     square = next((n for n in readers.values()
                    if (n.op == "Pow" and n.inputs[0] is d and is_scalar(n.inputs[1], 2.0))
                    or (n.op == "Mul" and n.inputs[0] is d and n.inputs[1] is d)), None)
-    div = next((n for n in readers.values() if n.op == "Div" and n.inputs[0] is d), None)
-    if square is None or div is None:
-        return "x - mean is not squared (Pow 2 / Mul) and divided (Div)"
+    if square is None:
+        return "x - mean is not squared (Pow 2 / Mul(d, d))"
     var = consumer(square.outputs[0], "ReduceMean")
     if var is None or not _last_axis_mean(var, square.outputs[0]):
         return "the squared deviation is not averaged over the last axis"
@@ -118,10 +119,11 @@ def _match(mean: gs.Node) -> _LayerNormMatch | str:
     epsilon = scalar(eps_tensor)
     if epsilon is None:
         return f"epsilon {eps_tensor.name!r} is not a one-element constant (shape {eps_tensor.shape})"
-    sqrt = consumer(add_eps.outputs[0], "Sqrt")
-    if sqrt is None or div.inputs[1] is not sqrt.outputs[0]:
-        return "the deviation is not divided by sqrt(var + eps)"
-    nodes = [mean, sub, square, var, add_eps, sqrt, div]
+    norm = _normalizer(d, add_eps.outputs[0], [n for n in readers.values() if n is not square])
+    if isinstance(norm, str):
+        return norm
+    div = norm[-1]
+    nodes = [mean, sub, square, var, add_eps, *norm]
     internal = [n.outputs[0] for n in nodes[:-1]]
     last, gamma, beta = div, None, None
     mul = consumer(div.outputs[0], "Mul")
@@ -135,6 +137,31 @@ def _match(mean: gs.Node) -> _LayerNormMatch | str:
             internal.append(mul.outputs[0])
             nodes.append(add)
     return _LayerNormMatch(x, epsilon, gamma, beta, last, nodes, internal)
+
+
+def _normalizer(d: gs.Tensor, var_eps: gs.Tensor, others: list[gs.Node]) -> list[gs.Node] | str:
+    """The nodes from ``var + eps`` to ``d / sqrt(var + eps)``, in the forms exporters write:
+    ``Div(d, Sqrt(v))``, ``Div(d, Pow(v, 0.5))``, ``Mul(d, Reciprocal(Sqrt(v)))``, ``Mul(d, Pow(v, -0.5))``."""
+    root = consumer(var_eps, "Sqrt", "Pow")
+    if root is None:
+        return "var + eps is not read by one Sqrt / Pow"
+    exponent = 0.5 if root.op == "Sqrt" else scalar(root.inputs[1])
+    if exponent not in (0.5, -0.5) or (root.op == "Pow" and root.inputs[0] is not var_eps):
+        return f"var + eps is raised to {exponent}, not 0.5 / -0.5"
+    chain = [root]
+    if exponent == 0.5:
+        div = next((n for n in others if n.op == "Div" and n.inputs[0] is d and n.inputs[1] is root.outputs[0]), None)
+        if div is not None:
+            return [*chain, div]
+        recip = consumer(root.outputs[0], "Reciprocal")
+        if recip is None:
+            return "the deviation is not divided by sqrt(var + eps) (Div, or Mul by its Reciprocal)"
+        chain.append(recip)
+    inverse = chain[-1].outputs[0]
+    mul = next((n for n in others if n.op == "Mul" and other_input(n, d) is inverse), None)
+    if mul is None:
+        return "the deviation is not multiplied by 1 / sqrt(var + eps)"
+    return [*chain, mul]
 
 
 def _last_dim(match: _LayerNormMatch) -> int | None:

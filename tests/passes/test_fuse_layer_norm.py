@@ -27,6 +27,7 @@ def decomposed_layer_norm(
     axis: int = -1,
     mean_is_output: bool = False,
     gamma_size: int = D,
+    normalize: str = "div_sqrt",
 ) -> onnx.ModelProto:
     """y = (x - mean) / sqrt(mean((x - mean)^2) + eps) * gamma + beta over x:[2, 3, D] (N symbolic)."""
     rng = np.random.default_rng(3)
@@ -43,10 +44,19 @@ def decomposed_layer_norm(
          else helper.make_node("Mul", ["d", "d"], ["sq"])),
         reduce_mean("sq", "var"),
         helper.make_node("Add", ["var", "eps"], ["ve"]),
-        helper.make_node("Sqrt", ["ve"], ["std"]),
-        helper.make_node("Div", ["d", "std"], ["norm" if affine else "y"]),
     ]
-    inits = [graphs.const("two", 2.0), graphs.const("eps", eps)]
+    normed = "norm" if affine else "y"
+    nodes += {  # the forms exporters write for d / sqrt(var + eps)
+        "div_sqrt": [helper.make_node("Sqrt", ["ve"], ["std"]), helper.make_node("Div", ["d", "std"], [normed])],
+        "div_pow": [helper.make_node("Pow", ["ve", "half"], ["std"]), helper.make_node("Div", ["d", "std"], [normed])],
+        "mul_reciprocal": [helper.make_node("Sqrt", ["ve"], ["std"]), helper.make_node("Reciprocal", ["std"], ["inv"]),
+                           helper.make_node("Mul", ["inv", "d"], [normed])],
+        "mul_rsqrt": [helper.make_node("Pow", ["ve", "minus_half"], ["inv"]),
+                      helper.make_node("Mul", ["d", "inv"], [normed])],
+        "mul_pow_2": [helper.make_node("Pow", ["ve", "two"], ["inv"]), helper.make_node("Mul", ["d", "inv"], [normed])],
+    }[normalize]
+    inits = [graphs.const("two", 2.0), graphs.const("eps", eps), graphs.const("half", 0.5),
+             graphs.const("minus_half", -0.5)]
     if opset >= 18:
         inits.append(graphs.const("axes", [axis], np.int64))
     if affine:
@@ -150,3 +160,21 @@ def test_torch_forms(tmp_path: Path) -> None:
     assert counts == {"LayerNormalization": 1, "rejected": 0}
     assert graphs.op_counts(out) == {"LayerNormalization": 1}
     graphs.assert_same_outputs(manual, out)
+
+
+@pytest.mark.parametrize("normalize", ["div_pow", "mul_reciprocal", "mul_rsqrt"])
+def test_normalization_variants_fuse(normalize: str) -> None:
+    model = decomposed_layer_norm(normalize=normalize)
+    out, counts = fuse(model, fuse_layer_norm)
+    assert counts == {"LayerNormalization": 1, "rejected": 0}
+    assert graphs.op_counts(out) == {"LayerNormalization": 1}
+    graphs.assert_same_outputs(model, out, graphs.random_feeds(model, dims={"N": 2}))
+
+
+def test_a_power_other_than_half_is_rejected(caplog: pytest.LogCaptureFixture) -> None:
+    model = decomposed_layer_norm(normalize="mul_pow_2")
+    with caplog.at_level(logging.DEBUG, logger="diffusion_trt.passes.fuse_layer_norm"):
+        out, counts = fuse(model, fuse_layer_norm)
+    assert counts == {"LayerNormalization": 0, "rejected": 1}
+    assert any("raised to 2.0, not 0.5 / -0.5" in r for r in reasons(caplog, "fuse_layer_norm"))
+    graphs.assert_same_outputs(model, out, graphs.random_feeds(model, dims={"N": 2}))
