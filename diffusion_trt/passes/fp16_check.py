@@ -228,7 +228,28 @@ def _map_to(source: onnx.ModelProto, target: onnx.ModelProto, hot: dict[str, flo
                     if out and out not in seen:
                         seen.add(out)
                         todo.append(out)
+    # the fused graph moves values around without changing them (ort-cuda's NHWC Transposes around GroupNorm): a
+    # tensor such an op writes from a hot one is as hot
+    target_readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in target.graph.node:
+        for name in node.input:
+            target_readers.setdefault(name, []).append(node)
+    todo = list(mapped)
+    while todo:
+        tensor = todo.pop()
+        for node in target_readers.get(tensor, []):
+            if node.op_type in _SAME_VALUES and node.input and node.input[0] == tensor:
+                for out in node.output:
+                    if out and out not in mapped:
+                        mapped[out] = mapped[tensor]
+                        todo.append(out)
     return dict(sorted(mapped.items(), key=lambda item: -item[1]))
+
+
+#: Ops whose output holds (a rearrangement of) the values of their first input.
+_SAME_VALUES = frozenset({"Transpose", "Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Slice", "Pad",
+                          "Split", "Expand", "Tile", "Gather", "Cast", "MaxPool", "Resize", "DepthToSpace",
+                          "SpaceToDepth"})
 
 
 def _islands_of(model: onnx.ModelProto, hot: Mapping[str, float]) -> list[str]:
