@@ -122,7 +122,8 @@ def optimize_fp16_checked(
 
     Raises:
         PassError: the fp16 graph still writes inf/NaN after :data:`MAX_ROUNDS` rounds, or a node that does is
-            already fp32 (the message names the node, its op and the value reached), or a pass failed.
+            already fp32 (the message names the node); the fp16 graph does not load in ONNX Runtime where the
+            fp32 one ran (an inconsistent conversion); or a pass failed.
     """
     names = [pass_name(p) for p in passes]
     if "convert_fp16" not in names or not ctx.options.get(RANGE_CHECK_OPTION, True):
@@ -144,7 +145,7 @@ def optimize_fp16_checked(
         check.rounds += 1
         options = {**ctx.options, "convert_fp16_fp32_nodes": sorted({*fixed, *islands})}
         fp16, tail = optimize_model(fp32, passes[split:], dataclasses.replace(convert_ctx, options=options))
-        bad = _nonfinite_tensors(fp16, feeds, fp32_peaks, check)
+        bad = _nonfinite_tensors(fp16, feeds, fp32_peaks, check, ctx.component)
         if not bad:
             break
         origins = _first_nonfinite_nodes(fp16, bad, fp32_names)
@@ -262,11 +263,17 @@ def _islands_of(model: onnx.ModelProto, hot: Mapping[str, float]) -> list[str]:
 
 
 def _nonfinite_tensors(fp16: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
-                       fp32_peaks: Mapping[str, float] | None, check: Fp16Check) -> set[str]:
+                       fp32_peaks: Mapping[str, float] | None, check: Fp16Check, component: str) -> set[str]:
     """The tensors that are inf/NaN in the fp16 graph and finite in fp32 (every tensor when the fp32 peaks are
     unknown). Every tensor is read back as a graph output, so each is stored in its fp16 type: ONNX Runtime CPU
     otherwise runs chains of nodes that lack an fp16 kernel in fp32 and would hide the overflow between them."""
     found = _ort.activation_peaks(fp16, feeds)
+    if isinstance(found, str) and check.calibrated == "optimized" and "NotImplemented" not in found:
+        raise PassError(  # the fp32 graph ran on this provider; the fp16 one is refused for a reason other than a
+            # missing kernel: convert_fp16 wrote an invalid graph (types that do not match)
+            f"{component}: the fp16 graph does not load in ONNX Runtime where its fp32 graph ran ({found}); "
+            "convert_fp16 wrote an inconsistent graph: build this component in fp32, or keep the nodes named "
+            "there fp32 with --pass-option convert_fp16_fp32_nodes='[...]'")
     if isinstance(found, str):
         check.finite = None
         check.note = "; ".join(filter(None, [check.note, f"the fp16 graph was not run (not checked): {found}"]))
