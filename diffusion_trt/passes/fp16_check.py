@@ -91,6 +91,7 @@ class Fp16Check:
         """JSON-ready dict of the fields (``hot`` rounded)."""
         data = dataclasses.asdict(self)
         data["hot"] = {k: round(v, 1) if np.isfinite(v) else "inf" for k, v in list(self.hot.items())[:20]}
+        data["hot_count"] = len(self.hot)  # ``hot`` lists the 20 highest
         data["seconds"] = round(self.seconds, 2)
         return data
 
