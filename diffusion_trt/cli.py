@@ -488,6 +488,9 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
     from .errors import ModelFileError
     from .optimize import format_table, optimize_file, parse_shape
 
+    if not click.get_current_context().find_root().params.get("verbose"):  # the table says it all once
+        logging.getLogger("diffusion_trt.passes.base").setLevel(logging.WARNING)
+
     if output.suffix.lower() != ".onnx":
         raise click.BadParameter(f"{str(output)!r} does not end in .onnx; use e.g. out.onnx", param_hint="--output")
     if output.resolve() == Path(source).resolve():
