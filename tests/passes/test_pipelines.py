@@ -16,7 +16,8 @@ def test_every_pipeline_starts_with_base_and_fuses_before_fp16(key: tuple[str, s
     passes = pipeline_for(*key, "unet")
     assert passes[: len(BASE)] == BASE
     names = [p.__name__ for p in passes]
-    assert [n for n in names if n.startswith(("fuse_", "pack_", "merge_"))] == [p.__name__ for p in FUSIONS]
+    assert [n for n in names if n.startswith(("fuse_", "pack_", "merge_", "lower_"))] == [p.__name__ for p in FUSIONS]
+    assert names.index("lower_einsum") < names.index("fuse_attention") < names.index("fuse_batched_attention")
     assert names.index("fuse_geglu") < names.index("fuse_gelu")
     assert names.index("fuse_attention") < names.index("pack_qkv")
     if "convert_fp16" in names:
