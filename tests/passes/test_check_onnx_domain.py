@@ -79,3 +79,13 @@ def test_tensorrt_rtx_pipeline_emits_what_tensorrt_does_and_only_ai_onnx(name: s
     assert any(n.domain == "com.microsoft" for n in outs["ort"].graph.node)
     if precision == "fp32":
         graphs.assert_same_outputs(model, outs["tensorrt-rtx"])
+
+
+def test_ort_attention_asked_for_on_tensorrt_is_refused_before_the_parser() -> None:
+    """``--pass-option fuse_attention_emit=mha`` on a TensorRT build: the pipeline's last pass names the op (the
+    TensorRT-RTX 1.7.1 parser would crash the process on it)."""
+    model = graphs.attention_model()
+    ctx = PassContext(component="unet", backend="tensorrt-rtx", device="cuda", precision="fp16",
+                      options={"fuse_attention_emit": "mha"})
+    with pytest.raises(PassError, match=r"check_onnx_domain.*com\.microsoft\.MultiHeadAttention x1"):
+        optimize_model(model, pipeline_for("tensorrt-rtx", "cuda", "fp16", "unet"), ctx)
