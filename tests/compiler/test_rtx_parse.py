@@ -2,24 +2,21 @@
 
 Every component of the four tiny pipelines (SD 1.x, SD 2.x, SDXL, SD 1.5 inpainting) is exported as ``compile``
 exports it, run through the ("tensorrt-rtx", "cuda", fp16) pass pipeline (fp32 too: tiny by default, the others
-as `slow` tests) at a static profile (one image, the model's default size), then parsed and built into a real
-plan for compute capability 8.9 (Ada): 21 plans by default, in ~110 CPU-seconds (export ~12 s per arch, a tiny
-UNet's passes ~3 s and its build ~8 s). Each build
-also says whether the builder found every attention the passes left (MatMul-Softmax-MatMul) as a self-attention
-pattern: that form is what the TensorRT emitter of fuse_attention writes for the builder to fuse.
-
-The plans are built by a small helper here (:func:`build_plan`), not by ``compiler.build_trt``, whose
-TensorRT-RTX path lands separately; it sets only what an RTX build needs (strongly typed network, one compute
-capability, one static profile).
+as `slow` tests) at a static profile (one image, the model's default size), then built by the build stage
+(``build_trt.engine_from_onnx``, library tensorrt-rtx) into a real plan for compute capability 8.9 (Ada): 21 plans
+by default, in ~110 CPU-seconds (export ~12 s per arch, a tiny UNet's passes ~3 s and its build ~8 s). Each build
+also says whether the builder took every attention the passes left (MatMul-Softmax-MatMul, what fuse_attention's
+TensorRT emitter writes) as a self-attention pattern.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import re
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +25,11 @@ import onnx
 import pytest
 from onnx import helper
 
-from diffusion_trt.compiler.build_trt import ParserErrorInfo, format_parser_errors
-from diffusion_trt.compiler.components import ComponentSpec
+from diffusion_trt.compiler import build_trt
+from diffusion_trt.compiler.build_trt import TrtBuildConfig
+from diffusion_trt.compiler.components import ComponentSpec, tensor_manifest
 from diffusion_trt.config import Range, ShapeProfile
+from diffusion_trt.errors import BuildError
 from diffusion_trt.passes import PassContext, optimize_model, pipeline_for
 from tests import graphs
 
@@ -51,69 +50,37 @@ CASES = [pytest.param(arch, precision, name, id=f"{arch}-{precision}-{name}",
                       marks=[pytest.mark.slow] if precision == "fp32" and arch != "tiny" else [])
          for precision in ("fp16", "fp32") for arch in ARCHS for name in ARCH_COMPONENTS[arch]]
 
+RTX = "tensorrt-rtx"
+#: One target keeps the builds short; the tiny graphs hold nothing that differs between RTX targets.
+BUILD = TrtBuildConfig(library=RTX, compute_capabilities=("8.9",))
+
 _ATTENTION = re.compile(r"^Found (?P<node>.+) to be part of self-attention pattern\.$")
 
 
-# --- the builder -----------------------------------------------------------------------------------------
+class _AttentionLog(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.nodes: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = _ATTENTION.match(record.getMessage())
+        if found is not None:
+            self.nodes.add(found["node"])
 
 
-@dataclass
-class Plan:
-    """What one build gave: ``plan_bytes`` (0: no plan), the network's ``layers``, the ONNX nodes the builder
-    reported as part of a self-attention pattern, ``seconds`` (parse + build), and its error messages."""
-
-    plan_bytes: int
-    layers: int
-    attention_nodes: set[str] = field(default_factory=set)
-    seconds: float = 0.0
-    errors: list[str] = field(default_factory=list)
-
-
-def build_plan(source: Path | onnx.ModelProto, compute_capability: str = "SM89") -> Plan:
-    """Parse ``source`` with TensorRT-RTX's ONNX parser and build a plan for ``compute_capability``.
-
-    Every network input gets one profile at the shape the graph gives it (static graphs only). A parser failure
-    fails the test with :func:`format_parser_errors`' lines (node index, name, op, message).
-    """
-    import tensorrt_rtx_bindings as trt
-
-    class _Logger(trt.ILogger):
-        def __init__(self) -> None:
-            trt.ILogger.__init__(self)
-            self.errors: list[str] = []
-            self.attention: set[str] = set()
-
-        def log(self, severity: Any, msg: str) -> None:
-            if severity in (trt.ILogger.ERROR, trt.ILogger.INTERNAL_ERROR):
-                self.errors.append(msg)
-            elif (found := _ATTENTION.match(msg)) is not None:
-                self.attention.add(found["node"])
-
-    start = time.perf_counter()
-    log = _Logger()
-    builder = trt.Builder(log)
-    network = builder.create_network(0)  # TensorRT-RTX networks are always strongly typed
-    parser = trt.OnnxParser(network, log)
-    if isinstance(source, onnx.ModelProto):
-        ok, where = parser.parse(source.SerializeToString()), Path("<model>")
-    else:
-        ok, where = parser.parse_from_file(str(source)), source
-    if not ok or parser.num_errors:
-        errors = [ParserErrorInfo.from_trt(parser.get_error(i)) for i in range(parser.num_errors)]
-        pytest.fail(format_parser_errors(where, errors))
-    config = builder.create_builder_config()
-    config.num_compute_capabilities = 1
-    config.set_compute_capability(getattr(trt.ComputeCapability, compute_capability), 0)
-    profile = builder.create_optimization_profile()
-    for i in range(network.num_inputs):
-        tensor = network.get_input(i)
-        shape = tuple(tensor.shape)
-        assert all(d > 0 for d in shape), f"input {tensor.name} has a dynamic shape {shape}; build static graphs"
-        profile.set_shape(tensor.name, shape, shape, shape)
-    config.add_optimization_profile(profile)
-    plan = builder.build_serialized_network(network, config)
-    return Plan(plan_bytes=0 if plan is None else plan.nbytes, layers=network.num_layers,
-                attention_nodes=log.attention, seconds=time.perf_counter() - start, errors=log.errors)
+@contextmanager
+def attention_patterns() -> Iterator[set[str]]:
+    """The ONNX nodes the builder reports as part of a self-attention pattern (a VERBOSE message, which
+    ``trt_compat.make_trt_logger`` forwards at DEBUG to the "tensorrt" logger)."""
+    log, handler = logging.getLogger("tensorrt"), _AttentionLog()
+    level = log.level
+    log.setLevel(logging.DEBUG)
+    log.addHandler(handler)
+    try:
+        yield handler.nodes
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 # --- exports and pass pipelines, once per module ----------------------------------------------------------
@@ -190,51 +157,58 @@ def optimize(raw: RawExport, name: str, precision: str) -> Optimized:
 def test_tensorrt_pipeline_output_parses_and_builds_for_sm89(
     arch: str, precision: str, name: str, raw_exports: Callable[[str], dict[str, RawExport]], tmp_path: Path
 ) -> None:
-    """ai.onnx ops only; the RTX parser maps every node; the builder writes a plan for 8.9 and finds every
-    attention the passes fused (one Softmax per site) as a self-attention pattern."""
-    optimized = optimize(raw_exports(arch)[name], name, precision)
+    """ai.onnx ops only; the RTX parser maps every node; the build stage writes a plan for 8.9 and the builder
+    finds every attention the passes fused (one Softmax per site) as a self-attention pattern."""
+    raw = raw_exports(arch)[name]
+    optimized = optimize(raw, name, precision)
     model = optimized.model
     assert {n.domain for n in model.graph.node} <= {""}, "check_onnx_domain let a foreign op through"
     path = tmp_path / "model.onnx"
     onnx.save(model, str(path))
-    plan = build_plan(path)
-    assert plan.plan_bytes > 0, f"{arch} {name} ({optimized.precision}): no plan; TensorRT said: {plan.errors[-3:]}"
+    inputs = [tensor_manifest(t, optimized.precision, raw.profile) for t in raw.spec.inputs]
+    with attention_patterns() as found:
+        facts = build_trt.engine_from_onnx(path, tmp_path / "model.plan", inputs, precision=optimized.precision,
+                                           build=BUILD, timing_cache_dir=None)
+    assert facts["library"] == RTX and facts["compute_capabilities"] == ["8.9"]
+    assert facts["plan_bytes"] == (tmp_path / "model.plan").stat().st_size > 0
+    assert [p["kind"] for p in facts["profiles"]] == ["dynamic"]  # static inputs: one profile, no extra fast path
     softmax = {n.name for n in model.graph.node if n.op_type == "Softmax"}
     fused = optimized.counts["fuse_attention"]["Attention"]
     assert len(softmax) == fused > 0, f"{fused} attention sites fused, {len(softmax)} Softmax nodes left"
-    missing = softmax - plan.attention_nodes
+    missing = softmax - found
     assert not missing, f"the builder did not take these Softmax nodes as attention: {sorted(missing)[:4]}"
 
 
-# --- what the emitters rely on, on small graphs --------------------------------------------------------------
+# --- what the GroupNorm emitter relies on -------------------------------------------------------------------
 
 
-def test_the_parser_refuses_a_contrib_op_naming_node_and_op() -> None:
-    """Why check_onnx_domain exists: com.microsoft.QuickGelu (what the ORT target emits for CLIP) is a missing
-    plugin to the parser. (Not tested: com.microsoft.MultiHeadAttention, on which the 1.7.1 parser segfaults.)"""
-    model = graphs.make_model([helper.make_node("QuickGelu", ["x"], ["y"], name="clip_gelu", alpha=1.702,
-                                                domain="com.microsoft")],
-                              [graphs.tensor_info("x", [2, 8])], [graphs.tensor_info("y", [2, 8])],
-                              extra_opsets=[("com.microsoft", 1)], check=False)
-    with pytest.raises(pytest.fail.Exception, match=r"node 0 'clip_gelu' \(QuickGelu\): .*Plugin not found"):
-        build_plan(model)
-
-
-def _group_norm(opset: int, scale: int) -> onnx.ModelProto:
+def _group_norm_plan(tmp_path: Path, opset: int, scale: int) -> int:
+    """Build a lone GroupNormalization (x [2, 8, 4, 4], 4 groups, ``scale`` elements of scale and bias) with the
+    build stage's loaders; the plan's size."""
     rng = np.random.default_rng(0)
-    return graphs.make_model(
+    model = graphs.make_model(
         [helper.make_node("GroupNormalization", ["x", "s", "b"], ["y"], num_groups=4, epsilon=1e-5)],
         [graphs.tensor_info("x", [2, 8, 4, 4])], [graphs.tensor_info("y", [2, 8, 4, 4])],
         [graphs.const("s", rng.uniform(0.5, 1.5, scale)), graphs.const("b", rng.standard_normal(scale))],
         opset=opset, ir_version=10, check=False)  # onnx 1.23 calls opset-18 GroupNormalization deprecated
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    target = build_trt.build_target("fp32", BUILD)
+    trt = target.library.import_module()
+    builder, network, _parser = build_trt.network_from_onnx(trt, path, strongly_typed=False)
+    config, _ = build_trt.config_for(trt, builder, target, BUILD, "fp32", True, [])
+    return len(build_trt.engine_from_network(trt, builder, network, config, str(path)))
 
 
-@pytest.mark.parametrize(("opset", "scale", "builds"), [(21, 8, True), (18, 4, True), (18, 8, False), (21, 4, False)],
-                         ids=["21-per-channel", "18-per-group", "18-per-channel", "21-per-group"])
-def test_group_normalization_scale_follows_the_opset(opset: int, scale: int, builds: bool) -> None:
-    """The builder reads GroupNormalization by its opset: scale [C] from 21 (what fuse_group_norm emits, raising
-    the graph to 21), [G] at 18..20; the parser takes either, the builder refuses the mismatch."""
-    plan = build_plan(_group_norm(opset, scale))
-    assert (plan.plan_bytes > 0) == builds, plan.errors[-1:]
-    if not builds:
-        assert any("scale is expected to match the output at the channel dimension 1" in e for e in plan.errors)
+@pytest.mark.parametrize(("opset", "scale"), [(21, 8), (18, 4)], ids=["21-per-channel", "18-per-group"])
+def test_group_normalization_builds_with_the_scale_its_opset_defines(tmp_path: Path, opset: int, scale: int) -> None:
+    """fuse_group_norm's TensorRT form (scale [C], the graph raised to opset 21) and opset 18's [G] both build."""
+    assert _group_norm_plan(tmp_path, opset, scale) > 0
+
+
+@pytest.mark.parametrize(("opset", "scale"), [(18, 8), (21, 4)], ids=["18-per-channel", "21-per-group"])
+def test_group_normalization_with_the_other_opsets_scale_is_refused(tmp_path: Path, opset: int, scale: int) -> None:
+    """The parser takes either scale at any opset; the builder reads it by the opset and refuses the mismatch
+    (why fuse_group_norm raises the opset to 21 rather than writing per-channel scales at 18..20)."""
+    with pytest.raises(BuildError, match="scale is expected to match the output at the channel dimension 1"):
+        _group_norm_plan(tmp_path, opset, scale)
