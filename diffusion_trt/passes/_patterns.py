@@ -43,17 +43,24 @@ def const_value(tensor: gs.Tensor) -> np.ndarray | None:
     return constant_value(through_identity(tensor))
 
 
+#: The backends whose graphs go through a TensorRT ONNX parser: full TensorRT and TensorRT for RTX share one
+#: parser's op set, so they share the emitters (and the pass pipelines).
+TENSORRT_BACKENDS: tuple[str, ...] = ("tensorrt", "tensorrt-rtx")
+
+
 def target_of(backend: str, device: str) -> str:
-    """``"ort-cuda"``, ``"ort-cpu"`` or ``"tensorrt"`` (TensorRT runs on CUDA whatever ``device`` says).
+    """``"ort-cuda"``, ``"ort-cpu"`` or ``"tensorrt"`` (TensorRT and TensorRT-RTX, which run on CUDA whatever
+    ``device`` says).
 
     Raises:
         ValueError: an unknown backend or device (the message lists the known ones).
     """
-    if backend == "tensorrt":
+    if backend in TENSORRT_BACKENDS:
         return TENSORRT
     if backend == "ort" and device in ("cuda", "cpu"):
         return ORT_CUDA if device == "cuda" else ORT_CPU
-    raise ValueError(f"backend={backend!r}, device={device!r} has no fusion emitter; use ort (cpu|cuda) or tensorrt")
+    raise ValueError(f"backend={backend!r}, device={device!r} has no fusion emitter; use ort (cpu|cuda), "
+                     f"tensorrt or tensorrt-rtx")
 
 
 def producer(tensor: gs.Tensor, *ops: str) -> gs.Node | None:

@@ -25,6 +25,7 @@ _DEFAULT_EMIT: dict[tuple[str, str], str] = {
     ("ort", "cuda"): "mha",
     ("ort", "cpu"): "mha",
     ("tensorrt", "cuda"): "trt",
+    ("tensorrt-rtx", "cuda"): "trt",
 }
 EMITS: tuple[str, ...] = ("mha", "trt", "none")
 
@@ -86,7 +87,8 @@ def fuse_attention(graph: gs.Graph, ctx: PassContext) -> PassResult:
           so a static export and a dynamic one fuse alike.
 
     Options (ctx.options):
-        fuse_attention_emit: "mha" | "trt" | "none"; default by target: ort -> "mha", tensorrt -> "trt".
+        fuse_attention_emit: "mha" | "trt" | "none"; default by target: ort -> "mha", tensorrt and
+            tensorrt-rtx -> "trt".
 
     Counts: ``Attention`` (sites rewritten), ``self``/``cross`` (Q and K from the same tensor or not),
         ``masked`` (with an additive bias), ``rejected`` (Softmax nodes that did not match, reasons at DEBUG).

@@ -39,6 +39,14 @@ Ordering rules (keep them next to the tuples they constrain):
     removes redundant ones itself).
   * TensorRT fp16 gets convert_fp16 too and is built strongly typed: the graph's types (with its fp32
     islands) are what runs, on TensorRT 10 and on 11, whose builder no longer takes precision flags.
+  * tensorrt-rtx (TensorRT for RTX: always strongly typed, same ONNX parser) shares the tensorrt tuples.
+  * check_onnx_domain last in the TensorRT pipelines, after convert_fp16: it rewrites nothing and proves the
+    final graph holds ai.onnx ops only, the parser's whole vocabulary (it refuses contrib ops, and TensorRT-RTX
+    1.7.1's crashes on com.microsoft.MultiHeadAttention). The TensorRT emitters, measured with that parser and
+    builder (tests/compiler/test_rtx_parse.py): LayerNormalization (opset 17), GroupNormalization with
+    per-channel scale (opset 21: at 18..20 the builder wants scale [G]), Gelu (opset 20), and attention as
+    MatMul-Softmax-MatMul, which the builder finds as a self-attention pattern at fp16 and fp32 (the ONNX
+    Attention op of opset 23 builds only at fp16 without a GPU: no fp32 kernel).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from __future__ import annotations
 from .align_shapes import align_shapes
 from .base import Pass
 from .cancel_transposes import cancel_transposes
+from .check_onnx_domain import check_onnx_domain
 from .convert_fp16 import convert_fp16
 from .eliminate_dead_nodes import eliminate_dead_nodes
 from .eliminate_noops import eliminate_noops
@@ -66,7 +75,7 @@ from .pack_qkv import pack_qkv
 from .specialize_shapes import specialize_shapes
 
 #: The backends a pipeline exists for (same values as diffusion_trt.config.BACKENDS; passes/ may not import it).
-BACKENDS: tuple[str, ...] = ("ort", "tensorrt")
+BACKENDS: tuple[str, ...] = ("ort", "tensorrt", "tensorrt-rtx")
 
 #: Clean-up every pipeline starts with.
 BASE: tuple[Pass, ...] = (
@@ -97,12 +106,19 @@ FUSIONS: tuple[Pass, ...] = (
 ORT_CUDA_LAYOUT: tuple[Pass, ...] = (align_shapes, cancel_transposes)
 TENSORRT_LAYOUT: tuple[Pass, ...] = (align_shapes,)
 
+#: The TensorRT pipelines (full TensorRT and TensorRT-RTX alike; fp16 built strongly typed): the final graph holds
+#: ai.onnx ops only.
+TENSORRT_FP32: tuple[Pass, ...] = (*BASE, *FUSIONS, *TENSORRT_LAYOUT, check_onnx_domain)
+TENSORRT_FP16: tuple[Pass, ...] = (*BASE, *FUSIONS, *TENSORRT_LAYOUT, convert_fp16, check_onnx_domain)
+
 PIPELINES: dict[tuple[str, str, str], tuple[Pass, ...]] = {
     ("ort", "cpu", "fp32"): (*BASE, *FUSIONS),
     ("ort", "cuda", "fp32"): (*BASE, *FUSIONS, *ORT_CUDA_LAYOUT),
     ("ort", "cuda", "fp16"): (*BASE, *FUSIONS, *ORT_CUDA_LAYOUT, convert_fp16),  # convert_fp16 last
-    ("tensorrt", "cuda", "fp32"): (*BASE, *FUSIONS, *TENSORRT_LAYOUT),
-    ("tensorrt", "cuda", "fp16"): (*BASE, *FUSIONS, *TENSORRT_LAYOUT, convert_fp16),  # built strongly typed
+    ("tensorrt", "cuda", "fp32"): TENSORRT_FP32,
+    ("tensorrt", "cuda", "fp16"): TENSORRT_FP16,
+    ("tensorrt-rtx", "cuda", "fp32"): TENSORRT_FP32,
+    ("tensorrt-rtx", "cuda", "fp16"): TENSORRT_FP16,
 }
 
 

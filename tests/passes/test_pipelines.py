@@ -7,7 +7,7 @@ import pytest
 from onnx import helper
 
 from diffusion_trt.passes import PassContext, optimize_model, pipeline_for
-from diffusion_trt.passes.pipelines import BASE, FUSIONS, PIPELINES
+from diffusion_trt.passes.pipelines import BACKENDS, BASE, FUSIONS, PIPELINES
 from tests import graphs
 
 
@@ -20,9 +20,28 @@ def test_every_pipeline_starts_with_base_and_fuses_before_fp16(key: tuple[str, s
     assert names.index("lower_einsum") < names.index("fuse_attention") < names.index("fuse_batched_attention")
     assert names.index("fuse_geglu") < names.index("fuse_gelu")
     assert names.index("fuse_attention") < names.index("pack_qkv")
+    rewriting = [n for n in names if not n.startswith("check_")]
     if "convert_fp16" in names:
-        assert names[-1] == "convert_fp16"
+        assert rewriting[-1] == "convert_fp16"
     assert ("convert_fp16" in names) == (key[2] == "fp16")
+
+
+@pytest.mark.parametrize("key", list(PIPELINES))
+def test_tensorrt_pipelines_end_with_the_onnx_domain_check(key: tuple[str, str, str]) -> None:
+    """check_onnx_domain is last in every TensorRT pipeline (after convert_fp16) and in no ORT pipeline."""
+    names = [p.__name__ for p in pipeline_for(*key, "unet", static=True)]
+    if key[0] in ("tensorrt", "tensorrt-rtx"):
+        assert names[-1] == "check_onnx_domain" and names.count("check_onnx_domain") == 1
+    else:
+        assert "check_onnx_domain" not in names
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_tensorrt_rtx_shares_the_tensorrt_pipelines(precision: str) -> None:
+    assert "tensorrt-rtx" in BACKENDS
+    for static in (False, True):
+        assert (pipeline_for("tensorrt-rtx", "cuda", precision, "unet", static=static)
+                == pipeline_for("tensorrt", "cuda", precision, "unet", static=static))
 
 
 def test_static_profile_specializes_before_folding() -> None:
@@ -41,7 +60,7 @@ def test_missing_combination_is_named(key: tuple[str, str, str], message: str) -
 
 
 def test_unknown_backend_is_named() -> None:
-    with pytest.raises(ValueError, match=r"backend='openvino' .*use one of ort, tensorrt"):
+    with pytest.raises(ValueError, match=r"backend='openvino' .*use one of ort, tensorrt, tensorrt-rtx"):
         pipeline_for("openvino", "cpu", "fp32", "unet")
 
 
