@@ -30,6 +30,7 @@ import logging
 import os
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,27 +258,53 @@ def profiles_from_inputs(inputs: Sequence[Mapping[str, Any]], build: TrtBuildCon
 # -- graph inspection -----------------------------------------------------------------------------------
 
 
-def graph_has_qdq(onnx_path: Path) -> bool:
-    """Whether the ONNX graph (or a local function) has QuantizeLinear/DequantizeLinear nodes.
+def graph_ops(onnx_path: Path) -> Counter[tuple[str, str]]:
+    """``(domain, op_type)`` -> count over the graph, its subgraphs and its model-local functions.
 
-    Reads the graph without external weight files (``load_external_data=False``).
+    Reads the graph without external weight files (``load_external_data=False``). The default domain is "".
     """
     import onnx
 
     model = onnx.load(str(onnx_path), load_external_data=False)
+    ops: Counter[tuple[str, str]] = Counter()
 
-    def walk(graph: onnx.GraphProto) -> bool:
-        for node in graph.node:
-            if node.op_type in QDQ_OPS:
-                return True
+    def walk(nodes: Sequence[onnx.NodeProto]) -> None:
+        for node in nodes:
+            ops[("" if node.domain == "ai.onnx" else node.domain, node.op_type)] += 1
             for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH and walk(attr.g):
-                    return True
-                if attr.type == onnx.AttributeProto.GRAPHS and any(walk(g) for g in attr.graphs):
-                    return True
-        return False
+                for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                    walk(g.node)
 
-    return walk(model.graph) or any(n.op_type in QDQ_OPS for f in model.functions for n in f.node)
+    walk(model.graph.node)
+    for f in model.functions:
+        walk(f.node)
+    for f in model.functions:  # a call of a local function is not a foreign op: the parser expands it
+        ops.pop((f.domain, f.name), None)
+    return ops
+
+
+def graph_has_qdq(onnx_path: Path) -> bool:
+    """Whether the ONNX graph (or a subgraph, or a local function) has QuantizeLinear/DequantizeLinear nodes."""
+    return any(domain == "" and op in QDQ_OPS for domain, op in graph_ops(onnx_path))
+
+
+def check_parsable(onnx_path: Path, ops: Mapping[tuple[str, str], int]) -> None:
+    """Refuse, before TensorRT's ONNX parser sees it, a graph with ops outside the default ONNX domain.
+
+    The parser maps ai.onnx ops only; it refuses contrib ops as missing plugins, and TensorRT-RTX 1.7.1's parser
+    crashes the process (SIGSEGV) on ``com.microsoft.MultiHeadAttention``, so the graph is checked first.
+
+    Raises:
+        BuildError: naming each foreign op with its count, and the fix.
+    """
+    foreign = {f"{d}.{op}": n for (d, op), n in sorted(ops.items()) if d}
+    if foreign:
+        listed = ", ".join(f"{op} x{n}" for op, n in foreign.items())
+        raise BuildError(
+            f"{onnx_path} has ops outside the default ONNX domain, which TensorRT's ONNX parser cannot map: {listed}; "
+            "optimize it for the tensorrt target (`compile --backend tensorrt-rtx` or `optimize --target tensorrt` "
+            "emit standard ops only), or build it for --backend ort"
+        )
 
 
 @dataclass(frozen=True)
@@ -659,9 +686,11 @@ def engine_from_onnx(
     build.flags_for(precision)  # unknown precision: refused before any work
     target = build_target(precision, build)
     profiles = profiles_from_inputs(inputs, build)
+    ops = graph_ops(onnx_path)
+    check_parsable(onnx_path, ops)  # before the parser: it may crash the process on a contrib op
     trt = target.library.import_module()
     version = str(trt.__version__)
-    has_qdq = graph_has_qdq(onnx_path)
+    has_qdq = any(domain == "" and op in QDQ_OPS for domain, op in ops)
     strongly_typed = (has_qdq if build.strongly_typed is None else build.strongly_typed) or \
         not target.library.precision_flags
     builder, network, _parser = network_from_onnx(trt, onnx_path, strongly_typed and target.library.precision_flags)
