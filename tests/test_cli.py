@@ -381,3 +381,30 @@ def test_dump_passes_folder_checked_before_export(tiny_pipeline_dir: Path, tmp_p
     code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "a", "--dump-passes", blocker / "dump")
     assert code == 2 and "--dump-passes" in out and "cannot create the folder" in out
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "size"),
+    [
+        ({"height": 136, "width": 96, "min_height": 136, "max_height": 136, "min_width": 96, "max_width": 96},
+         (136, 96)),
+        ({"height": 128}, (128, 64)),
+    ],
+    ids=["static-136x96", "height-128"],
+)
+def test_default_size_is_the_artifact_opt_size(tiny_pipeline_dir: Path, tmp_path: Path, options: dict[str, int],
+                                               size: tuple[int, int]) -> None:
+    """No --height/--width: the profile's opt size (as --help says), not the model's 64x64 (issue 14, item 9)."""
+    from PIL import Image
+
+    from diffusion_trt.compiler.pipeline import compile_pipeline
+    from diffusion_trt.config import CompileConfig
+    from diffusion_trt.runtime import EnginePipeline
+
+    art = compile_pipeline(tiny_pipeline_dir, tmp_path / "art", CompileConfig(**options))
+    code, out = _invoke("run", art, "-p", "x", "--steps", "1", "-o", tmp_path / "o.png")
+    assert code == 0, out
+    assert Image.open(tmp_path / "o.png").size == (size[1], size[0])  # PIL: (width, height)
+    with EnginePipeline.from_artifacts(art) as pipe:
+        image = pipe("x", num_inference_steps=1, seed=0, progress=False, output_type="np").images
+    assert image.shape == (1, *size, 3)

@@ -170,8 +170,10 @@ class EnginePipeline:
             ) from e
         self.vae_scale_factor = int(model.get("vae_scale_factor", 8))
         self.vae_scaling_factor = float(model.get("vae_scaling_factor", 0.18215))
-        self.default_height = int(model.get("default_height", self.profile.height.opt))
-        self.default_width = int(model.get("default_width", self.profile.width.opt))
+        #: the size of a call without height/width: the profile's opt size, the one the engines were tuned for
+        #: (equal to the model's default size unless compile was given --height/--width or a static profile)
+        self.default_height = int(self.profile.height.opt)
+        self.default_width = int(self.profile.width.opt)
         self.tokenizer = tokenizer
         text_len = model.get("text_max_length")
         if text_len is not None and tokenizer.model_max_length != text_len:
@@ -599,7 +601,7 @@ class EnginePipeline:
                 ``generator=torch.Generator("cpu").manual_seed(seed)``). With neither ``seed`` nor
                 ``generator``, a seed is drawn from torch's global RNG and reported in the output.
             height, width: image size in pixels, multiples of 8 inside the artifact's profile; default the
-                model's size.
+                profile's opt size (``compile --height/--width``; the model's size when those were not given).
             num_images_per_prompt: N images per prompt; B = P x N >= the profile's min batch; above its max
                 batch the request runs in engine-sized chunks (same images as one call for deterministic
                 schedulers; see :mod:`~diffusion_trt.runtime.batching` for seeds).

@@ -94,8 +94,8 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], config: Mapping[str, 
 
     Args:
         inputs: tensor name -> array (absent or ``None`` = not sent). Unknown names are refused.
-        config: ``pipeline.json``: ``limits``, ``defaults``, ``profile`` and ``model`` (``vae_scale_factor``,
-            ``default_height``/``default_width``).
+        config: ``pipeline.json``: ``limits``, ``defaults``, ``profile`` (its opt height/width are the default
+            size) and ``model`` (``vae_scale_factor``).
 
     Raises:
         RequestError: naming the field, the value and the fix.
@@ -136,7 +136,7 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], config: Mapping[str, 
     scale = int(model.get("vae_scale_factor", 8))
     for name in ("height", "width"):
         lo, _opt, hi = profile[name]
-        value = values.get(name, model.get(f"default_{name}", _opt))
+        value = values.get(name, _opt)  # the profile's opt size, as EnginePipeline
         if value % scale or not lo <= value <= hi:
             raise RequestError(
                 name, f"{name}={value} must be a multiple of {scale} in {lo}..{hi} (the engines' profile); "
