@@ -46,7 +46,7 @@ from .png import save_png
 from .schedulers import make_scheduler, short_name
 from .sdxl import SDXL_COMPONENTS, SdxlConditioning, add_time_ids
 
-__all__ = ["OUTPUT_TYPES", "EnginePipeline", "EnginePipelineOutput", "save_png"]
+__all__ = ["OUTPUT_TYPES", "EnginePipeline", "EnginePipelineOutput", "check_text", "save_png"]
 
 logger = logging.getLogger(__name__)
 
@@ -929,10 +929,31 @@ def _components_to_open(manifest: Mapping[str, Any]) -> tuple[str, ...]:
 
 def _prompt_list(name: str, prompt: Any) -> list[str]:
     if isinstance(prompt, str):
-        return [prompt]
+        return [check_text(name, prompt)]
     if isinstance(prompt, Sequence) and prompt and all(isinstance(p, str) for p in prompt):
-        return list(prompt)
+        return [check_text(f"{name}[{i}]" if len(prompt) > 1 else name, p) for i, p in enumerate(prompt)]
     raise RuntimeInputError(f"{name}={prompt!r} must be a string or a non-empty list of strings")
+
+
+def check_text(name: str, text: str) -> str:
+    """``text`` if it is valid Unicode (encodable as UTF-8): what every prompt of :meth:`EnginePipeline.__call__` must
+    be (the CLI checks its prompts with it before loading the engines).
+
+    Raises:
+        RuntimeInputError: a lone surrogate, e.g. ``"\\udcff"``: how Python passes on command-line bytes that are not
+            UTF-8 (``-p $'\\xff'``); the tokenizer would fail on it with a TypeError.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start:e.end]
+        raw = bytes(ord(c) - 0xDC00 for c in bad if 0xDC80 <= ord(c) <= 0xDCFF)
+        what = f"the bytes {raw!r}" if len(raw) == len(bad) else f"{bad!r}"
+        raise RuntimeInputError(
+            f"{name} is not valid UTF-8 text: {what} at character {e.start}; pass the prompt as UTF-8 (e.g. re-encode "
+            "it with iconv -t UTF-8)"
+        ) from None
+    return text
 
 
 def _zero_pair(value: Any) -> bool:
@@ -943,7 +964,7 @@ def _zero_pair(value: Any) -> bool:
 def _per_prompt(name: str, value: Any, n: int) -> list[str]:
     """One string for each of ``n`` prompts: a string for all of them, or a list of ``n``."""
     if isinstance(value, str):
-        return [value] * n
+        return [check_text(name, value)] * n
     values = _prompt_list(name, value)
     if len(values) != n:
         raise RuntimeInputError(
@@ -956,7 +977,7 @@ def _negative_list(negative: Any, n: int) -> list[str]:
     if negative is None:
         return [""] * n
     if isinstance(negative, str):
-        return [negative] * n
+        return [check_text("negative_prompt", negative)] * n
     negatives = _prompt_list("negative_prompt", negative)
     if len(negatives) != n:
         raise RuntimeInputError(
