@@ -447,7 +447,8 @@ class EnginePipeline:
     # -- LoRA -------------------------------------------------------------------------------------------
 
     def load_lora(
-        self, path: str | os.PathLike[str], scale: float = 1.0, *, model_dir: str | os.PathLike[str] | None = None
+        self, path: str | os.PathLike[str], scale: float = 1.0, *, model_dir: str | os.PathLike[str] | None = None,
+        trust_pickle: bool = False,
     ) -> dict[str, Any]:
         """Refit the engines to the compiled (base) weights plus ``scale`` x this LoRA: TensorRT ``--refittable``
         artifacts only. Every call starts from the base weights, never from the previous LoRA; ``scale=0`` gives
@@ -467,6 +468,8 @@ class EnginePipeline:
             path: a ``.safetensors`` LoRA (any format diffusers' ``load_lora_weights`` reads).
             scale: its weight, a finite number.
             model_dir: the diffusers folder the artifact was compiled from; default the manifest's ``source.path``.
+            trust_pickle: allow its weights as pickle files (``.bin``; unpickling runs arbitrary code), as
+                ``compile --trust-pickle``; by default only safetensors are read.
 
         Returns:
             ``{"file", "sha256", "scale", "refitted": {component: initializers refitted}}``, also kept in :attr:`lora`.
@@ -475,7 +478,7 @@ class EnginePipeline:
             LoraError: a missing / non-safetensors file or a bad scale; the file merged into the artifact at compile
                 time already (applying it again would double it); an ORT artifact; a TensorRT artifact built without
                 ``--refittable``; a model folder that is missing or not the artifact's source; a LoRA changing
-                weights the engines cannot refit.
+                weights the engines cannot refit; pickle weights in the model folder without ``trust_pickle``.
         """
         from ..lora import check_lora_file, onnx_initializers, refit_weights
 
@@ -507,7 +510,7 @@ class EnginePipeline:
         source = model_dir if model_dir is not None else self.manifest.get("source", {}).get("path")
         if not source:
             raise LoraError("the manifest names no source model folder; pass model_dir= the diffusers folder")
-        weights = refit_weights(maps, Path(source), lora, self._lora_weights)
+        weights = refit_weights(maps, Path(source), lora, self._lora_weights, trust_pickle=trust_pickle)
         for comp, values in weights.items():
             if values:
                 onnx_path = safe_join(root, str(comps[comp]["onnx"]))
