@@ -805,13 +805,16 @@ def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances
               help="How long a request waits for batch-mates.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=100, show_default=True, help="Largest steps accepted.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Requests waiting at most; more get 'server busy'.")
+              help="Requests waiting in Triton's queue at most; more get 503 / UNAVAILABLE at once.")
+@click.option("--queue-timeout-s", type=click.FloatRange(min=0), default=60, show_default=True,
+              help="A request that waited this long is dropped unrun (503 / UNAVAILABLE); a client may set its own "
+                   "with the request's 'timeout' parameter (microseconds); 0 = no limit.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
 @click.option("--scheduler", default=None, help="Scheduler short name [default: the model's].")
 @_handle_errors
 def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, max_batch_size: int,
-              max_queue_delay_ms: float, max_steps: int, max_queue: int, device: str | None,
-              scheduler: str | None) -> None:
+              max_queue_delay_ms: float, max_steps: int, max_queue: int, queue_timeout_s: float,
+              device: str | None, scheduler: str | None) -> None:
     """Serve ARTIFACT_DIR through a Triton Inference Server (NVIDIA PyTriton) until Ctrl-C.
 
     Model "pipeline": inputs prompt (BYTES), optional negative_prompt, seed, steps, guidance_scale, height,
@@ -826,7 +829,7 @@ def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, m
 
     config = ServeConfig(host=host, http_port=port, grpc_port=grpc_port or port + 1, max_batch_size=max_batch_size,
                          max_queue_delay_s=max_queue_delay_ms / 1000, max_steps=max_steps, max_queue=max_queue,
-                         device=device, scheduler=scheduler)
+                         queue_timeout_s=queue_timeout_s, device=device, scheduler=scheduler)
     serve(artifact_dir, config,
           on_ready=lambda: click.echo(f"ready: http://{host}:{port} grpc {host}:{config.grpc_port}", err=True))
 
