@@ -770,10 +770,15 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
               help="Instances per engine model.")
 @click.option("--max-queue-delay-us", type=click.IntRange(min=0), default=2000, show_default=True,
               help="Dynamic-batching delay of the engine models.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests waiting for the pipeline model at most; more get 503 / UNAVAILABLE at once.")
+@click.option("--queue-timeout-s", type=click.FloatRange(min=0), default=60, show_default=True,
+              help="A request that waited this long is dropped unrun (503 / UNAVAILABLE); a client may set its own "
+                   "with the request's 'timeout' parameter; 0 = no limit.")
 @click.option("--overwrite", is_flag=True, help="Replace models of the same names in REPO_DIR.")
 @_handle_errors
 def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances: int, max_queue_delay_us: int,
-                      overwrite: bool) -> None:
+                      max_queue: int, queue_timeout_s: float, overwrite: bool) -> None:
     """Write a Triton model repository serving ARTIFACT_DIR: one model per engine plus a BLS pipeline model.
 
     Engine models use platform onnxruntime_onnx or tensorrt_plan with dynamic batching; the pipeline model
@@ -788,7 +793,8 @@ def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances
     from .serve.triton_repo import export_triton_repository
 
     folders = export_triton_repository(artifact_dir, repo_dir, prefix=prefix, instances=instances,
-                                       max_queue_delay_us=max_queue_delay_us, overwrite=overwrite)
+                                       max_queue_delay_us=max_queue_delay_us, overwrite=overwrite,
+                                       max_queue=max_queue, queue_timeout_s=queue_timeout_s)
     for name, folder in folders.items():
         click.echo(f"model: {name} ({folder})")
 
