@@ -826,6 +826,9 @@ def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, m
     Model "pipeline": inputs prompt (BYTES), optional negative_prompt, seed, steps, guidance_scale, height,
     width; output image (UINT8 [H, W, 3]). Needs `pip install 'diffusion-trt[serve]'`.
 
+    A request the rules refuse gets 400 / INVALID_ARGUMENT with one line naming the field and the allowed range; a
+    full queue or a request that waited too long 503 / UNAVAILABLE (README "Serving" lists the statuses).
+
     \b
     Examples:
       diffusion-trt serve artifacts/tiny
