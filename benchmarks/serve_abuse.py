@@ -10,8 +10,9 @@ each phase has a fixed number of requests. Phases, in order:
    Python reads them), then three raw bodies Triton's own JSON parser sees: malformed JSON, a JSON array, a
    JSON null, and 10 MB of junk (Triton 2.51 answers these 500 itself: README "Serving");
 3. ``abandoned``: ``--abandoned`` heavy requests (``--heavy-steps``) whose client gives up after
-   ``--abandon-after-s`` (the socket is closed), then one valid request, timed (the queue bound and the queue
-   timeout keep it from waiting behind all of them).
+   ``--abandon-after-s`` (the socket is closed), then one valid request, timed until it succeeds (503 "queue
+   full" retried every 0.5 s, as a client would): the queue bound and the queue timeout keep it from waiting
+   behind all of them.
 
 Figures (JSON on stdout): failures of valid requests, status codes of invalid / oversized / raw / abandoned
 requests, p50/p99 latency of valid requests, RSS of the server's Python process and of its whole process tree
@@ -84,13 +85,24 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
-def memory(pid: int | None) -> dict[str, float] | None:
-    """RSS (MB) of the server's Python process and of its process tree."""
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def memory(pid: int | None) -> dict[str, Any] | None:
+    """RSS (MB) of the server's Python process, of its process tree (shared memory counted in every process that
+    maps it), and per process name (tritonserver, the Python-backend stubs, PyTriton's helpers)."""
     if pid is None:
         return None
     tree = process_tree(pid)
+    by_name: dict[str, float] = {}
+    for p in tree[1:]:
+        by_name[_name(p)] = round(by_name.get(_name(p), 0.0) + rss_mb(p), 1)
     return {"python_mb": round(rss_mb(pid), 1), "tree_mb": round(sum(rss_mb(p) for p in tree), 1),
-            "processes": len(tree)}
+            "processes": len(tree), "children_mb": by_name}
 
 
 def _inputs(fields: dict[str, Any]) -> list[Any]:
@@ -206,18 +218,28 @@ def oversized(url: str, count: int, megabytes: float) -> dict[str, Any]:
             "raw_bodies": {name: raw_post(url, body)[0] for name, body in raw.items()}}
 
 
-def abandoned(url: str, count: int, steps: int, after_s: float, prompt: str) -> dict[str, Any]:
-    """Phase 3: heavy requests whose clients go away, then one valid request (timed)."""
+def abandoned(url: str, count: int, steps: int, after_s: float, prompt: str,
+              retry_for_s: float = 300) -> dict[str, Any]:
+    """Phase 3: heavy requests whose clients go away, then one valid request, timed until it succeeds (a 503, the
+    queue still full of the abandoned ones, is retried every 0.5 s for at most ``retry_for_s``)."""
     import tritonclient.http as http
 
     fields = {"prompt": prompt, "steps": steps, "seed": 0}
     with ThreadPoolExecutor(32) as pool:
         outcomes = list(pool.map(lambda _: abandon(url, fields, after_s), range(count)))
     client = http.InferenceServerClient(url, connection_timeout=60, network_timeout=600)
-    status, seconds = infer(client, {"prompt": prompt, "steps": 3, "seed": 1})
+    start = time.perf_counter()
+    status, _ = infer(client, {"prompt": prompt, "steps": 3, "seed": 1})
+    first = status
+    attempts = 1
+    while status == "503" and time.perf_counter() - start < retry_for_s:  # busy: retry as a client would
+        time.sleep(0.5)
+        status, _ = infer(client, {"prompt": prompt, "steps": 3, "seed": 1})
+        attempts += 1
     return {"abandoned": count, "heavy_steps": steps, "abandon_after_s": after_s,
-            "abandoned_outcomes": dict(Counter(outcomes)), "next_valid_status": status,
-            "next_valid_s": round(seconds, 2)}
+            "abandoned_outcomes": dict(Counter(outcomes)), "next_valid_first_status": first,
+            "next_valid_status": status, "next_valid_attempts": attempts,
+            "next_valid_s": round(time.perf_counter() - start, 2)}
 
 
 def run(url: str, *, pid: int | None = None, requests: int = 200, concurrency: int = 8, steps: int = 3,
