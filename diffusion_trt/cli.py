@@ -377,22 +377,39 @@ def _snap(name: str, value: int | None, lo: int | None = None, hi: int | None = 
     return snapped
 
 
-def _read_image(path: Path, flag: str, mode: str) -> Any:
+def _read_image(path: Path, flag: str, mode: str, max_hw: tuple[int, int] | None = None) -> Any:
     """Open an image file as a PIL image in ``mode`` ("RGB" for --image, "L" for --mask).
 
-    16-bit grayscale (PIL modes "I;16*", and "I" holding 0..65535) is scaled to 8 bits (``v / 257``) first: a
-    plain ``convert`` clips it to 255 (a white image). Images with transparency are refused, as
-    ``EnginePipeline`` refuses RGBA: dropping the alpha channel would silently change the picture.
+    The size in the file's header is checked against ``max_hw`` (height, width: the artifact profile's largest;
+    default :data:`~diffusion_trt.config.MAX_IMAGE_SIZE` squared) before a pixel is decoded, so a decompression
+    bomb (a small file whose header claims 100000x100000) costs nothing. 16-bit grayscale (PIL modes "I;16*", and
+    "I" holding 0..65535) is scaled to 8 bits (``v / 257``) first: a plain ``convert`` clips it to 255 (a white
+    image). Images with transparency are refused, as ``EnginePipeline`` refuses RGBA: dropping the alpha channel
+    would silently change the picture.
 
     Raises:
-        click.BadParameter: the file is not an image Pillow can read, has transparency, or holds 32-bit values
-            outside 0..65535.
+        click.BadParameter: the file is not an image Pillow can read, is larger than ``max_hw``, has transparency,
+            or holds 32-bit values outside 0..65535.
     """
+    import warnings
+
     import numpy as np
     from PIL import Image, UnidentifiedImageError
 
+    from .config import MAX_IMAGE_SIZE
+
+    max_h, max_w = max_hw or (MAX_IMAGE_SIZE, MAX_IMAGE_SIZE)
     try:
-        with Image.open(path) as im:
+        with warnings.catch_warnings():  # the size is checked below, against the profile: no Pillow warning line
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im_file = Image.open(path)
+        with im_file as im:
+            width, height = im.size  # from the header: nothing is decoded yet
+            if height > max_h or width > max_w:
+                raise click.BadParameter(
+                    f"{str(path)!r} is {width}x{height} (WxH), larger than the {max_w}x{max_h} the artifact's "
+                    "profile allows; resize it into the profile (or recompile with --max-height/--max-width)",
+                    param_hint=flag)
             if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
                 raise click.BadParameter(
                     f"{str(path)!r} has transparency (mode {im.mode}), which would be dropped silently; flatten it "
@@ -405,9 +422,25 @@ def _read_image(path: Path, flag: str, mode: str) -> Any:
                         "save it as an 8- or 16-bit PNG", param_hint=flag)
                 im = Image.fromarray(((values + 128) // 257).astype(np.uint8))  # 16 -> 8 bits ("L"), rounded
             return im.convert(mode)
+    except Image.DecompressionBombError as e:  # Pillow's own refusal, at open: a header claiming > 2 x its limit
+        raise click.BadParameter(
+            f"{str(path)!r} claims more pixels than any artifact profile allows ({e}); it looks like a "
+            f"decompression bomb: pass a real image of at most {max_w}x{max_h} (WxH)", param_hint=flag) from None
     except (UnidentifiedImageError, OSError) as e:
         raise click.BadParameter(f"cannot read {str(path)!r} as an image ({e}); pass a PNG or JPEG file",
                                  param_hint=flag) from None
+
+
+def _profile_max_hw(artifact_dir: Path) -> tuple[int, int] | None:
+    """The largest (height, width) of the artifact's profile (manifest.json), to refuse a too-large image before it is
+    decoded; ``None`` when the manifest has no readable profile (the pipeline's checks refuse such an artifact)."""
+    from .artifacts import read_manifest
+
+    try:
+        profile = read_manifest(artifact_dir)["profile"]
+        return int(profile["height"][2]), int(profile["width"][2])
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
 
 
 def _check_writable_file(path: Path, flag: str, suffix: str | None) -> None:
@@ -568,8 +601,11 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
       diffusion-trt run artifacts/sd15 -p "an oil painting" --image photo.png --strength 0.6
       diffusion-trt run artifacts/sd15-inpaint -p "a red door" --image house.png --mask door.png
     """
-    from .runtime.pipeline import save_png
+    from .runtime.pipeline import check_text, save_png
 
+    for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
+        if text is not None:
+            check_text(name, text)  # bytes that are not UTF-8 fail here, not in the tokenizer after the load
     if mask_path is not None and image_path is None:
         raise click.UsageError("--mask needs --image: the image to inpaint (the mask marks what to repaint)")
     if strength is not None and image_path is None:
@@ -583,8 +619,9 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
         from .runtime.schedulers import resolve_scheduler
 
         resolve_scheduler(scheduler)
-    image = _read_image(image_path, "--image", "RGB") if image_path is not None else None
-    mask = _read_image(mask_path, "--mask", "L") if mask_path is not None else None
+    max_hw = _profile_max_hw(artifact_dir) if image_path is not None else None
+    image = _read_image(image_path, "--image", "RGB", max_hw) if image_path is not None else None
+    mask = _read_image(mask_path, "--mask", "L", max_hw) if mask_path is not None else None
     _check_writable_file(out, "-o", ".png")  # before minutes of denoising, not after
     if snap and (height is not None or width is not None):
         from .artifacts import read_manifest
@@ -803,10 +840,15 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
               help="Instances per engine model.")
 @click.option("--max-queue-delay-us", type=click.IntRange(min=0), default=2000, show_default=True,
               help="Dynamic-batching delay of the engine models.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests waiting for the pipeline model at most; more get 503 / UNAVAILABLE at once.")
+@click.option("--queue-timeout-s", type=click.FloatRange(min=0), default=60, show_default=True,
+              help="A request that waited this long is dropped unrun (503 / UNAVAILABLE); a client may set its own "
+                   "with the request's 'timeout' parameter; 0 = no limit.")
 @click.option("--overwrite", is_flag=True, help="Replace models of the same names in REPO_DIR.")
 @_handle_errors
 def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances: int, max_queue_delay_us: int,
-                      overwrite: bool) -> None:
+                      max_queue: int, queue_timeout_s: float, overwrite: bool) -> None:
     """Write a Triton model repository serving ARTIFACT_DIR: one model per engine plus a BLS pipeline model.
 
     Engine models use platform onnxruntime_onnx or tensorrt_plan with dynamic batching; the pipeline model
@@ -821,7 +863,8 @@ def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances
     from .serve.triton_repo import export_triton_repository
 
     folders = export_triton_repository(artifact_dir, repo_dir, prefix=prefix, instances=instances,
-                                       max_queue_delay_us=max_queue_delay_us, overwrite=overwrite)
+                                       max_queue_delay_us=max_queue_delay_us, overwrite=overwrite,
+                                       max_queue=max_queue, queue_timeout_s=queue_timeout_s)
     for name, folder in folders.items():
         click.echo(f"model: {name} ({folder})")
 
@@ -838,17 +881,23 @@ def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances
               help="How long a request waits for batch-mates.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=100, show_default=True, help="Largest steps accepted.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Requests waiting at most; more get 'server busy'.")
+              help="Requests waiting in Triton's queue at most; more get 503 / UNAVAILABLE at once.")
+@click.option("--queue-timeout-s", type=click.FloatRange(min=0), default=60, show_default=True,
+              help="A request that waited this long is dropped unrun (503 / UNAVAILABLE); a client may set its own "
+                   "with the request's 'timeout' parameter (microseconds); 0 = no limit.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
 @click.option("--scheduler", default=None, help="Scheduler short name [default: the model's].")
 @_handle_errors
 def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, max_batch_size: int,
-              max_queue_delay_ms: float, max_steps: int, max_queue: int, device: str | None,
-              scheduler: str | None) -> None:
+              max_queue_delay_ms: float, max_steps: int, max_queue: int, queue_timeout_s: float,
+              device: str | None, scheduler: str | None) -> None:
     """Serve ARTIFACT_DIR through a Triton Inference Server (NVIDIA PyTriton) until Ctrl-C.
 
     Model "pipeline": inputs prompt (BYTES), optional negative_prompt, seed, steps, guidance_scale, height,
     width; output image (UINT8 [H, W, 3]). Needs `pip install 'diffusion-trt[serve]'`.
+
+    A request the rules refuse gets 400 / INVALID_ARGUMENT with one line naming the field and the allowed range; a
+    full queue or a request that waited too long 503 / UNAVAILABLE (README "Serving" lists the statuses).
 
     \b
     Examples:
@@ -859,7 +908,7 @@ def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, m
 
     config = ServeConfig(host=host, http_port=port, grpc_port=grpc_port or port + 1, max_batch_size=max_batch_size,
                          max_queue_delay_s=max_queue_delay_ms / 1000, max_steps=max_steps, max_queue=max_queue,
-                         device=device, scheduler=scheduler)
+                         queue_timeout_s=queue_timeout_s, device=device, scheduler=scheduler)
     serve(artifact_dir, config,
           on_ready=lambda: click.echo(f"ready: http://{host}:{port} grpc {host}:{config.grpc_port}", err=True))
 

@@ -369,11 +369,42 @@ def refit_map(model: Any, module: Any) -> dict[str, Any]:
     return {"format": REFIT_MAP_FORMAT, "weights": weights, "unmapped": sorted(set(unmapped))}
 
 
-def load_base_modules(model_dir: Path, components: Any) -> dict[str, Any]:
-    """The UNet and text encoder(s) of a diffusers folder, fp32 on the CPU (what compile exported).
+#: Weight files that are pickles: loading one runs arbitrary code (compile refuses them without --trust-pickle).
+PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth", ".pkl")
+
+
+def _weights_are_safetensors(folder: Path, trust_pickle: bool) -> bool:
+    """Whether ``folder`` (a component of a diffusers folder) is loaded from safetensors: True when it has any; else
+    its weights are pickles, allowed only with ``trust_pickle`` (the rule of ``compile --trust-pickle``).
 
     Raises:
-        LoraError: the folder or a component cannot be loaded.
+        LoraError: pickle weights without ``trust_pickle``, naming the file and the fix.
+    """
+    files = sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+    if any(p.suffix == ".safetensors" for p in files):
+        return True
+    pickles = [p for p in files if p.suffix in PICKLE_SUFFIXES]
+    if pickles and not trust_pickle:
+        raise LoraError(
+            f"{pickles[0]} is a pickle file and loading it runs arbitrary code; convert the model folder to "
+            "safetensors (save_pretrained(..., safe_serialization=True)) or pass trust_pickle=True "
+            "(load_lora(..., trust_pickle=True)) if you trust its source"
+        )
+    return not pickles  # no weights at all: let from_pretrained name what is missing
+
+
+def load_base_modules(model_dir: Path, components: Any, *, trust_pickle: bool = False) -> dict[str, Any]:
+    """The UNet and text encoder(s) of a diffusers folder, fp32 on the CPU (what compile exported).
+
+    Args:
+        model_dir: the diffusers folder.
+        components: "unet", "text_encoder", "text_encoder_2".
+        trust_pickle: allow ``.bin``/``.ckpt`` weights where a component has no safetensors (unpickling runs
+            arbitrary code), as ``compile --trust-pickle``.
+
+    Raises:
+        LoraError: the folder or a component cannot be loaded, or its weights are pickles and ``trust_pickle`` is
+            false.
     """
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
@@ -382,11 +413,14 @@ def load_base_modules(model_dir: Path, components: Any) -> dict[str, Any]:
                "text_encoder_2": CLIPTextModelWithProjection}
     models: dict[str, Any] = {}
     for comp in components:
+        use_st = _weights_are_safetensors(Path(model_dir) / comp, trust_pickle)
         try:
             if comp == "unet":
-                m = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet", local_files_only=True)
+                m = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet", local_files_only=True,
+                                                         use_safetensors=use_st)
             else:
-                m = classes[comp].from_pretrained(model_dir / comp, local_files_only=True)
+                m = classes[comp].from_pretrained(Path(model_dir) / comp, local_files_only=True,
+                                                  use_safetensors=use_st)
         except (OSError, ValueError) as e:
             raise LoraError(
                 f"cannot load {comp}/ from the model folder {model_dir} ({e}); load_lora needs the diffusers folder "
@@ -402,6 +436,8 @@ def refit_weights(
     model_dir: Path,
     lora: LoraFile,
     previous: dict[str, dict[str, Any]] | None = None,
+    *,
+    trust_pickle: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """The initializer values that turn the refittable engines into base + ``lora`` (see above).
 
@@ -410,17 +446,18 @@ def refit_weights(
         model_dir: the diffusers folder the artifact was compiled from.
         lora: the checked LoRA file and scale.
         previous: what the last call returned (its initializers go back to base if this LoRA leaves them).
+        trust_pickle: allow pickle weights in ``model_dir`` (see :func:`load_base_modules`).
 
     Returns:
         component -> {initializer name: numpy array in the initializer's dtype and layout}.
 
     Raises:
-        LoraError: the folder's weights are not the artifact's (a weight's sha256 differs from the map's), or
-            merging failed (see :func:`merge_loras`).
+        LoraError: the folder's weights are not the artifact's (a weight's sha256 differs from the map's), are
+            pickles without ``trust_pickle``, or merging failed (see :func:`merge_loras`).
     """
     import torch
 
-    models = load_base_modules(model_dir, list(maps))
+    models = load_base_modules(model_dir, list(maps), trust_pickle=trust_pickle)
     for comp, rmap in maps.items():
         params = dict(models[comp].named_parameters())
         for wname, e in rmap["weights"].items():

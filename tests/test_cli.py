@@ -381,3 +381,100 @@ def test_dump_passes_folder_checked_before_export(tiny_pipeline_dir: Path, tmp_p
     code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "a", "--dump-passes", blocker / "dump")
     assert code == 2 and "--dump-passes" in out and "cannot create the folder" in out
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "size"),
+    [
+        ({"height": 136, "width": 96, "min_height": 136, "max_height": 136, "min_width": 96, "max_width": 96},
+         (136, 96)),
+        ({"height": 128}, (128, 64)),
+    ],
+    ids=["static-136x96", "height-128"],
+)
+def test_default_size_is_the_artifact_opt_size(tiny_pipeline_dir: Path, tmp_path: Path, options: dict[str, int],
+                                               size: tuple[int, int]) -> None:
+    """No --height/--width: the profile's opt size (as --help says), not the model's 64x64 (issue 14, item 9)."""
+    from PIL import Image
+
+    from diffusion_trt.compiler.pipeline import compile_pipeline
+    from diffusion_trt.config import CompileConfig
+    from diffusion_trt.runtime import EnginePipeline
+
+    art = compile_pipeline(tiny_pipeline_dir, tmp_path / "art", CompileConfig(**options))
+    code, out = _invoke("run", art, "-p", "x", "--steps", "1", "-o", tmp_path / "o.png")
+    assert code == 0, out
+    assert Image.open(tmp_path / "o.png").size == (size[1], size[0])  # PIL: (width, height)
+    with EnginePipeline.from_artifacts(art) as pipe:
+        image = pipe("x", num_inference_steps=1, seed=0, progress=False, output_type="np").images
+    assert image.shape == (1, *size, 3)
+
+
+def _png_header(path: Path, width: int, height: int) -> Path:
+    """A PNG file whose header claims ``width`` x ``height`` (8-bit RGB) but holds one byte of image data: what Pillow
+    reads lazily from a decompression bomb before anything is decoded."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0"))
+                     + chunk(b"IEND", b""))
+    return path
+
+
+@pytest.mark.parametrize("flag", ["--image", "--mask"])
+@pytest.mark.parametrize("size", [100_000, 12_000])
+def test_oversized_images_are_refused_before_decoding(tiny_artifact: Path, tmp_path: Path, flag: str, size: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A header claiming 100000x100000 (Pillow's DecompressionBombError) or 12000x12000 (1.4 GB decoded): exit 2, one
+    line naming the file and the fix, and no pixel decoded (issue 14, item 8)."""
+    from PIL import Image, ImageFile
+
+    load = ImageFile.ImageFile.load
+
+    def no_decoding(self: ImageFile.ImageFile) -> object:
+        assert self.size != (size, size), "the image was decoded before its size was checked"
+        return load(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    bomb = _png_header(tmp_path / "bomb.png", size, size)
+    good = tmp_path / "good.png"
+    Image.new("RGB", (64, 64)).save(good)
+    args = ["--image", bomb] if flag == "--image" else ["--image", good, "--mask", bomb]
+    result = CliRunner().invoke(main, ["run", str(tiny_artifact), "-p", "x", *map(str, args),
+                                       "-o", str(tmp_path / "o.png")])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert str(bomb) in result.output and ("resize it into the profile" in result.output
+                                           or "decompression bomb" in result.output), result.output
+    assert lines[-1].startswith("Error:") and flag in result.output
+    assert not (tmp_path / "o.png").exists()
+
+
+@pytest.mark.parametrize("option", ["-p", "-n"])
+def test_non_utf8_prompt_is_one_line_exit_2(tiny_artifact: Path, tmp_path: Path, option: str) -> None:
+    """``-p $'\\xff\\xfe'``: Python hands the bytes on as lone surrogates; the tokenizer raised a TypeError (item 8)."""
+    args = ["-p", "\udcff\udcfe"] if option == "-p" else ["-p", "x", "-n", "ok \udcff"]
+    result = CliRunner().invoke(main, ["run", str(tiny_artifact), *args, "--steps", "1", "-o", str(tmp_path / "o.png")])
+    assert result.exit_code == 2, (result.output, result.exception)
+    name = "prompt" if option == "-p" else "negative_prompt"
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith(f"error: {name} is not valid UTF-8 text: the bytes b'\\xff"), result.output
+    assert "pass the prompt as UTF-8" in result.output and "Traceback" not in result.output
+
+
+def test_non_utf8_prompt_in_a_real_process(tiny_artifact: Path, tmp_path: Path) -> None:
+    """The same with real argv bytes (os.fsdecode's surrogateescape), stderr holds one line."""
+    exe = Path(sys.executable).parent / "diffusion-trt"
+    proc = subprocess.run([str(exe), "run", str(tiny_artifact), b"-p", b"\xff\xfe", "-o", str(tmp_path / "o.png")],
+                          capture_output=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.decode(errors="replace").strip().splitlines() == [
+        "error: prompt is not valid UTF-8 text: the bytes b'\\xff\\xfe' at character 0; pass the prompt as UTF-8 "
+        "(e.g. re-encode it with iconv -t UTF-8)"
+    ]

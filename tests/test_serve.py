@@ -44,6 +44,7 @@ class Server:
     http_url: str
     grpc_url: str
     log: Path
+    pid: int  # the serve process (its children: tritonserver and the Python-backend stubs)
 
 
 def _start(cmd: list[str], port: int, log: Path) -> subprocess.Popen[bytes] | None:
@@ -86,7 +87,8 @@ def server(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         port, grpc_port = _free_port(), _free_port()
         log = folder / f"serve-{attempt}.log"
         cmd = [str(exe), "serve", str(tiny_artifact), "--port", str(port), "--grpc-port", str(grpc_port),
-               "--max-batch-size", "4", "--max-queue-delay-ms", "50", "--max-steps", "20"]
+               "--max-batch-size", "4", "--max-queue-delay-ms", "50", "--max-steps", "20", "--max-queue", "4",
+               "--queue-timeout-s", "2"]
         proc = _start(cmd, port, log)
         if proc is not None:
             break
@@ -94,7 +96,7 @@ def server(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     if proc is None:
         pytest.fail("serve died twice during start-up; logs in " + str(folder))
     try:
-        yield Server(f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", log)
+        yield Server(f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", log, proc.pid)
     finally:
         _stop(proc)
 
@@ -111,7 +113,7 @@ def _inputs(module: Any, **fields: Any) -> list[Any]:
             if array.dtype == np.int32:
                 triton_type = "INT32"
         elif triton_type == "BYTES":
-            array = np.array([str(value).encode()], dtype=object)
+            array = np.array([value if isinstance(value, bytes) else str(value).encode()], dtype=object)
         else:
             array = np.array([value], dtype={"INT64": np.int64, "INT32": np.int32, "FP32": np.float32}[triton_type])
         tensor = module.InferInput(name, list(array.shape), triton_type)
@@ -159,26 +161,140 @@ def test_concurrent_requests_are_batched_and_equal(server: Server, expected: dic
     assert sum(sizes) == 8 and max(sizes) > 1, sizes
 
 
-@pytest.mark.parametrize(
-    ("fields", "message"),
-    [
-        ({"seed": 1}, "prompt is required"),
-        ({"prompt": "x", "steps": 0}, "steps=0 must be in 1..20"),
-        ({"prompt": "x", "height": 7}, "height=7 must be a multiple of 8"),
-        ({"prompt": "x" * 10_000}, "prompt has 10000 characters"),
-        ({"prompt": "x", "steps": np.array([3.0], np.float32)},
-         "input 'steps' data-type is 'FP32', but model 'pipeline' expects 'INT32'"),
-        ({"prompt": "x", "guidance_scale": 1e9}, "guidance_scale=1000000000.0 must be in 0..50"),
-    ],
-)
-def test_bad_input_gets_an_error_naming_the_field_and_the_server_keeps_serving(
+#: Requests our rules refuse, and the one line each must get: (fields, message). Status: HTTP 400 / INVALID_ARGUMENT.
+BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
+    ("missing-prompt", {"seed": 1}, "prompt is required (BYTES, shape [1])"),
+    ("steps-0", {"prompt": "x", "steps": 0}, "steps=0 must be in 1..20; use e.g. 30"),
+    ("steps-int32-max", {"prompt": "x", "steps": 2**31 - 1}, "steps=2147483647 must be in 1..20"),
+    ("height-65", {"prompt": "x", "height": 65}, "height=65 must be a multiple of 8 in 32..128 (the engines' profile)"),
+    ("height-100000", {"prompt": "x", "height": 100_000}, "height=100000 must be a multiple of 8 in 32..128"),
+    ("height-7", {"prompt": "x", "height": 7}, "height=7 must be a multiple of 8"),
+    ("guidance-nan", {"prompt": "x", "guidance_scale": float("nan")}, "guidance_scale=nan must be in 0..50"),
+    ("guidance-1e9", {"prompt": "x", "guidance_scale": 1e9}, "guidance_scale=1000000000.0 must be in 0..50"),
+    ("seed-minus-1", {"prompt": "x", "seed": -1}, "seed=-1 must be in 0..9223372036854775807"),
+    ("prompt-5000-chars", {"prompt": "x" * 5000}, "prompt has 5000 characters; at most 2000 are accepted"),
+    ("prompt-not-utf8", {"prompt": b"\xff\xfe"}, "prompt is not valid UTF-8 (invalid start byte at byte 0)"),
+    ("negative-not-utf8", {"prompt": "x", "negative_prompt": b"ok \xff"}, "negative_prompt is not valid UTF-8"),
+    # Triton's own check of the model config (never reaches Python): 400 too
+    ("steps-fp32", {"prompt": "x", "steps": np.array([3.0], np.float32)},
+     "input 'steps' data-type is 'FP32', but model 'pipeline' expects 'INT32'"),
+]
+
+
+def _no_internals(message: str) -> None:
+    """No traceback, no server path, no exception class in what a client reads."""
+    assert "Traceback" not in message and 'File "' not in message and "/tmp/" not in message, message
+    assert "Error:" not in message and "Exception" not in message and "\n" not in message.strip(), message
+
+
+@pytest.mark.parametrize(("fields", "message"), [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_input_gets_400_with_one_line_naming_the_field_and_the_server_keeps_serving(
     server: Server, expected: dict[int, np.ndarray], fields: dict[str, Any], message: str
 ) -> None:
+    """HTTP 400 and gRPC INVALID_ARGUMENT, the message one line naming the field and the range (issue 14, item 11;
+    before: 500 / INTERNAL with PyTriton's traceback and server paths)."""
     with pytest.raises(InferenceServerException) as err:
         _generate(server.http_url, **fields)
-    assert message in str(err.value), str(err.value)[-500:]
+    assert err.value.status() == "400", (err.value.status(), err.value.message()[-500:])
+    assert message in err.value.message(), err.value.message()[-500:]
+    _no_internals(err.value.message())
+    client = grpc.InferenceServerClient(server.grpc_url)
+    with pytest.raises(InferenceServerException) as err:
+        client.infer("pipeline", _inputs(grpc, **fields))
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT", (err.value.status(), err.value.message()[-500:])
+    assert message in err.value.message()
+    _no_internals(err.value.message())
     np.testing.assert_array_equal(_generate(server.http_url, prompt="a guohua landscape", seed=3, steps=STEPS),
                                   expected[3])
+
+
+def _benchmark(name: str) -> Any:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_oversized_prompt_is_refused_before_it_reaches_python(server: Server, expected: dict[int, np.ndarray]) -> None:
+    """A 48 MB prompt: 400 naming the field and the byte bound, refused by the proxy in Triton's Python-backend stub
+    before PyTriton copies it to the serve process, whose memory stays put (issue 14, item 12; before: 500 after
+    the whole body reached the 2,000-character check, and RSS grew by the body each time)."""
+    abuse = _benchmark("serve_abuse")
+    big = b"x" * (48 * 2**20)
+    _generate(server.http_url, prompt="warm-up", steps=1)
+    before = abuse.rss_mb(server.pid)
+    for _ in range(3):
+        with pytest.raises(InferenceServerException) as err:
+            _generate(server.http_url, prompt=big)
+        assert err.value.status() == "400", err.value.message()[-300:]
+        assert f"prompt is {len(big)} bytes; at most 8000 are accepted" in err.value.message()
+        _no_internals(err.value.message())
+    with pytest.raises(InferenceServerException) as err:
+        grpc.InferenceServerClient(server.grpc_url).infer("pipeline", _inputs(grpc, prompt="x", negative_prompt=big))
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and "negative_prompt is" in err.value.message()
+    grown = abuse.rss_mb(server.pid) - before
+    assert grown < 24, f"the serve process grew by {grown:.0f} MB over four 48 MB prompts"
+    np.testing.assert_array_equal(_generate(server.http_url, prompt="a guohua landscape", seed=4, steps=STEPS),
+                                  expected[4])
+
+
+def _statuses(url: str, n: int, **fields: Any) -> list[tuple[str, str]]:
+    """(status, message) of ``n`` concurrent requests ("200", "" when one succeeds)."""
+    def one(_: int) -> tuple[str, str]:
+        try:
+            http.InferenceServerClient(url, network_timeout=300).infer("pipeline", _inputs(http, **fields), **extra)
+            return "200", ""
+        except InferenceServerException as e:
+            return str(e.status()), e.message()
+
+    extra = {"timeout": fields.pop("timeout_us")} if "timeout_us" in fields else {}
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_a_full_queue_answers_503_and_expired_requests_are_dropped(server: Server) -> None:
+    """--max-queue 4, --queue-timeout-s 2 and 8 instances: of 20 heavy requests at once, 8 run, 4 wait and the rest get
+    503 "Exceeds maximum queue size" at once; a request that waited longer than 2 s is rejected (503 "Request timeout
+    expired"; here the client's own 20 ms timeout), not run (issue 14, item 13; before: every request waited, unbounded,
+    and was computed)."""
+    heavy = {"prompt": "a guohua landscape", "steps": 20}
+    results = _statuses(server.http_url, 20, **heavy)
+    codes = [c for c, _ in results]
+    assert set(codes) <= {"200", "503"} and codes.count("200") >= 8, results
+    full = [m for c, m in results if "Exceeds maximum queue size" in m]
+    assert full and all(c == "200" or "Exceeds maximum queue size" in m or "Request timeout expired" in m
+                        for c, m in results), results
+    stop = time.monotonic() + 8
+
+    def keep_busy(_: int) -> list[list[tuple[str, str]]]:
+        return [_statuses(server.http_url, 1, **heavy) for _ in iter(lambda: time.monotonic() < stop, False)]
+
+    with ThreadPoolExecutor(8) as pool:
+        busy = list(map(pool.submit, [keep_busy] * 8, range(8)))  # all 8 instances busy, back to back, for 8 s
+        time.sleep(3.0)
+        late = _statuses(server.http_url, 3, prompt="x", steps=1, timeout_us=20_000)  # 20 ms: less than any wait
+        assert all(c == "200" for f in busy for r in f.result() for c, _ in r)
+    assert all(c == "503" and "Request timeout expired" in m for c, m in late), late
+
+
+def test_bodies_triton_cannot_parse_get_its_one_line_error_and_leave_nothing_behind(server: Server) -> None:
+    """Malformed JSON, a JSON array, null, 10 MB of junk: Triton 2.51's own HTTP front end answers them (status 400
+    or 500, as README "Serving" documents: it cannot be configured) with one line, before any model code runs; the
+    process tree's memory does not keep the bodies (issue 14, item 14)."""
+    abuse = _benchmark("serve_abuse")
+    junk = os.urandom(10 * 2**20)
+    bodies = {"malformed": b'{"inputs": [', "array": b"[]", "null": b"null", "junk": junk}
+    abuse.raw_post(server.http_url, junk)  # the first large body sizes the server's buffers
+    before = sum(abuse.rss_mb(p) for p in abuse.process_tree(server.pid))
+    for _ in range(3):
+        for name, body in bodies.items():
+            status, text = abuse.raw_post(server.http_url, body)
+            assert status in (400, 500), (name, status, text)
+            assert text.startswith('{"error":') and "Traceback" not in text, (name, text)
+    grown = sum(abuse.rss_mb(p) for p in abuse.process_tree(server.pid)) - before
+    assert grown < 40, f"the server's processes grew by {grown:.0f} MB over 3 x 10 MB of junk"
+    assert _generate(server.http_url, prompt="x", steps=1).shape == (64, 64, 3)
 
 
 def test_load_200_requests_8_concurrent(server: Server) -> None:

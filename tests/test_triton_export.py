@@ -210,3 +210,55 @@ def test_a_prefix_that_makes_bad_model_names_is_refused(tiny_artifact: Path, tmp
     code, text = _invoke("export-triton", tiny_artifact, tmp_path / "repo", "--prefix", "bad name/")
     assert code == 2 and "would make model names Triton cannot load" in text
     assert not (tmp_path / "repo").exists()
+
+
+def test_pipeline_queue_is_bounded(repo: Path, tiny_artifact: Path, tmp_path: Path) -> None:
+    """The pipeline model waits for at most --max-queue requests (more: UNAVAILABLE) and rejects one that waited
+    --queue-timeout-s (issue 14, item 13); before: no dynamic_batching block, so an unbounded queue."""
+    pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] is not installed")
+    policy = _model_config(repo / "pipeline" / "config.pbtxt").dynamic_batching.default_queue_policy
+    assert policy.max_queue_size == 64 and policy.default_timeout_microseconds == 60_000_000
+    assert policy.allow_timeout_override and policy.timeout_action == pb2.ModelQueuePolicy.REJECT
+    out = tmp_path / "repo"
+    code, text = _invoke("export-triton", tiny_artifact, out, "--max-queue", "8", "--queue-timeout-s", "2.5")
+    assert code == 0, text
+    cfg = _model_config(out / "pipeline" / "config.pbtxt")
+    assert cfg.max_batch_size == 0
+    policy = cfg.dynamic_batching.default_queue_policy
+    assert policy.max_queue_size == 8 and policy.default_timeout_microseconds == 2_500_000
+
+
+def test_request_errors_are_invalid_argument(repo: Path) -> None:
+    """model.py answers a request its rules refuse with INVALID_ARG (HTTP 400 / gRPC INVALID_ARGUMENT), one line
+    (issue 14, item 11); before: the default code, INTERNAL (500)."""
+    import sys
+    import types
+
+    class TritonError:
+        INVALID_ARG = 3
+
+        def __init__(self, message: str, code: int = 0) -> None:
+            self.message, self.code = message, code
+
+    class Tensor:
+        def __init__(self, value: np.ndarray) -> None:
+            self.value = value
+
+        def as_numpy(self) -> np.ndarray:
+            return self.value
+
+    fake = types.SimpleNamespace(
+        TritonError=TritonError,
+        InferenceResponse=lambda output_tensors, error=None: types.SimpleNamespace(error=error),
+        get_input_tensor_by_name=lambda request, name: None if name not in request else Tensor(request[name]),
+    )
+    module = _load_model_py(repo)
+    model = module.TritonPythonModel()
+    model.config = json.loads((repo / "pipeline" / "1" / "pipeline.json").read_text())
+    sys.modules["triton_python_backend_utils"] = fake  # type: ignore[assignment]
+    try:
+        (response,) = model.execute([{"prompt": _b("x"), "steps": np.array([0], np.int32)}])
+    finally:
+        del sys.modules["triton_python_backend_utils"]
+    assert response.error.code == TritonError.INVALID_ARG
+    assert response.error.message == "steps=0 must be in 1..150; use e.g. 30"

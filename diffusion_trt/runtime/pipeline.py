@@ -46,7 +46,7 @@ from .png import save_png
 from .schedulers import make_scheduler, short_name
 from .sdxl import SDXL_COMPONENTS, SdxlConditioning, add_time_ids
 
-__all__ = ["OUTPUT_TYPES", "EnginePipeline", "EnginePipelineOutput", "save_png"]
+__all__ = ["OUTPUT_TYPES", "EnginePipeline", "EnginePipelineOutput", "check_text", "save_png"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,8 +170,10 @@ class EnginePipeline:
             ) from e
         self.vae_scale_factor = int(model.get("vae_scale_factor", 8))
         self.vae_scaling_factor = float(model.get("vae_scaling_factor", 0.18215))
-        self.default_height = int(model.get("default_height", self.profile.height.opt))
-        self.default_width = int(model.get("default_width", self.profile.width.opt))
+        #: the size of a call without height/width: the profile's opt size, the one the engines were tuned for
+        #: (equal to the model's default size unless compile was given --height/--width or a static profile)
+        self.default_height = int(self.profile.height.opt)
+        self.default_width = int(self.profile.width.opt)
         self.tokenizer = tokenizer
         text_len = model.get("text_max_length")
         if text_len is not None and tokenizer.model_max_length != text_len:
@@ -445,7 +447,8 @@ class EnginePipeline:
     # -- LoRA -------------------------------------------------------------------------------------------
 
     def load_lora(
-        self, path: str | os.PathLike[str], scale: float = 1.0, *, model_dir: str | os.PathLike[str] | None = None
+        self, path: str | os.PathLike[str], scale: float = 1.0, *, model_dir: str | os.PathLike[str] | None = None,
+        trust_pickle: bool = False,
     ) -> dict[str, Any]:
         """Refit the engines to the compiled (base) weights plus ``scale`` x this LoRA: TensorRT ``--refittable``
         artifacts only. Every call starts from the base weights, never from the previous LoRA; ``scale=0`` gives
@@ -465,6 +468,8 @@ class EnginePipeline:
             path: a ``.safetensors`` LoRA (any format diffusers' ``load_lora_weights`` reads).
             scale: its weight, a finite number.
             model_dir: the diffusers folder the artifact was compiled from; default the manifest's ``source.path``.
+            trust_pickle: allow its weights as pickle files (``.bin``; unpickling runs arbitrary code), as
+                ``compile --trust-pickle``; by default only safetensors are read.
 
         Returns:
             ``{"file", "sha256", "scale", "refitted": {component: initializers refitted}}``, also kept in :attr:`lora`.
@@ -473,7 +478,7 @@ class EnginePipeline:
             LoraError: a missing / non-safetensors file or a bad scale; the file merged into the artifact at compile
                 time already (applying it again would double it); an ORT artifact; a TensorRT artifact built without
                 ``--refittable``; a model folder that is missing or not the artifact's source; a LoRA changing
-                weights the engines cannot refit.
+                weights the engines cannot refit; pickle weights in the model folder without ``trust_pickle``.
         """
         from ..lora import check_lora_file, onnx_initializers, refit_weights
 
@@ -505,7 +510,7 @@ class EnginePipeline:
         source = model_dir if model_dir is not None else self.manifest.get("source", {}).get("path")
         if not source:
             raise LoraError("the manifest names no source model folder; pass model_dir= the diffusers folder")
-        weights = refit_weights(maps, Path(source), lora, self._lora_weights)
+        weights = refit_weights(maps, Path(source), lora, self._lora_weights, trust_pickle=trust_pickle)
         for comp, values in weights.items():
             if values:
                 onnx_path = safe_join(root, str(comps[comp]["onnx"]))
@@ -599,7 +604,7 @@ class EnginePipeline:
                 ``generator=torch.Generator("cpu").manual_seed(seed)``). With neither ``seed`` nor
                 ``generator``, a seed is drawn from torch's global RNG and reported in the output.
             height, width: image size in pixels, multiples of 8 inside the artifact's profile; default the
-                model's size.
+                profile's opt size (``compile --height/--width``; the model's size when those were not given).
             num_images_per_prompt: N images per prompt; B = P x N >= the profile's min batch; above its max
                 batch the request runs in engine-sized chunks (same images as one call for deterministic
                 schedulers; see :mod:`~diffusion_trt.runtime.batching` for seeds).
@@ -927,10 +932,31 @@ def _components_to_open(manifest: Mapping[str, Any]) -> tuple[str, ...]:
 
 def _prompt_list(name: str, prompt: Any) -> list[str]:
     if isinstance(prompt, str):
-        return [prompt]
+        return [check_text(name, prompt)]
     if isinstance(prompt, Sequence) and prompt and all(isinstance(p, str) for p in prompt):
-        return list(prompt)
+        return [check_text(f"{name}[{i}]" if len(prompt) > 1 else name, p) for i, p in enumerate(prompt)]
     raise RuntimeInputError(f"{name}={prompt!r} must be a string or a non-empty list of strings")
+
+
+def check_text(name: str, text: str) -> str:
+    """``text`` if it is valid Unicode (encodable as UTF-8): what every prompt of :meth:`EnginePipeline.__call__` must
+    be (the CLI checks its prompts with it before loading the engines).
+
+    Raises:
+        RuntimeInputError: a lone surrogate, e.g. ``"\\udcff"``: how Python passes on command-line bytes that are not
+            UTF-8 (``-p $'\\xff'``); the tokenizer would fail on it with a TypeError.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start:e.end]
+        raw = bytes(ord(c) - 0xDC00 for c in bad if 0xDC80 <= ord(c) <= 0xDCFF)
+        what = f"the bytes {raw!r}" if len(raw) == len(bad) else f"{bad!r}"
+        raise RuntimeInputError(
+            f"{name} is not valid UTF-8 text: {what} at character {e.start}; pass the prompt as UTF-8 (e.g. re-encode "
+            "it with iconv -t UTF-8)"
+        ) from None
+    return text
 
 
 def _zero_pair(value: Any) -> bool:
@@ -941,7 +967,7 @@ def _zero_pair(value: Any) -> bool:
 def _per_prompt(name: str, value: Any, n: int) -> list[str]:
     """One string for each of ``n`` prompts: a string for all of them, or a list of ``n``."""
     if isinstance(value, str):
-        return [value] * n
+        return [check_text(name, value)] * n
     values = _prompt_list(name, value)
     if len(values) != n:
         raise RuntimeInputError(
@@ -954,7 +980,7 @@ def _negative_list(negative: Any, n: int) -> list[str]:
     if negative is None:
         return [""] * n
     if isinstance(negative, str):
-        return [negative] * n
+        return [check_text("negative_prompt", negative)] * n
     negatives = _prompt_list("negative_prompt", negative)
     if len(negatives) != n:
         raise RuntimeInputError(

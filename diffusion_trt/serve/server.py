@@ -11,9 +11,14 @@ valid one to :class:`MicroBatcher`, which merges requests that arrive within ``m
 share (height, width, steps, guidance) into one ``EnginePipeline`` call of up to ``max_batch_size`` images,
 with one CPU generator per image: each image is the one its seed gives alone.
 
-Bounds (a request cannot exhaust the server): prompt length, steps, guidance, height/width inside the
-engines' profile, images per engine call, and the number of requests waiting (beyond it: "server busy").
-Listens on 127.0.0.1 unless told otherwise.
+Bounds (a request cannot exhaust the server): prompt length (in characters here, and in bytes before the
+request reaches this process), steps, guidance, height/width inside the engines' profile, images per engine
+call, the number of requests waiting in Triton's queue (beyond it: 503 / UNAVAILABLE) and how long one may wait
+there (then it is dropped unrun: 503 / UNAVAILABLE "Request timeout expired"); see :mod:`.pytriton_proxy`.
+
+Statuses: a request the rules refuse gets 400 / INVALID_ARGUMENT with one line naming the field and the allowed
+range; a full queue 503 / UNAVAILABLE; anything else 500 / INTERNAL "see the server log" (the traceback is
+logged here, never sent). Listens on 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DiffusionTrtError
-from . import triton_model
+from ..errors import DiffusionTrtError, RuntimeInputError
+from . import pytriton_proxy, triton_model
+from .pytriton_proxy import StatusError
 from .triton_model import RequestError, parse_request
 
 logger = logging.getLogger(__name__)
@@ -56,7 +62,9 @@ class ServeConfig:
         http_port, grpc_port: KServe v2 endpoints.
         max_batch_size: images per engine call (capped by the artifact's batch profile).
         max_queue_delay_s: how long the first request of a batch waits for batch-mates.
-        max_queue: valid requests waiting for the pipeline at most; more are refused ("server busy").
+        max_queue: requests waiting in Triton's queue at most; more are refused with 503 / UNAVAILABLE.
+        queue_timeout_s: a request that waited this long in that queue is dropped unrun (503 / UNAVAILABLE); a
+            client's own ``timeout`` request parameter overrides it; 0 = no limit.
         instances: parallel Triton model instances (requests accepted at once).
         max_prompt_chars, max_steps, max_guidance: request bounds (see :data:`triton_model.DEFAULT_LIMITS`).
         device: "cpu"/"cuda"; ``None`` = the artifact's.
@@ -69,6 +77,7 @@ class ServeConfig:
     max_batch_size: int = 4
     max_queue_delay_s: float = 0.01
     max_queue: int = 64
+    queue_timeout_s: float = 60.0
     instances: int = 8
     max_prompt_chars: int = 2000
     max_steps: int = 100
@@ -79,6 +88,11 @@ class ServeConfig:
     def limits(self) -> dict[str, float]:
         return {"max_prompt_chars": self.max_prompt_chars, "max_steps": self.max_steps,
                 "max_guidance": self.max_guidance}
+
+    def max_bytes(self) -> dict[str, int]:
+        """The byte bound of each text input, checked before a request reaches this process (UTF-8: <= 4 bytes a
+        character)."""
+        return {name: 4 * self.max_prompt_chars for name in ("prompt", "negative_prompt")}
 
 
 @dataclass
@@ -117,14 +131,14 @@ class MicroBatcher:
         """Queue one validated request; its future gets the uint8 image [H, W, 3].
 
         Raises:
-            RequestError: the queue is full (field "prompt": the request as a whole).
+            StatusError: UNAVAILABLE, the queue is full.
         """
         job = _Job(params, Future())
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            busy = f"prompt not queued: server busy, {self._queue.maxsize} requests are waiting; retry later"
-            raise RequestError("prompt", busy) from None
+            busy = f"server busy: {self._queue.maxsize} requests are waiting for the pipeline; retry later"
+            raise StatusError("UNAVAILABLE", busy) from None
         return job.future
 
     def close(self) -> None:
@@ -208,14 +222,19 @@ def bind_pipeline(triton: Any, pipe: Any, config: ServeConfig) -> MicroBatcher:
 
     facts = {"model": pipe.manifest["model"], "profile": pipe.manifest["profile"], "limits": config.limits()}
     cap = int(pipe.profile.batch.max)
-    batcher = MicroBatcher(pipe, max(1, min(config.max_batch_size, cap)), config.max_queue_delay_s, config.max_queue)
+    # at most `instances` requests are in this process at once (the rest wait in Triton's bounded queue), so the
+    # batcher's own queue never refuses one
+    batcher = MicroBatcher(pipe, max(1, min(config.max_batch_size, cap)), config.max_queue_delay_s, config.instances)
 
     def infer(requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
         futures = []
         for request in requests:  # unbatched model: one request per call
-            params = parse_request({name: request.data.get(name) for name in request.data}, facts)
+            try:
+                params = parse_request({name: request.data.get(name) for name in request.data}, facts)
+            except RequestError as e:  # 400 / INVALID_ARGUMENT, this line only (pytriton_proxy)
+                raise StatusError("INVALID_ARG", str(e)) from None
             futures.append(batcher.submit(params))
-        return [{"image": f.result()} for f in futures]
+        return [{"image": _image(f)} for f in futures]
 
     dtypes = {"BYTES": bytes, "INT64": np.int64, "INT32": np.int32, "FP32": np.float32}
     inputs = [Tensor(name=name, dtype=dtypes[t], shape=(1,), optional=True)
@@ -229,6 +248,14 @@ def bind_pipeline(triton: Any, pipe: Any, config: ServeConfig) -> MicroBatcher:
         strict=True,
     )
     return batcher
+
+
+def _image(future: Future[np.ndarray]) -> np.ndarray:
+    """The future's image; a runtime check the request failed (RuntimeInputError) is the client's error (400)."""
+    try:
+        return future.result()
+    except RuntimeInputError as e:
+        raise StatusError("INVALID_ARG", str(e)) from None
 
 
 def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = None,
@@ -252,6 +279,8 @@ def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = Non
     _python_backend_libpath()
     stop = stop or threading.Event()
     with contextlib.ExitStack() as stack:
+        stack.enter_context(pytriton_proxy.patched(MODEL_NAME, max_bytes=config.max_bytes(),
+                                                   max_queue=config.max_queue, timeout_s=config.queue_timeout_s))
         pipe = stack.enter_context(EnginePipeline.from_artifacts(artifact_dir, device=config.device,
                                                                  scheduler=config.scheduler))
         triton_config = TritonConfig(

@@ -78,8 +78,10 @@ def _scalar(name: str, value: np.ndarray | None) -> Any:
         if isinstance(item, bytes | np.bytes_):
             try:
                 return bytes(item).decode("utf-8")
-            except UnicodeDecodeError:
-                raise RequestError(name, f"{name} is not valid UTF-8") from None
+            except UnicodeDecodeError as e:
+                raise RequestError(
+                    name, f"{name} is not valid UTF-8 ({e.reason} at byte {e.start}); send the text as UTF-8"
+                ) from None
         if not isinstance(item, str):
             raise RequestError(name, f"{name} must be BYTES, got {type(item).__name__}")
         return item
@@ -94,8 +96,8 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], config: Mapping[str, 
 
     Args:
         inputs: tensor name -> array (absent or ``None`` = not sent). Unknown names are refused.
-        config: ``pipeline.json``: ``limits``, ``defaults``, ``profile`` and ``model`` (``vae_scale_factor``,
-            ``default_height``/``default_width``).
+        config: ``pipeline.json``: ``limits``, ``defaults``, ``profile`` (its opt height/width are the default
+            size) and ``model`` (``vae_scale_factor``).
 
     Raises:
         RequestError: naming the field, the value and the fix.
@@ -136,7 +138,7 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], config: Mapping[str, 
     scale = int(model.get("vae_scale_factor", 8))
     for name in ("height", "width"):
         lo, _opt, hi = profile[name]
-        value = values.get(name, model.get(f"default_{name}", _opt))
+        value = values.get(name, _opt)  # the profile's opt size, as EnginePipeline
         if value % scale or not lo <= value <= hi:
             raise RequestError(
                 name, f"{name}={value} must be a multiple of {scale} in {lo}..{hi} (the engines' profile); "
@@ -222,6 +224,14 @@ def load_pipeline_assets(model_dir: str | Path) -> tuple[dict[str, Any], Any, An
     return config, tokenizer, scheduler_cls.from_config(sched_cfg)
 
 
+def _client_error(pb_utils: Any, error: RequestError) -> Any:
+    """A ``TritonError`` with code INVALID_ARG (Triton answers HTTP 400 / gRPC INVALID_ARGUMENT); a Python backend
+    older than codes (before 23.09) gets the default code."""
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
+    message = " ".join(str(error).split())
+    return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+
+
 class TritonPythonModel:
     """The Triton Python-backend entry points (``initialize``, ``execute``, ``finalize``)."""
 
@@ -256,7 +266,9 @@ class TritonPythonModel:
                 scheduler = type(self.scheduler).from_config(self.scheduler.config)
                 image = text_to_image(params, self.config, self.tokenizer, scheduler, self._infer)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("image", image)]))
-            except (RequestError, RuntimeError) as e:
+            except RequestError as e:  # the client's error: INVALID_ARG (HTTP 400, gRPC INVALID_ARGUMENT), one line
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=_client_error(pb_utils, e)))
+            except RuntimeError as e:  # an engine model's call failed (its one-line error): INTERNAL (500)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))))
         return responses
 

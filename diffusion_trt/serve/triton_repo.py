@@ -115,8 +115,16 @@ def engine_config(name: str, entry: Mapping[str, Any], backend: str, device: str
     return "\n".join(lines) + "\n"
 
 
-def pipeline_config(name: str, *, instances: int = 1) -> str:
-    """``config.pbtxt`` text of the Python-backend pipeline model (request layout: :mod:`.triton_model`)."""
+def pipeline_config(name: str, *, instances: int = 1, max_queue: int = 64, queue_timeout_s: float = 60.0) -> str:
+    """``config.pbtxt`` text of the Python-backend pipeline model (request layout: :mod:`.triton_model`).
+
+    Its queue is bounded (``dynamic_batching`` with a ``default_queue_policy``; with ``max_batch_size: 0`` each
+    execution still gets one request): beyond ``max_queue`` waiting requests Triton answers UNAVAILABLE (HTTP 503),
+    and a request that waited ``queue_timeout_s`` (0 = no limit; a client's ``timeout`` parameter overrides it) is
+    rejected with UNAVAILABLE instead of being run. The engine models need no bound of their own: only the
+    pipeline's ``instances`` call them.
+    """
+    timeout_us = int(queue_timeout_s * 1e6)
     inputs = []
     for field, (_kinds, triton_type) in triton_model.FIELDS.items():
         dtype = "TYPE_STRING" if triton_type == "BYTES" else f"TYPE_{triton_type}"
@@ -133,6 +141,10 @@ def pipeline_config(name: str, *, instances: int = 1) -> str:
         '  { name: "image" data_type: TYPE_UINT8 dims: [ -1, -1, 3 ] }',
         "]",
         f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]",
+        "dynamic_batching {",
+        f"  default_queue_policy {{ timeout_action: REJECT default_timeout_microseconds: {timeout_us}"
+        f" allow_timeout_override: true max_queue_size: {int(max_queue)} }}",
+        "}",
     ]) + "\n"
 
 
@@ -171,6 +183,8 @@ def export_triton_repository(
     instances: int = 1,
     max_queue_delay_us: int = 2000,
     overwrite: bool = False,
+    max_queue: int = 64,
+    queue_timeout_s: float = 60.0,
 ) -> dict[str, Path]:
     """Write a Triton model repository serving the artifact (see the module docstring).
 
@@ -181,6 +195,7 @@ def export_triton_repository(
         instances: instances per engine model.
         max_queue_delay_us: the engines' dynamic-batching delay.
         overwrite: replace models of the same names that already exist.
+        max_queue, queue_timeout_s: the pipeline model's queue bound (see :func:`pipeline_config`).
 
     Returns:
         Model name -> model folder.
@@ -237,7 +252,8 @@ def export_triton_repository(
     shutil.copy2(artifacts.safe_join(root, manifest["scheduler"]["config"]), version / "scheduler_config.json")
     facts = pipeline_facts(manifest, {c: names[c] for c in PIPELINE_ENGINES})
     (version / "pipeline.json").write_text(json.dumps(facts, indent=2) + "\n", encoding="utf-8")
-    (folders[pipeline_name] / "config.pbtxt").write_text(pipeline_config(pipeline_name), encoding="utf-8")
+    text = pipeline_config(pipeline_name, max_queue=max_queue, queue_timeout_s=queue_timeout_s)
+    (folders[pipeline_name] / "config.pbtxt").write_text(text, encoding="utf-8")
     logger.info("wrote Triton models %s to %s", ", ".join(folders), repo)
     return folders
 

@@ -374,6 +374,33 @@ def test_refit_weights_refuse_another_model_folder(
         refit_weights(refit_maps, other, check_lora_file(loras["peft"], 1.0))
 
 
+def test_base_weights_as_pickle_need_trust_pickle(
+    tiny_pipeline_dir: Path, tmp_path: Path, loras: dict[str, Path], refit_maps: dict[str, dict[str, Any]]
+) -> None:
+    """load_lora's base weights follow compile's rule: a pickle (.bin) is refused, naming the file and the fix,
+    unless trust_pickle=True (issue 14, item 10); before, load_base_modules unpickled it without asking."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from diffusion_trt.lora import check_lora_file, load_base_modules, refit_weights
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(tiny_pipeline_dir, pickled)
+    folder = pickled / "text_encoder"
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    lora = check_lora_file(loras["peft"], 1.0)
+    for call in (lambda **kw: refit_weights(refit_maps, pickled, lora, **kw),
+                 lambda **kw: load_base_modules(pickled, ["text_encoder"], **kw)):
+        with pytest.raises(LoraError) as e:
+            call()
+        assert str(e.value).startswith(f"{folder / 'pytorch_model.bin'} is a pickle file and loading it runs arbitrary")
+        assert "trust_pickle=True" in str(e.value)
+    weights = refit_weights(refit_maps, pickled, lora, trust_pickle=True)
+    assert weights["text_encoder"] and weights["unet"]
+
+
 def test_load_lora_bad_input(tiny_artifact: Path, peft_artifact: Path, loras: dict[str, Path], tmp_path: Path) -> None:
     (tmp_path / "w.bin").write_bytes(b"x")
     with EnginePipeline.from_artifacts(tiny_artifact) as pipe:

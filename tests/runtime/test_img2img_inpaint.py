@@ -310,3 +310,36 @@ def test_text_to_image_only_tools_refuse_inpainting_artifacts(inpaint_artifact: 
                         "--calibration-size", "1")
     assert code != 0 and "not supported for inpainting models" in out, out
     assert not (tmp_path / "int8").exists()
+
+
+@pytest.mark.parametrize("which", ["image", "mask_image"])
+def test_lazily_opened_huge_image_is_refused_before_decoding(pipe: EnginePipeline, tmp_path: Path, which: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PIL image straight from ``Image.open`` (lazy) whose header says 12000x12000: refused on its header size,
+    never decoded (1.4 GB) (issue 14, item 8)."""
+    import struct
+    import zlib
+
+    from PIL import ImageFile
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    path = tmp_path / "big.png"
+    ihdr = struct.pack(">IIBBBBB", 12000, 12000, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0"))
+                     + chunk(b"IEND", b""))
+    load = ImageFile.ImageFile.load
+
+    def no_decoding(self: ImageFile.ImageFile) -> object:
+        assert self.size != (12000, 12000), "the image was decoded before its size was checked"
+        return load(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    with Image.open(path) as big:
+        kwargs = {"image": big} if which == "image" else {"image": _image(), "mask_image": big}
+        with pytest.raises(RuntimeInputError) as e:
+            pipe("a cat", num_inference_steps=4, seed=0, progress=False, **kwargs)
+    message = "image height=12000 is outside the engine profile 32..128" if which == "image" else (
+        "mask_image is 12000x12000 (WxH) but the image is 64x64")
+    assert message in str(e.value)

@@ -129,6 +129,10 @@ def test_size_outside_profile(toy_pipe: EnginePipeline, kw: str, value: int) -> 
         ({"num_images_per_prompt": 2, "generator": [torch.Generator()] * 3}, "list of 3 but the batch is 2"),
         ({"latents": torch.zeros(1, 4, 64, 64)}, "latents have shape (1, 4, 64, 64); for batch 1 at 64x64"),
         ({"latents": torch.zeros(1, 4, 8, 8, dtype=torch.int64)}, "latents must be a float torch.Tensor"),
+        # lone surrogates: bytes that were not UTF-8 (a command line's $'\xff\xfe'); the tokenizer raised TypeError
+        ({"prompt": "\udcff\udcfe"}, "prompt is not valid UTF-8 text: the bytes b'\\xff\\xfe' at character 0"),
+        ({"prompt": ["a", "b\udcff"]}, "prompt[1] is not valid UTF-8 text"),
+        ({"negative_prompt": "\ud800"}, "negative_prompt is not valid UTF-8 text: '\\ud800' at character 0"),
     ],
 )
 def test_invalid_arguments(toy_pipe: EnginePipeline, kwargs: dict[str, Any], piece: str) -> None:
