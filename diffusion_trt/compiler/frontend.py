@@ -18,9 +18,9 @@ from typing import Any
 
 from .. import artifacts
 from ..config import CompileConfig
-from . import export
+from ..errors import OutputPathError
+from . import export, pipeline
 from .cache import CompileCache, cache_key, mark_stored, uncacheable
-from .pipeline import check_output_folder, compile_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +82,11 @@ def compile_model(
     model, out = Path(model), Path(out_dir)
     config = config or CompileConfig()
     t0 = time.perf_counter()
+    if model.is_file() and out.is_dir() and any(out.iterdir()) and not overwrite:  # before converting it
+        raise OutputPathError(f"output folder {out} already exists; pass --overwrite or choose another -o")
     source, info = _source_identity(model, config, prediction_type)
     if info is None:
-        check_output_folder(out, model)
+        pipeline.check_output_folder(out, model)
     why = uncacheable(config) if cache is not None else "--no-cache"
     key, facts = cache_key(source, config) if not why else ("", {})
     if why:
@@ -96,14 +98,16 @@ def compile_model(
                     time.perf_counter() - t0)
         return out
     if info is None:
-        compile_pipeline(model, out, config, overwrite=overwrite, progress=progress, lock_timeout=lock_timeout)
+        pipeline.compile_pipeline(model, out, config, overwrite=overwrite, progress=progress,
+                                  lock_timeout=lock_timeout)
     else:
         from .single_file import folder_from_single_file
 
         tmp = Path(tempfile.mkdtemp(prefix="diffusion-trt-single-file-"))
         try:
             folder = folder_from_single_file(model, info, tmp / model.stem)
-            compile_pipeline(folder, out, config, overwrite=overwrite, progress=progress, lock_timeout=lock_timeout)
+            pipeline.compile_pipeline(folder, out, config, overwrite=overwrite, progress=progress,
+                                      lock_timeout=lock_timeout)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         _record_single_file(out, model, source)
