@@ -22,8 +22,13 @@ import click
 
 from .compiler.dummy import ARCHS  # a tuple of names: dummy.py imports torch/diffusers only when called
 from .errors import DiffusionTrtError
+from .runtime.schedulers import scheduler_names  # a table of names: diffusers is imported only when one is built
 
 logger = logging.getLogger("diffusion_trt")
+
+#: --scheduler's help: every name (lms needs scipy: the schedulers extra).
+SCHEDULER_HELP = (f"Scheduler, one of {', '.join(scheduler_names())} (lms needs scipy: "
+                  "pip install 'diffusion-trt[schedulers]')")
 
 #: Seeds: what torch.Generator.manual_seed takes without overflow (as the runtime checks).
 SEED = click.IntRange(0, 2**63 - 1)
@@ -543,7 +548,7 @@ def _print_pass_table(path: Path) -> None:
 @click.option("--height", type=int, default=None, help="[default: the artifact's opt height]")
 @click.option("--width", type=int, default=None, help="[default: the artifact's opt width]")
 @click.option("--batch-size", type=int, default=1, show_default=True, help="Images for the prompt.")
-@click.option("--scheduler", default=None, help="Scheduler short name, e.g. ddim, euler, dpm++ [default: the model's].")
+@click.option("--scheduler", default=None, help=f"{SCHEDULER_HELP} [default: the model's].")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
 @click.option("--snap", is_flag=True, help="Snap --height/--width to the nearest size the artifact allows (logged).")
 @click.option("--devices", default=None,
@@ -755,7 +760,7 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
 @click.option("--stage-iters", type=int, default=20, show_default=True, help="Timed calls per stage (median).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
 @click.option("--devices", default=None, help="CUDA devices, e.g. 0,1: ours on the first, multi-GPU on all.")
-@click.option("--scheduler", default=None, help="Scheduler short name for both sides [default: the model's].")
+@click.option("--scheduler", default=None, help=f"{SCHEDULER_HELP} for both sides [default: the model's].")
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
               help="Our engines as CUDA graphs [default: on for static CUDA artifacts and TensorRT].")
 @click.option("--runtime-cache", "runtime_cache", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -851,7 +856,7 @@ def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests waiting at most; more get 'server busy'.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
-@click.option("--scheduler", default=None, help="Scheduler short name [default: the model's].")
+@click.option("--scheduler", default=None, help=f"{SCHEDULER_HELP} [default: the model's].")
 @_handle_errors
 def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, max_batch_size: int,
               max_queue_delay_ms: float, max_steps: int, max_queue: int, device: str | None,
