@@ -606,7 +606,11 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
         height = _snap("height", height, *(profile.get("height", [None, None, None])[::2]))
         width = _snap("width", width, *(profile.get("width", [None, None, None])[::2]))
     device_list = _parse_devices(devices, device)
-    with _open_pipeline(artifact_dir, device, scheduler, device_list, cuda_graph, runtime_cache) as pipe:
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    # log lines (a truncated prompt...) go through tqdm.write: they never cut the step bar on a terminal
+    with logging_redirect_tqdm(loggers=[logger]), \
+            _open_pipeline(artifact_dir, device, scheduler, device_list, cuda_graph, runtime_cache) as pipe:
         result = pipe(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -702,7 +706,8 @@ def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: 
         sys.exit(3)
     what = "sha256 and size" if not no_hashes else "size"
     host = "host not checked" if no_host else "runs on this machine" if target is None else "runs on the target"
-    click.echo(f"{artifact_dir}: ok ({report.checked_files} files, {what}; {host})")
+    matches = f"; the weights of {source} were compiled" if source is not None else ""
+    click.echo(f"{artifact_dir}: ok ({report.checked_files} files, {what}; {host}{matches})")
 
 
 
