@@ -80,9 +80,9 @@ def read_shapes(path: str | Path) -> dict[str, list[int]]:
     path = Path(path)
     if path.suffix.lower() != ".safetensors":
         raise ModelFolderError(
-            f"{path} is not a .safetensors file; single-file checkpoints are read from safetensors only (a .ckpt "
-            "is a pickle and loading it runs arbitrary code): convert it to .safetensors, or pass a diffusers "
-            "pipeline folder"
+            f"{path} is a file, not a folder, and not a .safetensors checkpoint: pass a diffusers pipeline folder "
+            "(the one with model_index.json) or one .safetensors file (a .ckpt is a pickle and loading it runs "
+            "arbitrary code: convert it to .safetensors)"
         )
     with path.open("rb") as f:
         raw = f.read(8)

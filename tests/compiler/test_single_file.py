@@ -128,7 +128,8 @@ def test_cli_refuses_an_unknown_file_exit_2(tmp_path: Path) -> None:
     ckpt = tmp_path / "model.ckpt"
     ckpt.write_bytes(b"\x80\x02}q\x00.")
     code, out = _invoke("compile", ckpt, "-o", tmp_path / "a")
-    assert code == 2 and "is not a .safetensors file" in out and "convert it to .safetensors" in out
+    assert code == 2 and "is a file, not a folder, and not a .safetensors checkpoint" in out
+    assert "convert it to .safetensors" in out
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     code, out = _invoke("compile", broken, "-o", tmp_path / "a")
