@@ -52,6 +52,16 @@ JSON schema (``schema`` = :data:`SCHEMA`; :func:`validate_result` checks it)::
 
 Speedups are ``baseline time / system time`` (> 1: the system is faster); ``ours_multi_gpu`` is also compared
 with ``ours`` (its ``e2e_speedup`` is then the multi-GPU scaling factor).
+
+Trust checks (each run also carries, optionally in the schema, ``stages_spread_ms`` {stage: [min, median, max]},
+``e2e_spread_s`` [min, median, max], ``stage_sum_s`` and ``stage_sum_ratio``):
+
+* spread: a stage or end-to-end figure whose slowest sample is more than :data:`WIDE_SPREAD` (1.5x) its fastest is
+  reported on a ``warning`` line and in ``notes`` (a busy machine: its medians are not to be trusted);
+* stage sums: ``stage_sum_s`` = text encoder + chunks x (steps x (UNet step + glue) + VAE decode), what the stages
+  predict for one call. More than :data:`STAGES_OVER_E2E` (1.25x) the measured end to end contradicts it (a stage
+  figure is inflated, or the runs saw different machine loads): a warning. Under :data:`STAGES_UNDER_E2E` (0.5x) is
+  a note (time outside the measured stages: tokenizer, image conversion, host copies, small-model overheads).
 """
 
 from __future__ import annotations
@@ -72,6 +82,13 @@ import torch
 from .errors import ModelFolderError, RuntimeInputError
 
 logger = logging.getLogger(__name__)
+
+#: A figure whose slowest sample is more than this times its fastest is warned about (the median is unreliable).
+WIDE_SPREAD = 1.5
+#: Stage sums above this times the end-to-end figure contradict it (warned).
+STAGES_OVER_E2E = 1.25
+#: Stage sums below this times the end-to-end figure: a note (unmeasured overheads dominate).
+STAGES_UNDER_E2E = 0.5
 
 SCHEMA = "diffusion-trt/bench/1"
 SYSTEMS: tuple[str, ...] = ("ours", "ours_multi_gpu", "diffusers_eager", "diffusers_cuda_graph")
@@ -146,6 +163,10 @@ class Run:
     memory_mb: dict[str, float | None] = field(
         default_factory=lambda: dict.fromkeys(("torch_peak_allocated", "torch_peak_reserved", "device_used"))
     )
+    stages_spread_ms: dict[str, list[float] | None] = field(default_factory=lambda: dict.fromkeys(STAGES))
+    e2e_spread_s: list[float] | None = None
+    stage_sum_s: float | None = None
+    stage_sum_ratio: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -160,6 +181,8 @@ class Clock:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        #: [min, median, max] of the last :meth:`stage_ms` call.
+        self.last_spread: list[float] = []
 
     def sync(self) -> None:
         if self.cuda:
@@ -183,6 +206,7 @@ class Clock:
                 t0 = time.perf_counter()
                 fn()
                 times.append(1e3 * (time.perf_counter() - t0))
+        self.last_spread = spread(times)
         return statistics.median(times)
 
     def wall_s(self, fn: Callable[[], Any], iters: int, warmup: int) -> list[float]:
@@ -197,6 +221,47 @@ class Clock:
             self.sync()
             out.append(time.perf_counter() - t0)
         return out
+
+
+def spread(samples: Sequence[float]) -> list[float]:
+    """[min, median, max] of ``samples``."""
+    return [min(samples), statistics.median(samples), max(samples)]
+
+
+def time_stage(run: Run, clock: Clock, stage: str, fn: Callable[[], Any], iters: int, warmup: int) -> None:
+    """Median and spread of one stage into ``run``."""
+    run.stages_ms[stage] = clock.stage_ms(fn, iters, warmup)
+    run.stages_spread_ms[stage] = clock.last_spread
+
+
+def trust_notes(run: Run, steps: int) -> list[str]:
+    """Fill ``run``'s stage sum; one line per figure too noisy (:data:`WIDE_SPREAD`) or contradicting the end to end
+    (:data:`STAGES_OVER_E2E`), prefixed "warning:", and a note when the stages explain little of it."""
+    out = []
+    label = f"{run.system} b={run.batch_size}"
+    figures = {f"{k} ms": v for k, v in run.stages_spread_ms.items() if v}
+    if run.e2e_spread_s:
+        figures["end to end s"] = run.e2e_spread_s
+    for name, (lo, med, hi) in figures.items():
+        if lo > 0 and hi / lo > WIDE_SPREAD:
+            out.append(f"warning: {label} {name.rsplit(' ', 1)[0]} varied {lo:.4g}..{hi:.4g} {name.rsplit(' ', 1)[1]} "
+                       f"(median {med:.4g}; slowest/fastest x{hi / lo:.1f} > x{WIDE_SPREAD}): the machine is busy, "
+                       "this figure is unreliable; rerun on an idle machine or with more --iters/--stage-iters")
+    st = run.stages_ms
+    if run.e2e_s and all(st.get(k) is not None for k in STAGES):
+        chunks = -(-run.batch_size // (run.stage_batch or run.batch_size))
+        total_ms = st["text_encoder"] + chunks * (steps * (st["unet_step"] + st["scheduler_glue"]) + st["vae_decode"])
+        run.stage_sum_s = total_ms / 1e3
+        run.stage_sum_ratio = run.stage_sum_s / run.e2e_s
+        if run.stage_sum_ratio > STAGES_OVER_E2E:
+            out.append(f"warning: {label}: the stages add up to {run.stage_sum_s:.3f} s, x{run.stage_sum_ratio:.2f} "
+                       f"the measured end to end {run.e2e_s:.3f} s (> x{STAGES_OVER_E2E}): the figures contradict each "
+                       "other (a busy machine between the two measurements?); rerun before quoting either")
+        elif run.stage_sum_ratio < STAGES_UNDER_E2E:
+            out.append(f"{label}: the stages explain {100 * run.stage_sum_ratio:.0f}% of the end to end "
+                       f"{run.e2e_s:.3f} s (tokenizer, image conversion, host copies and call overheads are outside "
+                       "them)")
+    return out
 
 
 @contextlib.contextmanager
@@ -314,13 +379,11 @@ def bench_ours(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: in
     z = torch.randn(chunk, c, h, w, generator=g).to(device, vae.spec.input("latent_sample").torch_dtype)
     n, warm = cfg.stage_iters, max(1, cfg.warmup)
     with nvtx(f"bench ours b={batch} stages", device):
-        run.stages_ms["text_encoder"] = clock.stage_ms(
-            lambda: denoise.encode_prompt(te, pipe.tokenizer, [cfg.prompt], [cfg.negative_prompt], 1, text_dtype),
-            n,
-            warm,
-        )
-        run.stages_ms["unet_step"] = clock.stage_ms(lambda: unet.run(feeds), n, warm)
-        run.stages_ms["vae_decode"] = clock.stage_ms(lambda: vae.run({"latent_sample": z}), n, warm)
+        time_stage(run, clock, "text_encoder",
+                   lambda: denoise.encode_prompt(te, pipe.tokenizer, [cfg.prompt], [cfg.negative_prompt], 1,
+                                                 text_dtype), n, warm)
+        time_stage(run, clock, "unet_step", lambda: unet.run(feeds), n, warm)
+        time_stage(run, clock, "vae_decode", lambda: vae.run({"latent_sample": z}), n, warm)
         noise = torch.randn(2 * chunk, c, h, w, generator=g).to(device, sample_dtype)
         run.stages_ms["scheduler_glue"] = glue_ms(
             clock, pipe.scheduler, sample[:chunk], noise, cfg.guidance_scale, cfg.steps, True, 1, min(1, warm)
@@ -356,6 +419,7 @@ def bench_multi(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: i
 
 def _finish_e2e(run: Run, samples: list[float]) -> None:
     run.e2e_samples_s = samples
+    run.e2e_spread_s = spread(samples)
     run.e2e_s = statistics.median(samples)
     run.s_per_image = run.e2e_s / run.batch_size
     run.images_per_s = run.batch_size / run.e2e_s
@@ -459,13 +523,11 @@ def bench_diffusers(
     z = torch.randn(batch, c, h, w, generator=g).to(device, dtype)
     n, warm = cfg.stage_iters, max(1, cfg.warmup)
     with torch.no_grad(), nvtx(f"bench {system} b={batch} stages", device):
-        run.stages_ms["text_encoder"] = clock.stage_ms(
-            lambda: dpipe.encode_prompt(cfg.prompt, device, 1, True, cfg.negative_prompt), n, warm
-        )
-        run.stages_ms["unet_step"] = clock.stage_ms(lambda: dpipe.unet(sample, t, ehs, return_dict=False), n, warm)
-        run.stages_ms["vae_decode"] = clock.stage_ms(
-            lambda: dpipe.vae.decode(z / dpipe.vae.config.scaling_factor, return_dict=False), n, warm
-        )
+        time_stage(run, clock, "text_encoder",
+                   lambda: dpipe.encode_prompt(cfg.prompt, device, 1, True, cfg.negative_prompt), n, warm)
+        time_stage(run, clock, "unet_step", lambda: dpipe.unet(sample, t, ehs, return_dict=False), n, warm)
+        time_stage(run, clock, "vae_decode",
+                   lambda: dpipe.vae.decode(z / dpipe.vae.config.scaling_factor, return_dict=False), n, warm)
         noise = torch.randn(2 * batch, c, h, w, generator=g).to(device, dtype)
         run.stages_ms["scheduler_glue"] = glue_ms(
             clock, dpipe.scheduler, sample[:batch], noise, cfg.guidance_scale, cfg.steps, False, 1, min(1, warm)
@@ -591,6 +653,14 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     else:
         notes.append("baseline none: diffusers not measured")
 
+    for run in runs:
+        if run.status == "ok":
+            for line in trust_notes(run, cfg.steps):
+                notes.append(line)
+                if line.startswith("warning: "):
+                    logger.warning("bench: %s", line.removeprefix("warning: "))
+                else:
+                    logger.info("bench: %s", line)
     if device.type == "cpu":
         notes.append("CPU: wall-clock timings, no CUDA events; memory is not measured")
     else:
@@ -829,6 +899,15 @@ def validate_result(data: Mapping[str, Any]) -> None:
             check(memory, key, _OPT_NUM, f"{where}.memory_mb")
         if run["status"] == "ok" and run["e2e_s"] is None:
             raise ValueError(f"{where}: status ok but e2e_s is null")
+        for key in ("e2e_spread_s", *(f"stages_spread_ms.{s}" for s in STAGES)):  # optional: results before them
+            parent, _, leaf = key.rpartition(".")
+            value = (run.get(parent) or {}).get(leaf) if parent else run.get(leaf)
+            if value is not None and (not isinstance(value, list) or len(value) != 3
+                                      or not all(isinstance(v, _NUM) for v in value)):
+                raise ValueError(f"{where}.{key} = {value!r}; expected [min, median, max]")
+        for key in ("stage_sum_s", "stage_sum_ratio"):
+            if key in run and not isinstance(run[key], _OPT_NUM):
+                raise ValueError(f"{where}.{key} = {run[key]!r} is not a number")
     for i, ratio in enumerate(check(data, "ratios", list, "result")):
         where = f"ratios[{i}]"
         check(ratio, "batch_size", int, where)
@@ -854,7 +933,7 @@ def format_table(result: Mapping[str, Any]) -> str:
         return format(v, fmt) if isinstance(v, _NUM) else format("-", f">{width}" if width else "")
 
     head = (
-        f"{'system':<22}{'batch':>6}{'text ms':>9}{'unet ms':>9}{'vae ms':>9}{'glue ms':>9}"
+        f"{'system':<22}{'batch':>6}{'text ms':>9}{'unet ms':>9}{'unet min..max':>16}{'vae ms':>9}{'glue ms':>9}"
         f"{'e2e s':>9}{'s/img':>8}{'img/s':>8}{'peak MiB':>10}  status"
     )
     lines = [head, "-" * len(head)]
@@ -862,8 +941,11 @@ def format_table(result: Mapping[str, Any]) -> str:
         st = r["stages_ms"]
         mem = r["memory_mb"].get("device_used") or r["memory_mb"].get("torch_peak_allocated")
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
+        unet_spread = (r.get("stages_spread_ms") or {}).get("unet_step")
+        spread_text = f"{unet_spread[0]:.2f}..{unet_spread[2]:.2f}" if unet_spread else "-"
         lines.append(
             f"{r['system']:<22}{r['batch_size']:>6}{num(st['text_encoder'], '9.2f')}{num(st['unet_step'], '9.2f')}"
+            f"{spread_text:>16}"
             f"{num(st['vae_decode'], '9.2f')}{num(st['scheduler_glue'], '9.3f')}{num(r['e2e_s'], '9.3f')}"
             f"{num(r['s_per_image'], '8.3f')}{num(r['images_per_s'], '8.2f')}{num(mem, '10.0f')}  {status}"
         )

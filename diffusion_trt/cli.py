@@ -22,25 +22,69 @@ import click
 
 from .compiler.dummy import ARCHS  # a tuple of names: dummy.py imports torch/diffusers only when called
 from .errors import DiffusionTrtError
+from .runtime.schedulers import scheduler_names  # a table of names: diffusers is imported only when one is built
 
 logger = logging.getLogger("diffusion_trt")
+
+#: --scheduler's help: every name (lms needs scipy: the schedulers extra).
+SCHEDULER_HELP = (f"Scheduler, one of {', '.join(scheduler_names())} (lms needs scipy: "
+                  "pip install 'diffusion-trt[schedulers]')")
 
 #: Seeds: what torch.Generator.manual_seed takes without overflow (as the runtime checks).
 SEED = click.IntRange(0, 2**63 - 1)
 
 
+class _CliFormatter(logging.Formatter):
+    """Our log lines as they are, warnings with the ``warning:`` prefix README.md promises."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return f"warning: {text}" if record.levelno == logging.WARNING else text
+
+
+def _progress_enabled() -> bool:
+    """Progress bars only on a terminal: in a log file or pipe their carriage returns garble the log lines."""
+    return sys.stderr.isatty()
+
+
+#: Library warnings that say nothing a user of this CLI can act on (the CLI only; the library filters nothing).
+_QUIET_WARNINGS = (
+    (r".*torch_dtype.*", None),  # transformers/diffusers: `torch_dtype` is deprecated, use `dtype`
+    (r".*torchvision.*", None),  # image processors falling back to PIL without torchvision
+    (r".*", "accelerate"),
+    (r".*", "torchvision"),
+)
+
+
+def _quiet_libraries() -> None:
+    """Keep transformers/diffusers/accelerate chatter (optional extras, deprecations) and their progress bars off
+    the CLI's output (``-v`` shows them). Their loggers read the verbosity from the environment when first used,
+    so it is set here, before any of them is imported."""
+    import os
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    if not _progress_enabled():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")  # tqdm >= 4.66 reads it: transformers' and diffusers' bars
+    for message, module in _QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, module=module or "")
+    for name in ("transformers", "diffusers", "accelerate", "torchvision"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _setup_logging(verbose: int) -> None:
     level = logging.DEBUG if verbose >= 1 else logging.INFO
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s" if verbose else "%(message)s"))
+    handler.setFormatter(_CliFormatter("%(levelname)s %(name)s: %(message)s" if verbose else "%(message)s"))
     root = logging.getLogger("diffusion_trt")
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
     if not verbose:
-        # third-party chatter (transformers/diffusers warnings about optional extras) hides our lines
-        for name in ("transformers", "diffusers"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+        _quiet_libraries()
 
 
 #: Exit codes (the top-level --help and README.md list them; errors.py maps each error class to one).
@@ -243,13 +287,29 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
 @click.option("--lock-timeout", type=click.FloatRange(min=0), default=0, show_default=True,
               help="Seconds to wait while another compile writes the same folder (0 = fail at once).")
 @click.option("--snap", is_flag=True, help="Snap image sizes that are not multiples of 8 to the nearest one (logged).")
+@click.option("--prediction-type", type=click.Choice(["auto", "epsilon", "v_prediction"]), default="auto",
+              show_default=True,
+              help="Single-file checkpoints: what the UNet predicts. auto: v_prediction for SD 2.x (the 768-v "
+                   "releases; the weights cannot tell 768-v from 512-base), epsilon for SD 2.x inpainting, SD 1.x "
+                   "and SDXL.")
+@click.option("--no-cache", is_flag=True, help="Compile from scratch; neither read nor fill the compile cache.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Compile cache folder [default: $DIFFUSION_TRT_CACHE, else $XDG_CACHE_HOME/diffusion-trt/compile, "
+                   "else ~/.cache/diffusion-trt/compile].")
+@click.option("--cache-max-gb", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
+              help="Size bound of the compile cache; least recently used artifacts are evicted beyond it.")
 @_handle_errors
 def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bool, lock_timeout: float,
+                prediction_type: str, no_cache: bool, cache_dir: Path | None, cache_max_gb: float,
                 **options: Any) -> None:
-    """Export MODEL_DIR (a diffusers pipeline folder) to ONNX, optimize it and build engines.
+    """Export MODEL_DIR (a diffusers pipeline folder, or one A1111/ComfyUI .safetensors checkpoint) to ONNX,
+    optimize it and build engines.
 
     Writes an artifact folder with one engine per component and a manifest.json (file hashes,
-    shapes, passes, tool versions). A failed compile leaves nothing behind.
+    shapes, passes, tool versions). A failed compile leaves nothing behind. A single file (SD 1.x, SD 2.x,
+    SDXL base, SD 1.x/2.x inpainting) is identified from its keys and shapes and converted offline with the
+    architecture configs shipped here. An identical earlier compile (same weights, LoRAs, options, tool
+    versions and machine) is reused from the compile cache; the manifest's "cache" says so.
 
     \b
     Examples:
@@ -261,11 +321,15 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
       diffusion-trt compile models/sd15 -o artifacts/sd15 --min-height 256 --max-height 768
       diffusion-trt compile models/tiny -o artifacts/tiny-int8 --precision int8 --calibration-size 8
       diffusion-trt compile models/sd15 -o artifacts/sd15-ink --lora ink.safetensors:0.8 --lora detail.safetensors
+      diffusion-trt compile style.safetensors -o artifacts/style
+      diffusion-trt compile sd21-768.safetensors -o artifacts/sd21 --prediction-type v_prediction
     """
-    from .compiler.pipeline import compile_pipeline
+    from .compiler.frontend import compile_model
     from .config import CompileConfig
 
-    out_dir = out_dir or Path("artifacts") / Path(model_dir).resolve().name
+    out_dir = out_dir or Path("artifacts") / (Path(model_dir).stem if Path(model_dir).is_file()
+                                              else Path(model_dir).resolve().name)
+    cache = _compile_cache(no_cache, cache_dir, cache_max_gb)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     if snap:
@@ -290,10 +354,29 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
         _check_writable_dir(Path(options["dump_passes"]), "--dump-passes")
     config = CompileConfig(**options, quantize=quantize)
     with _terminate_like_interrupt(), logging_redirect_tqdm(loggers=[logger]):
-        path = compile_pipeline(model_dir, out_dir, config, overwrite=overwrite, progress=True,
-                                lock_timeout=lock_timeout)
+        path = compile_model(model_dir, out_dir, config, cache=cache, prediction_type=prediction_type,
+                             overwrite=overwrite, progress=_progress_enabled(), lock_timeout=lock_timeout)
     _print_pass_table(path)
     click.echo(f"artifact: {path}")
+
+
+def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float) -> Any:
+    """The CompileCache of ``--cache-dir`` / the environment, or ``None`` with ``--no-cache``.
+
+    Raises:
+        click.BadParameter: the cache folder cannot be created or written (naming it, and where it came from).
+    """
+    if no_cache:
+        unused = _given(("cache_dir", "cache_max_gb"))
+        if unused:
+            logger.warning("%s: no effect with --no-cache", " ".join(unused))
+        return None
+    from .compiler.cache import ENV_DIR, CompileCache, default_cache_dir
+
+    root = cache_dir.expanduser() if cache_dir is not None else default_cache_dir()
+    _check_writable_dir(root, "--cache-dir" if cache_dir is not None else f"--cache-dir (default from ${ENV_DIR} "
+                        "or $XDG_CACHE_HOME; or pass --no-cache)")
+    return CompileCache(root, max_bytes=int(max_gb * (1 << 30)))
 
 
 def _parse_pass_options(items: tuple[str, ...]) -> dict[str, Any]:
@@ -568,7 +651,7 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
 @click.option("--height", type=int, default=None, help="[default: the artifact's opt height]")
 @click.option("--width", type=int, default=None, help="[default: the artifact's opt width]")
 @click.option("--batch-size", type=int, default=1, show_default=True, help="Images for the prompt.")
-@click.option("--scheduler", default=None, help="Scheduler short name, e.g. ddim, euler, dpm++ [default: the model's].")
+@click.option("--scheduler", default=None, help=f"{SCHEDULER_HELP} [default: the model's].")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
 @click.option("--snap", is_flag=True, help="Snap --height/--width to the nearest size the artifact allows (logged).")
 @click.option("--devices", default=None,
@@ -630,7 +713,11 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
         height = _snap("height", height, *(profile.get("height", [None, None, None])[::2]))
         width = _snap("width", width, *(profile.get("width", [None, None, None])[::2]))
     device_list = _parse_devices(devices, device)
-    with _open_pipeline(artifact_dir, device, scheduler, device_list, cuda_graph, runtime_cache) as pipe:
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    # log lines (a truncated prompt...) go through tqdm.write: they never cut the step bar on a terminal
+    with logging_redirect_tqdm(loggers=[logger]), \
+            _open_pipeline(artifact_dir, device, scheduler, device_list, cuda_graph, runtime_cache) as pipe:
         result = pipe(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -640,7 +727,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
             height=height,
             width=width,
             num_images_per_prompt=batch_size,
-            progress=len(device_list) <= 1,
+            progress=len(device_list) <= 1 and _progress_enabled(),
             **({"image": image, "mask_image": mask, "strength": strength} if image is not None else {}),
         )
         params = {**result.parameters, "artifact": str(artifact_dir)}
@@ -691,9 +778,11 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
 @click.option("--expect-sha256", default=None, metavar="HEX",
               help="The manifest digest (manifest_sha256, see `inspect --json`) you trust; any other artifact fails, "
                    "even one resealed after an edit (the seal is an unkeyed sha256: it catches accidents, not intent).")
+@click.option("--source", "source", type=click.Path(exists=True, path_type=Path), default=None,
+              help="Also check that this model folder (or single .safetensors file) holds the weights compiled.")
 @_handle_errors
 def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: str | None,
-               compute_capability: str | None, expect_sha256: str | None) -> None:
+               compute_capability: str | None, expect_sha256: str | None, source: Path | None) -> None:
     """Check that ARTIFACT_DIR is intact and runs here; exit 3 with one line per problem if not.
 
     Checks the manifest (JSON Schema, seal against hand edits), every file's size and sha256, that no path,
@@ -705,6 +794,7 @@ def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: 
     Examples:
       diffusion-trt verify artifacts/tiny
       diffusion-trt verify artifacts/sd15-trt --tensorrt 10.8.0.43 --compute-capability 9.0
+      diffusion-trt verify artifacts/tiny --source models/tiny
     """
     from .trt_compat import TrtHost
     from .verify import verify_artifact
@@ -713,7 +803,7 @@ def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: 
         raise click.UsageError("--tensorrt and --compute-capability go together")
     target = TrtHost(trt_version, compute_capability) if trt_version and compute_capability else None
     report = verify_artifact(artifact_dir, check_hashes=not no_hashes, check_host=not no_host, trt_host=target,
-                             expect_sha256=expect_sha256)
+                             expect_sha256=expect_sha256, source=source)
     for line in report.warnings:
         click.echo(f"warning: {line}", err=True)
     if not report.ok:
@@ -723,7 +813,8 @@ def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: 
         sys.exit(3)
     what = "sha256 and size" if not no_hashes else "size"
     host = "host not checked" if no_host else "runs on this machine" if target is None else "runs on the target"
-    click.echo(f"{artifact_dir}: ok ({report.checked_files} files, {what}; {host})")
+    matches = f"; the weights of {source} were compiled" if source is not None else ""
+    click.echo(f"{artifact_dir}: ok ({report.checked_files} files, {what}; {host}{matches})")
 
 
 
@@ -781,7 +872,7 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
 @click.option("--stage-iters", type=int, default=20, show_default=True, help="Timed calls per stage (median).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
 @click.option("--devices", default=None, help="CUDA devices, e.g. 0,1: ours on the first, multi-GPU on all.")
-@click.option("--scheduler", default=None, help="Scheduler short name for both sides [default: the model's].")
+@click.option("--scheduler", default=None, help=f"{SCHEDULER_HELP} for both sides [default: the model's].")
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
               help="Our engines as CUDA graphs [default: on for static CUDA artifacts and TensorRT].")
 @click.option("--runtime-cache", "runtime_cache", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -886,7 +977,7 @@ def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances
               help="A request that waited this long is dropped unrun (503 / UNAVAILABLE); a client may set its own "
                    "with the request's 'timeout' parameter (microseconds); 0 = no limit.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
-@click.option("--scheduler", default=None, help="Scheduler short name [default: the model's].")
+@click.option("--scheduler", default=None, help=f"{SCHEDULER_HELP} [default: the model's].")
 @_handle_errors
 def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, max_batch_size: int,
               max_queue_delay_ms: float, max_steps: int, max_queue: int, queue_timeout_s: float,

@@ -211,6 +211,31 @@ def _this_trt_host(lib: trt_compat.TrtLibrary, problems: list[str]) -> trt_compa
     return trt_compat.TrtHost(version, facts.compute_capability, facts.gpu)
 
 
+def source_problems(manifest: dict[str, Any], source: str | os.PathLike[str]) -> list[str]:
+    """Whether ``source`` holds the weights the artifact was compiled from: a diffusers folder's
+    :func:`~diffusion_trt.artifacts.folder_hash` against ``source.sha256``, or a single ``.safetensors`` file's
+    sha256 against ``source.single_file.sha256``. Merged LoRAs are not part of the source (the manifest lists them)."""
+    src = Path(source)
+    recorded = manifest.get("source", {})
+    if src.is_file():
+        want = recorded.get("single_file", {}).get("sha256")
+        if want is None:
+            return [f"--source {src} is a file, but the artifact was compiled from a diffusers folder "
+                    f"({recorded.get('path', 'unknown')}); pass that folder"]
+        got, what = artifacts.sha256_file(src), "file"
+    elif src.is_dir():
+        want, got, what = recorded.get("sha256"), artifacts.folder_hash(src), "folder"
+        if recorded.get("single_file"):
+            return [f"--source {src} is a folder, but the artifact was compiled from the single file "
+                    f"{recorded.get('path')}; pass that file"]
+    else:
+        return [f"--source {src} does not exist; pass the model folder or file the artifact was compiled from"]
+    if got != want:
+        return [f"--source {src}: its weights differ from the ones compiled (sha256 {got[:12]}… != {str(want)[:12]}… "
+                f"in the manifest); recompile from this {what}, or pass the {what} the artifact came from"]
+    return []
+
+
 def verify_artifact(
     root: str | os.PathLike[str],
     *,
@@ -219,6 +244,7 @@ def verify_artifact(
     providers: Sequence[str] | None = None,
     trt_host: trt_compat.TrtHost | None = None,
     expect_sha256: str | None = None,
+    source: str | os.PathLike[str] | None = None,
 ) -> VerifyReport:
     """Check an artifact folder: integrity always, this machine's compatibility unless ``check_host`` is false.
 
@@ -229,6 +255,7 @@ def verify_artifact(
         providers, trt_host: a target host to check against instead of this machine.
         expect_sha256: the manifest digest a service trusts (``manifest_sha256``); another one is a problem even
             when sealed correctly (the seal is an unkeyed sha256: it catches accidents, not intent).
+        source: also check that this model folder or file holds the compiled weights (:func:`source_problems`).
 
     Folders an interrupted compile left beside the artifact (``.NAME.staging-*``) are reported as warnings.
     """
@@ -237,6 +264,8 @@ def verify_artifact(
         problems += artifacts.pin_problems(manifest, expect_sha256)
     report = VerifyReport(problems=problems, checked_files=checked, warnings=artifacts.leftover_warnings(root))
     schema_ok = manifest is not None and not artifacts.manifest_problems(manifest)
+    if source is not None and schema_ok and manifest is not None:
+        report.problems += source_problems(manifest, source)
     if check_host and schema_ok and manifest is not None:
         host, warnings = host_problems(manifest, providers=providers, trt_host=trt_host)
         report.problems += host

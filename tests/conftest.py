@@ -47,6 +47,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="no CUDA GPU on this machine"))
 
 
+@pytest.fixture(autouse=True)
+def _compile_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`diffusion-trt compile` caches under a fresh folder per test: never ~/.cache, never a hit left by another test
+    (tests/compiler/test_cache.py tests the hits)."""
+    monkeypatch.setenv("DIFFUSION_TRT_CACHE", str(tmp_path_factory.mktemp("compile-cache")))
+
+
 @pytest.fixture(scope="session")
 def tiny_pipeline_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A `StableDiffusionPipeline` folder, tiny arch, seed 0 (a few MB)."""

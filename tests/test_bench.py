@@ -44,6 +44,9 @@ def test_bench_cpu_json_schema_and_plot(tiny_artifact: Path, tmp_path: Path) -> 
             run = runs[(system, b)]
             assert run["status"] == "ok" and run["e2e_s"] > 0 and all(run["stages_ms"][s] > 0 for s in STAGES)
             assert run["images_per_s"] == pytest.approx(b / run["e2e_s"])
+            lo, med, hi = run["stages_spread_ms"]["unet_step"]
+            assert lo <= med <= hi and med == run["stages_ms"]["unet_step"]
+            assert run["stage_sum_s"] > 0 and run["stage_sum_ratio"] == pytest.approx(run["stage_sum_s"] / run["e2e_s"])
     assert runs[("diffusers_cuda_graph", 1)]["status"] == "skipped"
     assert runs[("ours_multi_gpu", 2)]["reason"] == "needs --devices with 2+ GPUs"
     assert {(q["system"], q["baseline"]) for q in data["ratios"]} == {("ours", "diffusers_eager")}
@@ -114,3 +117,31 @@ def test_baseline_on_other_weights_is_flagged(tiny_artifact: Path, tiny_pipeline
     assert "is not the folder the artifact was compiled from" in _baseline_mismatch(other, manifest)
     with_lora = {**manifest, "loras": [{"name": "ink.safetensors", "sha256": "0" * 64, "scale": 1.0}]}
     assert "LoRAs merged in" in _baseline_mismatch(tiny_pipeline_dir, with_lora)
+
+
+def test_wide_spread_and_contradicting_stages_are_warned() -> None:
+    from diffusion_trt.bench import Run, trust_notes
+
+    run = Run("ours", 1, stage_batch=1, e2e_s=1.0, e2e_spread_s=[0.9, 1.0, 1.1])
+    run.stages_ms = {"text_encoder": 10.0, "unet_step": 60.9, "vae_decode": 50.0, "scheduler_glue": 1.0}
+    run.stages_spread_ms = {"text_encoder": [9.0, 10.0, 11.0], "unet_step": [11.8, 60.9, 159.5],
+                            "vae_decode": None, "scheduler_glue": None}
+    lines = trust_notes(run, steps=20)
+    assert lines[0].startswith("warning: ours b=1 unet_step varied 11.8..159.5 ms (median 60.9; slowest/fastest "
+                               "x13.5 > x1.5)")
+    assert run.stage_sum_s == pytest.approx((10 + 20 * 61.9 + 50) / 1e3)
+    assert lines[1].startswith("warning: ours b=1: the stages add up to 1.298 s, x1.30 the measured end to end")
+    assert len(lines) == 2  # text_encoder 9..11 and e2e 0.9..1.1 are within x1.5
+    run.e2e_s = 10.0
+    assert trust_notes(run, steps=20)[-1].startswith("ours b=1: the stages explain 13% of the end to end")
+
+
+def test_schema_rejects_a_bad_spread() -> None:
+    from diffusion_trt.bench import Run
+
+    run = Run("ours", 1, e2e_s=1.0, e2e_spread_s=[1.0, 2.0]).to_json()
+    data = {"schema": SCHEMA, "env": {k: "x" for k in ("device", "timing", "torch", "onnxruntime", "diffusers",
+                                                        "python")} | {"gpu": None, "gpu_count": 0},
+            "config": _config(), "runs": [run], "ratios": [], "notes": []}
+    with pytest.raises(ValueError, match=r"runs\[0\]\.e2e_spread_s = \[1\.0, 2\.0\]; expected \[min, median, max\]"):
+        validate_result(data)

@@ -315,6 +315,17 @@ for _base, _arch in (("sd15", "sd15-inpaint"), ("tiny", "tiny-sd15-inpaint")):
 ARCHS: tuple[str, ...] = ("tiny", *(a for a in _CONFIGS if a != "tiny"))
 
 
+def arch_config(arch: str) -> dict[str, Any]:
+    """A deep copy of one architecture's entry of the config table (see ``_CONFIGS``'s comment for its keys).
+
+    Raises:
+        KeyError: ``arch`` is not one of :data:`ARCHS`.
+    """
+    import copy
+
+    return copy.deepcopy(_CONFIGS[arch])
+
+
 def arch_family(arch: str) -> str:
     """The pipeline family of a dummy architecture: "sdxl" (StableDiffusionXLPipeline) or "sd"."""
     return "sdxl" if "text_encoder_2" in _CONFIGS[arch] else "sd"

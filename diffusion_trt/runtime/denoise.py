@@ -44,7 +44,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -87,8 +87,10 @@ def _run_rows(engine: Engine, input_name: str, x: torch.Tensor, output_name: str
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def tokenize(tokenizer: Any, texts: Sequence[str], device: torch.device) -> torch.Tensor:
-    """CLIP token ids [N, model_max_length] int64, as diffusers: pad to max length, truncate, warn on truncation."""
+def tokenize(tokenizer: Any, texts: Sequence[str], device: torch.device,
+             negatives: Collection[str] = ()) -> torch.Tensor:
+    """CLIP token ids [N, model_max_length] int64, as diffusers: pad to max length, truncate, warn on truncation
+    (naming a text of ``negatives`` "negative prompt")."""
     max_length = tokenizer.model_max_length
     ids = tokenizer(
         list(texts), padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
@@ -97,7 +99,8 @@ def tokenize(tokenizer: Any, texts: Sequence[str], device: torch.device) -> torc
     lengths = [len(tokenizer(t, truncation=False, verbose=False).input_ids) for t in texts]
     for text, n in zip(texts, lengths, strict=True):
         if n > max_length:
-            logger.warning("prompt truncated to %d of its %d CLIP tokens: %.60r...", max_length, n, text)
+            logger.warning("%s truncated to %d of its %d CLIP tokens: %.60r...",
+                           "negative prompt" if text in negatives else "prompt", max_length, n, text)
     return ids.to(device=device, dtype=torch.int64)
 
 
@@ -180,7 +183,7 @@ def encode_prompt_embeds(
     todo = [t for t in dict.fromkeys([*negatives, *prompts]) if t not in rows]
     if todo:
         with nvtx_range("text_encoder", device):
-            ids = tokenize(tokenizer, todo, device)
+            ids = tokenize(tokenizer, todo, device, negatives=set(negatives) - set(prompts))
             embeds = _run_rows(text_encoder, "input_ids", ids, "last_hidden_state").to(dtype)
         for j, text in enumerate(todo):
             rows[text] = embeds[j]

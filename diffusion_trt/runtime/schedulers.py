@@ -40,6 +40,9 @@ SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "deis": ("DEISMultistepScheduler", {}),
 }
 
+#: Scheduler classes that need scipy (the ``schedulers`` extra).
+_SCIPY_SCHEDULERS = ("LMSDiscreteScheduler",)
+
 #: diffusers class name -> short name, for reporting the artifact's default scheduler.
 _NAME_OF_CLASS: dict[str, str] = {}
 for _name, (_cls, _over) in SCHEDULERS.items():
@@ -112,7 +115,9 @@ def make_scheduler(config: Mapping[str, Any], name: str | None = None, class_nam
         return cls.from_config(clean, **overrides)
     except ImportError as e:
         reason = " ".join(str(e).split())  # diffusers' message spans lines and names the package
+        fix = ("pip install 'diffusion-trt[schedulers]' (scipy), or choose another scheduler"
+               if cls_name in _SCIPY_SCHEDULERS else "install it or choose another scheduler")
         raise RuntimeInputError(
             f"scheduler={name or cls_name!r} ({cls_name}) needs an optional package that is not installed "
-            f"({reason}); install it or choose another scheduler"
+            f"({reason}); {fix}"
         ) from None

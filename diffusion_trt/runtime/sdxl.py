@@ -139,8 +139,12 @@ class SdxlConditioning:
             with nvtx_range("text_encoders", device):
                 texts_1 = list(dict.fromkeys(p[0] for p in todo))
                 texts_2 = list(dict.fromkeys(p[1] for p in todo))
-                h1 = run_rows(text_encoder, tokenize(tokenizer, texts_1, device), (HIDDEN_OUTPUT,))[HIDDEN_OUTPUT]
-                out2 = run_rows(self.text_encoder_2, tokenize(self.tokenizer_2, texts_2, self.text_encoder_2.device),
+                neg_1 = {p[0] for p in neg_pairs} - {p[0] for p in pairs}
+                neg_2 = {p[1] for p in neg_pairs} - {p[1] for p in pairs}
+                ids_1 = tokenize(tokenizer, texts_1, device, neg_1)
+                h1 = run_rows(text_encoder, ids_1, (HIDDEN_OUTPUT,))[HIDDEN_OUTPUT]
+                out2 = run_rows(self.text_encoder_2,
+                                tokenize(self.tokenizer_2, texts_2, self.text_encoder_2.device, neg_2),
                                 (POOLED_OUTPUT, HIDDEN_OUTPUT))
             h2, pooled_2 = out2[HIDDEN_OUTPUT].to(device), out2[POOLED_OUTPUT].to(device)
             index_1 = {t: i for i, t in enumerate(texts_1)}

@@ -1,0 +1,173 @@
+"""The compile cache: an identical recompile is a hit, a changed weight or option a miss, damaged entries are never
+served, LRU eviction under the size bound, the cache folder's resolution, and verify --source."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from diffusion_trt import artifacts
+from diffusion_trt.cli import main
+from diffusion_trt.compiler.cache import CompileCache, cache_key, default_cache_dir
+from diffusion_trt.compiler.frontend import compile_model
+from diffusion_trt.config import CompileConfig
+from diffusion_trt.verify import verify_artifact
+
+#: No VAE encoder: a little faster, and every cache path is the same as for the whole pipeline.
+FAST = CompileConfig(components=("text_encoder", "unet", "vae_decoder"))
+
+
+def _invoke(*args: object) -> tuple[int, str]:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+def _change_a_weight(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = next((folder / "text_encoder").glob("*.safetensors"))
+    state = load_file(path)
+    key = sorted(k for k in state if k.endswith("final_layer_norm.weight"))[0]
+    state[key] = state[key] + 1e-3
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def test_identical_recompile_is_a_hit_and_a_changed_weight_a_miss(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_pipeline_dir, model)
+    cache = CompileCache(tmp_path / "cache")
+    t0 = time.perf_counter()
+    first = compile_model(model, tmp_path / "a", FAST, cache=cache)
+    t1 = time.perf_counter()
+    second = compile_model(model, tmp_path / "b", FAST, cache=cache)
+    t2 = time.perf_counter()
+    m1, m2 = artifacts.read_manifest(first), artifacts.read_manifest(second)
+    assert m1["cache"] == {"hit": False, "key": m2["cache"]["key"]}
+    assert m2["cache"]["hit"] is True and m2["cache"]["reused"] == ["text_encoder", "unet", "vae_decoder"]
+    assert m2["name"] == "b" and m2["files"] == m1["files"]
+    assert verify_artifact(second, check_host=False).ok
+    assert t2 - t1 < (t1 - t0) / 2, (t1 - t0, t2 - t1)
+
+    _change_a_weight(model)
+    changed = artifacts.read_manifest(compile_model(model, tmp_path / "c", FAST, cache=cache))
+    assert changed["cache"]["hit"] is False and len(cache.entries()) == 2
+
+    # an entry altered on disk is discarded, never served
+    key = m1["cache"]["key"]
+    onnx = tmp_path / "cache" / "entries" / key / "artifact" / "text_encoder" / "model.onnx"
+    data = bytearray(onnx.read_bytes())
+    data[-1] ^= 0xFF
+    onnx.unlink()  # a new inode: the artifact "a" keeps its intact hard link
+    onnx.write_bytes(bytes(data))
+    assert cache.lookup(key) is None and not (tmp_path / "cache" / "entries" / key).exists()
+    assert verify_artifact(first, check_host=False).ok
+
+
+def test_changed_option_is_another_key(tiny_pipeline_dir: Path) -> None:
+    source = {"kind": "folder", "sha256": artifacts.folder_hash(tiny_pipeline_dir)}
+    key, facts = cache_key(source, FAST)
+    assert cache_key(source, FAST)[0] == key  # deterministic
+    assert {"source", "config", "loras", "tools", "code", "target"} <= set(facts)
+    for changed in ({"opset": 18}, {"pass_options": {"pack_qkv": True}}, {"batch_size": 2}, {"height": 128}):
+        assert cache_key(source, CompileConfig(components=FAST.components, **changed))[0] != key, changed
+
+
+def _fake_artifact(root: Path, size: int) -> Path:
+    root.mkdir(parents=True)
+    (root / "blob").write_bytes(b"x" * size)
+    return root
+
+
+def test_lru_eviction_under_the_size_bound(tmp_path: Path) -> None:
+    cache = CompileCache(tmp_path / "cache", max_bytes=2500)
+    for i, key in enumerate(("k1", "k2")):
+        cache.store(key, {}, _fake_artifact(tmp_path / key, 1000))
+        os.utime(tmp_path / "cache" / "entries" / key / "key.json", (1000 + i, 1000 + i))
+    os.utime(tmp_path / "cache" / "entries" / "k1" / "key.json", (2000, 2000))  # k1 used last: k2 goes first
+    cache.store("k3", {}, _fake_artifact(tmp_path / "k3", 1000))
+    assert sorted(e.name for _, _, e in cache.entries()) == ["k1", "k3"]
+    assert cache.store("huge", {}, _fake_artifact(tmp_path / "huge", 5000)) is None  # larger than the bound
+
+
+def test_cache_dir_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("DIFFUSION_TRT_CACHE", str(tmp_path / "env"))
+    assert default_cache_dir() == tmp_path / "env"
+    monkeypatch.delenv("DIFFUSION_TRT_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "diffusion-trt" / "compile"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == Path.home() / ".cache" / "diffusion-trt" / "compile"
+
+
+def test_cli_second_compile_comes_from_the_cache(tiny_pipeline_dir: Path, tiny_artifact: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import diffusion_trt.compiler.pipeline as pipeline
+
+    calls = []
+
+    def fake_compile(model_dir: Path, out_dir: Path, config: CompileConfig, **kwargs: object) -> Path:
+        calls.append(out_dir)  # fast: the session's tiny artifact stands in for a compile of the same folder
+        shutil.copytree(tiny_artifact, out_dir)
+        return out_dir
+
+    monkeypatch.setattr(pipeline, "compile_pipeline", fake_compile)
+    args = ("compile", tiny_pipeline_dir, "--cache-dir", tmp_path / "cache")
+    code, out = _invoke(*args, "-o", tmp_path / "a")
+    assert code == 0 and len(calls) == 1, out
+    code, out = _invoke(*args, "-o", tmp_path / "b")
+    assert code == 0 and "compile cache hit" in out and len(calls) == 1
+    assert artifacts.read_manifest(tmp_path / "b")["cache"]["hit"] is True
+    code, out = _invoke(*args, "-o", tmp_path / "c", "--no-cache")
+    assert code == 0 and len(calls) == 2 and "cache" not in artifacts.read_manifest(tmp_path / "c")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cache-max-gb", "0"], "Invalid value for '--cache-max-gb': 0.0 is not in the range x>0"),
+        (["--cache-max-gb", "lots"], "'lots' is not a valid float"),
+        (["--prediction-type", "x0"], "'x0' is not one of 'auto', 'epsilon', 'v_prediction'"),
+    ],
+)
+def test_cli_bad_cache_and_prediction_options(tiny_pipeline_dir: Path, tmp_path: Path, args: list[str],
+                                              message: str) -> None:
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "a", *args)
+    assert code == 2 and message in out, out
+
+
+def test_cli_cache_dir_that_is_a_file(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "a", "--cache-dir", blocker)
+    assert code == 2 and "--cache-dir" in out and f"cannot create the folder {blocker}" in out
+    assert "choose another path" in out and not (tmp_path / "a").exists()
+
+
+def test_cli_no_cache_warns_about_cache_options(tiny_pipeline_dir: Path, tiny_artifact: Path) -> None:
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tiny_artifact, "--no-cache", "--cache-max-gb", "3")
+    assert code == 2 and "warning: --cache-max-gb: no effect with --no-cache" in out
+
+
+def test_prediction_type_on_a_folder_warns(tiny_pipeline_dir: Path, tiny_artifact: Path) -> None:
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tiny_artifact, "--prediction-type", "epsilon")
+    assert code == 2 and "warning: --prediction-type epsilon: no effect on a diffusers folder" in out
+
+
+def test_verify_source(tiny_pipeline_dir: Path, tiny_artifact: Path, tmp_path: Path) -> None:
+    code, out = _invoke("verify", tiny_artifact, "--no-host", "--source", tiny_pipeline_dir)
+    assert code == 0 and f"the weights of {tiny_pipeline_dir} were compiled" in out, out
+    changed = tmp_path / "model"
+    shutil.copytree(tiny_pipeline_dir, changed)
+    _change_a_weight(changed)
+    code, out = _invoke("verify", tiny_artifact, "--no-host", "--source", changed)
+    assert code == 3 and f"--source {changed}: its weights differ from the ones compiled" in out
+    code, out = _invoke("verify", tiny_artifact, "--source", tmp_path / "nowhere")
+    assert code == 2 and "nowhere" in out and "does not exist" in out
+    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    assert manifest["source"]["sha256"] == artifacts.folder_hash(tiny_pipeline_dir)
