@@ -128,7 +128,9 @@ def parse_size(value: str | int) -> int:
 
 def fmt_bytes(n: int | float) -> str:
     """``6442450944`` -> ``"6.00 GiB"`` (binary units, 2 decimals; MiB below 1 GiB)."""
-    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.0f} MiB"
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.0f} MiB" if abs(n) >= 10 * MiB else f"{n / MiB:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,7 @@ def plan_residency(
     *,
     shared_activations: bool = False,
     overhead: int = DEFAULT_OVERHEAD_BYTES,
+    overhead_source: str = "estimated",
     what: str = "",
 ) -> ResidencyPlan:
     """The fastest residency plan whose every stage fits ``budget``.
@@ -273,6 +276,7 @@ def plan_residency(
         shared_activations: TensorRT (one activation buffer for all engines) instead of ONNX Runtime (one arena
             per session).
         overhead: non-engine bytes counted in every stage (:data:`DEFAULT_OVERHEAD_BYTES`, an estimate).
+        overhead_source: where ``overhead`` comes from, for the message ("estimated", "measured on ...").
         what: the request, for messages ("512x512, batch 1").
 
     Returns:
@@ -319,7 +323,8 @@ def plan_residency(
     raise RuntimeInputError(
         f"vram budget {fmt_bytes(budget)} ({budget} bytes) is below what this artifact needs"
         f"{' at ' + what if what else ''}: the smallest plan, {smallest_label}, peaks at {fmt_bytes(smallest)} "
-        f"({smallest} bytes, incl. {fmt_bytes(overhead)} CUDA context and buffers, estimated). Figures: {facts}. "
+        f"({smallest} bytes, incl. {fmt_bytes(overhead)} CUDA context and buffers, {overhead_source}). "
+        f"Figures: {facts}. "
         f"Use --vram-budget {math.ceil(smallest / MiB)}MiB or more, or a smaller image size or batch"
     )
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -93,6 +93,7 @@ class VramBudget:
         scale = int(self.manifest.get("model", {}).get("vae_scale_factor", 8))
         tile_px = self.tile * scale
         tiled = height > tile_px or width > tile_px
+        batch = min(batch, int(self.manifest.get("profile", {}).get("batch", [1, 1, batch])[2]))  # one chunk at a time
         out: dict[str, EngineMemory] = {}
         for name in self.components:
             entry = self.manifest["components"][name]
@@ -132,6 +133,8 @@ class VramBudget:
             self._cache[key] = plan_residency(
                 self.engine_memory(*key), self.budget, shared_activations=self.backend == "tensorrt",
                 overhead=self.overhead, what=request_shape(*key),
+                overhead_source=f"measured on {self.facts.get('device')}" if self.facts.get("overhead_bytes")
+                else "estimated",
             )
         return self._cache[key]
 
@@ -146,21 +149,22 @@ def plan_for_request(
     manifest: Mapping[str, Any],
     root: Path,
     components: tuple[str, ...],
-    request: tuple[int, int, int] | None = None,
+    request: tuple[int | None, int | None, int] | None = None,
     facts_file: str | Path | None = None,
 ) -> Residency:
-    """The budget's plan for ``request`` = (height, width, batch); default the artifact's default size, batch 1.
+    """The budget's plan for ``request`` = (height, width, batch); ``None`` sizes = the artifact's default size
+    (``request=None``: that size, batch 1).
 
     Raises:
         RuntimeInputError: a malformed budget, a facts file of another artifact, or a budget no plan meets.
     """
     budget = VramBudget.from_manifest(vram_budget, manifest, root, components, facts_file)
-    if request is None:
-        model, prof = manifest.get("model", {}), manifest.get("profile", {})
-        request = (int(model.get("default_height", prof.get("height", [0, 512])[1])),
-                   int(model.get("default_width", prof.get("width", [0, 512])[1])), 1)
-    plan = budget.plan(*request)
-    logger.info("vram budget: %s for %s", plan.describe(), request_shape(*request))
+    height, width, batch = request if request is not None else (None, None, 1)
+    model, prof = manifest.get("model", {}), manifest.get("profile", {})
+    height = int(height or model.get("default_height", prof.get("height", [0, 512])[1]))
+    width = int(width or model.get("default_width", prof.get("width", [0, 512])[1]))
+    plan = budget.plan(height, width, batch)
+    logger.info("vram budget: %s for %s", plan.describe(), request_shape(height, width, batch))
     return Residency(budget, plan)
 
 
@@ -222,11 +226,17 @@ class StagedEngine:
     def validate(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, int]:
         return self._engine.validate(feeds)
 
-    def acquire(self) -> None:
-        """Open the engine (releasing the other stages' per-stage engines first); no-op when open."""
+    def acquire(self, on_released: Callable[[], None] | None = None) -> None:
+        """Open the engine (releasing the other stages' per-stage engines first); no-op when open.
+
+        ``on_released`` is called between the release and the open (a memory meter switches stages there)."""
         if self._open:
+            if on_released is not None:
+                on_released()
             return
         self._manager.entering(self)
+        if on_released is not None:
+            on_released()
         t0 = time.perf_counter()
         self._engine.__enter__()
         self.open_seconds += time.perf_counter() - t0
@@ -337,6 +347,9 @@ class _Switch:
 
     def validate(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, int]:
         return self._whole.validate(feeds)
+
+    def acquire(self, on_released: Callable[[], None] | None = None) -> None:
+        self._whole.acquire(on_released)  # type: ignore[attr-defined]
 
     def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         return self._current().run(feeds)

@@ -6,9 +6,9 @@ import pytest
 
 from diffusion_trt.errors import RuntimeInputError
 from diffusion_trt.runtime.memory import (
+    EngineMemory,
     GiB,
     MiB,
-    EngineMemory,
     ort_arena_options,
     parse_size,
     plan_residency,
