@@ -415,7 +415,8 @@ class EnginePipeline:
         engines: dict[str, Engine]
         if is_trt:
             engines = _trt_engines(reader, device_id, stream, derived, cuda_graphs=bool(cuda_graph),
-                                   runtime_cache_dir=runtime_cache_dir)
+                                   runtime_cache_dir=runtime_cache_dir,
+                                   weight_streaming=residency.weight_streaming() if residency else None)
         else:
             engines = {}
             for name in _components_to_open(manifest):
@@ -894,9 +895,11 @@ def _trt_engines(
     derived: Mapping[str, tuple[str, int]],
     cuda_graphs: bool = True,
     runtime_cache_dir: str | os.PathLike[str] | None = None,
+    weight_streaming: Mapping[str, int] | None = None,
 ) -> dict[str, Engine]:
     """The TensorRT engines of a verified artifact (full TensorRT or TensorRT-RTX, by ``manifest["backend"]``),
-    sharing one activation allocation (they run in sequence)."""
+    sharing one activation allocation (they run in sequence); ``weight_streaming``: per component, bytes of
+    streamable weights kept on the device (a VRAM budget's plan)."""
     from .runtime_cache import runtime_cache_path
     from .trt_engine import SharedActivationMemory, TrtEngine
 
@@ -923,6 +926,8 @@ def _trt_engines(
             backend=backend,
             runtime_cache=runtime_cache_path(root, manifest, entry.get("build") or {}, runtime_cache_dir)
             if cached else None,
+            **({"weight_streaming_budget": weight_streaming[name]} if weight_streaming and name in weight_streaming
+               else {}),
         )
     return engines
 

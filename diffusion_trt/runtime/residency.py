@@ -131,7 +131,7 @@ class VramBudget:
         key = (int(height), int(width), int(batch))
         if key not in self._cache:
             self._cache[key] = plan_residency(
-                self.engine_memory(*key), self.budget, shared_activations=self.backend == "tensorrt",
+                self.engine_memory(*key), self.budget, shared_activations=self.backend in ("tensorrt", "tensorrt-rtx"),
                 overhead=self.overhead, what=request_shape(*key),
                 overhead_source=f"measured on {self.facts.get('device')}" if self.facts.get("overhead_bytes")
                 else "estimated",
@@ -276,6 +276,15 @@ class Residency:
     def provider_options(self, component: str, device: str) -> dict[str, str]:
         """ORT CUDA provider options for ``component`` under the plan in force (``{}`` on the CPU)."""
         return self.budget.provider_options(self.plan, component) if device == "cuda" else {}
+
+    def weight_streaming(self) -> dict[str, int]:
+        """TensorRT: per component, bytes of STREAMABLE weights to keep on the device (``weight_streaming_budget_v2``)
+        under the plan; the plan counts all weights, so the non-streamable part is taken off."""
+        out: dict[str, int] = {}
+        for name, kept in self.plan.weight_streaming.items():
+            e = self.plan.engines[name]
+            out[name] = max(0, kept - (e.weights - e.streamable))
+        return out
 
     def wrap(self, engines: Mapping[str, Engine]) -> dict[str, Engine]:
         """Every planned component as a :class:`StagedEngine` (resident ones are opened on the first call and kept);

@@ -101,3 +101,39 @@ def test_weight_streaming_is_the_last_resort_and_keeps_what_fits() -> None:
 
 def test_ort_arena_options_cap_and_grow_as_requested() -> None:
     assert ort_arena_options(3 * GiB) == {"gpu_mem_limit": str(3 * GiB), "arena_extend_strategy": "kSameAsRequested"}
+
+
+class _FakeTrtEngine:
+    """The ICudaEngine attributes trt_memory reads (TensorRT >= 10.1 names); no TensorRT needed."""
+
+    num_optimization_profiles = 2
+    device_memory_size_v2 = 300 * MiB
+    streamable_weights_size = 1500 * MiB
+    weight_streaming_budget_v2 = -1
+
+    def get_device_memory_size_for_profile_v2(self, p: int) -> int:
+        return (200 + 100 * p) * MiB
+
+
+def test_tensorrt_memory_facts_and_weight_streaming_budget() -> None:
+    from diffusion_trt.errors import ArtifactError
+    from diffusion_trt.runtime.trt_memory import apply_weight_streaming, engine_memory_facts
+
+    engine = _FakeTrtEngine()
+    apply_weight_streaming(engine, 2 * GiB, "unet")  # more than streamable: clamped to all of it
+    assert engine.weight_streaming_budget_v2 == 1500 * MiB
+    apply_weight_streaming(engine, 400 * MiB, "unet")
+    facts = engine_memory_facts(engine)
+    assert facts == {"device_memory_bytes": 300 * MiB, "device_memory_per_profile_bytes": [200 * MiB, 300 * MiB],
+                     "streamable_weights_bytes": 1500 * MiB, "weight_streaming_budget_bytes": 400 * MiB}
+    engine.streamable_weights_size = 0  # built without BuilderFlag.WEIGHT_STREAMING
+    with pytest.raises(ArtifactError, match="no streamable weights"):
+        apply_weight_streaming(engine, 400 * MiB, "unet")
+
+
+def test_trt_build_config_weight_streaming_needs_a_strongly_typed_network() -> None:
+    from diffusion_trt.compiler.build_trt import TrtBuildConfig
+
+    assert TrtBuildConfig(weight_streaming=True).strongly_typed is True
+    with pytest.raises(RuntimeInputError, match="strongly typed"):
+        TrtBuildConfig(weight_streaming=True, strongly_typed=False)
