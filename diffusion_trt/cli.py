@@ -649,9 +649,11 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (for machines).")
 @_handle_errors
 def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
-    """Summarize a compiled ARTIFACT_DIR: components, precisions, profile, sizes, passes, build facts, tools.
+    """Summarize a compiled ARTIFACT_DIR: components, precisions, profile, sizes, passes, build facts, tools, memory.
 
-    Reads manifest.json only (schema and seal checked); `diffusion-trt verify` checks the files.
+    Reads manifest.json (schema and seal checked) and the ONNX files' initializer sizes (the weight estimate);
+    activation memory is measured (recorded by benchmarks/gpu_vram.py) or estimated, as the lines say.
+    `diffusion-trt verify` checks the files.
 
     \b
     Examples:
@@ -661,9 +663,12 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
     import json
 
     from .artifacts import leftover_warnings, read_manifest
+    from .runtime.residency import memory_summary
     from .summary import artifact_summary, format_summary
 
-    summary = artifact_summary(artifact_dir, read_manifest(artifact_dir))
+    manifest = read_manifest(artifact_dir)
+    summary = artifact_summary(artifact_dir, manifest)
+    summary["memory"] = memory_summary(artifact_dir, manifest)
     for line in leftover_warnings(artifact_dir):
         click.echo(f"warning: {line}", err=True)
     click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))

@@ -435,6 +435,9 @@ def load_memory_facts(path: str | os.PathLike[str] | None, manifest: Mapping[str
          "engines": {name: {"weights_bytes": int, "activations": [{"rows": int, "height": int, "width": int,
                                                                     "bytes": int}]}}}
 
+    ``rows`` = batch rows the engine ran, ``height``/``width`` = the image's pixels (text encoders: 1 and 1, their
+    activations do not depend on the image); a figure at another shape is scaled linearly in rows x pixels.
+
     Raises:
         RuntimeInputError: ``path`` was given and is unreadable, or holds facts of another artifact.
     """
@@ -529,6 +532,9 @@ def ort_engine_memory(
         tile: VAE decoder: the tile's (height, width) in pixels when tiling applies.
     """
     rec = (facts.get("engines") or {}).get(component, {})
+    if component.startswith("text_encoder"):  # no pixel dependence: recorded (and looked up) at 1x1
+        height = width = 1
+        tile = None
     if rec.get("weights_bytes") is not None:
         weights, wsrc = int(rec["weights_bytes"]), f"measured on {facts.get('device', 'a GPU')}"
     else:

@@ -114,7 +114,7 @@ class VramBudget:
         weights = int(rec.get("weights_bytes") or size)
         wsrc = "measured" if rec.get("weights_bytes") else "estimated: plan file bytes"
         acts = rec.get("activations") or []
-        act = max((int(a["bytes"]) for a in acts), default=None)  # TensorRT: the profile's max, one figure
+        act = max((int(a["bytes"]) for a in acts), default=None)  # TensorRT: the profiles' max, one figure
         if act is None:
             act, asrc = estimated_activations(name, rows, height, width, fp32), "estimated: per-pixel rule"
         else:
@@ -362,3 +362,39 @@ class _Switch:
 
     def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         return self._current().run(feeds)
+
+
+def memory_summary(root: Path, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """``inspect``'s memory facts: each text-to-image engine's weights and activations at the profile's opt and
+    max shapes (batch, height, width; CFG rows for the UNet and text encoders), with their sources.
+
+    ORT: weights = initializer bytes (estimated) unless measured; activations measured (recorded by
+    ``benchmarks/gpu_vram.py``) or the per-pixel estimate, since ORT offers no activation figure before a run.
+    TensorRT: weights = plan bytes (estimated) unless recorded; activations ``device_memory_size_v2`` recorded at
+    load, else estimated (reading them needs TensorRT and the GPU).
+
+    Returns:
+        ``{"facts": str, "overhead_bytes": int, "shapes": {"opt": "BxHxW", "max": "BxHxW"},
+        "components": {name: {"opt": EngineMemory.to_json(), "max": ...}}}``.
+    """
+    from .memory import facts_path
+    from .sdxl import SDXL_COMPONENTS
+
+    comps = SDXL_COMPONENTS if manifest.get("model", {}).get("architecture") == "sdxl" else \
+        ("text_encoder", "unet", "vae_decoder")
+    budget = VramBudget.from_manifest(1, manifest, Path(root), tuple(c for c in comps if c in manifest["components"]))
+    prof = manifest.get("profile", {})
+    shapes = {k: (int(prof["height"][i]), int(prof["width"][i]), int(prof["batch"][i])) for k, i in
+              (("opt", 1), ("max", 2))}
+    out: dict[str, Any] = {}
+    for key, (h, w, b) in shapes.items():
+        for name, mem in budget.engine_memory(h, w, b).items():
+            out.setdefault(name, {})[key] = mem.to_json()
+    path = facts_path(manifest)
+    return {
+        "facts": f"measured, recorded in {path}" if budget.facts else "none recorded (activations estimated; "
+                 "measure with benchmarks/gpu_vram.py)",
+        "overhead_bytes": budget.overhead,
+        "shapes": {k: f"{b}x{h}x{w}" for k, (h, w, b) in shapes.items()},
+        "components": out,
+    }
