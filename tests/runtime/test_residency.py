@@ -133,3 +133,48 @@ def test_cli_run_under_the_smallest_budget(tiny_artifact: Path, tmp_path: Path, 
     assert result.exit_code == 0, result.output
     assert out.exists()
 
+
+
+def test_bench_with_a_budget_reports_the_plan_and_its_cost(tiny_artifact: Path, tmp_path: Path,
+                                                           no_recorded_facts: Path) -> None:
+    from diffusion_trt.bench import validate_result
+
+    smallest = _smallest(tiny_artifact)
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--baseline", "none", "--steps", "2", "--iters",
+                                       "1", "--warmup", "0", "--stage-iters", "1", "--vram-budget", str(smallest),
+                                       "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    validate_result(data)
+    runs = {r["system"]: r for r in data["runs"] if r["batch_size"] == 1}
+    budget = runs["ours_vram_budget"]
+    assert budget["status"] == "ok" and budget["e2e_s"] > 0 and budget["vram_plan"].startswith("per_stage")
+    assert set(budget["stage_memory_mb"]) == {"text", "unet", "vae"}  # None on the CPU: not measured
+    assert ("ours_vram_budget", "ours") in {(q["system"], q["baseline"]) for q in data["ratios"]}
+    assert f"vram budget {smallest} costs b=1" in result.output
+
+
+def test_inspect_shows_memory_per_engine_with_its_sources(tiny_artifact: Path, no_recorded_facts: Path) -> None:
+    result = CliRunner().invoke(main, ["inspect", str(tiny_artifact), "--json"])
+    assert result.exit_code == 0, result.output
+    mem = json.loads(result.output[result.output.index("{"):])["memory"]
+    assert mem["shapes"] == {"opt": "1x64x64", "max": "4x128x128"}
+    unet = mem["components"]["unet"]
+    assert unet["opt"]["weights_source"] == "estimated: initializer bytes" and unet["opt"]["weights_bytes"] > 0
+    assert unet["max"]["activations_bytes"] > unet["opt"]["activations_bytes"]
+    text = CliRunner().invoke(main, ["inspect", str(tiny_artifact)]).output
+    assert "memory     per engine at opt 1x64x64 / max 4x128x128" in text and "none recorded" in text
+
+
+def test_stage_memory_meter_off_cuda_reads_nothing() -> None:
+    import torch
+
+    from diffusion_trt.runtime.memory_meter import StageMemoryMeter
+
+    meter = StageMemoryMeter(torch.device("cpu"))
+    engines: dict[str, object] = {"unet": object(), "vae_encoder": object()}
+    before = dict(engines)
+    with meter.watch(engines):
+        assert engines["unet"] is not before["unet"] and engines["vae_encoder"] is before["vae_encoder"]
+    assert engines == before and meter.peaks_mib() == {"text": None, "unet": None, "vae": None}
