@@ -7,8 +7,8 @@ rest; a step whose inputs exist skips building them)::
     python3 benchmarks/gpu_vram.py measure sd15 4GB    # engine facts, e2e unbounded vs --vram-budget 4GB
     python3 benchmarks/gpu_vram.py vae sd15            # 1024x1024 decode through the tiled VAE vs untiled
     python3 benchmarks/gpu_vram.py build sdxl          # dummy-pipeline sdxl -> /tmp/sdxl; compile fp16 static 1024
-    python3 benchmarks/gpu_vram.py measure sdxl 8GB    # engine facts, e2e unbounded vs --vram-budget 8GB
-    python3 benchmarks/gpu_vram.py measure sdxl 8GB budget   # only some parts (facts,unbounded,budget)
+    python3 benchmarks/gpu_vram.py measure sdxl 8GB facts,unbounded   # SDXL: in two invocations (per-stage
+    python3 benchmarks/gpu_vram.py measure sdxl 8GB budget            # reloads of a 5 GB UNet take time)
 
 Each writes ``$OUT/gpu_vram-<step>-<arch>.json`` (``OUT`` default /tmp/out); ``measure`` also copies the recorded
 memory facts (``$OUT/memory_facts-<arch>.json``). Every measurement runs in its own subprocess (a fresh CUDA context:
@@ -21,8 +21,8 @@ What is MEASURED, and how (no estimates in this script's figures):
   (= its activations: ORT's arena growth, cuDNN workspaces, CUDA-graph pools, our IO buffers); recorded as memory
   facts, which the budgeted run then plans with;
 * per stage (``runs``): :class:`~diffusion_trt.runtime.memory_meter.StageMemoryMeter` around one untimed call
-  (device used sampled after every engine open and run and every 2 ms) and e2e wall time (median of 2 after 1
-  warm-up), for the unbounded pipeline and the budgeted one, each in a fresh process;
+  (device used sampled after every engine open and run and every 2 ms; the first call, so it is also the warm-up)
+  and e2e wall time (median of the next 2), for the unbounded pipeline and the budgeted one, each in a fresh process;
 * ORT's own accounting: onnxruntime's Python API has no allocator statistics (``AllocatorGetStats`` is C API
   only); the script records which attributes it looked for and found.
 """
@@ -113,12 +113,15 @@ def step_measure(arch: str, budget: str, parts: str = "facts,unbounded,budget") 
     picks some of the three (e.g. "budget" alone in a second invocation: the facts stay recorded in /tmp)."""
     a = ARCHS[arch]
     rec: dict[str, Any] = {"arch": arch, "budget": budget, "size": a["size"], "steps": a["steps"], "parts": parts}
-    if "facts" in parts:
-        rec["facts"] = _child(["facts", a["artifact"]], 150)
+    chosen = [p for p in ("facts", "unbounded", "budget") if p in parts.split(",")]
+    # the three children share the 10-minute command limit; one alone gets most of it
+    timeout = {"facts": 120, "unbounded": 180, "budget": 270} if len(chosen) > 1 else dict.fromkeys(chosen, 540)
+    if "facts" in chosen:
+        rec["facts"] = _child(["facts", a["artifact"]], timeout["facts"])
     for name, b in (("unbounded", "none"), ("budget", budget)):
-        if name in parts:
+        if name in chosen:
             rec[name if name == "unbounded" else f"budget_{budget}"] = _child(["e2e", a["artifact"], b,
-                                                                                str(a["steps"])], 200)
+                                                                                str(a["steps"])], timeout[name])
     u, v = rec.get("unbounded", {}), rec.get(f"budget_{budget}", {})
     if "e2e_s" in u and "e2e_s" in v:
         rec["budget_cost_s_per_request"] = v["e2e_s"] - u["e2e_s"]
@@ -279,7 +282,8 @@ def child_facts(artifact: str) -> dict[str, Any]:
 
 
 def child_e2e(artifact: str, budget: str, steps: int) -> dict[str, Any]:
-    """One pipeline (budget "none" = unbounded): per-stage peaks of one call, then e2e of 3 calls after 1."""
+    """One pipeline (budget "none" = unbounded): per-stage peaks of its first call (which is also the warm-up:
+    cuDNN's algorithm search, CUDA graph capture), then e2e of 2 calls."""
     import torch
 
     from diffusion_trt.runtime import EnginePipeline
@@ -295,7 +299,6 @@ def child_e2e(artifact: str, budget: str, steps: int) -> dict[str, Any]:
     kw = {"prompt": "an ink painting of mountains", "num_inference_steps": steps, "output_type": "pil",
           "progress": False}
     with pipe:
-        pipe(**kw, seed=0)  # warm-up: cuDNN search, CUDA graph capture
         meter = StageMemoryMeter(pipe.device)
         with meter.watch(pipe.engines):
             pipe(**kw, seed=0)

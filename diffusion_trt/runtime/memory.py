@@ -28,9 +28,10 @@ The memory model (bytes, per stage s = text, unet, vae; "open(s)" = the resident
                                                      (runtime/trt_engine.py SharedActivationMemory; it never shrinks)
 
 ``overhead`` is what the process holds before any engine opens: the CUDA context, cuDNN/cuBLAS handles and
-their workspaces, the latents and embeddings. :data:`DEFAULT_OVERHEAD_BYTES` is an ESTIMATE (a CUDA 12/13 context
-with cuDNN and cuBLAS loaded takes 0.4-0.6 GiB on Ampere/Hopper in our runs); ``benchmarks/gpu_vram.py``
-measures the real figure and the budget accepts another one (``overhead=``).
+their workspaces, the latents and embeddings. :data:`DEFAULT_OVERHEAD_BYTES` is an ESTIMATE, not a measurement of
+ours (a CUDA context with cuDNN and cuBLAS loaded is commonly reported at a few hundred MiB; it varies with the
+driver, the GPU and the libraries); ``benchmarks/gpu_vram.py`` measures it on the GPU and records it with the memory
+facts, which then replace this default (``overhead=``).
 """
 
 from __future__ import annotations
