@@ -10,6 +10,11 @@ Per-stage engines are wrapped in :class:`StagedEngine`: entering the pipeline do
 ``run`` opens them, after releasing every open per-stage engine of another stage (one stage's engines at a time:
 text encoder(s) -> UNet -> VAE); the pipeline releases them all at the end of each call. A request larger than the
 engines' batch runs chunk after chunk, so the UNet and the VAE alternate: each chunk then reopens them.
+
+Settings fixed when an engine is created stay with it when a later call switches plans: an ORT session's arena cap
+(``gpu_mem_limit``, from the plan at load) and a TensorRT engine's weight-streaming budget. Reopening a per-stage
+engine reads (and, with ``verify``, hashes) its file again through the artifact reader, and ORT re-optimises the
+graph: that is most of what a per-stage plan costs per request (``bench --vram-budget`` measures it).
 """
 
 from __future__ import annotations
