@@ -5,6 +5,9 @@ Systems (each at every ``--batch-size``):
 * ``ours``: :class:`~diffusion_trt.runtime.pipeline.EnginePipeline` on the artifact (one device);
 * ``ours_multi_gpu``: :class:`~diffusion_trt.runtime.parallel.DataParallelPipeline` over ``--devices``
   (only with two or more devices), the batch split across them;
+* ``ours_vram_budget``: ``EnginePipeline`` with ``vram_budget=`` (``--vram-budget``; only when given): its plan
+  (``vram_plan``), end to end and per-stage peak memory, next to ``ours`` (the ratio ``ours_vram_budget`` vs
+  ``ours`` is what the budget costs: < 1 = slower);
 * ``diffusers_eager``: ``StableDiffusionPipeline`` from the source folder in the artifact's precision (fp16
   artifacts: fp16 on CUDA; always fp32 on the CPU), its default attention processor (SDPA);
 * ``diffusers_cuda_graph``: the same with the UNet call captured once per input shape in a
@@ -22,7 +25,10 @@ What is measured, per (system, batch size):
 * peak memory: ``torch.cuda.max_memory_allocated``/``max_memory_reserved`` (torch's allocator only: our IO
   buffers and latents, all of diffusers) and the device's used memory after the run from
   ``torch.cuda.mem_get_info`` (includes ONNX Runtime's arena, which torch cannot see, the CUDA context and
-  anything else on the device; process-wide, so later systems include what earlier ones left cached).
+  anything else on the device; process-wide, so later systems include what earlier ones left cached);
+* peak memory per stage (ours, ours_vram_budget): ``stage_memory_mb`` {"text", "unet", "vae"}: the device's used
+  memory (``cudaMemGetInfo``) sampled after every engine open and run and every 2 ms in a thread during one extra,
+  untimed call (:class:`~diffusion_trt.runtime.memory_meter.StageMemoryMeter`); whole device, CUDA context included.
 
 NVTX ranges (``bench <system> b=<n> <what>``, and the runtime's own ``text_encoder``/``unet``/``scheduler``/
 ``vae_decode`` ranges) make every stage visible in Nsight Systems.
@@ -44,7 +50,9 @@ JSON schema (``schema`` = :data:`SCHEMA`; :func:`validate_result` checks it)::
                   "e2e_s": float|null, "e2e_samples_s": [float], "s_per_image": float|null,
                   "images_per_s": float|null,
                   "memory_mb": {"torch_peak_allocated": float|null, "torch_peak_reserved": float|null,
-                                "device_used": float|null}}],
+                                "device_used": float|null},
+                  "stage_memory_mb": {"text": float|null, "unet": float|null, "vae": float|null},
+                  "vram_plan": str|null}],
       "ratios": [{"batch_size": int, "system": str, "baseline": str, "e2e_speedup": float|null,
                   "stage_speedup": {stage: float|null}}],
       "notes":  [str]
@@ -91,7 +99,9 @@ STAGES_OVER_E2E = 1.25
 STAGES_UNDER_E2E = 0.5
 
 SCHEMA = "diffusion-trt/bench/1"
-SYSTEMS: tuple[str, ...] = ("ours", "ours_multi_gpu", "diffusers_eager", "diffusers_cuda_graph")
+SYSTEMS: tuple[str, ...] = ("ours", "ours_multi_gpu", "ours_vram_budget", "diffusers_eager", "diffusers_cuda_graph")
+#: Stages of the per-stage peak memory (``stage_memory_mb``), see :mod:`diffusion_trt.runtime.memory_meter`.
+MEMORY_STAGES: tuple[str, ...] = ("text", "unet", "vae")
 STAGES: tuple[str, ...] = ("text_encoder", "unet_step", "vae_decode", "scheduler_glue")
 BASELINES: tuple[str, ...] = ("diffusers", "none")
 DEFAULT_PROMPT = "an ink painting of mountains above a river, guohua style"
@@ -112,6 +122,7 @@ class BenchConfig:
         height, width: image size; ``None`` = the artifact's default.
         cuda_graph: passed to ``EnginePipeline.from_artifacts`` (``None``: on for static CUDA artifacts).
         runtime_cache_dir: passed to ``EnginePipeline.from_artifacts`` (TensorRT-RTX; ``None``: the user cache).
+        vram_budget: also run ``ours_vram_budget`` under this budget ("4GB", bytes); ``None`` = not.
     """
 
     artifact: Path
@@ -133,6 +144,7 @@ class BenchConfig:
     scheduler: str | None = None
     cuda_graph: bool | None = None
     runtime_cache_dir: Path | None = None
+    vram_budget: str | None = None
 
     def __post_init__(self) -> None:
         if self.baseline not in BASELINES:
@@ -167,6 +179,8 @@ class Run:
     e2e_spread_s: list[float] | None = None
     stage_sum_s: float | None = None
     stage_sum_ratio: float | None = None
+    stage_memory_mb: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(MEMORY_STAGES))
+    vram_plan: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -399,6 +413,63 @@ def bench_ours(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: in
     return run
 
 
+def stage_memory(pipe: Any, cfg: BenchConfig, batch: int, height: int, width: int) -> dict[str, float | None]:
+    """Peak device MiB per stage of one untimed call (:class:`~diffusion_trt.runtime.memory_meter.StageMemoryMeter`);
+    ``None`` values off CUDA."""
+    from .runtime.memory_meter import StageMemoryMeter
+
+    meter = StageMemoryMeter(pipe.device)
+    with meter.watch(pipe.engines):
+        pipe(**_call_kwargs(cfg, height, width, batch), generator=torch.Generator().manual_seed(cfg.seed),
+             progress=False)
+    return meter.peaks_mib()
+
+
+def bench_budget(cfg: BenchConfig, clock: Clock, device_kind: str, device_id: int, height: int, width: int,
+                 notes: list[str], say: Callable[[str], None]) -> list[Run]:
+    """``ours_vram_budget`` at every batch size: a pipeline loaded with ``vram_budget``; a budget refused for a
+    batch is that row's ``error``, not an exception."""
+    from .runtime.batching import plan_chunks
+    from .runtime.pipeline import EnginePipeline
+
+    assert cfg.vram_budget is not None
+    runs: list[Run] = []
+    for batch in cfg.batch_sizes:
+        say(f"ours_vram_budget {cfg.vram_budget} b={batch}")
+        run = Run("ours_vram_budget", batch)
+        _free_memory()
+        _memory_start([clock.device])
+        try:
+            pipe = EnginePipeline.from_artifacts(
+                cfg.artifact, device=device_kind, scheduler=cfg.scheduler, device_id=device_id,
+                cuda_graph=cfg.cuda_graph, vram_budget=cfg.vram_budget, vram_request=(height, width, batch),
+            )
+        except RuntimeInputError as e:
+            runs.append(Run("ours_vram_budget", batch, status="error", reason=str(e)))
+            continue
+        try:
+            assert pipe.residency is not None
+            run.vram_plan = pipe.residency.plan.describe()
+            run.stage_batch = len(plan_chunks(batch, pipe.profile.batch.min, pipe.profile.batch.max)[0])
+            kwargs = _call_kwargs(cfg, height, width, batch)
+
+            def call(p: Any = pipe, kw: dict[str, Any] = kwargs) -> None:
+                p(**kw, generator=torch.Generator().manual_seed(cfg.seed), progress=False)
+
+            with nvtx(f"bench ours_vram_budget b={batch} e2e", clock.device):
+                samples = clock.wall_s(call, cfg.iters, cfg.warmup)
+            _finish_e2e(run, samples)
+            run.memory_mb = _memory_read([clock.device])
+            run.stage_memory_mb = stage_memory(pipe, cfg, batch, height, width)
+            opens = {n: s.opens for n, s in pipe.residency.staged.items()}
+            notes.append(f"ours_vram_budget b={batch}: {run.vram_plan}; engine opens over the run: {opens}")
+        finally:
+            pipe.close()
+            _free_memory()
+        runs.append(run)
+    return runs
+
+
 def bench_multi(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: int, width: int) -> Run:
     """End to end of a :class:`DataParallelPipeline` (stages are the single-device ones)."""
     run = Run("ours_multi_gpu", batch)
@@ -616,12 +687,16 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
             _memory_start([device])
             run = bench_ours(pipe, cfg, clock, batch, height, width)
             run.memory_mb = _memory_read([device])
+            run.stage_memory_mb = stage_memory(pipe, cfg, batch, height, width)
             runs.append(run)
         scheduler_name = pipe.scheduler_name
     finally:
         pipe.close()
         del pipe
         _free_memory()
+
+    if cfg.vram_budget is not None:
+        runs.extend(bench_budget(cfg, clock, device_kind, device_id, height, width, notes, say))
 
     if len(cfg.devices) >= 2:
         from .runtime.parallel import DataParallelPipeline
@@ -696,6 +771,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
             "stage_iters": cfg.stage_iters,
             "baseline": cfg.baseline,
             "cuda_graph": cfg.cuda_graph,
+            "vram_budget": cfg.vram_budget,
         },
         "runs": [r.to_json() for r in runs],
         "ratios": ratios(runs),
@@ -794,6 +870,7 @@ def ratios(runs: Sequence[Run]) -> list[dict[str, Any]]:
         ("ours", "diffusers_cuda_graph"),
         ("ours_multi_gpu", "ours"),
         ("ours_multi_gpu", "diffusers_eager"),
+        ("ours_vram_budget", "ours"),
         ("diffusers_cuda_graph", "diffusers_eager"),
     ]
     out: list[dict[str, Any]] = []
@@ -949,6 +1026,22 @@ def format_table(result: Mapping[str, Any]) -> str:
             f"{num(st['vae_decode'], '9.2f')}{num(st['scheduler_glue'], '9.3f')}{num(r['e2e_s'], '9.3f')}"
             f"{num(r['s_per_image'], '8.3f')}{num(r['images_per_s'], '8.2f')}{num(mem, '10.0f')}  {status}"
         )
+    mem_rows = [r for r in result["runs"] if any(v is not None for v in (r.get("stage_memory_mb") or {}).values())]
+    if mem_rows:
+        lines.append("")
+        lines.append("peak device memory per stage, MiB (cudaMemGetInfo, whole device):")
+        for r in mem_rows:
+            m = r["stage_memory_mb"]
+            lines.append(f"  {r['system']:<22} b={r['batch_size']:<3} text {num(m.get('text'), '.0f')}  unet "
+                         f"{num(m.get('unet'), '.0f')}  vae {num(m.get('vae'), '.0f')}"
+                         + (f"  [{r['vram_plan']}]" if r.get("vram_plan") else ""))
+    by = {(r["system"], r["batch_size"]): r for r in result["runs"] if r["status"] == "ok"}
+    for (system, batch), r in by.items():
+        base = by.get(("ours", batch))
+        if system == "ours_vram_budget" and base is not None and base["e2e_s"] and r["e2e_s"]:
+            cost = r["e2e_s"] - base["e2e_s"]
+            lines.append(f"  vram budget {result['config'].get('vram_budget')} costs b={batch}: e2e "
+                         f"{base['e2e_s']:.3f} s -> {r['e2e_s']:.3f} s ({cost:+.3f} s per request)")
     if result["ratios"]:
         lines.append("")
         lines.append("speedups (baseline time / system time):")

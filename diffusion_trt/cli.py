@@ -168,6 +168,25 @@ def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _vram_budget(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--vram-budget``: checked here (exit 2 naming the accepted forms), parsed again by the runtime."""
+    if value is None:
+        return None
+    from .errors import RuntimeInputError
+    from .runtime.memory import parse_size
+
+    try:
+        parse_size(value)
+    except RuntimeInputError as e:
+        raise click.BadParameter(str(e), ctx=ctx, param=param) from None
+    return value
+
+
+VRAM_BUDGET_HELP = ("Device memory the pipeline may use, e.g. 8GB (10^9 bytes), 8GiB, 7.5G, 8000MB or bytes: engines "
+                    "are kept resident or opened per stage to fit, ORT arenas capped, large images VAE-tiled; a budget "
+                    "no plan meets is refused up front naming the smallest that works.")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
              epilog=EXIT_CODES_HELP)
 @click.option("-v", "--verbose", count=True, help="Debug logs (pass rejections, per-stage timings).")
@@ -669,11 +688,13 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
               help="With --image: how much of it is re-noised, in (0, 1] [default: 0.8; 1.0 with --mask].")
 @click.option("--mask", "mask_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Inpainting, with --image: white = repaint, black = keep (read as grayscale, the image's size).")
+@click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE", help=VRAM_BUDGET_HELP)
 @_handle_errors
 def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps: int, guidance: float | None, seed: int,
             height: int | None, width: int | None, batch_size: int, scheduler: str | None, device: str | None,
             snap: bool, devices: str | None, cuda_graph: bool | None, runtime_cache: Path | None, out: Path,
-            image_path: Path | None, strength: float | None, mask_path: Path | None) -> None:
+            image_path: Path | None, strength: float | None, mask_path: Path | None,
+            vram_budget: str | None) -> None:
     """Generate images from a compiled ARTIFACT_DIR: from text, or from an image (--image), or inpaint (--mask).
 
     \b
@@ -683,6 +704,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
       diffusion-trt run artifacts/sd15-fp16 -p "a koi pond" --batch-size 8 --devices 0,1
       diffusion-trt run artifacts/sd15 -p "an oil painting" --image photo.png --strength 0.6
       diffusion-trt run artifacts/sd15-inpaint -p "a red door" --image house.png --mask door.png
+      diffusion-trt run artifacts/sdxl-fp16 -p "a lighthouse" --vram-budget 8GB
     """
     from .runtime.pipeline import check_text, save_png
 
@@ -713,11 +735,15 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
         height = _snap("height", height, *(profile.get("height", [None, None, None])[::2]))
         width = _snap("width", width, *(profile.get("width", [None, None, None])[::2]))
     device_list = _parse_devices(devices, device)
+    if vram_budget is not None and len(device_list) >= 2:
+        raise click.UsageError("--vram-budget plans one device; drop --devices or give one device")
+    budget = None if vram_budget is None else {"vram_budget": vram_budget,
+                                                "vram_request": (height, width, batch_size)}
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     # log lines (a truncated prompt...) go through tqdm.write: they never cut the step bar on a terminal
     with logging_redirect_tqdm(loggers=[logger]), \
-            _open_pipeline(artifact_dir, device, scheduler, device_list, cuda_graph, runtime_cache) as pipe:
+            _open_pipeline(artifact_dir, device, scheduler, device_list, cuda_graph, runtime_cache, budget) as pipe:
         result = pipe(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -747,9 +773,11 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (for machines).")
 @_handle_errors
 def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
-    """Summarize a compiled ARTIFACT_DIR: components, precisions, profile, sizes, passes, build facts, tools.
+    """Summarize a compiled ARTIFACT_DIR: components, precisions, profile, sizes, passes, build facts, tools, memory.
 
-    Reads manifest.json only (schema and seal checked); `diffusion-trt verify` checks the files.
+    Reads manifest.json (schema and seal checked) and the ONNX files' initializer sizes (the weight estimate);
+    activation memory is measured (recorded by benchmarks/gpu_vram.py) or estimated, as the lines say.
+    `diffusion-trt verify` checks the files.
 
     \b
     Examples:
@@ -759,9 +787,12 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
     import json
 
     from .artifacts import leftover_warnings, read_manifest
+    from .runtime.residency import memory_summary
     from .summary import artifact_summary, format_summary
 
-    summary = artifact_summary(artifact_dir, read_manifest(artifact_dir))
+    manifest = read_manifest(artifact_dir)
+    summary = artifact_summary(artifact_dir, manifest)
+    summary["memory"] = memory_summary(artifact_dir, manifest)
     for line in leftover_warnings(artifact_dir):
         click.echo(f"warning: {line}", err=True)
     click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
@@ -830,7 +861,8 @@ def _parse_devices(devices: str | None, device: str | None) -> list[int]:
 
 
 def _open_pipeline(artifact_dir: Path, device: str | None, scheduler: str | None, device_list: list[int],
-                   cuda_graph: bool | None, runtime_cache: Path | None = None) -> Any:
+                   cuda_graph: bool | None, runtime_cache: Path | None = None,
+                   budget: dict[str, Any] | None = None) -> Any:
     """One EnginePipeline (on ``device_list[0]`` when given) or a DataParallelPipeline over 2+ devices."""
     if len(device_list) >= 2:
         from .runtime.parallel import DataParallelPipeline
@@ -842,9 +874,9 @@ def _open_pipeline(artifact_dir: Path, device: str | None, scheduler: str | None
     if device_list:
         return EnginePipeline.from_artifacts(artifact_dir, device="cuda", scheduler=scheduler,
                                              device_id=device_list[0], cuda_graph=cuda_graph,
-                                             runtime_cache_dir=runtime_cache)
+                                             runtime_cache_dir=runtime_cache, **(budget or {}))
     return EnginePipeline.from_artifacts(artifact_dir, device=device, scheduler=scheduler, cuda_graph=cuda_graph,
-                                         runtime_cache_dir=runtime_cache)
+                                         runtime_cache_dir=runtime_cache, **(budget or {}))
 
 
 def _int_list(value: str, option: str) -> tuple[int, ...]:
@@ -884,11 +916,14 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
               help="Write the result as JSON (schema: diffusion_trt/bench.py).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a bar chart PNG (matplotlib if installed, else Pillow).")
+@click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE",
+              help="Also run ours under this budget (" + VRAM_BUDGET_HELP.split(": ")[0].lower() + "): per-stage peak "
+                   "memory and e2e time with and without it.")
 @_handle_errors
 def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: int, batch_sizes: str, iters: int,
               warmup: int, stage_iters: int, device: str | None, devices: str | None, scheduler: str | None,
               cuda_graph: bool | None, runtime_cache: Path | None, prompt: str | None, seed: int,
-              json_path: Path | None, plot_path: Path | None) -> None:
+              json_path: Path | None, plot_path: Path | None, vram_budget: str | None) -> None:
     """Time ARTIFACT_DIR's engines per stage and end to end, next to diffusers, in one process.
 
     Same weights, seed, scheduler and prompt on every side; medians after warm-up; CUDA events for GPU
@@ -899,6 +934,7 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
       diffusion-trt bench artifacts/tiny --steps 2 --iters 1 --json bench.json
       diffusion-trt bench artifacts/sd15-fp16 --batch-size 1,4 --json b.json --plot b.png
       diffusion-trt bench artifacts/sd15-fp16-b4 --batch-size 8 --devices 0,1 --baseline none
+      diffusion-trt bench artifacts/sd15-fp16 --baseline none --vram-budget 4GB
     """
     import json
 
@@ -912,7 +948,7 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
         artifact=artifact_dir, baseline=baseline, model_dir=model_dir, device="cuda" if device_list else device,
         devices=tuple(device_list), steps=steps, batch_sizes=_int_list(batch_sizes, "--batch-size"), iters=iters,
         warmup=warmup, stage_iters=stage_iters, scheduler=scheduler, cuda_graph=cuda_graph,
-        runtime_cache_dir=runtime_cache, prompt=prompt or DEFAULT_PROMPT, seed=seed,
+        runtime_cache_dir=runtime_cache, prompt=prompt or DEFAULT_PROMPT, seed=seed, vram_budget=vram_budget,
     )
     result = run_bench(config, progress=lambda msg: logger.info("bench: %s", msg))
     click.echo(format_table(result))
@@ -978,10 +1014,11 @@ def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances
                    "with the request's 'timeout' parameter (microseconds); 0 = no limit.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
 @click.option("--scheduler", default=None, help=f"{SCHEDULER_HELP} [default: the model's].")
+@click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE", help=VRAM_BUDGET_HELP)
 @_handle_errors
 def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, max_batch_size: int,
               max_queue_delay_ms: float, max_steps: int, max_queue: int, queue_timeout_s: float,
-              device: str | None, scheduler: str | None) -> None:
+              device: str | None, scheduler: str | None, vram_budget: str | None) -> None:
     """Serve ARTIFACT_DIR through a Triton Inference Server (NVIDIA PyTriton) until Ctrl-C.
 
     Model "pipeline": inputs prompt (BYTES), optional negative_prompt, seed, steps, guidance_scale, height,
@@ -999,7 +1036,8 @@ def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, m
 
     config = ServeConfig(host=host, http_port=port, grpc_port=grpc_port or port + 1, max_batch_size=max_batch_size,
                          max_queue_delay_s=max_queue_delay_ms / 1000, max_steps=max_steps, max_queue=max_queue,
-                         queue_timeout_s=queue_timeout_s, device=device, scheduler=scheduler)
+                         queue_timeout_s=queue_timeout_s, device=device, scheduler=scheduler,
+                         vram_budget=vram_budget)
     serve(artifact_dir, config,
           on_ready=lambda: click.echo(f"ready: http://{host}:{port} grpc {host}:{config.grpc_port}", err=True))
 

@@ -133,7 +133,24 @@ def format_summary(s: dict[str, Any]) -> str:
         for key in ("quality", "quantization"):
             if key in c:
                 lines.append(f"      {key} {c[key]}")
+    if s.get("memory"):
+        lines.extend(format_memory(s["memory"]))
     lines.append("tools      " + ", ".join(f"{k} {v}" for k, v in s["tools"].items()))
     for key, value in s["other"].items():
         lines.append(f"other      {key}: {value}")
     return "\n".join(lines)
+
+
+def format_memory(m: dict[str, Any]) -> list[str]:
+    """Lines for the ``memory`` part of the summary (``runtime.residency.memory_summary``)."""
+    mib = 2**20
+    lines = [f"memory     per engine at opt {m['shapes']['opt']} / max {m['shapes']['max']} (batch x height x width); "
+             f"facts: {m['facts']}"]
+    for name, by in m["components"].items():
+        o, x = by["opt"], by["max"]
+        lines.append(
+            f"  {name:<13} weights {o['weights_bytes'] / mib:.0f} MiB ({o['weights_source']}); activations "
+            f"{o['activations_bytes'] / mib:.0f} / {x['activations_bytes'] / mib:.0f} MiB ({x['activations_source']})"
+        )
+    lines.append(f"  + {m['overhead_bytes'] / mib:.0f} MiB CUDA context and buffers (estimated unless measured)")
+    return lines

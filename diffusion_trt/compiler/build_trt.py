@@ -86,6 +86,9 @@ class TrtBuildConfig:
         library: "tensorrt" (full TensorRT: built on the GPU it runs on) or "tensorrt-rtx" (TensorRT for RTX: built
             anywhere for :attr:`compute_capabilities`); see :data:`~diffusion_trt.trt_compat.LIBRARIES`.
         compute_capabilities: TensorRT-RTX targets ("8.9", "current"); ``None`` = its portable set.
+        weight_streaming: build with ``BuilderFlag.WEIGHT_STREAMING`` so the runtime may keep part of the weights
+            on the host (``engine.weight_streaming_budget_v2``, a VRAM budget); TensorRT requires a strongly typed
+            network for it, so ``strongly_typed`` None becomes True and False is refused.
     """
 
     builder_optimization_level: int | None = None
@@ -97,8 +100,14 @@ class TrtBuildConfig:
     extra_profiles: tuple[ShapeProfile, ...] = field(default_factory=tuple)
     library: str = "tensorrt"
     compute_capabilities: tuple[str, ...] | None = None
+    weight_streaming: bool = False
 
     def __post_init__(self) -> None:
+        if self.weight_streaming:
+            if self.strongly_typed is False:
+                raise RuntimeInputError("weight_streaming=True needs a strongly typed network (TensorRT's rule for "
+                                        "BuilderFlag.WEIGHT_STREAMING); drop strongly_typed=False")
+            object.__setattr__(self, "strongly_typed", True)
         trt_compat.library(self.library)  # a backend that is not a TensorRT library fails here
         if self.compute_capabilities is not None:
             object.__setattr__(self, "compute_capabilities", tuple(str(c) for c in self.compute_capabilities))
@@ -550,6 +559,8 @@ def config_for(trt: Any, builder: Any, target: BuildTarget, build: TrtBuildConfi
     applied = _set_precision_flags(trt, config, target.library, build.flags_for(precision), strongly_typed)
     if build.refittable:
         config.set_flag(trt.BuilderFlag.REFIT)
+    if build.weight_streaming:  # strongly typed (TrtBuildConfig enforces it); TensorRT >= 10.0
+        config.set_flag(trt.BuilderFlag.WEIGHT_STREAMING)
     if build.workspace_bytes is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, build.workspace_bytes)
     if build.builder_optimization_level is not None:

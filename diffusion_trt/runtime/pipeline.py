@@ -43,6 +43,7 @@ from .denoise import EmbeddingCache, Generator, StepCallback
 from .engine import Engine
 from .image_inputs import ImageRequest, image_request
 from .png import save_png
+from .residency import Residency
 from .schedulers import make_scheduler, short_name
 from .sdxl import SDXL_COMPONENTS, SdxlConditioning, add_time_ids
 
@@ -134,6 +135,10 @@ class EnginePipeline:
         root: the artifact folder, for messages.
         tokenizer_2: SDXL artifacts (``model.architecture == "sdxl"``): the second ``CLIPTokenizer``.
 
+    Attributes:
+        residency: with a VRAM budget (``from_artifacts(vram_budget=...)``), the plan in force and the engines it
+            opens per stage (:class:`~diffusion_trt.runtime.residency.Residency`); ``None`` = all resident.
+
     Raises:
         ArtifactError: a required engine (SDXL: also ``text_encoder_2``) or ``tokenizer_2`` is missing, or a
             tokenizer disagrees with the manifest.
@@ -141,6 +146,8 @@ class EnginePipeline:
             (:func:`~diffusion_trt.artifact_values.scheduler_config_problems`).
         RuntimeInputError: unknown scheduler name.
     """
+
+    residency: Residency | None = None
 
     def __init__(
         self,
@@ -247,6 +254,9 @@ class EnginePipeline:
         cuda_graph: bool | None = None,
         expect_sha256: str | None = None,
         runtime_cache_dir: str | os.PathLike[str] | None = None,
+        vram_budget: str | int | None = None,
+        vram_request: tuple[int | None, int | None, int] | None = None,
+        memory_facts: str | os.PathLike[str] | None = None,
     ) -> EnginePipeline:
         """Load a compiled artifact folder and open its engines.
 
@@ -278,19 +288,30 @@ class EnginePipeline:
                 this GPU on first load, read on later loads); ``None`` =
                 ``$XDG_CACHE_HOME/diffusion-trt/runtime-cache/<manifest_sha256[:16]>`` (see
                 :mod:`~diffusion_trt.runtime.runtime_cache`). Never inside the (sealed) artifact folder.
+            vram_budget: device memory the pipeline may use: bytes or a size string ("8GB", "8GiB", "7.5G",
+                "8000MB"); the engines are then opened per stage or kept resident as the plan of
+                :mod:`~diffusion_trt.runtime.residency` decides, ORT arenas are capped to it and large images are
+                decoded in VAE tiles. ``None`` = no budget (every engine resident, as before).
+            vram_request: (height, width, batch) the budget is checked against now; default the artifact's default
+                size, batch 1. Every call is checked again for its own size and batch.
+            memory_facts: a measured memory facts file (:func:`~diffusion_trt.runtime.memory.load_memory_facts`);
+                default the one recorded for this artifact, if any, else estimates.
 
         Raises:
             ArtifactError: missing/altered files, a manifest other than ``expect_sha256``, unsafe scheduler config
                 values, an unsupported backend, a GPU the artifact's TensorRT library does not support
                 (TensorRT-RTX on compute capability 9.0: before any plan is read), an fp16 artifact on CPU, the CUDA
                 provider unavailable, or engines inconsistent with the manifest.
-            RuntimeInputError: unknown ``scheduler`` or ``device``; ``runtime_cache_dir`` inside the artifact.
+            RuntimeInputError: unknown ``scheduler`` or ``device``; ``runtime_cache_dir`` inside the artifact; a
+                malformed ``vram_budget`` or one no plan meets at ``vram_request`` (the message names the smallest
+                budget that works).
         """
         root = Path(path)
         options = dict(device=device, scheduler=scheduler, device_id=device_id,
                        cudnn_conv_algo_search=cudnn_conv_algo_search, intra_op_num_threads=intra_op_num_threads,
                        io_binding=io_binding, provider_options=provider_options, cuda_graph=cuda_graph,
-                       runtime_cache_dir=runtime_cache_dir)
+                       runtime_cache_dir=runtime_cache_dir,
+                       vram_budget=vram_budget, vram_request=vram_request, memory_facts=memory_facts)
         for attempt in (1, 2):
             # schema, seal, pin, paths, sizes, external data and links (never read outside the folder); the
             # hashes are checked on the bytes each loader gets
@@ -324,6 +345,9 @@ class EnginePipeline:
         provider_options: Mapping[str, Any] | None,
         cuda_graph: bool | None,
         runtime_cache_dir: str | os.PathLike[str] | None,
+        vram_budget: str | int | None = None,
+        vram_request: tuple[int | None, int | None, int] | None = None,
+        memory_facts: str | os.PathLike[str] | None = None,
     ) -> EnginePipeline:
         """:meth:`from_artifacts` on an open reader: every file comes through it (one folder, hashed bytes)."""
         from transformers import CLIPTokenizer
@@ -364,6 +388,12 @@ class EnginePipeline:
                 device,
             )
 
+        residency = None
+        if vram_budget is not None:  # refused here, before anything opens
+            from .residency import plan_for_request
+
+            residency = plan_for_request(vram_budget, manifest, root, txt2img_components(manifest), vram_request,
+                                         memory_facts)
         tokenizer = _tokenizer(reader, str(manifest.get("tokenizer", "tokenizer")), "tokenizer", CLIPTokenizer)
         tokenizer_2 = None
         if manifest.get("model", {}).get("architecture") == "sdxl":
@@ -387,7 +417,8 @@ class EnginePipeline:
         engines: dict[str, Engine]
         if is_trt:
             engines = _trt_engines(reader, device_id, stream, derived, cuda_graphs=bool(cuda_graph),
-                                   runtime_cache_dir=runtime_cache_dir)
+                                   runtime_cache_dir=runtime_cache_dir,
+                                   weight_streaming=residency.weight_streaming() if residency else None)
         else:
             engines = {}
             for name in _components_to_open(manifest):
@@ -404,13 +435,17 @@ class EnginePipeline:
                     cudnn_conv_algo_search=cudnn_conv_algo_search,
                     io_binding=io_binding,
                     intra_op_num_threads=intra_op_num_threads,
-                    provider_options={**cuda_layout_options(name, device), **(provider_options or {})},
+                    provider_options={**cuda_layout_options(name, device), **(provider_options or {}),
+                                      **(residency.provider_options(name, device) if residency else {})},
                     derived=derived,
                     cuda_graph=cuda_graph,
                     source=functools.partial(reader.onnx, str(entry["onnx"])),
                 )
+        if residency is not None:
+            engines = residency.wrap(engines)
         pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=scheduler, stream=stream, root=root,
                    tokenizer_2=tokenizer_2)
+        pipe.residency = residency
         logger.info(
             "loaded %s (%s, %s, %s; profile %s; scheduler %s)",
             root,
@@ -736,6 +771,8 @@ class EnginePipeline:
                 negative_original_size, negative_crops_coords_top_left, negative_target_size,
             )
 
+        if self.residency is not None:  # the budget at this size and batch (refused before anything runs)
+            self.residency.begin(height, width, batch)
         stream = self._stream
         caller = torch.cuda.current_stream(self.device) if stream is not None else None
         if stream is not None:
@@ -771,6 +808,8 @@ class EnginePipeline:
                 sdxl=sdxl,
             )
             images = result
+        if self.residency is not None:
+            self.residency.end()  # per-stage engines released (after a failed call: by the next one, or close)
         if caller is not None and stream is not None and isinstance(images, torch.Tensor):
             # the caller uses the tensor on its own stream: order it after ours, and tell the allocator
             caller.wait_stream(stream)
@@ -861,9 +900,11 @@ def _trt_engines(
     derived: Mapping[str, tuple[str, int]],
     cuda_graphs: bool = True,
     runtime_cache_dir: str | os.PathLike[str] | None = None,
+    weight_streaming: Mapping[str, int] | None = None,
 ) -> dict[str, Engine]:
     """The TensorRT engines of a verified artifact (full TensorRT or TensorRT-RTX, by ``manifest["backend"]``),
-    sharing one activation allocation (they run in sequence)."""
+    sharing one activation allocation (they run in sequence); ``weight_streaming``: per component, bytes of
+    streamable weights kept on the device (a VRAM budget's plan)."""
     from .runtime_cache import runtime_cache_path
     from .trt_engine import SharedActivationMemory, TrtEngine
 
@@ -890,6 +931,8 @@ def _trt_engines(
             backend=backend,
             runtime_cache=runtime_cache_path(root, manifest, entry.get("build") or {}, runtime_cache_dir)
             if cached else None,
+            **({"weight_streaming_budget": weight_streaming[name]} if weight_streaming and name in weight_streaming
+               else {}),
         )
     return engines
 

@@ -329,13 +329,16 @@ class TrtEngine(EngineBase):
         runtime_cache: TensorRT-RTX: the runtime-cache file to load on enter and save on close
             (:func:`~diffusion_trt.runtime.runtime_cache.runtime_cache_path`); ``None`` = kernels kept in memory only.
             Ignored for full TensorRT.
+        weight_streaming_budget: bytes of streamable weights to keep on the device
+            (``engine.weight_streaming_budget_v2``; plans built with weight streaming only); ``None`` = all.
 
     Nothing is loaded until ``__enter__``.
 
     Raises:
         ArtifactError: on enter: no CUDA, a GPU the library does not support or the plan was not built for (raised
-            before the library is imported or the plan read), the library missing or of another release, a missing
-            or altered plan, a plan TensorRT cannot load, or I/O that differ from the manifest.
+            before the library is imported or the plan read), the library missing or of another release, a
+            weight-streaming budget for a plan built without it, a missing or altered plan, a plan TensorRT cannot
+            load, or I/O that differ from the manifest.
 
     **Outputs are the engine's own buffers, overwritten by the next ``run`` at the same shape.**
     Not thread-safe: use one engine per thread.
@@ -357,6 +360,7 @@ class TrtEngine(EngineBase):
         source: Callable[[], bytes] | None = None,
         backend: str = "tensorrt",
         runtime_cache: str | os.PathLike[str] | None = None,
+        weight_streaming_budget: int | None = None,
     ) -> None:
         self.path = Path(path)
         self._source = source  # the plan's bytes (e.g. ArtifactReader.read, checked there); None = read path
@@ -394,6 +398,9 @@ class TrtEngine(EngineBase):
         self._runtime_cache: Any = None
         self._cache_key: runtime_cache.RuntimeCacheKey | None = None
         self._cache_loaded: bytes | None = None
+        self._weight_streaming_budget = weight_streaming_budget
+        #: memory facts read at load (see runtime/trt_memory.py); ``{}`` until opened
+        self.memory_facts: dict[str, Any] = {}
 
     # -- Engine protocol -------------------------------------------------------------------------------
 
@@ -650,6 +657,10 @@ class TrtEngine(EngineBase):
             t = engine.get_tensor_name(i)
             io[t] = (engine.get_tensor_mode(t).name, engine.get_tensor_dtype(t).name)
         check_engine_io(self._name, io, self._spec)
+        from .trt_memory import apply_weight_streaming, engine_memory_facts
+
+        apply_weight_streaming(engine, self._weight_streaming_budget, where)  # before any execution context
+        self.memory_facts = engine_memory_facts(engine)
         is_shape_io = getattr(engine, "is_shape_inference_io", None)
         host_inputs = [n for n in self.input_names if is_shape_io is not None and is_shape_io(n)]
         if host_inputs:

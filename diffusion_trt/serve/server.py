@@ -69,6 +69,8 @@ class ServeConfig:
         max_prompt_chars, max_steps, max_guidance: request bounds (see :data:`triton_model.DEFAULT_LIMITS`).
         device: "cpu"/"cuda"; ``None`` = the artifact's.
         scheduler: scheduler short name; ``None`` = the model's.
+        vram_budget: device memory the pipeline may use ("8GB", bytes; see ``EnginePipeline.from_artifacts``),
+            checked at load for the default size and ``max_batch_size`` images; ``None`` = no budget.
     """
 
     host: str = "127.0.0.1"
@@ -84,6 +86,7 @@ class ServeConfig:
     max_guidance: float = 50.0
     device: str | None = None
     scheduler: str | None = None
+    vram_budget: str | int | None = None
 
     def limits(self) -> dict[str, float]:
         return {"max_prompt_chars": self.max_prompt_chars, "max_steps": self.max_steps,
@@ -281,8 +284,10 @@ def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = Non
     with contextlib.ExitStack() as stack:
         stack.enter_context(pytriton_proxy.patched(MODEL_NAME, max_bytes=config.max_bytes(),
                                                    max_queue=config.max_queue, timeout_s=config.queue_timeout_s))
+        budget = {} if config.vram_budget is None else {"vram_budget": config.vram_budget,
+                                                        "vram_request": (None, None, config.max_batch_size)}
         pipe = stack.enter_context(EnginePipeline.from_artifacts(artifact_dir, device=config.device,
-                                                                 scheduler=config.scheduler))
+                                                                 scheduler=config.scheduler, **budget))
         triton_config = TritonConfig(
             http_address=config.host, http_port=config.http_port,
             grpc_address=config.host, grpc_port=config.grpc_port,
