@@ -37,8 +37,10 @@ from ..config import ShapeProfile, check_image_size
 from ..errors import ArtifactError, LoraError, RuntimeInputError
 from . import denoise
 from .batching import plan_chunks
+from .buckets import SizeBuckets, bucket_engines, parse_size_buckets
 from .cuda import HostBuffers
 from .denoise import EmbeddingCache, Generator, StepCallback
+from .determinism import deterministic_torch
 from .engine import Engine
 from .image_inputs import ImageRequest, image_request
 from .png import save_png
@@ -224,6 +226,8 @@ class EnginePipeline:
         # "pil"/"np" results land in pinned host buffers kept across calls, copied on a side stream
         self._host_buffers = HostBuffers(pin=self.device.type == "cuda" and torch.cuda.is_available())
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._host_buffers.pin else None
+        #: torch's deterministic algorithms around each call (see runtime/determinism.py); from_artifacts sets it
+        self.deterministic = False
         self._closed = False
 
     # -- construction -----------------------------------------------------------------------------------
@@ -243,6 +247,8 @@ class EnginePipeline:
         provider_options: Mapping[str, Any] | None = None,
         cuda_graph: bool | None = None,
         expect_sha256: str | None = None,
+        deterministic: bool = False,
+        size_buckets: str | Sequence[tuple[int, int]] | SizeBuckets | None = None,
     ) -> EnginePipeline:
         """Load a compiled artifact folder and open its engines.
 
@@ -270,6 +276,12 @@ class EnginePipeline:
             expect_sha256: the manifest digest (``manifest_sha256``, see ``diffusion-trt inspect --json``) a
                 service trusts: any other artifact is refused, even one correctly resealed after an edit (the seal
                 is an unkeyed sha256: it catches accidents, not intent).
+            deterministic: ORT's ``use_deterministic_compute`` on every session and torch's deterministic algorithms
+                in the loop (see :mod:`~diffusion_trt.runtime.determinism` for what it cannot fix).
+            size_buckets: ORT artifacts with a dynamic profile: serve the UNet and the VAE decoder from static
+                sessions specialised per shape (see :mod:`~diffusion_trt.runtime.buckets`): ``"auto"`` (any size, up
+                to 4 shapes), a list of sizes (``"512x512,768x768"`` or ``[(512, 512)]``; opened now at the opt
+                batch), or ``None`` (off). Ignored, with a warning, for static and TensorRT artifacts.
 
         Raises:
             ArtifactError: missing/altered files, a manifest other than ``expect_sha256``, unsafe scheduler config
@@ -280,7 +292,8 @@ class EnginePipeline:
         root = Path(path)
         options = dict(device=device, scheduler=scheduler, device_id=device_id,
                        cudnn_conv_algo_search=cudnn_conv_algo_search, intra_op_num_threads=intra_op_num_threads,
-                       io_binding=io_binding, provider_options=provider_options, cuda_graph=cuda_graph)
+                       io_binding=io_binding, provider_options=provider_options, cuda_graph=cuda_graph,
+                       deterministic=deterministic, size_buckets=size_buckets)
         for attempt in (1, 2):
             # schema, seal, pin, paths, sizes, external data and links (never read outside the folder); the
             # hashes are checked on the bytes each loader gets
@@ -313,6 +326,8 @@ class EnginePipeline:
         io_binding: bool | None,
         provider_options: Mapping[str, Any] | None,
         cuda_graph: bool | None,
+        deterministic: bool = False,
+        size_buckets: str | Sequence[tuple[int, int]] | SizeBuckets | None = None,
     ) -> EnginePipeline:
         """:meth:`from_artifacts` on an open reader: every file comes through it (one folder, hashed bytes)."""
         from transformers import CLIPTokenizer
@@ -366,6 +381,8 @@ class EnginePipeline:
             stream = torch.cuda.Stream(device=torch.device("cuda", device_id))
         scale = int(manifest.get("model", {}).get("vae_scale_factor", 8))
         derived = {"H": ("h", scale), "W": ("w", scale)}
+        buckets = parse_size_buckets(size_buckets)
+        graph_request = cuda_graph
         if cuda_graph is None:
             cuda_graph = device == "cuda" and (
                 backend == "tensorrt" or ShapeProfile.from_json(manifest["profile"]).is_static()
@@ -393,9 +410,14 @@ class EnginePipeline:
                     derived=derived,
                     cuda_graph=cuda_graph,
                     source=functools.partial(reader.onnx, str(entry["onnx"])),
+                    deterministic=deterministic,
                 )
+            engines = bucket_engines(engines, buckets, manifest, device, graph_request)
+        if backend == "tensorrt" and (deterministic or buckets is not None):
+            logger.warning("deterministic / size_buckets apply to ONNX Runtime artifacts; ignored for TensorRT")
         pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=scheduler, stream=stream, root=root,
                    tokenizer_2=tokenizer_2)
+        pipe.deterministic = bool(deterministic)
         logger.info(
             "loaded %s (%s, %s, %s; profile %s; scheduler %s)",
             root,
@@ -722,7 +744,8 @@ class EnginePipeline:
         caller = torch.cuda.current_stream(self.device) if stream is not None else None
         if stream is not None:
             stream.wait_stream(caller)  # inputs the caller enqueued (latents, generator state) come first
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
+                deterministic_torch(self.deterministic):
             result = denoise.text_to_image(
                 text_encoder=self.engines["text_encoder"],
                 unet=self.engines["unet"],
