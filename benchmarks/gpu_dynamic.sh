@@ -49,7 +49,7 @@ bench() {  # bench NAME ARTIFACT ARGS...: the table to the log, JSON to bench_NA
 }
 export -f bench quiet; export res py arch device precision nsteps model arts
 
-step env 5 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $py -c 'import torch, onnxruntime as o, diffusers; print(torch.__version__, o.__version__, diffusers.__version__, o.get_available_providers())'"
+step env 5 20 bash -o pipefail -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $py -c 'import torch, onnxruntime as o, diffusers; print(torch.__version__, o.__version__, diffusers.__version__, o.get_available_providers())'"
 [ -d "$model" ] || step dummy 30 150 "${cli[@]}" dummy-pipeline --arch "$arch" "$model"
 
 # -- compiles, in parallel: static 512x512 / 768x768 / 640x384 batch 1, dynamic 256..1024 batch 1..4 ---------------
@@ -98,9 +98,9 @@ step bench_dyn_buckets_heuristic 50 170 bash -c "bench dyn_buckets_heuristic $ar
 # 6. determinism: cost and two identical calls, static 512
 step bench_static512_deterministic 20 60 bash -c "bench static512_deterministic $arts/art_s512 --baseline none --deterministic --iters 3"
 # 7. which kernels differ between identical runs (components x modes, single ops)
-step determinism 30 100 bash -c "$py benchmarks/determinism.py $arts/art_s512 --runs 4 --modes default,deterministic,heuristic,math_attention,cuda_graph --json $res/determinism.json 2>&1 | quiet | grep -v '^[{}\" ]' | tail -30"
+step determinism 30 100 bash -o pipefail -c "$py benchmarks/determinism.py $arts/art_s512 --runs 4 --modes default,deterministic,heuristic,math_attention,cuda_graph --json $res/determinism.json 2>&1 | quiet | grep -v '^[{}\" ]' | tail -30"
 # 8. parity: fp16 UNet vs torch fp16 / fp32 (max abs, cosine), per-component timings
-step parity 40 120 bash -c "$py benchmarks/components.py $model --artifact static=$arts/art_s512 --variants cuda_graph+nhwc+sdpa_kernel=8+fuse_conv_bias=1 --iters 10 --json $res/components.json 2>&1 | quiet | grep -E '^(unet|vae|text)|max_abs|cosine' | head -20"
+step parity 40 120 bash -o pipefail -c "$py benchmarks/components.py $model --artifact static=$arts/art_s512 --variants cuda_graph+nhwc+sdpa_kernel=8+fuse_conv_bias=1 --iters 10 --json $res/components.json 2>&1 | quiet | grep -E '^(unet|vae|text)|max_abs|cosine' | head -20"
 # 9. static 512 HEURISTIC: does HEURISTIC cost steady-state speed where the profile is static?
 step bench_static512_heuristic 20 60 bash -c "bench static512_heuristic $arts/art_s512 --baseline none --cudnn-algo-search HEURISTIC --iters 3"
 # 10. listed buckets (sessions opened at load) and batch 4 (CFG batch 8)
