@@ -59,3 +59,15 @@ def test_bad_engine_options_exit_2(toy_artifact: Path, args: list[str], piece: s
         result = CliRunner().invoke(main, [*command, *args])
         assert result.exit_code == 2, result.output
         assert piece.lower() in " ".join(result.output.split()).lower(), result.output
+
+
+def test_run_with_engine_options(toy_artifact: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from diffusion_trt.cli import main
+
+    out = tmp_path / "x.png"
+    result = CliRunner().invoke(main, ["run", str(toy_artifact), "-p", "a cat", "--steps", "2", "--size-buckets",
+                                       "64x64", "--deterministic", "--cudnn-algo-search", "DEFAULT", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.is_file()
