@@ -52,9 +52,9 @@ export -f bench quiet; export res py arch device precision nsteps model arts
 step env 5 20 bash -o pipefail -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $py -c 'import torch, onnxruntime as o, diffusers; print(torch.__version__, o.__version__, diffusers.__version__, o.get_available_providers())'"
 [ -d "$model" ] || step dummy 30 150 "${cli[@]}" dummy-pipeline --arch "$arch" "$model"
 
-# -- compiles, in parallel: static 512x512 / 768x768 / 640x384 batch 1, dynamic 256..1024 batch 1..4 ---------------
+# -- compiles, in parallel: static 512x512 / 768x768 / 640x384 batch 1, dynamic 256..1024 batch 1..4 (no VAE encoder)
 compile_all() {
-  local common=(--device "$device" --precision "$precision" --overwrite)
+  local common=(--device "$device" --precision "$precision" --overwrite --components text_encoder,unet,vae_decoder)
   local -A args=(
     [s512]="--height 512 --width 512 --min-height 512 --max-height 512 --min-width 512 --max-width 512 --batch-size 1 --max-batch-size 1"
     [s768]="--height 768 --width 768 --min-height 768 --max-height 768 --min-width 768 --max-width 768 --batch-size 1 --max-batch-size 1"
@@ -103,6 +103,8 @@ step determinism 30 100 bash -o pipefail -c "$py benchmarks/determinism.py $arts
 step parity 40 120 bash -o pipefail -c "$py benchmarks/components.py $model --artifact static=$arts/art_s512 --variants cuda_graph+nhwc+sdpa_kernel=8+fuse_conv_bias=1 --iters 10 --json $res/components.json 2>&1 | quiet | grep -E '^(unet|vae|text)|max_abs|cosine' | head -20"
 # 9. static 512 HEURISTIC: does HEURISTIC cost steady-state speed where the profile is static?
 step bench_static512_heuristic 20 60 bash -c "bench static512_heuristic $arts/art_s512 --baseline none --cudnn-algo-search HEURISTIC --iters 3"
+# 9b. the dynamic session's own first calls with HEURISTIC (what a call outside every bucket pays)
+step bench_dyn_plain_heuristic 40 120 bash -c "bench dyn_plain_heuristic $arts/art_dyn --baseline none --sizes $sizes --cudnn-algo-search HEURISTIC --iters 1 --stage-iters 5"
 # 10. listed buckets (sessions opened at load) and batch 4 (CFG batch 8)
 step bench_dyn_buckets_listed_b4 60 170 bash -c "bench dyn_buckets_listed_b4 $arts/art_dyn --baseline none --sizes ${sizes%%,*} --size-buckets $sizes --batch-size 1,4 --iters 2 --stage-iters 10"
 # 11. diffusers at the other two sizes
