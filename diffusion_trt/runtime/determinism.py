@@ -13,10 +13,11 @@ What it cannot switch: kernels that ignore ``use_deterministic_compute``. ORT's 
 kernels (``GroupNormNHWCSumKernel``, contrib_ops/cuda/diffusion/group_norm_impl_kernel.cuh) add the per-block sums
 of a group with ``atomicAdd`` in whatever order the blocks finish, so the UNet's and the VAE's norms may differ in
 the last bits from call to call; ``benchmarks/determinism.py`` measures each component twice on the same inputs to
-tell which ones do on a given GPU. cuDNN's forward convolutions and its flash-attention forward kernel
-(``sdpa_kernel=8``, the runtime's default) are deterministic for a fixed algorithm; with ``EXHAUSTIVE`` search the
-algorithm is fixed per session and shape after the first call, but another process may pick another one: use
-``cudnn_conv_algo_search="HEURISTIC"`` too for images equal across processes.
+tell which ones do on a given GPU (it also runs single GroupNorm, SkipGroupNorm, MultiHeadAttention, Conv and
+MatMul nodes). cuDNN's forward convolutions and its flash-attention forward kernel (``sdpa_kernel=8``, the
+runtime's default) are expected to be deterministic for a fixed algorithm (not measured yet: the script says);
+with ``EXHAUSTIVE`` search the algorithm is fixed per session and shape after the first call, but another process
+may pick another one: use ``cudnn_conv_algo_search="HEURISTIC"`` too for images equal across processes.
 """
 
 from __future__ import annotations
