@@ -58,6 +58,15 @@ JSON schema (``schema`` = :data:`SCHEMA`; :func:`validate_result` checks it)::
       "notes":  [str]
     }
 
+Optional keys (added with issue 19; results without them still validate): ``config.sizes`` ([[h, w]]: every
+size measured, in order; rows then carry ``height``/``width``), ``config.cudnn_conv_algo_search``,
+``config.deterministic``, ``config.size_buckets``; ``load_s`` (seconds to open our artifact); ``first_calls``
+(``[{"system", "batch_size", "height", "width", "first_call_s", "warm_e2e_s", "overhead_s"}]``: the first call at
+each size and batch, before any other work at that shape, timed on the wall clock: cuDNN's algorithm search, ORT's
+per-shape set-up, a size bucket's session creation and CUDA-graph capture all land in it; the first size also pays
+the process's lazy CUDA initialisation); ``repeatability`` (``[{"system", "batch_size", "height", "width",
+"max_abs_diff", "identical"}]``: two identical calls, same seed, float images in [0, 1], at the first batch size).
+
 Speedups are ``baseline time / system time`` (> 1: the system is faster); ``ours_multi_gpu`` is also compared
 with ``ours`` (its ``e2e_speedup`` is then the multi-GPU scaling factor).
 
@@ -123,6 +132,8 @@ class BenchConfig:
         cuda_graph: passed to ``EnginePipeline.from_artifacts`` (``None``: on for static CUDA artifacts).
         runtime_cache_dir: passed to ``EnginePipeline.from_artifacts`` (TensorRT-RTX; ``None``: the user cache).
         vram_budget: also run ``ours_vram_budget`` under this budget ("4GB", bytes); ``None`` = not.
+        sizes: image sizes ``(height, width)`` to measure, each with one cold call first; ``()`` = ``height``/``width``.
+        cudnn_conv_algo_search, deterministic, size_buckets: passed to ``EnginePipeline.from_artifacts``.
     """
 
     artifact: Path
@@ -145,8 +156,23 @@ class BenchConfig:
     cuda_graph: bool | None = None
     runtime_cache_dir: Path | None = None
     vram_budget: str | None = None
+    sizes: tuple[tuple[int, int], ...] = ()
+    cudnn_conv_algo_search: str = "EXHAUSTIVE"
+    deterministic: bool = False
+    size_buckets: str | None = None
 
     def __post_init__(self) -> None:
+        from .runtime.buckets import parse_size_buckets
+        from .runtime.ort_engine import CONV_ALGO_SEARCH
+
+        if self.cudnn_conv_algo_search not in CONV_ALGO_SEARCH:
+            raise RuntimeInputError(
+                f"cudnn_conv_algo_search={self.cudnn_conv_algo_search!r} is unknown; use one of "
+                f"{', '.join(CONV_ALGO_SEARCH)}"
+            )
+        if any(h < 1 or w < 1 for h, w in self.sizes):
+            raise RuntimeInputError(f"sizes {list(self.sizes)} must be positive (height, width) pairs, e.g. 512x512")
+        parse_size_buckets(self.size_buckets)  # a malformed list fails before the artifact loads
         if self.baseline not in BASELINES:
             raise RuntimeInputError(f"baseline={self.baseline!r} is unknown; use one of {', '.join(BASELINES)}")
         for name in ("steps", "iters", "stage_iters"):
@@ -164,6 +190,8 @@ class Run:
 
     system: str
     batch_size: int
+    height: int | None = None
+    width: int | None = None
     status: str = "ok"
     reason: str | None = None
     stage_batch: int | None = None
@@ -372,7 +400,7 @@ def bench_ours(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: in
     from .runtime import denoise
     from .runtime.batching import plan_chunks
 
-    run = Run("ours", batch)
+    run = Run("ours", batch, height=height, width=width)
     device = pipe.device
     b = pipe.profile.batch
     chunk = len(plan_chunks(batch, b.min, b.max)[0])
@@ -472,7 +500,7 @@ def bench_budget(cfg: BenchConfig, clock: Clock, device_kind: str, device_id: in
 
 def bench_multi(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: int, width: int) -> Run:
     """End to end of a :class:`DataParallelPipeline` (stages are the single-device ones)."""
-    run = Run("ours_multi_gpu", batch)
+    run = Run("ours_multi_gpu", batch, height=height, width=width)
     kwargs = _call_kwargs(cfg, height, width, batch)
     kwargs["prompt"] = cfg.prompt
 
@@ -494,6 +522,32 @@ def _finish_e2e(run: Run, samples: list[float]) -> None:
     run.e2e_s = statistics.median(samples)
     run.s_per_image = run.e2e_s / run.batch_size
     run.images_per_s = run.batch_size / run.e2e_s
+
+
+def first_call_s(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: int, width: int) -> float:
+    """Wall-clock seconds of one whole call (PIL out, device synchronised), meant as the first at this shape."""
+    kwargs = _call_kwargs(cfg, height, width, batch)
+    clock.sync()
+    t0 = time.perf_counter()
+    pipe(**kwargs, generator=torch.Generator().manual_seed(cfg.seed), progress=False)
+    clock.sync()
+    return time.perf_counter() - t0
+
+
+def _first_call_row(system: str, run: Run, cold: float) -> dict[str, Any]:
+    warm = run.e2e_s
+    return {"system": system, "batch_size": run.batch_size, "height": run.height, "width": run.width,
+            "first_call_s": cold, "warm_e2e_s": warm, "overhead_s": (cold - warm) if warm is not None else None}
+
+
+def repeat_check(pipe: Any, cfg: BenchConfig, batch: int, height: int, width: int) -> dict[str, Any]:
+    """Two identical calls (same seed, float images): their largest absolute difference."""
+    kwargs = {**_call_kwargs(cfg, height, width, batch), "output_type": "np"}
+    a, b = (pipe(**kwargs, generator=torch.Generator().manual_seed(cfg.seed), progress=False).images
+            for _ in range(2))
+    diff = float(abs(a.astype("float64") - b.astype("float64")).max())
+    return {"system": "ours", "batch_size": batch, "height": height, "width": width, "max_abs_diff": diff,
+            "identical": diff == 0.0}
 
 
 class GraphedUNet:
@@ -579,7 +633,7 @@ def bench_diffusers(
     dpipe: Any, system: str, cfg: BenchConfig, clock: Clock, batch: int, height: int, width: int
 ) -> Run:
     """Stages and end to end of a diffusers ``StableDiffusionPipeline`` (eager or with a graphed UNet)."""
-    run = Run(system, batch)
+    run = Run(system, batch, height=height, width=width)
     run.stage_batch = batch
     device = clock.device
     dtype = dpipe.unet.dtype
@@ -672,23 +726,40 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     _free_memory()
     _memory_start([device])
     say(f"loading {cfg.artifact} on {device}")
+    load_t0 = time.perf_counter()
     pipe = EnginePipeline.from_artifacts(
         cfg.artifact, device=device_kind, scheduler=cfg.scheduler, device_id=device_id, cuda_graph=cfg.cuda_graph,
         runtime_cache_dir=cfg.runtime_cache_dir,
+        cudnn_conv_algo_search=cfg.cudnn_conv_algo_search, deterministic=cfg.deterministic,
+        size_buckets=cfg.size_buckets,
     )
+    clock.sync()
+    load_s = time.perf_counter() - load_t0
+    first_calls: list[dict[str, Any]] = []
+    repeatability: list[dict[str, Any]] = []
     try:
         height = cfg.height or pipe.default_height
         width = cfg.width or pipe.default_width
+        sizes = list(cfg.sizes) or [(height, width)]
+        height, width = sizes[0]
         scheduler_template = pipe.scheduler
+        for h, w in sizes:
+            for batch in cfg.batch_sizes:
+                say(f"ours {h}x{w} b={batch}: first call")
+                cold = first_call_s(pipe, cfg, clock, batch, h, w)
+                say(f"ours {h}x{w} b={batch}")
+                _memory_start([device])
+                run = bench_ours(pipe, cfg, clock, batch, h, w)
+                run.memory_mb = _memory_read([device])
+                run.stage_memory_mb = stage_memory(pipe, cfg, batch, h, w)
+                runs.append(run)
+                first_calls.append(_first_call_row("ours", run, cold))
+            repeatability.append(repeat_check(pipe, cfg, cfg.batch_sizes[0], h, w))
         graph_engines = [n for n, e in pipe.engines.items() if getattr(e, "cuda_graph", False)]
         notes.append(f"ours: CUDA graphs for {', '.join(graph_engines) or 'no engine'}")
-        for batch in cfg.batch_sizes:
-            say(f"ours b={batch}")
-            _memory_start([device])
-            run = bench_ours(pipe, cfg, clock, batch, height, width)
-            run.memory_mb = _memory_read([device])
-            run.stage_memory_mb = stage_memory(pipe, cfg, batch, height, width)
-            runs.append(run)
+        buckets = {n: e.specialised_shapes for n, e in pipe.engines.items() if hasattr(e, "specialised_shapes")}
+        if buckets:
+            notes.append(f"ours: size-bucket sessions {buckets}")
         scheduler_name = pipe.scheduler_name
     finally:
         pipe.close()
@@ -708,23 +779,25 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
             runtime_cache_dir=cfg.runtime_cache_dir,
         )
         try:
-            for batch in cfg.batch_sizes:
-                _memory_start(devs)
-                try:
-                    run = bench_multi(multi, cfg, clock, batch, height, width)
-                    run.memory_mb = _memory_read(devs)
-                except RuntimeInputError as e:
-                    run = Run("ours_multi_gpu", batch, status="error", reason=str(e))
-                runs.append(run)
+            for h, w in sizes:
+                for batch in cfg.batch_sizes:
+                    _memory_start(devs)
+                    try:
+                        run = bench_multi(multi, cfg, clock, batch, h, w)
+                        run.memory_mb = _memory_read(devs)
+                    except RuntimeInputError as e:
+                        run = Run("ours_multi_gpu", batch, h, w, status="error", reason=str(e))
+                    runs.append(run)
         finally:
             multi.close()
             _free_memory()
     else:
-        for batch in cfg.batch_sizes:
-            runs.append(Run("ours_multi_gpu", batch, status="skipped", reason="needs --devices with 2+ GPUs"))
+        for h, w in sizes:
+            for batch in cfg.batch_sizes:
+                runs.append(Run("ours_multi_gpu", batch, h, w, status="skipped", reason="needs --devices with 2+ GPUs"))
 
     if cfg.baseline == "diffusers":
-        runs.extend(_diffusers_runs(cfg, clock, model_dir, manifest, scheduler_template, height, width, notes, say))
+        runs.extend(_diffusers_runs(cfg, clock, model_dir, manifest, scheduler_template, sizes, notes, say))
     else:
         notes.append("baseline none: diffusers not measured")
 
@@ -772,9 +845,16 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
             "baseline": cfg.baseline,
             "cuda_graph": cfg.cuda_graph,
             "vram_budget": cfg.vram_budget,
+            "sizes": [list(hw) for hw in sizes],
+            "cudnn_conv_algo_search": cfg.cudnn_conv_algo_search,
+            "deterministic": cfg.deterministic,
+            "size_buckets": cfg.size_buckets,
         },
+        "load_s": load_s,
         "runs": [r.to_json() for r in runs],
         "ratios": ratios(runs),
+        "first_calls": first_calls,
+        "repeatability": repeatability,
         "notes": notes,
     }
 
@@ -804,15 +884,15 @@ def _diffusers_runs(
     model_dir: Path | None,
     manifest: Mapping[str, Any],
     scheduler_template: Any,
-    height: int,
-    width: int,
+    sizes: Sequence[tuple[int, int]],
     notes: list[str],
     say: Callable[[str], None],
 ) -> list[Run]:
     systems = ("diffusers_eager", "diffusers_cuda_graph")
+    shapes = [(h, w, b) for h, w in sizes for b in cfg.batch_sizes]
     if model_dir is None or not _is_pipeline_folder(model_dir):
         reason = f"no diffusers pipeline folder (model_dir={model_dir}, no model_index.json); pass --model-dir"
-        return [Run(s, b, status="skipped", reason=reason) for s in systems for b in cfg.batch_sizes]
+        return [Run(s, b, h, w, status="skipped", reason=reason) for s in systems for h, w, b in shapes]
     mismatch = _baseline_mismatch(model_dir, manifest)
     if mismatch:
         logger.warning("bench: %s", mismatch)
@@ -834,25 +914,27 @@ def _diffusers_runs(
     )
     runs: list[Run] = []
     try:
-        for batch in cfg.batch_sizes:
-            say(f"diffusers_eager b={batch}")
+        for height, width, batch in shapes:
+            say(f"diffusers_eager {height}x{width} b={batch}")
             _memory_start([clock.device])
             run = bench_diffusers(dpipe, "diffusers_eager", cfg, clock, batch, height, width)
             run.memory_mb = _memory_read([clock.device])
             runs.append(run)
         if not cuda:
-            runs.extend(Run("diffusers_cuda_graph", b, status="skipped", reason="needs CUDA") for b in cfg.batch_sizes)
+            runs.extend(Run("diffusers_cuda_graph", b, h, w, status="skipped", reason="needs CUDA")
+                        for h, w, b in shapes)
             return runs
         graphed = GraphedUNet(dpipe.unet)
         try:
-            for batch in cfg.batch_sizes:
-                say(f"diffusers_cuda_graph b={batch}")
+            for height, width, batch in shapes:
+                say(f"diffusers_cuda_graph {height}x{width} b={batch}")
                 _memory_start([clock.device])
                 try:
                     run = bench_diffusers(dpipe, "diffusers_cuda_graph", cfg, clock, batch, height, width)
                     run.memory_mb = _memory_read([clock.device])
                 except RuntimeError as e:  # a capture torch refuses is a figure too
-                    run = Run("diffusers_cuda_graph", batch, status="error", reason=f"{type(e).__name__}: {e}"[:500])
+                    run = Run("diffusers_cuda_graph", batch, height, width, status="error",
+                              reason=f"{type(e).__name__}: {e}"[:500])
                 runs.append(run)
         finally:
             graphed.remove()
@@ -864,7 +946,7 @@ def _diffusers_runs(
 
 def ratios(runs: Sequence[Run]) -> list[dict[str, Any]]:
     """Speedups (baseline time / system time) of ``ours`` and ``ours_multi_gpu`` against every other ok run."""
-    by_key = {(r.system, r.batch_size): r for r in runs if r.status == "ok"}
+    by_key = {(r.system, r.batch_size, r.height, r.width): r for r in runs if r.status == "ok"}
     pairs = [
         ("ours", "diffusers_eager"),
         ("ours", "diffusers_cuda_graph"),
@@ -874,9 +956,9 @@ def ratios(runs: Sequence[Run]) -> list[dict[str, Any]]:
         ("diffusers_cuda_graph", "diffusers_eager"),
     ]
     out: list[dict[str, Any]] = []
-    for batch in sorted({r.batch_size for r in runs}):
+    for batch, height, width in dict.fromkeys((r.batch_size, r.height, r.width) for r in runs):
         for system, baseline in pairs:
-            mine, base = by_key.get((system, batch)), by_key.get((baseline, batch))
+            mine, base = by_key.get((system, batch, height, width)), by_key.get((baseline, batch, height, width))
             if mine is None or base is None:
                 continue
             stage = {}
@@ -887,6 +969,8 @@ def ratios(runs: Sequence[Run]) -> list[dict[str, Any]]:
             out.append(
                 {
                     "batch_size": batch,
+                    "height": height,
+                    "width": width,
                     "system": system,
                     "baseline": baseline,
                     "e2e_speedup": e2e,
@@ -954,6 +1038,20 @@ def validate_result(data: Mapping[str, Any]) -> None:
         ("cuda_graph", (bool, type(None))),
     ):
         check(config, key, types, "config")
+    for key, types in (("sizes", list), ("cudnn_conv_algo_search", str), ("deterministic", bool),
+                       ("size_buckets", _OPT_STR)):
+        if key in config:  # optional: results written before issue 19 lack them
+            check(config, key, types, "config")
+    if "load_s" in data:
+        check(data, "load_s", _NUM, "result")
+    for list_key, fields in (
+        ("first_calls", (("system", str), ("batch_size", int), ("first_call_s", _NUM), ("warm_e2e_s", _OPT_NUM),
+                         ("overhead_s", _OPT_NUM))),
+        ("repeatability", (("system", str), ("batch_size", int), ("max_abs_diff", _NUM), ("identical", bool))),
+    ):
+        for i, row in enumerate(data.get(list_key, [])):
+            for key, types in fields:
+                check(row, key, types, f"{list_key}[{i}]")
     for i, run in enumerate(check(data, "runs", list, "result")):
         where = f"runs[{i}]"
         if check(run, "system", str, where) not in SYSTEMS:
@@ -1010,7 +1108,8 @@ def format_table(result: Mapping[str, Any]) -> str:
         return format(v, fmt) if isinstance(v, _NUM) else format("-", f">{width}" if width else "")
 
     head = (
-        f"{'system':<22}{'batch':>6}{'text ms':>9}{'unet ms':>9}{'unet min..max':>16}{'vae ms':>9}{'glue ms':>9}"
+        f"{'system':<22}{'size':>10}{'batch':>6}{'text ms':>9}{'unet ms':>9}{'unet min..max':>16}{'vae ms':>9}"
+        f"{'glue ms':>9}"
         f"{'e2e s':>9}{'s/img':>8}{'img/s':>8}{'peak MiB':>10}  status"
     )
     lines = [head, "-" * len(head)]
@@ -1020,9 +1119,10 @@ def format_table(result: Mapping[str, Any]) -> str:
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
         unet_spread = (r.get("stages_spread_ms") or {}).get("unet_step")
         spread_text = f"{unet_spread[0]:.2f}..{unet_spread[2]:.2f}" if unet_spread else "-"
+        size = f"{r['height']}x{r['width']}" if r.get("height") else "-"
         lines.append(
-            f"{r['system']:<22}{r['batch_size']:>6}{num(st['text_encoder'], '9.2f')}{num(st['unet_step'], '9.2f')}"
-            f"{spread_text:>16}"
+            f"{r['system']:<22}{size:>10}{r['batch_size']:>6}{num(st['text_encoder'], '9.2f')}"
+            f"{num(st['unet_step'], '9.2f')}{spread_text:>16}"
             f"{num(st['vae_decode'], '9.2f')}{num(st['scheduler_glue'], '9.3f')}{num(r['e2e_s'], '9.3f')}"
             f"{num(r['s_per_image'], '8.3f')}{num(r['images_per_s'], '8.2f')}{num(mem, '10.0f')}  {status}"
         )
@@ -1047,10 +1147,24 @@ def format_table(result: Mapping[str, Any]) -> str:
         lines.append("speedups (baseline time / system time):")
         for q in result["ratios"]:
             unet = q["stage_speedup"].get("unet_step")
+            size = f"{q['height']}x{q['width']} " if q.get("height") else ""
             lines.append(
-                f"  b={q['batch_size']:<3} {q['system']:<22} vs {q['baseline']:<22} e2e x{num(q['e2e_speedup'], '.2f')}"
+                f"  {size}b={q['batch_size']:<3} {q['system']:<22} vs {q['baseline']:<22}"
+                f" e2e x{num(q['e2e_speedup'], '.2f')}"
                 f"  unet x{num(unet, '.2f')}"
             )
+    if result.get("first_calls"):
+        lines.append("")
+        lines.append(f"first call per size (load {num(result.get('load_s'), '.2f')} s):")
+        for f in result["first_calls"]:
+            lines.append(
+                f"  {f['system']:<6} {f['height']}x{f['width']} b={f['batch_size']:<3}"
+                f" first {num(f['first_call_s'], '.3f')} s"
+                f"  warm {num(f['warm_e2e_s'], '.3f')} s  overhead {num(f['overhead_s'], '.3f')} s"
+            )
+    for q in result.get("repeatability", []):
+        lines.append(f"two identical calls at {q['height']}x{q['width']} b={q['batch_size']}: max abs difference "
+                     f"{q['max_abs_diff']:.3g}{' (identical)' if q['identical'] else ''}")
     return "\n".join(lines)
 
 

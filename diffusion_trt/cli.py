@@ -75,6 +75,23 @@ def _quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def _runtime_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The engine options ``run`` and ``bench`` share (issue 19), passed on as ``EnginePipeline.from_artifacts``
+    keywords ``cudnn_conv_algo_search``, ``deterministic``, ``size_buckets``."""
+    for option in reversed((
+        click.option("--cudnn-algo-search", "cudnn_conv_algo_search",
+                     type=click.Choice(["EXHAUSTIVE", "HEURISTIC", "DEFAULT"], case_sensitive=False),
+                     default="EXHAUSTIVE", show_default=True,
+                     help="ORT CUDA: how cuDNN picks convolution algorithms (EXHAUSTIVE: timed per new shape)."),
+        click.option("--deterministic", is_flag=True,
+                     help="ORT use_deterministic_compute + torch deterministic algorithms (cost: see bench)."),
+        click.option("--size-buckets", default=None, metavar="auto|HxW[,HxW...]",
+                     help="Dynamic ORT artifacts: static sessions per size (listed ones opened at load)."),
+    )):
+        fn = option(fn)
+    return fn
+
+
 def _setup_logging(verbose: int) -> None:
     level = logging.DEBUG if verbose >= 1 else logging.INFO
     handler = logging.StreamHandler(sys.stderr)
@@ -689,12 +706,13 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
 @click.option("--mask", "mask_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Inpainting, with --image: white = repaint, black = keep (read as grayscale, the image's size).")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE", help=VRAM_BUDGET_HELP)
+@_runtime_options
 @_handle_errors
 def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps: int, guidance: float | None, seed: int,
             height: int | None, width: int | None, batch_size: int, scheduler: str | None, device: str | None,
             snap: bool, devices: str | None, cuda_graph: bool | None, runtime_cache: Path | None, out: Path,
             image_path: Path | None, strength: float | None, mask_path: Path | None,
-            vram_budget: str | None) -> None:
+            vram_budget: str | None, **engine_options: Any) -> None:
     """Generate images from a compiled ARTIFACT_DIR: from text, or from an image (--image), or inpaint (--mask).
 
     \b
@@ -724,6 +742,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
         from .runtime.schedulers import resolve_scheduler
 
         resolve_scheduler(scheduler)
+    engine_options = _check_engine_options(engine_options)
     max_hw = _profile_max_hw(artifact_dir) if image_path is not None else None
     image = _read_image(image_path, "--image", "RGB", max_hw) if image_path is not None else None
     mask = _read_image(mask_path, "--mask", "L", max_hw) if mask_path is not None else None
@@ -737,13 +756,13 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
     device_list = _parse_devices(devices, device)
     if vram_budget is not None and len(device_list) >= 2:
         raise click.UsageError("--vram-budget plans one device; drop --devices or give one device")
-    budget = None if vram_budget is None else {"vram_budget": vram_budget,
-                                                "vram_request": (height, width, batch_size)}
+    budget = {} if vram_budget is None else {"vram_budget": vram_budget, "vram_request": (height, width, batch_size)}
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     # log lines (a truncated prompt...) go through tqdm.write: they never cut the step bar on a terminal
     with logging_redirect_tqdm(loggers=[logger]), \
-            _open_pipeline(artifact_dir, device, scheduler, device_list, cuda_graph, runtime_cache, budget) as pipe:
+            _open_pipeline(artifact_dir, device, scheduler, device_list, cuda_graph, runtime_cache_dir=runtime_cache,
+                           **budget, **engine_options) as pipe:
         result = pipe(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -860,23 +879,31 @@ def _parse_devices(devices: str | None, device: str | None) -> list[int]:
     return parse_devices(devices)
 
 
+def _check_engine_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The ``_runtime_options`` values, checked before anything loads (a bad --size-buckets list exits 2)."""
+    from .runtime.buckets import parse_size_buckets
+
+    options = dict(options)
+    options["cudnn_conv_algo_search"] = str(options.get("cudnn_conv_algo_search") or "EXHAUSTIVE").upper()
+    parse_size_buckets(options.get("size_buckets"))
+    return options
+
+
 def _open_pipeline(artifact_dir: Path, device: str | None, scheduler: str | None, device_list: list[int],
-                   cuda_graph: bool | None, runtime_cache: Path | None = None,
-                   budget: dict[str, Any] | None = None) -> Any:
+                   cuda_graph: bool | None, **engine_options: Any) -> Any:
     """One EnginePipeline (on ``device_list[0]`` when given) or a DataParallelPipeline over 2+ devices."""
     if len(device_list) >= 2:
         from .runtime.parallel import DataParallelPipeline
 
         return DataParallelPipeline.from_artifacts(artifact_dir, device_list, scheduler=scheduler,
-                                                   cuda_graph=cuda_graph, runtime_cache_dir=runtime_cache)
+                                                   cuda_graph=cuda_graph, **engine_options)
     from .runtime.pipeline import EnginePipeline
 
     if device_list:
         return EnginePipeline.from_artifacts(artifact_dir, device="cuda", scheduler=scheduler,
-                                             device_id=device_list[0], cuda_graph=cuda_graph,
-                                             runtime_cache_dir=runtime_cache, **(budget or {}))
+                                             device_id=device_list[0], cuda_graph=cuda_graph, **engine_options)
     return EnginePipeline.from_artifacts(artifact_dir, device=device, scheduler=scheduler, cuda_graph=cuda_graph,
-                                         runtime_cache_dir=runtime_cache, **(budget or {}))
+                                         **engine_options)
 
 
 def _int_list(value: str, option: str) -> tuple[int, ...]:
@@ -919,11 +946,17 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE",
               help="Also run ours under this budget (" + VRAM_BUDGET_HELP.split(": ")[0].lower() + "): per-stage peak "
                    "memory and e2e time with and without it.")
+@click.option("--sizes", default=None, metavar="HxW[,HxW...]",
+              help="Image sizes to measure, each after one timed first call [default: --height x --width].")
+@click.option("--height", type=int, default=None, help="[default: the artifact's opt height]")
+@click.option("--width", type=int, default=None, help="[default: the artifact's opt width]")
+@_runtime_options
 @_handle_errors
 def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: int, batch_sizes: str, iters: int,
               warmup: int, stage_iters: int, device: str | None, devices: str | None, scheduler: str | None,
               cuda_graph: bool | None, runtime_cache: Path | None, prompt: str | None, seed: int,
-              json_path: Path | None, plot_path: Path | None, vram_budget: str | None) -> None:
+              json_path: Path | None, plot_path: Path | None, vram_budget: str | None, sizes: str | None,
+              height: int | None, width: int | None, **engine_options: Any) -> None:
     """Time ARTIFACT_DIR's engines per stage and end to end, next to diffusers, in one process.
 
     Same weights, seed, scheduler and prompt on every side; medians after warm-up; CUDA events for GPU
@@ -935,10 +968,14 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
       diffusion-trt bench artifacts/sd15-fp16 --batch-size 1,4 --json b.json --plot b.png
       diffusion-trt bench artifacts/sd15-fp16-b4 --batch-size 8 --devices 0,1 --baseline none
       diffusion-trt bench artifacts/sd15-fp16 --baseline none --vram-budget 4GB
+      diffusion-trt bench artifacts/sd15-dyn --sizes 512x512,768x768,640x384 --size-buckets auto --baseline none
     """
     import json
 
     from .bench import DEFAULT_PROMPT, BenchConfig, format_table, plot_result, run_bench
+    from .runtime.buckets import parse_sizes
+
+    engine_options = _check_engine_options(engine_options)
 
     for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
         if path is not None:
@@ -949,6 +986,7 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
         devices=tuple(device_list), steps=steps, batch_sizes=_int_list(batch_sizes, "--batch-size"), iters=iters,
         warmup=warmup, stage_iters=stage_iters, scheduler=scheduler, cuda_graph=cuda_graph,
         runtime_cache_dir=runtime_cache, prompt=prompt or DEFAULT_PROMPT, seed=seed, vram_budget=vram_budget,
+        height=height, width=width, sizes=parse_sizes(sizes) if sizes is not None else (), **engine_options,
     )
     result = run_bench(config, progress=lambda msg: logger.info("bench: %s", msg))
     click.echo(format_table(result))

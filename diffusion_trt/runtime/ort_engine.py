@@ -119,6 +119,13 @@ class OrtEngine(EngineBase):
             (:class:`~diffusion_trt.artifact_reader.OnnxBytes`, e.g. ``ArtifactReader.onnx``): ONNX Runtime then
             builds the session from those bytes (``add_external_initializers_from_files_in_memory``) and opens no
             file by name, so what was hashed is what runs. ``None`` = ONNX Runtime opens ``path`` itself.
+        free_dimensions: fix symbolic dims of the graph (``{"B2": 2, "h": 64, "w": 64}``) through
+            ``SessionOptions.add_free_dimension_override_by_name``: ORT's optimiser then folds the shape arithmetic
+            (see :mod:`~diffusion_trt.runtime.buckets`); ``spec`` should then be static at those values.
+        deterministic: ``SessionOptions.use_deterministic_compute`` (ORT's kernels that have a deterministic
+            variant use it; see :mod:`~diffusion_trt.runtime.determinism` for what stays non-deterministic).
+
+    Both are applied to ``session_options`` too when one is given.
 
     Nothing is loaded until ``__enter__``.
 
@@ -147,6 +154,8 @@ class OrtEngine(EngineBase):
         derived: Mapping[str, tuple[str, int]] | None = None,
         cuda_graph: bool = False,
         source: Callable[[], OnnxBytes] | None = None,
+        free_dimensions: Mapping[str, int] | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.path = Path(path)
         self._source = source
@@ -171,6 +180,8 @@ class OrtEngine(EngineBase):
         self._threads = intra_op_num_threads
         self._extra_provider_options = dict(provider_options or {})
         self._session_options = session_options
+        self._free_dimensions = {str(k): int(v) for k, v in (free_dimensions or {}).items()}
+        self._deterministic = bool(deterministic)
 
         self._session: Any = None
         self._binding: Any = None
@@ -185,6 +196,29 @@ class OrtEngine(EngineBase):
         self._graph_runs = 0
         self._graph_bound = False
         self._static_inputs: dict[str, torch.Tensor] = {}
+
+    def variant(
+        self, spec: EngineSpec, *, free_dimensions: Mapping[str, int] | None = None, cuda_graph: bool | None = None
+    ) -> OrtEngine:
+        """A new, unopened engine of the same file and settings with another ``spec`` (and ``free_dimensions``,
+        ``cuda_graph``: ``None`` keeps this engine's request); used by :mod:`~diffusion_trt.runtime.buckets`."""
+        return OrtEngine(
+            self.path,
+            spec,
+            name=self._name,
+            device=self._kind,
+            device_id=self._device_id,
+            stream=self._stream,
+            cudnn_conv_algo_search=self._conv_algo,
+            io_binding=self._io_binding if self._kind == "cpu" else None,
+            intra_op_num_threads=self._threads,
+            provider_options=self._extra_provider_options,
+            session_options=self._session_options,
+            cuda_graph=self._graph_requested if cuda_graph is None else cuda_graph,
+            source=self._source,
+            free_dimensions=free_dimensions,
+            deterministic=self._deterministic,
+        )
 
     # -- Engine protocol -------------------------------------------------------------------------------
 
@@ -376,6 +410,10 @@ class OrtEngine(EngineBase):
             so.log_severity_level = 2  # warning
             if self._threads is not None:
                 so.intra_op_num_threads = self._threads
+        for dim, value in self._free_dimensions.items():
+            so.add_free_dimension_override_by_name(dim, value)
+        if self._deterministic:
+            so.use_deterministic_compute = True
         if data is not None and data.external:
             names = list(data.external)
             buffers = [data.external[n] for n in names]

@@ -125,7 +125,9 @@ class DataParallelPipeline:
         self._threads = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diffusion-trt-device{k}")
                          for k in range(len(self.pipes))]
         self._closed = False
-        uses_graphs = any(getattr(e, "cuda_graph", False) for p in self.pipes for e in p.engines.values())
+        # size-bucket engines (runtime/buckets.py) capture lazily: warm their default size up one device at a time too
+        uses_graphs = any(getattr(e, "cuda_graph", False) or hasattr(e, "specialised_shapes")
+                          for p in self.pipes for e in p.engines.values())
         if warm_up if warm_up is not None else uses_graphs:
             self.warm_up()
 

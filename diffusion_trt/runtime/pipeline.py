@@ -38,8 +38,10 @@ from ..config import ShapeProfile, check_image_size
 from ..errors import ArtifactError, LoraError, RuntimeInputError
 from . import denoise
 from .batching import plan_chunks
+from .buckets import SizeBuckets, bucket_engines, parse_size_buckets
 from .cuda import HostBuffers
 from .denoise import EmbeddingCache, Generator, StepCallback
+from .determinism import deterministic_torch
 from .engine import Engine
 from .image_inputs import ImageRequest, image_request
 from .png import save_png
@@ -234,6 +236,8 @@ class EnginePipeline:
         # "pil"/"np" results land in pinned host buffers kept across calls, copied on a side stream
         self._host_buffers = HostBuffers(pin=self.device.type == "cuda" and torch.cuda.is_available())
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._host_buffers.pin else None
+        #: torch's deterministic algorithms around each call (see runtime/determinism.py); from_artifacts sets it
+        self.deterministic = False
         self._closed = False
 
     # -- construction -----------------------------------------------------------------------------------
@@ -257,6 +261,8 @@ class EnginePipeline:
         vram_budget: str | int | None = None,
         vram_request: tuple[int | None, int | None, int] | None = None,
         memory_facts: str | os.PathLike[str] | None = None,
+        deterministic: bool = False,
+        size_buckets: str | Sequence[tuple[int, int]] | SizeBuckets | None = None,
     ) -> EnginePipeline:
         """Load a compiled artifact folder and open its engines.
 
@@ -296,6 +302,12 @@ class EnginePipeline:
                 size, batch 1. Every call is checked again for its own size and batch.
             memory_facts: a measured memory facts file (:func:`~diffusion_trt.runtime.memory.load_memory_facts`);
                 default the one recorded for this artifact, if any, else estimates.
+            deterministic: ORT's ``use_deterministic_compute`` on every session and torch's deterministic algorithms
+                in the loop (see :mod:`~diffusion_trt.runtime.determinism` for what it cannot fix).
+            size_buckets: ORT artifacts with a dynamic profile: serve the UNet and the VAE decoder from static
+                sessions specialised per shape (see :mod:`~diffusion_trt.runtime.buckets`): ``"auto"`` (any size, up
+                to 4 shapes), a list of sizes (``"512x512,768x768"`` or ``[(512, 512)]``; opened now at the opt
+                batch), or ``None`` (off). Ignored, with a warning, for static and TensorRT artifacts.
 
         Raises:
             ArtifactError: missing/altered files, a manifest other than ``expect_sha256``, unsafe scheduler config
@@ -311,7 +323,8 @@ class EnginePipeline:
                        cudnn_conv_algo_search=cudnn_conv_algo_search, intra_op_num_threads=intra_op_num_threads,
                        io_binding=io_binding, provider_options=provider_options, cuda_graph=cuda_graph,
                        runtime_cache_dir=runtime_cache_dir,
-                       vram_budget=vram_budget, vram_request=vram_request, memory_facts=memory_facts)
+                       vram_budget=vram_budget, vram_request=vram_request, memory_facts=memory_facts,
+                       deterministic=deterministic, size_buckets=size_buckets)
         for attempt in (1, 2):
             # schema, seal, pin, paths, sizes, external data and links (never read outside the folder); the
             # hashes are checked on the bytes each loader gets
@@ -348,6 +361,8 @@ class EnginePipeline:
         vram_budget: str | int | None = None,
         vram_request: tuple[int | None, int | None, int] | None = None,
         memory_facts: str | os.PathLike[str] | None = None,
+        deterministic: bool = False,
+        size_buckets: str | Sequence[tuple[int, int]] | SizeBuckets | None = None,
     ) -> EnginePipeline:
         """:meth:`from_artifacts` on an open reader: every file comes through it (one folder, hashed bytes)."""
         from transformers import CLIPTokenizer
@@ -408,6 +423,8 @@ class EnginePipeline:
             stream = torch.cuda.Stream(device=torch.device("cuda", device_id))
         scale = int(manifest.get("model", {}).get("vae_scale_factor", 8))
         derived = {"H": ("h", scale), "W": ("w", scale)}
+        buckets = parse_size_buckets(size_buckets)
+        graph_request = cuda_graph
         if cuda_graph is None:
             cuda_graph = device == "cuda" and (
                 is_trt or ShapeProfile.from_json(manifest["profile"]).is_static()
@@ -440,12 +457,17 @@ class EnginePipeline:
                     derived=derived,
                     cuda_graph=cuda_graph,
                     source=functools.partial(reader.onnx, str(entry["onnx"])),
+                    deterministic=deterministic,
                 )
+            engines = bucket_engines(engines, buckets, manifest, device, graph_request)
+        if is_trt and (deterministic or buckets is not None):
+            logger.warning("deterministic / size_buckets apply to ONNX Runtime artifacts; ignored for TensorRT")
         if residency is not None:
             engines = residency.wrap(engines)
         pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=scheduler, stream=stream, root=root,
                    tokenizer_2=tokenizer_2)
         pipe.residency = residency
+        pipe.deterministic = bool(deterministic)
         logger.info(
             "loaded %s (%s, %s, %s; profile %s; scheduler %s)",
             root,
@@ -777,7 +799,8 @@ class EnginePipeline:
         caller = torch.cuda.current_stream(self.device) if stream is not None else None
         if stream is not None:
             stream.wait_stream(caller)  # inputs the caller enqueued (latents, generator state) come first
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
+                deterministic_torch(self.deterministic):
             result = denoise.text_to_image(
                 text_encoder=self.engines["text_encoder"],
                 unet=self.engines["unet"],

@@ -1,0 +1,142 @@
+"""Size buckets (runtime/buckets.py): static sessions specialised per shape for a dynamic-profile ORT artifact.
+
+The toy artifact (hand-built graphs) checks selection, preloading, fallback, limits and that nothing is written; the
+compiled tiny pipeline checks that ORT really folds the shape arithmetic and that the images are the dynamic ones.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from diffusion_trt.artifacts import read_manifest
+from diffusion_trt.errors import RuntimeInputError
+from diffusion_trt.runtime import EnginePipeline
+from diffusion_trt.runtime.buckets import BucketedEngine, SizeBuckets, parse_size_buckets, static_spec
+from diffusion_trt.runtime.engine import EngineSpec
+from diffusion_trt.runtime.ort_engine import OrtEngine
+
+FAST: dict[str, Any] = {"prompt": "a cat", "num_inference_steps": 2, "progress": False, "output_type": "np",
+                        "seed": 3}
+
+
+def _files(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("auto", None), ("512x512, 768X768,640x384", ((512, 512), (768, 768), (640, 384))), ("64x64,64x64", ((64, 64),))],
+)
+def test_parse_size_buckets(text: str, expected: Any) -> None:
+    buckets = parse_size_buckets(text)
+    assert buckets is not None and buckets.sizes == expected
+    assert parse_size_buckets("off") is None and parse_size_buckets(None) is None
+
+
+@pytest.mark.parametrize(("text", "piece"), [
+    ("512", "--size-buckets: '512' in '512' is not HEIGHTxWIDTH with positive sides; use e.g. --size-buckets 512x512"),
+    ("512x512,big", "'big'"), ("0x512", "positive sides")])
+def test_parse_size_buckets_refuses(text: str, piece: str) -> None:
+    with pytest.raises(RuntimeInputError, match=piece):
+        parse_size_buckets(text)
+
+
+def test_size_outside_the_profile_is_refused_at_load(toy_artifact: Path) -> None:
+    with pytest.raises(RuntimeInputError, match=r"size bucket 512x64: height 512 is not a multiple of 8 inside the "
+                                                r"artifact's profile 32..128"):
+        EnginePipeline.from_artifacts(toy_artifact, size_buckets="512x64")
+
+
+def test_listed_sizes_are_preloaded_and_other_sizes_fall_back(toy_artifact: Path) -> None:
+    before = _files(toy_artifact)
+    with EnginePipeline.from_artifacts(toy_artifact) as plain:
+        ref64 = plain(**FAST, height=64, width=64).images
+        ref48 = plain(**FAST, height=48, width=80).images
+    with EnginePipeline.from_artifacts(toy_artifact, size_buckets="64x64") as pipe:
+        unet, vae = pipe.engines["unet"], pipe.engines["vae_decoder"]
+        assert isinstance(unet, BucketedEngine) and isinstance(vae, BucketedEngine)
+        text = pipe.engines["text_encoder"]
+        assert isinstance(text, BucketedEngine) and text.specialised_shapes == [{"B2": 2}]  # per batch, any size
+        # opened while loading, at the opt batch (the UNet at the CFG batch 2)
+        assert unet.specialised_shapes == [{"B2": 2, "h": 8, "w": 8}]
+        assert vae.specialised_shapes == [{"B": 1, "h": 8, "w": 8}]
+        assert not unet.dynamic_open
+        out = pipe(**FAST, height=64, width=64).images
+        assert unet.last_path == "static" and vae.last_path == "static" and not unet.dynamic_open
+        np.testing.assert_allclose(out, ref64, atol=1e-5, rtol=0)
+        out48 = pipe(**FAST, height=48, width=80).images  # in the profile, in no bucket: the dynamic session
+        assert unet.last_path == "dynamic" and unet.dynamic_open
+        np.testing.assert_allclose(out48, ref48, atol=1e-5, rtol=0)
+        assert len(unet.specialised_shapes) == 1
+    assert _files(toy_artifact) == before  # nothing written: no second copy of any weights
+
+
+def test_auto_specialises_each_new_shape_up_to_the_limit(toy_artifact: Path) -> None:
+    with EnginePipeline.from_artifacts(toy_artifact, size_buckets=SizeBuckets(max_shapes=2)) as pipe:
+        unet = pipe.engines["unet"]
+        assert unet.specialised_shapes == []  # auto: nothing until a call
+        pipe(**FAST, height=64, width=64)
+        pipe(**FAST, height=32, width=96)
+        assert unet.specialised_shapes == [{"B2": 2, "h": 8, "w": 8}, {"B2": 2, "h": 4, "w": 12}]
+        assert unet.last_path == "static"
+        pipe(**FAST, height=64, width=64, num_images_per_prompt=2)  # a third shape (batch 2): over the limit
+        assert unet.last_path == "dynamic" and len(unet.specialised_shapes) == 2
+        pipe(**FAST, height=32, width=96)  # an old shape: its static session again
+        assert unet.last_path == "static"
+
+
+def test_static_spec_pins_every_tensor(toy_artifact: Path) -> None:
+    entry = read_manifest(toy_artifact)["components"]["vae_decoder"]
+    spec = static_spec(EngineSpec.from_manifest("vae_decoder", entry), {"B": 2, "h": 6, "w": 10})
+    assert spec.input("latent_sample").min == spec.input("latent_sample").max == (2, 4, 6, 10)
+    assert spec.output("sample").min == spec.output("sample").max == (2, 3, 48, 80)
+
+
+# --- the compiled tiny pipeline: ORT folds the shape arithmetic, images equal the dynamic path ---------------------
+
+
+def test_free_dimensions_fold_every_shape_op(tiny_artifact: Path, tmp_path: Path) -> None:
+    entry = read_manifest(tiny_artifact)["components"]["unet"]
+    symbols = {"B2": 2, "h": 8, "w": 8}
+    counts = {}
+    for label, free in (("dynamic", None), ("static", symbols)):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        so.optimized_model_filepath = str(tmp_path / f"{label}.onnx")
+        spec = EngineSpec.from_manifest("unet", entry)
+        engine = OrtEngine(tiny_artifact / "unet" / "model.onnx", static_spec(spec, symbols) if free else spec,
+                           session_options=so, free_dimensions=free)
+        with engine:
+            pass
+        graph = onnx.load(str(tmp_path / f"{label}.onnx"), load_external_data=False).graph
+        counts[label] = collections.Counter(n.op_type for n in graph.node)["Shape"]
+    assert counts["dynamic"] > 0 and counts["static"] == 0, counts
+
+
+def test_bucketed_images_equal_the_dynamic_ones(tiny_artifact: Path) -> None:
+    call = {**FAST, "height": 64, "width": 96}
+    with EnginePipeline.from_artifacts(tiny_artifact) as plain:
+        ref = plain(**call).images
+    with EnginePipeline.from_artifacts(tiny_artifact, size_buckets="64x96") as pipe:
+        out = pipe(**call).images
+        assert pipe.engines["unet"].last_path == "static" and not pipe.engines["unet"].dynamic_open
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+
+
+def test_deterministic_mode_gives_identical_images_and_restores_torch(tiny_artifact: Path) -> None:
+    before = torch.are_deterministic_algorithms_enabled()
+    with EnginePipeline.from_artifacts(tiny_artifact, deterministic=True, size_buckets="auto") as pipe:
+        a = pipe(**FAST).images
+        b = pipe(**FAST).images
+    assert float(np.abs(a - b).max()) == 0.0
+    assert torch.are_deterministic_algorithms_enabled() == before
+

@@ -1,0 +1,73 @@
+"""`run` / `bench` engine options of issue 19: --sizes (first call per size, repeatability), --size-buckets,
+--deterministic, --cudnn-algo-search; bad input exits 2 naming the value and the fix. On the toy artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# --- the command line: bench --sizes (first call per size, repeatability), bad input --------------------------------
+
+
+def test_bench_sizes_first_calls_and_repeatability(toy_artifact: Path, tmp_path: Path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from diffusion_trt.bench import validate_result
+    from diffusion_trt.cli import main
+
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(main, [
+        "bench", str(toy_artifact), "--baseline", "none", "--steps", "2", "--iters", "1", "--warmup", "0",
+        "--stage-iters", "1", "--sizes", "64x64,48x80", "--size-buckets", "auto", "--deterministic",
+        "--cudnn-algo-search", "heuristic", "--json", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    validate_result(data)
+    assert data["config"]["sizes"] == [[64, 64], [48, 80]] and data["config"]["deterministic"] is True
+    assert data["config"]["cudnn_conv_algo_search"] == "HEURISTIC" and data["config"]["size_buckets"] == "auto"
+    ours = [(r["height"], r["width"]) for r in data["runs"] if r["system"] == "ours"]
+    assert ours == [(64, 64), (48, 80)]
+    assert [(f["height"], f["width"]) for f in data["first_calls"]] == ours
+    assert all(f["first_call_s"] > 0 and f["overhead_s"] is not None for f in data["first_calls"])
+    assert [q["identical"] for q in data["repeatability"]] == [True, True]
+    assert data["load_s"] > 0 and "first call per size" in result.output
+    assert any("size-bucket sessions" in n for n in data["notes"])
+
+
+@pytest.mark.parametrize(
+    ("args", "piece"),
+    [
+        (["--cudnn-algo-search", "FASTEST"], "'FASTEST' is not one of 'EXHAUSTIVE', 'HEURISTIC', 'DEFAULT'"),
+        (["--size-buckets", "512"], "--size-buckets: '512' in '512' is not HEIGHTxWIDTH with positive sides; "
+                                    "use e.g. --size-buckets 512x512"),
+        (["--sizes", "64x64,64"], "--sizes: '64' in '64x64,64' is not HEIGHTxWIDTH with positive sides; "
+                                  "use e.g. --sizes 512x512"),
+    ],
+)
+def test_bad_engine_options_exit_2(toy_artifact: Path, args: list[str], piece: str) -> None:
+    from click.testing import CliRunner
+
+    from diffusion_trt.cli import main
+
+    for command in (["bench", str(toy_artifact), "--baseline", "none"], ["run", str(toy_artifact), "-p", "x"]):
+        if args[0] == "--sizes" and command[0] == "run":
+            continue  # --sizes is bench's
+        result = CliRunner().invoke(main, [*command, *args])
+        assert result.exit_code == 2, result.output
+        assert piece.lower() in " ".join(result.output.split()).lower(), result.output
+
+
+def test_run_with_engine_options(toy_artifact: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from diffusion_trt.cli import main
+
+    out = tmp_path / "x.png"
+    result = CliRunner().invoke(main, ["run", str(toy_artifact), "-p", "a cat", "--steps", "2", "--size-buckets",
+                                       "64x64", "--deterministic", "--cudnn-algo-search", "DEFAULT", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.is_file()
