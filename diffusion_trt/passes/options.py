@@ -21,6 +21,7 @@ USER_OPTIONS: dict[str, tuple[Any, str]] = {
     "convert_fp16_keep_io_types": (bool, "convert_fp16"),
     "convert_fp16_range_check": (bool, "convert_fp16"),  # read by fp16_check.py around the pass
     "convert_fp16_range_max": (int, "convert_fp16"),
+    "convert_fp16_range_check_max_bytes": (int, "convert_fp16"),  # graphs with more weight bytes go unchecked
     "fold_constants_error_ok": (bool, "fold_constants"),
     "fold_constants_size_threshold_bytes": (int, "fold_constants"),
     "fuse_attention_emit": (EMITS, "fuse_attention"),
