@@ -464,7 +464,7 @@ def bench_budget(cfg: BenchConfig, clock: Clock, device_kind: str, device_id: in
     runs: list[Run] = []
     for batch in cfg.batch_sizes:
         say(f"ours_vram_budget {cfg.vram_budget} b={batch}")
-        run = Run("ours_vram_budget", batch)
+        run = Run("ours_vram_budget", batch, height=height, width=width)
         _free_memory()
         _memory_start([clock.device])
         try:
@@ -473,7 +473,7 @@ def bench_budget(cfg: BenchConfig, clock: Clock, device_kind: str, device_id: in
                 cuda_graph=cfg.cuda_graph, vram_budget=cfg.vram_budget, vram_request=(height, width, batch),
             )
         except RuntimeInputError as e:
-            runs.append(Run("ours_vram_budget", batch, status="error", reason=str(e)))
+            runs.append(Run("ours_vram_budget", batch, height=height, width=width, status="error", reason=str(e)))
             continue
         try:
             assert pipe.residency is not None
