@@ -328,6 +328,39 @@ class Engine(Protocol):
         ...
 
 
+class EngineProxy:
+    """Base of the engine wrappers (per-stage opening, tiled VAE decode): the protocol's read-only properties
+    delegate to the wrapped engine; subclasses add ``run``, ``is_open`` and the with-block."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    @property
+    def inner(self) -> Engine:
+        """The wrapped engine."""
+        return self._engine
+
+    @property
+    def name(self) -> str:
+        return self._engine.name
+
+    @property
+    def spec(self) -> EngineSpec:
+        return self._engine.spec
+
+    @property
+    def device(self) -> torch.device:
+        return self._engine.device
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self._engine.input_names
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self._engine.output_names
+
+
 class EngineBase:
     """What every :class:`Engine` implementation shares: the protocol's properties, re-entrant ``with``
     (the first enter calls ``_open``, the last exit ``close``) and validation against the manifest.

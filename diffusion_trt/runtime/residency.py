@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..artifacts import safe_join
-from .engine import Engine, EngineSpec
+from .engine import Engine, EngineProxy
 from .memory import (
     DEFAULT_OVERHEAD_BYTES,
     STAGES,
@@ -173,7 +173,7 @@ def plan_for_request(
     return Residency(budget, plan)
 
 
-class StagedEngine:
+class StagedEngine(EngineProxy):
     """An :class:`~.engine.Engine` proxy that opens its engine on first ``run`` and closes it on :meth:`release`.
 
     Args:
@@ -184,7 +184,7 @@ class StagedEngine:
     """
 
     def __init__(self, engine: Engine, stage: str, manager: Residency) -> None:
-        self._engine = engine
+        super().__init__(engine)
         self.stage = stage
         self._manager = manager
         self._open = False
@@ -192,32 +192,8 @@ class StagedEngine:
         self.open_seconds = 0.0
 
     @property
-    def inner(self) -> Engine:
-        return self._engine
-
-    @property
     def is_open(self) -> bool:
         return self._open
-
-    @property
-    def name(self) -> str:
-        return self._engine.name
-
-    @property
-    def spec(self) -> EngineSpec:
-        return self._engine.spec
-
-    @property
-    def device(self) -> torch.device:
-        return self._engine.device
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return self._engine.input_names
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return self._engine.output_names
 
     def __enter__(self) -> StagedEngine:
         if self.name in self._manager.plan.resident:

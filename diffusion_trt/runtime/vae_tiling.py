@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from .engine import Engine, EngineSpec
+from .engine import Engine, EngineProxy
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def fits(engine: Engine, input_name: str, z_shape: Sequence[int], tiles_h: AxisT
     ) and info.min[0] <= z_shape[0] <= info.max[0]
 
 
-class TiledVaeDecoder:
+class TiledVaeDecoder(EngineProxy):
     """An :class:`~.engine.Engine` over a VAE decoder engine that decodes latents larger than ``tile`` in tiles.
 
     ``run({"latent_sample": z})`` returns ``{"sample": image}`` like the engine; latents no larger than one tile
@@ -185,35 +185,11 @@ class TiledVaeDecoder:
     """
 
     def __init__(self, engine: Engine, tile: int, scale: int = 8, overlap: float = DEFAULT_OVERLAP) -> None:
-        self._engine = engine
+        super().__init__(engine)
         self.tile = int(tile)
         self.scale = int(scale)
         self.overlap = float(overlap)
         self.last_layout: Layout | None = None
-
-    @property
-    def inner(self) -> Engine:
-        return self._engine
-
-    @property
-    def name(self) -> str:
-        return self._engine.name
-
-    @property
-    def spec(self) -> EngineSpec:
-        return self._engine.spec
-
-    @property
-    def device(self) -> torch.device:
-        return self._engine.device
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return self._engine.input_names
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return self._engine.output_names
 
     def __enter__(self) -> TiledVaeDecoder:
         self._engine.__enter__()
