@@ -437,35 +437,30 @@ class TimingCacheKey:
         return {"tensorrt": self.tensorrt, "compute_capability": self.compute_capability}
 
 
-def pack_timing_cache(key: TimingCacheKey, payload: bytes) -> bytes:
-    """Frame a serialized TensorRT timing cache with its key and checksum.
+def pack_framed(magic: bytes, fmt: int, key: Mapping[str, Any], payload: bytes) -> bytes:
+    """Frame a library's serialized cache (timing cache, TensorRT-RTX runtime cache) with its key and checksum.
 
-    Layout: :data:`TIMING_CACHE_MAGIC`, uint32 little-endian header length, JSON header
-    ``{"format", "tensorrt", "compute_capability", "sha256", "size"}``, then ``payload`` as TensorRT wrote it.
+    Layout: ``magic``, uint32 little-endian header length, JSON header ``{"format", **key, "sha256", "size"}``, then
+    ``payload`` as the library wrote it.
     """
     header = json.dumps(
-        {
-            "format": TIMING_CACHE_FORMAT,
-            **key.to_json(),
-            "sha256": hashlib.sha256(payload).hexdigest(),
-            "size": len(payload),
-        },
-        sort_keys=True,
+        {"format": fmt, **key, "sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)}, sort_keys=True
     ).encode()
-    return TIMING_CACHE_MAGIC + _LEN.pack(len(header)) + header + bytes(payload)
+    return magic + _LEN.pack(len(header)) + header + bytes(payload)
 
 
-def unpack_timing_cache(data: bytes, key: TimingCacheKey) -> tuple[bytes | None, str | None]:
-    """The TensorRT payload of a file written by :func:`pack_timing_cache`, if it was made for ``key``.
+def unpack_framed(data: bytes, magic: bytes, fmt: int, what: str,
+                  key: Mapping[str, Any]) -> tuple[bytes | None, dict[str, Any] | str]:
+    """The payload of a file written by :func:`pack_framed`, if its header holds ``key``.
 
     Returns:
-        ``(payload, None)`` when usable, else ``(None, reason)``: not a cache file, truncated, corrupt
-        (checksum), another format, or another TensorRT version / compute capability. The caller ignores
-        the file with a warning and builds with a fresh cache.
+        ``(payload, header)`` when usable; else ``(None, reason)``: not such a file (bad magic), truncated, an
+        unreadable header, another format, checksum mismatch — or ``(None, header)`` when only the key differs
+        (the caller words that reason, naming both keys).
     """
-    if not data.startswith(TIMING_CACHE_MAGIC):
-        return None, "not a diffusion-trt timing cache (bad magic)"
-    rest = data[len(TIMING_CACHE_MAGIC) :]
+    if not data.startswith(magic):
+        return None, f"not a diffusion-trt {what} (bad magic)"
+    rest = data[len(magic) :]
     if len(rest) < _LEN.size:
         return None, "truncated header"
     (n,) = _LEN.unpack_from(rest)
@@ -476,18 +471,38 @@ def unpack_timing_cache(data: bytes, key: TimingCacheKey) -> tuple[bytes | None,
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None, "unreadable header"
-    if not isinstance(header, dict) or header.get("format") != TIMING_CACHE_FORMAT:
-        return None, f"format {header.get('format') if isinstance(header, dict) else header!r} != {TIMING_CACHE_FORMAT}"
-    found = (header.get("tensorrt"), header.get("compute_capability"))
-    if found != (key.tensorrt, key.compute_capability):
-        return None, (
-            f"made for TensorRT {found[0]} on compute capability {found[1]}, this build is TensorRT "
-            f"{key.tensorrt} on {key.compute_capability}"
-        )
+    if not isinstance(header, dict) or header.get("format") != fmt:
+        return None, f"format {header.get('format') if isinstance(header, dict) else header!r} != {fmt}"
+    if any(header.get(k) != v for k, v in key.items()):
+        return None, header
     payload = rest[_LEN.size + n :]
     if len(payload) != header.get("size") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
         return None, "payload checksum mismatch (truncated or altered file)"
-    return payload, None
+    return payload, header
+
+
+def pack_timing_cache(key: TimingCacheKey, payload: bytes) -> bytes:
+    """Frame a serialized TensorRT timing cache with its key and checksum (:func:`pack_framed`)."""
+    return pack_framed(TIMING_CACHE_MAGIC, TIMING_CACHE_FORMAT, key.to_json(), payload)
+
+
+def unpack_timing_cache(data: bytes, key: TimingCacheKey) -> tuple[bytes | None, str | None]:
+    """The TensorRT payload of a file written by :func:`pack_timing_cache`, if it was made for ``key``.
+
+    Returns:
+        ``(payload, None)`` when usable, else ``(None, reason)``: not a cache file, truncated, corrupt
+        (checksum), another format, or another TensorRT version / compute capability. The caller ignores
+        the file with a warning and builds with a fresh cache.
+    """
+    payload, header = unpack_framed(data, TIMING_CACHE_MAGIC, TIMING_CACHE_FORMAT, "timing cache", key.to_json())
+    if payload is not None:
+        return payload, None
+    if isinstance(header, str):
+        return None, header
+    return None, (
+        f"made for TensorRT {header.get('tensorrt')} on compute capability {header.get('compute_capability')}, this "
+        f"build is TensorRT {key.tensorrt} on {key.compute_capability}"
+    )
 
 
 # -- glue shared by the builder and the runtime (given the tensorrt module; never importing it) ---------

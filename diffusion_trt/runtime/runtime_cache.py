@@ -26,12 +26,9 @@ Pure Python: no ``tensorrt`` import (``runtime/trt_engine.py`` passes the bytes 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import re
-import struct
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,13 +37,13 @@ from typing import Any
 
 from ..artifacts import SEAL_KEY, umask_mode
 from ..errors import ArtifactError, RuntimeInputError
+from ..trt_compat import pack_framed, unpack_framed
 
 logger = logging.getLogger(__name__)
 
 #: First bytes of a runtime-cache file written by :func:`pack_runtime_cache`.
 RUNTIME_CACHE_MAGIC = b"DTRT-RUNTIME-CACHE\n"
 RUNTIME_CACHE_FORMAT = 1
-_LEN = struct.Struct("<I")  # little-endian uint32: length of the JSON header that follows the magic
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -134,16 +131,7 @@ def runtime_cache_path(
 
 def pack_runtime_cache(key: RuntimeCacheKey, payload: bytes) -> bytes:
     """Frame TensorRT-RTX's serialised runtime cache with its key and checksum (layout: module docstring)."""
-    header = json.dumps(
-        {
-            "format": RUNTIME_CACHE_FORMAT,
-            **key.to_json(),
-            "sha256": hashlib.sha256(payload).hexdigest(),
-            "size": len(payload),
-        },
-        sort_keys=True,
-    ).encode()
-    return RUNTIME_CACHE_MAGIC + _LEN.pack(len(header)) + header + bytes(payload)
+    return pack_framed(RUNTIME_CACHE_MAGIC, RUNTIME_CACHE_FORMAT, key.to_json(), payload)
 
 
 def unpack_runtime_cache(data: bytes, key: RuntimeCacheKey) -> tuple[bytes | None, str | None]:
@@ -153,33 +141,16 @@ def unpack_runtime_cache(data: bytes, key: RuntimeCacheKey) -> tuple[bytes | Non
         ``(payload, None)`` when usable, else ``(None, reason)``: not a runtime-cache file, truncated, corrupt
         (checksum), another format, or another library release / GPU.
     """
-    if not data.startswith(RUNTIME_CACHE_MAGIC):
-        return None, "not a diffusion-trt runtime cache (bad magic)"
-    rest = data[len(RUNTIME_CACHE_MAGIC) :]
-    if len(rest) < _LEN.size:
-        return None, "truncated header"
-    (n,) = _LEN.unpack_from(rest)
-    raw = rest[_LEN.size : _LEN.size + n]
-    if len(raw) != n:
-        return None, "truncated header"
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None, "unreadable header"
-    if not isinstance(header, dict) or header.get("format") != RUNTIME_CACHE_FORMAT:
-        found = header.get("format") if isinstance(header, dict) else header
-        return None, f"format {found!r} != {RUNTIME_CACHE_FORMAT}"
-    made = {k: header.get(k) for k in key.to_json()}
-    if made != key.to_json():
-        return None, (
-            f"made for {made['library']} {made['version']} on {made['gpu']} (compute capability "
-            f"{made['compute_capability']}), this is {key.library} {key.version} on {key.gpu} "
-            f"({key.compute_capability})"
-        )
-    payload = rest[_LEN.size + n :]
-    if len(payload) != header.get("size") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-        return None, "payload checksum mismatch (truncated or altered file)"
-    return payload, None
+    payload, made = unpack_framed(data, RUNTIME_CACHE_MAGIC, RUNTIME_CACHE_FORMAT, "runtime cache", key.to_json())
+    if payload is not None:
+        return payload, None
+    if isinstance(made, str):
+        return None, made
+    return None, (
+        f"made for {made.get('library')} {made.get('version')} on {made.get('gpu')} (compute capability "
+        f"{made.get('compute_capability')}), this is {key.library} {key.version} on {key.gpu} "
+        f"({key.compute_capability})"
+    )
 
 
 def load_runtime_cache(path: Path | None, key: RuntimeCacheKey, where: str) -> bytes | None:
