@@ -15,6 +15,7 @@ from onnx import helper
 
 from diffusion_trt.errors import PassError
 from diffusion_trt.passes import PassContext, optimize_model, pipeline_for
+from diffusion_trt.passes.base import pass_name
 from tests import graphs
 from tests.passes.test_fuse_group_norm import group_norm_model
 
@@ -56,7 +57,10 @@ def test_uninferable_shapes_are_a_counted_rejection_not_a_wrong_graph(key: tuple
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     model = _unknown_shape_group_norm()
     caplog.set_level(logging.DEBUG, logger="diffusion_trt.passes")
-    out, records = optimize_model(model, pipeline_for(*key, "unet"), _ctx(*key))
+    # the TensorRT pipelines end in check_onnx_domain, which refuses the custom op that hides the shapes here: this
+    # test is about fuse_group_norm's rejection, so it runs the passes before that check
+    passes = [p for p in pipeline_for(*key, "unet") if pass_name(p) != "check_onnx_domain"]
+    out, records = optimize_model(model, passes, _ctx(*key))
     counts = {r.name: r.counts for r in records}
     assert counts["fuse_group_norm"]["rejected"] == 1
     assert not counts["fuse_group_norm"].get("GroupNorm") and not counts["fuse_group_norm"].get("GroupNormalization")
