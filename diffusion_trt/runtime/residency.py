@@ -312,20 +312,15 @@ class Residency:
             s.release()
 
 
-class _Switch:
+class _Switch(EngineProxy):
     """The VAE decoder as the plan wants it: tiled (:class:`TiledVaeDecoder`) or whole."""
 
     def __init__(self, tiled: TiledVaeDecoder, whole: Engine, residency: Residency) -> None:
+        super().__init__(whole)
         self._tiled, self._whole, self._residency = tiled, whole, residency
 
     def _current(self) -> Any:
         return self._tiled if self._residency.plan.vae_tiled else self._whole
-
-    name = property(lambda self: self._whole.name)
-    spec = property(lambda self: self._whole.spec)
-    device = property(lambda self: self._whole.device)
-    input_names = property(lambda self: self._whole.input_names)
-    output_names = property(lambda self: self._whole.output_names)
 
     def __enter__(self) -> _Switch:
         self._whole.__enter__()
