@@ -73,10 +73,14 @@ def _child(args: list[str], timeout: float) -> dict[str, Any]:
     """This script's ``child ...`` in a fresh process; its JSON result (last stdout line) or the failure."""
     rec = _sh([sys.executable, __file__, "child", *args], timeout)
     if rec.get("rc") == 0:
-        try:
-            return json.loads(rec["tail"].strip().splitlines()[-1])
-        except (json.JSONDecodeError, IndexError) as e:
-            return {"error": f"unreadable child output ({e})", "tail": rec["tail"]}
+        # the result is the last line that parses as a JSON object (ORT's warnings may follow it on stdout)
+        for line in reversed(rec["tail"].strip().splitlines()):
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+        return {"error": "unreadable child output (no JSON line)", "tail": rec["tail"]}
     return {"error": rec.get("error") or f"rc={rec.get('rc')}", "tail": rec["tail"]}
 
 
@@ -180,7 +184,7 @@ def _engine(artifact: str, entry: dict[str, Any], name: str, extra: dict[str, st
     from diffusion_trt.runtime.pipeline import cuda_layout_options
 
     stream = torch.cuda.Stream() if DEVICE == "cuda" else None
-    options = {**cuda_layout_options(name, DEVICE), **(extra if DEVICE == "cuda" else {})}
+    options = {**cuda_layout_options(name, DEVICE), **((extra or {}) if DEVICE == "cuda" else {})}
     eng = OrtEngine(Path(artifact, entry["onnx"]), entry, name=name, device=DEVICE, stream=stream,
                     provider_options=options, cuda_graph=cuda_graph and DEVICE == "cuda")
     return eng, stream

@@ -24,6 +24,7 @@ from .calibrator import CALIBRATION_CHUNK, LoopCalibrator, calibrate_ranges
 from .exclusions import DEFAULT_EXCLUDE, EXCLUDE_CATEGORIES, QUANTIZED_OP_TYPES, name_nodes, sensitive_nodes
 from .fp8 import check_fp8_target
 from .gate import Thresholds, cosine, cpu_session, measure_quality, psnr, quality_gate
+from .qdq import _fp8_nan_check_once as _fp8_nan_check_once  # re-exported for tests/compiler/test_quantize.py
 from .qdq import quantize_onnx
 from .spec import (
     CALIBRATION_METHODS,
