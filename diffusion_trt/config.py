@@ -153,7 +153,8 @@ class QuantizeConfig:
         seed: latents of prompt i come from seed + i.
         method: ONNX Runtime calibrator: "minmax", "entropy" or "percentile" (fp8 always uses "distribution").
         exclude: nodes left unquantized: categories and/or node names; ``None`` = the documented default
-            (compiler/quantize/exclusions.py: first/last conv, time embedding, attention scores, softmax, normalization).
+            (compiler/quantize/exclusions.py: first/last conv, time embedding, attention scores, softmax,
+            normalization).
         smooth_quant_alpha: SmoothQuant strength in [0, 1]; ``None`` = off (needs neural-compressor).
         cache: a calibration cache to reuse (a ``<component>.json`` file, or a folder / artifact holding one);
             a folder without one receives the new cache. ``None`` = none (the artifact always stores its own).
