@@ -20,7 +20,7 @@ BACKENDS: tuple[str, ...] = ("ort", "tensorrt", "tensorrt-rtx")
 TRT_BACKENDS: tuple[str, ...] = ("tensorrt", "tensorrt-rtx")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "fp8")
-#: Precisions made by calibration + QDQ insertion (compiler/calibrate.py, compiler/quantize.py).
+#: Precisions made by calibration + QDQ insertion (compiler/calibrate.py, compiler/quantize/).
 QUANTIZED_PRECISIONS: tuple[str, ...] = ("int8", "fp8")
 
 #: Image sizes must be multiples of this: the SD VAE downsamples by 2**3 (three stride-2 stages).
@@ -142,7 +142,7 @@ class ShapeProfile:
 
 @dataclass(frozen=True)
 class QuantizeConfig:
-    """How ``--precision int8|fp8`` calibrates and quantizes (see compiler/calibrate.py, compiler/quantize.py).
+    """How ``--precision int8|fp8`` calibrates and quantizes (see compiler/calibrate.py, compiler/quantize/).
 
     Attributes:
         components: the components quantized; the others stay fp32 (CPU) / fp16 (CUDA). "unet" and/or
@@ -153,7 +153,8 @@ class QuantizeConfig:
         seed: latents of prompt i come from seed + i.
         method: ONNX Runtime calibrator: "minmax", "entropy" or "percentile" (fp8 always uses "distribution").
         exclude: nodes left unquantized: categories and/or node names; ``None`` = the documented default
-            (compiler/quantize.py: first/last conv, time embedding, attention scores, softmax, normalization).
+            (compiler/quantize/exclusions.py: first/last conv, time embedding, attention scores, softmax,
+            normalization).
         smooth_quant_alpha: SmoothQuant strength in [0, 1]; ``None`` = off (needs neural-compressor).
         cache: a calibration cache to reuse (a ``<component>.json`` file, or a folder / artifact holding one);
             a folder without one receives the new cache. ``None`` = none (the artifact always stores its own).

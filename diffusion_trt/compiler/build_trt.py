@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import artifacts, trt_compat
+from ..artifact_facts import BuildFacts
 from ..config import ShapeProfile
 from ..errors import BuildError, RuntimeInputError
 from .components import symbol_ranges
@@ -448,6 +449,11 @@ class BuildTarget:
     gpu: str = ""
     host_compute_capability: str | None = None
 
+    @property
+    def plan_compute_capability(self) -> str | None:
+        """The one compute capability a full TensorRT plan runs on; ``None`` for TensorRT-RTX (it has targets)."""
+        return None if self.library.compute_capability_targets else self.compute_capabilities[0]
+
 
 def build_target(precision: str, build: TrtBuildConfig) -> BuildTarget:
     """Resolve and check where a build's plans will run, before any work.
@@ -679,13 +685,9 @@ def engine_from_onnx(
             compute capability); ``None`` = no persistent cache. Not used by TensorRT-RTX.
 
     Returns:
-        The manifest's ``build`` facts: ``engine`` / ``library`` ("tensorrt" or "tensorrt-rtx"), ``tensorrt``
-        (the library's version), ``gpu`` and ``compute_capability`` (the build GPU; ``None`` for a TensorRT-RTX
-        build without one), ``compute_capabilities`` (the targets), ``precision``, ``flags``, ``strongly_typed``,
-        ``has_qdq``, ``builder_optimization_level``, ``workspace_bytes``, ``refittable``, ``profiles`` (list of
-        ``{"kind", "inputs": {name: {"min", "opt", "max"}}}`` in TensorRT profile order), ``num_layers``,
-        ``build_seconds``, ``plan``, ``plan_sha256``, ``plan_bytes``, ``timing_cache``, ``runtime_cache``
-        (TensorRT-RTX: the cache file name the runtime uses), ``config``.
+        The manifest's ``build`` facts, :meth:`BuildFacts.to_json <diffusion_trt.artifact_facts.BuildFacts.to_json>`
+        (the library and its version, the build GPU and the targets, precision and flags, profiles in TensorRT
+        order, the plan's name, sha256 and size, the timing / runtime cache, the config).
 
     Raises:
         BuildError: no GPU where one is needed, no library, a precision a target lacks (checked first, before any
@@ -700,16 +702,14 @@ def engine_from_onnx(
     ops = graph_ops(onnx_path)
     check_parsable(onnx_path, ops)  # before the parser: it may crash the process on a contrib op
     trt = target.library.import_module()
-    version = str(trt.__version__)
     has_qdq = any(domain == "" and op in QDQ_OPS for domain, op in ops)
-    strongly_typed = (has_qdq if build.strongly_typed is None else build.strongly_typed) or \
-        not target.library.precision_flags
+    strongly_typed = is_strongly_typed(build, target, has_qdq)
     builder, network, _parser = network_from_onnx(trt, onnx_path, strongly_typed and target.library.precision_flags)
     check_network_inputs(onnx_path, network_inputs(trt, network), inputs)
     config, applied = config_for(trt, builder, target, build, precision, strongly_typed, profiles)
-    cache_key, cache_facts = attach_timing_cache(config, target, version, timing_cache_dir)
+    cache_key, cache_facts = attach_timing_cache(config, target, str(trt.__version__), timing_cache_dir)
     logger.info("building %s: %s %s for compute capability %s, flags %s, strongly_typed=%s, %d profile(s)",
-                onnx_path, target.library.display, version, ",".join(target.compute_capabilities), applied,
+                onnx_path, target.library.display, trt.__version__, ",".join(target.compute_capabilities), applied,
                 strongly_typed, len(profiles))
     t_build = time.perf_counter()
     view = engine_from_network(trt, builder, network, config,
@@ -717,35 +717,32 @@ def engine_from_onnx(
     build_seconds = time.perf_counter() - t_build
     write_bytes_atomic(plan_path, view)
     if cache_key is not None and timing_cache_dir is not None:
-        serialized = config.get_timing_cache().serialize()
-        write_bytes_atomic(Path(timing_cache_dir) / cache_key.filename,
-                           trt_compat.pack_timing_cache(cache_key, bytes(memoryview(serialized))))
-        cache_facts["saved"] = True
-    rtx = target.library.compute_capability_targets
-    facts = {
-        "engine": target.library.backend,
-        "library": target.library.backend,
-        "tensorrt": version,
-        "gpu": target.gpu or None,
-        "compute_capability": None if rtx else target.compute_capabilities[0],
-        "compute_capabilities": list(target.compute_capabilities),
-        "precision": precision,
-        "flags": applied,
-        "strongly_typed": strongly_typed,
-        "has_qdq": has_qdq,
-        "builder_optimization_level": config.builder_optimization_level,
-        "workspace_bytes": build.workspace_bytes,
-        "refittable": build.refittable,
-        "profiles": [p.to_json() for p in profiles],
-        "num_layers": int(network.num_layers),
-        "build_seconds": round(build_seconds, 3),
-        "plan": plan_path.name,
-        "plan_sha256": hashlib.sha256(view).hexdigest(),
-        "plan_bytes": len(view),
-        "timing_cache": cache_facts,
-        "runtime_cache": f"{plan_path.parent.name}.runtime-cache" if target.library.runtime_config else None,
-        "config": build.to_json(),
-    }
+        cache_facts["saved"] = save_timing_cache(config, Path(timing_cache_dir), cache_key)
+    facts = BuildFacts(
+        engine=target.library.backend, library=target.library.backend, tensorrt=str(trt.__version__),
+        gpu=target.gpu or None, compute_capability=target.plan_compute_capability,
+        compute_capabilities=target.compute_capabilities, precision=precision, flags=tuple(applied),
+        strongly_typed=strongly_typed, has_qdq=has_qdq, builder_optimization_level=config.builder_optimization_level,
+        workspace_bytes=build.workspace_bytes, refittable=build.refittable,
+        profiles=tuple(p.to_json() for p in profiles), num_layers=int(network.num_layers),
+        build_seconds=round(build_seconds, 3), plan=plan_path.name, plan_sha256=hashlib.sha256(view).hexdigest(),
+        plan_bytes=len(view), timing_cache=cache_facts,
+        runtime_cache=f"{plan_path.parent.name}.runtime-cache" if target.library.runtime_config else None,
+        config=build.to_json(),
+    )
     logger.info("built %s -> %s (%.1f MB, %d layers) in %.1f s", onnx_path.name, plan_path, len(view) / 1e6,
-                facts["num_layers"], time.perf_counter() - t_start)
-    return facts
+                facts.num_layers, time.perf_counter() - t_start)
+    return facts.to_json()
+
+
+def is_strongly_typed(build: TrtBuildConfig, target: BuildTarget, has_qdq: bool) -> bool:
+    """Whether the network is built strongly typed: as the config says (``None`` = when the graph has Q/DQ nodes),
+    and always for a library without precision flags (TensorRT-RTX)."""
+    return (has_qdq if build.strongly_typed is None else build.strongly_typed) or not target.library.precision_flags
+
+
+def save_timing_cache(config: Any, cache_dir: Path, key: trt_compat.TimingCacheKey) -> bool:
+    """Write the config's timing cache (framed for ``key``) into ``cache_dir``, atomically; ``True`` once written."""
+    serialized = config.get_timing_cache().serialize()
+    write_bytes_atomic(cache_dir / key.filename, trt_compat.pack_timing_cache(key, bytes(memoryview(serialized))))
+    return True

@@ -1,10 +1,15 @@
-"""``compile_pipeline``: the whole chain, top to bottom.
+"""``compile_pipeline``: the whole chain, top to bottom, one function per stage.
 
-    pipeline folder ──check──► torch modules ──export──► raw ONNX ──passes──► optimized ONNX
-        ──build──► engine files ──hash──► manifest.json, all inside a staging folder renamed into place.
+::
+
+    preflight (pass options, fp8 / TensorRT target) ──► prepare (LoRA files, model folder, profile, components:
+    a CompileJob) ──► staging folder: copy_tokenizers, load_sources (fp32 torch modules, LoRAs merged, source hash),
+    plan_components (every precision / pipeline / builder decision, compiler/plan.py)
+    ──► per component (compile_component): export ──► passes ──► [refit map] ──► [calibrate and quantize] ──► build
+    ──► seal (manifest.json over every file) ──► the staging folder renamed into place.
 
 A failure at any stage raises a :class:`~diffusion_trt.errors.DiffusionTrtError` naming the stage and
-the component, and leaves no half artifact (an existing artifact at the destination stays intact).
+the component (:func:`stage`), and leaves no half artifact (an existing artifact at the destination stays intact).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +36,8 @@ from . import build_ort, export, quantize
 from .components import ComponentSpec, component_specs, tensor_manifest
 from .plan import VAE_COMPONENTS, ComponentPlan, component_precision, plan_components
 
-__all__ = ["VAE_COMPONENTS", "compile_pipeline", "component_precision", "model_facts", "pass_options", "specs_for"]
+__all__ = ["VAE_COMPONENTS", "CompileJob", "compile_pipeline", "component_precision", "model_facts", "pass_options",
+           "specs_for", "stage"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +55,20 @@ def tool_versions() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _stage(stage: str, component: str | None = None) -> Iterator[None]:
-    """Prefix any failure with the stage (and component) it happened in."""
-    where = f"{stage} of {component}" if component else stage
+def stage(name: str, component: str | None = None) -> Iterator[None]:
+    """Name the stage (and component) in any failure inside: ``compile failed at export of unet: ...``.
+
+    Raises:
+        DiffusionTrtError: the same class, message prefixed; any other exception becomes a PassError ("passes"),
+            BuildError ("build") or ExportError (every other stage), chained.
+    """
+    where = f"{name} of {component}" if component else name
     try:
         yield
     except DiffusionTrtError as e:
         raise type(e)(f"compile failed at {where}: {e}") from e
     except Exception as e:
-        cls = {"passes": PassError, "build": BuildError}.get(stage, ExportError)
+        cls = {"passes": PassError, "build": BuildError}.get(name, ExportError)
         raise cls(f"compile failed at {where}: {type(e).__name__}: {e}") from e
 
 
@@ -209,7 +221,7 @@ def pass_options(spec: ComponentSpec, profile: ShapeProfile, facts: Mapping[str,
 def _quantize_stage(folder: export.ModelFolder, models: dict[str, Any], config: CompileConfig,
                     profile: ShapeProfile, source_hash: str, facts: dict[str, Any],
                     lora_records: Sequence[Mapping[str, Any]] = ()) -> quantize.QuantizeStage:
-    """The calibrate -> quantize -> gate stage (compiler/quantize.py) over the loaded fp32 torch modules."""
+    """The calibrate -> quantize -> gate stage (compiler/quantize/) over the loaded fp32 torch modules."""
     from transformers import CLIPTokenizer
 
     from ..passes import pipeline_for
@@ -292,191 +304,346 @@ def compile_pipeline(
         RuntimeInputError: the config asks for an impossible profile, int8/fp8 for an SDXL model, or has a pass
             option that does not exist or has the wrong type (:mod:`diffusion_trt.passes.options`).
     """
-    from ..passes import PassContext, pipeline_for
-    from ..passes.fp16_check import optimize_fp16_checked
-    from .fp16_calibration import calibration_feeds
-
     config = config or CompileConfig()
+    preflight(config)
+    t_start = time.perf_counter()
+    job = prepare(model_dir, Path(out_dir), config)
+    with artifacts.staging_dir(job.out, overwrite=overwrite, lock_timeout=lock_timeout) as staging:
+        copy_tokenizers(job, staging)
+        models, lora_records, source_hash = load_sources(job)
+        plans = plan_components(config, job.facts, job.names)  # every precision / pipeline / builder decision, once
+        qstage = (_quantize_stage(job.folder, models, config, job.profile, source_hash, job.facts, lora_records)
+                  if quantized_components(config) else None)
+        components = compile_components(job, plans, models, qstage, staging, progress)
+        del models
+        shutil.rmtree(staging / ".raw", ignore_errors=True)
+        seal(job, staging, components, lora_records, source_hash, t_start)
+    logger.info("compiled %s -> %s in %.1f s", job.folder.path, job.out, time.perf_counter() - t_start)
+    return job.out
+
+
+# -- before any work: the config, the target, the model --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """What every stage of one compile reads, checked before the staging folder exists (:func:`prepare`).
+
+    Attributes:
+        config: the compile config.
+        out: the artifact folder to write.
+        folder: the checked model folder.
+        facts: :func:`model_facts` of the model (the manifest's ``model``).
+        profile: the resolved shape profile.
+        specs: the model's component table (:func:`specs_for`).
+        names: the components to build, in order (:func:`component_names`).
+        lora_files: the checked LoRA files to merge (``lora.check_lora_files``).
+        torch_device: where torch traces ("cpu" or "cuda", :func:`~.export.export_device`).
+        ranges: the profile's symbol ranges (:func:`~.export.export_ranges`).
+    """
+
+    config: CompileConfig
+    out: Path
+    folder: export.ModelFolder
+    facts: dict[str, Any]
+    profile: ShapeProfile
+    specs: Mapping[str, ComponentSpec]
+    names: tuple[str, ...]
+    lora_files: Any
+    torch_device: str
+    ranges: Mapping[str, tuple[int, int, int]]
+
+
+def quantized_components(config: CompileConfig) -> tuple[str, ...]:
+    """The components calibrated and QDQ-quantized: ``config.quantize.components`` for int8/fp8, else none."""
+    return tuple(config.quantize.components) if config.precision in QUANTIZED_PRECISIONS else ()
+
+
+def preflight(config: CompileConfig) -> None:
+    """Checks that need neither the model nor any work: pass options, the fp8 target, the TensorRT target.
+
+    Raises:
+        RuntimeInputError: a pass option that does not exist or has the wrong type.
+        BuildError: fp8 for a GPU older than 8.9, no GPU / library for TensorRT, a precision a target lacks.
+    """
     from ..passes.options import check_pass_options
 
     try:  # unknown keys and wrong types fail here, before any export
         check_pass_options(config.pass_options)
     except ValueError as e:
         raise RuntimeInputError(f"pass option {e}; see each pass's docstring (or --dump-passes)") from None
-    quantized = config.quantize.components if config.precision in QUANTIZED_PRECISIONS else ()
-    if quantized and config.backend != "tensorrt-rtx":  # TensorRT-RTX: CompileConfig checked its targets
-        with _stage("quantization preflight"):  # fp8: the target GPU's compute capability, before any work
+    if quantized_components(config) and config.backend != "tensorrt-rtx":  # TensorRT-RTX: CompileConfig checked it
+        with stage("quantization preflight"):  # fp8: the target GPU's compute capability, before any work
             quantize.check_fp8_target(config.precision, config.quantize.target_compute_capability)
     if config.backend in TRT_BACKENDS:
         from . import build_trt
 
-        with _stage("TensorRT preflight"):  # no GPU / library / a precision a target lacks: before any work
+        with stage("TensorRT preflight"):  # no GPU / library / a precision a target lacks: before any work
             target = build_trt.preflight(config.precision, build_trt.TrtBuildConfig(
                 library=config.backend, compute_capabilities=config.compute_capabilities))
         logger.info("TensorRT target: %s for compute capability %s", target.library.display,
                     ", ".join(target.compute_capabilities))
-    t_start = time.perf_counter()
-    out = Path(out_dir)
-    with _stage("LoRA check"):  # missing / non-safetensors / duplicate files fail before any work
+
+
+def prepare(model_dir: str | Path, out: Path, config: CompileConfig) -> CompileJob:
+    """Check the LoRA files, the model folder, the output folder, the profile and the components: a :class:`CompileJob`.
+
+    Raises:
+        ModelFolderError, OutputPathError, ExportError: as :func:`compile_pipeline` says.
+        RuntimeInputError: int8/fp8 for SDXL or inpainting models, an impossible profile, unknown components.
+    """
+    with stage("LoRA check"):  # missing / non-safetensors / duplicate files fail before any work
         lora_files = lora.check_lora_files(config.loras)
-    with _stage("model check"):
+    with stage("model check"):
         folder = export.check_model_folder(model_dir, trust_pickle=config.trust_pickle)
         check_output_folder(out, folder.path)
         facts = model_facts(folder)
-        if quantized and facts["architecture"] == "sdxl":
-            raise RuntimeInputError(
-                f"precision={config.precision!r} is not supported for SDXL models yet: calibration runs the SD 1.x "
-                "prompt encoding and loop; use --precision fp16 (or fp32)"
-            )
-        if quantized and artifacts.is_inpainting(facts):
-            raise RuntimeInputError(
-                f"precision={config.precision!r} is not supported for inpainting models yet (UNet with "
-                f"{facts['unet_in_channels']} input channels): calibration runs the text-to-image loop; use "
-                "--precision fp16 (or fp32)"
-            )
+        check_quantizable(config, facts)
         profile: ShapeProfile = config.resolve_profile(facts["default_height"])
-        if config.fp16_safe_vae and (facts["architecture"] != "sdxl" or config.precision != "fp16"):
-            logger.warning("--fp16-safe-vae: no effect %s (it builds an SDXL VAE in fp16 for --precision fp16)",
-                           "on an SD 1.x/2.x model, whose VAE follows --precision already"
-                           if facts["architecture"] != "sdxl" else f"with --precision {config.precision}")
+        _warn_fp16_safe_vae(config, facts)
     specs = specs_for(facts)
     names = component_names(config.components, facts)
     unknown = [c for c in names if c not in specs]
     if unknown or not names:
         raise RuntimeInputError(f"--components: unknown component(s) {unknown or 'none given'}; choose from "
                                 f"{', '.join(specs)}")
-    torch_device = export.export_device(config.device)
-    static = profile.is_static()
-    ranges = export.export_ranges(profile)
+    return CompileJob(config, out, folder, facts, profile, specs, names, lora_files,
+                      torch_device=export.export_device(config.device), ranges=export.export_ranges(profile))
 
+
+def check_quantizable(config: CompileConfig, facts: Mapping[str, Any]) -> None:
+    """int8/fp8 calibration runs the SD 1.x text-to-image loop: refuse SDXL and inpainting models.
+
+    Raises:
+        RuntimeInputError: naming the precision, the model kind and the fix.
+    """
+    if not quantized_components(config):
+        return
+    if facts["architecture"] == "sdxl":
+        raise RuntimeInputError(
+            f"precision={config.precision!r} is not supported for SDXL models yet: calibration runs the SD 1.x "
+            "prompt encoding and loop; use --precision fp16 (or fp32)"
+        )
+    if artifacts.is_inpainting(facts):
+        raise RuntimeInputError(
+            f"precision={config.precision!r} is not supported for inpainting models yet (UNet with "
+            f"{facts['unet_in_channels']} input channels): calibration runs the text-to-image loop; use "
+            "--precision fp16 (or fp32)"
+        )
+
+
+def _warn_fp16_safe_vae(config: CompileConfig, facts: Mapping[str, Any]) -> None:
+    """``--fp16-safe-vae`` only changes an SDXL fp16 build: say so when it has no effect."""
+    if config.fp16_safe_vae and (facts["architecture"] != "sdxl" or config.precision != "fp16"):
+        logger.warning("--fp16-safe-vae: no effect %s (it builds an SDXL VAE in fp16 for --precision fp16)",
+                       "on an SD 1.x/2.x model, whose VAE follows --precision already"
+                       if facts["architecture"] != "sdxl" else f"with --precision {config.precision}")
+
+
+# -- inside the staging folder: the sources ---------------------------------------------------------------------
+
+
+def copy_tokenizers(job: CompileJob, staging: Path) -> None:
+    """Copy the tokenizer(s) and the scheduler config into the artifact as they are."""
+    with stage("copy tokenizer and scheduler"):
+        shutil.copytree(job.folder.path / "tokenizer", staging / "tokenizer")
+        shutil.copytree(job.folder.path / "scheduler", staging / "scheduler")
+        if job.facts["architecture"] == "sdxl":
+            shutil.copytree(job.folder.path / "tokenizer_2", staging / "tokenizer_2")
+
+
+def load_sources(job: CompileJob) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+    """The fp32 torch modules (LoRAs merged), the LoRA records and the model folder's hash."""
+    with stage("load models"):
+        # always fp32 (ComponentPlan.export_dtype): fp16 is made by the convert_fp16 pass (fp32 islands, Casts
+        # at the borders) for every backend; TensorRT networks are built strongly typed from those types
+        models = export.load_models(job.folder, "fp32", job.torch_device)
+    with stage("merge LoRA"):  # diffusers' load_lora_weights + fuse_lora, before export (see lora.py)
+        lora_records = lora.merge_loras(models, job.lora_files)
+    with stage("source hash"):
+        source_hash = artifacts.folder_hash(job.folder.path)
+    return models, lora_records, source_hash
+
+
+# -- one component: export -> passes -> (quantize) -> build -----------------------------------------------------
+
+
+def compile_components(job: CompileJob, plans: Mapping[str, ComponentPlan], models: dict[str, Any],
+                       qstage: quantize.QuantizeStage | None, staging: Path, progress: bool) -> dict[str, Any]:
+    """Every component's manifest entry, in ``job.names`` order, with a progress bar over their stages."""
     from tqdm.auto import tqdm
 
-    with artifacts.staging_dir(out, overwrite=overwrite, lock_timeout=lock_timeout) as stage:
-        with _stage("copy tokenizer and scheduler"):
-            shutil.copytree(folder.path / "tokenizer", stage / "tokenizer")
-            shutil.copytree(folder.path / "scheduler", stage / "scheduler")
-            if facts["architecture"] == "sdxl":
-                shutil.copytree(folder.path / "tokenizer_2", stage / "tokenizer_2")
-        with _stage("load models"):
-            # always fp32 (ComponentPlan.export_dtype): fp16 is made by the convert_fp16 pass (fp32 islands, Casts
-            # at the borders) for every backend; TensorRT networks are built strongly typed from those types
-            models = export.load_models(folder, "fp32", torch_device)
-        with _stage("merge LoRA"):  # diffusers' load_lora_weights + fuse_lora, before export (see lora.py)
-            lora_records = lora.merge_loras(models, lora_files)
-        with _stage("source hash"):
-            source_hash = artifacts.folder_hash(folder.path)
-        components: dict[str, Any] = {}
-        plans = plan_components(config, facts, names)  # every precision / pipeline / builder decision, once
-        qstage = (_quantize_stage(folder, models, config, profile, source_hash, facts, lora_records)
-                  if quantized else None)
-        bar = tqdm(total=3 * len(names), desc="compile", unit="stage", disable=not progress)
-        try:
-            for name in names:
-                spec, plan = specs[name], plans[name]
-                precision = plan.precision
-                entry: dict[str, Any] = {"precision": precision, "compile_plan": plan.to_json()}
-                if plan.precision_note:
-                    logger.info("%s: %s", name, plan.precision_note)
-                    entry["precision_note"] = plan.precision_note
-                raw = stage / ".raw" / name / "model.onnx"
-                bar.set_postfix_str(f"{name}: export")
-                t0 = time.perf_counter()
-                with _stage("export", name):
-                    export.onnx_from_component(
-                        name, models, spec, raw,
-                        precision=plan.export_dtype, profile_ranges=ranges, opset=config.opset, device=torch_device,
-                        architecture=folder.architecture,
-                    )
-                    model = onnx.load(str(raw))
-                entry["export_seconds"] = round(time.perf_counter() - t0, 3)
-                bar.update()
-                bar.set_postfix_str(f"{name}: passes")
-                with _stage("passes", name):
-                    ctx = PassContext(
-                        component=name,
-                        backend=plan.pass_backend,
-                        device=config.device,
-                        precision=plan.pass_precision,
-                        opset=config.opset,
-                        dump_dir=Path(config.dump_passes) if config.dump_passes else None,
-                        options={**pass_options(spec, profile, facts), **config.pass_options},
-                    )
-                    passes = pipeline_for(plan.pass_backend, config.device, plan.pass_precision, name, static=static)
-                    # fp16: the range check keeps overflowing activations fp32 and refuses a graph it cannot make finite
-                    model, records, fp16 = optimize_fp16_checked(model, passes, ctx, calibration_feeds(spec, profile))
-                entry["passes"] = [r.to_json() for r in records]
-                if fp16 is not None:
-                    entry["fp16_check"] = fp16.to_json()
-                if config.refittable and name in lora.REFIT_COMPONENTS and name in models:
-                    with _stage("refit map", name):  # which initializer holds each LoRA-targetable weight
-                        (stage / name).mkdir(parents=True, exist_ok=True)
-                        rmap = lora.refit_map(model, models[name])
-                        (stage / name / "refit_map.json").write_text(json.dumps(rmap, indent=1))
-                        entry["refit_map"] = f"{name}/refit_map.json"
-                        if rmap["unmapped"]:
-                            logger.info("%s: %d weight(s) not refittable by load_lora (padded or shared): %s", name,
-                                        len(rmap["unmapped"]), ", ".join(rmap["unmapped"][:4]))
-                bar.update()
-                bar.set_postfix_str(f"{name}: build")
-                entry["inputs"] = [tensor_manifest(t, precision, profile) for t in spec.inputs]
-                if qstage is not None and plan.quantized:
-                    with _stage("calibrate and quantize", name):
-                        fp32_files = build_ort.save_onnx(model, stage / ".raw" / name / "fp32" / "model.onnx")
-                        del model
-                        entry["quantization"] = qstage.run(name, fp32_files[0], stage / name / "model.onnx",
-                                                           stage / "calibration")
-                        entry["quality"] = entry["quantization"].pop("quality")
-                with _stage("build", name):
-                    if plan.quantized:
-                        files = sorted((stage / name).glob("model.onnx*"))
-                    else:
-                        files = build_ort.save_onnx(model, stage / name / "model.onnx")
-                        del model
-                    entry["build"] = _build_engine(plan, files, entry["inputs"], stage / name, config)
-                    if "plan" in entry["build"]:
-                        entry["plan"] = f"{name}/{entry['build']['plan']}"
-                        files.append(stage / entry["plan"])
-                shutil.rmtree(stage / ".raw" / name, ignore_errors=True)
-                bar.update()
-                entry["onnx"] = f"{name}/model.onnx"
-                entry["files"] = [f.relative_to(stage).as_posix() for f in files]
-                entry["outputs"] = [tensor_manifest(t, precision, profile) for t in spec.outputs]
-                components[name] = entry
-        finally:
-            bar.close()
-        del models
-        shutil.rmtree(stage / ".raw", ignore_errors=True)
+    bar = tqdm(total=3 * len(job.names), desc="compile", unit="stage", disable=not progress)
+    try:
+        return {name: compile_component(job, plans[name], models, qstage, staging, bar) for name in job.names}
+    finally:
+        bar.close()
 
-        with _stage("manifest"):
-            sched_cfg = json.loads((stage / "scheduler" / "scheduler_config.json").read_text())
-            files = {
-                p.relative_to(stage).as_posix(): artifacts.file_entry(stage, p.relative_to(stage).as_posix())
-                for p in sorted(stage.rglob("*"))
-                if p.is_file()
-            }
-            manifest = {
-                "schema_version": artifacts.SCHEMA_VERSION,
-                "name": out.name,
-                "created_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-                "pipeline_class": folder.pipeline_class,
-                "source": {"path": str(folder.path.resolve()), "sha256": source_hash},
-                "backend": config.backend,
-                "device": config.device,
-                "precision": config.precision,
-                "profile": profile.to_json(),
-                "model": facts,
-                "scheduler": {"class_name": sched_cfg.get("_class_name"), "config": "scheduler/scheduler_config.json"},
-                "tokenizer": "tokenizer",
-                **({"tokenizer_2": "tokenizer_2"} if facts["architecture"] == "sdxl" else {}),
-                "components": components,
-                **({"loras": lora_records} if lora_records else {}),
-                "files": files,
-                "config": config.to_json(),
-                "tools": tool_versions(),
-                "compile_seconds": round(time.perf_counter() - t_start, 3),
-            }
-            if not set(artifacts.REQUIRED_COMPONENTS) <= set(components):
-                manifest["partial"] = True  # compile --components: inspect/verify read it, the runtime refuses it
-            artifacts.write_manifest(stage, manifest)  # sealed: manifest_sha256 over the rest
-    logger.info("compiled %s -> %s in %.1f s", folder.path, out, time.perf_counter() - t_start)
-    return out
+
+def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, Any],
+                      qstage: quantize.QuantizeStage | None, staging: Path, bar: Any) -> dict[str, Any]:
+    """One component's manifest entry: export, passes, refit map, quantize (int8/fp8), build; files in ``staging``."""
+    name, spec = plan.name, job.specs[plan.name]
+    entry: dict[str, Any] = {"precision": plan.precision, "compile_plan": plan.to_json()}
+    if plan.precision_note:
+        logger.info("%s: %s", name, plan.precision_note)
+        entry["precision_note"] = plan.precision_note
+    bar.set_postfix_str(f"{name}: export")
+    model, entry["export_seconds"] = export_component(job, plan, models, staging)
+    bar.update()
+    bar.set_postfix_str(f"{name}: passes")
+    model, optimized = optimize_component(job, plan, model)
+    entry.update(optimized)
+    if job.config.refittable and name in lora.REFIT_COMPONENTS and name in models:
+        entry.update(write_refit_map(name, model, models[name], staging))
+    bar.update()
+    bar.set_postfix_str(f"{name}: build")
+    entry["inputs"] = [tensor_manifest(t, plan.precision, job.profile) for t in spec.inputs]
+    saved = save_optimized(plan, model, staging)
+    del model  # GBs for a UNet: gone before calibration and the engine build
+    if plan.quantized:
+        assert qstage is not None  # plan.quantized only for quantized_components(config)
+        entry.update(quantize_component(qstage, plan, saved[0], staging))
+    entry["build"], files = build_component(job, plan, saved, entry["inputs"], staging)
+    if "plan" in entry["build"]:
+        entry["plan"] = f"{name}/{entry['build']['plan']}"
+    shutil.rmtree(staging / ".raw" / name, ignore_errors=True)
+    bar.update()
+    entry["onnx"] = f"{name}/model.onnx"
+    entry["files"] = [f.relative_to(staging).as_posix() for f in files]
+    entry["outputs"] = [tensor_manifest(t, plan.precision, job.profile) for t in spec.outputs]
+    return entry
+
+
+def export_component(job: CompileJob, plan: ComponentPlan, models: dict[str, Any],
+                     staging: Path) -> tuple[onnx.ModelProto, float]:
+    """The export stage: the torch module -> raw ONNX (``.raw/<name>/``), loaded; and the seconds it took."""
+    raw = staging / ".raw" / plan.name / "model.onnx"
+    t0 = time.perf_counter()
+    with stage("export", plan.name):
+        export.onnx_from_component(
+            plan.name, models, job.specs[plan.name], raw,
+            precision=plan.export_dtype, profile_ranges=job.ranges, opset=job.config.opset, device=job.torch_device,
+            architecture=job.folder.architecture,
+        )
+        model = onnx.load(str(raw))
+    return model, round(time.perf_counter() - t0, 3)
+
+
+def optimize_component(job: CompileJob, plan: ComponentPlan,
+                       model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """The passes stage: the plan's pass pipeline (fp16: with the activation range check); the optimized graph and
+    the manifest's ``passes`` (and ``fp16_check``)."""
+    from ..passes import PassContext, pipeline_for
+    from ..passes.fp16_check import optimize_fp16_checked
+    from .fp16_calibration import calibration_feeds
+
+    config, name, spec = job.config, plan.name, job.specs[plan.name]
+    with stage("passes", name):
+        ctx = PassContext(
+            component=name,
+            backend=plan.pass_backend,
+            device=config.device,
+            precision=plan.pass_precision,
+            opset=config.opset,
+            dump_dir=Path(config.dump_passes) if config.dump_passes else None,
+            options={**pass_options(spec, job.profile, job.facts), **config.pass_options},
+        )
+        passes = pipeline_for(plan.pass_backend, config.device, plan.pass_precision, name,
+                              static=job.profile.is_static())
+        # fp16: the range check keeps overflowing activations fp32 and refuses a graph it cannot make finite
+        model, records, fp16 = optimize_fp16_checked(model, passes, ctx, calibration_feeds(spec, job.profile))
+    facts: dict[str, Any] = {"passes": [r.to_json() for r in records]}
+    if fp16 is not None:
+        facts["fp16_check"] = fp16.to_json()
+    return model, facts
+
+
+def write_refit_map(name: str, model: onnx.ModelProto, module: Any, staging: Path) -> dict[str, str]:
+    """Which initializer holds each LoRA-targetable weight (``<name>/refit_map.json``); the manifest's ``refit_map``."""
+    with stage("refit map", name):
+        (staging / name).mkdir(parents=True, exist_ok=True)
+        rmap = lora.refit_map(model, module)
+        (staging / name / "refit_map.json").write_text(json.dumps(rmap, indent=1))
+        if rmap["unmapped"]:
+            logger.info("%s: %d weight(s) not refittable by load_lora (padded or shared): %s", name,
+                        len(rmap["unmapped"]), ", ".join(rmap["unmapped"][:4]))
+    return {"refit_map": f"{name}/refit_map.json"}
+
+
+def save_optimized(plan: ComponentPlan, model: onnx.ModelProto, staging: Path) -> list[Path]:
+    """Save the optimized graph: a quantized component's fp32 graph goes to ``.raw/<name>/fp32/`` (the quantize
+    stage reads it), any other's is the artifact's ``<name>/model.onnx``. Returns the files written."""
+    if plan.quantized:
+        with stage("calibrate and quantize", plan.name):
+            return build_ort.save_onnx(model, staging / ".raw" / plan.name / "fp32" / "model.onnx")
+    with stage("build", plan.name):
+        return build_ort.save_onnx(model, staging / plan.name / "model.onnx")
+
+
+def quantize_component(qstage: quantize.QuantizeStage, plan: ComponentPlan, fp32_file: Path,
+                       staging: Path) -> dict[str, Any]:
+    """The quantize stage: calibrate, write the QDQ graph as ``<name>/model.onnx``, gate; the manifest's
+    ``quantization`` and ``quality``."""
+    with stage("calibrate and quantize", plan.name):
+        quantization = qstage.run(plan.name, fp32_file, staging / plan.name / "model.onnx", staging / "calibration")
+        return {"quantization": quantization, "quality": quantization.pop("quality")}
+
+
+def build_component(job: CompileJob, plan: ComponentPlan, saved: list[Path], inputs: list[dict[str, Any]],
+                    staging: Path) -> tuple[dict[str, Any], list[Path]]:
+    """The build stage: the engine of ``<name>/model.onnx``; its build facts and the component's files."""
+    with stage("build", plan.name):
+        files = sorted((staging / plan.name).glob("model.onnx*")) if plan.quantized else list(saved)
+        build = _build_engine(plan, files, inputs, staging / plan.name, job.config)
+        if "plan" in build:
+            files.append(staging / plan.name / build["plan"])
+    return build, files
+
+
+# -- the manifest --------------------------------------------------------------------------------------------------
+
+
+def seal(job: CompileJob, staging: Path, components: dict[str, Any], lora_records: list[dict[str, Any]],
+         source_hash: str, t_start: float) -> None:
+    """Write the sealed manifest.json over every file in ``staging`` (``manifest_sha256`` over the rest)."""
+    with stage("manifest"):
+        manifest = manifest_for(job, staging, components, lora_records, source_hash,
+                                round(time.perf_counter() - t_start, 3))
+        artifacts.write_manifest(staging, manifest)
+
+
+def manifest_for(job: CompileJob, staging: Path, components: dict[str, Any], lora_records: list[dict[str, Any]],
+                 source_hash: str, compile_seconds: float) -> dict[str, Any]:
+    """The manifest of the artifact in ``staging`` (schema :data:`~diffusion_trt.artifacts.SCHEMA_VERSION`)."""
+    config, facts = job.config, job.facts
+    sched_cfg = json.loads((staging / "scheduler" / "scheduler_config.json").read_text())
+    files = {
+        p.relative_to(staging).as_posix(): artifacts.file_entry(staging, p.relative_to(staging).as_posix())
+        for p in sorted(staging.rglob("*"))
+        if p.is_file()
+    }
+    manifest = {
+        "schema_version": artifacts.SCHEMA_VERSION,
+        "name": job.out.name,
+        "created_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "pipeline_class": job.folder.pipeline_class,
+        "source": {"path": str(job.folder.path.resolve()), "sha256": source_hash},
+        "backend": config.backend,
+        "device": config.device,
+        "precision": config.precision,
+        "profile": job.profile.to_json(),
+        "model": facts,
+        "scheduler": {"class_name": sched_cfg.get("_class_name"), "config": "scheduler/scheduler_config.json"},
+        "tokenizer": "tokenizer",
+        **({"tokenizer_2": "tokenizer_2"} if facts["architecture"] == "sdxl" else {}),
+        "components": components,
+        **({"loras": lora_records} if lora_records else {}),
+        "files": files,
+        "config": config.to_json(),
+        "tools": tool_versions(),
+        "compile_seconds": compile_seconds,
+    }
+    if not set(artifacts.REQUIRED_COMPONENTS) <= set(components):
+        manifest["partial"] = True  # compile --components: inspect/verify read it, the runtime refuses it
+    return manifest

@@ -69,6 +69,7 @@ import numpy as np
 import torch
 
 from .. import trt_compat
+from ..artifact_facts import BuildFacts
 from ..artifacts import verify_files
 from ..errors import ArtifactError, DiffusionTrtError, RuntimeInputError
 from . import runtime_cache
@@ -314,8 +315,8 @@ class TrtEngine(EngineBase):
         spec: the manifest's component entry (with ``inputs``, ``outputs`` and ``build``) or a parsed
             :class:`EngineSpec` (then pass ``build``).
         name: component name for messages; default the spec's name or the folder name.
-        build: the build facts (``tensorrt``, ``compute_capability``, ``plan_sha256``...); default
-            ``spec["build"]``.
+        build: the build facts (:class:`~diffusion_trt.artifact_facts.BuildFacts`, or its JSON: ``tensorrt``,
+            ``compute_capability``, ``plan_sha256``...); default ``spec["build"]``.
         device_id: CUDA device ordinal.
         stream: the ``torch.cuda.Stream`` to enqueue on; ``None`` = a stream of the engine's own (never the
             legacy default stream: TensorRT would synchronise around it and CUDA graphs cannot capture it).
@@ -350,7 +351,7 @@ class TrtEngine(EngineBase):
         spec: Mapping[str, Any] | EngineSpec,
         *,
         name: str | None = None,
-        build: Mapping[str, Any] | None = None,
+        build: BuildFacts | Mapping[str, Any] | None = None,
         device_id: int = 0,
         stream: torch.cuda.Stream | None = None,
         shared_memory: SharedActivationMemory | None = None,
@@ -374,7 +375,7 @@ class TrtEngine(EngineBase):
         self._name = component
         if build is None:
             build = {} if isinstance(spec, EngineSpec) else spec.get("build", {})
-        self._build = dict(build)
+        self._build = build.to_json() if isinstance(build, BuildFacts) else dict(build)  # the manifest's JSON form
         self._device = torch.device("cuda", device_id)
         self._device_id = device_id
         self._user_stream = stream

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper
 
 from diffusion_trt import trt_compat
+from diffusion_trt.artifact_facts import BuildFacts
 from diffusion_trt.artifacts import sha256_file
 from diffusion_trt.cli import main
 from diffusion_trt.compiler import build_trt
@@ -60,6 +61,7 @@ def test_builds_a_plan_without_a_gpu_for_the_named_targets(tmp_path: Path) -> No
     assert facts["runtime_cache"] == "unet.runtime-cache" and facts["num_layers"] >= 1
     assert facts["timing_cache"]["file"] is None and not (tmp_path / "tc").exists()  # RTX times no kernels
     json.dumps(facts)  # goes into manifest.json as is
+    assert BuildFacts.from_json(facts).to_json() == facts  # the typed facts, key for key
 
 
 def test_default_targets_are_the_portable_set(tmp_path: Path) -> None:

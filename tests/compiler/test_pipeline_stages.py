@@ -1,0 +1,38 @@
+"""The stages of compile_pipeline one at a time, where the whole-compile tests on this machine do not reach them
+(the refit map is written only for full-TensorRT --refittable builds, which need a GPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+
+from diffusion_trt import lora
+from diffusion_trt.compiler import export
+from diffusion_trt.compiler.pipeline import stage, write_refit_map
+from diffusion_trt.errors import ArtifactError, BuildError, ExportError, PassError
+
+
+def test_the_refit_map_stage_writes_the_map_the_manifest_names(tiny_pipeline_dir: Path, tiny_artifact: Path,
+                                                                tmp_path: Path) -> None:
+    models = export.load_models(export.check_model_folder(tiny_pipeline_dir), "fp32", "cpu")
+    model = onnx.load(str(tiny_artifact / "unet" / "model.onnx"))
+    entry = write_refit_map("unet", model, models["unet"], tmp_path)
+    assert entry == {"refit_map": "unet/refit_map.json"}
+    written = json.loads((tmp_path / "unet" / "refit_map.json").read_text())
+    assert written == json.loads(json.dumps(lora.refit_map(model, models["unet"])))
+    assert written["weights"]  # the LoRA-targetable weights are mapped to initializers
+
+
+def test_a_stage_names_itself_and_keeps_or_picks_the_error_class() -> None:
+    with pytest.raises(ArtifactError, match=r"^compile failed at manifest: gone$"):
+        with stage("manifest"):
+            raise ArtifactError("gone")
+    cases = [("passes", PassError), ("build", BuildError), ("export", ExportError), ("model check", ExportError)]
+    for name, cls in cases:
+        with pytest.raises(cls, match=rf"^compile failed at {name} of unet: ValueError: bad$") as e:
+            with stage(name, "unet"):
+                raise ValueError("bad")
+        assert isinstance(e.value.__cause__, ValueError)
