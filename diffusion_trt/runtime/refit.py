@@ -1,0 +1,429 @@
+"""Refit weights for ``EnginePipeline.load_lora``: base + LoRA, from safetensors, without model classes.
+
+At compile time ``compiler.lora.refit_map`` ties every Linear / Conv2d weight of the UNet and text encoder(s) (the
+layers a LoRA changes) to the ONNX initializer TensorRT built it from, by value: the same tensor, its transpose
+(Linear exported as MatMul), in the initializer's dtype (fp16 after convert_fp16). :func:`refit_weights` then:
+
+1. reads the base weights (fp32) from the model folder's safetensors, checked against the map's sha256 of every
+   weight (:func:`base_weights`);
+2. reads the LoRA with diffusers' own key conversion (kohya ``lora_unet_*``, old diffusers ``.lora.down``, peft
+   ``lora_A``) and peft's scaling rule (``alpha / r`` per layer, times the LoRA scale), as ``compile --lora``'s
+   ``load_lora_weights`` + ``fuse_lora`` does (:func:`lora_deltas`);
+3. returns the initializers whose value changed, plus those the previous LoRA changed (back to base): always base
+   + this LoRA, never on top.
+
+No diffusers or transformers model class is loaded (a serving host needs none): the LoRA key conversion comes from
+``diffusers.loaders.lora_conversion_utils`` and ``diffusers.utils`` (plain functions on dicts of tensors).
+LoRA variants whose merge is not ``W + scale * B @ A`` (DoRA, LoKr, LoRA biases) are refused with the fix: merge
+them at compile time with ``--lora``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import LoraError
+from ..lora import LoraFile
+
+#: Weight files that are pickles: loading one runs arbitrary code (compile refuses them without --trust-pickle).
+PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth", ".pkl")
+#: The safetensors header key holding diffusers' LoRA adapter config (``LORA_ADAPTER_METADATA_KEY``).
+LORA_METADATA_KEY = "lora_adapter_metadata"
+#: Text encoder modules diffusers reads a LoRA rank for (``_load_lora_into_text_encoder``).
+_TEXT_RANK_MODULES = (".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")
+
+
+def array_key(arr: Any) -> str:
+    """sha256 over dtype, shape and bytes: equal keys = equal tensors."""
+    a = np.ascontiguousarray(arr)
+    h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
+    h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def as_initializer(weight: torch.Tensor, transpose: bool, dtype: str) -> np.ndarray:
+    """A torch weight as the ONNX initializer holds it (numpy, transposed for MatMul, in the graph's dtype)."""
+    w = weight.detach().to("cpu", dtype=torch.float32)
+    w = w.T if transpose else w
+    return np.ascontiguousarray(w.numpy().astype(np.dtype(dtype)))
+
+
+def refit_weights(
+    maps: dict[str, dict[str, Any]],
+    model_dir: Path,
+    lora: LoraFile,
+    previous: dict[str, dict[str, Any]] | None = None,
+    *,
+    trust_pickle: bool = False,
+) -> dict[str, dict[str, np.ndarray]]:
+    """The initializer values that turn the refittable engines into base + ``lora`` (see the module docstring).
+
+    Args:
+        maps: component -> its refit map (``compiler.lora.refit_map``).
+        model_dir: the diffusers folder the artifact was compiled from.
+        lora: the checked LoRA file and scale.
+        previous: what the last call returned (its initializers go back to base if this LoRA leaves them).
+        trust_pickle: allow pickle weights in ``model_dir`` (see :func:`weights_are_safetensors`).
+
+    Returns:
+        component -> {initializer name: numpy array in the initializer's dtype and layout}.
+
+    Raises:
+        LoraError: the folder's weights are not the artifact's (a weight's sha256 differs from the map's), are
+            pickles without ``trust_pickle``, or cannot be read; the LoRA matches no (or only part of the) layers,
+            changes a weight the engines cannot refit, leaves NaN/Inf, or is a variant refit cannot merge.
+    """
+    bases = {c: base_weights(model_dir, c, rmap, trust_pickle=trust_pickle) for c, rmap in maps.items()}
+    deltas = lora_deltas(lora, bases, unet_config=_sdxl_unet_config(model_dir) if "text_encoder_2" in maps else None)
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for comp, rmap in maps.items():
+        _check_refittable(comp, rmap, deltas[comp], lora)
+        before = set((previous or {}).get(comp, {}))
+        weights = {}
+        for wname, e in rmap["weights"].items():
+            merged = _merged(bases[comp][wname], deltas[comp].get(wname), comp, wname, lora)
+            arr = as_initializer(merged, e["transpose"], e["dtype"])
+            if e["initializer"] in before or array_key(arr) != e["sha256"]:
+                weights[e["initializer"]] = arr
+        out[comp] = weights
+    return out
+
+
+def _merged(base: torch.Tensor, delta: torch.Tensor | None, comp: str, wname: str, lora: LoraFile) -> torch.Tensor:
+    """``base + delta`` (peft's ``weight.data += delta_weight``), refused when it is not finite.
+
+    Raises:
+        LoraError: NaN/Inf in the merged weight (the engines would only give black images).
+    """
+    if delta is None:
+        return base
+    merged = base + delta
+    if not bool(torch.isfinite(merged).all()):
+        raise LoraError(
+            f"LoRA file {lora.path} at scale {lora.scale:g} leaves NaN/Inf in {comp}.{wname}: the file "
+            "holds non-finite values or the scale is too large; check the file, or use a smaller scale"
+        )
+    return merged
+
+
+def _check_refittable(comp: str, rmap: Mapping[str, Any], deltas: Mapping[str, torch.Tensor], lora: LoraFile) -> None:
+    """Refuse a LoRA that changes a weight the map could not tie to one initializer.
+
+    Raises:
+        LoraError: naming the weight and the fix (merge at compile time).
+    """
+    for wname in sorted(set(rmap.get("unmapped", [])) & set(deltas)):
+        if bool(torch.any(deltas[wname] != 0)):
+            raise LoraError(
+                f"LoRA file {lora.path} changes the {comp} weight {wname}, which the engine cannot refit (the graph "
+                "passes padded it, or it shares its values with another weight); merge this LoRA at compile time "
+                "with --lora instead"
+            )
+
+
+# -- base weights: the model folder's safetensors --------------------------------------------------------------
+
+
+def weights_are_safetensors(folder: Path, trust_pickle: bool) -> bool:
+    """Whether ``folder`` (a component of a diffusers folder) is loaded from safetensors: True when it has any; else
+    its weights are pickles, allowed only with ``trust_pickle`` (the rule of ``compile --trust-pickle``).
+
+    Raises:
+        LoraError: pickle weights without ``trust_pickle``, naming the file and the fix.
+    """
+    files = sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+    if any(p.suffix == ".safetensors" for p in files):
+        return True
+    pickles = [p for p in files if p.suffix in PICKLE_SUFFIXES]
+    if pickles and not trust_pickle:
+        raise LoraError(
+            f"{pickles[0]} is a pickle file and loading it runs arbitrary code; convert the model folder to "
+            "safetensors (save_pretrained(..., safe_serialization=True)) or pass trust_pickle=True "
+            "(load_lora(..., trust_pickle=True)) if you trust its source"
+        )
+    return not pickles  # no weights at all: base_weights names what is missing
+
+
+def base_weights(model_dir: Path, comp: str, rmap: Mapping[str, Any], *, trust_pickle: bool = False
+                 ) -> dict[str, torch.Tensor]:
+    """The fp32 weights of ``comp`` the refit map names (mapped and unmapped), read from the model folder's weight
+    files (safetensors; pickles with ``trust_pickle``), each checked against the map's sha256.
+
+    Raises:
+        LoraError: no weight files; pickles without ``trust_pickle``; a weight missing or different from the
+            engine's (another model folder).
+    """
+    folder = Path(model_dir) / comp
+    tensors = _read_weights(folder, weights_are_safetensors(folder, trust_pickle), [
+        *rmap["weights"], *rmap.get("unmapped", [])])
+    for wname, e in rmap["weights"].items():
+        w = tensors.get(wname)
+        if w is None or array_key(as_initializer(w, e["transpose"], e["dtype"])) != e["sha256"]:
+            raise LoraError(
+                f"the model folder {model_dir} is not the one the artifact was compiled from: its {comp} weight "
+                f"{wname} differs from the engine's; pass model_dir= the original diffusers folder"
+            )
+    return tensors
+
+
+def _weight_files(folder: Path, safetensors: bool) -> list[Path]:
+    """The weight files ``from_pretrained`` reads without a variant: ``model.safetensors``, its shards
+    (``model-00001-of-00002.safetensors``), ``diffusion_pytorch_model.safetensors`` (or the ``.bin`` files)."""
+    suffix = ".safetensors" if safetensors else ".bin"
+    files = sorted(folder.glob(f"*{suffix}")) if folder.is_dir() else []
+    return [p for p in files if "." not in p.name.removesuffix(suffix)]
+
+
+def _read_weights(folder: Path, safetensors: bool, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Tensors ``names`` of the weight files in ``folder`` as fp32 CPU tensors (those found; older transformers
+    checkpoints name CLIP weights ``text_model.<name>``).
+
+    Raises:
+        LoraError: no weight file in ``folder``.
+    """
+    files = _weight_files(folder, safetensors)
+    if not files:
+        raise LoraError(
+            f"cannot load {folder.name}/ from the model folder {folder.parent} (no weight file in {folder}); "
+            "load_lora needs the diffusers folder the artifact was compiled from: pass model_dir="
+        )
+    wanted = set(names)
+    out: dict[str, torch.Tensor] = {}
+    for path in files:
+        for key, value in _file_tensors(path, safetensors, wanted):
+            out[key] = value.to(torch.float32)
+    return out
+
+
+def _file_tensors(path: Path, safetensors: bool, wanted: set[str]) -> Iterable[tuple[str, torch.Tensor]]:
+    """(weight name, tensor) for every tensor of ``path`` whose name, or name without ``text_model.``, is wanted."""
+    if safetensors:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                name = _wanted_name(key, wanted)
+                if name is not None:
+                    yield name, f.get_tensor(key)
+        return
+    for key, value in torch.load(path, map_location="cpu", weights_only=True).items():
+        name = _wanted_name(key, wanted)
+        if name is not None:
+            yield name, value
+
+
+def _wanted_name(key: str, wanted: set[str]) -> str | None:
+    for name in (key, key.removeprefix("text_model."), f"text_model.{key}"):
+        if name in wanted:
+            return name
+    return None
+
+
+# -- the LoRA: diffusers' key conversion, peft's scaling ----------------------------------------------------------
+
+
+def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]], unet_config: Any = None
+                ) -> dict[str, dict[str, torch.Tensor]]:
+    """``scale * (alpha / r) * B @ A`` per weight the LoRA targets, component by component (peft's delta weight).
+
+    Args:
+        lora: the checked file and scale.
+        bases: component -> {weight name: base weight}: the layers a LoRA may target.
+        unet_config: SDXL: the UNet's config (``layers_per_block``), to map kohya's SGM block names as
+            ``StableDiffusionXLLoraLoaderMixin`` does; ``None`` for SD 1.x/2.x.
+
+    Returns:
+        component -> {weight name: fp32 delta of the weight's shape}.
+
+    Raises:
+        LoraError: diffusers cannot convert the file's keys; a LoRA variant refit cannot merge; its layers match
+            none (or only part) of the components' layers (a LoRA for another architecture).
+    """
+    state, alphas, metadata = _lora_state_dict(lora.path, unet_config)
+    expected = sum(1 for k in state if is_down_key(k))
+    deltas = {c: _component_deltas(c, state, alphas, metadata, bases[c], lora) for c in bases}
+    matched = sum(len(d) for d in deltas.values())
+    components = " or ".join(bases)
+    if not matched:
+        raise LoraError(
+            f"LoRA file {lora.path}: none of its {expected} LoRA layers matches a layer of this model's "
+            f"{components} (keys like {next(iter(state), '?')!r}); it was made for another architecture"
+        )
+    if expected and matched < expected:
+        raise LoraError(
+            f"LoRA file {lora.path}: only {matched} of its {expected} LoRA layers match layers of "
+            "this model; it was made for another architecture (merging part of it would give neither model)"
+        )
+    return deltas
+
+
+def _lora_state_dict(path: Path, unet_config: Any) -> tuple[dict[str, torch.Tensor], dict[str, float], Any]:
+    """diffusers' ``lora_state_dict``: the tensors (``dora_scale`` dropped), kohya keys converted with their alphas,
+    and the adapter metadata of the safetensors header.
+
+    Raises:
+        LoraError: diffusers cannot convert the keys.
+    """
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_non_diffusers_lora_to_diffusers,
+        _maybe_map_sgm_blocks_to_diffusers,
+    )
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys() if "dora_scale" not in k}
+        raw = (f.metadata() or {}).get(LORA_METADATA_KEY)
+    alphas: dict[str, float] = {}
+    kohya = ("lora_te_", "lora_unet_", "lora_te1_", "lora_te2_")
+    if state and all(k.startswith(kohya) for k in state):
+        try:
+            if unet_config is not None:  # SDXL
+                state = _maybe_map_sgm_blocks_to_diffusers(state, unet_config)
+            state, alphas = _convert_non_diffusers_lora_to_diffusers(state)
+        except (ValueError, KeyError) as e:
+            raise LoraError(f"LoRA file {path}: diffusers could not convert its keys ({e})") from e
+    return state, alphas or {}, json.loads(raw) if raw else None
+
+
+def _sdxl_unet_config(model_dir: Path) -> Any:
+    """``unet/config.json`` as attributes (what ``_maybe_map_sgm_blocks_to_diffusers`` reads); empty when absent."""
+    from types import SimpleNamespace
+
+    path = Path(model_dir) / "unet" / "config.json"
+    return SimpleNamespace(**(json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}))
+
+
+def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapping[str, float], metadata: Any,
+                      base: Mapping[str, torch.Tensor], lora: LoraFile) -> dict[str, torch.Tensor]:
+    """The deltas of one component (``unet``, ``text_encoder``, ``text_encoder_2``); see :func:`lora_deltas`."""
+    sub = {k.removeprefix(f"{comp}."): v for k, v in state.items() if k.startswith(f"{comp}.")}
+    if not sub:
+        return {}
+    sub_alphas = {k.removeprefix(f"{comp}."): v for k, v in alphas.items() if k.split(".")[0] == comp}
+    sub_meta = ({k.removeprefix(f"{comp}."): v for k, v in metadata.items() if k.startswith(f"{comp}.")}
+                if metadata is not None else None)
+    try:
+        peft_state, rank = _peft_state(comp, sub, base)
+        config = _lora_config(comp, peft_state, rank, sub_alphas, sub_meta)
+    except (ValueError, KeyError, TypeError) as e:
+        raise LoraError(f"LoRA file {lora.path}: diffusers could not read its {comp} keys ({e}); was it made for "
+                        "another architecture (SD 1.x / 2.x / SDXL)?") from e
+    _refuse_variants(peft_state, config, lora)
+    out = {}
+    for module in config["target_modules"]:
+        wname = f"{module}.weight"
+        if wname in base and f"{module}.lora_A.weight" in peft_state:
+            scaling = _scaling(config, module) * lora.scale  # fuse_lora's scale_layer: scaling *= lora_scale
+            a, b = peft_state[f"{module}.lora_A.weight"], peft_state[f"{module}.lora_B.weight"]
+            out[wname] = _delta_weight(a.to(torch.float32), b.to(torch.float32), base[wname], scaling)
+    return out
+
+
+def _peft_state(comp: str, sub: dict[str, torch.Tensor], base: Mapping[str, torch.Tensor]
+                ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """The component's LoRA keys in peft form (``<module>.lora_A.weight``) and its ranks, as diffusers makes them
+    (``load_lora_adapter`` for the UNet, ``_load_lora_into_text_encoder`` for text encoders)."""
+    from diffusers.utils.state_dict_utils import (
+        convert_state_dict_to_diffusers,
+        convert_state_dict_to_peft,
+        convert_unet_state_dict_to_peft,
+    )
+
+    if comp == "unet":
+        state = sub if "lora_A" in next(iter(sub)) else convert_unet_state_dict_to_peft(sub)
+        return state, {f"^{k}": v.shape[1] for k, v in state.items() if "lora_B" in k and v.ndim > 1}
+    state = convert_state_dict_to_peft(convert_state_dict_to_diffusers(sub))
+    if not any(n.startswith("text_model.") for n in base):  # CLIP flattened in transformers 5
+        state = {k.removeprefix("text_model."): v for k, v in state.items()}
+    modules = {n.removesuffix(".weight") for n in base}
+    rank = {f"{m}.lora_B.weight": state[f"{m}.lora_B.weight"].shape[1] for m in sorted(modules)
+            if m.endswith(_TEXT_RANK_MODULES) and f"{m}.lora_B.weight" in state}
+    return state, rank
+
+
+def _lora_config(comp: str, state: dict[str, torch.Tensor], rank: dict[str, int], alphas: dict[str, float],
+                 metadata: Any) -> dict[str, Any]:
+    """diffusers' ``_create_lora_config`` kwargs: the header's adapter metadata, else ``get_peft_kwargs``."""
+    from diffusers.utils.peft_utils import get_peft_kwargs
+
+    if metadata is not None:
+        config = dict(metadata)
+    else:
+        config = get_peft_kwargs(rank, alphas or None, state, is_unet=comp == "unet")
+    config.setdefault("target_modules", sorted({k.split(".lora")[0] for k in state}))
+    if isinstance(config["target_modules"], str):
+        config["target_modules"] = sorted({k.split(".lora")[0] for k in state})
+    return config
+
+
+def _refuse_variants(state: Mapping[str, Any], config: Mapping[str, Any], lora: LoraFile) -> None:
+    """Refuse LoRA variants whose merge is not ``W + scale * B @ A`` (refit would drop part of them).
+
+    Raises:
+        LoraError: DoRA, LoKr or LoRA-bias files, naming the fix.
+    """
+    kinds = [name for name, found in (
+        ("DoRA", config.get("use_dora") or any("lora_magnitude_vector" in k for k in state)),
+        ("LoKr", any(".lokr_" in k for k in state)),
+        ("LoRA bias", config.get("lora_bias") or any("lora_B" in k and k.endswith(".bias") for k in state)),
+    ) if found]
+    if kinds:
+        raise LoraError(
+            f"LoRA file {lora.path} is a {kinds[0]} adapter, which load_lora cannot refit (only plain LoRA "
+            f"layers); merge it at compile time with `diffusion-trt compile MODEL --lora {lora.path.name}:"
+            f"{lora.scale:g}`"
+        )
+
+
+def _scaling(config: Mapping[str, Any], module: str) -> float:
+    """peft's ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA) for ``module``, with ``rank_pattern`` and
+    ``alpha_pattern`` matched as peft's ``get_pattern_key`` does."""
+    r = config["r"]
+    alpha = config["lora_alpha"]
+    r = (config.get("rank_pattern") or {}).get(_pattern_key(config.get("rank_pattern") or {}, module), r)
+    alpha = (config.get("alpha_pattern") or {}).get(_pattern_key(config.get("alpha_pattern") or {}, module), alpha)
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+def _pattern_key(patterns: Mapping[str, Any], module: str) -> str:
+    """peft's ``get_pattern_key``: the first pattern that matches the end of ``module`` (at a ``.``), else it."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return module
+
+
+def _delta_weight(a: torch.Tensor, b: torch.Tensor, base: torch.Tensor, scaling: float) -> torch.Tensor:
+    """peft's ``get_delta_weight`` for Linear (``B @ A``) and Conv2d (1x1: the same on squeezed kernels; else
+    ``conv2d(A^T, B)^T``), times ``scaling``."""
+    if base.ndim == 2:
+        return (b @ a) * scaling
+    if base.shape[2:4] == (1, 1):
+        return (b.squeeze(3).squeeze(2) @ a.squeeze(3).squeeze(2)).unsqueeze(2).unsqueeze(3) * scaling
+    return torch.nn.functional.conv2d(a.transpose(0, 1), b).transpose(0, 1) * scaling
+
+
+def is_down_key(key: str) -> bool:
+    """One key per LoRA layer in diffusers' converted state dicts: the down (A) matrix."""
+    return key.endswith(("lora_A.weight", "lora.down.weight", "lora_down.weight", "lora_linear_layer.down.weight"))
+
+
+def onnx_initializers(path: Path, names: Any) -> dict[str, Any]:
+    """Initializers ``names`` of the ONNX file ``path`` as numpy arrays (external data read for those only)."""
+    import onnx
+    from onnx import numpy_helper
+
+    wanted = set(names)
+    model = onnx.load(str(path), load_external_data=False)
+    return {
+        t.name: numpy_helper.to_array(t, base_dir=str(path.parent)) for t in model.graph.initializer if t.name in wanted
+    }
