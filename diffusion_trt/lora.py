@@ -140,7 +140,9 @@ def check_lora_files(specs: Any) -> list[LoraFile]:
 
 #: Names that moved to :mod:`diffusion_trt.compiler.lora` (the merge, the refit maps) and
 #: :mod:`diffusion_trt.runtime.refit` (the refit weights); still importable from here, lazily, so that importing
-#: this module never imports the compiler.
+#: this module never imports the compiler. Transitional: ``compiler/pipeline.py`` still calls ``lora.merge_loras``
+#: and ``lora.refit_map`` through this module; once it imports ``compiler.lora`` (which has ``check_lora_files``
+#: too), this table and :func:`__getattr__` go.
 _MOVED = {
     "merge_loras": "compiler.lora", "refit_map": "compiler.lora", "load_base_modules": "compiler.lora",
     "lora_layer_count": "compiler.lora", "REFIT_COMPONENTS": "compiler.lora", "REFIT_MAP_FORMAT": "compiler.lora",

@@ -30,10 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import LoraError
-from ..lora import LoraFile
+from ..lora import LoraFile, check_lora_files  # check_lora_files: compile's check, before any work
 from ..runtime.refit import array_key, as_initializer, is_down_key, weights_are_safetensors
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["REFIT_COMPONENTS", "REFIT_MAP_FORMAT", "check_lora_files", "load_base_modules", "merge_loras", "refit_map"]
 
 #: Components whose weights a LoRA changes, in the order diffusers loads them.
 REFIT_COMPONENTS: tuple[str, ...] = ("unet", "text_encoder", "text_encoder_2")
