@@ -28,23 +28,10 @@ def bench_ours(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: in
 
     run = Run("ours", batch, height=height, width=width)
     device = pipe.device
-    b = pipe.profile.batch
-    chunk = len(plan_chunks(batch, b.min, b.max)[0])
-    run.stage_batch = chunk
+    run.stage_batch = chunk = len(plan_chunks(batch, pipe.profile.batch.min, pipe.profile.batch.max)[0])
     te, unet, vae = pipe.engines["text_encoder"], pipe.engines["unet"], pipe.engines["vae_decoder"]
-    sample_dtype = unet.spec.input("sample").torch_dtype
     text_dtype = unet.spec.input("encoder_hidden_states").torch_dtype
-    h, w = height // pipe.vae_scale_factor, width // pipe.vae_scale_factor
-    g = torch.Generator().manual_seed(cfg.seed)
-    c = pipe.num_channels_latents
-    hidden = unet.spec.input("encoder_hidden_states").shape[2]
-    sample = torch.randn(2 * chunk, c, h, w, generator=g).to(device, sample_dtype)
-    feeds = {
-        "sample": sample,
-        "timestep": torch.full((2 * chunk,), 500.0, device=device),
-        "encoder_hidden_states": torch.randn(2 * chunk, 77, int(hidden), generator=g).to(device, text_dtype),
-    }
-    z = torch.randn(chunk, c, h, w, generator=g).to(device, vae.spec.input("latent_sample").torch_dtype)
+    feeds, z, noise = _stage_inputs(pipe, cfg.seed, chunk, height, width)
     n, warm = cfg.stage_iters, max(1, cfg.warmup)
     with nvtx(f"bench ours b={batch} stages", device):
         time_stage(run, clock, "text_encoder",
@@ -52,9 +39,9 @@ def bench_ours(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: in
                                                  text_dtype), n, warm)
         time_stage(run, clock, "unet_step", lambda: unet.run(feeds), n, warm)
         time_stage(run, clock, "vae_decode", lambda: vae.run({"latent_sample": z}), n, warm)
-        noise = torch.randn(2 * chunk, c, h, w, generator=g).to(device, sample_dtype)
         run.stages_ms["scheduler_glue"] = glue_ms(
-            clock, pipe.scheduler, sample[:chunk], noise, cfg.guidance_scale, cfg.steps, True, 1, min(1, warm)
+            clock, pipe.scheduler, feeds["sample"][:chunk], noise, cfg.guidance_scale, cfg.steps, True, 1,
+            min(1, warm)
         )
     kwargs = call_kwargs(cfg, height, width, batch)
     with nvtx(f"bench ours b={batch} e2e", device):
@@ -65,6 +52,28 @@ def bench_ours(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: in
         )
     finish_e2e(run, samples)
     return run
+
+
+def _stage_inputs(pipe: Any, seed: int, chunk: int, height: int, width: int
+                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Seeded random inputs of the stage timings at ``chunk`` images: the UNet feeds (CFG batch 2 x chunk, timestep
+    500, 77 tokens), VAE latents [chunk, C, h, w] and a noise prediction [2 x chunk, C, h, w], in the engines'
+    dtypes on the pipeline's device."""
+    unet, vae = pipe.engines["unet"], pipe.engines["vae_decoder"]
+    device = pipe.device
+    sample_dtype = unet.spec.input("sample").torch_dtype
+    text_dtype = unet.spec.input("encoder_hidden_states").torch_dtype
+    h, w = height // pipe.vae_scale_factor, width // pipe.vae_scale_factor
+    c, hidden = pipe.num_channels_latents, int(unet.spec.input("encoder_hidden_states").shape[2])
+    g = torch.Generator().manual_seed(seed)
+    feeds = {
+        "sample": torch.randn(2 * chunk, c, h, w, generator=g).to(device, sample_dtype),
+        "timestep": torch.full((2 * chunk,), 500.0, device=device),
+        "encoder_hidden_states": torch.randn(2 * chunk, 77, hidden, generator=g).to(device, text_dtype),
+    }
+    z = torch.randn(chunk, c, h, w, generator=g).to(device, vae.spec.input("latent_sample").torch_dtype)
+    noise = torch.randn(2 * chunk, c, h, w, generator=g).to(device, sample_dtype)
+    return feeds, z, noise
 
 
 def stage_memory(pipe: Any, cfg: BenchConfig, batch: int, height: int, width: int) -> dict[str, float | None]:

@@ -12,19 +12,33 @@ _NUM = (int, float)
 
 
 def format_table(result: Mapping[str, Any]) -> str:
-    """A fixed-width text table of the runs (one line per system and batch size) and the speedups."""
+    """A fixed-width text table of the runs (one line per system and batch size), then the per-stage memory, the
+    cost of a VRAM budget, the speedups, the first calls and the repeatability check."""
+    lines = _run_lines(result["runs"])
+    lines += _stage_memory_lines(result["runs"])
+    lines += _budget_lines(result)
+    lines += _ratio_lines(result["ratios"])
+    lines += _first_call_lines(result)
+    for q in result.get("repeatability", []):
+        lines.append(f"two identical calls at {q['height']}x{q['width']} b={q['batch_size']}: max abs difference "
+                     f"{q['max_abs_diff']:.3g}{' (identical)' if q['identical'] else ''}")
+    return "\n".join(lines)
 
-    def num(v: Any, fmt: str) -> str:
-        width = fmt.split(".")[0]
-        return format(v, fmt) if isinstance(v, _NUM) else format("-", f">{width}" if width else "")
 
+def _num(v: Any, fmt: str) -> str:
+    """``v`` formatted, or a right-aligned "-" of the same width when it is not a number."""
+    width = fmt.split(".")[0]
+    return format(v, fmt) if isinstance(v, _NUM) else format("-", f">{width}" if width else "")
+
+
+def _run_lines(runs: list[dict[str, Any]]) -> list[str]:
     head = (
         f"{'system':<22}{'size':>10}{'batch':>6}{'text ms':>9}{'unet ms':>9}{'unet min..max':>16}{'vae ms':>9}"
         f"{'glue ms':>9}"
         f"{'e2e s':>9}{'s/img':>8}{'img/s':>8}{'peak MiB':>10}  status"
     )
     lines = [head, "-" * len(head)]
-    for r in result["runs"]:
+    for r in runs:
         st = r["stages_ms"]
         mem = r["memory_mb"].get("device_used") or r["memory_mb"].get("torch_peak_allocated")
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
@@ -32,20 +46,29 @@ def format_table(result: Mapping[str, Any]) -> str:
         spread_text = f"{unet_spread[0]:.2f}..{unet_spread[2]:.2f}" if unet_spread else "-"
         size = f"{r['height']}x{r['width']}" if r.get("height") else "-"
         lines.append(
-            f"{r['system']:<22}{size:>10}{r['batch_size']:>6}{num(st['text_encoder'], '9.2f')}"
-            f"{num(st['unet_step'], '9.2f')}{spread_text:>16}"
-            f"{num(st['vae_decode'], '9.2f')}{num(st['scheduler_glue'], '9.3f')}{num(r['e2e_s'], '9.3f')}"
-            f"{num(r['s_per_image'], '8.3f')}{num(r['images_per_s'], '8.2f')}{num(mem, '10.0f')}  {status}"
+            f"{r['system']:<22}{size:>10}{r['batch_size']:>6}{_num(st['text_encoder'], '9.2f')}"
+            f"{_num(st['unet_step'], '9.2f')}{spread_text:>16}"
+            f"{_num(st['vae_decode'], '9.2f')}{_num(st['scheduler_glue'], '9.3f')}{_num(r['e2e_s'], '9.3f')}"
+            f"{_num(r['s_per_image'], '8.3f')}{_num(r['images_per_s'], '8.2f')}{_num(mem, '10.0f')}  {status}"
         )
-    mem_rows = [r for r in result["runs"] if any(v is not None for v in (r.get("stage_memory_mb") or {}).values())]
-    if mem_rows:
-        lines.append("")
-        lines.append("peak device memory per stage, MiB (cudaMemGetInfo, whole device):")
-        for r in mem_rows:
-            m = r["stage_memory_mb"]
-            lines.append(f"  {r['system']:<22} b={r['batch_size']:<3} text {num(m.get('text'), '.0f')}  unet "
-                         f"{num(m.get('unet'), '.0f')}  vae {num(m.get('vae'), '.0f')}"
-                         + (f"  [{r['vram_plan']}]" if r.get("vram_plan") else ""))
+    return lines
+
+
+def _stage_memory_lines(runs: list[dict[str, Any]]) -> list[str]:
+    mem_rows = [r for r in runs if any(v is not None for v in (r.get("stage_memory_mb") or {}).values())]
+    if not mem_rows:
+        return []
+    lines = ["", "peak device memory per stage, MiB (cudaMemGetInfo, whole device):"]
+    for r in mem_rows:
+        m = r["stage_memory_mb"]
+        lines.append(f"  {r['system']:<22} b={r['batch_size']:<3} text {_num(m.get('text'), '.0f')}  unet "
+                     f"{_num(m.get('unet'), '.0f')}  vae {_num(m.get('vae'), '.0f')}"
+                     + (f"  [{r['vram_plan']}]" if r.get("vram_plan") else ""))
+    return lines
+
+
+def _budget_lines(result: Mapping[str, Any]) -> list[str]:
+    lines = []
     by = {(r["system"], r["batch_size"]): r for r in result["runs"] if r["status"] == "ok"}
     for (system, batch), r in by.items():
         base = by.get(("ours", batch))
@@ -53,30 +76,35 @@ def format_table(result: Mapping[str, Any]) -> str:
             cost = r["e2e_s"] - base["e2e_s"]
             lines.append(f"  vram budget {result['config'].get('vram_budget')} costs b={batch}: e2e "
                          f"{base['e2e_s']:.3f} s -> {r['e2e_s']:.3f} s ({cost:+.3f} s per request)")
-    if result["ratios"]:
-        lines.append("")
-        lines.append("speedups (baseline time / system time):")
-        for q in result["ratios"]:
-            unet = q["stage_speedup"].get("unet_step")
-            size = f"{q['height']}x{q['width']} " if q.get("height") else ""
-            lines.append(
-                f"  {size}b={q['batch_size']:<3} {q['system']:<22} vs {q['baseline']:<22}"
-                f" e2e x{num(q['e2e_speedup'], '.2f')}"
-                f"  unet x{num(unet, '.2f')}"
-            )
-    if result.get("first_calls"):
-        lines.append("")
-        lines.append(f"first call per size (load {num(result.get('load_s'), '.2f')} s):")
-        for f in result["first_calls"]:
-            lines.append(
-                f"  {f['system']:<6} {f['height']}x{f['width']} b={f['batch_size']:<3}"
-                f" first {num(f['first_call_s'], '.3f')} s"
-                f"  warm {num(f['warm_e2e_s'], '.3f')} s  overhead {num(f['overhead_s'], '.3f')} s"
-            )
-    for q in result.get("repeatability", []):
-        lines.append(f"two identical calls at {q['height']}x{q['width']} b={q['batch_size']}: max abs difference "
-                     f"{q['max_abs_diff']:.3g}{' (identical)' if q['identical'] else ''}")
-    return "\n".join(lines)
+    return lines
+
+
+def _ratio_lines(ratios: list[dict[str, Any]]) -> list[str]:
+    if not ratios:
+        return []
+    lines = ["", "speedups (baseline time / system time):"]
+    for q in ratios:
+        unet = q["stage_speedup"].get("unet_step")
+        size = f"{q['height']}x{q['width']} " if q.get("height") else ""
+        lines.append(
+            f"  {size}b={q['batch_size']:<3} {q['system']:<22} vs {q['baseline']:<22}"
+            f" e2e x{_num(q['e2e_speedup'], '.2f')}"
+            f"  unet x{_num(unet, '.2f')}"
+        )
+    return lines
+
+
+def _first_call_lines(result: Mapping[str, Any]) -> list[str]:
+    if not result.get("first_calls"):
+        return []
+    lines = ["", f"first call per size (load {_num(result.get('load_s'), '.2f')} s):"]
+    for f in result["first_calls"]:
+        lines.append(
+            f"  {f['system']:<6} {f['height']}x{f['width']} b={f['batch_size']:<3}"
+            f" first {_num(f['first_call_s'], '.3f')} s"
+            f"  warm {_num(f['warm_e2e_s'], '.3f')} s  overhead {_num(f['overhead_s'], '.3f')} s"
+        )
+    return lines
 
 
 def plot_result(result: Mapping[str, Any], path: str | Path) -> Path:
