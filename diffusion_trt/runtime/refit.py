@@ -314,14 +314,14 @@ def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapp
     try:
         peft_state, rank = _peft_state(comp, sub, base)
         config = _lora_config(comp, peft_state, rank, sub_alphas, sub_meta)
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, IndexError) as e:
         raise LoraError(f"LoRA file {lora.path}: diffusers could not read its {comp} keys ({e}); was it made for "
                         "another architecture (SD 1.x / 2.x / SDXL)?") from e
     _refuse_variants(peft_state, config, lora)
     out = {}
-    for module in config["target_modules"]:
+    for module in sorted({k.split(".lora_A.")[0] for k in peft_state if ".lora_A." in k}):
         wname = f"{module}.weight"
-        if wname in base and f"{module}.lora_A.weight" in peft_state:
+        if wname in base and f"{module}.lora_B.weight" in peft_state:
             scaling = _scaling(config, module) * lora.scale  # fuse_lora's scale_layer: scaling *= lora_scale
             a, b = peft_state[f"{module}.lora_A.weight"], peft_state[f"{module}.lora_B.weight"]
             out[wname] = _delta_weight(a.to(torch.float32), b.to(torch.float32), base[wname], scaling)
@@ -352,17 +352,14 @@ def _peft_state(comp: str, sub: dict[str, torch.Tensor], base: Mapping[str, torc
 
 def _lora_config(comp: str, state: dict[str, torch.Tensor], rank: dict[str, int], alphas: dict[str, float],
                  metadata: Any) -> dict[str, Any]:
-    """diffusers' ``_create_lora_config`` kwargs: the header's adapter metadata, else ``get_peft_kwargs``."""
+    """diffusers' ``_create_lora_config`` kwargs (``r``, ``lora_alpha``, ``rank_pattern``, ``alpha_pattern``,
+    ``use_rslora``...): the header's adapter metadata, else ``get_peft_kwargs``. The layers merged are those the
+    state dict holds (a layer the config targets but the file lacks gets a zero ``B`` in peft: no change)."""
     from diffusers.utils.peft_utils import get_peft_kwargs
 
     if metadata is not None:
-        config = dict(metadata)
-    else:
-        config = get_peft_kwargs(rank, alphas or None, state, is_unet=comp == "unet")
-    config.setdefault("target_modules", sorted({k.split(".lora")[0] for k in state}))
-    if isinstance(config["target_modules"], str):
-        config["target_modules"] = sorted({k.split(".lora")[0] for k in state})
-    return config
+        return dict(metadata)
+    return get_peft_kwargs(rank, alphas or None, state, is_unet=comp == "unet")
 
 
 def _refuse_variants(state: Mapping[str, Any], config: Mapping[str, Any], lora: LoraFile) -> None:
