@@ -31,7 +31,8 @@ from typing import Any
 
 from ..errors import LoraError
 from ..lora import LoraFile, check_lora_files  # check_lora_files: compile's check, before any work
-from ..runtime.refit import array_key, as_initializer, is_down_key, weights_are_safetensors
+from ..runtime.lora_deltas import is_down_key
+from ..runtime.refit import array_key, as_initializer, weights_are_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,8 @@ def _summary(e: BaseException, lines: int = 2, chars: int = 400) -> str:
 
 
 def refit_map(model: Any, module: Any) -> dict[str, Any]:
-    """Which ONNX initializer of ``model`` holds each Linear / Conv2d weight of ``module`` (see above).
+    """Which ONNX initializer of ``model`` holds each Linear / Conv2d weight of ``module``, by value (the same
+    tensor, or its transpose for a Linear exported as MatMul, in the initializer's dtype: fp16 after convert_fp16).
 
     Args:
         model: the optimized ``onnx.ModelProto`` TensorRT builds from (weights in memory).
@@ -220,7 +222,8 @@ def refit_map(model: Any, module: Any) -> dict[str, Any]:
 
 
 def load_base_modules(model_dir: Path, components: Any, *, trust_pickle: bool = False) -> dict[str, Any]:
-    """The UNet and text encoder(s) of a diffusers folder, fp32 on the CPU (what compile exported).
+    """The UNet and text encoder(s) of a diffusers folder, fp32 on the CPU (what compile exported; compile time and
+    tests only: load_lora reads the weights without model classes, :func:`~diffusion_trt.runtime.refit.base_weights`).
 
     Args:
         model_dir: the diffusers folder.
