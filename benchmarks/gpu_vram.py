@@ -56,13 +56,13 @@ def _env() -> dict[str, str]:
     return {**os.environ, "DIFFUSION_TRT_CACHE": CACHE, "PYTHONUNBUFFERED": "1"}
 
 
-def _sh(cmd: list[str], timeout: float) -> dict[str, Any]:
-    """Run a command; its rc, seconds and output tail, or the timeout, as a record."""
+def _sh(cmd: list[str], timeout: float, keep_stdout: bool = False) -> dict[str, Any]:
+    """Run a command; its rc, seconds and output tail (and its whole stdout if asked), or the timeout, as a record."""
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
         return {"cmd": " ".join(cmd), "rc": p.returncode, "seconds": round(time.perf_counter() - t0, 1),
-                "tail": (p.stdout + p.stderr)[-3000:]}
+                "tail": (p.stdout + p.stderr)[-3000:], **({"stdout": p.stdout} if keep_stdout else {})}
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         return {"cmd": " ".join(cmd), "rc": None, "seconds": round(time.perf_counter() - t0, 1),
@@ -71,12 +71,17 @@ def _sh(cmd: list[str], timeout: float) -> dict[str, Any]:
 
 def _child(args: list[str], timeout: float) -> dict[str, Any]:
     """This script's ``child ...`` in a fresh process; its JSON result (last stdout line) or the failure."""
-    rec = _sh([sys.executable, __file__, "child", *args], timeout)
+    rec = _sh([sys.executable, __file__, "child", *args], timeout, keep_stdout=True)
     if rec.get("rc") == 0:
-        try:
-            return json.loads(rec["tail"].strip().splitlines()[-1])
-        except (json.JSONDecodeError, IndexError) as e:
-            return {"error": f"unreadable child output ({e})", "tail": rec["tail"]}
+        # the result is the last line that parses as a JSON object (ORT's warnings may follow it on stdout)
+        for line in reversed(rec.pop("stdout", "").strip().splitlines()):
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+        return {"error": "unreadable child output (no JSON line)", "tail": rec["tail"]}
+    rec.pop("stdout", None)
     return {"error": rec.get("error") or f"rc={rec.get('rc')}", "tail": rec["tail"]}
 
 
@@ -180,7 +185,7 @@ def _engine(artifact: str, entry: dict[str, Any], name: str, extra: dict[str, st
     from diffusion_trt.runtime.pipeline import cuda_layout_options
 
     stream = torch.cuda.Stream() if DEVICE == "cuda" else None
-    options = {**cuda_layout_options(name, DEVICE), **(extra if DEVICE == "cuda" else {})}
+    options = {**cuda_layout_options(name, DEVICE), **((extra or {}) if DEVICE == "cuda" else {})}
     eng = OrtEngine(Path(artifact, entry["onnx"]), entry, name=name, device=DEVICE, stream=stream,
                     provider_options=options, cuda_graph=cuda_graph and DEVICE == "cuda")
     return eng, stream

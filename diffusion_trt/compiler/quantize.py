@@ -279,6 +279,39 @@ def _quiet_ort_quantization() -> Iterator[None]:
         logging.getLogger().removeFilter(f)
 
 
+@contextlib.contextmanager
+def _fp8_nan_check_once() -> Iterator[None]:
+    """Make onnxruntime.quantization's float8 NaN check linear instead of quadratic while it runs.
+
+    ``ONNXModel.initializer_extend`` (onnxruntime 1.32, onnx_model.py) re-checks EVERY float8 initializer of the
+    graph for NaN bytes, in a Python loop over each byte (``list(init.raw_data)``), each time it adds one; the fp8
+    quantizer adds one per quantized bias. For the SD-1.5 UNet (~860 M fp8 bytes, hundreds of biases) that is
+    hours of pure Python (measured: still running after 25 min on the 2-core CPU host). Here the same test (a byte
+    ``b`` with ``b & 127 == 127`` is NaN in E4M3FN: S.1111.111) runs with numpy, once per initializer (keyed by
+    name and byte length; the quantizer never rewrites an fp8 initializer in place). Same ``ValueError`` message.
+    """
+    from onnxruntime.quantization import onnx_model
+
+    original = onnx_model.ONNXModel._check_init
+    checked: set[tuple[str, int]] = set()
+
+    def check_init(self: Any, init: onnx.TensorProto, test: Any = None) -> onnx.TensorProto:
+        del self, test
+        if init.data_type == onnx.TensorProto.FLOAT8E4M3FN and init.HasField("raw_data"):
+            key = (init.name, len(init.raw_data))
+            if key not in checked:
+                if (np.frombuffer(init.raw_data, dtype=np.uint8) & 127 == 127).any():
+                    raise ValueError(f"Initializer {init.name!r} has nan.")
+                checked.add(key)
+        return init
+
+    onnx_model.ONNXModel._check_init = check_init
+    try:
+        yield
+    finally:
+        onnx_model.ONNXModel._check_init = original
+
+
 # -- the calibration cache -----------------------------------------------------------------------------------
 
 
@@ -580,7 +613,7 @@ def quantize_onnx(
         tq = time.perf_counter()
         ranges_seconds = 0.0
         try:
-            with _quiet_ort_quantization():
+            with _quiet_ort_quantization(), _fp8_nan_check_once():
                 if ranges_src is None and not smooth:
                     if calibrate is not None:
                         calibrate(named, method[spec._method_name()], ranges_tmp)

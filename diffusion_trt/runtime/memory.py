@@ -66,7 +66,9 @@ SIZE_FORMS = '"8GB" (10**9 bytes), "8GiB" (2**30 bytes), "7.5G", "8000MB", "7680
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 #: Estimated bytes the process holds besides the engines (CUDA context, cuDNN/cuBLAS, latents); see the module doc.
-DEFAULT_OVERHEAD_BYTES = 512 * MiB
+#: One measurement, rounded up (benchmarks/results/README.md, "Figures behind code defaults"); other GPUs and drivers
+#: differ.
+DEFAULT_OVERHEAD_BYTES = 768 * MiB
 
 #: Pipeline stages in the order a request runs them, and the components each opens.
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -83,14 +85,14 @@ PLANS: tuple[tuple[str, frozenset[str] | None], ...] = (
 )
 
 #: Activation ESTIMATE when nothing was measured: bytes per output pixel (H x W) per batch row the engine runs,
-#: for fp16 engines (fp32: twice). Rough orders of magnitude, not measurements: the largest live feature maps
-#: (VAE decoder: 128-256 channels at full resolution, a few alive at once: ~1 KiB/px; UNet: 320-1280 channels at
-#: 1/8-1/64 of the pixels plus attention: ~0.25 KiB/px per row) plus cuDNN workspace. ``benchmarks/gpu_vram.py``
-#: measures the real figures; recorded ones (:func:`load_memory_facts`) replace these.
+#: for fp16 engines (fp32: twice). Scaled from one measurement of SD-1.5 fp16 512x512 with ONNX Runtime's CUDA
+#: provider (arena growth + cuDNN workspace + CUDA-graph pool), with a 25 % margin (benchmarks/results/README.md,
+#: "Figures behind code defaults"). The encoder is taken as half the decoder (unmeasured).
+#: Recorded facts (:func:`load_memory_facts`) replace these.
 ESTIMATE_BYTES_PER_PIXEL_ROW: dict[str, int] = {
-    "vae_decoder": 1024,
-    "vae_encoder": 512,
-    "unet": 256,
+    "vae_decoder": 4096,
+    "vae_encoder": 2048,
+    "unet": 1024,
 }
 #: Activation ESTIMATE for the text encoders (no pixel dependence), per batch row: 77 tokens x width x a few
 #: live tensors is well under this; ORT's arena grows in chunks of at least 1 MiB.

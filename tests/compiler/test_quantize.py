@@ -231,3 +231,26 @@ def test_smooth_quant_says_exactly_what_is_missing(mini_path: Path, tmp_path: Pa
     finally:
         for name in [m for m in sys.modules if m == "neural_compressor" or m.startswith("neural_compressor.")]:
             del sys.modules[name]
+
+
+def test_fp8_nan_check_once_keeps_ort_semantics_and_restores_it():
+    """The linear float8 NaN check raises ORT's own message on a NaN byte, passes finite bytes, checks each
+    initializer once, and puts ORT's method back afterwards."""
+    from onnxruntime.quantization.onnx_model import ONNXModel
+
+    from diffusion_trt.compiler.quantize import _fp8_nan_check_once
+
+    def fp8(name: str, data: bytes) -> onnx.TensorProto:
+        t = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT8E4M3FN, dims=[len(data)])
+        t.raw_data = data
+        return t
+
+    original = ONNXModel._check_init
+    model = ONNXModel(onnx.helper.make_model(onnx.helper.make_graph([], "g", [], [])))
+    with _fp8_nan_check_once():
+        model.initializer_extend([fp8("w", bytes([0x00, 0x7E, 0xFE]))])  # 448 and -448: finite
+        model.initializer_extend([fp8("b", bytes([0x38]))])  # re-checks "w" (ORT's "gain" pass): once only
+        with pytest.raises(ValueError, match="Initializer 'n' has nan."):
+            model.initializer_extend([fp8("n", bytes([0x01, 0xFF]))])
+    assert ONNXModel._check_init is original
+    assert [i.name for i in model.initializer()] == ["w", "b"]
