@@ -940,7 +940,7 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
 @click.option("--prompt", default=None, help="Prompt of every call [default: a fixed landscape prompt].")
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the result as JSON (schema: diffusion_trt/bench.py).")
+              help="Write the result as JSON (schema: diffusion_trt/data/bench_result.schema.json).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a bar chart PNG (matplotlib if installed, else Pillow).")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE",

@@ -107,7 +107,7 @@ def test_baseline_on_other_weights_is_flagged(tiny_artifact: Path, tiny_pipeline
     import shutil
 
     from diffusion_trt.artifacts import load_verified
-    from diffusion_trt.bench import _baseline_mismatch
+    from diffusion_trt.bench import baseline_mismatch as _baseline_mismatch
 
     manifest = load_verified(tiny_artifact)
     assert _baseline_mismatch(tiny_pipeline_dir, manifest) is None
@@ -145,3 +145,38 @@ def test_schema_rejects_a_bad_spread() -> None:
             "config": _config(), "runs": [run], "ratios": [], "notes": []}
     with pytest.raises(ValueError, match=r"runs\[0\]\.e2e_spread_s = \[1\.0, 2\.0\]; expected \[min, median, max\]"):
         validate_result(data)
+
+
+@pytest.mark.parametrize("scheduler_name", ["pndm", "euler"])
+def test_glue_runs_the_runtime_loop(scheduler_name: str) -> None:
+    """bench's scheduler-glue stage drives the runtime's loop (bench.glue.run_loop) with a UNet stand-in: the same
+    latents as the CFG loop written out (concat, scale_model_input, combine, step), which bench timed before."""
+    import torch
+    from diffusers import EulerDiscreteScheduler, PNDMScheduler
+
+    from diffusion_trt.bench.clock import Clock
+    from diffusion_trt.bench.glue import FixedNoiseUNet, glue_ms, run_loop
+    from diffusion_trt.runtime import denoise
+
+    g = torch.Generator().manual_seed(0)
+    latents, noise = torch.randn(1, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    template = PNDMScheduler(skip_prk_steps=True) if scheduler_name == "pndm" else EulerDiscreteScheduler()
+
+    def scheduled() -> tuple[object, torch.Tensor]:
+        sched = denoise.fresh_scheduler(template)
+        sched.set_timesteps(4)
+        timesteps = denoise.host_timesteps(sched)
+        return sched, timesteps
+
+    sched, timesteps = scheduled()
+    ours = run_loop(FixedNoiseUNet(noise), sched, latents, timesteps, 7.5)
+    sched, timesteps = scheduled()
+    denoise.pin_begin_index(sched, timesteps)
+    x = latents
+    for t in timesteps:
+        sched.scale_model_input(torch.cat([x] * 2), t)
+        uncond, text = noise.chunk(2)
+        x = sched.step(uncond + 7.5 * (text - uncond), t, x, return_dict=False)[0]
+    torch.testing.assert_close(ours, x, rtol=0, atol=0)
+    for guidance in (7.5, 1.0):  # without CFG the loop runs on the first b rows
+        assert glue_ms(Clock(torch.device("cpu")), template, latents, noise, guidance, 4, True, 1, 0) > 0

@@ -66,8 +66,8 @@ SIZE_FORMS = '"8GB" (10**9 bytes), "8GiB" (2**30 bytes), "7.5G", "8000MB", "7680
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 #: Estimated bytes the process holds besides the engines (CUDA context, cuDNN/cuBLAS, latents); see the module doc.
-#: Measured once: 727 MiB on an H200 (torch 2.11 + onnxruntime-gpu 1.31.1, benchmarks/gpu_vram.py, 2026-12-01,
-#: benchmarks/results/h200-2026-12-01-s4-vram-measure-sd15.json); rounded up. Other GPUs and drivers differ.
+#: One measurement, rounded up (benchmarks/results/README.md, "Figures behind code defaults"); other GPUs and drivers
+#: differ.
 DEFAULT_OVERHEAD_BYTES = 768 * MiB
 
 #: Pipeline stages in the order a request runs them, and the components each opens.
@@ -85,11 +85,9 @@ PLANS: tuple[tuple[str, frozenset[str] | None], ...] = (
 )
 
 #: Activation ESTIMATE when nothing was measured: bytes per output pixel (H x W) per batch row the engine runs,
-#: for fp16 engines (fp32: twice). Scaled from one measurement, with a 25 % margin: SD-1.5 fp16 512x512 on an H200
-#: with ONNX Runtime's CUDA provider (arena growth + cuDNN workspace + CUDA-graph pool after three runs,
-#: benchmarks/gpu_vram.py, benchmarks/results/h200-2026-12-01-s4-vram-measure-sd15.json): UNet 417 MB for 2 rows
-#: = 796 B/px/row, VAE decoder 862 MB for 1 row = 3288 B/px. The first, unmeasured guesses (256 and 1024 B) made a
-#: 4GB plan keep everything resident and peak at 4.4 GiB. The encoder is taken as half the decoder (unmeasured).
+#: for fp16 engines (fp32: twice). Scaled from one measurement of SD-1.5 fp16 512x512 with ONNX Runtime's CUDA
+#: provider (arena growth + cuDNN workspace + CUDA-graph pool), with a 25 % margin (benchmarks/results/README.md,
+#: "Figures behind code defaults"). The encoder is taken as half the decoder (unmeasured).
 #: Recorded facts (:func:`load_memory_facts`) replace these.
 ESTIMATE_BYTES_PER_PIXEL_ROW: dict[str, int] = {
     "vae_decoder": 4096,

@@ -121,7 +121,8 @@ class DataParallelPipeline:
         # One thread per pipeline, for its whole life: ONNX Runtime's CUDA provider keeps per-thread state (cuBLAS /
         # cuDNN handles, the captured CUDA graph), so an engine warmed up and captured on one thread must replay
         # on that thread. A shared pool handed a device's work to whichever thread was free, and a capture on a
-        # fresh thread failed in cublasCreate (CUBLAS_STATUS_NOT_INITIALIZED; two H200s, 2026-11-30).
+        # fresh thread failed in cublasCreate: CUBLAS_STATUS_NOT_INITIALIZED (benchmarks/results/README.md, "Figures
+        # behind code defaults").
         self._threads = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diffusion-trt-device{k}")
                          for k in range(len(self.pipes))]
         self._closed = False

@@ -511,18 +511,20 @@ class EnginePipeline:
         artifacts only. Every call starts from the base weights, never from the previous LoRA; ``scale=0`` gives
         the base output.
 
-        How (see :mod:`diffusion_trt.lora`): the base UNet and text encoder(s) are loaded from ``model_dir``
-        (checked weight by weight against the artifact's refit maps), the LoRA is merged with diffusers'
-        ``load_lora_weights`` + ``fuse_lora(lora_scale=scale)`` exactly as ``compile --lora`` merges it, and the ONNX
-        initializers whose value changed (and those the previous LoRA changed) are refitted with
-        ``tensorrt.Refitter``. Takes seconds (model load + refit); the CUDA graphs are re-captured on the next call.
+        How (see :mod:`diffusion_trt.runtime.refit`): the base weights of the UNet and text encoder(s) are read from
+        ``model_dir``'s safetensors (checked weight by weight against the artifact's refit maps; no model class is
+        loaded), the LoRA's keys are converted with diffusers' own functions and merged as ``compile --lora``'s
+        ``load_lora_weights`` + ``fuse_lora(lora_scale=scale)`` merges it (``W + scale * alpha / r * B @ A``), and
+        the ONNX initializers whose value changed (and those the previous LoRA changed) are refitted with
+        ``tensorrt.Refitter``. Takes seconds (weights read + refit); the CUDA graphs are re-captured on the next call.
 
         ONNX Runtime artifacts are refused: their sessions cannot swap weights in place (a new session per LoRA
         would re-run graph optimisation and double the memory while it loads); merge the LoRA at compile time
         with ``diffusion-trt compile MODEL --lora FILE:SCALE`` instead.
 
         Args:
-            path: a ``.safetensors`` LoRA (any format diffusers' ``load_lora_weights`` reads).
+            path: a ``.safetensors`` LoRA (the LoRA formats diffusers' ``load_lora_weights`` reads; DoRA, LoKr and
+                LoRA biases are merged at compile time only).
             scale: its weight, a finite number.
             model_dir: the diffusers folder the artifact was compiled from; default the manifest's ``source.path``.
             trust_pickle: allow its weights as pickle files (``.bin``; unpickling runs arbitrary code), as
@@ -537,7 +539,8 @@ class EnginePipeline:
                 ``--refittable``; a model folder that is missing or not the artifact's source; a LoRA changing
                 weights the engines cannot refit; pickle weights in the model folder without ``trust_pickle``.
         """
-        from ..lora import check_lora_file, onnx_initializers, refit_weights
+        from ..lora import check_lora_file
+        from .refit import onnx_initializers, refit_weights
 
         if self._closed:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")

@@ -85,6 +85,28 @@ def loras(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     }
 
 
+def _variant_lora(loras: dict[str, Path], tmp_path: Path, variant: str) -> Path:
+    """The peft LoRA with diffusers' adapter metadata in the header (alpha != r), or with rank 2 on the to_q layers
+    and 4 elsewhere (diffusers' rank_pattern)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(loras["peft"]))
+    metadata = None
+    if variant == "metadata":
+        config = {"unet.r": 4, "unet.lora_alpha": 2, "unet.target_modules": UNET_TARGETS,
+                  "text_encoder.r": 4, "text_encoder.lora_alpha": 6, "text_encoder.target_modules": TEXT_TARGETS}
+        metadata = {"lora_adapter_metadata": json.dumps(config), "format": "pt"}
+    else:
+        for key in [k for k in tensors if "to_q.lora_A" in k]:
+            up = key.replace("lora_A", "lora_B")
+            tensors[key], tensors[up] = tensors[key][:2].contiguous(), tensors[up][:, :2].contiguous()
+    path = tmp_path / f"{variant}.safetensors"
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
 @pytest.fixture(scope="module")
 def peft_artifact(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny pipeline compiled with the peft-format LoRA at scale 0.7."""
@@ -310,7 +332,7 @@ def refit_maps(tiny_pipeline_dir: Path, tiny_artifact: Path) -> dict[str, dict[s
     """Refit maps of the tiny artifact's graphs (what compile --backend tensorrt --refittable writes beside a plan)."""
     import onnx
 
-    from diffusion_trt.lora import load_base_modules, refit_map
+    from diffusion_trt.compiler.lora import load_base_modules, refit_map
 
     base = load_base_modules(tiny_pipeline_dir, ["unet", "text_encoder"])
     return {c: refit_map(onnx.load(str(tiny_artifact / c / "model.onnx")), base[c]) for c in ("unet", "text_encoder")}
@@ -332,7 +354,8 @@ def test_refit_weights_are_a_compile_with_the_lora(
 ) -> None:
     """base + LoRA computed for refitting == the initializers of the artifact compiled with --lora at that scale;
     scale 0 after it restores exactly the base initializers; a second LoRA is applied to the base, not on top."""
-    from diffusion_trt.lora import check_lora_file, refit_weights
+    from diffusion_trt.lora import check_lora_file
+    from diffusion_trt.runtime.refit import refit_weights
 
     first = refit_weights(refit_maps, tiny_pipeline_dir, check_lora_file(loras["peft"], 0.7))
     from diffusion_trt.lora import safetensors_keys
@@ -363,11 +386,73 @@ def test_refit_weights_are_a_compile_with_the_lora(
         np.testing.assert_array_equal(second["unet"][n], v)
 
 
+@pytest.mark.parametrize(("fmt", "scale"), [("peft", 0.7), ("kohya", 1.0), ("peft", -1.5), ("metadata", 0.6),
+                                            ("mixed_rank", 1.0)])
+def test_refit_weights_equal_the_merge_path(
+    tiny_pipeline_dir: Path, loras: dict[str, Path], refit_maps: dict[str, dict[str, Any]], fmt: str, scale: float,
+    tmp_path: Path,
+) -> None:
+    """load_lora's weights, computed from safetensors without model classes (runtime.refit), are bit for bit what
+    compile --lora's merge (diffusers' load_lora_weights + fuse_lora on the loaded modules) gives, for every mapped
+    weight: with and without alphas (kohya), with the adapter config in the file's header, with ranks that differ
+    per layer, and at scales other than 1."""
+    from diffusion_trt.compiler.lora import load_base_modules, merge_loras
+    from diffusion_trt.lora import check_lora_file
+    from diffusion_trt.runtime.refit import array_key, as_initializer, refit_weights
+
+    path = loras[fmt] if fmt in loras else _variant_lora(loras, tmp_path, fmt)
+    lora = check_lora_file(path, scale)
+    refit = refit_weights(refit_maps, tiny_pipeline_dir, lora)
+    models = load_base_modules(tiny_pipeline_dir, list(refit_maps))
+    with torch.no_grad():
+        merge_loras(models, [lora])
+    for comp, rmap in refit_maps.items():
+        params = dict(models[comp].named_parameters())
+        want = {}
+        for wname, e in rmap["weights"].items():
+            arr = as_initializer(params[wname], e["transpose"], e["dtype"])
+            if array_key(arr) != e["sha256"]:
+                want[e["initializer"]] = arr
+        assert set(refit[comp]) == set(want), comp
+        for name, value in want.items():
+            assert refit[comp][name].dtype == value.dtype
+            np.testing.assert_array_equal(refit[comp][name], value, err_msg=f"{comp} {name}")
+    assert refit["unet"] and (fmt == "kohya") == (not refit["text_encoder"])
+
+
+def test_refit_loads_no_model_class(tiny_pipeline_dir: Path, loras: dict[str, Path],
+                                    refit_maps: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    """A serving host needs no model classes: computing refit weights imports no diffusers/transformers model
+    module and no peft (a fresh interpreter, its sys.modules read after the call)."""
+    import subprocess
+    import sys
+
+    maps = tmp_path / "maps.json"
+    maps.write_text(json.dumps(refit_maps))
+    code = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from diffusion_trt.lora import check_lora_file\n"
+        "from diffusion_trt.runtime.refit import refit_weights\n"
+        f"out = refit_weights(json.loads(Path({str(maps)!r}).read_text()), Path({str(tiny_pipeline_dir)!r}), "
+        f"check_lora_file({str(loras['peft'])!r}, 0.5))\n"
+        "assert out['unet'] and out['text_encoder']\n"
+        "print('\\n'.join(sorted(sys.modules)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    modules = result.stdout.split()
+    banned = ("diffusers.models", "diffusers.pipelines", "peft", "diffusion_trt.compiler")
+    bad = [m for m in modules if m.startswith(banned) or (m.startswith("transformers.models.") and ".modeling_" in m)]
+    assert not bad, bad
+
+
 def test_refit_weights_refuse_another_model_folder(
     tmp_path: Path, loras: dict[str, Path], refit_maps: dict[str, dict[str, Any]]
 ) -> None:
     from diffusion_trt.compiler.dummy import write_dummy_pipeline
-    from diffusion_trt.lora import check_lora_file, refit_weights
+    from diffusion_trt.lora import check_lora_file
+    from diffusion_trt.runtime.refit import refit_weights
 
     other = write_dummy_pipeline(tmp_path / "other", arch="tiny", seed=1)
     with pytest.raises(LoraError, match="is not the one the artifact was compiled from"):
@@ -383,7 +468,9 @@ def test_base_weights_as_pickle_need_trust_pickle(
 
     from safetensors.torch import load_file
 
-    from diffusion_trt.lora import check_lora_file, load_base_modules, refit_weights
+    from diffusion_trt.compiler.lora import load_base_modules
+    from diffusion_trt.lora import check_lora_file
+    from diffusion_trt.runtime.refit import refit_weights
 
     pickled = tmp_path / "pickled"
     shutil.copytree(tiny_pipeline_dir, pickled)

@@ -1,0 +1,209 @@
+"""LoRA deltas without model classes: ``scale * (alpha / r) * B @ A`` per layer, as diffusers + peft merge them.
+
+``compile --lora`` merges with ``load_lora_weights`` + ``fuse_lora`` (:mod:`diffusion_trt.compiler.lora`); this is
+the same arithmetic for ``EnginePipeline.load_lora`` on a serving host, from the file alone:
+
+1. the tensors, converted as diffusers' ``lora_state_dict`` converts them (``dora_scale`` dropped; kohya
+   ``lora_unet_*``/``lora_te_*`` keys and their ``.alpha`` by ``diffusers.loaders.lora_conversion_utils``);
+2. per component, the keys in peft form (``diffusers.utils.state_dict_utils``) and the adapter config
+   (``diffusers.utils.peft_utils.get_peft_kwargs``, or the file header's ``lora_adapter_metadata``);
+3. per layer, peft's ``scaling = lora_alpha / r`` (``rank_pattern``/``alpha_pattern`` matched as peft does), times
+   the LoRA scale (``fuse_lora``'s ``scale_layer``), times peft's ``get_delta_weight`` (Linear ``B @ A``; Conv2d).
+
+Bit for bit what the merge path gives (``tests/compiler/test_lora.py``). Variants whose merge is not ``W + delta``
+(DoRA, LoKr, LoRA biases) are refused with the fix: merge them at compile time with ``--lora``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import LoraError
+from ..lora import LoraFile
+
+#: The safetensors header key holding diffusers' LoRA adapter config (``LORA_ADAPTER_METADATA_KEY``).
+LORA_METADATA_KEY = "lora_adapter_metadata"
+#: Text encoder modules diffusers reads a LoRA rank for (``_load_lora_into_text_encoder``).
+_TEXT_RANK_MODULES = (".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")
+
+
+def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]], unet_config: Any = None
+                ) -> dict[str, dict[str, torch.Tensor]]:
+    """``scale * (alpha / r) * B @ A`` per weight the LoRA targets, component by component (peft's delta weight).
+
+    Args:
+        lora: the checked file and scale.
+        bases: component -> {weight name: base weight}: the layers a LoRA may target.
+        unet_config: SDXL: the UNet's config (``layers_per_block``), to map kohya's SGM block names as
+            ``StableDiffusionXLLoraLoaderMixin`` does; ``None`` for SD 1.x/2.x.
+
+    Returns:
+        component -> {weight name: fp32 delta of the weight's shape}.
+
+    Raises:
+        LoraError: diffusers cannot convert the file's keys; a LoRA variant refit cannot merge; its layers match
+            none (or only part) of the components' layers (a LoRA for another architecture).
+    """
+    state, alphas, metadata = _lora_state_dict(lora.path, unet_config)
+    expected = sum(1 for k in state if is_down_key(k))
+    deltas = {c: _component_deltas(c, state, alphas, metadata, bases[c], lora) for c in bases}
+    matched = sum(len(d) for d in deltas.values())
+    components = " or ".join(bases)
+    if not matched:
+        raise LoraError(
+            f"LoRA file {lora.path}: none of its {expected} LoRA layers matches a layer of this model's "
+            f"{components} (keys like {next(iter(state), '?')!r}); it was made for another architecture"
+        )
+    if expected and matched < expected:
+        raise LoraError(
+            f"LoRA file {lora.path}: only {matched} of its {expected} LoRA layers match layers of "
+            "this model; it was made for another architecture (merging part of it would give neither model)"
+        )
+    return deltas
+
+
+def _lora_state_dict(path: Path, unet_config: Any) -> tuple[dict[str, torch.Tensor], dict[str, float], Any]:
+    """diffusers' ``lora_state_dict``: the tensors (``dora_scale`` dropped), kohya keys converted with their alphas,
+    and the adapter metadata of the safetensors header.
+
+    Raises:
+        LoraError: diffusers cannot convert the keys.
+    """
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_non_diffusers_lora_to_diffusers,
+        _maybe_map_sgm_blocks_to_diffusers,
+    )
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys() if "dora_scale" not in k}
+        raw = (f.metadata() or {}).get(LORA_METADATA_KEY)
+    alphas: dict[str, float] = {}
+    kohya = ("lora_te_", "lora_unet_", "lora_te1_", "lora_te2_")
+    if state and all(k.startswith(kohya) for k in state):
+        try:
+            if unet_config is not None:  # SDXL
+                state = _maybe_map_sgm_blocks_to_diffusers(state, unet_config)
+            state, alphas = _convert_non_diffusers_lora_to_diffusers(state)
+        except (ValueError, KeyError) as e:
+            raise LoraError(f"LoRA file {path}: diffusers could not convert its keys ({e})") from e
+    return state, alphas or {}, json.loads(raw) if raw else None
+
+
+def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapping[str, float], metadata: Any,
+                      base: Mapping[str, torch.Tensor], lora: LoraFile) -> dict[str, torch.Tensor]:
+    """The deltas of one component (``unet``, ``text_encoder``, ``text_encoder_2``); see :func:`lora_deltas`."""
+    sub = {k.removeprefix(f"{comp}."): v for k, v in state.items() if k.startswith(f"{comp}.")}
+    if not sub:
+        return {}
+    sub_alphas = {k.removeprefix(f"{comp}."): v for k, v in alphas.items() if k.split(".")[0] == comp}
+    sub_meta = ({k.removeprefix(f"{comp}."): v for k, v in metadata.items() if k.startswith(f"{comp}.")}
+                if metadata is not None else None)
+    try:
+        peft_state, rank = _peft_state(comp, sub, base)
+        config = _lora_config(comp, peft_state, rank, sub_alphas, sub_meta)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise LoraError(f"LoRA file {lora.path}: diffusers could not read its {comp} keys ({e}); was it made for "
+                        "another architecture (SD 1.x / 2.x / SDXL)?") from e
+    _refuse_variants(peft_state, config, lora)
+    out = {}
+    for module in sorted({k.split(".lora_A.")[0] for k in peft_state if ".lora_A." in k}):
+        wname = f"{module}.weight"
+        if wname in base and f"{module}.lora_B.weight" in peft_state:
+            scaling = _scaling(config, module) * lora.scale  # fuse_lora's scale_layer: scaling *= lora_scale
+            a, b = peft_state[f"{module}.lora_A.weight"], peft_state[f"{module}.lora_B.weight"]
+            out[wname] = _delta_weight(a.to(torch.float32), b.to(torch.float32), base[wname], scaling)
+    return out
+
+
+def _peft_state(comp: str, sub: dict[str, torch.Tensor], base: Mapping[str, torch.Tensor]
+                ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """The component's LoRA keys in peft form (``<module>.lora_A.weight``) and its ranks, as diffusers makes them
+    (``load_lora_adapter`` for the UNet, ``_load_lora_into_text_encoder`` for text encoders)."""
+    from diffusers.utils.state_dict_utils import (
+        convert_state_dict_to_diffusers,
+        convert_state_dict_to_peft,
+        convert_unet_state_dict_to_peft,
+    )
+
+    if comp == "unet":
+        state = sub if "lora_A" in next(iter(sub)) else convert_unet_state_dict_to_peft(sub)
+        return state, {f"^{k}": v.shape[1] for k, v in state.items() if "lora_B" in k and v.ndim > 1}
+    state = convert_state_dict_to_peft(convert_state_dict_to_diffusers(sub))
+    if not any(n.startswith("text_model.") for n in base):  # CLIP flattened in transformers 5
+        state = {k.removeprefix("text_model."): v for k, v in state.items()}
+    modules = {n.removesuffix(".weight") for n in base}
+    rank = {f"{m}.lora_B.weight": state[f"{m}.lora_B.weight"].shape[1] for m in sorted(modules)
+            if m.endswith(_TEXT_RANK_MODULES) and f"{m}.lora_B.weight" in state}
+    return state, rank
+
+
+def _lora_config(comp: str, state: dict[str, torch.Tensor], rank: dict[str, int], alphas: dict[str, float],
+                 metadata: Any) -> dict[str, Any]:
+    """diffusers' ``_create_lora_config`` kwargs (``r``, ``lora_alpha``, ``rank_pattern``, ``alpha_pattern``,
+    ``use_rslora``...): the header's adapter metadata, else ``get_peft_kwargs``. The layers merged are those the
+    state dict holds (a layer the config targets but the file lacks gets a zero ``B`` in peft: no change)."""
+    from diffusers.utils.peft_utils import get_peft_kwargs
+
+    if metadata is not None:
+        return dict(metadata)
+    return get_peft_kwargs(rank, alphas or None, state, is_unet=comp == "unet")
+
+
+def _refuse_variants(state: Mapping[str, Any], config: Mapping[str, Any], lora: LoraFile) -> None:
+    """Refuse LoRA variants whose merge is not ``W + scale * B @ A`` (refit would drop part of them).
+
+    Raises:
+        LoraError: DoRA, LoKr or LoRA-bias files, naming the fix.
+    """
+    kinds = [name for name, found in (
+        ("DoRA", config.get("use_dora") or any("lora_magnitude_vector" in k for k in state)),
+        ("LoKr", any(".lokr_" in k for k in state)),
+        ("LoRA bias", config.get("lora_bias") or any("lora_B" in k and k.endswith(".bias") for k in state)),
+    ) if found]
+    if kinds:
+        raise LoraError(
+            f"LoRA file {lora.path} is a {kinds[0]} adapter, which load_lora cannot refit (only plain LoRA "
+            f"layers); merge it at compile time with `diffusion-trt compile MODEL --lora {lora.path.name}:"
+            f"{lora.scale:g}`"
+        )
+
+
+def _scaling(config: Mapping[str, Any], module: str) -> float:
+    """peft's ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA) for ``module``, with ``rank_pattern`` and
+    ``alpha_pattern`` matched as peft's ``get_pattern_key`` does."""
+    r = config["r"]
+    alpha = config["lora_alpha"]
+    r = (config.get("rank_pattern") or {}).get(_pattern_key(config.get("rank_pattern") or {}, module), r)
+    alpha = (config.get("alpha_pattern") or {}).get(_pattern_key(config.get("alpha_pattern") or {}, module), alpha)
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+def _pattern_key(patterns: Mapping[str, Any], module: str) -> str:
+    """peft's ``get_pattern_key``: the first pattern that matches the end of ``module`` (at a ``.``), else it."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return module
+
+
+def _delta_weight(a: torch.Tensor, b: torch.Tensor, base: torch.Tensor, scaling: float) -> torch.Tensor:
+    """peft's ``get_delta_weight`` for Linear (``B @ A``) and Conv2d (1x1: the same on squeezed kernels; else
+    ``conv2d(A^T, B)^T``), times ``scaling``."""
+    if base.ndim == 2:
+        return (b @ a) * scaling
+    if base.shape[2:4] == (1, 1):
+        return (b.squeeze(3).squeeze(2) @ a.squeeze(3).squeeze(2)).unsqueeze(2).unsqueeze(3) * scaling
+    return torch.nn.functional.conv2d(a.transpose(0, 1), b).transpose(0, 1) * scaling
+
+
+def is_down_key(key: str) -> bool:
+    """One key per LoRA layer in diffusers' converted state dicts: the down (A) matrix."""
+    return key.endswith(("lora_A.weight", "lora.down.weight", "lora_down.weight", "lora_linear_layer.down.weight"))
