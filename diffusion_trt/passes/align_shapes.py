@@ -7,8 +7,8 @@ import logging
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ._match import Rejection, in_onnx_domain, is_graph_output, reject
-from ._patterns import Namer, const_value, is_const
+from ._match import const_value, find_each, in_onnx_domain, is_const, is_graph_output
+from ._patterns import Namer
 from .base import PassContext, PassResult
 
 logger = logging.getLogger(__name__)
@@ -51,16 +51,8 @@ def align_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     multiple = int(ctx.options.get("align_shapes_channels", CHANNEL_ALIGNMENT))
     names = Namer(graph)
     counts = {"inputs_padded": 0, "outputs_padded": 0, "Pad": 0, "Slice": 0}
-    rejections: list[Rejection] = []
-    plans: list[tuple[gs.Node, np.ndarray, np.ndarray | None]] = []
-    for node in list(graph.nodes):
-        if node.op != "Conv" or not in_onnx_domain(node) or len(node.inputs) < 2:
-            continue
-        plan = _plan(node, multiple)
-        if isinstance(plan, str):
-            rejections.append(reject(NAME, node, plan))
-        elif plan is not None:
-            plans.append((node, *plan))
+    found = find_each(graph, NAME, match=lambda node: _candidate(node, multiple))
+    plans = found.matches
     # outputs first: a padded output that only padded inputs read then needs no Slice (see _pad_input)
     padded_outputs: dict[str, gs.Tensor] = {}  # name of the sliced (original) tensor -> its padded producer output
     for node, weight, bias in plans:
@@ -75,8 +67,16 @@ def align_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
             counts["inputs_padded"] += 1
     # Slices whose readers all read the padded tensor now are dead: the PassManager's cleanup drops them
     counts["Slice"] = sum(1 for tensor in padded_outputs.values() if _slice_kept(graph, tensor))
-    counts["rejected"] = len(rejections)
+    counts["rejected"] = found.rejected
     return PassResult(modified=bool(plans), counts=counts)
+
+
+def _candidate(node: gs.Node, multiple: int) -> tuple[gs.Node, np.ndarray, np.ndarray | None] | str | None:
+    """(Conv, weight, bias) of a Conv to pad, a reason, or None (no Conv, or aligned)."""
+    if node.op != "Conv" or not in_onnx_domain(node) or len(node.inputs) < 2:
+        return None
+    plan = _plan(node, multiple)
+    return plan if plan is None or isinstance(plan, str) else (node, *plan)
 
 
 def _plan(conv: gs.Node, multiple: int) -> tuple[np.ndarray, np.ndarray | None] | str | None:

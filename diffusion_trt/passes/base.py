@@ -23,7 +23,7 @@ import onnx_graphsurgeon as gs
 from diffusion_trt.errors import PassError
 
 from ._dump import GraphDumper
-from ._match import collect_rejections, rejection_reasons
+from ._match import Tally, collect_rejections, rejection_reasons
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,12 @@ class PassResult:
 
     modified: bool
     counts: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, tally: Tally, *keys: str, skipped: bool = True) -> PassResult:
+        """The result of a fusion run with :func:`._match.fuse_each`: the counts of ``keys``, then ``rejected`` and
+        (unless ``skipped=False``) ``skipped_for_target``; modified when any of ``keys`` is non-zero."""
+        return cls(modified=any(tally.counts[key] for key in keys), counts=tally.record(*keys, skipped=skipped))
 
 
 #: A pass rewrites the graph in place and reports what it did. Its name is its ``__name__``.

@@ -14,7 +14,7 @@ from onnx import TensorProto
 
 from diffusion_trt.errors import PassError
 
-from ._match import constant_value, in_onnx_domain, is_graph_output
+from ._match import const_value, in_onnx_domain, is_graph_output
 from .base import PassContext, PassResult
 from .fold_constants import _lower_constant_nodes
 from .infer_shapes import infer_shapes
@@ -297,7 +297,7 @@ def _convert_outputs(node: gs.Node, ctx: PassContext) -> None:
 
 
 def _converted_constant(tensor: gs.Constant, want: np.dtype, counts: dict[str, int], in_place: bool) -> gs.Constant:
-    values = constant_value(tensor)
+    values = const_value(tensor)
     assert values is not None
     if want == _F16 and values.size and float(np.nanmax(np.abs(values))) > FP16_MAX:
         counts["clipped"] += 1

@@ -8,7 +8,7 @@ import onnx_graphsurgeon as gs
 
 from diffusion_trt.errors import PassError
 
-from ._match import constant_value, in_onnx_domain
+from ._match import const_value, in_onnx_domain
 from .base import PassContext, PassResult
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def _lower_constant_nodes(graph: gs.Graph) -> None:
         if node.op != "Constant" or len(node.outputs) != 1:
             continue
         output = node.outputs[0]
-        value = constant_value(output)
+        value = const_value(output)
         if value is not None and not isinstance(output, gs.Constant):
             output.to_constant(value)
             output.inputs.clear()
