@@ -11,7 +11,7 @@ from onnx import helper
 
 from ._match import const_value, find_each, in_onnx_domain, is_graph_output
 from ._patterns import import_domain, producer
-from .base import PassContext, PassResult
+from .base import PassContext, PassResult, option
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,14 @@ _DEFAULT_EMIT: dict[tuple[str, str], str] = {
     ("tensorrt-rtx", "cuda"): "trt",
 }
 EMITS: tuple[str, ...] = ("mha", "trt", "none")
+
+
+@dataclass(frozen=True)
+class FuseAttentionOptions:
+    """The options of :func:`fuse_attention` (fuse_batched_attention reads them too)."""
+
+    #: "mha" | "trt" | "none"; None: by target (ort -> "mha", tensorrt and tensorrt-rtx -> "trt").
+    emit: str | None = option("fuse_attention_emit", None, EMITS)
 
 
 class _NoMatch(Exception):  # internal control flow: the message is the rejection reason
@@ -87,14 +95,15 @@ def fuse_attention(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Requires: shapes inferred (hidden size and ranks); Shape-derived scales are evaluated here from known dims,
           so a static export and a dynamic one fuse alike.
 
-    Options (ctx.options):
+    Options (``ctx.options`` keys, read as :class:`FuseAttentionOptions`):
         fuse_attention_emit: "mha" | "trt" | "none"; default by target: ort -> "mha", tensorrt and
             tensorrt-rtx -> "trt".
 
     Counts: ``Attention`` (sites rewritten), ``self``/``cross`` (Q and K from the same tensor or not),
         ``masked`` (with an additive bias), ``rejected`` (Softmax nodes that did not match, reasons at DEBUG).
     """
-    emit = str(ctx.options.get("fuse_attention_emit", _DEFAULT_EMIT.get((ctx.backend, ctx.device), "none")))
+    emit = ctx.options_for(FuseAttentionOptions).emit
+    emit = _DEFAULT_EMIT.get((ctx.backend, ctx.device), "none") if emit is None else emit
     if emit not in EMITS:
         raise ValueError(f"fuse_attention_emit={emit!r} is unknown; use one of {', '.join(EMITS)}")
     found = find_each(graph, NAME, match=lambda node: _candidate(graph, node))

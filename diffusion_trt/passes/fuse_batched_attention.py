@@ -10,6 +10,7 @@ import onnx_graphsurgeon as gs
 from ._match import find_each, in_onnx_domain
 from ._patterns import Namer, consumer, escape_problem, import_domain, producer, rank, scalar
 from .base import PassContext, PassResult
+from .fuse_attention import FuseAttentionOptions
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +49,14 @@ def fuse_batched_attention(graph: gs.Graph, ctx: PassContext) -> PassResult:
               score tensor in memory (the foreign terrain UNet: 28 sites of 1,024 tokens).
     Requires: ranks inferred (run infer_shapes); the head size d known (static last dim of q).
 
-    Options (ctx.options): ``fuse_attention_emit`` "none" turns this pass off as it does fuse_attention.
+    Options (:class:`.fuse_attention.FuseAttentionOptions`): ``fuse_attention_emit`` "none" turns this pass off as
+    it does fuse_attention.
 
     Counts: ``Attention`` (sites rewritten), ``Transpose`` (inserted), ``rejected`` (rank-3 Softmax nodes
     that did not match, reasons at DEBUG), ``skipped_for_target``.
     """
-    emit = str(ctx.options.get("fuse_attention_emit", "trt" if ctx.backend == "tensorrt" else "mha"))
+    emit = ctx.options_for(FuseAttentionOptions).emit
+    emit = ("trt" if ctx.backend == "tensorrt" else "mha") if emit is None else emit
     found = find_each(graph, NAME, match=lambda node: _candidate(graph, node))
     counts = {"Attention": 0, "Transpose": 0, "rejected": found.rejected, "skipped_for_target": 0}
     if emit != "mha":

@@ -26,7 +26,7 @@ from ._patterns import (
     scalar,
     target_of,
 )
-from .base import PassContext, PassResult
+from .base import PassContext, PassResult, option
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,14 @@ NAME = "fuse_gelu"
 
 #: Default-domain opset that has Gelu (with ``approximate``).
 GELU_OPSET = 20
+
+
+@dataclass(frozen=True)
+class FuseGeluOptions:
+    """The options of :func:`fuse_gelu`."""
+
+    #: tensorrt: raise the opset to 20 where safe; False keeps the graph's opset (sites below 20 are rejected).
+    raise_opset: bool = option("fuse_gelu_raise_opset", True, bool)
 
 
 def fuse_gelu(graph: gs.Graph, ctx: PassContext) -> PassResult:
@@ -55,7 +63,7 @@ def fuse_gelu(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Requires: the constants one-element constants (matched with rtol 1e-5); no tensor inside the pattern read
               from outside it. ``ctx.opset`` is not updated when the opset is raised: read ``graph.opset``.
 
-    Options (ctx.options):
+    Options (``ctx.options`` keys, read as :class:`FuseGeluOptions`):
         fuse_gelu_raise_opset (bool): tensorrt: raise the opset to 20 where safe (default True); False keeps the
             graph's opset (sites below 20 are then rejected).
 
@@ -64,7 +72,7 @@ def fuse_gelu(graph: gs.Graph, ctx: PassContext) -> PassResult:
     """
     target = target_of(ctx.backend, ctx.device)
     names = Namer(graph)
-    may_raise = bool(ctx.options.get("fuse_gelu_raise_opset", True))
+    may_raise = ctx.options_for(FuseGeluOptions).raise_opset
     opset_problem_once = functools.cache(lambda: opset_problem(graph, GELU_OPSET, may_raise=may_raise))
 
     def check(match: GeluMatch | _QuickGelu) -> str | None:

@@ -27,7 +27,7 @@ from ._patterns import (
     static_shape,
     target_of,
 )
-from .base import PassContext, PassResult
+from .base import PassContext, PassResult, option
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,14 @@ GROUP_NORMALIZATION_OPSET = 21
 #: ORT's NHWC GroupNorm CUDA kernel handles at most this many channels per group (contrib_ops/cuda/diffusion,
 #: ``kMaxSize`` of group_norm_common_base.h) and only an even number (``CHANNELS_PER_THREAD`` = 2).
 ORT_GROUP_NORM_MAX_CHANNELS_PER_GROUP = 512
+
+
+@dataclass(frozen=True)
+class FuseGroupNormOptions:
+    """The options of :func:`fuse_group_norm`."""
+
+    #: tensorrt: raise the opset to 21 where safe; False keeps the graph's opset (sites below 21 are rejected).
+    raise_opset: bool = option("fuse_group_norm_raise_opset", True, bool)
 
 
 @dataclass
@@ -75,7 +83,7 @@ def fuse_group_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
               (see _opset.py), else the site is rejected with the reason; ``ctx.opset`` is not updated: later
               passes read ``graph.opset``.
 
-    Options (ctx.options):
+    Options (``ctx.options`` keys, read as :class:`FuseGroupNormOptions`):
         fuse_group_norm_raise_opset (bool): tensorrt: raise the opset to 21 where safe (default True); False
             keeps the graph's opset (sites below 21 are rejected), e.g. for a TensorRT whose parser stops at 20.
 
@@ -86,7 +94,7 @@ def fuse_group_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
     target = target_of(ctx.backend, ctx.device)
     op = {ORT_CUDA: "GroupNorm", TENSORRT: "GroupNormalization", ORT_CPU: "GroupNormalization"}[target]
     names = Namer(graph)
-    may_raise = bool(ctx.options.get("fuse_group_norm_raise_opset", True))
+    may_raise = ctx.options_for(FuseGroupNormOptions).raise_opset
     # tensorrt: why opset 21 cannot be had; asked once, at the first site that passes its check
     opset_problem_once = functools.cache(lambda: opset_problem(graph, GROUP_NORMALIZATION_OPSET, may_raise=may_raise))
 

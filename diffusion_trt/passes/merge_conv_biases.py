@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from ._match import const_value, find_each, in_onnx_domain, is_graph_output, single_consumer
 from ._patterns import ORT_CUDA, Namer, producer, same_shape, target_of
-from .base import PassContext, PassResult
+from .base import PassContext, PassResult, option
 
 logger = logging.getLogger(__name__)
 
 NAME = "merge_conv_biases"
 
 _TO_NHWC = [0, 2, 3, 1]
+
+
+@dataclass(frozen=True)
+class MergeConvBiasesOptions:
+    """The options of :func:`merge_conv_biases`."""
+
+    #: False turns the pass off (every match then counts as ``disabled``).
+    enabled: bool = option("merge_conv_biases", True, bool)
 
 
 def merge_conv_biases(graph: gs.Graph, ctx: PassContext) -> PassResult:
@@ -44,7 +53,7 @@ def merge_conv_biases(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Targets: ort-cuda. Others count ``skipped_for_target``: TensorRT and ORT's CPU Conv add the bias in the
           convolution kernel's epilogue already.
 
-    Options (ctx.options):
+    Options (``ctx.options`` keys, read as :class:`MergeConvBiasesOptions`):
         merge_conv_biases: False turns the pass off (every match then counts as ``disabled``); default True.
 
     Counts: ``merged`` (into another Conv), ``into_skip_group_norm``, ``rejected`` (reasons at DEBUG),
@@ -62,7 +71,7 @@ def merge_conv_biases(graph: gs.Graph, ctx: PassContext) -> PassResult:
     if target != ORT_CUDA:
         counts["skipped_for_target"] = len(sums) + len(norms)
         return PassResult(modified=False, counts=counts)
-    if not ctx.options.get("merge_conv_biases", True):
+    if not ctx.options_for(MergeConvBiasesOptions).enabled:
         counts["disabled"] = len(sums) + len(norms)
         return PassResult(modified=False, counts=counts)
     names = Namer(graph)

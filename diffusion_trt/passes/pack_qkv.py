@@ -10,11 +10,19 @@ import onnx_graphsurgeon as gs
 
 from ._match import const_value, find_each, is_graph_output, single_consumer
 from ._patterns import ORT_CUDA, Namer, producer, target_of
-from .base import PassContext, PassResult
+from .base import PassContext, PassResult, option
 
 logger = logging.getLogger(__name__)
 
 NAME = "pack_qkv"
+
+
+@dataclass(frozen=True)
+class PackQkvOptions:
+    """The options of :func:`pack_qkv`."""
+
+    #: True turns the rewrite on (off by default: measured neutral, see the pass's docstring).
+    enabled: bool = option("pack_qkv", False, bool)
 
 
 @dataclass
@@ -51,7 +59,7 @@ def pack_qkv(graph: gs.Graph, ctx: PassContext) -> PassResult:
         widths N*d (num_heads N from the node); each projection read only by its attention and not a graph
         output; no bias / mask / attention_bias input on the node (CLIP's attention has both: rejected).
 
-    Options (ctx.options):
+    Options (``ctx.options`` keys, read as :class:`PackQkvOptions`):
         pack_qkv: True turns the rewrite on; default False (every matched site counts as ``disabled``). Off by
             default because it measured neutral with the attention kernel ORT picks on an H200 (cuDNN flash
             attention reads only unpacked Q/K/V, so ORT inserts an unpack kernel per site that eats the saved
@@ -67,7 +75,7 @@ def pack_qkv(graph: gs.Graph, ctx: PassContext) -> PassResult:
     if target_of(ctx.backend, ctx.device) != ORT_CUDA:
         counts["skipped_for_target"] = len(found.matches)
         return PassResult(modified=False, counts=counts)
-    if not ctx.options.get("pack_qkv", False):
+    if not ctx.options_for(PackQkvOptions).enabled:
         counts["disabled"] = len(found.matches)
         return PassResult(modified=False, counts=counts)
     names = Namer(graph)

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
 from diffusion_trt.errors import PassError
 
 from ._match import in_onnx_domain
-from .base import PassContext, PassResult
-from .fold_constants import DEFAULT_SIZE_THRESHOLD_BYTES, _lower_constant_nodes, fold_constants, quiet_onnxruntime
+from .base import PassContext, PassResult, option
+from .fold_constants import FoldConstantsOptions, _lower_constant_nodes, fold_constants, quiet_onnxruntime
 from .infer_shapes import infer_shapes
 
 logger = logging.getLogger(__name__)
@@ -19,6 +20,14 @@ logger = logging.getLogger(__name__)
 #: Inference + folding rounds before giving up on a fixpoint (each round resolves at least one more level of
 #: Shape -> ... -> Reshape; the SD components need 2-3).
 MAX_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class SpecializeShapesOptions:
+    """The options of :func:`specialize_shapes`: compile derives them from a static profile."""
+
+    #: The shape of each graph input, e.g. ``{"sample": (2, 4, 64, 64), "timestep": (2,)}``.
+    static_shapes: Mapping[str, tuple[int, ...]] | None = option("static_shapes", None, dict, user=False)
 
 
 def specialize_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
@@ -36,7 +45,7 @@ def specialize_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Repeats ``infer_shapes`` then ``fold_constants`` until the number of Shape nodes stops falling (at most
     :data:`MAX_ROUNDS` rounds).
 
-    Options (ctx.options):
+    Options (``ctx.options`` keys, read as :class:`SpecializeShapesOptions`):
         static_shapes (dict[str, Sequence[int]]): the shape of each graph input, e.g.
             ``{"sample": [2, 4, 64, 64], "timestep": [2], "encoder_hidden_states": [2, 77, 768]}``. Inputs not
             named keep their shape, which must then already be static. Also read: the options of
@@ -49,7 +58,7 @@ def specialize_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
         PassError: an option names no graph input, gives the wrong rank, contradicts a static dim, or an input
             is left with a symbolic dim.
     """
-    wanted: dict[str, Sequence[int]] = dict(ctx.options.get("static_shapes") or {})
+    wanted: dict[str, Sequence[int]] = dict(ctx.options_for(SpecializeShapesOptions).static_shapes or {})
     inputs = {tensor.name: tensor for tensor in graph.inputs}
     unknown = sorted(set(wanted) - set(inputs))
     if unknown:
@@ -104,7 +113,7 @@ def _fold(graph: gs.Graph, ctx: PassContext) -> None:
         graph.fold_constants(
             fold_shapes=True,
             partitioning=None,
-            size_threshold=ctx.options.get("fold_constants_size_threshold_bytes", DEFAULT_SIZE_THRESHOLD_BYTES),
+            size_threshold=ctx.options_for(FoldConstantsOptions).size_threshold_bytes,
             should_exclude_node=lambda node: not in_onnx_domain(node),
         )
     except Exception as err:  # noqa: BLE001 - any ORT failure: retry with the partitioned, error-reporting pass
