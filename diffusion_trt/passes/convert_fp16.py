@@ -18,7 +18,7 @@ from diffusion_trt.errors import PassError
 from ._match import const_value, in_onnx_domain, is_graph_output
 from .base import PassContext, PassResult, option
 from .fold_constants import _lower_constant_nodes
-from .infer_shapes import infer_shapes
+from .infer_shapes import InferShapesOptions, annotate_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,8 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Emits:    float16 types and weights; Casts only where an fp16 and an fp32 part meet
                   x:f16 -> Conv(W:f16) -> Cast(f32) -> Sin -> Cast(f16) -> Resize(scales:f32) -> y:f16
     Why:      half the memory traffic and tensor-core math; islands keep the ops that overflow or lose precision.
-    Requires: dtypes known (infer_shapes is run here first); run after every fusion (the Casts it inserts break
+    Requires: dtypes known (the inference step of infer_shapes, :func:`.infer_shapes.annotate_shapes`, runs here
+              first); run after every fusion (the Casts it inserts break
               patterns). Subgraphs (If/Loop) are left as they are.
 
     Per input/output slot, the ONNX op schema decides whether float16 is allowed (Resize ``scales`` and
@@ -138,7 +139,7 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
         ctx = dataclasses.replace(ctx, opset=opset)
     _lower_constant_nodes(graph)
     graph.cleanup()  # drops the emptied Constant nodes
-    infer_shapes(graph, ctx)
+    annotate_shapes(graph, ctx.options_for(InferShapesOptions))  # the dtypes the classification below reads
     counts = {"fp16_nodes": 0, "fp32_nodes": 0, "constants": 0, "clipped": 0, "Cast_inserted": 0,
               "Cast_removed": 0}
     fp32_ids: set[int] = set()

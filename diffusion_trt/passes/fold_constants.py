@@ -58,7 +58,17 @@ def fold_constants(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Raises:
         PassError: ONNX Runtime could not evaluate a foldable part (with error_ok False).
     """
-    options = ctx.options_for(FoldConstantsOptions)
+    folded = fold(graph, ctx.options_for(FoldConstantsOptions))
+    return PassResult(modified=folded > 0, counts={"nodes_folded": folded})
+
+
+def fold(graph: gs.Graph, options: FoldConstantsOptions) -> int:
+    """What :func:`fold_constants` does, as a step specialize_shapes runs inside its rounds; returns the number of
+    nodes folded away.
+
+    Raises:
+        PassError: as :func:`fold_constants`.
+    """
     size_threshold, error_ok = options.size_threshold_bytes, options.error_ok
     before = len(graph.nodes)
     _lower_constant_nodes(graph)
@@ -84,8 +94,7 @@ def fold_constants(graph: gs.Graph, ctx: PassContext) -> PassResult:
             "set ctx.options['fold_constants_error_ok']=True to leave such parts unfolded"
         ) from err
     graph.cleanup()
-    folded = before - len(graph.nodes)
-    return PassResult(modified=folded > 0, counts={"nodes_folded": folded})
+    return before - len(graph.nodes)
 
 
 def _lower_constant_nodes(graph: gs.Graph) -> None:

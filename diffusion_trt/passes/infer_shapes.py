@@ -59,7 +59,14 @@ def infer_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Counts: ``shapes_added`` (tensors that had no shape and have one now), ``shapes_changed``,
     ``dtypes_added``; modified when any of them is non-zero.
     """
-    threshold = ctx.options_for(InferShapesOptions).path_threshold_bytes
+    counts = annotate_shapes(graph, ctx.options_for(InferShapesOptions))
+    return PassResult(modified=any(counts.values()), counts=counts)
+
+
+def annotate_shapes(graph: gs.Graph, options: InferShapesOptions) -> dict[str, int]:
+    """What :func:`infer_shapes` does, as a step other passes run inside themselves (specialize_shapes' rounds,
+    convert_fp16's dtypes): the graph's tensors annotated in place; returns the pass's counts."""
+    threshold = options.path_threshold_bytes
     model = gs.export_onnx(graph, do_type_check=False)
     stubbed = _stub_weights(model)
     weight_bytes = sum(constant_nbytes(t) for t in graph.tensors().values() if isinstance(t, gs.Constant)) - stubbed
@@ -69,8 +76,7 @@ def infer_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     else:
         value_infos = _infer_in_memory(model)
     del model
-    counts = _annotate(graph, value_infos)
-    return PassResult(modified=any(counts.values()), counts=counts)
+    return _annotate(graph, value_infos)
 
 
 #: Float initializers above this many elements are replaced by graph inputs (dtype and shape only) for inference.

@@ -12,8 +12,8 @@ from diffusion_trt.errors import PassError
 
 from ._match import in_onnx_domain
 from .base import PassContext, PassResult, option
-from .fold_constants import FoldConstantsOptions, _lower_constant_nodes, fold_constants, quiet_onnxruntime
-from .infer_shapes import infer_shapes
+from .fold_constants import FoldConstantsOptions, _lower_constant_nodes, fold, quiet_onnxruntime
+from .infer_shapes import InferShapesOptions, annotate_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,9 @@ def specialize_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Requires: run before fusions that emit com.microsoft ops (ONNX shape inference cannot see through them, so
               shapes after them would stay unknown and their Shape readers unfolded).
 
-    Repeats ``infer_shapes`` then ``fold_constants`` until the number of Shape nodes stops falling (at most
-    :data:`MAX_ROUNDS` rounds).
+    Repeats shape inference then folding (the steps of ``infer_shapes`` and ``fold_constants``:
+    :func:`.infer_shapes.annotate_shapes`, :func:`.fold_constants.fold`; no pass calls another pass) until the
+    number of Shape nodes stops falling (at most :data:`MAX_ROUNDS` rounds).
 
     Options (``ctx.options`` keys, read as :class:`SpecializeShapesOptions`):
         static_shapes (dict[str, Sequence[int]]): the shape of each graph input, e.g.
@@ -85,15 +86,16 @@ def specialize_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     shape_before = _count_shapes(graph)
     nodes_before = len(graph.nodes)
     rounds, shapes = 0, shape_before
+    infer_options, fold_options = ctx.options_for(InferShapesOptions), ctx.options_for(FoldConstantsOptions)
     while rounds < MAX_ROUNDS:
         rounds += 1
-        infer_shapes(graph, ctx)
-        _fold(graph, ctx)
+        annotate_shapes(graph, infer_options)
+        _fold(graph, fold_options)
         now = _count_shapes(graph)
         if now == shapes and rounds > 1:
             break
         shapes = now
-    infer_shapes(graph, ctx)
+    annotate_shapes(graph, infer_options)
     shape_after = _count_shapes(graph)
     if shape_after:
         logger.info("%s: %d Shape nodes remain after specialization (they read tensors whose shape inference "
@@ -103,7 +105,7 @@ def specialize_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     return PassResult(modified=bool(fixed or counts["nodes_folded"]), counts=counts)
 
 
-def _fold(graph: gs.Graph, ctx: PassContext) -> None:
+def _fold(graph: gs.Graph, options: FoldConstantsOptions) -> None:
     """fold_constants in one ONNX Runtime session (no partitioning: gs 0.6.1 copies the whole graph once per
     partition, 13 s on the tiny UNet instead of 0.5 s); falls back to the partitioned pass if that fails."""
     _lower_constant_nodes(graph)
@@ -113,12 +115,12 @@ def _fold(graph: gs.Graph, ctx: PassContext) -> None:
         graph.fold_constants(
             fold_shapes=True,
             partitioning=None,
-            size_threshold=ctx.options_for(FoldConstantsOptions).size_threshold_bytes,
+            size_threshold=options.size_threshold_bytes,
             should_exclude_node=lambda node: not in_onnx_domain(node),
         )
     except Exception as err:  # noqa: BLE001 - any ORT failure: retry with the partitioned, error-reporting pass
         logger.debug("one-session folding failed (%s: %s); folding per partition", type(err).__name__, err)
-        fold_constants(graph, ctx)
+        fold(graph, options)
     graph.cleanup()
 
 
