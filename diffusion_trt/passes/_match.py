@@ -1,16 +1,17 @@
-"""Safety checks shared by the fusion passes: who consumes a tensor, is it a graph output, is it really constant.
+"""The fusion driver and the safety checks shared by the passes: who consumes a tensor, is it a graph output, is it
+really constant, and the loop every fusion runs.
+
+A fusion is a rule, not a loop (after onnxscript's rewriter: a rule = pattern + condition + replacement): the pass
+gives :func:`fuse_each` a ``match`` (the pattern: a match object, a rejection reason, or None for a node that is no
+candidate), a ``check`` (the condition: None or a reason) and a ``rewrite`` (the replacement: what it emitted, as
+counts), and the driver owns the iteration, the rejections and the tally::
+
+    tally = fuse_each(graph, "fuse_gelu", match=_match, check=_check, rewrite=_rewrite)
+    return PassResult.of(tally, ("Gelu",))          # {"Gelu": 16, "rejected": 2, "skipped_for_target": 0}
 
 A fusion replaces a chain of nodes by one; it is only safe when nothing else sees the tensors inside the chain
 (one consumer each, none a graph output) and when the values it bakes in are constants. Every candidate a pass
-turns down goes through :func:`reject`, so a pass that fired 0 times can explain itself at DEBUG::
-
-    rejections: list[Rejection] = []
-    ...
-    if (reason := internal_edge_problem(graph, mid)) is not None:
-        rejections.append(reject("fuse_gelu", node, reason))
-        continue
-    ...
-    return PassResult(modified=fused > 0, counts={"Gelu": fused, "rejected": len(rejections)})
+turns down goes through :func:`reject`, so a pass that fired 0 times can explain itself at DEBUG.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import contextvars
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -84,14 +86,27 @@ def _constant_node(tensor: gs.Tensor) -> gs.Node | None:
     return node
 
 
-def constant_value(tensor: gs.Tensor) -> np.ndarray | None:
-    """The value of ``tensor`` if it is a constant, else None.
+def through_identity(tensor: gs.Tensor) -> gs.Tensor:
+    """The tensor an Identity chain copies (the TorchScript exporter shares equal weights, e.g. all-ones norm
+    scales, through Identity nodes until eliminate_dead_nodes / fold_constants merge them)."""
+    for _ in range(16):
+        node = tensor.inputs[0] if not isinstance(tensor, gs.Constant) and len(tensor.inputs) == 1 else None
+        if node is None or node.op != "Identity" or not in_onnx_domain(node):
+            break
+        tensor = node.inputs[0]
+    return tensor
+
+
+def const_value(tensor: gs.Tensor) -> np.ndarray | None:
+    """The value of ``tensor`` if it is a constant, looking through Identity nodes (:func:`through_identity`),
+    else None.
 
     A constant is a gs.Constant (an initializer) or the output of a ``Constant`` node whose value is a tensor,
     float(s) or int(s) (string and sparse values give None). Lazily loaded weights are read without caching
     the NumPy copy in the graph, so call this on small tensors (scales, shapes, epsilons), not on every weight.
     Values whose dtype NumPy lacks (bfloat16, fp8) come back as gs loads them (float32).
     """
+    tensor = through_identity(tensor)
     if isinstance(tensor, gs.Constant):
         values = tensor._values
         if isinstance(values, SparseValues):
@@ -102,14 +117,15 @@ def constant_value(tensor: gs.Tensor) -> np.ndarray | None:
         return None
     (name, value), = node.attrs.items()
     if name == "value" and isinstance(value, gs.Constant):
-        return constant_value(value)
+        return const_value(value)
     if name in _CONSTANT_ATTR_DTYPES:
         return np.asarray(value, dtype=_CONSTANT_ATTR_DTYPES[name])
     return None
 
 
-def is_constant(tensor: gs.Tensor) -> bool:
-    """Whether :func:`constant_value` would return a value, without loading it."""
+def is_const(tensor: gs.Tensor) -> bool:
+    """Whether :func:`const_value` would return a value (looking through Identity nodes), without loading it."""
+    tensor = through_identity(tensor)
     if isinstance(tensor, gs.Constant):
         return not isinstance(tensor._values, SparseValues)
     node = _constant_node(tensor)
@@ -117,7 +133,7 @@ def is_constant(tensor: gs.Tensor) -> bool:
         return False
     (name, value), = node.attrs.items()
     if name == "value":
-        return isinstance(value, gs.Constant) and is_constant(value)
+        return isinstance(value, gs.Constant) and is_const(value)
     return name in _CONSTANT_ATTR_DTYPES
 
 
@@ -173,3 +189,81 @@ def rejection_reasons(rejections: list[Rejection]) -> dict[str, int]:
     """
     counts = Counter(f"{r.op}: {_QUOTED.sub(chr(39) + '…' + chr(39), r.reason)}" for r in rejections)
     return dict(counts.most_common())
+
+
+# --- the fusion driver ------------------------------------------------------------------------------------
+
+M = TypeVar("M")
+
+#: What a rewrite reports: the count key of what it emitted (one), counts per key, or None: matched and checked,
+#: but the target has nothing better (counted as ``skipped_for_target``).
+Emitted = str | Mapping[str, int] | None
+
+
+@dataclass
+class Tally:
+    """What :func:`fuse_each` did: ``counts`` summed over the rewrites, ``rejected`` candidates (each logged at DEBUG
+    with its reason by :func:`reject`), ``skipped`` candidates (the rewrite returned None)."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    rejected: int = 0
+    skipped: int = 0
+
+    def record(self, *keys: str, skipped: bool = True) -> dict[str, int]:
+        """The pass's counts: ``keys`` in order (0 when never emitted), then ``rejected`` and, unless
+        ``skipped=False``, ``skipped_for_target``: ``{"Gelu": 16, "rejected": 2, "skipped_for_target": 0}``."""
+        out = {key: self.counts[key] for key in keys}
+        out["rejected"] = self.rejected
+        if skipped:
+            out["skipped_for_target"] = self.skipped
+        return out
+
+
+def fuse_each(graph: gs.Graph, pass_name: str, *, match: Callable[[gs.Node], M | str | None],
+              check: Callable[[M], str | None] | None = None, rewrite: Callable[[M], Emitted]) -> Tally:
+    """Run one fusion rule over every node of ``graph`` (the nodes as they are when it starts), in graph order.
+
+    For each node: ``match(node)`` is None (no candidate: not counted), a ``str`` (the reason it is not a match:
+    rejected) or a match; a match goes to ``check`` (None: fine, a ``str``: rejected with that reason) and then to
+    ``rewrite``, which changes the graph and returns what it emitted (:data:`Emitted`). Rejections go through
+    :func:`reject` under ``pass_name``. A rewrite at one node may leave nodes that are later in the list dead: the
+    rule's ``match`` must reject or skip them as it does any other node (the PassManager's cleanup removes them).
+    """
+    tally = Tally()
+    for node in list(graph.nodes):
+        found = match(node)
+        if found is None:
+            continue
+        problem = found if isinstance(found, str) else (check(found) if check is not None else None)
+        if problem is not None:
+            reject(pass_name, node, problem)
+            tally.rejected += 1
+            continue
+        emitted = rewrite(found)
+        if emitted is None:
+            tally.skipped += 1
+        else:
+            tally.counts.update({emitted: 1} if isinstance(emitted, str) else emitted)
+    return tally
+
+
+@dataclass
+class Found(Generic[M]):
+    """What :func:`find_each` found: the ``matches`` that passed their check, in graph order, and how many
+    candidates were ``rejected``."""
+
+    matches: list[M]
+    rejected: int
+
+
+def find_each(graph: gs.Graph, pass_name: str, *, match: Callable[[gs.Node], M | str | None],
+              check: Callable[[M], str | None] | None = None) -> Found[M]:
+    """:func:`fuse_each` without rewriting: for passes that decide what to emit once every site is known (a pass
+    that is off, a target that takes none of them) or that must see the graph unchanged while matching."""
+    matches: list[M] = []
+
+    def keep(found: M) -> Emitted:
+        matches.append(found)
+        return {}
+
+    return Found(matches, fuse_each(graph, pass_name, match=match, check=check, rewrite=keep).rejected)

@@ -125,3 +125,16 @@ def ensure_opset(graph: gs.Graph, target: int) -> str | None:
     if problem is None:
         raise_opset(graph, target)
     return problem
+
+
+def opset_problem(graph: gs.Graph, target: int, *, may_raise: bool) -> str | None:
+    """Why a fusion that emits an op of opset ``target`` cannot emit it in ``graph``, or None if it can.
+
+    It can when the graph has that opset already, or when ``may_raise`` and :func:`ensure_opset` raised it (this
+    then changes the graph). Fusions ask once, at their first site (``functools.cache`` around this call), and
+    reject every site with the reason: ``"the graph has opset 17 and raising it is off"``.
+    """
+    if may_raise:
+        return ensure_opset(graph, target)
+    opset = graph_opset(graph)
+    return None if opset >= target else f"the graph has opset {opset} and raising it is off"

@@ -12,35 +12,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import helper
 
-from ._match import constant_value, in_onnx_domain, is_constant, is_graph_output, single_consumer
+from ._match import const_value, in_onnx_domain, is_const, is_graph_output, single_consumer
 
 #: Target names used by the emitters.
 ORT_CUDA, ORT_CPU, TENSORRT = "ort-cuda", "ort-cpu", "tensorrt"
 
 #: Relative tolerance for matching exporter constants (sqrt(2) written as 1.4142135 and the like).
 CONST_RTOL = 1e-5
-
-
-def through_identity(tensor: gs.Tensor) -> gs.Tensor:
-    """The tensor an Identity chain copies (the TorchScript exporter shares equal weights, e.g. all-ones norm
-    scales, through Identity nodes until eliminate_dead_nodes / fold_constants merge them)."""
-    for _ in range(16):
-        node = tensor.inputs[0] if not isinstance(tensor, gs.Constant) and len(tensor.inputs) == 1 else None
-        if node is None or node.op != "Identity" or not in_onnx_domain(node):
-            break
-        tensor = node.inputs[0]
-    return tensor
-
-
-def is_const(tensor: gs.Tensor) -> bool:
-    """:func:`._match.is_constant`, looking through Identity nodes."""
-    return is_constant(through_identity(tensor))
-
-
-def const_value(tensor: gs.Tensor) -> np.ndarray | None:
-    """:func:`._match.constant_value`, looking through Identity nodes."""
-    return constant_value(through_identity(tensor))
 
 
 #: The backends whose graphs go through a TensorRT ONNX parser: full TensorRT and TensorRT for RTX share one
@@ -185,6 +165,12 @@ def redirect_readers(tensor: gs.Tensor, new: gs.Tensor, readers: Iterable[gs.Nod
         for i, inp in enumerate(reader.inputs):
             if inp is tensor:
                 reader.inputs[i] = new
+
+
+def import_domain(graph: gs.Graph, domain: str, version: int = 1) -> None:
+    """Add ``domain`` (e.g. "com.microsoft") to the opsets the graph imports, unless it is there already."""
+    if not any(opset_id.domain == domain for opset_id in graph.import_domains or []):
+        graph.import_domains = [*(graph.import_domains or []), helper.make_opsetid(domain, version)]
 
 
 def replace_output(graph: gs.Graph, last: gs.Node, new_node: gs.Node) -> None:

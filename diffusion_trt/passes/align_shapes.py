@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ._match import Rejection, in_onnx_domain, is_graph_output, reject
-from ._patterns import Namer, const_value, is_const
-from .base import PassContext, PassResult
+from ._match import const_value, find_each, in_onnx_domain, is_const, is_graph_output
+from ._patterns import Namer
+from .base import PassContext, PassResult, option
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +21,14 @@ NAME = "align_shapes"
 #: width multiples of 8, ``--snap``) is ``diffusion_trt.config.IMAGE_ALIGNMENT`` / ``snap_image_size``: passes/
 #: may not import config, and the runtime must not import passes/.
 CHANNEL_ALIGNMENT = 8
+
+
+@dataclass(frozen=True)
+class AlignShapesOptions:
+    """The options of :func:`align_shapes` (``ctx.options`` keys in each field)."""
+
+    #: The multiple channel counts are padded to; 1 turns the pass off.
+    channels: int = option("align_shapes_channels", CHANNEL_ALIGNMENT, int)
 
 
 def padded(channels: int, multiple: int = CHANNEL_ALIGNMENT) -> int:
@@ -42,25 +51,17 @@ def align_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
               with an unaligned channel count (SD-1.5: UNet conv_in/conv_out, VAE post_quant_conv, decoder
               conv_in/conv_out, encoder conv_in).
 
-    Options (ctx.options):
+    Options (``ctx.options`` keys, read as :class:`AlignShapesOptions`):
         align_shapes_channels (int): the multiple (default :data:`CHANNEL_ALIGNMENT`); 1 turns the pass off.
 
     Counts: ``inputs_padded`` (Convs whose input channels were padded), ``outputs_padded``, ``Pad`` and ``Slice``
     (nodes inserted), ``rejected`` (unaligned Convs left as they are, reasons at DEBUG).
     """
-    multiple = int(ctx.options.get("align_shapes_channels", CHANNEL_ALIGNMENT))
+    multiple = ctx.options_for(AlignShapesOptions).channels
     names = Namer(graph)
     counts = {"inputs_padded": 0, "outputs_padded": 0, "Pad": 0, "Slice": 0}
-    rejections: list[Rejection] = []
-    plans: list[tuple[gs.Node, np.ndarray, np.ndarray | None]] = []
-    for node in list(graph.nodes):
-        if node.op != "Conv" or not in_onnx_domain(node) or len(node.inputs) < 2:
-            continue
-        plan = _plan(node, multiple)
-        if isinstance(plan, str):
-            rejections.append(reject(NAME, node, plan))
-        elif plan is not None:
-            plans.append((node, *plan))
+    found = find_each(graph, NAME, match=lambda node: _candidate(node, multiple))
+    plans = found.matches
     # outputs first: a padded output that only padded inputs read then needs no Slice (see _pad_input)
     padded_outputs: dict[str, gs.Tensor] = {}  # name of the sliced (original) tensor -> its padded producer output
     for node, weight, bias in plans:
@@ -75,8 +76,16 @@ def align_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
             counts["inputs_padded"] += 1
     # Slices whose readers all read the padded tensor now are dead: the PassManager's cleanup drops them
     counts["Slice"] = sum(1 for tensor in padded_outputs.values() if _slice_kept(graph, tensor))
-    counts["rejected"] = len(rejections)
+    counts["rejected"] = found.rejected
     return PassResult(modified=bool(plans), counts=counts)
+
+
+def _candidate(node: gs.Node, multiple: int) -> tuple[gs.Node, np.ndarray, np.ndarray | None] | str | None:
+    """(Conv, weight, bias) of a Conv to pad, a reason, or None (no Conv, or aligned)."""
+    if node.op != "Conv" or not in_onnx_domain(node) or len(node.inputs) < 2:
+        return None
+    plan = _plan(node, multiple)
+    return plan if plan is None or isinstance(plan, str) else (node, *plan)
 
 
 def _plan(conv: gs.Node, multiple: int) -> tuple[np.ndarray, np.ndarray | None] | str | None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import onnx
 import onnx_graphsurgeon as gs
@@ -23,12 +23,41 @@ import onnx_graphsurgeon as gs
 from diffusion_trt.errors import PassError
 
 from ._dump import GraphDumper
-from ._match import collect_rejections, rejection_reasons
+from ._match import Tally, collect_rejections, rejection_reasons
 
 logger = logging.getLogger(__name__)
 
 #: The lowest default-domain opset the passes are written against (LayerNormalization exists from 17).
 MIN_OPSET = 17
+
+
+OptionsT = TypeVar("OptionsT")
+
+
+def _static_shapes(value: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    return {str(name): tuple(int(d) for d in dims) for name, dims in dict(value).items()}
+
+
+#: How :meth:`PassContext.options_for` converts a value of each kind of :func:`option`.
+_CONVERT: dict[Any, Callable[[Any], Any]] = {bool: bool, int: int, float: float, list: tuple, dict: _static_shapes}
+
+
+def option(key: str, default: Any, kind: Any, *, user: bool = True, convert: Callable[[Any], Any] | None = None
+           ) -> Any:
+    """A field of a pass's options dataclass, read from ``PassContext.options[key]`` by :meth:`PassContext.options_for`.
+
+    Args:
+        key: the option's name in ``PassContext.options`` and on the command line (``--pass-option KEY=VALUE``),
+            prefixed by the pass that reads it: ``"fuse_gelu_raise_opset"``.
+        default: the value when the key is not given (None: the pass's own default, which its docstring names).
+        kind: what a user's value must be (:func:`.options.check_pass_options`): ``bool``, ``int`` (positive),
+            ``list`` (of names; the field holds a tuple), a tuple of allowed strings, or ``dict`` (static shapes).
+        user: whether ``--pass-option`` may set it; False for the keys compile derives itself.
+        convert: how a given value becomes the field's value; by default from ``kind`` (``list`` -> ``tuple``, a
+            tuple of choices -> ``str``).
+    """
+    convert = convert or _CONVERT.get(kind, str)
+    return field(default=default, metadata={"key": key, "kind": kind, "user": user, "convert": convert})
 
 
 @dataclass
@@ -45,8 +74,9 @@ class PassContext:
         dump_dir: if set, the graph is written before the first pass as ``{dump_dir}/{component}/00_input.onnx``
             and after each pass as ``{NN}_{pass}.onnx`` next to it (NN from 01), with the weights stored once
             per run in ``weights.bin`` there; see :mod:`._dump`.
-        options: free-form per-pass options, keys prefixed by the pass name, e.g.
-            ``{"fold_constants_size_threshold_bytes": 1 << 20}``; each pass documents the keys it reads.
+        options: per-pass options by key, as ``--pass-option KEY=VALUE`` and ``CompileConfig.pass_options`` give
+            them, e.g. ``{"fold_constants_size_threshold_bytes": 1 << 20}``; a pass reads its own as a typed, frozen
+            dataclass with :meth:`options_for` (each field of it names its key: :func:`option`).
     """
 
     component: str
@@ -60,6 +90,21 @@ class PassContext:
     def __post_init__(self) -> None:
         if self.dump_dir is not None:
             self.dump_dir = Path(self.dump_dir)  # a str from a CLI flag is fine too
+
+    def options_for(self, cls: type[OptionsT]) -> OptionsT:
+        """The options of one pass: ``cls`` (a frozen dataclass of :func:`option` fields) with the value of each
+        field's key in :attr:`options` where given (and not None), converted to the field's type; defaults else.
+
+        Raises:
+            ValueError, TypeError: a given value does not convert (``int("abc")``); the command line's values are
+                checked before, with messages that name the key (:func:`.options.check_pass_options`).
+        """
+        given = {}
+        for spec in dataclasses.fields(cls):  # type: ignore[arg-type]
+            value = self.options.get(spec.metadata["key"])
+            if value is not None:
+                given[spec.name] = spec.metadata["convert"](value)
+        return cls(**given)
 
     def describe(self) -> str:
         """One line for logs and errors: ``unet (backend=tensorrt, device=cuda, precision=fp16, opset=17)``."""
@@ -75,6 +120,12 @@ class PassResult:
 
     modified: bool
     counts: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, tally: Tally, *keys: str, skipped: bool = True) -> PassResult:
+        """The result of a fusion run with :func:`._match.fuse_each`: the counts of ``keys``, then ``rejected`` and
+        (unless ``skipped=False``) ``skipped_for_target``; modified when any of ``keys`` is non-zero."""
+        return cls(modified=any(tally.counts[key] for key in keys), counts=tally.record(*keys, skipped=skipped))
 
 
 #: A pass rewrites the graph in place and reports what it did. Its name is its ``__name__``.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,10 +15,10 @@ from onnx import TensorProto
 
 from diffusion_trt.errors import PassError
 
-from ._match import constant_value, in_onnx_domain, is_graph_output
-from .base import PassContext, PassResult
+from ._match import const_value, in_onnx_domain, is_graph_output
+from .base import PassContext, PassResult, option
 from .fold_constants import _lower_constant_nodes
-from .infer_shapes import infer_shapes
+from .infer_shapes import InferShapesOptions, annotate_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,28 @@ _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
 
 
+@dataclass(frozen=True)
+class ConvertFp16Options:
+    """The options of :func:`convert_fp16` and of the range check around it (fp16_check.py); per component."""
+
+    #: Op types kept fp32, added to :data:`DEFAULT_FP32_OPS`.
+    fp32_ops: tuple[str, ...] = option("convert_fp16_fp32_ops", (), list)
+    #: Node names kept fp32 (e.g. from :func:`find_fp16_overflow` or the range check).
+    fp32_nodes: tuple[str, ...] = option("convert_fp16_fp32_nodes", (), list)
+    #: Graph inputs and outputs stay float32, with Casts inside.
+    keep_io_types: bool = option("convert_fp16_keep_io_types", False, bool)
+    #: Graph inputs that stay float32 (compile: the spec's inputs pinned to float32, e.g. the UNet ``timestep``).
+    fp32_inputs: tuple[str, ...] = option("convert_fp16_fp32_inputs", (), list, user=False)
+    #: Keep attention scores float32 (compile: UNets whose config says ``upcast_attention``).
+    fp32_attention: bool = option("convert_fp16_fp32_attention", False, bool, user=False)
+    #: fp16_check.py: run the calibration range check around the conversion.
+    range_check: bool = option("convert_fp16_range_check", True, bool)
+    #: fp16_check.py: activations above this |x| are kept fp32 (None: its ``FP16_SAFE_MAX``).
+    range_max: float | None = option("convert_fp16_range_max", None, int, convert=float)
+    #: fp16_check.py: graphs with more bytes of weights are converted unchecked (None: ``MAX_CHECKED_WEIGHT_BYTES``).
+    range_check_max_bytes: int | None = option("convert_fp16_range_check_max_bytes", None, int)
+
+
 def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
     """Rewrite float32 tensors, weights and Cast targets to float16, except in fp32 islands.
 
@@ -77,7 +100,8 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Emits:    float16 types and weights; Casts only where an fp16 and an fp32 part meet
                   x:f16 -> Conv(W:f16) -> Cast(f32) -> Sin -> Cast(f16) -> Resize(scales:f32) -> y:f16
     Why:      half the memory traffic and tensor-core math; islands keep the ops that overflow or lose precision.
-    Requires: dtypes known (infer_shapes is run here first); run after every fusion (the Casts it inserts break
+    Requires: dtypes known (the inference step of infer_shapes, :func:`.infer_shapes.annotate_shapes`, runs here
+              first); run after every fusion (the Casts it inserts break
               patterns). Subgraphs (If/Loop) are left as they are.
 
     Per input/output slot, the ONNX op schema decides whether float16 is allowed (Resize ``scales`` and
@@ -87,7 +111,8 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
     node becomes ``Cast(to=FLOAT16)``, ``ConstantOfShape``'s float value becomes float16. Afterwards no-op Casts
     (to == input type) and lossless round trips (f16 -> f32 -> f16) are removed.
 
-    Options (ctx.options; ctx is per component, so these are per component):
+    Options (``ctx.options`` keys, read as :class:`ConvertFp16Options`; ctx is per component, so these are per
+    component):
         convert_fp16_fp32_ops (Iterable[str]): op types kept fp32, added to :data:`DEFAULT_FP32_OPS`.
         convert_fp16_fp32_nodes (Iterable[str]): node names kept fp32 (e.g. from :func:`find_fp16_overflow`).
         convert_fp16_keep_io_types (bool): graph inputs and outputs stay float32, with Casts inside; default False.
@@ -104,20 +129,21 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Raises:
         PassError: a float tensor read by a node has no known dtype after shape inference.
     """
-    fp32_ops = DEFAULT_FP32_OPS | frozenset(ctx.options.get("convert_fp16_fp32_ops", ()))
-    fp32_names = frozenset(ctx.options.get("convert_fp16_fp32_nodes", ()))
-    keep_io = bool(ctx.options.get("convert_fp16_keep_io_types", False))
-    fp32_inputs = frozenset(ctx.options.get("convert_fp16_fp32_inputs", ()))
+    options = ctx.options_for(ConvertFp16Options)
+    fp32_ops = DEFAULT_FP32_OPS | frozenset(options.fp32_ops)
+    fp32_names = frozenset(options.fp32_nodes)
+    keep_io = options.keep_io_types
+    fp32_inputs = frozenset(options.fp32_inputs)
     opset = _graph_opset(graph)
     if opset > ctx.opset:  # a fusion raised the opset (Gelu-20, GroupNormalization-21): read schemas there
         ctx = dataclasses.replace(ctx, opset=opset)
     _lower_constant_nodes(graph)
     graph.cleanup()  # drops the emptied Constant nodes
-    infer_shapes(graph, ctx)
+    annotate_shapes(graph, ctx.options_for(InferShapesOptions))  # the dtypes the classification below reads
     counts = {"fp16_nodes": 0, "fp32_nodes": 0, "constants": 0, "clipped": 0, "Cast_inserted": 0,
               "Cast_removed": 0}
     fp32_ids: set[int] = set()
-    if ctx.options.get("convert_fp16_fp32_attention", False):
+    if options.fp32_attention:
         sites = attention_score_nodes(graph)
         fp32_ids = {id(node) for site in sites for node in site}
         counts["fp32_attention"] = len(sites)
@@ -297,7 +323,7 @@ def _convert_outputs(node: gs.Node, ctx: PassContext) -> None:
 
 
 def _converted_constant(tensor: gs.Constant, want: np.dtype, counts: dict[str, int], in_place: bool) -> gs.Constant:
-    values = constant_value(tensor)
+    values = const_value(tensor)
     assert values is not None
     if want == _F16 and values.size and float(np.nanmax(np.abs(values))) > FP16_MAX:
         counts["clipped"] += 1

@@ -9,7 +9,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import helper
 
-from ._match import constant_value, is_constant
+from ._match import const_value, is_const
 from ._weights import constant_layout, digest, raw_bytes
 from .base import PassContext, PassResult
 
@@ -76,8 +76,8 @@ def _candidates(graph: gs.Graph) -> list[_Candidate]:
             continue
         if isinstance(tensor, gs.Constant):
             found.append(_Candidate(tensor))
-        elif tensor.inputs and tensor.inputs[0].op == "Constant" and is_constant(tensor):
-            value = constant_value(tensor)
+        elif tensor.inputs and tensor.inputs[0].op == "Constant" and is_const(tensor):
+            value = const_value(tensor)
             if value is not None and value.dtype != object:
                 found.append(_Candidate(tensor, value))
     return found

@@ -7,8 +7,8 @@ import logging
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ._match import Rejection, in_onnx_domain, is_graph_output, reject
-from ._patterns import const_value, is_const, rank, redirect_readers
+from ._match import const_value, fuse_each, in_onnx_domain, is_const, is_graph_output
+from ._patterns import rank, redirect_readers
 from .base import PassContext, PassResult
 
 logger = logging.getLogger(__name__)
@@ -42,23 +42,24 @@ def eliminate_noops(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Counts: ``removed``, ``rejected`` (candidates with a neutral constant turned down; reasons at DEBUG).
     """
     del ctx  # the same on every target
-    rejections: list[Rejection] = []
-    removed = 0
-    for node in list(graph.nodes):
-        if node.op not in _NEUTRAL or not in_onnx_domain(node) or len(node.inputs) != 2 or len(node.outputs) != 1:
-            continue
-        neutral, either_side = _NEUTRAL[node.op]
-        x = _operand(node, neutral, either_side)
-        if x is None:
-            continue
-        problem = _check(graph, node, x)
-        if problem is not None:
-            rejections.append(reject(NAME, node, problem))
-            continue
+
+    def rewrite(found: tuple[gs.Node, gs.Tensor]) -> str:
+        node, x = found
         redirect_readers(node.outputs[0], x)
         node.outputs.clear()
-        removed += 1
-    return PassResult(modified=removed > 0, counts={"removed": removed, "rejected": len(rejections)})
+        return "removed"
+
+    tally = fuse_each(graph, NAME, match=_candidate, check=lambda found: _check(graph, *found), rewrite=rewrite)
+    return PassResult.of(tally, "removed", skipped=False)
+
+
+def _candidate(node: gs.Node) -> tuple[gs.Node, gs.Tensor] | None:
+    """(node, x) when ``node`` combines x with its neutral constant, else None."""
+    if node.op not in _NEUTRAL or not in_onnx_domain(node) or len(node.inputs) != 2 or len(node.outputs) != 1:
+        return None
+    neutral, either_side = _NEUTRAL[node.op]
+    x = _operand(node, neutral, either_side)
+    return None if x is None else (node, x)
 
 
 def _is_neutral(tensor: gs.Tensor, neutral: float) -> bool:

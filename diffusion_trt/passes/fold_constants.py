@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
 from diffusion_trt.errors import PassError
 
-from ._match import constant_value, in_onnx_domain
-from .base import PassContext, PassResult
+from ._match import const_value, in_onnx_domain
+from .base import PassContext, PassResult, option
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +20,16 @@ logger = logging.getLogger(__name__)
 #: a runaway Expand / Tile / ConstantOfShape stays a runtime op instead of bloating the model. Nothing is lost
 #: by not folding: ONNX Runtime and TensorRT both fold constants again when they build.
 DEFAULT_SIZE_THRESHOLD_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class FoldConstantsOptions:
+    """The options of :func:`fold_constants` (and of the folding inside specialize_shapes)."""
+
+    #: Results larger than this (bytes) are not folded.
+    size_threshold_bytes: int = option("fold_constants_size_threshold_bytes", DEFAULT_SIZE_THRESHOLD_BYTES, int)
+    #: True: parts ONNX Runtime cannot evaluate are left unfolded instead of failing the pass.
+    error_ok: bool = option("fold_constants_error_ok", False, bool)
 
 
 def fold_constants(graph: gs.Graph, ctx: PassContext) -> PassResult:
@@ -37,7 +48,7 @@ def fold_constants(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Runtime CPU session, so the folded part never has to fit in one 2 GB protobuf. Nodes outside the
     ONNX domain (TensorRT plugins, custom ops) are never evaluated. Q/DQ nodes are never folded (gs rule).
 
-    Options (ctx.options):
+    Options (``ctx.options`` keys, read as :class:`FoldConstantsOptions`):
         fold_constants_size_threshold_bytes (int | None): largest result folded; default 64 MiB; None: no limit.
         fold_constants_error_ok (bool): if True, nodes ONNX Runtime cannot evaluate are left unfolded (gs prints
             a warning) and the rest is folded; default False: the first such error fails the pass.
@@ -47,8 +58,18 @@ def fold_constants(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Raises:
         PassError: ONNX Runtime could not evaluate a foldable part (with error_ok False).
     """
-    size_threshold = ctx.options.get("fold_constants_size_threshold_bytes", DEFAULT_SIZE_THRESHOLD_BYTES)
-    error_ok = bool(ctx.options.get("fold_constants_error_ok", False))
+    folded = fold(graph, ctx.options_for(FoldConstantsOptions))
+    return PassResult(modified=folded > 0, counts={"nodes_folded": folded})
+
+
+def fold(graph: gs.Graph, options: FoldConstantsOptions) -> int:
+    """What :func:`fold_constants` does, as a step specialize_shapes runs inside its rounds; returns the number of
+    nodes folded away.
+
+    Raises:
+        PassError: as :func:`fold_constants`.
+    """
+    size_threshold, error_ok = options.size_threshold_bytes, options.error_ok
     before = len(graph.nodes)
     _lower_constant_nodes(graph)
     graph.toposort()
@@ -73,8 +94,7 @@ def fold_constants(graph: gs.Graph, ctx: PassContext) -> PassResult:
             "set ctx.options['fold_constants_error_ok']=True to leave such parts unfolded"
         ) from err
     graph.cleanup()
-    folded = before - len(graph.nodes)
-    return PassResult(modified=folded > 0, counts={"nodes_folded": folded})
+    return before - len(graph.nodes)
 
 
 def _lower_constant_nodes(graph: gs.Graph) -> None:
@@ -87,7 +107,7 @@ def _lower_constant_nodes(graph: gs.Graph) -> None:
         if node.op != "Constant" or len(node.outputs) != 1:
             continue
         output = node.outputs[0]
-        value = constant_value(output)
+        value = const_value(output)
         if value is not None and not isinstance(output, gs.Constant):
             output.to_constant(value)
             output.inputs.clear()

@@ -39,6 +39,7 @@ from diffusion_trt.errors import PassError
 
 from . import _ort
 from .base import Pass, PassContext, PassRecord, optimize_model, pass_name
+from .convert_fp16 import ConvertFp16Options
 
 logger = logging.getLogger(__name__)
 
@@ -54,15 +55,11 @@ FP16_SAFE_MAX = 32768.0
 #: Re-check rounds after the first conversion (each adds the first nodes still writing inf/NaN).
 MAX_ROUNDS = 4
 
-#: Options (ctx.options) read here, settable with --pass-option.
-RANGE_CHECK_OPTION = "convert_fp16_range_check"  # bool, default True
-MARGIN_OPTION = "convert_fp16_range_max"  # float (|x| threshold), default FP16_SAFE_MAX
 #: Largest graph (bytes of weights) the check runs on. It keeps fp32 activations of many tensors in host memory per
 #: run and hands ONNX Runtime a copy of the graph: on the SD-1.5 UNet (3.4 GB fp32) it took 22 GB of RAM on the 2-core
 #: machine (killed) and failed to serialise the graph on the H200 host (protobuf's 2 GiB limit), so graphs above this
 #: are converted unchecked, with a warning (the text encoders and VAEs, SDXL's included, stay below it).
 MAX_CHECKED_WEIGHT_BYTES = 1 << 30
-SIZE_OPTION = "convert_fp16_range_check_max_bytes"  # int, default MAX_CHECKED_WEIGHT_BYTES
 
 
 @dataclass
@@ -138,13 +135,16 @@ def optimize_fp16_checked(
             fp32 one ran (an inconsistent conversion); or a pass failed.
     """
     names = [pass_name(p) for p in passes]
-    if "convert_fp16" not in names or not ctx.options.get(RANGE_CHECK_OPTION, True):
+    options = ctx.options_for(ConvertFp16Options)
+    if "convert_fp16" not in names or not options.range_check:
         model, records = optimize_model(model, passes, ctx)
         return model, records, None
-    weights, limit = _weight_bytes(model), int(ctx.options.get(SIZE_OPTION, MAX_CHECKED_WEIGHT_BYTES))
+    limit = MAX_CHECKED_WEIGHT_BYTES if options.range_check_max_bytes is None else options.range_check_max_bytes
+    weights = _weight_bytes(model)
     if weights > limit:
         logger.warning("%s: fp16 range check skipped: %.2f GB of weights is above its limit of %.2f GB (pass option "
-                       "%s); converted without it", ctx.component, weights / 1e9, limit / 1e9, SIZE_OPTION)
+                       "%s); converted without it", ctx.component, weights / 1e9, limit / 1e9,
+                       "convert_fp16_range_check_max_bytes")
         model, records = optimize_model(model, passes, ctx)
         return model, records, None
     start = time.perf_counter()
@@ -152,17 +152,17 @@ def optimize_fp16_checked(
     fp32, records = optimize_model(model, passes[:split], ctx)
     pre_seconds = sum(r.seconds for r in records)
     _name_nodes(fp32)
-    threshold = float(ctx.options.get(MARGIN_OPTION, FP16_SAFE_MAX))
+    threshold = FP16_SAFE_MAX if options.range_max is None else options.range_max
     check, fp32_peaks = _calibrate(model, fp32, feeds, threshold)
     islands = _islands_of(fp32, check.hot)
-    fixed = list(ctx.options.get("convert_fp16_fp32_nodes", ()))
+    fixed = list(options.fp32_nodes)
     fp32_names = {node.name for node in fp32.graph.node}
     convert_ctx = dataclasses.replace(ctx, dump_dir=ctx.dump_dir / f"{ctx.component}.fp16_checked"
                                       if ctx.dump_dir is not None else None)
     while True:
         check.rounds += 1
-        options = {**ctx.options, "convert_fp16_fp32_nodes": sorted({*fixed, *islands})}
-        fp16, tail = optimize_model(fp32, passes[split:], dataclasses.replace(convert_ctx, options=options))
+        with_islands = {**ctx.options, "convert_fp16_fp32_nodes": sorted({*fixed, *islands})}
+        fp16, tail = optimize_model(fp32, passes[split:], dataclasses.replace(convert_ctx, options=with_islands))
         bad = _nonfinite_tensors(fp16, feeds, fp32_peaks, check, ctx.component)
         if not bad:
             break

@@ -9,8 +9,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import helper
 
-from ._match import Rejection, constant_value, in_onnx_domain, is_graph_output, reject
-from .base import PassContext, PassResult
+from ._match import const_value, find_each, in_onnx_domain, is_graph_output
+from ._patterns import import_domain, producer
+from .base import PassContext, PassResult, option
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,14 @@ _DEFAULT_EMIT: dict[tuple[str, str], str] = {
     ("tensorrt-rtx", "cuda"): "trt",
 }
 EMITS: tuple[str, ...] = ("mha", "trt", "none")
+
+
+@dataclass(frozen=True)
+class FuseAttentionOptions:
+    """The options of :func:`fuse_attention` (fuse_batched_attention reads them too)."""
+
+    #: "mha" | "trt" | "none"; None: by target (ort -> "mha", tensorrt and tensorrt-rtx -> "trt").
+    emit: str | None = option("fuse_attention_emit", None, EMITS)
 
 
 class _NoMatch(Exception):  # internal control flow: the message is the rejection reason
@@ -86,28 +95,20 @@ def fuse_attention(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Requires: shapes inferred (hidden size and ranks); Shape-derived scales are evaluated here from known dims,
           so a static export and a dynamic one fuse alike.
 
-    Options (ctx.options):
+    Options (``ctx.options`` keys, read as :class:`FuseAttentionOptions`):
         fuse_attention_emit: "mha" | "trt" | "none"; default by target: ort -> "mha", tensorrt and
             tensorrt-rtx -> "trt".
 
     Counts: ``Attention`` (sites rewritten), ``self``/``cross`` (Q and K from the same tensor or not),
         ``masked`` (with an additive bias), ``rejected`` (Softmax nodes that did not match, reasons at DEBUG).
     """
-    emit = str(ctx.options.get("fuse_attention_emit", _DEFAULT_EMIT.get((ctx.backend, ctx.device), "none")))
+    emit = ctx.options_for(FuseAttentionOptions).emit
+    emit = _DEFAULT_EMIT.get((ctx.backend, ctx.device), "none") if emit is None else emit
     if emit not in EMITS:
         raise ValueError(f"fuse_attention_emit={emit!r} is unknown; use one of {', '.join(EMITS)}")
-    rejections: list[Rejection] = []
-    sites: list[_Site] = []
-    for node in list(graph.nodes):
-        if node.op != "Softmax" or not in_onnx_domain(node):
-            continue
-        try:
-            site = _match(graph, node)
-        except _NoMatch as why:
-            rejections.append(reject(NAME, node, str(why)))
-            continue
-        sites.append(site)
-    counts = {"Attention": 0, "self": 0, "cross": 0, "masked": 0, "rejected": len(rejections)}
+    found = find_each(graph, NAME, match=lambda node: _candidate(graph, node))
+    sites = found.matches
+    counts = {"Attention": 0, "self": 0, "cross": 0, "masked": 0, "rejected": found.rejected}
     for site in sites:
         counts["self" if _source(site.q.x3) is _source(site.k.x3) else "cross"] += 1
         counts["masked"] += site.bias is not None
@@ -123,23 +124,26 @@ def fuse_attention(graph: gs.Graph, ctx: PassContext) -> PassResult:
     return PassResult(modified=bool(sites), counts=counts)
 
 
+def _candidate(graph: gs.Graph, node: gs.Node) -> _Site | str | None:
+    """The attention site around a Softmax, the reason it is none, or None for a node that is no Softmax."""
+    if node.op != "Softmax" or not in_onnx_domain(node):
+        return None
+    try:
+        return _match(graph, node)
+    except _NoMatch as why:
+        return str(why)
+
+
 def _source(x3: gs.Tensor) -> gs.Tensor:
     """The tensor a projection reads: x for ``x @ W`` or ``x @ W + b``, else ``x3`` itself (self vs cross count)."""
-    node = _producer(x3, "Add")
+    node = producer(x3, "Add")
     if node is not None:
-        x3 = next((t for t in node.inputs if _producer(t, "MatMul") is not None), x3)
-    node = _producer(x3, "MatMul")
+        x3 = next((t for t in node.inputs if producer(t, "MatMul") is not None), x3)
+    node = producer(x3, "MatMul")
     return node.inputs[0] if node is not None else x3
 
 
 # --- match -----------------------------------------------------------------------------------------------
-
-
-def _producer(tensor: gs.Tensor, *ops: str) -> gs.Node | None:
-    if len(tensor.inputs) != 1:
-        return None
-    node = tensor.inputs[0]
-    return node if node.op in ops and in_onnx_domain(node) else None
 
 
 def _only_consumer(tensor: gs.Tensor) -> gs.Node:
@@ -165,7 +169,7 @@ def _scalar_factor(mul: gs.Node, data: gs.Tensor, known: dict[str, list[int | No
 
 def _evaluate(tensor: gs.Tensor, known: dict[str, list[int | None]], depth: int) -> np.ndarray:
     """Value of a constant or Shape-arithmetic tensor; Shape dims come from ``known`` or the tensor's shape."""
-    value = constant_value(tensor)
+    value = const_value(tensor)
     if value is not None:
         return np.asarray(value)
     if depth > 24 or len(tensor.inputs) != 1:
@@ -212,15 +216,15 @@ def _evaluate(tensor: gs.Tensor, known: dict[str, list[int | None]], depth: int)
 
 def _reshape_elements(target: gs.Tensor) -> list[int | None] | None:
     """Elements of a Reshape target: ints where constant, None where computed; None if the length is unknown."""
-    value = constant_value(target)
+    value = const_value(target)
     if value is not None:
         return [int(v) for v in np.asarray(value).reshape(-1)]
-    concat = _producer(target, "Concat")
+    concat = producer(target, "Concat")
     if concat is None:
         return None
     out: list[int | None] = []
     for part in concat.inputs:
-        part_value = constant_value(part)
+        part_value = const_value(part)
         if part_value is not None:
             out.extend(int(v) for v in np.asarray(part_value).reshape(-1))
         elif part.shape is not None and len(part.shape) == 1 and part.shape[0] == 1:
@@ -268,24 +272,24 @@ def _branch(top: gs.Tensor, role: str, perms: tuple[tuple[int, ...], ...], inter
             known: dict[str, list[int | None]]) -> _Branch:
     """Walk up from the MatMul input ``top``: [Mul|Div scalar] <- Transpose(s) <- Reshape."""
     tensor = top
-    scale_node = _producer(tensor, "Mul", "Div")
+    scale_node = producer(tensor, "Mul", "Div")
     data = tensor
     if scale_node is not None:
-        data = next((t for t in scale_node.inputs if _producer(t, "Transpose") is not None), None)
+        data = next((t for t in scale_node.inputs if producer(t, "Transpose") is not None), None)
         if data is None:
             raise _NoMatch(f"{role}: scale {scale_node.op} {scale_node.name!r} does not follow a Transpose")
         internal.append(data)
         tensor = data
     transposes: list[gs.Node] = []
-    node = _producer(tensor, "Transpose")
+    node = producer(tensor, "Transpose")
     while node is not None and len(transposes) < 2:
         transposes.insert(0, node)
         tensor = node.inputs[0]
         internal.append(tensor)
-        if _producer(tensor, "Reshape") is not None:
+        if producer(tensor, "Reshape") is not None:
             break
-        node = _producer(tensor, "Transpose")
-    reshape = _producer(tensor, "Reshape")
+        node = producer(tensor, "Transpose")
+    reshape = producer(tensor, "Reshape")
     if reshape is None or not transposes:
         raise _NoMatch(f"{role}: no Reshape -> Transpose chain feeds the attention MatMul")
     perm = _compose([tuple(t.attrs.get("perm", ())) for t in transposes])
@@ -329,28 +333,28 @@ def _match(graph: gs.Graph, softmax: gs.Node) -> _Site:
     if scores.shape is not None and len(scores.shape) != 4:
         raise _NoMatch(f"Softmax input is rank {len(scores.shape)}, not 4 ([B, N, S, L])")
     bias: gs.Tensor | None = None
-    add = _producer(scores, "Add")
+    add = producer(scores, "Add")
     if add is not None:
         internal.append(scores)
-        sides = [t for t in add.inputs if _producer(t, "MatMul", "Mul", "Div") is not None]
+        sides = [t for t in add.inputs if producer(t, "MatMul", "Mul", "Div") is not None]
         if not sides:
             raise _NoMatch("Add before Softmax has no MatMul/Mul/Div input")
         scores = sides[0]
         bias = add.inputs[1] if add.inputs[0] is scores else add.inputs[0]
         if bias.shape is None or len(bias.shape) != 4:
             raise _NoMatch(f"attention bias {bias.name!r} is not rank 4 ([B|1, N|1, S, L])")
-    post_scale_node = _producer(scores, "Mul", "Div")
+    post_scale_node = producer(scores, "Mul", "Div")
     post_scale = 1.0
     if post_scale_node is not None:
         internal.append(scores)
-        data = next((t for t in post_scale_node.inputs if _producer(t, "MatMul") is not None), None)
+        data = next((t for t in post_scale_node.inputs if producer(t, "MatMul") is not None), None)
         if data is None:
             raise _NoMatch("scale before Softmax does not follow a MatMul")
         post_scale_source = (post_scale_node, data)
         scores = data
     else:
         post_scale_source = None
-    qk = _producer(scores, "MatMul")
+    qk = producer(scores, "MatMul")
     if qk is None:
         raise _NoMatch("Softmax input does not come from a MatMul (Q K^T)")
     internal.append(scores)
@@ -410,7 +414,7 @@ def _check_merge(merge: gs.Node, out: gs.Tensor, hidden: int) -> None:
     reader = out.outputs[0] if len(out.outputs) == 1 else None
     while reader is not None and reader.op == "Cast":
         reader = reader.outputs[0].outputs[0] if len(reader.outputs[0].outputs) == 1 else None
-    weight = constant_value(reader.inputs[1]) if reader is not None and reader.op == "MatMul" else None
+    weight = const_value(reader.inputs[1]) if reader is not None and reader.op == "MatMul" else None
     if weight is None or weight.ndim != 2 or weight.shape[0] != hidden:
         raise _NoMatch(f"cannot prove Reshape {merge.name!r} merges heads into {hidden} features")
 
@@ -436,12 +440,7 @@ def _emit_mha(graph: gs.Graph, site: _Site, index: int) -> None:
     if out.dtype is None:
         out.dtype = dtype
     graph.nodes.append(mha)
-    _add_domain(graph)
-
-
-def _add_domain(graph: gs.Graph) -> None:
-    if not any(domain.domain == "com.microsoft" for domain in graph.import_domains or []):
-        graph.import_domains = [*(graph.import_domains or []), helper.make_opsetid("com.microsoft", 1)]
+    import_domain(graph, "com.microsoft")
 
 
 def _emit_trt(graph: gs.Graph, site: _Site, index: int) -> None:
@@ -460,10 +459,10 @@ def _emit_trt(graph: gs.Graph, site: _Site, index: int) -> None:
     scores = site.qk.outputs[0]
     # Drop the post-MatMul scale: the node(s) between MatMul1 and the Add / Softmax.
     after = site.softmax.inputs[0]
-    add = _producer(after, "Add")
+    add = producer(after, "Add")
     target = add if add is not None else site.softmax
     for slot, tensor in enumerate(target.inputs):
-        if _producer(tensor, "Mul", "Div") is not None and tensor in site.internal:
+        if producer(tensor, "Mul", "Div") is not None and tensor in site.internal:
             target.inputs[slot] = scores
     # Drop no-op Casts between Softmax and MatMul2.
     site.av.inputs[0] = site.softmax.outputs[0]

@@ -6,11 +6,11 @@ import logging
 from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
-from onnx import helper
 
-from ._match import Rejection, in_onnx_domain, reject
-from ._patterns import Namer, consumer, escape_problem, producer, rank, scalar
+from ._match import find_each, in_onnx_domain
+from ._patterns import Namer, consumer, escape_problem, import_domain, producer, rank, scalar
 from .base import PassContext, PassResult
+from .fuse_attention import FuseAttentionOptions
 
 logger = logging.getLogger(__name__)
 
@@ -49,33 +49,32 @@ def fuse_batched_attention(graph: gs.Graph, ctx: PassContext) -> PassResult:
               score tensor in memory (the foreign terrain UNet: 28 sites of 1,024 tokens).
     Requires: ranks inferred (run infer_shapes); the head size d known (static last dim of q).
 
-    Options (ctx.options): ``fuse_attention_emit`` "none" turns this pass off as it does fuse_attention.
+    Options (:class:`.fuse_attention.FuseAttentionOptions`): ``fuse_attention_emit`` "none" turns this pass off as
+    it does fuse_attention.
 
     Counts: ``Attention`` (sites rewritten), ``Transpose`` (inserted), ``rejected`` (rank-3 Softmax nodes
     that did not match, reasons at DEBUG), ``skipped_for_target``.
     """
-    emit = str(ctx.options.get("fuse_attention_emit", "trt" if ctx.backend == "tensorrt" else "mha"))
-    rejections: list[Rejection] = []
-    sites: list[_Site] = []
-    for node in list(graph.nodes):
-        if node.op != "Softmax" or not in_onnx_domain(node) or rank(node.inputs[0]) != 3:
-            continue
-        site = _match(graph, node)
-        if isinstance(site, str):
-            rejections.append(reject(NAME, node, site))
-            continue
-        sites.append(site)
-    counts = {"Attention": 0, "Transpose": 0, "rejected": len(rejections), "skipped_for_target": 0}
+    emit = ctx.options_for(FuseAttentionOptions).emit
+    emit = ("trt" if ctx.backend == "tensorrt" else "mha") if emit is None else emit
+    found = find_each(graph, NAME, match=lambda node: _candidate(graph, node))
+    counts = {"Attention": 0, "Transpose": 0, "rejected": found.rejected, "skipped_for_target": 0}
     if emit != "mha":
-        counts["skipped_for_target"] = len(sites)
+        counts["skipped_for_target"] = len(found.matches)
         return PassResult(modified=False, counts=counts)
     names = Namer(graph)
-    for site in sites:
+    for site in found.matches:
         counts["Transpose"] += _emit(graph, site, names)
         counts["Attention"] += 1
-    if sites and not any(d.domain == "com.microsoft" for d in graph.import_domains or []):
-        graph.import_domains = [*(graph.import_domains or []), helper.make_opsetid("com.microsoft", 1)]
-    return PassResult(modified=bool(sites), counts=counts)
+    if found.matches:
+        import_domain(graph, "com.microsoft")
+    return PassResult(modified=bool(found.matches), counts=counts)
+
+
+def _candidate(graph: gs.Graph, node: gs.Node) -> _Site | str | None:
+    if node.op != "Softmax" or not in_onnx_domain(node) or rank(node.inputs[0]) != 3:
+        return None
+    return _match(graph, node)
 
 
 def _unscaled(tensor: gs.Tensor) -> tuple[gs.Tensor, float, gs.Node | None]:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
-from ._match import Rejection, in_onnx_domain, is_graph_output, reject, single_consumer
-from ._patterns import ORT_CUDA, Namer, const_value, is_const, producer, replace_output, same_shape, target_of
+from ._match import const_value, fuse_each, in_onnx_domain, is_const, is_graph_output, single_consumer
+from ._patterns import ORT_CUDA, Namer, producer, replace_output, same_shape, target_of
 from .base import PassContext, PassResult
 
 logger = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ class _BiasMatch:
     bias: gs.Tensor  # constant [C]
     skip: gs.Tensor  # the residual [B, S, C]
     residual: gs.Node  # Add(bias_add, skip)
+    bias_add: gs.Node  # Add(projected, bias)
 
 
 def fuse_bias(graph: gs.Graph, ctx: PassContext) -> PassResult:
@@ -47,33 +48,23 @@ def fuse_bias(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Counts: ``BiasAdd``, ``rejected`` (reasons at DEBUG), ``skipped_for_target`` (matched, not ort-cuda).
     """
     target = target_of(ctx.backend, ctx.device)
-    rejections: list[Rejection] = []
     names = Namer(graph)
-    fused = skipped = 0
-    for node in list(graph.nodes):
-        if node.op != "Add" or not in_onnx_domain(node) or len(node.inputs) != 2 or not node.outputs:
-            continue
-        candidate = _candidate(node)
-        if candidate is None:
-            continue
-        bias_add, projected, bias, skip = candidate
-        problem = _check(graph, node, bias_add, projected, bias, skip, target)
-        if problem is not None:
-            rejections.append(reject(NAME, node, problem))
-            continue
+
+    def rewrite(match: _BiasMatch) -> str | None:
         if target != ORT_CUDA:
-            skipped += 1
-            continue
+            return None
+        bias = match.bias
         value = const_value(bias)
         if value is not None and value.ndim != 1:  # BiasAdd wants a 1-D bias
             bias = gs.Constant(names(f"{bias.name}_1d"), value.reshape(-1))
-        match = _BiasMatch(projected, bias, skip, node)
-        replace_output(graph, node, gs.Node(op="BiasAdd", domain="com.microsoft",
-                                            name=names(f"{node.name}_BiasAdd"),
-                                            inputs=[match.projected, match.bias, match.skip]))
-        fused += 1
-    return PassResult(modified=fused > 0,
-                      counts={"BiasAdd": fused, "rejected": len(rejections), "skipped_for_target": skipped})
+        replace_output(graph, match.residual, gs.Node(op="BiasAdd", domain="com.microsoft",
+                                                      name=names(f"{match.residual.name}_BiasAdd"),
+                                                      inputs=[match.projected, bias, match.skip]))
+        return "BiasAdd"
+
+    tally = fuse_each(graph, NAME, match=_candidate, check=lambda match: _check(graph, match, target),
+                      rewrite=rewrite)
+    return PassResult.of(tally, "BiasAdd")
 
 
 def _split_bias_add(node: gs.Node) -> tuple[gs.Tensor, gs.Tensor] | None:
@@ -85,8 +76,10 @@ def _split_bias_add(node: gs.Node) -> tuple[gs.Tensor, gs.Tensor] | None:
     return None
 
 
-def _candidate(node: gs.Node) -> tuple[gs.Node, gs.Tensor, gs.Tensor, gs.Tensor] | None:
-    """(bias Add, MatMul output, bias, residual) when ``node`` is a residual Add over a biased projection."""
+def _candidate(node: gs.Node) -> _BiasMatch | None:
+    """The match when ``node`` is a residual Add over a biased projection, else None (no candidate)."""
+    if node.op != "Add" or not in_onnx_domain(node) or len(node.inputs) != 2 or not node.outputs:
+        return None
     first, second = node.inputs
     for inner, skip in ((first, second), (second, first)):
         bias_add = producer(inner, "Add")
@@ -94,13 +87,13 @@ def _candidate(node: gs.Node) -> tuple[gs.Node, gs.Tensor, gs.Tensor, gs.Tensor]
             continue
         split = _split_bias_add(bias_add)
         if split is not None:
-            return bias_add, split[0], split[1], skip
+            return _BiasMatch(split[0], split[1], skip, node, bias_add)
     return None
 
 
-def _check(graph: gs.Graph, node: gs.Node, bias_add: gs.Node, projected: gs.Tensor, bias: gs.Tensor,
-           skip: gs.Tensor, target: str) -> str | None:
-    inner = bias_add.outputs[0]
+def _check(graph: gs.Graph, match: _BiasMatch, target: str) -> str | None:
+    node, projected, bias, skip = match.residual, match.projected, match.bias, match.skip
+    inner = match.bias_add.outputs[0]
     if is_graph_output(graph, inner) or single_consumer(inner) is not node:
         return f"the bias sum {inner.name!r} is also read outside the residual Add"
     shape = same_shape(projected, skip)

@@ -7,15 +7,13 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
-from ._match import Rejection, in_onnx_domain, reject
+from ._match import const_value, fuse_each, in_onnx_domain, is_const
 from ._patterns import (
     ORT_CUDA,
     Namer,
-    const_value,
     consumer,
     escape_problem,
     int_values,
-    is_const,
     match_gelu_erf,
     other_input,
     producer,
@@ -66,31 +64,28 @@ def fuse_geglu(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Counts: ``BiasSplitGelu``, ``rejected`` (reasons at DEBUG), ``skipped_for_target`` (matched, not ort-cuda).
     """
     target = target_of(ctx.backend, ctx.device)
-    rejections: list[Rejection] = []
     names = Namer(graph)
-    fused = skipped = 0
-    for node in list(graph.nodes):
-        if node.op != "Add" or not in_onnx_domain(node) or not node.outputs:
-            continue
-        if not any(producer(t, "MatMul") is not None for t in node.inputs):
-            continue
-        if not any(n.op in ("Slice", "Split") for n in node.outputs[0].outputs):
-            continue  # an ordinary Linear: not a candidate
-        match = _match(node)
-        if isinstance(match, str):
-            rejections.append(reject(NAME, node, match))
-            continue
-        problem = _check(graph, match, target)
-        if problem is not None:
-            rejections.append(reject(NAME, node, problem))
-            continue
+
+    def rewrite(match: _GegluMatch) -> str | None:
         if target != ORT_CUDA:
-            skipped += 1
-            continue
+            return None
         _rewrite(graph, match, names)
-        fused += 1
-    counts = {"BiasSplitGelu": fused, "rejected": len(rejections), "skipped_for_target": skipped}
-    return PassResult(modified=fused > 0, counts=counts)
+        return "BiasSplitGelu"
+
+    tally = fuse_each(graph, NAME, match=_candidate, check=lambda match: _check(graph, match, target),
+                      rewrite=rewrite)
+    return PassResult.of(tally, "BiasSplitGelu")
+
+
+def _candidate(node: gs.Node) -> _GegluMatch | str | None:
+    """The match at a projection's bias Add that a Slice or Split reads, a reason, or None."""
+    if node.op != "Add" or not in_onnx_domain(node) or not node.outputs:
+        return None
+    if not any(producer(t, "MatMul") is not None for t in node.inputs):
+        return None
+    if not any(n.op in ("Slice", "Split") for n in node.outputs[0].outputs):
+        return None  # an ordinary Linear: not a candidate
+    return _match(node)
 
 
 def _halves(projected: gs.Tensor, width: int) -> tuple[gs.Tensor, gs.Tensor, list[gs.Node]] | str:

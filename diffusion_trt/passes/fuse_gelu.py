@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
-from ._match import Rejection, in_onnx_domain, reject
-from ._opset import ensure_opset, graph_opset
+from ._match import fuse_each, in_onnx_domain, is_const
+from ._opset import graph_opset, opset_problem
 from ._patterns import (
     ORT_CPU,
     ORT_CUDA,
@@ -16,7 +18,6 @@ from ._patterns import (
     Namer,
     consumer,
     escape_problem,
-    is_const,
     match_gelu_erf,
     match_gelu_tanh,
     other_input,
@@ -25,7 +26,7 @@ from ._patterns import (
     scalar,
     target_of,
 )
-from .base import PassContext, PassResult
+from .base import PassContext, PassResult, option
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,14 @@ NAME = "fuse_gelu"
 
 #: Default-domain opset that has Gelu (with ``approximate``).
 GELU_OPSET = 20
+
+
+@dataclass(frozen=True)
+class FuseGeluOptions:
+    """The options of :func:`fuse_gelu`."""
+
+    #: tensorrt: raise the opset to 20 where safe; False keeps the graph's opset (sites below 20 are rejected).
+    raise_opset: bool = option("fuse_gelu_raise_opset", True, bool)
 
 
 def fuse_gelu(graph: gs.Graph, ctx: PassContext) -> PassResult:
@@ -54,7 +63,7 @@ def fuse_gelu(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Requires: the constants one-element constants (matched with rtol 1e-5); no tensor inside the pattern read
               from outside it. ``ctx.opset`` is not updated when the opset is raised: read ``graph.opset``.
 
-    Options (ctx.options):
+    Options (``ctx.options`` keys, read as :class:`FuseGeluOptions`):
         fuse_gelu_raise_opset (bool): tensorrt: raise the opset to 20 where safe (default True); False keeps the
             graph's opset (sites below 20 are then rejected).
 
@@ -62,58 +71,48 @@ def fuse_gelu(graph: gs.Graph, ctx: PassContext) -> PassResult:
     ``skipped_for_target`` (quick_gelu on tensorrt).
     """
     target = target_of(ctx.backend, ctx.device)
-    rejections: list[Rejection] = []
     names = Namer(graph)
-    counts = {"Gelu": 0, "FastGelu": 0, "QuickGelu": 0}
-    skipped = 0
-    opset_problem: str | None = None
-    opset_asked = False
-    for node in list(graph.nodes):
-        if not in_onnx_domain(node) or not node.outputs or node.op not in ("Erf", "Tanh", "Sigmoid"):
-            continue
-        if node.op == "Sigmoid":
-            quick = _match_quick_gelu(node)
-            if quick is None:
-                continue  # a plain Sigmoid / SiLU: not a candidate
-            if isinstance(quick, str):
-                rejections.append(reject(NAME, node, quick))
-                continue
-            x, alpha, nodes, internal = quick
-            if (problem := escape_problem(graph, internal, nodes)) is not None:
-                rejections.append(reject(NAME, node, problem))
-                continue
-            if target == TENSORRT:
-                skipped += 1
-                continue
-            _emit(graph, names, nodes[-1], "QuickGelu", "com.microsoft", x, {"alpha": alpha})
-            counts["QuickGelu"] += 1
-            continue
-        match = match_gelu_erf(node) if node.op == "Erf" else match_gelu_tanh(node)
-        if isinstance(match, str):
-            rejections.append(reject(NAME, node, match))
-            continue
-        if (problem := escape_problem(graph, match.internal, match.nodes)) is not None:
-            rejections.append(reject(NAME, node, problem))
-            continue
-        if target == TENSORRT and not opset_asked:
-            opset_problem, opset_asked = _opset_problem(graph, ctx), True
-        if target == TENSORRT and opset_problem is not None:
-            rejections.append(reject(NAME, node, f"Gelu needs opset {GELU_OPSET}; {opset_problem}"))
-            continue
-        counts[_rewrite(graph, names, match, target)] += 1
-    counts.update(rejected=len(rejections), skipped_for_target=skipped)
-    fused = counts["Gelu"] + counts["FastGelu"] + counts["QuickGelu"]
-    return PassResult(modified=fused > 0, counts=counts)
+    may_raise = ctx.options_for(FuseGeluOptions).raise_opset
+    opset_problem_once = functools.cache(lambda: opset_problem(graph, GELU_OPSET, may_raise=may_raise))
+
+    def check(match: GeluMatch | _QuickGelu) -> str | None:
+        problem = escape_problem(graph, match.internal, match.nodes)
+        if problem is None and target == TENSORRT and isinstance(match, GeluMatch):
+            if (why := opset_problem_once()) is not None:
+                return f"Gelu needs opset {GELU_OPSET}; {why}"
+        return problem
+
+    def rewrite(match: GeluMatch | _QuickGelu) -> str | None:
+        if isinstance(match, GeluMatch):
+            return _rewrite(graph, names, match, target)
+        if target == TENSORRT:
+            return None  # TensorRT fuses Mul/Sigmoid/Mul itself
+        _emit(graph, names, match.nodes[-1], "QuickGelu", "com.microsoft", match.x, {"alpha": match.alpha})
+        return "QuickGelu"
+
+    tally = fuse_each(graph, NAME, match=_match, check=check, rewrite=rewrite)
+    return PassResult.of(tally, "Gelu", "FastGelu", "QuickGelu")
 
 
-def _opset_problem(graph: gs.Graph, ctx: PassContext) -> str | None:
-    if ctx.options.get("fuse_gelu_raise_opset", True):
-        return ensure_opset(graph, GELU_OPSET)
-    opset = graph_opset(graph)
-    return None if opset >= GELU_OPSET else f"the graph has opset {opset} and raising it is off"
+@dataclass
+class _QuickGelu:
+    """CLIP's ``x * Sigmoid(alpha * x)``; ``nodes`` and ``internal`` are the pattern's nodes and tensors."""
+
+    x: gs.Tensor
+    alpha: float
+    nodes: list[gs.Node]
+    internal: list[gs.Tensor]
 
 
-def _match_quick_gelu(sigmoid: gs.Node) -> tuple[gs.Tensor, float, list[gs.Node], list[gs.Tensor]] | str | None:
+def _match(node: gs.Node) -> GeluMatch | _QuickGelu | str | None:
+    if not in_onnx_domain(node) or not node.outputs or node.op not in ("Erf", "Tanh", "Sigmoid"):
+        return None
+    if node.op == "Sigmoid":
+        return _match_quick_gelu(node)  # None for a plain Sigmoid / SiLU: not a candidate
+    return match_gelu_erf(node) if node.op == "Erf" else match_gelu_tanh(node)
+
+
+def _match_quick_gelu(sigmoid: gs.Node) -> _QuickGelu | str | None:
     """``x * Sigmoid(alpha * x)`` around ``sigmoid``; None when the Sigmoid's input is no Mul by a constant."""
     scale = producer(sigmoid.inputs[0], "Mul")
     if scale is None or len(scale.inputs) != 2:
@@ -128,7 +127,7 @@ def _match_quick_gelu(sigmoid: gs.Node) -> tuple[gs.Tensor, float, list[gs.Node]
     mul = consumer(sigmoid.outputs[0], "Mul")
     if mul is None or other_input(mul, sigmoid.outputs[0]) is not x:
         return "Sigmoid(alpha * x) is not read by exactly one Mul(x, .)"
-    return x, alpha, [scale, sigmoid, mul], [scale.outputs[0], sigmoid.outputs[0]]
+    return _QuickGelu(x, alpha, [scale, sigmoid, mul], [scale.outputs[0], sigmoid.outputs[0]])
 
 
 def _emit(graph: gs.Graph, names: Namer, last: gs.Node, op: str, domain: str | None, x: gs.Tensor,

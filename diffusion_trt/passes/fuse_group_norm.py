@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ._match import Rejection, in_onnx_domain, reject
-from ._opset import ensure_opset, graph_opset
+from ._match import const_value, fuse_each, in_onnx_domain, is_const
+from ._opset import opset_problem
 from ._patterns import (
     ORT_CPU,
     ORT_CUDA,
     TENSORRT,
     Namer,
-    const_value,
     consumer,
     escape_problem,
     int_values,
-    is_const,
     other_input,
     per_channel,
     producer,
@@ -28,7 +27,7 @@ from ._patterns import (
     static_shape,
     target_of,
 )
-from .base import PassContext, PassResult
+from .base import PassContext, PassResult, option
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +41,14 @@ GROUP_NORMALIZATION_OPSET = 21
 ORT_GROUP_NORM_MAX_CHANNELS_PER_GROUP = 512
 
 
+@dataclass(frozen=True)
+class FuseGroupNormOptions:
+    """The options of :func:`fuse_group_norm`."""
+
+    #: tensorrt: raise the opset to 21 where safe; False keeps the graph's opset (sites below 21 are rejected).
+    raise_opset: bool = option("fuse_group_norm_raise_opset", True, bool)
+
+
 @dataclass
 class _GroupNormMatch:
     x: gs.Tensor
@@ -50,6 +57,7 @@ class _GroupNormMatch:
     epsilon: float
     gamma: np.ndarray  # [C], the IN scale folded in
     beta: np.ndarray  # [C], the IN bias folded in
+    norm: gs.Node  # the InstanceNormalization
     affine_last: gs.Node  # the Add(beta)
     silu_last: gs.Node | None  # the Mul(a, Sigmoid(a)) when a SiLU follows
     nodes: list[gs.Node]
@@ -75,7 +83,7 @@ def fuse_group_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
               (see _opset.py), else the site is rejected with the reason; ``ctx.opset`` is not updated: later
               passes read ``graph.opset``.
 
-    Options (ctx.options):
+    Options (``ctx.options`` keys, read as :class:`FuseGroupNormOptions`):
         fuse_group_norm_raise_opset (bool): tensorrt: raise the opset to 21 where safe (default True); False
             keeps the graph's opset (sites below 21 are rejected), e.g. for a TensorRT whose parser stops at 20.
 
@@ -85,50 +93,34 @@ def fuse_group_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
     """
     target = target_of(ctx.backend, ctx.device)
     op = {ORT_CUDA: "GroupNorm", TENSORRT: "GroupNormalization", ORT_CPU: "GroupNormalization"}[target]
-    rejections: list[Rejection] = []
     names = Namer(graph)
-    fused = with_silu = skipped = 0
-    opset_problem: str | None = None  # tensorrt: why opset 21 cannot be had; asked once, at the first site
-    opset_asked = False
-    for node in list(graph.nodes):
-        if node.op != "InstanceNormalization" or not in_onnx_domain(node) or not node.outputs:
-            continue
-        match = _match(node)
-        if isinstance(match, str):
-            rejections.append(reject(NAME, node, match))
-            continue
+    may_raise = ctx.options_for(FuseGroupNormOptions).raise_opset
+    # tensorrt: why opset 21 cannot be had; asked once, at the first site that passes its check
+    opset_problem_once = functools.cache(lambda: opset_problem(graph, GROUP_NORMALIZATION_OPSET, may_raise=may_raise))
+
+    def check(match: _GroupNormMatch) -> str | None:
         problem = _check(graph, match, target)
-        if problem is not None:
-            rejections.append(reject(NAME, node, problem))
-            continue
+        if problem is None and target == TENSORRT and (why := opset_problem_once()) is not None:
+            return f"GroupNormalization with per-channel scale needs opset {GROUP_NORMALIZATION_OPSET}; {why}"
+        return problem
+
+    def rewrite(match: _GroupNormMatch) -> dict[str, int] | None:
         if target == ORT_CPU:
-            skipped += 1
-            logger.debug("%s: left GroupNorm at %r for ort-cpu (no faster standard form)", NAME, node.name)
-            continue
-        if target == TENSORRT:
-            if not opset_asked:
-                opset_problem, opset_asked = _opset_problem(graph, ctx), True
-            if opset_problem is not None:
-                rejections.append(reject(NAME, node, f"GroupNormalization with per-channel scale needs opset "
-                                                     f"{GROUP_NORMALIZATION_OPSET}; {opset_problem}"))
-                continue
+            logger.debug("%s: left GroupNorm at %r for ort-cpu (no faster standard form)", NAME, match.norm.name)
+            return None
         if target == ORT_CUDA:
-            with_silu += _rewrite_ort_cuda(graph, match, names)
-        else:
-            _rewrite_group_normalization(graph, match, names)
-        fused += 1
-    counts = {op: fused, "with_silu": with_silu}
-    if target == ORT_CUDA:
-        counts["Transpose"] = 2 * fused
-    counts.update(rejected=len(rejections), skipped_for_target=skipped)
-    return PassResult(modified=fused > 0, counts=counts)
+            return {op: 1, "with_silu": _rewrite_ort_cuda(graph, match, names), "Transpose": 2}
+        _rewrite_group_normalization(graph, match, names)
+        return {op: 1}
+
+    tally = fuse_each(graph, NAME, match=_candidate, check=check, rewrite=rewrite)
+    return PassResult.of(tally, op, "with_silu", *(("Transpose",) if target == ORT_CUDA else ()))
 
 
-def _opset_problem(graph: gs.Graph, ctx: PassContext) -> str | None:
-    if ctx.options.get("fuse_group_norm_raise_opset", True):
-        return ensure_opset(graph, GROUP_NORMALIZATION_OPSET)
-    opset = graph_opset(graph)
-    return None if opset >= GROUP_NORMALIZATION_OPSET else f"the graph has opset {opset} and raising it is off"
+def _candidate(node: gs.Node) -> _GroupNormMatch | str | None:
+    if node.op != "InstanceNormalization" or not in_onnx_domain(node) or not node.outputs:
+        return None
+    return _match(node)
 
 
 def _affine(node: gs.Node | None, tensor: gs.Tensor, op: str) -> tuple[gs.Node, gs.Tensor] | None:
@@ -193,7 +185,7 @@ def _match(norm: gs.Node) -> _GroupNormMatch | str:
     internal = [reshape_in.outputs[0], norm.outputs[0], reshape_out.outputs[0], mul_node.outputs[0]]
     silu_last, silu_nodes = _match_silu(add_node.outputs[0])
     return _GroupNormMatch(
-        x=x, groups=groups, channels=channels, epsilon=float(norm.attrs.get("epsilon", 1e-5)),
+        x=x, groups=groups, channels=channels, epsilon=float(norm.attrs.get("epsilon", 1e-5)), norm=norm,
         gamma=scale_c * gamma_c, beta=bias_c * gamma_c + beta_c, affine_last=add_node, silu_last=silu_last,
         nodes=nodes, internal=internal, silu_nodes=silu_nodes,
     )

@@ -8,15 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ._match import Rejection, in_onnx_domain, reject
+from ._match import const_value, fuse_each, in_onnx_domain, is_const
 from ._opset import graph_opset
 from ._patterns import (
     Namer,
-    const_value,
     consumer,
     escape_problem,
     int_values,
-    is_const,
     is_scalar,
     other_input,
     rank,
@@ -60,26 +58,24 @@ def fuse_layer_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Counts: ``LayerNormalization`` (fused), ``rejected`` (candidate ReduceMeans turned down; reasons at DEBUG).
     """
     del ctx  # one emitter for every target: LayerNormalization is standard from opset 17 (MIN_OPSET)
-    rejections: list[Rejection] = []
     names = Namer(graph)
-    fused = 0
     opset = graph_opset(graph)
-    for node in list(graph.nodes):
-        if node.op != "ReduceMean" or not in_onnx_domain(node) or not node.outputs:
-            continue
-        if consumer(node.outputs[0], "Sub") is None:
-            continue  # not the first ReduceMean of a LayerNorm (the second one feeds Add(eps))
-        match = _match(node)
-        if isinstance(match, str):
-            rejections.append(reject(NAME, node, match))
-            continue
-        problem = _check(graph, match, opset)
-        if problem is not None:
-            rejections.append(reject(NAME, node, problem))
-            continue
+
+    def rewrite(match: _LayerNormMatch) -> str:
         _rewrite(graph, match, names)
-        fused += 1
-    return PassResult(modified=fused > 0, counts={"LayerNormalization": fused, "rejected": len(rejections)})
+        return "LayerNormalization"
+
+    tally = fuse_each(graph, NAME, match=_candidate, check=lambda match: _check(graph, match, opset), rewrite=rewrite)
+    return PassResult.of(tally, "LayerNormalization", skipped=False)
+
+
+def _candidate(node: gs.Node) -> _LayerNormMatch | str | None:
+    """The match at the first ReduceMean of a LayerNorm (the one read by Sub), a reason, or None."""
+    if node.op != "ReduceMean" or not in_onnx_domain(node) or not node.outputs:
+        return None
+    if consumer(node.outputs[0], "Sub") is None:
+        return None  # not the first ReduceMean of a LayerNorm (the second one feeds Add(eps))
+    return _match(node)
 
 
 def _last_axis_mean(node: gs.Node, tensor: gs.Tensor) -> bool:

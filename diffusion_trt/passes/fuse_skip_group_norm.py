@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ._match import Rejection, is_graph_output, reject, single_consumer
-from ._patterns import ORT_CUDA, Namer, const_value, is_const, producer, redirect_readers, target_of
+from ._match import const_value, fuse_each, is_const, is_graph_output, single_consumer
+from ._patterns import ORT_CUDA, Namer, producer, redirect_readers, target_of
 from .base import PassContext, PassResult
 
 logger = logging.getLogger(__name__)
@@ -56,27 +56,23 @@ def fuse_skip_group_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
     ``rejected`` (reasons at DEBUG), ``skipped_for_target`` (not ort-cuda; always 0 there: nothing matches).
     """
     target = target_of(ctx.backend, ctx.device)
-    rejections: list[Rejection] = []
     names = Namer(graph)
-    fused = with_bias = broadcast = 0
-    for node in list(graph.nodes):
-        if node.op != "GroupNorm" or node.domain != "com.microsoft" or node.attrs.get("channels_last", 1) != 1:
-            continue
-        match = _match(graph, node)
-        if match is None:
-            continue
-        if isinstance(match, str):
-            rejections.append(reject(NAME, node, match))
-            continue
+
+    def rewrite(match: _SkipGroupNormMatch) -> dict[str, int]:
         if target != ORT_CUDA:  # a com.microsoft GroupNorm in a graph for another target: leave it be
-            continue
+            return {}
         _rewrite(graph, match, names)
-        fused += 1
-        with_bias += match.conv is not None
-        broadcast += match.skip.shape[2:] == [1, 1]
-    counts = {"SkipGroupNorm": fused, "with_bias": with_bias, "broadcast_skip": broadcast,
-              "rejected": len(rejections), "skipped_for_target": 0}
-    return PassResult(modified=fused > 0, counts=counts)
+        return {"SkipGroupNorm": 1, "with_bias": int(match.conv is not None),
+                "broadcast_skip": int(match.skip.shape[2:] == [1, 1])}
+
+    tally = fuse_each(graph, NAME, match=lambda node: _candidate(graph, node), rewrite=rewrite)
+    return PassResult.of(tally, "SkipGroupNorm", "with_bias", "broadcast_skip")
+
+
+def _candidate(graph: gs.Graph, node: gs.Node) -> _SkipGroupNormMatch | str | None:
+    if node.op != "GroupNorm" or node.domain != "com.microsoft" or node.attrs.get("channels_last", 1) != 1:
+        return None
+    return _match(graph, node)
 
 
 def _dims_equal(a: object, b: object) -> bool:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ._match import Rejection, in_onnx_domain, is_graph_output, reject, single_consumer
-from ._patterns import ORT_CUDA, Namer, const_value, is_const, producer, redirect_readers, same_shape, target_of
+from ._match import const_value, fuse_each, in_onnx_domain, is_const, is_graph_output, single_consumer
+from ._patterns import ORT_CUDA, Namer, producer, redirect_readers, same_shape, target_of
 from .base import PassContext, PassResult
 
 logger = logging.getLogger(__name__)
@@ -50,28 +50,24 @@ def fuse_skip_layer_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
     DEBUG), ``skipped_for_target`` (matched, target not ort-cuda).
     """
     target = target_of(ctx.backend, ctx.device)
-    rejections: list[Rejection] = []
     names = Namer(graph)
-    fused = with_bias = skipped = 0
-    for node in list(graph.nodes):
-        if node.op != "LayerNormalization" or not in_onnx_domain(node) or not node.outputs:
-            continue
-        add = producer(node.inputs[0], "Add")
-        if add is None:
-            continue
-        match = _match(graph, node, add)
-        if isinstance(match, str):
-            rejections.append(reject(NAME, node, match))
-            continue
+
+    def rewrite(match: _SkipMatch) -> dict[str, int] | None:
         if target != ORT_CUDA:
-            skipped += 1
-            continue
+            return None
         _rewrite(graph, match, names)
-        fused += 1
-        with_bias += match.bias is not None
-    counts = {"SkipLayerNormalization": fused, "with_bias": with_bias, "rejected": len(rejections),
-              "skipped_for_target": skipped}
-    return PassResult(modified=fused > 0, counts=counts)
+        return {"SkipLayerNormalization": 1, "with_bias": int(match.bias is not None)}
+
+    tally = fuse_each(graph, NAME, match=lambda node: _candidate(graph, node), rewrite=rewrite)
+    return PassResult.of(tally, "SkipLayerNormalization", "with_bias")
+
+
+def _candidate(graph: gs.Graph, node: gs.Node) -> _SkipMatch | str | None:
+    """The match at a LayerNormalization whose input an Add writes, a reason, or None."""
+    if node.op != "LayerNormalization" or not in_onnx_domain(node) or not node.outputs:
+        return None
+    add = producer(node.inputs[0], "Add")
+    return None if add is None else _match(graph, node, add)
 
 
 def _vector(tensor: gs.Tensor | None, width: int) -> bool:

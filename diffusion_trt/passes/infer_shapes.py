@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
@@ -12,7 +13,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get_onnx_tensor_shape
 
 from ._weights import constant_nbytes
-from .base import PassContext, PassResult
+from .base import PassContext, PassResult, option
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,14 @@ PROTOBUF_LIMIT_BYTES = 2**31
 #: Weights at or above this go through a temporary file; the margin covers the graph structure (nodes, names,
 #: value_info: a few MB for a UNet). Override with ctx.options["infer_shapes_path_threshold_bytes"].
 DEFAULT_PATH_THRESHOLD_BYTES = PROTOBUF_LIMIT_BYTES - (128 << 20)
+
+
+@dataclass(frozen=True)
+class InferShapesOptions:
+    """The options of :func:`infer_shapes`."""
+
+    #: Graphs with this many bytes of weights left after stubbing (or more) are inferred through a temporary file.
+    path_threshold_bytes: int = option("infer_shapes_path_threshold_bytes", DEFAULT_PATH_THRESHOLD_BYTES, int)
 
 
 def infer_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
@@ -50,7 +59,14 @@ def infer_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Counts: ``shapes_added`` (tensors that had no shape and have one now), ``shapes_changed``,
     ``dtypes_added``; modified when any of them is non-zero.
     """
-    threshold = int(ctx.options.get("infer_shapes_path_threshold_bytes", DEFAULT_PATH_THRESHOLD_BYTES))
+    counts = annotate_shapes(graph, ctx.options_for(InferShapesOptions))
+    return PassResult(modified=any(counts.values()), counts=counts)
+
+
+def annotate_shapes(graph: gs.Graph, options: InferShapesOptions) -> dict[str, int]:
+    """What :func:`infer_shapes` does, as a step other passes run inside themselves (specialize_shapes' rounds,
+    convert_fp16's dtypes): the graph's tensors annotated in place; returns the pass's counts."""
+    threshold = options.path_threshold_bytes
     model = gs.export_onnx(graph, do_type_check=False)
     stubbed = _stub_weights(model)
     weight_bytes = sum(constant_nbytes(t) for t in graph.tensors().values() if isinstance(t, gs.Constant)) - stubbed
@@ -60,8 +76,7 @@ def infer_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     else:
         value_infos = _infer_in_memory(model)
     del model
-    counts = _annotate(graph, value_infos)
-    return PassResult(modified=any(counts.values()), counts=counts)
+    return _annotate(graph, value_infos)
 
 
 #: Float initializers above this many elements are replaced by graph inputs (dtype and shape only) for inference.

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
-from ._match import Rejection, in_onnx_domain, reject
+from ._match import fuse_each, in_onnx_domain
 from ._patterns import Namer
 from .base import PassContext, PassResult
 
@@ -42,19 +42,19 @@ def lower_einsum(graph: gs.Graph, ctx: PassContext) -> PassResult:
     """
     del ctx  # one form for every target
     names = Namer(graph)
-    rejections: list[Rejection] = []
-    lowered = transposes = 0
-    for node in list(graph.nodes):
-        if node.op != "Einsum" or not in_onnx_domain(node) or not node.outputs:
-            continue
-        plan = _plan(node)
-        if isinstance(plan, str):
-            rejections.append(reject(NAME, node, plan))
-            continue
-        transposes += _rewrite(graph, node, plan, names)
-        lowered += 1
-    return PassResult(modified=lowered > 0,
-                      counts={"MatMul": lowered, "Transpose": transposes, "rejected": len(rejections)})
+
+    def rewrite(found: tuple[gs.Node, _Plan]) -> dict[str, int]:
+        return {"MatMul": 1, "Transpose": _rewrite(graph, *found, names)}
+
+    tally = fuse_each(graph, NAME, match=_candidate, rewrite=rewrite)
+    return PassResult.of(tally, "MatMul", "Transpose", skipped=False)
+
+
+def _candidate(node: gs.Node) -> tuple[gs.Node, _Plan] | str | None:
+    if node.op != "Einsum" or not in_onnx_domain(node) or not node.outputs:
+        return None
+    plan = _plan(node)
+    return plan if isinstance(plan, str) else (node, plan)
 
 
 def _plan(node: gs.Node) -> _Plan | str:

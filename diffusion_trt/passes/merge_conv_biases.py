@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ._match import Rejection, in_onnx_domain, is_graph_output, reject, single_consumer
-from ._patterns import ORT_CUDA, Namer, const_value, producer, same_shape, target_of
-from .base import PassContext, PassResult
+from ._match import const_value, find_each, in_onnx_domain, is_graph_output, single_consumer
+from ._patterns import ORT_CUDA, Namer, producer, same_shape, target_of
+from .base import PassContext, PassResult, option
 
 logger = logging.getLogger(__name__)
 
 NAME = "merge_conv_biases"
 
 _TO_NHWC = [0, 2, 3, 1]
+
+
+@dataclass(frozen=True)
+class MergeConvBiasesOptions:
+    """The options of :func:`merge_conv_biases`."""
+
+    #: False turns the pass off (every match then counts as ``disabled``).
+    enabled: bool = option("merge_conv_biases", True, bool)
 
 
 def merge_conv_biases(graph: gs.Graph, ctx: PassContext) -> PassResult:
@@ -44,38 +53,25 @@ def merge_conv_biases(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Targets: ort-cuda. Others count ``skipped_for_target``: TensorRT and ORT's CPU Conv add the bias in the
           convolution kernel's epilogue already.
 
-    Options (ctx.options):
+    Options (``ctx.options`` keys, read as :class:`MergeConvBiasesOptions`):
         merge_conv_biases: False turns the pass off (every match then counts as ``disabled``); default True.
 
     Counts: ``merged`` (into another Conv), ``into_skip_group_norm``, ``rejected`` (reasons at DEBUG),
         ``skipped_for_target``.
     """
     target = target_of(ctx.backend, ctx.device)
-    rejections: list[Rejection] = []
-    sums: list[tuple[gs.Node, gs.Node]] = []
-    norms: list[tuple[gs.Node, gs.Node]] = []
-    for node in list(graph.nodes):
-        if node.op == "Add" and in_onnx_domain(node) and len(node.inputs) == 2:
-            convs = [producer(t, "Conv") for t in node.inputs]
-            if any(c is None or len(c.inputs) != 3 for c in convs):
-                continue
-            problem = _check_sum(graph, node, convs)  # type: ignore[arg-type]
-            if problem is not None:
-                rejections.append(reject(NAME, node, problem))
-            else:
-                sums.append((convs[0], convs[1]))  # type: ignore[arg-type]
-        elif node.op == "SkipGroupNorm" and node.domain == "com.microsoft":
-            for slot in (0, 3):
-                match = _norm_candidate(graph, node, slot)
-                if isinstance(match, str):
-                    rejections.append(reject(NAME, node, match))
-                elif match is not None:
-                    norms.append((match, node))
-    counts = {"merged": 0, "into_skip_group_norm": 0, "rejected": len(rejections), "skipped_for_target": 0}
+    found_sums = find_each(graph, NAME, match=lambda node: _sum_candidate(graph, node))
+    # each SkipGroupNorm has two candidate inputs, X (slot 0) and skip (slot 3): one sweep per slot
+    found_norms = [find_each(graph, NAME, match=lambda node, slot=slot: _norm_candidate(graph, node, slot))
+                   for slot in (0, 3)]
+    sums = found_sums.matches
+    norms = [match for found in found_norms for match in found.matches]
+    rejected = found_sums.rejected + sum(found.rejected for found in found_norms)
+    counts = {"merged": 0, "into_skip_group_norm": 0, "rejected": rejected, "skipped_for_target": 0}
     if target != ORT_CUDA:
         counts["skipped_for_target"] = len(sums) + len(norms)
         return PassResult(modified=False, counts=counts)
-    if not ctx.options.get("merge_conv_biases", True):
+    if not ctx.options_for(MergeConvBiasesOptions).enabled:
         counts["disabled"] = len(sums) + len(norms)
         return PassResult(modified=False, counts=counts)
     names = Namer(graph)
@@ -109,6 +105,17 @@ def _bias_problem(conv: gs.Node, channels: object) -> str | None:
     return None
 
 
+def _sum_candidate(graph: gs.Graph, node: gs.Node) -> tuple[gs.Node, gs.Node] | str | None:
+    """The two biased Convs whose outputs ``node`` (an Add) sums, a reason, or None."""
+    if node.op != "Add" or not in_onnx_domain(node) or len(node.inputs) != 2:
+        return None
+    convs = [producer(t, "Conv") for t in node.inputs]
+    if any(c is None or len(c.inputs) != 3 for c in convs):
+        return None
+    problem = _check_sum(graph, node, convs)  # type: ignore[arg-type]
+    return problem if problem is not None else (convs[0], convs[1])  # type: ignore[return-value]
+
+
 def _check_sum(graph: gs.Graph, add: gs.Node, convs: list[gs.Node]) -> str | None:
     if convs[0] is convs[1]:
         return "both operands come from one Conv"
@@ -123,9 +130,10 @@ def _check_sum(graph: gs.Graph, add: gs.Node, convs: list[gs.Node]) -> str | Non
     return None
 
 
-def _norm_candidate(graph: gs.Graph, norm: gs.Node, slot: int) -> gs.Node | str | None:
-    """The biased Conv feeding SkipGroupNorm input ``slot`` through an NHWC Transpose, a reason, or None."""
-    if len(norm.inputs) <= slot:
+def _norm_candidate(graph: gs.Graph, norm: gs.Node, slot: int) -> tuple[gs.Node, gs.Node] | str | None:
+    """(the biased Conv feeding SkipGroupNorm input ``slot`` through an NHWC Transpose, the norm), a reason, or
+    None."""
+    if norm.op != "SkipGroupNorm" or norm.domain != "com.microsoft" or len(norm.inputs) <= slot:
         return None
     tensor = norm.inputs[slot]
     transpose = producer(tensor, "Transpose")
@@ -140,4 +148,4 @@ def _norm_candidate(graph: gs.Graph, norm: gs.Node, slot: int) -> gs.Node | str 
     if same_shape(norm.inputs[0], norm.inputs[3]) is None:
         return "the skip broadcasts (a time embedding) or its shape may differ from the input's"
     shape = tensor.shape
-    return _bias_problem(conv, shape[-1] if shape is not None and len(shape) == 4 else None) or conv
+    return _bias_problem(conv, shape[-1] if shape is not None and len(shape) == 4 else None) or (conv, norm)

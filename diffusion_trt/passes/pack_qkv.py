@@ -8,13 +8,21 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ._match import Rejection, is_graph_output, reject, single_consumer
-from ._patterns import ORT_CUDA, Namer, const_value, producer, target_of
-from .base import PassContext, PassResult
+from ._match import const_value, find_each, is_graph_output, single_consumer
+from ._patterns import ORT_CUDA, Namer, producer, target_of
+from .base import PassContext, PassResult, option
 
 logger = logging.getLogger(__name__)
 
 NAME = "pack_qkv"
+
+
+@dataclass(frozen=True)
+class PackQkvOptions:
+    """The options of :func:`pack_qkv`."""
+
+    #: True turns the rewrite on (off by default: measured neutral, see the pass's docstring).
+    enabled: bool = option("pack_qkv", False, bool)
 
 
 @dataclass
@@ -51,7 +59,7 @@ def pack_qkv(graph: gs.Graph, ctx: PassContext) -> PassResult:
         widths N*d (num_heads N from the node); each projection read only by its attention and not a graph
         output; no bias / mask / attention_bias input on the node (CLIP's attention has both: rejected).
 
-    Options (ctx.options):
+    Options (``ctx.options`` keys, read as :class:`PackQkvOptions`):
         pack_qkv: True turns the rewrite on; default False (every matched site counts as ``disabled``). Off by
             default because it measured neutral with the attention kernel ORT picks on an H200 (cuDNN flash
             attention reads only unpacked Q/K/V, so ORT inserts an unpack kernel per site that eats the saved
@@ -62,29 +70,25 @@ def pack_qkv(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Counts: ``packed_qkv`` (self sites), ``packed_kv`` (cross sites), ``rejected`` (reasons at DEBUG),
         ``skipped_for_target``.
     """
-    counts = {"packed_qkv": 0, "packed_kv": 0, "rejected": 0, "skipped_for_target": 0}
-    sites: list[_Projections] = []
-    rejections: list[Rejection] = []
-    for node in list(graph.nodes):
-        if node.op != "MultiHeadAttention" or node.domain != "com.microsoft":
-            continue
-        match = _match(graph, node)
-        if isinstance(match, str):
-            rejections.append(reject(NAME, node, match))
-        else:
-            sites.append(match)
-    counts["rejected"] = len(rejections)
+    found = find_each(graph, NAME, match=lambda node: _candidate(graph, node))
+    counts = {"packed_qkv": 0, "packed_kv": 0, "rejected": found.rejected, "skipped_for_target": 0}
     if target_of(ctx.backend, ctx.device) != ORT_CUDA:
-        counts["skipped_for_target"] = len(sites)
+        counts["skipped_for_target"] = len(found.matches)
         return PassResult(modified=False, counts=counts)
-    if not ctx.options.get("pack_qkv", False):
-        counts["disabled"] = len(sites)
+    if not ctx.options_for(PackQkvOptions).enabled:
+        counts["disabled"] = len(found.matches)
         return PassResult(modified=False, counts=counts)
     names = Namer(graph)
-    for site in sites:
+    for site in found.matches:
         _rewrite(graph, site, names)
         counts["packed_qkv" if site.self_attention else "packed_kv"] += 1
-    return PassResult(modified=bool(sites), counts=counts)
+    return PassResult(modified=bool(found.matches), counts=counts)
+
+
+def _candidate(graph: gs.Graph, node: gs.Node) -> _Projections | str | None:
+    if node.op != "MultiHeadAttention" or node.domain != "com.microsoft":
+        return None
+    return _match(graph, node)
 
 
 def _match(graph: gs.Graph, mha: gs.Node) -> _Projections | str:

@@ -1,5 +1,10 @@
 """The ordered pass lists, one per (backend, device, precision): explicit tuples, nothing registers itself.
 
+No pass runs another pass: two run a step of one inside themselves, as a library call, because their own logic
+needs it there: specialize_shapes repeats shape inference and folding until the Shape nodes stop falling (a
+fixpoint, not a fixed list), and convert_fp16 infers the dtypes its classification reads (after the fusions,
+whose new tensors may lack them).
+
 Ordering rules (keep them next to the tuples they constrain):
   * eliminate_dead_nodes first: every later pass, folding included, then works on the live graph only, and
     merged duplicate constants are read once.

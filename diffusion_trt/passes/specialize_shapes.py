@@ -3,22 +3,31 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
 from diffusion_trt.errors import PassError
 
 from ._match import in_onnx_domain
-from .base import PassContext, PassResult
-from .fold_constants import DEFAULT_SIZE_THRESHOLD_BYTES, _lower_constant_nodes, fold_constants, quiet_onnxruntime
-from .infer_shapes import infer_shapes
+from .base import PassContext, PassResult, option
+from .fold_constants import FoldConstantsOptions, _lower_constant_nodes, fold, quiet_onnxruntime
+from .infer_shapes import InferShapesOptions, annotate_shapes
 
 logger = logging.getLogger(__name__)
 
 #: Inference + folding rounds before giving up on a fixpoint (each round resolves at least one more level of
 #: Shape -> ... -> Reshape; the SD components need 2-3).
 MAX_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class SpecializeShapesOptions:
+    """The options of :func:`specialize_shapes`: compile derives them from a static profile."""
+
+    #: The shape of each graph input, e.g. ``{"sample": (2, 4, 64, 64), "timestep": (2,)}``.
+    static_shapes: Mapping[str, tuple[int, ...]] | None = option("static_shapes", None, dict, user=False)
 
 
 def specialize_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
@@ -33,10 +42,11 @@ def specialize_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Requires: run before fusions that emit com.microsoft ops (ONNX shape inference cannot see through them, so
               shapes after them would stay unknown and their Shape readers unfolded).
 
-    Repeats ``infer_shapes`` then ``fold_constants`` until the number of Shape nodes stops falling (at most
-    :data:`MAX_ROUNDS` rounds).
+    Repeats shape inference then folding (the steps of ``infer_shapes`` and ``fold_constants``:
+    :func:`.infer_shapes.annotate_shapes`, :func:`.fold_constants.fold`; no pass calls another pass) until the
+    number of Shape nodes stops falling (at most :data:`MAX_ROUNDS` rounds).
 
-    Options (ctx.options):
+    Options (``ctx.options`` keys, read as :class:`SpecializeShapesOptions`):
         static_shapes (dict[str, Sequence[int]]): the shape of each graph input, e.g.
             ``{"sample": [2, 4, 64, 64], "timestep": [2], "encoder_hidden_states": [2, 77, 768]}``. Inputs not
             named keep their shape, which must then already be static. Also read: the options of
@@ -49,7 +59,7 @@ def specialize_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
         PassError: an option names no graph input, gives the wrong rank, contradicts a static dim, or an input
             is left with a symbolic dim.
     """
-    wanted: dict[str, Sequence[int]] = dict(ctx.options.get("static_shapes") or {})
+    wanted: dict[str, Sequence[int]] = dict(ctx.options_for(SpecializeShapesOptions).static_shapes or {})
     inputs = {tensor.name: tensor for tensor in graph.inputs}
     unknown = sorted(set(wanted) - set(inputs))
     if unknown:
@@ -76,15 +86,16 @@ def specialize_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     shape_before = _count_shapes(graph)
     nodes_before = len(graph.nodes)
     rounds, shapes = 0, shape_before
+    infer_options, fold_options = ctx.options_for(InferShapesOptions), ctx.options_for(FoldConstantsOptions)
     while rounds < MAX_ROUNDS:
         rounds += 1
-        infer_shapes(graph, ctx)
-        _fold(graph, ctx)
+        annotate_shapes(graph, infer_options)
+        _fold(graph, fold_options)
         now = _count_shapes(graph)
         if now == shapes and rounds > 1:
             break
         shapes = now
-    infer_shapes(graph, ctx)
+    annotate_shapes(graph, infer_options)
     shape_after = _count_shapes(graph)
     if shape_after:
         logger.info("%s: %d Shape nodes remain after specialization (they read tensors whose shape inference "
@@ -94,7 +105,7 @@ def specialize_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     return PassResult(modified=bool(fixed or counts["nodes_folded"]), counts=counts)
 
 
-def _fold(graph: gs.Graph, ctx: PassContext) -> None:
+def _fold(graph: gs.Graph, options: FoldConstantsOptions) -> None:
     """fold_constants in one ONNX Runtime session (no partitioning: gs 0.6.1 copies the whole graph once per
     partition, 13 s on the tiny UNet instead of 0.5 s); falls back to the partitioned pass if that fails."""
     _lower_constant_nodes(graph)
@@ -104,12 +115,12 @@ def _fold(graph: gs.Graph, ctx: PassContext) -> None:
         graph.fold_constants(
             fold_shapes=True,
             partitioning=None,
-            size_threshold=ctx.options.get("fold_constants_size_threshold_bytes", DEFAULT_SIZE_THRESHOLD_BYTES),
+            size_threshold=options.size_threshold_bytes,
             should_exclude_node=lambda node: not in_onnx_domain(node),
         )
     except Exception as err:  # noqa: BLE001 - any ORT failure: retry with the partitioned, error-reporting pass
         logger.debug("one-session folding failed (%s: %s); folding per partition", type(err).__name__, err)
-        fold_constants(graph, ctx)
+        fold(graph, options)
     graph.cleanup()
 
 

@@ -13,13 +13,17 @@ from onnx import helper
 
 from diffusion_trt.passes._match import (
     Rejection,
-    constant_value,
+    collect_rejections,
+    const_value,
+    find_each,
+    fuse_each,
     internal_edge_problem,
-    is_constant,
+    is_const,
     is_graph_output,
     reject,
     single_consumer,
 )
+from diffusion_trt.passes.base import PassResult
 from tests import graphs
 
 
@@ -66,13 +70,13 @@ def test_constant_value_of_initializers_and_constant_nodes() -> None:
     graph = gs.import_onnx(graphs.constant_subgraph_model())
     tensors = graph.tensors()
     expected_b = onnx.numpy_helper.to_array(graphs.constant_subgraph_model().graph.initializer[1])
-    np.testing.assert_array_equal(constant_value(tensors["b"]), expected_b)
-    assert constant_value(tensors["W"]).shape == (4, 5)
-    two = constant_value(tensors["two"])  # output of Constant(value_float=2.0)
+    np.testing.assert_array_equal(const_value(tensors["b"]), expected_b)
+    assert const_value(tensors["W"]).shape == (4, 5)
+    two = const_value(tensors["two"])  # output of Constant(value_float=2.0)
     assert two is not None and two.dtype == np.float32 and float(two) == 2.0
-    assert is_constant(tensors["two"]) and is_constant(tensors["W"])
+    assert is_const(tensors["two"]) and is_const(tensors["W"])
     for name in ("x", "W2", "y"):  # computed from constants is not constant until folded
-        assert constant_value(tensors[name]) is None and not is_constant(tensors[name])
+        assert const_value(tensors[name]) is None and not is_const(tensors[name])
 
 
 @pytest.mark.parametrize(
@@ -90,10 +94,10 @@ def test_constant_node_attributes(attr: str, value: object, expected: np.ndarray
         [], [graphs.tensor_info("y", expected.shape, helper.np_dtype_to_tensor_dtype(expected.dtype))],
     )
     c = gs.import_onnx(model).tensors()["c"]
-    got = constant_value(c)
+    got = const_value(c)
     assert got is not None and got.dtype == expected.dtype
     np.testing.assert_array_equal(got, expected)
-    assert is_constant(c)
+    assert is_const(c)
 
 
 def test_string_constant_is_not_a_value() -> None:
@@ -102,14 +106,14 @@ def test_string_constant_is_not_a_value() -> None:
         [], [graphs.tensor_info("y", [], 8)],
     )
     c = gs.import_onnx(model).tensors()["c"]
-    assert constant_value(c) is None and not is_constant(c)
+    assert const_value(c) is None and not is_const(c)
 
 
 def test_constant_value_does_not_cache_lazy_weights() -> None:
     w = gs.import_onnx(graphs.mlp_model()).tensors()["W1"]
     assert isinstance(w, gs.Constant)
     kind = type(w._values)
-    constant_value(w)
+    const_value(w)
     assert type(w._values) is kind
 
 
@@ -120,3 +124,79 @@ def test_reject_logs_under_the_pass_logger_and_returns_the_reason(caplog: pytest
     assert rejection == Rejection("fuse_gelu", "Erf", "Erf_12", "'h' has 2 consumers (Add, Mul)")
     assert caplog.records[0].name == "diffusion_trt.passes.fuse_gelu"
     assert caplog.records[0].getMessage() == "fuse_gelu: rejected Erf 'Erf_12': 'h' has 2 consumers (Add, Mul)"
+
+
+def test_const_value_looks_through_identity() -> None:
+    """One is_const / const_value: an Identity chain over a constant (TorchScript's shared weights) is constant."""
+    model = graphs.make_model(
+        [helper.make_node("Identity", ["w"], ["w1"]), helper.make_node("Identity", ["w1"], ["w2"]),
+         helper.make_node("Add", ["x", "w2"], ["y"])],
+        [graphs.tensor_info("x", [2])], [graphs.tensor_info("y", [2])], [graphs.const("w", [1.0, 2.0])],
+    )
+    tensors = gs.import_onnx(model).tensors()
+    assert is_const(tensors["w2"]) and not is_const(tensors["x"])
+    np.testing.assert_array_equal(const_value(tensors["w2"]), np.array([1.0, 2.0], np.float32))
+    assert const_value(tensors["y"]) is None
+
+
+def _relu_chain(count: int) -> gs.Graph:
+    """x -> Relu -> Relu ... (``count`` of them) -> y: nodes r0, r1, ..."""
+    nodes = [helper.make_node("Relu", [f"t{i}"], [f"t{i + 1}"], name=f"r{i}") for i in range(count)]
+    nodes.append(helper.make_node("Identity", [f"t{count}"], ["y"], name="out"))
+    model = graphs.make_model(nodes, [graphs.tensor_info("t0", [2])], [graphs.tensor_info("y", [2])])
+    return gs.import_onnx(model)
+
+
+def test_fuse_each_owns_iteration_rejections_and_counts(caplog: pytest.LogCaptureFixture) -> None:
+    """match: None (no candidate), a reason (rejected) or a match; check: a reason (rejected); rewrite: counts or
+    None (skipped); every rejection logged and collected under the pass's name."""
+    graph = _relu_chain(5)
+
+    def match(node: gs.Node) -> gs.Node | str | None:
+        if node.op != "Relu":
+            return None
+        return "r1 is not wanted" if node.name == "r1" else node
+
+    def check(node: gs.Node) -> str | None:
+        return "r2 fails its check" if node.name == "r2" else None
+
+    def rewrite(node: gs.Node) -> str | dict[str, int] | None:
+        return {"r3": None, "r4": {"Relu": 1, "extra": 2}}.get(node.name, "Relu")  # type: ignore[return-value]
+
+    with caplog.at_level(logging.DEBUG, logger="diffusion_trt.passes"), collect_rejections() as rejected:
+        tally = fuse_each(graph, "fuse_test", match=match, check=check, rewrite=rewrite)
+    assert dict(tally.counts) == {"Relu": 2, "extra": 2} and tally.rejected == 2 and tally.skipped == 1
+    assert [(r.pass_name, r.node, r.reason) for r in rejected] == [
+        ("fuse_test", "r1", "r1 is not wanted"), ("fuse_test", "r2", "r2 fails its check")]
+    assert "fuse_test: rejected Relu 'r2': r2 fails its check" in caplog.text
+    assert tally.record("Relu", "Gelu") == {"Relu": 2, "Gelu": 0, "rejected": 2, "skipped_for_target": 1}
+    assert tally.record("Relu", skipped=False) == {"Relu": 2, "rejected": 2}
+    result = PassResult.of(tally, "Gelu")
+    assert not result.modified and result.counts == {"Gelu": 0, "rejected": 2, "skipped_for_target": 1}
+    assert PassResult.of(tally, "Gelu", "Relu").modified
+
+
+def test_fuse_each_visits_the_nodes_there_at_the_start() -> None:
+    """Nodes a rewrite adds are not matched in the same run (the rule would otherwise see its own output)."""
+    graph = _relu_chain(2)
+    seen: list[str] = []
+
+    def rewrite(node: gs.Node) -> str:
+        graph.nodes.append(gs.Node("Relu", name=f"{node.name}_new"))
+        return "Relu"
+
+    tally = fuse_each(graph, "fuse_test", match=lambda n: seen.append(n.name) or (n if n.op == "Relu" else None),
+                      rewrite=rewrite)
+    assert seen == ["r0", "r1", "out"] and tally.counts["Relu"] == 2
+
+
+def test_find_each_collects_matches_in_graph_order() -> None:
+    graph = _relu_chain(4)
+    found = find_each(graph, "fuse_test", match=lambda n: None if n.op != "Relu" else n.name,
+                      check=None)
+    # a str from match is a rejection reason, so a rule's matches are never plain strings
+    assert found.matches == [] and found.rejected == 4
+    found = find_each(graph, "fuse_test", match=lambda n: None if n.op != "Relu" else n,
+                      check=lambda n: "odd" if n.name in ("r1", "r3") else None)
+    assert [n.name for n in found.matches] == ["r0", "r2"] and found.rejected == 2
+    assert len(graph.nodes) == 5  # nothing rewritten

@@ -164,3 +164,47 @@ def test_error_with_dump_dir_points_at_the_graph_the_pass_got(tmp_path: Path) ->
         PassManager([no_op, explode]).run(graph, ctx(dump_dir=str(tmp_path)))  # str accepted too
     assert "[no_op]" in str(info.value)
     assert sorted(p.name for p in (tmp_path / "unet").glob("*.onnx")) == ["00_input.onnx", "01_no_op.onnx"]
+
+
+def test_options_for_reads_a_pass_options_by_key_typed_and_frozen() -> None:
+    """``ctx.options`` keys go into each pass's frozen options dataclass, converted; keys not given keep defaults."""
+    import dataclasses
+
+    from diffusion_trt.passes.convert_fp16 import ConvertFp16Options
+    from diffusion_trt.passes.fuse_gelu import FuseGeluOptions
+    from diffusion_trt.passes.specialize_shapes import SpecializeShapesOptions
+
+    c = ctx(options={"convert_fp16_fp32_ops": ["Softmax"], "convert_fp16_range_max": 1000,
+                     "convert_fp16_range_check_max_bytes": None, "fuse_gelu_raise_opset": False,
+                     "static_shapes": {"x": [2, "4"]}})
+    fp16 = c.options_for(ConvertFp16Options)
+    assert fp16.fp32_ops == ("Softmax",) and fp16.fp32_nodes == () and fp16.range_check is True
+    assert fp16.range_max == 1000.0 and isinstance(fp16.range_max, float)
+    assert fp16.range_check_max_bytes is None  # None given: the default
+    assert c.options_for(FuseGeluOptions) == FuseGeluOptions(raise_opset=False)
+    assert ctx().options_for(FuseGeluOptions).raise_opset is True
+    assert c.options_for(SpecializeShapesOptions).static_shapes == {"x": (2, 4)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fp16.keep_io_types = True  # type: ignore[misc]
+
+
+def test_every_options_dataclass_is_listed_and_its_keys_name_its_pass() -> None:
+    """passes/options.py lists every pass's options dataclass (the table --pass-option checks is derived from
+    them), and each key is prefixed by the pass that owns it (static_shapes: compile's own key)."""
+    import dataclasses
+    import importlib
+    import pkgutil
+
+    import diffusion_trt.passes as package
+    from diffusion_trt.passes.options import OPTIONS
+
+    declared = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        declared |= {obj for name, obj in vars(module).items() if name.endswith("Options")
+                     and dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__}
+    assert declared == set(OPTIONS.values())
+    for pass_name, cls in OPTIONS.items():
+        assert cls.__dataclass_params__.frozen, cls
+        for spec in dataclasses.fields(cls):
+            assert spec.metadata["key"].startswith(pass_name) or spec.metadata["key"] == "static_shapes", spec
