@@ -11,8 +11,9 @@ driven by the runtime's own loop, :func:`diffusion_trt.runtime.denoise.denoise_l
 ``prepare_latents`` and ``step_kwargs``, diffusers' scheduler from the model folder), i.e. diffusers'
 ``StableDiffusionPipeline`` step for step. The UNet reaches that loop through :class:`UNetFnEngine`, an engine
 adapter that also records the UNet's inputs at the captured steps. This is the one import the layout allows in
-that direction: ``compiler/`` may import ``runtime/`` (to reuse its loop); ``runtime/`` never imports ``compiler/``. Why not an fp32 artifact through ``EnginePipeline``: the compile would need a second full export first; the
-torch modules are exact fp32 and already in memory. The UNet is a callable (:data:`UNetFn`), so the quality gate
+that direction: ``compiler/`` may import ``runtime/`` (to reuse its loop); ``runtime/`` never imports ``compiler/``.
+Why not an fp32 artifact through ``EnginePipeline``: the compile would need a second full export first; the torch
+modules are exact fp32 and already in memory. The UNet is a callable (:data:`UNetFn`), so the quality gate
 (:mod:`.quantize`) runs the very same loop with an ONNX Runtime session of the quantized graph instead, and the
 UNet's calibration runs it with the fp32 graph being calibrated (``quantize.LoopCalibrator``: one UNet run per
 step gives both the next latents and the tensor statistics, instead of a torch run now and a replay later).
