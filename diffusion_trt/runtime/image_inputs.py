@@ -15,7 +15,8 @@ Step for step as diffusers 0.42 (same seed, scheduler and steps -> same images):
 Images and masks are read by diffusers' own ``VaeImageProcessor`` (``diffusers/image_processor.py``), so they are
 accepted as diffusers accepts them: a ``PIL.Image``, a float numpy array [H, W, C] / [N, H, W, C] in [0, 1], a
 float torch tensor [C, H, W] / [N, C, H, W] in [0, 1] (or [-1, 1]), or a list of them; a mask may also be
-single-channel ([H, W], [N, H, W], ...). Unlike diffusers, nothing is resized: an image whose size is not a
+single-channel ([H, W], [N, H, W], ...); image files are read by :func:`read_image_file` (the CLI's ``--image`` /
+``--mask``). Unlike diffusers, nothing is resized: an image whose size is not a
 multiple of 8, a mask of another size, or values outside the expected range are refused with the fix.
 
 Shapes: ``n`` images given, ``B`` images generated (prompts x images per prompt; ``B % n == 0``, rows tiled
@@ -25,6 +26,7 @@ as diffusers does), ``H``/``W`` pixels, ``h = H / 8``, ``w = W / 8``.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..config import MAX_IMAGE_SIZE
 from ..errors import RuntimeInputError
 from .conditioning import PreparedLatents, TextToImage
 from .denoise import Generator, _run_rows
@@ -97,6 +100,56 @@ def _item_nhw(x: Any, name: str, mask: bool) -> tuple[int, int, int]:
     layout = "[H, W], [N, H, W] or [N, H, W, 1]" if mask and kind == "np" else "[H, W] or [N, 1, H, W]" if mask else (
         "[H, W, 3] or [N, H, W, 3]" if kind == "np" else "[3, H, W] or [N, 3, H, W]")
     raise RuntimeInputError(f"{name} has shape {list(shape)}; a {kind} {'mask' if mask else 'image'} is {layout}")
+
+
+def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, int] | None = None) -> Any:
+    """Open an image file as a PIL image in ``mode`` ("RGB" for an image, "L" for a mask; CLI ``--image`` /
+    ``--mask``).
+
+    The size in the file's header is checked against ``max_hw`` (height, width: the artifact profile's largest;
+    default :data:`~diffusion_trt.config.MAX_IMAGE_SIZE` squared) before a pixel is decoded, so a decompression
+    bomb (a small file whose header claims 100000x100000) costs nothing. 16-bit grayscale (PIL modes "I;16*", and
+    "I" holding 0..65535) is scaled to 8 bits (``v / 257``) first: a plain ``convert`` clips it to 255 (a white
+    image). Images with transparency are refused, as ``EnginePipeline`` refuses RGBA: dropping the alpha channel
+    would silently change the picture.
+
+    Raises:
+        RuntimeInputError: the file is not an image Pillow can read, is larger than ``max_hw``, has transparency,
+            or holds 32-bit values outside 0..65535.
+    """
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    max_h, max_w = max_hw or (MAX_IMAGE_SIZE, MAX_IMAGE_SIZE)
+    try:
+        with warnings.catch_warnings():  # the size is checked below, against the profile: no Pillow warning line
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im_file = Image.open(path)
+        with im_file as im:
+            width, height = im.size  # from the header: nothing is decoded yet
+            if height > max_h or width > max_w:
+                raise RuntimeInputError(
+                    f"{str(path)!r} is {width}x{height} (WxH), larger than the {max_w}x{max_h} the artifact's "
+                    "profile allows; resize it into the profile (or recompile with --max-height/--max-width)")
+            if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
+                raise RuntimeInputError(
+                    f"{str(path)!r} has transparency (mode {im.mode}), which would be dropped silently; flatten it "
+                    "onto a background first and save it without alpha (RGB PNG or JPEG)")
+            if im.mode == "I" or im.mode.startswith("I;16"):
+                values = np.asarray(im).astype(np.int64)
+                if values.size and (values.min() < 0 or values.max() > 65535):
+                    raise RuntimeInputError(
+                        f"{str(path)!r} is a 32-bit integer image with values in [{values.min()}, {values.max()}]; "
+                        "save it as an 8- or 16-bit PNG")
+                im = Image.fromarray(((values + 128) // 257).astype(np.uint8))  # 16 -> 8 bits ("L"), rounded
+            return im.convert(mode)
+    except Image.DecompressionBombError as e:  # Pillow's own refusal, at open: a header claiming > 2 x its limit
+        raise RuntimeInputError(
+            f"{str(path)!r} claims more pixels than any artifact profile allows ({e}); it looks like a "
+            f"decompression bomb: pass a real image of at most {max_w}x{max_h} (WxH)") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise RuntimeInputError(f"cannot read {str(path)!r} as an image ({e}); pass a PNG or JPEG file") from None
 
 
 def image_rows_and_size(image: Any, name: str = "image", mask: bool = False) -> tuple[int, int, int]:
@@ -470,5 +523,6 @@ __all__: Sequence[str] = (
     "image_request",
     "preprocess_image",
     "preprocess_mask",
+    "read_image_file",
     "strength_start",
 )

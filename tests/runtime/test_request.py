@@ -13,7 +13,7 @@ from diffusion_trt.config import Range, ShapeProfile
 from diffusion_trt.errors import RuntimeInputError
 from diffusion_trt.runtime.conditioning import Conditioning, PreparedLatents, TextToImage
 from diffusion_trt.runtime.geometry import LatentGeometry
-from diffusion_trt.runtime.image_inputs import ImageToImage, Inpainting
+from diffusion_trt.runtime.image_inputs import ImageToImage, Inpainting, read_image_file
 from diffusion_trt.runtime.request import Request, RequestSpec
 from diffusion_trt.runtime.sdxl import SdxlConditioning
 
@@ -116,6 +116,22 @@ def test_inpainting_rows_double_the_unet_extra_with_cfg() -> None:
     chunk = prepared.rows(range(1, 2), do_cfg=True)
     assert chunk is not None and chunk.unet_extra is not None and chunk.unet_extra.shape == (2, 5, 2, 2)
     assert chunk.unet_sample(torch.zeros(2, 4, 2, 2)).shape == (2, 9, 2, 2)
+
+
+def test_read_image_file_refuses_with_the_reason(tmp_path: Path) -> None:
+    from PIL import Image
+
+    path = tmp_path / "a.png"
+    Image.new("RGBA", (16, 8)).save(path)
+    with pytest.raises(RuntimeInputError, match="has transparency"):
+        read_image_file(path, "RGB")
+    Image.new("RGB", (16, 8)).save(path)
+    assert read_image_file(path, "RGB").size == (16, 8)
+    with pytest.raises(RuntimeInputError, match=r"is 16x8 \(WxH\), larger than the 8x8"):
+        read_image_file(path, "RGB", (8, 8))
+    (tmp_path / "b.png").write_bytes(b"not an image")
+    with pytest.raises(RuntimeInputError, match="cannot read"):
+        read_image_file(tmp_path / "b.png", "L")
 
 
 def test_the_loop_runs_a_built_request_as_the_pipeline_does(tiny_artifact: Path) -> None:
