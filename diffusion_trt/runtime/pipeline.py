@@ -188,13 +188,15 @@ class EnginePipeline:
         try:
             for name in required:
                 self.engines[name] = self._stack.enter_context(engines[name])
+            unet = self.engines["unet"]
+            channels = unet.spec.input("sample").shape[1]  # read only when the manifest lacks unet_in_channels
+            self.geometry = LatentGeometry.from_manifest(self.manifest, channels)  # type: ignore[arg-type]
         except BaseException:
             self._stack.close()
             raise
         #: engines entered on first use (see LAZY_COMPONENTS)
         self._lazy: dict[str, Engine] = {n: engines[n] for n in LAZY_COMPONENTS if n in engines}
-        self.device: torch.device = self.engines["unet"].device
-        self.geometry = LatentGeometry.from_manifest(self.manifest, self.engines["unet"].spec.input("sample").shape[1])
+        self.device: torch.device = unet.device
         #: SDXL: negative_prompt=None gives zero negative embeddings (model_index.json force_zeros_for_empty_prompt)
         self.request_spec = RequestSpec(self.profile, self.geometry, self.architecture,
                                         bool(model.get("force_zeros_for_empty_prompt", True)))

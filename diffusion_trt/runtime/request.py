@@ -166,16 +166,8 @@ class Request:
             conditioning = _image_conditioning(spec, engines, image, mask_image, strength, latents, steps, batch,
                                                height, width)
             height, width = conditioning.height, conditioning.width  # type: ignore[attr-defined]
-        elif strength is not None:
-            raise RuntimeInputError(
-                f"strength={strength!r} needs image=: it is how much of the start image is re-noised "
-                "(CLI: --image FILE)"
-            )
-        elif spec.geometry.unet_in_channels != spec.geometry.channels:
-            raise RuntimeInputError(
-                f"this artifact's UNet is an inpainting UNet ({spec.geometry.unet_in_channels} input channels: "
-                "latents, mask, masked-image latents); pass image= and mask_image= (CLI: --image FILE --mask FILE)"
-            )
+        else:
+            _check_text_to_image(spec, strength)
         default_h, default_w = spec.default_size
         height, width = spec.geometry.check_size(default_h if height is None else height,
                                                  default_w if width is None else width, spec.profile)
@@ -238,6 +230,20 @@ def _image_conditioning(spec: RequestSpec, engines: Mapping[str, Engine], image:
     return image_request(image, mask_image, strength, num_inference_steps=steps, batch=batch, height=height,
                          width=width, vae_encoder=engines.get("vae_encoder"), geometry=spec.geometry,
                          profile=spec.profile)
+
+
+def _check_text_to_image(spec: RequestSpec, strength: Any) -> None:
+    """Refuse what needs an image: ``strength``, an inpainting UNet."""
+    if strength is not None:
+        raise RuntimeInputError(
+            f"strength={strength!r} needs image=: it is how much of the start image is re-noised "
+            "(CLI: --image FILE)"
+        )
+    if spec.geometry.unet_in_channels != spec.geometry.channels:
+        raise RuntimeInputError(
+            f"this artifact's UNet is an inpainting UNet ({spec.geometry.unet_in_channels} input channels: "
+            "latents, mask, masked-image latents); pass image= and mask_image= (CLI: --image FILE --mask FILE)"
+        )
 
 
 def _chunks(spec: RequestSpec, prompts: int, n_per: int) -> tuple[range, ...]:
