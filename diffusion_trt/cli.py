@@ -497,57 +497,18 @@ def _snap(name: str, value: int | None, lo: int | None = None, hi: int | None = 
 
 
 def _read_image(path: Path, flag: str, mode: str, max_hw: tuple[int, int] | None = None) -> Any:
-    """Open an image file as a PIL image in ``mode`` ("RGB" for --image, "L" for --mask).
-
-    The size in the file's header is checked against ``max_hw`` (height, width: the artifact profile's largest;
-    default :data:`~diffusion_trt.config.MAX_IMAGE_SIZE` squared) before a pixel is decoded, so a decompression
-    bomb (a small file whose header claims 100000x100000) costs nothing. 16-bit grayscale (PIL modes "I;16*", and
-    "I" holding 0..65535) is scaled to 8 bits (``v / 257``) first: a plain ``convert`` clips it to 255 (a white
-    image). Images with transparency are refused, as ``EnginePipeline`` refuses RGBA: dropping the alpha channel
-    would silently change the picture.
+    """``--image`` / ``--mask``: the file as a PIL image in ``mode`` (:func:`~.runtime.image_inputs.read_image_file`).
 
     Raises:
-        click.BadParameter: the file is not an image Pillow can read, is larger than ``max_hw``, has transparency,
-            or holds 32-bit values outside 0..65535.
+        click.BadParameter: naming ``flag``, with the reason the runtime gives.
     """
-    import warnings
+    from .errors import RuntimeInputError
+    from .runtime.image_inputs import read_image_file
 
-    import numpy as np
-    from PIL import Image, UnidentifiedImageError
-
-    from .config import MAX_IMAGE_SIZE
-
-    max_h, max_w = max_hw or (MAX_IMAGE_SIZE, MAX_IMAGE_SIZE)
     try:
-        with warnings.catch_warnings():  # the size is checked below, against the profile: no Pillow warning line
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im_file = Image.open(path)
-        with im_file as im:
-            width, height = im.size  # from the header: nothing is decoded yet
-            if height > max_h or width > max_w:
-                raise click.BadParameter(
-                    f"{str(path)!r} is {width}x{height} (WxH), larger than the {max_w}x{max_h} the artifact's "
-                    "profile allows; resize it into the profile (or recompile with --max-height/--max-width)",
-                    param_hint=flag)
-            if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
-                raise click.BadParameter(
-                    f"{str(path)!r} has transparency (mode {im.mode}), which would be dropped silently; flatten it "
-                    "onto a background first and save it without alpha (RGB PNG or JPEG)", param_hint=flag)
-            if im.mode == "I" or im.mode.startswith("I;16"):
-                values = np.asarray(im).astype(np.int64)
-                if values.size and (values.min() < 0 or values.max() > 65535):
-                    raise click.BadParameter(
-                        f"{str(path)!r} is a 32-bit integer image with values in [{values.min()}, {values.max()}]; "
-                        "save it as an 8- or 16-bit PNG", param_hint=flag)
-                im = Image.fromarray(((values + 128) // 257).astype(np.uint8))  # 16 -> 8 bits ("L"), rounded
-            return im.convert(mode)
-    except Image.DecompressionBombError as e:  # Pillow's own refusal, at open: a header claiming > 2 x its limit
-        raise click.BadParameter(
-            f"{str(path)!r} claims more pixels than any artifact profile allows ({e}); it looks like a "
-            f"decompression bomb: pass a real image of at most {max_w}x{max_h} (WxH)", param_hint=flag) from None
-    except (UnidentifiedImageError, OSError) as e:
-        raise click.BadParameter(f"cannot read {str(path)!r} as an image ({e}); pass a PNG or JPEG file",
-                                 param_hint=flag) from None
+        return read_image_file(path, mode, max_hw)
+    except RuntimeInputError as e:
+        raise click.BadParameter(str(e), param_hint=flag) from None
 
 
 def _profile_max_hw(artifact_dir: Path) -> tuple[int, int] | None:

@@ -42,23 +42,29 @@ def nearest_multiples(value: int, multiple: int) -> tuple[int, int]:
     return below, above
 
 
-def check_image_size(name: str, value: int, lo: int | None = None, hi: int | None = None) -> None:
-    """Raise :class:`RuntimeInputError` unless ``value`` is a multiple of 8 inside ``[lo, hi]``.
+def check_image_size(name: str, value: int, lo: int | None = None, hi: int | None = None, *,
+                     multiple: int = IMAGE_ALIGNMENT) -> None:
+    """Raise :class:`RuntimeInputError` unless ``value`` is a multiple of ``multiple`` inside ``[lo, hi]``.
+
+    The runtime checks a request's size through
+    :meth:`~diffusion_trt.runtime.request.LatentGeometry.check_size` (``multiple`` = the artifact's
+    ``vae_scale_factor``); this checks compile profiles too.
 
     Args:
         name: "height" or "width", used in the message.
         value: size in pixels.
         lo, hi: the engine profile's range in pixels, when known.
+        multiple: the VAE's downsampling factor (8 for SD).
     """
     rng = f" (engine profile allows {lo}..{hi})" if lo is not None and hi is not None else ""
     if value <= 0:
         raise RuntimeInputError(
-            f"{name}={value} must be a positive multiple of {IMAGE_ALIGNMENT}; use e.g. {lo if lo else 512}{rng}"
+            f"{name}={value} must be a positive multiple of {multiple}; use e.g. {lo if lo else 512}{rng}"
         )
-    if value % IMAGE_ALIGNMENT != 0:
-        below, above = nearest_multiples(max(value, 1), IMAGE_ALIGNMENT)
+    if value % multiple != 0:
+        below, above = nearest_multiples(max(value, 1), multiple)
         raise RuntimeInputError(
-            f"{name}={value} is not a positive multiple of {IMAGE_ALIGNMENT}; use {below} or {above}{rng}"
+            f"{name}={value} is not a positive multiple of {multiple}; use {below} or {above}{rng}"
         )
     if lo is not None and hi is not None and not lo <= value <= hi:
         raise RuntimeInputError(

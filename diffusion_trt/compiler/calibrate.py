@@ -7,10 +7,13 @@
                       captured after the last step: latents / scaling_factor              -> VAE decoder feeds
 
 Which pipeline runs: the fp32 **torch** modules the compiler has already loaded (text encoder, UNet, VAE)
-driven by the loop of :mod:`diffusion_trt.runtime.denoise` (its ``tokenize``, ``prepare_latents`` and
-``step_kwargs``, diffusers' scheduler from the model folder), i.e. diffusers' ``StableDiffusionPipeline`` step for
-step. Why not an fp32 artifact through ``EnginePipeline``: the compile would need a second full export first; the
-torch modules are exact fp32 and already in memory. The UNet is a callable (:data:`UNetFn`), so the quality gate
+driven by the runtime's own loop, :func:`diffusion_trt.runtime.denoise.denoise_latents` (with its ``tokenize``,
+``prepare_latents`` and ``step_kwargs``, diffusers' scheduler from the model folder), i.e. diffusers'
+``StableDiffusionPipeline`` step for step. The UNet reaches that loop through :class:`UNetFnEngine`, an engine
+adapter that also records the UNet's inputs at the captured steps. This is the one import the layout allows in
+that direction: ``compiler/`` may import ``runtime/`` (to reuse its loop); ``runtime/`` never imports ``compiler/``.
+Why not an fp32 artifact through ``EnginePipeline``: the compile would need a second full export first; the torch
+modules are exact fp32 and already in memory. The UNet is a callable (:data:`UNetFn`), so the quality gate
 (:mod:`.quantize`) runs the very same loop with an ONNX Runtime session of the quantized graph instead, and the
 UNet's calibration runs it with the fp32 graph being calibrated (``quantize.LoopCalibrator``: one UNet run per
 step gives both the next latents and the tensor statistics, instead of a torch run now and a replay later).
@@ -174,6 +177,74 @@ def ort_unet_fn(session: Any) -> UNetFn:
     return run
 
 
+class UNetFnEngine:
+    """A :class:`~diffusion_trt.runtime.engine.Engine` over a :data:`UNetFn` (a torch module or an ORT session), so the
+    runtime's own loop (:func:`~diffusion_trt.runtime.denoise.denoise_latents`) can denoise with it, and the recorder
+    of what that loop feeds the UNet at the captured steps.
+
+    Each prompt of a group gets its own feeds, in prompt order: with CFG the loop's UNet batch is
+    ``[negative x g; positive x g]``, so prompt ``j``'s rows are ``j`` and ``g + j`` (``[negative; positive]``, the
+    layout of a batch-1 call).
+
+    Args:
+        unet_fn: the UNet to run (CPU tensors in, CPU tensor out).
+        channels: the UNet's ``sample`` channels.
+        wanted: the step indices whose UNet inputs are captured.
+        group: prompts denoised together (g).
+        keep_outputs: also record the UNet's output (before the CFG combine) at captured steps.
+        on_capture: called right after each UNet call at a captured step.
+    """
+
+    def __init__(self, unet_fn: UNetFn, channels: int, wanted: set[int], group: int, *, keep_outputs: bool = False,
+                 on_capture: Callable[[], None] | None = None) -> None:
+        from ..runtime.engine import EngineSpec, TensorInfo
+
+        def info(name: str, shape: tuple[int | str, ...]) -> TensorInfo:  # no profile bound: any batch or size
+            return TensorInfo(name, "float32", shape, tuple(1 for _ in shape), tuple(2**31 - 1 for _ in shape))
+
+        self.spec = EngineSpec(
+            name="unet",
+            inputs=(info("sample", ("B2", channels, "h", "w")), info("timestep", ("B2",)),
+                    info("encoder_hidden_states", ("B2", "S", "D"))),
+            outputs=(info("noise_pred", ("B2", channels, "h", "w")),),
+            derived={},
+        )
+        self.name = "unet"
+        self.device = torch.device("cpu")
+        self.input_names, self.output_names = self.spec.input_names, self.spec.output_names
+        self._fn, self._wanted, self._group = unet_fn, wanted, group
+        self._keep_outputs, self._on_capture = keep_outputs, on_capture
+        self.step = 0
+        self.feeds: list[list[dict[str, np.ndarray]]] = [[] for _ in range(group)]
+        self.outputs: list[list[np.ndarray]] = [[] for _ in range(group)]
+
+    def __enter__(self) -> UNetFnEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def validate(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        return self.spec.validate(feeds, self.device)
+
+    def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One UNet call of the loop: ``noise_pred`` [B2, C, h, w]; at a captured step its inputs are recorded."""
+        sample, timestep, embeds = feeds["sample"], feeds["timestep"], feeds["encoder_hidden_states"]
+        noise_pred = self._fn(sample, timestep, embeds)
+        if self.step in self._wanted:
+            g = self._group
+            for j in range(g):
+                rows = [j, g + j] if sample.shape[0] == 2 * g else [j]
+                self.feeds[j].append({"sample": sample[rows].numpy().copy(), "timestep": timestep[rows].numpy().copy(),
+                                      "encoder_hidden_states": embeds[rows].numpy().copy()})
+                if self._keep_outputs:
+                    self.outputs[j].append(noise_pred[rows].numpy().copy())
+            if self._on_capture is not None:
+                self._on_capture()
+        self.step += 1
+        return {"noise_pred": noise_pred}
+
+
 class Generation:
     """The fp32 text encoder, VAE, tokenizer and scheduler a loop needs, with the UNet passed per run.
 
@@ -182,14 +253,16 @@ class Generation:
         tokenizer: the model's ``CLIPTokenizer``.
         scheduler_config: contents of ``scheduler/scheduler_config.json``.
         vae_scaling_factor: ``vae.config.scaling_factor`` (0.18215 for SD 1.x).
+        vae_scale_factor: pixels per latent pixel (the manifest's ``model.vae_scale_factor``; 8 for SD).
     """
 
     def __init__(self, models: Mapping[str, Any], tokenizer: Any, scheduler_config: Mapping[str, Any],
-                 vae_scaling_factor: float) -> None:
+                 vae_scaling_factor: float, vae_scale_factor: int = 8) -> None:
         self.models = models
         self.tokenizer = tokenizer
         self.scheduler_config = dict(scheduler_config)
         self.vae_scaling_factor = vae_scaling_factor
+        self.vae_scale_factor = vae_scale_factor
 
     def _embeddings(self, prompt: str, do_cfg: bool) -> torch.Tensor:
         from ..runtime.denoise import tokenize
@@ -225,9 +298,9 @@ class Generation:
             decode: also decode each final latent with the fp32 VAE (``CapturedData.images``).
             batch_size: prompts denoised together: one UNet call of batch ``2 * batch_size`` (CFG) per step
                 instead of ``batch_size`` calls of batch 2 (fewer, larger calls: ~15 % less time per image for the
-                SD-1.5 UNet on a 2-core CPU). Each prompt keeps its own scheduler and generator, and the feeds are
-                still captured per prompt, in prompt order: the same feeds as ``batch_size=1`` up to the float
-                rounding of a larger batch (bit-identical for ``batch_size=1``).
+                SD-1.5 UNet on a 2-core CPU). Each prompt keeps its own generator, and the feeds are still captured
+                per prompt, in prompt order: the same feeds as ``batch_size=1`` up to the float rounding of a larger
+                batch (bit-identical for ``batch_size=1``).
             final_latents: run every loop to its end for the VAE decoder feeds. ``False`` stops each loop after its
                 last captured step (the UNet feeds are the same; the UNet calls after it are skipped) and captures
                 no VAE decoder feed; ``decode`` implies ``True``.
@@ -241,71 +314,59 @@ class Generation:
         Raises:
             RuntimeInputError: ``batch_size`` < 1.
         """
-        from ..runtime.denoise import prepare_latents, step_kwargs
-        from ..runtime.schedulers import make_scheduler
-
         if batch_size < 1:
             raise RuntimeInputError(f"calibration batch_size={batch_size} must be >= 1")
-        final_latents = final_latents or decode
-        unet_fn = unet_fn or torch_unet_fn(self.models["unet"])
-        unet_cfg = self.models["unet"].config
-        channels = int(unet_cfg.in_channels)
         out = CapturedData()
-        do_cfg = settings.guidance_scale > 1.0
-        wanted = set(capture_indices(settings.num_inference_steps, settings.steps))
-        template = make_scheduler(self.scheduler_config)
-        shape = (1, channels, settings.height // 8, settings.width // 8)
         t_start = time.perf_counter()
         for first in range(0, len(prompts), batch_size):
             group = list(prompts[first:first + batch_size])
-            # 1. encode prompts: [negative; positive] per prompt, prompts one after the other
-            embeds = torch.cat([self._embeddings(prompt, do_cfg) for prompt in group])
-            # 2. prepare latents: a scheduler and a generator per prompt, as if each ran alone
-            schedulers, latents, extras = [], [], []
-            for index in range(first, first + len(group)):
-                scheduler = type(template).from_config(template.config)
-                scheduler.set_timesteps(settings.num_inference_steps, device="cpu")
-                generator = torch.Generator(device="cpu").manual_seed(settings.seed + index)
-                latents.append(prepare_latents(scheduler, shape, torch.float32, torch.device("cpu"), generator))
-                extras.append(step_kwargs(scheduler, generator, 0.0))
-                schedulers.append(scheduler)
-            timesteps = schedulers[0].timesteps
-            last = len(timesteps) - 1 if final_latents else min(max(wanted), len(timesteps) - 1)
-            feeds: list[list[dict[str, np.ndarray]]] = [[] for _ in group]
-            preds: list[list[np.ndarray]] = [[] for _ in group]
-            # 3. denoise (the prompts of the group in lockstep), capturing the UNet's inputs at the wanted steps
-            for i, t in enumerate(timesteps[:last + 1]):
-                model_input = torch.cat([
-                    s.scale_model_input(torch.cat([x] * 2) if do_cfg else x, t)
-                    for s, x in zip(schedulers, latents, strict=True)
-                ])
-                timestep = t.to(torch.float32).expand(model_input.shape[0]).contiguous()
-                noise_pred = unet_fn(model_input, timestep, embeds)
-                rows = model_input.shape[0] // len(group)
-                for j, (scheduler, extra) in enumerate(zip(schedulers, extras, strict=True)):
-                    part = slice(j * rows, (j + 1) * rows)
-                    pred = noise_pred[part]
-                    if i in wanted:
-                        feeds[j].append({"sample": model_input[part].numpy().copy(),
-                                         "timestep": timestep[part].numpy().copy(),
-                                         "encoder_hidden_states": embeds[part].numpy().copy()})
-                        if keep_outputs:
-                            preds[j].append(pred.numpy().copy())
-                    if do_cfg:
-                        uncond, text = pred.chunk(2)
-                        pred = uncond + settings.guidance_scale * (text - uncond)
-                    latents[j] = scheduler.step(pred, t, latents[j], **extra, return_dict=False)[0]
-                if i in wanted and on_capture is not None:
-                    on_capture()
+            latents, engine, calls = self._denoise_group(
+                group, first, settings, unet_fn, keep_outputs=keep_outputs, final_latents=final_latents or decode,
+                on_capture=on_capture)
             for j in range(len(group)):
-                out.feeds["unet"].extend(feeds[j])
-                out.noise_preds.extend(preds[j])
-                if final_latents:
+                out.feeds["unet"].extend(engine.feeds[j])
+                out.noise_preds.extend(engine.outputs[j])
+                if final_latents or decode:
                     # 4. what the VAE decoder sees
-                    latent_sample = latents[j] / self.vae_scaling_factor
+                    latent_sample = latents[j : j + 1] / self.vae_scaling_factor
                     out.feeds["vae_decoder"].append({"latent_sample": latent_sample.numpy().copy()})
                     if decode:
                         out.images.append(self.decode(latent_sample))
             logger.debug("loop: prompts %d..%d of %d done, %d UNet calls each, %.1f s so far", first + 1,
-                         first + len(group), len(prompts), last + 1, time.perf_counter() - t_start)
+                         first + len(group), len(prompts), calls, time.perf_counter() - t_start)
         return out
+
+    def _denoise_group(
+        self, group: Sequence[str], first: int, settings: LoopSettings, unet_fn: UNetFn | None, *,
+        keep_outputs: bool, final_latents: bool, on_capture: Callable[[], None] | None,
+    ) -> tuple[torch.Tensor, UNetFnEngine, int]:
+        """The prompts ``group`` (prompt ``first + j`` seeded ``seed + first + j``) denoised together by the
+        runtime's loop; returns (final latents [g, C, h, w], the UNet adapter with its captured feeds, UNet calls)."""
+        from ..runtime.denoise import denoise_latents, host_timesteps, prepare_latents, step_kwargs
+        from ..runtime.schedulers import make_scheduler
+
+        do_cfg = settings.guidance_scale > 1.0
+        wanted = set(capture_indices(settings.num_inference_steps, settings.steps))
+        channels = int(self.models["unet"].config.in_channels)
+        f = self.vae_scale_factor
+        shape = (1, channels, settings.height // f, settings.width // f)
+        # 1. encode prompts: [negative; positive] per prompt, then the loop's layout [negatives; positives]
+        per_prompt = [self._embeddings(prompt, do_cfg) for prompt in group]
+        embeds = torch.cat([e[:1] for e in per_prompt] + [e[1:] for e in per_prompt]) if do_cfg else torch.cat(
+            per_prompt)
+        # 2. prepare latents: a generator per prompt, drawn as if each prompt ran alone
+        scheduler = make_scheduler(self.scheduler_config)
+        scheduler.set_timesteps(settings.num_inference_steps, device="cpu")
+        generators = [torch.Generator(device="cpu").manual_seed(settings.seed + first + j) for j in range(len(group))]
+        latents = torch.cat([prepare_latents(scheduler, shape, torch.float32, torch.device("cpu"), g)
+                             for g in generators])
+        timesteps = host_timesteps(scheduler)
+        last = len(timesteps) - 1 if final_latents else min(max(wanted), len(timesteps) - 1)
+        # 3. denoise with the runtime's loop, the adapter capturing the UNet's inputs at the wanted steps
+        engine = UNetFnEngine(unet_fn or torch_unet_fn(self.models["unet"]), channels, wanted, len(group),
+                              keep_outputs=keep_outputs, on_capture=on_capture)
+        generator = generators[0] if len(generators) == 1 else generators
+        final = denoise_latents(unet=engine, scheduler=scheduler, prompt_embeds=embeds, latents=latents,
+                                timesteps=timesteps[: last + 1], guidance_scale=settings.guidance_scale,
+                                extra=step_kwargs(scheduler, generator, 0.0))
+        return final, engine, last + 1

@@ -39,6 +39,7 @@ import torch
 from ..config import ShapeProfile
 from ..errors import RuntimeInputError
 from .engine import EngineBase, EngineSpec, TensorInfo
+from .geometry import LatentGeometry
 
 logger = logging.getLogger(__name__)
 
@@ -330,7 +331,7 @@ def bucket_engines(
     if buckets is None:
         return out
     profile = ShapeProfile.from_json(manifest["profile"])
-    scale = int(manifest.get("model", {}).get("vae_scale_factor", 8))
+    scale = LatentGeometry.from_manifest(manifest).scale_factor
     buckets.check(profile, scale)
     if profile.is_static():
         logger.warning("size buckets %s: the artifact's profile is static already; nothing to specialise",

@@ -1,13 +1,17 @@
-"""The text-to-image denoising loop on compiled engines, step for step as diffusers' StableDiffusionPipeline.
+"""The denoising loop on compiled engines, step for step as diffusers' pipelines: :func:`generate`.
 
-Reproduces ``diffusers.StableDiffusionPipeline.__call__`` (diffusers 0.3x-0.4x) for the same seed,
+One loop serves every mode: a checked :class:`~.request.Request` carries its :class:`~.conditioning.Conditioning`
+(text-to-image, image-to-image, inpainting, SDXL), which decides the schedule's start, the initial latents, the
+prompt encoding and what each step adds; the loop itself has no mode flags.
+
+Text-to-image reproduces ``diffusers.StableDiffusionPipeline.__call__`` (diffusers 0.3x-0.4x) for the same seed,
 scheduler and steps: CLIP tokenisation padded to 77, the negative prompt "" by default, prompt embeddings
 repeated per image, classifier-free guidance (CFG) as ONE batch ``[negative; positive]`` when
 ``guidance_scale > 1``, latents from ``diffusers.utils.torch_utils.randn_tensor`` times
 ``scheduler.init_noise_sigma``, timesteps as diffusers' ``retrieve_timesteps`` sets them, the scheduler's own
 ``scale_model_input`` and ``step``, and decoding of ``latents / scaling_factor``. Image-to-image and inpainting run
 the same loop from a later step with the image's latents (and, for inpainting, the mask): see
-:mod:`.image_inputs` (``text_to_image(image_request=...)``).
+:mod:`.image_inputs`; SDXL encodes with two text encoders and adds UNet inputs: see :mod:`.sdxl`.
 
 Beyond diffusers:
 
@@ -45,6 +49,7 @@ import inspect
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -52,12 +57,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import RuntimeInputError
-from .batching import plan_chunks
 from .cuda import HostBuffers, HostImageSink, images_float, images_uint8, nvtx_range, to_pil
 from .engine import Engine
 
 if TYPE_CHECKING:
-    from .sdxl import SdxlConditioning
+    from .conditioning import ChunkConditioning
+    from .request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -327,7 +332,7 @@ def denoise_latents(
     extra: dict[str, Any],
     bar: Any = None,
     callback: StepCallback | None = None,
-    conditioning: Any = None,
+    conditioning: ChunkConditioning | None = None,
     added_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The denoising loop of one chunk; the scheduler has had ``set_timesteps``.
@@ -341,7 +346,7 @@ def denoise_latents(
         guidance_scale: CFG scale; > 1 means CFG (B2 = 2b).
         extra: scheduler step kwargs (:func:`step_kwargs`).
         bar: a tqdm bar updated once per step, or ``None``.
-        conditioning: inpainting: a :class:`~.image_inputs.ChunkConditioning` (the 9-channel UNet input, or the
+        conditioning: inpainting: a :class:`~.conditioning.ChunkConditioning` (the 9-channel UNet input, or the
             4-channel blend after each step); ``None`` for text-to-image and image-to-image.
         added_inputs: further UNet inputs, the same every step (SDXL: ``text_embeds`` [B2, E] and ``time_ids``
             [B2, 6], see :mod:`.sdxl`); ``None`` for SD 1.x/2.x.
@@ -418,71 +423,106 @@ def fresh_scheduler(scheduler: Any) -> Any:
     return type(scheduler).from_config(scheduler.config)
 
 
-def text_to_image(
-    *,
-    text_encoder: Engine,
-    unet: Engine,
-    vae_decoder: Engine | None,
-    tokenizer: Any,
-    scheduler: Any,
-    prompts: Sequence[str],
-    negative_prompts: Sequence[str],
-    num_images_per_prompt: int,
-    height: int,
-    width: int,
-    num_inference_steps: int,
-    guidance_scale: float,
-    generator: Generator,
-    latents: torch.Tensor | None,
-    eta: float,
-    num_channels_latents: int,
-    vae_scale_factor: int,
-    vae_scaling_factor: float,
-    output_type: str = "pt",
-    chunks: Sequence[range] | None = None,
-    embedding_cache: EmbeddingCache | None = None,
-    host_buffers: HostBuffers | None = None,
-    copy_stream: Any = None,
-    progress: bool = True,
-    callback: StepCallback | None = None,
-    image_request: Any = None,
-    sdxl: SdxlConditioning | None = None,
-) -> Any:
-    """Run the whole text-to-image request; arguments are assumed validated (see ``EnginePipeline.__call__``).
+@dataclass(frozen=True)
+class LoopEngines:
+    """What the loop runs on: the engines of one pipeline, its tokenizer and its reusable state.
 
-    Args:
-        prompts, negative_prompts: P strings each (negatives ignored when ``guidance_scale <= 1``).
-        latents: optional initial noise [P*N, C, h, w] (before ``init_noise_sigma``).
-        vae_decoder: the VAE decoder; may be ``None`` only with ``output_type="latent"``.
-        output_type: "pil" (list of B ``PIL.Image``), "np" (float32 [B, H, W, 3] in [0, 1]), "pt" (float
-            [B, 3, H, W] in [0, 1] on the device) or "latent" (final latents [B, C, h, w] on the device).
-        chunks: contiguous image ranges run one after another (:func:`~.batching.plan_chunks`); ``None`` =
-            the engines' batch profile decides (one chunk when B fits).
+    Attributes:
+        text_encoder, unet: the engines (SDXL's second text encoder rides in the request's conditioning).
+        vae_decoder: the VAE decoder; ``None`` only for ``output_type="latent"``.
+        tokenizer: the ``CLIPTokenizer`` of ``text_encoder``.
+        scaling_factor: ``vae.config.scaling_factor``: latents are decoded as ``latents / scaling_factor``.
         embedding_cache: negative-prompt embeddings cache, or ``None``.
         host_buffers: where "pil"/"np" results land (pinned on CUDA, reused across calls); ``None`` = fresh.
         copy_stream: CUDA side stream for the device->host copies (overlap the next chunk); ``None`` = the
             current stream.
-        image_request: image-to-image / inpainting: a checked :class:`~.image_inputs.ImageRequest` (the schedule
-            starts at its strength, the initial latents come from its image); ``None`` = text-to-image.
-        sdxl: an SDXL artifact's second text encoder, texts and time ids (:class:`.sdxl.SdxlConditioning`): the
-            prompt is encoded the SDXL way and the UNet gets ``text_embeds``/``time_ids``; ``None`` for SD 1.x/2.x.
+    """
+
+    text_encoder: Engine
+    unet: Engine
+    vae_decoder: Engine | None
+    tokenizer: Any
+    scaling_factor: float
+    embedding_cache: EmbeddingCache | None = None
+    host_buffers: HostBuffers | None = None
+    copy_stream: Any = None
+
+
+def generate(request: Request, engines: LoopEngines, scheduler: Any) -> Any:
+    """Run a whole checked request (:meth:`~.request.Request.build`) in any mode: the loop written out once.
+
+    Args:
+        request: the checked call (prompts, sizes, steps, generator, chunks, mode's conditioning, output type).
+        engines: the engines and state it runs on.
+        scheduler: a fresh diffusers scheduler (its ``set_timesteps`` is called here).
 
     Returns:
-        The images in ``output_type`` (host results are copies the caller owns; "pt"/"latent" are fresh
-        device tensors), B = P x N images, prompt-major.
+        The images in ``request.output_type``: "pil" (list of B ``PIL.Image``), "np" (float32 [B, H, W, 3] in
+        [0, 1]), "pt" (float [B, 3, H, W] in [0, 1] on the device) or "latent" (final latents [B, C, h, w] on the
+        device); host results are copies the caller owns, "pt"/"latent" fresh device tensors; B = P x N images,
+        prompt-major.
+
+    Raises:
+        RuntimeInputError: ``num_inference_steps`` the scheduler cannot run (:func:`set_schedule`).
     """
+    unet = engines.unet
     device = unet.device
-    do_cfg = guidance_scale > 1.0
-    batch = len(prompts) * num_images_per_prompt
+    cond = request.conditioning
     sample_dtype = unet.spec.input("sample").torch_dtype
     text_dtype = unet.spec.input("encoder_hidden_states").torch_dtype
-    if chunks is None:
-        chunks = plan_chunks(batch, *engine_batch_range(unet, vae_decoder, do_cfg))
-
     # 0. timesteps (what diffusers' retrieve_timesteps does without custom timesteps/sigmas) and 1. latents
     # of the WHOLE request, drawn once (the generator stream of one diffusers call) and sliced per chunk. Both
     # copy host->device blockingly, so they come before any engine work is queued (neither encoding the
     # prompt nor setting timesteps draws random numbers: the order does not change the images).
+    timesteps = set_schedule(scheduler, request.num_inference_steps, device)
+    timesteps, begin_index = cond.start(scheduler, request.num_inference_steps, timesteps)
+    timestep_values = timesteps.to(device=device, dtype=torch.float32)
+    prepared = cond.prepare(scheduler, timesteps, request.latent_shape, sample_dtype, device, request.generator,
+                            request.latents)
+    # 2. encode prompt: one text-encoder run over the distinct texts, then one row per image
+    n = request.num_images_per_prompt
+    positive, negative, added = cond.encode(engines.text_encoder, engines.tokenizer, request.prompts,
+                                            request.negative_prompts if request.do_cfg else None, text_dtype,
+                                            engines.embedding_cache)
+    positive = positive.repeat_interleave(n, dim=0)
+    negative = negative.repeat_interleave(n, dim=0) if negative is not None else None
+    added = added.repeat_interleave(n) if added is not None else None
+    sink = _host_sink(request, engines, device)
+    parts: list[torch.Tensor] = []
+    nonfinite: torch.Tensor | None = None  # device flag: any image (or final latents) with NaN/Inf
+
+    # 3. denoise, 4. decode: chunk after chunk
+    with tqdm(total=len(timesteps) * len(request.chunks), disable=not request.progress, desc="denoise",
+              unit="step") as bar:
+        for k, rows in enumerate(request.chunks):
+            sched = scheduler if k == 0 else _chunk_scheduler(scheduler, request.num_inference_steps, begin_index,
+                                                              device)
+            embeds = positive[rows.start : rows.stop]
+            if negative is not None:
+                embeds = torch.cat([negative[rows.start : rows.stop], embeds])
+            with nvtx_range(f"denoise chunk {k}", device):
+                final = denoise_latents(
+                    unet=unet, scheduler=sched, prompt_embeds=embeds, latents=prepared.latents[rows.start : rows.stop],
+                    timesteps=timesteps, timestep_values=timestep_values, guidance_scale=request.guidance_scale,
+                    extra=step_kwargs(sched, _chunk_generator(request, rows), request.eta), bar=bar,
+                    callback=request.callback, conditioning=prepared.rows(rows, request.do_cfg),
+                    added_inputs=None if added is None else added.unet_inputs(rows, unet),
+                )
+            nonfinite = _finish_chunk(final, rows, request.output_type, engines, sink, parts, nonfinite)
+    _warn_nonfinite(nonfinite)
+    if sink is None:
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    host = sink.finish().numpy()
+    return to_pil(host) if request.output_type == "pil" else host.copy()  # the host buffer is reused by the next call
+
+
+def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device) -> torch.Tensor:
+    """``scheduler.set_timesteps(num_inference_steps)``; returns the schedule as a CPU tensor (:func:`host_timesteps`).
+
+    Raises:
+        RuntimeInputError: more steps than the scheduler's training timesteps, steps it refuses, or a schedule that
+            would step past its last training timestep (PNDM/DDIM with ``steps_offset=1`` at 1000 steps).
+    """
     train = int(getattr(scheduler.config, "num_train_timesteps", 1000))
     if num_inference_steps > train:  # before set_timesteps: 10**9 steps would allocate gigabytes there
         raise RuntimeInputError(f"num_inference_steps={num_inference_steps} is more than the {train} timesteps "
@@ -501,85 +541,52 @@ def text_to_image(
             f"num_inference_steps={num_inference_steps} makes {type(scheduler).__name__} (steps_offset={offset}) "
             f"step from timestep {int(timesteps.max())}, past its {train} training timesteps (its step would index "
             f"out of range); use at most {train - max(offset, 1)}")
-    begin_index: int | None = None
-    if image_request is not None:  # diffusers' get_timesteps: strength drops the first steps
-        timesteps, begin_index = image_request.start(scheduler, num_inference_steps, timesteps)
-    timestep_values = timesteps.to(device=device, dtype=torch.float32)
-    shape = (batch, num_channels_latents, height // vae_scale_factor, width // vae_scale_factor)
-    conditioning = None
-    if image_request is None:
-        all_latents = prepare_latents(scheduler, shape, sample_dtype, device, generator, latents)
-    else:  # the image's latents, noised to the first timestep (and the inpainting mask tensors)
-        conditioning = image_request.prepare(scheduler, timesteps, shape, sample_dtype, device, generator)
-        all_latents = conditioning.latents
+    return timesteps
 
-    # 2. encode prompt: one text-encoder run over the distinct texts, then one row per image
-    if sdxl is None:
-        positive, negative = encode_prompt_embeds(
-            text_encoder, tokenizer, prompts, negative_prompts if do_cfg else None, text_dtype, embedding_cache
-        )
-        added = None
-    else:  # SDXL: both text encoders, pooled text_embeds and time_ids (see runtime/sdxl.py)
-        positive, negative, added = sdxl.encode(
-            text_encoder, tokenizer, prompts, negative_prompts if do_cfg else None, text_dtype, embedding_cache
-        )
-        added = added.repeat_interleave(num_images_per_prompt)
-    positive = positive.repeat_interleave(num_images_per_prompt, dim=0)
-    negative = negative.repeat_interleave(num_images_per_prompt, dim=0) if negative is not None else None
-    per_image_generators = isinstance(generator, list) and len(generator) == batch and batch > 1
 
-    sink: HostImageSink | None = None
-    if output_type in ("pil", "np"):
-        buffers = host_buffers or HostBuffers(pin=device.type == "cuda")
-        rows_shape = (batch, height, width, 3)
-        dtype = torch.uint8 if output_type == "pil" else torch.float32
-        sink = HostImageSink(rows_shape, dtype, buffers, device, copy_stream)
-    parts: list[torch.Tensor] = []
-    nonfinite: torch.Tensor | None = None  # device flag: any image (or final latents) with NaN/Inf
+def _chunk_scheduler(scheduler: Any, num_inference_steps: int, begin_index: int | None, device: torch.device) -> Any:
+    """A fresh scheduler for a chunk after the first, at the request's schedule (and strength's begin index)."""
+    sched = fresh_scheduler(scheduler)
+    sched.set_timesteps(num_inference_steps, device=device)
+    if begin_index is not None and hasattr(sched, "set_begin_index"):
+        sched.set_begin_index(begin_index)
+    return sched
 
-    # 3. denoise, 4. decode: chunk after chunk
-    with tqdm(total=len(timesteps) * len(chunks), disable=not progress, desc="denoise", unit="step") as bar:
-        for k, rows in enumerate(chunks):
-            sched = scheduler if k == 0 else fresh_scheduler(scheduler)
-            if k > 0:
-                sched.set_timesteps(num_inference_steps, device=device)
-                if begin_index is not None and hasattr(sched, "set_begin_index"):
-                    sched.set_begin_index(begin_index)
-            gen = generator[rows.start : rows.stop] if per_image_generators else generator  # type: ignore[index]
-            embeds = positive[rows.start : rows.stop]
-            if negative is not None:
-                embeds = torch.cat([negative[rows.start : rows.stop], embeds])
-            with nvtx_range(f"denoise chunk {k}", device):
-                final = denoise_latents(
-                    unet=unet,
-                    scheduler=sched,
-                    prompt_embeds=embeds,
-                    latents=all_latents[rows.start : rows.stop],
-                    timesteps=timesteps,
-                    timestep_values=timestep_values,
-                    guidance_scale=guidance_scale,
-                    extra=step_kwargs(sched, gen, eta),
-                    bar=bar,
-                    callback=callback,
-                    conditioning=None if conditioning is None else conditioning.rows(rows, do_cfg),
-                    added_inputs=None if added is None else added.unet_inputs(rows, unet),
-                )
-            if output_type == "latent":
-                nonfinite = _nonfinite_flag(final, nonfinite)
-                parts.append(final)
-                continue
-            assert vae_decoder is not None
-            with nvtx_range("vae_decode", device):
-                image = decode_latents(vae_decoder, final, vae_scaling_factor)
-                nonfinite = _nonfinite_flag(image, nonfinite)
-            with nvtx_range("postprocess", device):
-                if sink is None:  # "pt": a fresh tensor, the VAE buffer is overwritten by the next chunk
-                    parts.append((image * 0.5 + 0.5).clamp(0, 1))
-                else:
-                    sink.write(rows.start, images_uint8(image) if output_type == "pil" else images_float(image))
 
-    _warn_nonfinite(nonfinite)
-    if sink is None:
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-    host = sink.finish().numpy()
-    return to_pil(host) if output_type == "pil" else host.copy()  # the host buffer is reused by the next call
+def _chunk_generator(request: Request, rows: range) -> Generator:
+    """The generator(s) the scheduler steps of images ``rows`` draw from: their own with one per image, else all."""
+    generator, batch = request.generator, request.batch
+    if isinstance(generator, list) and len(generator) == batch and batch > 1:
+        return generator[rows.start : rows.stop]
+    return generator
+
+
+def _host_sink(request: Request, engines: LoopEngines, device: torch.device) -> HostImageSink | None:
+    """Where "pil"/"np" images land on the host (``None`` for "pt"/"latent")."""
+    if request.output_type not in ("pil", "np"):
+        return None
+    buffers = engines.host_buffers or HostBuffers(pin=device.type == "cuda")
+    dtype = torch.uint8 if request.output_type == "pil" else torch.float32
+    return HostImageSink((request.batch, request.height, request.width, 3), dtype, buffers, device,
+                         engines.copy_stream)
+
+
+def _finish_chunk(final: torch.Tensor, rows: range, output_type: str, engines: LoopEngines,
+                  sink: HostImageSink | None, parts: list[torch.Tensor],
+                  nonfinite: torch.Tensor | None) -> torch.Tensor:
+    """4. decode the chunk's final latents [b, C, h, w] (unless "latent") into ``sink`` or ``parts``; returns the
+    running NaN/Inf device flag."""
+    device = engines.unet.device
+    if output_type == "latent":
+        parts.append(final)
+        return _nonfinite_flag(final, nonfinite)
+    assert engines.vae_decoder is not None
+    with nvtx_range("vae_decode", device):
+        image = decode_latents(engines.vae_decoder, final, engines.scaling_factor)
+        nonfinite = _nonfinite_flag(image, nonfinite)
+    with nvtx_range("postprocess", device):
+        if sink is None:  # "pt": a fresh tensor, the VAE buffer is overwritten by the next chunk
+            parts.append((image * 0.5 + 0.5).clamp(0, 1))
+        else:
+            sink.write(rows.start, images_uint8(image) if output_type == "pil" else images_float(image))
+    return nonfinite

@@ -15,7 +15,8 @@ Step for step as diffusers 0.42 (same seed, scheduler and steps -> same images):
 Images and masks are read by diffusers' own ``VaeImageProcessor`` (``diffusers/image_processor.py``), so they are
 accepted as diffusers accepts them: a ``PIL.Image``, a float numpy array [H, W, C] / [N, H, W, C] in [0, 1], a
 float torch tensor [C, H, W] / [N, C, H, W] in [0, 1] (or [-1, 1]), or a list of them; a mask may also be
-single-channel ([H, W], [N, H, W], ...). Unlike diffusers, nothing is resized: an image whose size is not a
+single-channel ([H, W], [N, H, W], ...); image files are read by :func:`read_image_file` (the CLI's ``--image`` /
+``--mask``). Unlike diffusers, nothing is resized: an image whose size is not a
 multiple of 8, a mask of another size, or values outside the expected range are refused with the fix.
 
 Shapes: ``n`` images given, ``B`` images generated (prompts x images per prompt; ``B % n == 0``, rows tiled
@@ -25,16 +26,22 @@ as diffusers does), ``H``/``W`` pixels, ``h = H / 8``, ``w = W / 8``.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from ..config import MAX_IMAGE_SIZE
 from ..errors import RuntimeInputError
+from .conditioning import PreparedLatents, TextToImage
 from .denoise import Generator, _run_rows
 from .engine import Engine
+
+if TYPE_CHECKING:
+    from .geometry import LatentGeometry
 
 #: diffusers' defaults: StableDiffusionImg2ImgPipeline strength=0.8, StableDiffusionInpaintPipeline strength=1.0.
 DEFAULT_IMG2IMG_STRENGTH = 0.8
@@ -95,6 +102,56 @@ def _item_nhw(x: Any, name: str, mask: bool) -> tuple[int, int, int]:
     raise RuntimeInputError(f"{name} has shape {list(shape)}; a {kind} {'mask' if mask else 'image'} is {layout}")
 
 
+def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, int] | None = None) -> Any:
+    """Open an image file as a PIL image in ``mode`` ("RGB" for an image, "L" for a mask; CLI ``--image`` /
+    ``--mask``).
+
+    The size in the file's header is checked against ``max_hw`` (height, width: the artifact profile's largest;
+    default :data:`~diffusion_trt.config.MAX_IMAGE_SIZE` squared) before a pixel is decoded, so a decompression
+    bomb (a small file whose header claims 100000x100000) costs nothing. 16-bit grayscale (PIL modes "I;16*", and
+    "I" holding 0..65535) is scaled to 8 bits (``v / 257``) first: a plain ``convert`` clips it to 255 (a white
+    image). Images with transparency are refused, as ``EnginePipeline`` refuses RGBA: dropping the alpha channel
+    would silently change the picture.
+
+    Raises:
+        RuntimeInputError: the file is not an image Pillow can read, is larger than ``max_hw``, has transparency,
+            or holds 32-bit values outside 0..65535.
+    """
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    max_h, max_w = max_hw or (MAX_IMAGE_SIZE, MAX_IMAGE_SIZE)
+    try:
+        with warnings.catch_warnings():  # the size is checked below, against the profile: no Pillow warning line
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im_file = Image.open(path)
+        with im_file as im:
+            width, height = im.size  # from the header: nothing is decoded yet
+            if height > max_h or width > max_w:
+                raise RuntimeInputError(
+                    f"{str(path)!r} is {width}x{height} (WxH), larger than the {max_w}x{max_h} the artifact's "
+                    "profile allows; resize it into the profile (or recompile with --max-height/--max-width)")
+            if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
+                raise RuntimeInputError(
+                    f"{str(path)!r} has transparency (mode {im.mode}), which would be dropped silently; flatten it "
+                    "onto a background first and save it without alpha (RGB PNG or JPEG)")
+            if im.mode == "I" or im.mode.startswith("I;16"):
+                values = np.asarray(im).astype(np.int64)
+                if values.size and (values.min() < 0 or values.max() > 65535):
+                    raise RuntimeInputError(
+                        f"{str(path)!r} is a 32-bit integer image with values in [{values.min()}, {values.max()}]; "
+                        "save it as an 8- or 16-bit PNG")
+                im = Image.fromarray(((values + 128) // 257).astype(np.uint8))  # 16 -> 8 bits ("L"), rounded
+            return im.convert(mode)
+    except Image.DecompressionBombError as e:  # Pillow's own refusal, at open: a header claiming > 2 x its limit
+        raise RuntimeInputError(
+            f"{str(path)!r} claims more pixels than any artifact profile allows ({e}); it looks like a "
+            f"decompression bomb: pass a real image of at most {max_w}x{max_h} (WxH)") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise RuntimeInputError(f"cannot read {str(path)!r} as an image ({e}); pass a PNG or JPEG file") from None
+
+
 def image_rows_and_size(image: Any, name: str = "image", mask: bool = False) -> tuple[int, int, int]:
     """The number of images ``n`` and their size (H, W) in pixels, as diffusers' processor would read them.
 
@@ -118,33 +175,13 @@ def image_rows_and_size(image: Any, name: str = "image", mask: bool = False) -> 
     return sum(s[0] for s in sizes), sizes[0][1], sizes[0][2]
 
 
-def check_image_hw(name: str, height: int, width: int, vae_scale_factor: int, profile: Any) -> None:
-    """Refuse an image size that is not a multiple of ``vae_scale_factor`` or outside the engine profile.
-
-    Raises:
-        RuntimeInputError: naming the size, the nearest valid sizes and the profile's range.
-    """
-    f = vae_scale_factor
-    for what, v, rng in (("height", height, profile.height), ("width", width, profile.width)):
-        if v % f:
-            lo = max(f, v // f * f)
-            raise RuntimeInputError(
-                f"{name} {what}={v} is not a multiple of {f} (the VAE downsamples by {f}); resize or crop the image "
-                f"to {lo} or {lo + f} (engine profile allows {rng.min}..{rng.max})"
-            )
-        if not rng.min <= v <= rng.max:
-            raise RuntimeInputError(
-                f"{name} {what}={v} is outside the engine profile {rng.min}..{rng.max}; resize the image into that "
-                f"range or recompile with --min-{what}/--max-{what}"
-            )
-
-
 def preprocess_image(image: Any, vae_scale_factor: int = 8) -> torch.Tensor:
     """An image batch as the VAE encoder takes it: float32 [n, 3, H, W] in [-1, 1] on the CPU.
 
     diffusers' ``VaeImageProcessor(vae_scale_factor).preprocess`` (``diffusers/image_processor.py``): PIL ->
     /255, numpy [0, 1] -> tensor, then ``2x - 1`` unless the values are already below 0 ([-1, 1] tensors).
-    Call :func:`image_rows_and_size` and :func:`check_image_hw` first (the processor would resize silently).
+    Call :func:`image_rows_and_size` and :meth:`~.geometry.LatentGeometry.check_size` first (the processor would
+    resize silently).
 
     Raises:
         RuntimeInputError: not 3 channels (e.g. RGBA, or 4-channel latents), or values outside [-1, 1].
@@ -267,70 +304,10 @@ def _tile(x: torch.Tensor, batch: int) -> torch.Tensor:
     return x if x.shape[0] == batch else x.repeat(batch // x.shape[0], *([1] * (x.ndim - 1)))
 
 
-@dataclass
-class ChunkConditioning:
-    """What the denoising loop of one chunk of b images adds to text-to-image.
-
-    Attributes:
-        unet_extra: inpainting UNet (9 channels): ``cat([mask, masked_image_latents], 1)`` [B2, 5, h, w] (CFG rows
-            duplicated); ``None`` otherwise.
-        mask, image_latents, noise: 4-channel inpainting: [b, 1, h, w], [b, 4, h, w], [b, 4, h, w] for the
-            per-step blend; ``None`` otherwise.
-    """
-
-    unet_extra: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    image_latents: torch.Tensor | None = None
-    noise: torch.Tensor | None = None
-
-    def unet_sample(self, latent_model_input: torch.Tensor) -> torch.Tensor:
-        """The UNet's ``sample`` after ``scale_model_input``: [B2, 9, h, w] for an inpainting UNet, else unchanged."""
-        if self.unet_extra is None:
-            return latent_model_input
-        return torch.cat([latent_model_input, self.unet_extra.to(latent_model_input.dtype)], dim=1)
-
-    def after_step(self, scheduler: Any, latents: torch.Tensor, i: int, timesteps: torch.Tensor) -> torch.Tensor:
-        """4-channel inpainting: keep the unmasked area on the image's noise trajectory (diffusers' inpaint loop)."""
-        if self.image_latents is None:
-            return latents
-        proper = self.image_latents
-        if i < len(timesteps) - 1:
-            proper = scheduler.add_noise(proper, self.noise, timesteps[i + 1 : i + 2])
-        return (1 - self.mask) * proper + self.mask * latents
-
-
-@dataclass
-class Conditioning:
-    """The initial latents of a request and, for inpainting, the tensors every step needs (B rows each).
-
-    Attributes:
-        latents: [B, 4, h, w] initial latents (noised image latents, or noise times ``init_noise_sigma``).
-        mask: [B, 1, h, w] mask at latent size (inpainting), else ``None``.
-        masked_image_latents: [B, 4, h, w] (inpainting UNet), else ``None``.
-        image_latents, noise: [B, 4, h, w] (4-channel inpainting blend), else ``None``.
-    """
-
-    latents: torch.Tensor
-    mask: torch.Tensor | None = None
-    masked_image_latents: torch.Tensor | None = None
-    image_latents: torch.Tensor | None = None
-    noise: torch.Tensor | None = None
-
-    def rows(self, rows: range, do_cfg: bool) -> ChunkConditioning:
-        """The tensors of images ``rows`` (CFG doubles the UNet's extra input, negative rows first)."""
-        sl = slice(rows.start, rows.stop)
-        chunk = ChunkConditioning()
-        if self.masked_image_latents is not None and self.mask is not None:
-            extra = torch.cat([self.mask[sl], self.masked_image_latents[sl]], dim=1)
-            chunk.unet_extra = torch.cat([extra] * 2) if do_cfg else extra
-        if self.image_latents is not None and self.mask is not None and self.noise is not None:
-            chunk.mask, chunk.image_latents, chunk.noise = self.mask[sl], self.image_latents[sl], self.noise[sl]
-        return chunk
-
-
 @dataclass(frozen=True)
-class ImageRequest:
-    """A checked image-to-image or inpainting request (built by :func:`image_request`).
+class ImageRequest(TextToImage):
+    """A checked image-to-image or inpainting request (built by :func:`image_request`): the base of the two modes,
+    whose :meth:`prepare` differs.
 
     Attributes:
         image: [n, 3, H, W] float32 in [-1, 1] (CPU).
@@ -356,10 +333,6 @@ class ImageRequest:
     def width(self) -> int:
         return int(self.image.shape[3])
 
-    @property
-    def mode(self) -> str:
-        return "img2img" if self.mask is None else "inpaint"
-
     def start(self, scheduler: Any, num_inference_steps: int, timesteps: torch.Tensor) -> tuple[torch.Tensor, int]:
         """diffusers' ``get_timesteps``: the timesteps from ``t_start * order`` on, and that begin index, which
         schedulers with ``set_begin_index`` are given (this one now; fresh ones per chunk by the caller).
@@ -372,16 +345,19 @@ class ImageRequest:
             scheduler.set_begin_index(begin)
         return timesteps[begin:], begin
 
-    def prepare(
-        self,
-        scheduler: Any,
-        timesteps: torch.Tensor,
-        shape: tuple[int, int, int, int],
-        dtype: torch.dtype,
-        device: torch.device,
-        generator: Generator,
-    ) -> Conditioning:
-        """The initial latents (and inpainting tensors) of the whole request, drawn in diffusers' order.
+    def _encode(self, image: torch.Tensor, generator: Generator, dtype: torch.dtype) -> torch.Tensor:
+        return encode_image_latents(self.vae_encoder, image, generator, self.scaling_factor, dtype)
+
+
+@dataclass(frozen=True)
+class ImageToImage(ImageRequest):
+    """Image-to-image, diffusers' ``StableDiffusionImg2ImgPipeline``."""
+
+    mode = "img2img"
+
+    def prepare(self, scheduler: Any, timesteps: torch.Tensor, shape: tuple[int, int, int, int], dtype: torch.dtype,
+                device: torch.device, generator: Generator, latents: torch.Tensor | None = None) -> PreparedLatents:
+        """``prepare_latents``: the image's latents (VAE-encoded, sampled), noised to the first timestep.
 
         Args:
             scheduler: after :meth:`start`.
@@ -389,33 +365,47 @@ class ImageRequest:
             shape: latents [B, 4, h, w].
             dtype: latents dtype (the UNet's ``sample`` dtype).
             generator: one generator or a list of B.
+            latents: unused (refused with ``image=``).
 
         Returns:
-            :class:`Conditioning` with B rows on ``device``.
+            :class:`~.conditioning.PreparedLatents` with B rows on ``device``.
         """
         from diffusers.utils.torch_utils import randn_tensor
 
         batch = shape[0]
-        per_row = isinstance(generator, list) and len(generator) == batch
-        if isinstance(generator, list) and not per_row:
-            generator = generator[0]
+        generator, per_row = _generators(generator, batch)
         t0 = timesteps[:1].to(device).repeat(batch)
         image = self.image.to(device)
-        enc = self.vae_encoder
+        if per_row:  # the images are tiled to B first, then encoded row by row with generator[i]
+            init = self._encode(_tile(image, batch), generator, dtype)
+        else:
+            init = _tile(self._encode(image, generator, dtype), batch)
+        noise = randn_tensor(shape, generator=generator, device=device, dtype=dtype)
+        return PreparedLatents(latents=scheduler.add_noise(init, noise, t0))
 
-        if self.mask is None:  # image-to-image: StableDiffusionImg2ImgPipeline.prepare_latents
-            if per_row:  # the images are tiled to B first, then encoded row by row with generator[i]
-                init = encode_image_latents(enc, _tile(image, batch), generator, self.scaling_factor, dtype)
-            else:
-                init = _tile(encode_image_latents(enc, image, generator, self.scaling_factor, dtype), batch)
-            noise = randn_tensor(shape, generator=generator, device=device, dtype=dtype)
-            return Conditioning(latents=scheduler.add_noise(init, noise, t0))
 
-        # inpainting: StableDiffusionInpaintPipeline.prepare_latents, then prepare_mask_latents
+@dataclass(frozen=True)
+class Inpainting(ImageRequest):
+    """Inpainting, diffusers' ``StableDiffusionInpaintPipeline`` (9-channel inpainting UNet, or the 4-channel
+    blend after every step)."""
+
+    mode = "inpaint"
+
+    def prepare(self, scheduler: Any, timesteps: torch.Tensor, shape: tuple[int, int, int, int], dtype: torch.dtype,
+                device: torch.device, generator: Generator, latents: torch.Tensor | None = None) -> PreparedLatents:
+        """``prepare_latents`` then ``prepare_mask_latents``, drawn in diffusers' order (arguments as
+        :meth:`ImageToImage.prepare`)."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        assert self.mask is not None
+        batch = shape[0]
+        generator, _ = _generators(generator, batch)
+        t0 = timesteps[:1].to(device).repeat(batch)
+        image = self.image.to(device)
         strength_max = self.strength == 1.0
         image_latents = None
         if self.unet_in_channels == 4 or not strength_max:  # _encode_vae_image: generator[i] for image row i
-            image_latents = _tile(encode_image_latents(enc, image, generator, self.scaling_factor, dtype), batch)
+            image_latents = _tile(self._encode(image, generator, dtype), batch)
         noise = randn_tensor(shape, generator=generator, device=device, dtype=dtype)
         if strength_max:
             latents = noise * scheduler.init_noise_sigma
@@ -424,13 +414,21 @@ class ImageRequest:
         mask = self.mask.to(device)
         masked_image = image * (mask < 0.5)
         small = torch.nn.functional.interpolate(mask, size=(shape[2], shape[3])).to(dtype)
-        masked_latents = encode_image_latents(enc, masked_image, generator, self.scaling_factor, dtype)
-        cond = Conditioning(latents=latents, mask=_tile(small, batch))
+        masked_latents = self._encode(masked_image, generator, dtype)
+        cond = PreparedLatents(latents=latents, mask=_tile(small, batch))
         if self.unet_in_channels == 9:
             cond.masked_image_latents = _tile(masked_latents, batch)
         else:
             cond.image_latents, cond.noise = image_latents, noise
         return cond
+
+
+def _generators(generator: Generator, batch: int) -> tuple[Generator, bool]:
+    """(the generator(s) to draw with, whether there is one per row): a list of other than B uses its first."""
+    per_row = isinstance(generator, list) and len(generator) == batch
+    if isinstance(generator, list) and not per_row:
+        generator = generator[0]
+    return generator, per_row
 
 
 def image_request(
@@ -443,9 +441,7 @@ def image_request(
     height: int | None,
     width: int | None,
     vae_encoder: Engine | None,
-    unet_in_channels: int,
-    vae_scale_factor: int,
-    scaling_factor: float,
+    geometry: LatentGeometry,
     profile: Any,
 ) -> ImageRequest:
     """Check an image-to-image / inpainting call and preprocess its image and mask.
@@ -457,7 +453,8 @@ def image_request(
         batch: images generated B; the n images given must divide it.
         height, width: ``None``, or the image's own size (images are never resized).
         vae_encoder: the artifact's VAE encoder engine (``None`` when it has none).
-        unet_in_channels: 4, or 9 (inpainting UNet: needs ``mask_image``).
+        geometry: the artifact's latent geometry (its ``unet_in_channels``: 4, or 9 for an inpainting UNet, which
+            needs ``mask_image``).
         profile: the artifact's :class:`~diffusion_trt.config.ShapeProfile`.
 
     Raises:
@@ -466,6 +463,7 @@ def image_request(
             count, an image count that does not divide the batch, a bad ``strength``, an inpainting UNet without a
             mask, or an artifact without a VAE encoder.
     """
+    unet_in_channels, vae_scale_factor = geometry.unet_in_channels, geometry.scale_factor
     if image is None:
         raise RuntimeInputError("mask_image= needs image=: the image to inpaint (the mask marks what to repaint)")
     if unet_in_channels not in (4, 9):
@@ -493,7 +491,7 @@ def image_request(
                 f"{what}={given} but the image is {w}x{h} (WxH); with image= the size is the image's: drop "
                 f"{what}= or resize the image (it is never resized here)"
             )
-    check_image_hw("image", h, w, vae_scale_factor, profile)
+    geometry.check_size(h, w, profile, image="image")
     if batch % n:
         raise RuntimeInputError(
             f"{n} images were given for {batch} images to generate; pass 1 image, or a number that divides {batch} "
@@ -510,18 +508,21 @@ def image_request(
         if m not in (1, n):
             raise RuntimeInputError(f"{m} masks for {n} images; pass one mask, or one per image")
         mask = preprocess_mask(mask_image, h, w, vae_scale_factor)
-    return ImageRequest(pixels, mask, strength, vae_encoder, scaling_factor, unet_in_channels)
+    mode = ImageToImage if mask is None else Inpainting
+    return mode(pixels, mask, strength, vae_encoder, geometry.scaling_factor, unet_in_channels)
 
 
 __all__: Sequence[str] = (
     "DEFAULT_IMG2IMG_STRENGTH",
     "DEFAULT_INPAINT_STRENGTH",
-    "Conditioning",
     "ImageRequest",
+    "ImageToImage",
+    "Inpainting",
     "check_strength",
     "encode_image_latents",
     "image_request",
     "preprocess_image",
     "preprocess_mask",
+    "read_image_file",
     "strength_start",
 )

@@ -34,7 +34,8 @@ import torch
 
 from ..errors import RuntimeInputError
 from .batching import per_image, split_across
-from .pipeline import EnginePipeline, EnginePipelineOutput, _negative_list, _prompt_list
+from .pipeline import EnginePipeline, EnginePipelineOutput
+from .request import negative_list, prompt_list
 
 logger = logging.getLogger(__name__)
 
@@ -219,8 +220,8 @@ class DataParallelPipeline:
                 "image-to-image and inpainting run on one device: use EnginePipeline (CLI: drop --devices)"
             )
         first = self.pipes[0]
-        prompts = _prompt_list("prompt", prompt)
-        negatives = _negative_list(negative_prompt, len(prompts))
+        prompts = prompt_list("prompt", prompt)
+        negatives = negative_list(negative_prompt, len(prompts))
         if (
             isinstance(num_images_per_prompt, bool)
             or not isinstance(num_images_per_prompt, int)
@@ -237,26 +238,9 @@ class DataParallelPipeline:
         width = first.default_width if width is None else width
         gens, seed = first._generator(generator, seed, batch)
         if latents is None:
-            # the noise of all B images, drawn as one EnginePipeline call draws it (CPU generator, sample dtype)
-            from diffusers.utils.torch_utils import randn_tensor
-
-            shape = (
-                batch,
-                first.num_channels_latents,
-                int(height) // first.vae_scale_factor,
-                int(width) // first.vae_scale_factor,
-            )
-            dtype = first.engines["unet"].spec.input("sample").torch_dtype
-            latents = randn_tensor(shape, generator=gens, device=torch.device("cpu"), dtype=dtype)
+            latents = _request_latents(first, batch, int(height), int(width), gens)
         per_image_gens = isinstance(gens, list) and len(gens) == batch and batch > 1
-        step_gens: list[Any] = []
-        for _ in shares:
-            if per_image_gens or gens is None:
-                step_gens.append(None)
-            else:  # one generator per device for schedulers that draw noise in step(), seeded from the request's
-                g = gens[0] if isinstance(gens, list) else gens
-                sub = int(torch.randint(0, _MAX_SEED, (1,), generator=g).item())
-                step_gens.append(torch.Generator().manual_seed(sub))
+        step_gens = _step_generators(gens, len(shares), per_image_gens)
 
         def work(k: int) -> EnginePipelineOutput:
             rows = shares[k]
@@ -311,3 +295,27 @@ class DataParallelPipeline:
 
     def __repr__(self) -> str:
         return f"DataParallelPipeline(devices={[str(d) for d in self.devices]}, {self.pipes[0]!r})"
+
+
+def _request_latents(pipe: EnginePipeline, batch: int, height: int, width: int, generator: Any) -> torch.Tensor:
+    """The noise of all B images [B, C, h, w], drawn as one :class:`EnginePipeline` call draws it (CPU generator,
+    the UNet's sample dtype)."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    shape = pipe.geometry.latent_shape(batch, height, width)
+    dtype = pipe.engines["unet"].spec.input("sample").torch_dtype
+    return randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=dtype)
+
+
+def _step_generators(gens: Any, devices: int, per_image_gens: bool) -> list[Any]:
+    """One generator per device for schedulers that draw noise in ``step()``, seeded from the request's (``None``
+    entries with one generator per image, or none)."""
+    step_gens: list[Any] = []
+    for _ in range(devices):
+        if per_image_gens or gens is None:
+            step_gens.append(None)
+        else:
+            g = gens[0] if isinstance(gens, list) else gens
+            sub = int(torch.randint(0, _MAX_SEED, (1,), generator=g).item())
+            step_gens.append(torch.Generator().manual_seed(sub))
+    return step_gens

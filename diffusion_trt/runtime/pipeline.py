@@ -1,4 +1,5 @@
-"""``EnginePipeline``: text-to-image on a compiled artifact, called like diffusers' StableDiffusionPipeline.
+"""``EnginePipeline``: text-to-image, image-to-image, inpainting and SDXL on a compiled artifact, called like
+diffusers' pipelines (``StableDiffusionPipeline``, ``...Img2ImgPipeline``, ``...InpaintPipeline``, ``...XLPipeline``).
 
 ::
 
@@ -8,9 +9,11 @@
         out = pipe("an astronaut riding a horse", num_inference_steps=30, seed=42)
         save_png(out.images[0], "astronaut.png", out.parameters)
 
-The pipeline owns its engines (opened in ``from_artifacts``, freed by ``close()``) and validates every
-argument before anything runs, with messages that name the value and the fix. It imports neither
-``compiler/`` nor ``passes/``: the artifact folder is all it needs.
+The pipeline owns its engines (opened in ``from_artifacts``, freed by ``close()``). A call is checked once into a
+frozen :class:`~.request.Request` (every argument, before anything runs, with messages that name the value and the
+fix) and run by the one loop, :func:`~.denoise.generate`; the mode plugs in through the request's
+:class:`~.conditioning.Conditioning`. It imports neither ``compiler/`` nor ``passes/``: the artifact folder is all it
+needs.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import contextlib
 import functools
 import json
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,42 +29,37 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import trt_compat
 from ..artifact_reader import ArtifactReader, ArtifactReplacedError
 from ..artifact_values import check_scheduler_config
 from ..artifacts import safe_join
-from ..config import ShapeProfile, check_image_size
+from ..config import ShapeProfile
 from ..errors import ArtifactError, LoraError, RuntimeInputError
 from . import denoise
-from .batching import plan_chunks
 from .buckets import SizeBuckets, bucket_engines, parse_size_buckets
 from .cuda import HostBuffers
 from .denoise import EmbeddingCache, Generator, StepCallback
 from .determinism import deterministic_torch
 from .engine import Engine
-from .image_inputs import ImageRequest, image_request
+from .geometry import LatentGeometry
+from .image_inputs import ImageRequest
 from .png import save_png
+from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text
 from .residency import Residency
 from .schedulers import make_scheduler, short_name
-from .sdxl import SDXL_COMPONENTS, SdxlConditioning, add_time_ids
+from .sdxl import SDXL_COMPONENTS
 
-__all__ = ["OUTPUT_TYPES", "EnginePipeline", "EnginePipelineOutput", "check_text", "save_png"]
+__all__ = ["OUTPUT_TYPES", "SDXL_ARGUMENTS", "EnginePipeline", "EnginePipelineOutput", "LoadOptions", "check_text",
+           "save_png"]
 
 logger = logging.getLogger(__name__)
 
 #: Components the text-to-image loop opens (the VAE encoder is for image-to-image, not loaded here).
 TXT2IMG_COMPONENTS: tuple[str, ...] = ("text_encoder", "unet", "vae_decoder")
-#: Arguments of :meth:`EnginePipeline.__call__` that only SDXL artifacts take (diffusers' SDXL pipeline arguments).
-SDXL_ARGUMENTS: tuple[str, ...] = ("prompt_2", "negative_prompt_2", "original_size", "crops_coords_top_left",
-                                   "target_size", "negative_original_size", "negative_crops_coords_top_left",
-                                   "negative_target_size")
 #: Components opened on first use only: the VAE encoder, by the first image-to-image / inpainting call.
 LAZY_COMPONENTS: tuple[str, ...] = ("vae_encoder",)
-OUTPUT_TYPES: tuple[str, ...] = ("pil", "np", "pt", "latent")
-_MAX_SEED = 2**63 - 1
 
 
 #: Components whose convolutions run faster in NHWC on CUDA (ORT's ``prefer_nhwc`` lets its layout transformer
@@ -121,7 +118,8 @@ class EnginePipelineOutput:
 
 
 class EnginePipeline:
-    """Stable Diffusion 1.x text-to-image on compiled engines.
+    """Stable Diffusion (1.x, 2.x, SDXL) on compiled engines: text-to-image, image-to-image and inpainting, called
+    like diffusers' pipelines (see :meth:`__call__`).
 
     Build it with :meth:`from_artifacts`; the constructor is for engines you made yourself.
 
@@ -140,6 +138,7 @@ class EnginePipeline:
     Attributes:
         residency: with a VRAM budget (``from_artifacts(vram_budget=...)``), the plan in force and the engines it
             opens per stage (:class:`~diffusion_trt.runtime.residency.Residency`); ``None`` = all resident.
+        request_spec: what a call may ask (profile, :class:`~.geometry.LatentGeometry`, architecture).
 
     Raises:
         ArtifactError: a required engine (SDXL: also ``text_encoder_2``) or ``tokenizer_2`` is missing, or a
@@ -170,40 +169,12 @@ class EnginePipeline:
         if missing:
             raise ArtifactError(f"EnginePipeline needs the engine(s) {', '.join(missing)}; recompile with them")
         self.manifest = dict(manifest)
+        self.profile = _profile(self.manifest)
         model = self.manifest.get("model", {})
-        try:
-            self.profile = ShapeProfile.from_json(self.manifest["profile"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ArtifactError(
-                f"manifest profile {self.manifest.get('profile')!r} is malformed ({e}); recompile the artifact"
-            ) from e
-        self.vae_scale_factor = int(model.get("vae_scale_factor", 8))
-        self.vae_scaling_factor = float(model.get("vae_scaling_factor", 0.18215))
-        #: the size of a call without height/width: the profile's opt size, the one the engines were tuned for
-        #: (equal to the model's default size unless compile was given --height/--width or a static profile)
-        self.default_height = int(self.profile.height.opt)
-        self.default_width = int(self.profile.width.opt)
-        self.tokenizer = tokenizer
-        text_len = model.get("text_max_length")
-        if text_len is not None and tokenizer.model_max_length != text_len:
-            raise ArtifactError(
-                f"tokenizer model_max_length={tokenizer.model_max_length} but the manifest says text_max_length="
-                f"{text_len}; the artifact's tokenizer/ folder is not the one it was compiled with: recompile"
-            )
         #: "sd" (SD 1.x/2.x) or "sdxl": which loop runs (manifest ``model.architecture``)
         self.architecture = str(model.get("architecture", "sd"))
-        self.tokenizer_2 = tokenizer_2
-        #: SDXL: negative_prompt=None gives zero negative embeddings (model_index.json force_zeros_for_empty_prompt)
-        self.force_zeros_for_empty_prompt = bool(model.get("force_zeros_for_empty_prompt", True))
-        if self.architecture == "sdxl":
-            if tokenizer_2 is None:
-                raise ArtifactError("an SDXL artifact needs tokenizer_2 (its tokenizer_2/ folder): recompile it")
-            if text_len is not None and tokenizer_2.model_max_length != text_len:
-                raise ArtifactError(
-                    f"tokenizer_2 model_max_length={tokenizer_2.model_max_length} but the manifest says "
-                    f"text_max_length={text_len}; the artifact's tokenizer_2/ folder is not the one it was compiled "
-                    "with: recompile"
-                )
+        self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
+        _check_tokenizers(model, self.architecture, tokenizer, tokenizer_2)
         self._scheduler_config = check_scheduler_config(scheduler_config)  # before diffusers allocates anything
         self._default_scheduler_class = self.manifest.get("scheduler", {}).get("class_name") or str(
             scheduler_config.get("_class_name", "")
@@ -217,17 +188,18 @@ class EnginePipeline:
         try:
             for name in required:
                 self.engines[name] = self._stack.enter_context(engines[name])
+            unet = self.engines["unet"]
+            channels = unet.spec.input("sample").shape[1]  # read only when the manifest lacks unet_in_channels
+            self.geometry = LatentGeometry.from_manifest(self.manifest, channels)  # type: ignore[arg-type]
         except BaseException:
             self._stack.close()
             raise
         #: engines entered on first use (see LAZY_COMPONENTS)
         self._lazy: dict[str, Engine] = {n: engines[n] for n in LAZY_COMPONENTS if n in engines}
-        unet = self.engines["unet"]
         self.device: torch.device = unet.device
-        #: channels of the UNet's ``sample`` input: 4, or 9 for an inpainting UNet (latents + mask + masked image)
-        self.unet_in_channels = int(model.get("unet_in_channels", unet.spec.input("sample").shape[1]))
-        #: channels of the latents the scheduler denoises (the VAE's latent channels)
-        self.num_channels_latents = int(model.get("latent_channels", min(self.unet_in_channels, 4)))
+        #: SDXL: negative_prompt=None gives zero negative embeddings (model_index.json force_zeros_for_empty_prompt)
+        self.request_spec = RequestSpec(self.profile, self.geometry, self.architecture,
+                                        bool(model.get("force_zeros_for_empty_prompt", True)))
         #: negative-prompt embeddings, per (text, engine): most requests share "" (see denoise.EmbeddingCache)
         self.embedding_cache = EmbeddingCache(maxsize=8)
         #: the LoRA :meth:`load_lora` refitted (``{"file", "sha256", "scale"}``), ``None`` = the compiled weights
@@ -240,6 +212,40 @@ class EnginePipeline:
         self.deterministic = False
         self._closed = False
 
+    # -- what a request may ask (read from the manifest once; see request_spec) -------------------------
+
+    @property
+    def default_height(self) -> int:
+        """The height of a call without one: the profile's opt size, the one the engines were tuned for (the model's
+        default size unless compile was given --height/--width or a static profile)."""
+        return self.request_spec.default_size[0]
+
+    @property
+    def default_width(self) -> int:
+        return self.request_spec.default_size[1]
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self.geometry.scale_factor
+
+    @property
+    def vae_scaling_factor(self) -> float:
+        return self.geometry.scaling_factor
+
+    @property
+    def unet_in_channels(self) -> int:
+        """Channels of the UNet's ``sample`` input: 4, or 9 for an inpainting UNet (latents + mask + masked image)."""
+        return self.geometry.unet_in_channels
+
+    @property
+    def num_channels_latents(self) -> int:
+        """Channels of the latents the scheduler denoises (the VAE's latent channels)."""
+        return self.geometry.channels
+
+    @property
+    def force_zeros_for_empty_prompt(self) -> bool:
+        return self.request_spec.force_zeros_for_empty_prompt
+
     # -- construction -----------------------------------------------------------------------------------
 
     @classmethod
@@ -250,19 +256,8 @@ class EnginePipeline:
         scheduler: str | None = None,
         verify: bool = True,
         *,
-        device_id: int = 0,
-        cudnn_conv_algo_search: str = "EXHAUSTIVE",
-        intra_op_num_threads: int | None = None,
-        io_binding: bool | None = None,
-        provider_options: Mapping[str, Any] | None = None,
-        cuda_graph: bool | None = None,
         expect_sha256: str | None = None,
-        runtime_cache_dir: str | os.PathLike[str] | None = None,
-        vram_budget: str | int | None = None,
-        vram_request: tuple[int | None, int | None, int] | None = None,
-        memory_facts: str | os.PathLike[str] | None = None,
-        deterministic: bool = False,
-        size_buckets: str | Sequence[tuple[int, int]] | SizeBuckets | None = None,
+        **options: Any,
     ) -> EnginePipeline:
         """Load a compiled artifact folder and open its engines.
 
@@ -279,35 +274,11 @@ class EnginePipeline:
                 full SD model); ``False`` skips the hashes only: the manifest's schema and seal, the scheduler config's
                 values, file sizes, and that no path, ONNX external-data reference or link leads outside the folder
                 are always checked.
-            device_id: CUDA device ordinal.
-            cudnn_conv_algo_search, intra_op_num_threads, io_binding, provider_options: passed to
-                :class:`~diffusion_trt.runtime.ort_engine.OrtEngine` (ignored for TensorRT artifacts, which run on
-                CUDA only, through :class:`~diffusion_trt.runtime.trt_engine.TrtEngine`).
-            cuda_graph: replay each engine as a CUDA graph (ORT: ``enable_cuda_graph`` with engine-owned input
-                buffers; TensorRT: captured enqueues). ``None`` = on for CUDA artifacts with a static profile
-                (ORT) and for every TensorRT artifact; ``True`` where it cannot work falls back to eager runs
-                with one warning per engine naming the cause. TensorRT-RTX: its own capture of static profiles.
             expect_sha256: the manifest digest (``manifest_sha256``, see ``diffusion-trt inspect --json``) a
                 service trusts: any other artifact is refused, even one correctly resealed after an edit (the seal
                 is an unkeyed sha256: it catches accidents, not intent).
-            runtime_cache_dir: TensorRT-RTX: the folder of this artifact's runtime-cache files (kernels compiled for
-                this GPU on first load, read on later loads); ``None`` =
-                ``$XDG_CACHE_HOME/diffusion-trt/runtime-cache/<manifest_sha256[:16]>`` (see
-                :mod:`~diffusion_trt.runtime.runtime_cache`). Never inside the (sealed) artifact folder.
-            vram_budget: device memory the pipeline may use: bytes or a size string ("8GB", "8GiB", "7.5G",
-                "8000MB"); the engines are then opened per stage or kept resident as the plan of
-                :mod:`~diffusion_trt.runtime.residency` decides, ORT arenas are capped to it and large images are
-                decoded in VAE tiles. ``None`` = no budget (every engine resident, as before).
-            vram_request: (height, width, batch) the budget is checked against now; default the artifact's default
-                size, batch 1. Every call is checked again for its own size and batch.
-            memory_facts: a measured memory facts file (:func:`~diffusion_trt.runtime.memory.load_memory_facts`);
-                default the one recorded for this artifact, if any, else estimates.
-            deterministic: ORT's ``use_deterministic_compute`` on every session and torch's deterministic algorithms
-                in the loop (see :mod:`~diffusion_trt.runtime.determinism` for what it cannot fix).
-            size_buckets: ORT artifacts with a dynamic profile: serve the UNet and the VAE decoder from static
-                sessions specialised per shape (see :mod:`~diffusion_trt.runtime.buckets`): ``"auto"`` (any size, up
-                to 4 shapes), a list of sizes (``"512x512,768x768"`` or ``[(512, 512)]``; opened now at the opt
-                batch), or ``None`` (off). Ignored, with a warning, for static and TensorRT artifacts.
+            options: the engine and memory options of :class:`LoadOptions` (``device_id``, ``cuda_graph``,
+                ``vram_budget``, ``size_buckets``, ``deterministic``...), by name.
 
         Raises:
             ArtifactError: missing/altered files, a manifest other than ``expect_sha256``, unsafe scheduler config
@@ -317,20 +288,16 @@ class EnginePipeline:
             RuntimeInputError: unknown ``scheduler`` or ``device``; ``runtime_cache_dir`` inside the artifact; a
                 malformed ``vram_budget`` or one no plan meets at ``vram_request`` (the message names the smallest
                 budget that works).
+            TypeError: an unknown option.
         """
         root = Path(path)
-        options = dict(device=device, scheduler=scheduler, device_id=device_id,
-                       cudnn_conv_algo_search=cudnn_conv_algo_search, intra_op_num_threads=intra_op_num_threads,
-                       io_binding=io_binding, provider_options=provider_options, cuda_graph=cuda_graph,
-                       runtime_cache_dir=runtime_cache_dir,
-                       vram_budget=vram_budget, vram_request=vram_request, memory_facts=memory_facts,
-                       deterministic=deterministic, size_buckets=size_buckets)
+        opts = LoadOptions(device=device, scheduler=scheduler, **options)
         for attempt in (1, 2):
             # schema, seal, pin, paths, sizes, external data and links (never read outside the folder); the
             # hashes are checked on the bytes each loader gets
             reader = ArtifactReader.open(root, check_hashes=verify, expect_sha256=expect_sha256)
             try:
-                pipe = cls._from_reader(reader, **options)
+                pipe = cls._from_reader(reader, opts)
             except ArtifactReplacedError:
                 reader.close()
                 if attempt == 2:
@@ -345,70 +312,18 @@ class EnginePipeline:
         raise AssertionError("unreachable")  # pragma: no cover
 
     @classmethod
-    def _from_reader(
-        cls,
-        reader: ArtifactReader,
-        *,
-        device: str | None,
-        scheduler: str | None,
-        device_id: int,
-        cudnn_conv_algo_search: str,
-        intra_op_num_threads: int | None,
-        io_binding: bool | None,
-        provider_options: Mapping[str, Any] | None,
-        cuda_graph: bool | None,
-        runtime_cache_dir: str | os.PathLike[str] | None,
-        vram_budget: str | int | None = None,
-        vram_request: tuple[int | None, int | None, int] | None = None,
-        memory_facts: str | os.PathLike[str] | None = None,
-        deterministic: bool = False,
-        size_buckets: str | Sequence[tuple[int, int]] | SizeBuckets | None = None,
-    ) -> EnginePipeline:
+    def _from_reader(cls, reader: ArtifactReader, options: LoadOptions) -> EnginePipeline:
         """:meth:`from_artifacts` on an open reader: every file comes through it (one folder, hashed bytes)."""
         from transformers import CLIPTokenizer
 
-        from .ort_engine import OrtEngine
-
-        root = reader.root
-        manifest = reader.manifest
-        backend = manifest.get("backend")
-        is_trt = backend in trt_compat.LIBRARIES  # any TensorRT library: full TensorRT or TensorRT-RTX
-        if backend != "ort" and not is_trt:
-            raise ArtifactError(
-                f"artifact {root} was compiled for backend={backend!r}; this runtime runs 'ort', "
-                f"{', '.join(repr(b) for b in trt_compat.LIBRARIES)} artifacts: recompile with --backend ort"
-            )
-        compiled_for = manifest.get("device", "cpu")
-        device = device or compiled_for
-        if device not in ("cpu", "cuda"):
-            raise RuntimeInputError(f"device={device!r} is not supported; use 'cpu' or 'cuda'")
-        if is_trt and device != "cuda":
-            raise ArtifactError(
-                f"artifact {root} was compiled for backend={backend!r}, whose engines run on CUDA only, but "
-                f"device={device!r}; use device='cuda' on a GPU host, or recompile with --backend ort to run on the CPU"
-            )
-        if device == "cpu" and manifest.get("precision") == "fp16":
-            raise ArtifactError(
-                f"artifact {root} is fp16, which ONNX Runtime cannot run on CPU; use device='cuda' or recompile "
-                "with --precision fp32 --device cpu"
-            )
-        if device != compiled_for:
-            logger.warning(
-                "artifact %s was compiled for %s but runs on %s: its graphs were optimised for %s "
-                "(recompile with --device %s for best results)",
-                root,
-                compiled_for,
-                device,
-                compiled_for,
-                device,
-            )
-
+        root, manifest = reader.root, reader.manifest
+        device = _check_device(root, manifest, options.device)
         residency = None
-        if vram_budget is not None:  # refused here, before anything opens
+        if options.vram_budget is not None:  # refused here, before anything opens
             from .residency import plan_for_request
 
-            residency = plan_for_request(vram_budget, manifest, root, txt2img_components(manifest), vram_request,
-                                         memory_facts)
+            residency = plan_for_request(options.vram_budget, manifest, root, txt2img_components(manifest),
+                                         options.vram_request, options.memory_facts)
         tokenizer = _tokenizer(reader, str(manifest.get("tokenizer", "tokenizer")), "tokenizer", CLIPTokenizer)
         tokenizer_2 = None
         if manifest.get("model", {}).get("architecture") == "sdxl":
@@ -416,67 +331,17 @@ class EnginePipeline:
                                      CLIPTokenizer)
         sched = manifest.get("scheduler", {})
         scheduler_config = reader.json(str(sched.get("config", "scheduler/scheduler_config.json")))
-
         stream: torch.cuda.Stream | None = None
         if device == "cuda" and torch.cuda.is_available():
             # one stream shared by ONNX Runtime and torch: the loop runs without host syncs
-            stream = torch.cuda.Stream(device=torch.device("cuda", device_id))
-        scale = int(manifest.get("model", {}).get("vae_scale_factor", 8))
-        derived = {"H": ("h", scale), "W": ("w", scale)}
-        buckets = parse_size_buckets(size_buckets)
-        graph_request = cuda_graph
-        if cuda_graph is None:
-            cuda_graph = device == "cuda" and (
-                is_trt or ShapeProfile.from_json(manifest["profile"]).is_static()
-            )
-        if runtime_cache_dir is not None and not (is_trt and trt_compat.LIBRARIES[backend].runtime_config):
-            logger.warning("runtime_cache_dir: no effect on a %r artifact (TensorRT-RTX caches its kernels)", backend)
-        engines: dict[str, Engine]
-        if is_trt:
-            engines = _trt_engines(reader, device_id, stream, derived, cuda_graphs=bool(cuda_graph),
-                                   runtime_cache_dir=runtime_cache_dir,
-                                   weight_streaming=residency.weight_streaming() if residency else None)
-        else:
-            engines = {}
-            for name in _components_to_open(manifest):
-                entry = manifest["components"][name]
-                if "onnx" not in entry:
-                    raise ArtifactError(f"manifest component {name!r} has no 'onnx' path; recompile the artifact")
-                engines[name] = OrtEngine(
-                    safe_join(root, str(entry["onnx"])),
-                    entry,
-                    name=name,
-                    device=device,
-                    device_id=device_id,
-                    stream=stream,
-                    cudnn_conv_algo_search=cudnn_conv_algo_search,
-                    io_binding=io_binding,
-                    intra_op_num_threads=intra_op_num_threads,
-                    provider_options={**cuda_layout_options(name, device), **(provider_options or {}),
-                                      **(residency.provider_options(name, device) if residency else {})},
-                    derived=derived,
-                    cuda_graph=cuda_graph,
-                    source=functools.partial(reader.onnx, str(entry["onnx"])),
-                    deterministic=deterministic,
-                )
-            engines = bucket_engines(engines, buckets, manifest, device, graph_request)
-        if is_trt and (deterministic or buckets is not None):
-            logger.warning("deterministic / size_buckets apply to ONNX Runtime artifacts; ignored for TensorRT")
-        if residency is not None:
-            engines = residency.wrap(engines)
-        pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=scheduler, stream=stream, root=root,
-                   tokenizer_2=tokenizer_2)
+            stream = torch.cuda.Stream(device=torch.device("cuda", options.device_id))
+        engines = _open_engines(reader, device, options, stream, residency)
+        pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=options.scheduler, stream=stream,
+                   root=root, tokenizer_2=tokenizer_2)
         pipe.residency = residency
-        pipe.deterministic = bool(deterministic)
-        logger.info(
-            "loaded %s (%s, %s, %s; profile %s; scheduler %s)",
-            root,
-            backend,
-            manifest.get("precision"),
-            device,
-            manifest["profile"],
-            pipe.scheduler_name,
-        )
+        pipe.deterministic = bool(options.deterministic)
+        logger.info("loaded %s (%s, %s, %s; profile %s; scheduler %s)", root, manifest.get("backend"),
+                    manifest.get("precision"), device, manifest["profile"], pipe.scheduler_name)
         return pipe
 
     # -- scheduler --------------------------------------------------------------------------------------
@@ -705,218 +570,262 @@ class EnginePipeline:
         """
         if self._closed:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
-        prompts = _prompt_list("prompt", prompt)
-        negatives = _negative_list(negative_prompt, len(prompts))
-        steps = _positive_int("num_inference_steps", num_inference_steps, "use e.g. 30 or 50")
-        n_per = _positive_int("num_images_per_prompt", num_images_per_prompt, "use 1 or more")
-        if guidance_scale is None:
-            guidance_scale = 5.0 if self.architecture == "sdxl" else 7.5
-        guidance = _non_negative_float("guidance_scale", guidance_scale, "use e.g. 7.5 (values <= 1 disable CFG)")
-        eta = _non_negative_float("eta", eta, "use 0.0 (deterministic DDIM) .. 1.0")
-        sdxl_given = {
-            k: v for k, v in (
-                ("prompt_2", prompt_2), ("negative_prompt_2", negative_prompt_2), ("original_size", original_size),
-                ("crops_coords_top_left", None if _zero_pair(crops_coords_top_left) else crops_coords_top_left),
-                ("target_size", target_size), ("negative_original_size", negative_original_size),
-                ("negative_crops_coords_top_left",
-                 None if _zero_pair(negative_crops_coords_top_left) else negative_crops_coords_top_left),
-                ("negative_target_size", negative_target_size),
-            ) if v is not None
-        }
-        if self.architecture != "sdxl" and sdxl_given:
-            raise RuntimeInputError(
-                f"{', '.join(sdxl_given)} apply to SDXL artifacts only; this one is model.architecture="
-                f"{self.architecture!r} (SD 1.x/2.x): leave them out"
-            )
-        if self.architecture == "sdxl" and (image is not None or mask_image is not None):
-            raise RuntimeInputError(
-                "image= / mask_image= (image-to-image, inpainting) are not supported for SDXL artifacts yet; "
-                "run text-to-image (no image=) or use an SD 1.x/2.x artifact"
-            )
-        request: ImageRequest | None = None
-        if image is not None or mask_image is not None:
-            if latents is not None:
-                raise RuntimeInputError(
-                    "latents= is for text-to-image; with image= the initial latents come from the image and the seed"
-                )
-            request = image_request(
-                image, mask_image, strength,
-                num_inference_steps=steps, batch=len(prompts) * n_per, height=height, width=width,
-                vae_encoder=self.engines.get("vae_encoder") or self._lazy.get("vae_encoder"),
-                unet_in_channels=self.unet_in_channels, vae_scale_factor=self.vae_scale_factor,
-                scaling_factor=self.vae_scaling_factor, profile=self.profile,
-            )
-            height, width = request.height, request.width
+        request = Request.build(
+            self.request_spec, {**self._lazy, **self.engines}, prompt, negative_prompt, num_inference_steps,
+            guidance_scale, generator, seed, height, width, num_images_per_prompt, latents, output_type, progress,
+            callback, eta, image, strength, mask_image, tokenizer_2=self.tokenizer_2, prompt_2=prompt_2,
+            negative_prompt_2=negative_prompt_2, original_size=original_size,
+            crops_coords_top_left=crops_coords_top_left, target_size=target_size,
+            negative_original_size=negative_original_size,
+            negative_crops_coords_top_left=negative_crops_coords_top_left, negative_target_size=negative_target_size,
+        )
+        if isinstance(request.conditioning, ImageRequest):
             self.engine("vae_encoder")  # opened on first use, after the checks
-        elif strength is not None:
-            raise RuntimeInputError(
-                f"strength={strength!r} needs image=: it is how much of the start image is re-noised "
-                "(CLI: --image FILE)"
-            )
-        elif self.unet_in_channels != self.num_channels_latents:
-            raise RuntimeInputError(
-                f"this artifact's UNet is an inpainting UNet ({self.unet_in_channels} input channels: latents, mask, "
-                "masked-image latents); pass image= and mask_image= (CLI: --image FILE --mask FILE)"
-            )
-        height = self.default_height if height is None else height
-        width = self.default_width if width is None else width
-        for name, value, rng in (("height", height, self.profile.height), ("width", width, self.profile.width)):
-            if isinstance(value, bool) or not isinstance(value, int | np.integer):
-                raise RuntimeInputError(f"{name}={value!r} must be an integer number of pixels")
-            check_image_size(name, int(value), rng.min, rng.max)
-        height, width = int(height), int(width)
-        batch = len(prompts) * n_per
-        b = self.profile.batch
-        if batch < b.min:
-            what = f"batch = {len(prompts)} prompt(s) x num_images_per_prompt={n_per} = {batch}"
-            raise RuntimeInputError(
-                f"{what} is below the engine profile's min batch {b.min} (profile {b.min}..{b.max}); "
-                f"ask for more images or recompile with --min-batch-size {batch}"
-            )
-        # above the profile's max batch: engine-sized chunks, in order (see runtime/batching.py for seeds)
-        chunks = plan_chunks(batch, b.min, b.max)
-        if output_type not in OUTPUT_TYPES:
-            raise RuntimeInputError(f"output_type={output_type!r} is unknown; use one of {', '.join(OUTPUT_TYPES)}")
-        generator, seed = self._generator(generator, seed, batch)
-        shape = (batch, self.num_channels_latents, height // self.vae_scale_factor, width // self.vae_scale_factor)
-        if latents is not None:
-            if not isinstance(latents, torch.Tensor) or not latents.is_floating_point():
-                raise RuntimeInputError(f"latents must be a float torch.Tensor of shape {shape}, got {type(latents)}")
-            if tuple(latents.shape) != shape:
-                raise RuntimeInputError(
-                    f"latents have shape {tuple(latents.shape)}; for batch {batch} at {height}x{width} they must be "
-                    f"{shape} (batch, channels, height/{self.vae_scale_factor}, width/{self.vae_scale_factor})"
-                )
+        images = self._generate(request)
+        return EnginePipelineOutput(images=images, seed=request.seed, parameters=self._parameters(request))
 
-        sdxl = None
-        if self.architecture == "sdxl":
-            sdxl = self._sdxl_conditioning(
-                prompts, negatives, negative_prompt, prompt_2, negative_prompt_2, height, width,
-                original_size, crops_coords_top_left, target_size,
-                negative_original_size, negative_crops_coords_top_left, negative_target_size,
-            )
-
+    def _generate(self, request: Request) -> Any:
+        """Run ``request`` on this pipeline's stream (and VRAM budget); the images of :func:`.denoise.generate`."""
         if self.residency is not None:  # the budget at this size and batch (refused before anything runs)
-            self.residency.begin(height, width, batch)
+            self.residency.begin(request.height, request.width, request.batch)
         stream = self._stream
         caller = torch.cuda.current_stream(self.device) if stream is not None else None
         if stream is not None:
             stream.wait_stream(caller)  # inputs the caller enqueued (latents, generator state) come first
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
                 deterministic_torch(self.deterministic):
-            result = denoise.text_to_image(
-                text_encoder=self.engines["text_encoder"],
-                unet=self.engines["unet"],
-                vae_decoder=None if output_type == "latent" else self.engines["vae_decoder"],
-                tokenizer=self.tokenizer,
-                scheduler=self.scheduler,
-                prompts=prompts,
-                negative_prompts=negatives,
-                num_images_per_prompt=n_per,
-                height=height,
-                width=width,
-                num_inference_steps=steps,
-                guidance_scale=guidance,
-                generator=generator,
-                latents=latents,
-                eta=eta,
-                num_channels_latents=self.num_channels_latents,
-                vae_scale_factor=self.vae_scale_factor,
-                vae_scaling_factor=self.vae_scaling_factor,
-                output_type=output_type,
-                chunks=chunks,
-                embedding_cache=self.embedding_cache,
-                host_buffers=self._host_buffers,
-                copy_stream=self._copy_stream,
-                progress=progress,
-                callback=callback,
-                image_request=request,
-                sdxl=sdxl,
-            )
-            images = result
+            images = denoise.generate(request, self.loop_engines(request.output_type), self.scheduler)
         if self.residency is not None:
             self.residency.end()  # per-stage engines released (after a failed call: by the next one, or close)
         if caller is not None and stream is not None and isinstance(images, torch.Tensor):
             # the caller uses the tensor on its own stream: order it after ours, and tell the allocator
             caller.wait_stream(stream)
             images.record_stream(caller)
+        return images
 
+    def loop_engines(self, output_type: str = "pil") -> denoise.LoopEngines:
+        """What :func:`.denoise.generate` runs on: this pipeline's engines (no VAE decoder for "latent"), tokenizer and
+        reusable buffers. With :attr:`request_spec`, the loop can be driven directly::
+
+            request = Request.build(pipe.request_spec, pipe.engines, "a fox", num_inference_steps=30, seed=1)
+            images = denoise.generate(request, pipe.loop_engines(request.output_type), pipe.scheduler)
+        """
+        return denoise.LoopEngines(
+            text_encoder=self.engines["text_encoder"], unet=self.engines["unet"],
+            vae_decoder=None if output_type == "latent" else self.engines["vae_decoder"], tokenizer=self.tokenizer,
+            scaling_factor=self.geometry.scaling_factor, embedding_cache=self.embedding_cache,
+            host_buffers=self._host_buffers, copy_stream=self._copy_stream,
+        )
+
+    def _parameters(self, request: Request) -> dict[str, Any]:
+        """The generation parameters of ``request`` (JSON-serialisable), for :func:`save_png`."""
+        given = dict(request.given)
         parameters = {
-            "prompt": prompt if isinstance(prompt, str) else list(prompts),
-            "negative_prompt": negative_prompt
-            if negative_prompt is None or isinstance(negative_prompt, str)
-            else list(negatives),
-            "num_inference_steps": steps,
-            "guidance_scale": guidance,
+            "prompt": given.pop("prompt"),
+            "negative_prompt": given.pop("negative_prompt"),
+            "num_inference_steps": request.num_inference_steps,
+            "guidance_scale": request.guidance_scale,
             "scheduler": self.scheduler_name,
-            "seed": seed,
-            "height": height,
-            "width": width,
-            "num_images_per_prompt": n_per,
-            "eta": eta,
+            "seed": request.seed,
+            "height": request.height,
+            "width": request.width,
+            "num_images_per_prompt": request.num_images_per_prompt,
+            "eta": request.eta,
             "backend": self.manifest.get("backend"),
             "precision": self.manifest.get("precision"),
             "device": str(self.device),
         }
-        if request is not None:
-            parameters.update(mode=request.mode, strength=request.strength)
-        parameters.update({k: v if isinstance(v, str) else list(v) for k, v in sdxl_given.items()})
-        return EnginePipelineOutput(images=images, seed=seed, parameters=parameters)
-
-    def _sdxl_conditioning(
-        self,
-        prompts: list[str],
-        negatives: list[str],
-        negative_prompt: Any,
-        prompt_2: Any,
-        negative_prompt_2: Any,
-        height: int,
-        width: int,
-        original_size: Any,
-        crops_coords_top_left: Any,
-        target_size: Any,
-        negative_original_size: Any,
-        negative_crops_coords_top_left: Any,
-        negative_target_size: Any,
-    ) -> SdxlConditioning:
-        """The SDXL part of a request, checked (see :mod:`.sdxl` for diffusers' rules it follows)."""
-        n = len(prompts)
-        prompts_2 = prompts if prompt_2 is None else _per_prompt("prompt_2", prompt_2, n)
-        negatives_2 = negatives if negative_prompt_2 is None else _per_prompt("negative_prompt_2", negative_prompt_2, n)
-        time_ids = add_time_ids(original_size or (height, width), crops_coords_top_left, target_size or (height, width))
-        negative_time_ids = time_ids
-        if negative_original_size is not None and negative_target_size is not None:
-            negative_time_ids = add_time_ids(
-                negative_original_size, negative_crops_coords_top_left, negative_target_size
-            )
-        return SdxlConditioning(
-            text_encoder_2=self.engines["text_encoder_2"],
-            tokenizer_2=self.tokenizer_2,
-            prompts_2=prompts_2,
-            negative_prompts_2=negatives_2,
-            zero_negative=negative_prompt is None and self.force_zeros_for_empty_prompt,
-            time_ids=time_ids,
-            negative_time_ids=negative_time_ids,
-        )
+        if isinstance(request.conditioning, ImageRequest):
+            parameters.update(mode=request.conditioning.mode, strength=request.conditioning.strength)
+        parameters.update(given)  # the SDXL arguments given
+        return parameters
 
     def _generator(self, generator: Generator, seed: int | None, batch: int) -> tuple[Generator, int | None]:
-        if generator is not None and seed is not None:
-            raise RuntimeInputError("pass either seed= or generator=, not both")
-        if generator is not None:
-            gens = generator if isinstance(generator, list) else [generator]
-            if not all(isinstance(g, torch.Generator) for g in gens):
-                raise RuntimeInputError(f"generator must be a torch.Generator or a list of them, got {generator!r}")
-            if isinstance(generator, list) and len(generator) not in (1, batch):
-                raise RuntimeInputError(
-                    f"generator is a list of {len(generator)} but the batch is {batch} images; pass one generator "
-                    f"or {batch}"
-                )
-            return generator, None
-        if seed is None:
-            seed = int(torch.randint(0, _MAX_SEED, (1,)).item())
-        elif isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed <= _MAX_SEED:
-            raise RuntimeInputError(f"seed={seed!r} must be an integer in 0..{_MAX_SEED}")
-        return torch.Generator(device="cpu").manual_seed(int(seed)), int(seed)
+        """:func:`~.request.check_generator` (what :class:`~.parallel.DataParallelPipeline` draws its latents with)."""
+        return check_generator(generator, seed, batch)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How :meth:`EnginePipeline.from_artifacts` opens an artifact's engines (its keyword options).
+
+    Attributes:
+        device: "cpu" or "cuda"; ``None`` = the device the artifact was compiled for.
+        scheduler: short scheduler name ("euler_a", "dpm++"...); ``None`` = the model's own.
+        device_id: CUDA device ordinal.
+        cudnn_conv_algo_search, intra_op_num_threads, io_binding, provider_options: passed to
+            :class:`~diffusion_trt.runtime.ort_engine.OrtEngine` (ignored for TensorRT artifacts, which run on
+            CUDA only, through :class:`~diffusion_trt.runtime.trt_engine.TrtEngine`).
+        cuda_graph: replay each engine as a CUDA graph (ORT: ``enable_cuda_graph`` with engine-owned input
+            buffers; TensorRT: captured enqueues). ``None`` = on for CUDA artifacts with a static profile
+            (ORT) and for every TensorRT artifact; ``True`` where it cannot work falls back to eager runs
+            with one warning per engine naming the cause. TensorRT-RTX: its own capture of static profiles.
+        runtime_cache_dir: TensorRT-RTX: the folder of this artifact's runtime-cache files (kernels compiled for
+            this GPU on first load, read on later loads); ``None`` =
+            ``$XDG_CACHE_HOME/diffusion-trt/runtime-cache/<manifest_sha256[:16]>`` (see
+            :mod:`~diffusion_trt.runtime.runtime_cache`). Never inside the (sealed) artifact folder.
+        vram_budget: device memory the pipeline may use: bytes or a size string ("8GB", "8GiB", "7.5G",
+            "8000MB"); the engines are then opened per stage or kept resident as the plan of
+            :mod:`~diffusion_trt.runtime.residency` decides, ORT arenas are capped to it and large images are
+            decoded in VAE tiles. ``None`` = no budget (every engine resident, as before).
+        vram_request: (height, width, batch) the budget is checked against now; default the artifact's default
+            size, batch 1. Every call is checked again for its own size and batch.
+        memory_facts: a measured memory facts file (:func:`~diffusion_trt.runtime.memory.load_memory_facts`);
+            default the one recorded for this artifact, if any, else estimates.
+        deterministic: ORT's ``use_deterministic_compute`` on every session and torch's deterministic algorithms
+            in the loop (see :mod:`~diffusion_trt.runtime.determinism` for what it cannot fix).
+        size_buckets: ORT artifacts with a dynamic profile: serve the UNet and the VAE decoder from static
+            sessions specialised per shape (see :mod:`~diffusion_trt.runtime.buckets`): ``"auto"`` (any size, up
+            to 4 shapes), a list of sizes (``"512x512,768x768"`` or ``[(512, 512)]``; opened now at the opt
+            batch), or ``None`` (off). Ignored, with a warning, for static and TensorRT artifacts.
+    """
+
+    device: str | None = None
+    scheduler: str | None = None
+    device_id: int = 0
+    cudnn_conv_algo_search: str = "EXHAUSTIVE"
+    intra_op_num_threads: int | None = None
+    io_binding: bool | None = None
+    provider_options: Mapping[str, Any] | None = None
+    cuda_graph: bool | None = None
+    runtime_cache_dir: str | os.PathLike[str] | None = None
+    vram_budget: str | int | None = None
+    vram_request: tuple[int | None, int | None, int] | None = None
+    memory_facts: str | os.PathLike[str] | None = None
+    deterministic: bool = False
+    size_buckets: str | Sequence[tuple[int, int]] | SizeBuckets | None = None
+
+
+def _profile(manifest: Mapping[str, Any]) -> ShapeProfile:
+    """The manifest's shape profile.
+
+    Raises:
+        ArtifactError: a malformed profile.
+    """
+    try:
+        return ShapeProfile.from_json(manifest["profile"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ArtifactError(
+            f"manifest profile {manifest.get('profile')!r} is malformed ({e}); recompile the artifact"
+        ) from e
+
+
+def _check_tokenizers(model: Mapping[str, Any], architecture: str, tokenizer: Any, tokenizer_2: Any) -> None:
+    """Refuse tokenizers that are not the ones the artifact was compiled with (and an SDXL one without its second).
+
+    Raises:
+        ArtifactError: a ``model_max_length`` other than the manifest's ``text_max_length``; SDXL without
+            ``tokenizer_2``.
+    """
+    text_len = model.get("text_max_length")
+    if text_len is not None and tokenizer.model_max_length != text_len:
+        raise ArtifactError(
+            f"tokenizer model_max_length={tokenizer.model_max_length} but the manifest says text_max_length="
+            f"{text_len}; the artifact's tokenizer/ folder is not the one it was compiled with: recompile"
+        )
+    if architecture != "sdxl":
+        return
+    if tokenizer_2 is None:
+        raise ArtifactError("an SDXL artifact needs tokenizer_2 (its tokenizer_2/ folder): recompile it")
+    if text_len is not None and tokenizer_2.model_max_length != text_len:
+        raise ArtifactError(
+            f"tokenizer_2 model_max_length={tokenizer_2.model_max_length} but the manifest says "
+            f"text_max_length={text_len}; the artifact's tokenizer_2/ folder is not the one it was compiled "
+            "with: recompile"
+        )
+
+
+def _check_device(root: Path, manifest: Mapping[str, Any], device: str | None) -> str:
+    """The device the artifact runs on: ``device``, or the one it was compiled for.
+
+    Raises:
+        ArtifactError: an unknown backend, a TensorRT artifact off CUDA, an fp16 artifact on the CPU.
+        RuntimeInputError: a device other than "cpu" / "cuda".
+    """
+    backend = manifest.get("backend")
+    is_trt = backend in trt_compat.LIBRARIES  # any TensorRT library: full TensorRT or TensorRT-RTX
+    if backend != "ort" and not is_trt:
+        raise ArtifactError(
+            f"artifact {root} was compiled for backend={backend!r}; this runtime runs 'ort', "
+            f"{', '.join(repr(b) for b in trt_compat.LIBRARIES)} artifacts: recompile with --backend ort"
+        )
+    compiled_for = manifest.get("device", "cpu")
+    device = device or compiled_for
+    if device not in ("cpu", "cuda"):
+        raise RuntimeInputError(f"device={device!r} is not supported; use 'cpu' or 'cuda'")
+    if is_trt and device != "cuda":
+        raise ArtifactError(
+            f"artifact {root} was compiled for backend={backend!r}, whose engines run on CUDA only, but "
+            f"device={device!r}; use device='cuda' on a GPU host, or recompile with --backend ort to run on the CPU"
+        )
+    if device == "cpu" and manifest.get("precision") == "fp16":
+        raise ArtifactError(
+            f"artifact {root} is fp16, which ONNX Runtime cannot run on CPU; use device='cuda' or recompile "
+            "with --precision fp32 --device cpu"
+        )
+    if device != compiled_for:
+        logger.warning(
+            "artifact %s was compiled for %s but runs on %s: its graphs were optimised for %s "
+            "(recompile with --device %s for best results)", root, compiled_for, device, compiled_for, device)
+    return device
+
+
+def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, stream: torch.cuda.Stream | None,
+                  residency: Residency | None) -> dict[str, Engine]:
+    """The artifact's engines (unopened), as ``options`` and the VRAM plan ``residency`` say."""
+    manifest = reader.manifest
+    backend = str(manifest["backend"])
+    is_trt = backend in trt_compat.LIBRARIES
+    derived = LatentGeometry.from_manifest(manifest).derived_dims
+    buckets = parse_size_buckets(options.size_buckets)
+    cuda_graph = options.cuda_graph
+    if cuda_graph is None:
+        cuda_graph = device == "cuda" and (is_trt or ShapeProfile.from_json(manifest["profile"]).is_static())
+    if options.runtime_cache_dir is not None and not (is_trt and trt_compat.LIBRARIES[backend].runtime_config):
+        logger.warning("runtime_cache_dir: no effect on a %r artifact (TensorRT-RTX caches its kernels)", backend)
+    engines: dict[str, Engine]
+    if is_trt:
+        engines = _trt_engines(reader, options.device_id, stream, derived, cuda_graphs=bool(cuda_graph),
+                               runtime_cache_dir=options.runtime_cache_dir,
+                               weight_streaming=residency.weight_streaming() if residency else None)
+        if options.deterministic or buckets is not None:
+            logger.warning("deterministic / size_buckets apply to ONNX Runtime artifacts; ignored for TensorRT")
+    else:
+        engines = _ort_engines(reader, device, options, stream, derived, bool(cuda_graph), residency)
+        engines = bucket_engines(engines, buckets, manifest, device, options.cuda_graph)
+    return residency.wrap(engines) if residency is not None else engines
+
+
+def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stream: torch.cuda.Stream | None,
+                 derived: Mapping[str, tuple[str, int]], cuda_graph: bool,
+                 residency: Residency | None) -> dict[str, Engine]:
+    """The ONNX Runtime engines of a verified artifact, with the CUDA provider options of each component."""
+    from .ort_engine import OrtEngine
+
+    root, manifest = reader.root, reader.manifest
+    engines: dict[str, Engine] = {}
+    for name in _components_to_open(manifest):
+        entry = manifest["components"][name]
+        if "onnx" not in entry:
+            raise ArtifactError(f"manifest component {name!r} has no 'onnx' path; recompile the artifact")
+        engines[name] = OrtEngine(
+            safe_join(root, str(entry["onnx"])),
+            entry,
+            name=name,
+            device=device,
+            device_id=options.device_id,
+            stream=stream,
+            cudnn_conv_algo_search=options.cudnn_conv_algo_search,
+            io_binding=options.io_binding,
+            intra_op_num_threads=options.intra_op_num_threads,
+            provider_options={**cuda_layout_options(name, device), **(options.provider_options or {}),
+                              **(residency.provider_options(name, device) if residency else {})},
+            derived=derived,
+            cuda_graph=cuda_graph,
+            source=functools.partial(reader.onnx, str(entry["onnx"])),
+            deterministic=options.deterministic,
+        )
+    return engines
 
 
 def _trt_engines(
@@ -997,76 +906,3 @@ def _components_to_open(manifest: Mapping[str, Any]) -> tuple[str, ...]:
             "needs (it was compiled with --components); recompile without --components"
         )
     return (*txt2img_components(manifest), *(c for c in LAZY_COMPONENTS if c in have))
-
-
-def _prompt_list(name: str, prompt: Any) -> list[str]:
-    if isinstance(prompt, str):
-        return [check_text(name, prompt)]
-    if isinstance(prompt, Sequence) and prompt and all(isinstance(p, str) for p in prompt):
-        return [check_text(f"{name}[{i}]" if len(prompt) > 1 else name, p) for i, p in enumerate(prompt)]
-    raise RuntimeInputError(f"{name}={prompt!r} must be a string or a non-empty list of strings")
-
-
-def check_text(name: str, text: str) -> str:
-    """``text`` if it is valid Unicode (encodable as UTF-8): what every prompt of :meth:`EnginePipeline.__call__` must
-    be (the CLI checks its prompts with it before loading the engines).
-
-    Raises:
-        RuntimeInputError: a lone surrogate, e.g. ``"\\udcff"``: how Python passes on command-line bytes that are not
-            UTF-8 (``-p $'\\xff'``); the tokenizer would fail on it with a TypeError.
-    """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        bad = text[e.start:e.end]
-        raw = bytes(ord(c) - 0xDC00 for c in bad if 0xDC80 <= ord(c) <= 0xDCFF)
-        what = f"the bytes {raw!r}" if len(raw) == len(bad) else f"{bad!r}"
-        raise RuntimeInputError(
-            f"{name} is not valid UTF-8 text: {what} at character {e.start}; pass the prompt as UTF-8 (e.g. re-encode "
-            "it with iconv -t UTF-8)"
-        ) from None
-    return text
-
-
-def _zero_pair(value: Any) -> bool:
-    """``value`` is the default (0, 0) crop (any sequence type)."""
-    return isinstance(value, Sequence) and not isinstance(value, str) and list(value) == [0, 0]
-
-
-def _per_prompt(name: str, value: Any, n: int) -> list[str]:
-    """One string for each of ``n`` prompts: a string for all of them, or a list of ``n``."""
-    if isinstance(value, str):
-        return [check_text(name, value)] * n
-    values = _prompt_list(name, value)
-    if len(values) != n:
-        raise RuntimeInputError(
-            f"{name} has {len(values)} entries but prompt has {n}; pass one string for all prompts or {n} strings"
-        )
-    return values
-
-
-def _negative_list(negative: Any, n: int) -> list[str]:
-    if negative is None:
-        return [""] * n
-    if isinstance(negative, str):
-        return [check_text("negative_prompt", negative)] * n
-    negatives = _prompt_list("negative_prompt", negative)
-    if len(negatives) != n:
-        raise RuntimeInputError(
-            f"negative_prompt has {len(negatives)} entries but prompt has {n}; pass one string for all prompts "
-            f"or {n} strings"
-        )
-    return negatives
-
-
-def _positive_int(name: str, value: Any, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise RuntimeInputError(f"{name}={value!r} must be an integer >= 1; {fix}")
-    return int(value)
-
-
-def _non_negative_float(name: str, value: Any, fix: str) -> float:
-    number = not isinstance(value, bool) and isinstance(value, int | float | np.number)
-    if not number or not math.isfinite(value) or value < 0:
-        raise RuntimeInputError(f"{name}={value!r} must be a finite number >= 0; {fix}")
-    return float(value)

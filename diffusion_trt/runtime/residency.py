@@ -31,6 +31,7 @@ import torch
 
 from ..artifacts import safe_join
 from .engine import Engine, EngineProxy
+from .geometry import LatentGeometry
 from .memory import (
     DEFAULT_OVERHEAD_BYTES,
     STAGES,
@@ -82,8 +83,7 @@ class VramBudget:
         """Raises: RuntimeInputError: a malformed budget (the accepted forms are named) or facts file."""
         size = parse_size(budget)
         facts = load_memory_facts(facts_file, manifest)
-        model = manifest.get("model", {})
-        scale = int(model.get("vae_scale_factor", 8))
+        scale = LatentGeometry.from_manifest(manifest).scale_factor
         prof = manifest.get("profile", {})
         tile = min(int(prof.get("height", [0, 512])[1]), int(prof.get("width", [0, 512])[1])) // scale
         overhead = int(facts.get("overhead_bytes") or DEFAULT_OVERHEAD_BYTES)
@@ -95,8 +95,7 @@ class VramBudget:
 
     def engine_memory(self, height: int, width: int, batch: int) -> dict[str, EngineMemory]:
         """Each component's facts at ``height`` x ``width``, ``batch`` images (CFG assumed: 2x UNet rows)."""
-        scale = int(self.manifest.get("model", {}).get("vae_scale_factor", 8))
-        tile_px = self.tile * scale
+        tile_px = self.tile * LatentGeometry.from_manifest(self.manifest).scale_factor
         tiled = height > tile_px or width > tile_px
         batch = min(batch, int(self.manifest.get("profile", {}).get("batch", [1, 1, batch])[2]))  # one chunk at a time
         out: dict[str, EngineMemory] = {}
@@ -279,7 +278,7 @@ class Residency:
             self.staged[name] = staged
             out[name] = staged  # type: ignore[assignment]
         if "vae_decoder" in out:
-            scale = int(self.budget.manifest.get("model", {}).get("vae_scale_factor", 8))
+            scale = LatentGeometry.from_manifest(self.budget.manifest).scale_factor
             self.tiled = TiledVaeDecoder(out["vae_decoder"], self.budget.tile, scale)
             out["vae_decoder"] = _Switch(self.tiled, out["vae_decoder"], self)  # type: ignore[assignment]
         return out

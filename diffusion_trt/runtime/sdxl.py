@@ -34,9 +34,11 @@ from typing import Any
 import torch
 
 from ..errors import RuntimeInputError
+from .conditioning import TextToImage
 from .cuda import nvtx_range
 from .denoise import EmbeddingCache, tokenize
 from .engine import Engine
+from .request import per_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +78,56 @@ def add_time_ids(
     return torch.tensor(values, dtype=torch.float32)
 
 
+def sdxl_conditioning(
+    prompts: Sequence[str],
+    negatives: Sequence[str],
+    negative_prompt: Any,
+    height: int,
+    width: int,
+    text_encoder_2: Engine,
+    tokenizer_2: Any,
+    *,
+    zero_negative: bool,
+    prompt_2: Any = None,
+    negative_prompt_2: Any = None,
+    original_size: Any = None,
+    crops_coords_top_left: Any = (0, 0),
+    target_size: Any = None,
+    negative_original_size: Any = None,
+    negative_crops_coords_top_left: Any = (0, 0),
+    negative_target_size: Any = None,
+) -> SdxlConditioning:
+    """The SDXL part of a request, checked (the module docstring gives diffusers' rules it follows).
+
+    Args:
+        prompts, negatives: the P checked prompts and negative prompts.
+        negative_prompt: the ``negative_prompt`` as given (``None`` matters: see ``zero_negative``).
+        height, width: the output size in pixels (the default original and target sizes).
+        zero_negative: negative embeddings are zeros (``negative_prompt is None`` and the model's
+            ``force_zeros_for_empty_prompt``).
+        prompt_2 ... negative_target_size: as :meth:`~.pipeline.EnginePipeline.__call__`.
+
+    Raises:
+        RuntimeInputError: ``prompt_2`` / ``negative_prompt_2`` of another length than the prompts, or a size or
+            crop that is not a pair of integers.
+    """
+    n = len(prompts)
+    prompts_2 = list(prompts) if prompt_2 is None else per_prompt("prompt_2", prompt_2, n)
+    negatives_2 = list(negatives) if negative_prompt_2 is None else per_prompt("negative_prompt_2", negative_prompt_2,
+                                                                                n)
+    time_ids = add_time_ids(original_size or (height, width), crops_coords_top_left, target_size or (height, width))
+    negative_time_ids = time_ids
+    if negative_original_size is not None and negative_target_size is not None:
+        negative_time_ids = add_time_ids(negative_original_size, negative_crops_coords_top_left, negative_target_size)
+    return SdxlConditioning(text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, prompts_2=prompts_2,
+                            negative_prompts_2=negatives_2, zero_negative=zero_negative, time_ids=time_ids,
+                            negative_time_ids=negative_time_ids)
+
+
 @dataclass(frozen=True)
-class SdxlConditioning:
-    """What one SDXL request adds to the SD loop: the second encoder, its texts and the time ids.
+class SdxlConditioning(TextToImage):
+    """What one SDXL request adds to the SD loop: the second encoder, its texts and the time ids (the schedule and
+    the initial latents are text-to-image's).
 
     Attributes:
         text_encoder_2: the ``text_encoder_2`` engine (outputs ``text_embeds`` and ``penultimate_hidden_state``).
@@ -98,6 +147,8 @@ class SdxlConditioning:
     zero_negative: bool
     time_ids: torch.Tensor
     negative_time_ids: torch.Tensor
+
+    mode = "sdxl"
 
     def encode(
         self,

@@ -1,0 +1,376 @@
+"""A generation request checked once, into a frozen :class:`Request` the loop takes (diffusers' ``check_inputs``).
+
+::
+
+    request = Request.build(spec, engines, prompt="a fox", num_inference_steps=30, seed=1)  # every check, here
+    images = denoise.generate(request, loop_engines, scheduler)                             # nothing checked there
+
+:class:`RequestSpec` is what an artifact allows (its shape profile, its :class:`LatentGeometry`, its
+architecture); :meth:`Request.build` refuses, with the value and the fix, every argument the engines cannot honour,
+in the order :meth:`~.pipeline.EnginePipeline.__call__` documents, and picks the request's
+:class:`~.conditioning.Conditioning`: text-to-image, image-to-image, inpainting or SDXL.
+
+Shapes: P prompts, N images per prompt, B = P x N images; latents [B, C, H / f, W / f] with f the geometry's
+``scale_factor`` (8 for SD's VAE).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import ShapeProfile
+from ..errors import RuntimeInputError
+from .batching import plan_chunks
+from .conditioning import Conditioning, TextToImage
+from .denoise import Generator, StepCallback
+from .engine import Engine
+from .geometry import LatentGeometry
+
+OUTPUT_TYPES: tuple[str, ...] = ("pil", "np", "pt", "latent")
+_MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """What an artifact allows a request: read from its manifest once, when the pipeline opens.
+
+    Attributes:
+        profile: the engines' shape profile (batch, height, width ranges).
+        geometry: pixels <-> latents.
+        architecture: "sd" (SD 1.x/2.x) or "sdxl".
+        force_zeros_for_empty_prompt: SDXL: ``negative_prompt=None`` gives zero negative embeddings.
+    """
+
+    profile: ShapeProfile
+    geometry: LatentGeometry
+    architecture: str = "sd"
+    force_zeros_for_empty_prompt: bool = True
+
+    @property
+    def default_size(self) -> tuple[int, int]:
+        """(height, width) of a call without them: the profile's opt size, the one the engines were tuned for."""
+        return int(self.profile.height.opt), int(self.profile.width.opt)
+
+    @property
+    def default_guidance_scale(self) -> float:
+        """diffusers' default of the artifact's pipeline class: 7.5 (SD 1.x/2.x), 5.0 (SDXL)."""
+        return 5.0 if self.architecture == "sdxl" else 7.5
+
+
+@dataclass(frozen=True)
+class Request:
+    """One checked call of :meth:`~.pipeline.EnginePipeline.__call__` (built by :meth:`build`).
+
+    Attributes:
+        prompts, negative_prompts: P texts each (the negatives are "" where none was given).
+        num_images_per_prompt: N.
+        num_inference_steps: scheduler steps of the full schedule (image-to-image runs the last ones).
+        guidance_scale: CFG weight; > 1 runs classifier-free guidance.
+        eta: DDIM's eta.
+        height, width: output size in pixels.
+        latent_shape: [B, C, h, w].
+        generator: a CPU generator seeded with ``seed``, or the caller's generator(s).
+        seed: the seed; ``None`` when a generator was passed.
+        latents: the caller's initial noise [B, C, h, w], or ``None``.
+        output_type: one of :data:`OUTPUT_TYPES`.
+        chunks: the image ranges run one after another (engine-sized).
+        conditioning: what the mode adds to the loop (:class:`~.conditioning.Conditioning`).
+        progress, callback: a tqdm bar over the steps; the per-step callback.
+        given: the arguments as given (prompt, negative_prompt, SDXL extras), for the output's parameters.
+    """
+
+    prompts: tuple[str, ...]
+    negative_prompts: tuple[str, ...]
+    num_images_per_prompt: int
+    num_inference_steps: int
+    guidance_scale: float
+    eta: float
+    height: int
+    width: int
+    latent_shape: tuple[int, int, int, int]
+    generator: Generator
+    seed: int | None
+    latents: torch.Tensor | None
+    output_type: str
+    chunks: tuple[range, ...]
+    conditioning: Conditioning
+    progress: bool = True
+    callback: StepCallback | None = None
+    given: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch(self) -> int:
+        """B = P x N images."""
+        return len(self.prompts) * self.num_images_per_prompt
+
+    @property
+    def do_cfg(self) -> bool:
+        """Classifier-free guidance runs (``guidance_scale > 1``): the UNet batch is ``[negative; positive]``."""
+        return self.guidance_scale > 1.0
+
+    @classmethod
+    def build(
+        cls,
+        spec: RequestSpec,
+        engines: Mapping[str, Engine],
+        prompt: Any,
+        negative_prompt: Any = None,
+        num_inference_steps: Any = 50,
+        guidance_scale: Any = None,
+        generator: Generator = None,
+        seed: Any = None,
+        height: Any = None,
+        width: Any = None,
+        num_images_per_prompt: Any = 1,
+        latents: Any = None,
+        output_type: str = "pil",
+        progress: bool = True,
+        callback: StepCallback | None = None,
+        eta: Any = 0.0,
+        image: Any = None,
+        strength: Any = None,
+        mask_image: Any = None,
+        tokenizer_2: Any = None,
+        **sdxl: Any,
+    ) -> Request:
+        """Check every argument of :meth:`~.pipeline.EnginePipeline.__call__` (same names, same meaning).
+
+        Args:
+            spec: what the artifact allows.
+            engines: the pipeline's engines by component (``vae_encoder`` for images, ``text_encoder_2`` for
+                SDXL; they may still be unopened).
+            tokenizer_2: SDXL's second tokenizer.
+            sdxl: the SDXL arguments (:data:`SDXL_ARGUMENTS`), ``None`` / (0, 0) when not given.
+
+        Raises:
+            RuntimeInputError: the first argument the engines cannot honour; the message names the value and the fix.
+        """
+        prompts = prompt_list("prompt", prompt)
+        negatives = negative_list(negative_prompt, len(prompts))
+        steps = positive_int("num_inference_steps", num_inference_steps, "use e.g. 30 or 50")
+        n_per = positive_int("num_images_per_prompt", num_images_per_prompt, "use 1 or more")
+        if guidance_scale is None:
+            guidance_scale = spec.default_guidance_scale
+        guidance = non_negative_float("guidance_scale", guidance_scale, "use e.g. 7.5 (values <= 1 disable CFG)")
+        eta = non_negative_float("eta", eta, "use 0.0 (deterministic DDIM) .. 1.0")
+        sdxl_given = _sdxl_given(spec, sdxl, image is not None or mask_image is not None)
+        batch = len(prompts) * n_per
+        conditioning: Conditioning = TextToImage()
+        if image is not None or mask_image is not None:
+            conditioning = _image_conditioning(spec, engines, image, mask_image, strength, latents, steps, batch,
+                                               height, width)
+            height, width = conditioning.height, conditioning.width  # type: ignore[attr-defined]
+        else:
+            _check_text_to_image(spec, strength)
+        default_h, default_w = spec.default_size
+        height, width = spec.geometry.check_size(default_h if height is None else height,
+                                                 default_w if width is None else width, spec.profile)
+        chunks = _chunks(spec, len(prompts), n_per)
+        if output_type not in OUTPUT_TYPES:
+            raise RuntimeInputError(f"output_type={output_type!r} is unknown; use one of {', '.join(OUTPUT_TYPES)}")
+        generator, seed = check_generator(generator, seed, batch)
+        shape = spec.geometry.latent_shape(batch, height, width)
+        _check_latents(latents, shape, height, width, spec.geometry.scale_factor)
+        if spec.architecture == "sdxl":
+            from .sdxl import sdxl_conditioning
+
+            conditioning = sdxl_conditioning(
+                prompts, negatives, negative_prompt, height, width, engines["text_encoder_2"], tokenizer_2,
+                zero_negative=negative_prompt is None and spec.force_zeros_for_empty_prompt, **sdxl)
+        given = {"prompt": prompt if isinstance(prompt, str) else list(prompts),
+                 "negative_prompt": negative_prompt if negative_prompt is None or isinstance(negative_prompt, str)
+                 else list(negatives),
+                 **{k: v if isinstance(v, str) else list(v) for k, v in sdxl_given.items()}}
+        return cls(tuple(prompts), tuple(negatives), n_per, steps, guidance, eta, height, width, shape, generator,
+                   seed, latents, output_type, chunks, conditioning, progress, callback, given)
+
+
+#: Arguments of :meth:`~.pipeline.EnginePipeline.__call__` that only SDXL artifacts take (diffusers' SDXL arguments).
+SDXL_ARGUMENTS: tuple[str, ...] = ("prompt_2", "negative_prompt_2", "original_size", "crops_coords_top_left",
+                                   "target_size", "negative_original_size", "negative_crops_coords_top_left",
+                                   "negative_target_size")
+
+
+def _sdxl_given(spec: RequestSpec, sdxl: Mapping[str, Any], has_image: bool) -> dict[str, Any]:
+    """The SDXL arguments given (a (0, 0) crop counts as not given), refused for SD artifacts and with images."""
+    unknown = set(sdxl) - set(SDXL_ARGUMENTS)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(sorted(unknown))}")
+    crops = ("crops_coords_top_left", "negative_crops_coords_top_left")
+    given = {k: sdxl.get(k) for k in SDXL_ARGUMENTS}
+    given = {k: v for k, v in given.items() if v is not None and not (k in crops and _zero_pair(v))}
+    if spec.architecture != "sdxl" and given:
+        raise RuntimeInputError(
+            f"{', '.join(given)} apply to SDXL artifacts only; this one is model.architecture="
+            f"{spec.architecture!r} (SD 1.x/2.x): leave them out"
+        )
+    if spec.architecture == "sdxl" and has_image:
+        raise RuntimeInputError(
+            "image= / mask_image= (image-to-image, inpainting) are not supported for SDXL artifacts yet; "
+            "run text-to-image (no image=) or use an SD 1.x/2.x artifact"
+        )
+    return given
+
+
+def _image_conditioning(spec: RequestSpec, engines: Mapping[str, Engine], image: Any, mask_image: Any,
+                        strength: Any, latents: Any, steps: int, batch: int, height: Any, width: Any) -> Conditioning:
+    """Image-to-image / inpainting: the checked image (and mask) as the request's conditioning."""
+    from .image_inputs import image_request
+
+    if latents is not None:
+        raise RuntimeInputError(
+            "latents= is for text-to-image; with image= the initial latents come from the image and the seed"
+        )
+    return image_request(image, mask_image, strength, num_inference_steps=steps, batch=batch, height=height,
+                         width=width, vae_encoder=engines.get("vae_encoder"), geometry=spec.geometry,
+                         profile=spec.profile)
+
+
+def _check_text_to_image(spec: RequestSpec, strength: Any) -> None:
+    """Refuse what needs an image: ``strength``, an inpainting UNet."""
+    if strength is not None:
+        raise RuntimeInputError(
+            f"strength={strength!r} needs image=: it is how much of the start image is re-noised "
+            "(CLI: --image FILE)"
+        )
+    if spec.geometry.unet_in_channels != spec.geometry.channels:
+        raise RuntimeInputError(
+            f"this artifact's UNet is an inpainting UNet ({spec.geometry.unet_in_channels} input channels: "
+            "latents, mask, masked-image latents); pass image= and mask_image= (CLI: --image FILE --mask FILE)"
+        )
+
+
+def _chunks(spec: RequestSpec, prompts: int, n_per: int) -> tuple[range, ...]:
+    """Engine-sized chunks of the request, in order (above the profile's max batch; see runtime/batching.py)."""
+    batch = prompts * n_per
+    b = spec.profile.batch
+    if batch < b.min:
+        what = f"batch = {prompts} prompt(s) x num_images_per_prompt={n_per} = {batch}"
+        raise RuntimeInputError(
+            f"{what} is below the engine profile's min batch {b.min} (profile {b.min}..{b.max}); "
+            f"ask for more images or recompile with --min-batch-size {batch}"
+        )
+    return tuple(plan_chunks(batch, b.min, b.max))
+
+
+def _check_latents(latents: Any, shape: tuple[int, ...], height: int, width: int, f: int) -> None:
+    if latents is None:
+        return
+    if not isinstance(latents, torch.Tensor) or not latents.is_floating_point():
+        raise RuntimeInputError(f"latents must be a float torch.Tensor of shape {shape}, got {type(latents)}")
+    if tuple(latents.shape) != shape:
+        raise RuntimeInputError(
+            f"latents have shape {tuple(latents.shape)}; for batch {shape[0]} at {height}x{width} they must be "
+            f"{shape} (batch, channels, height/{f}, width/{f})"
+        )
+
+
+def check_generator(generator: Generator, seed: Any, batch: int) -> tuple[Generator, int | None]:
+    """The request's generator and seed: the caller's generator(s), or a CPU generator seeded with ``seed`` (drawn
+    from torch's global RNG when ``None``).
+
+    Raises:
+        RuntimeInputError: both given, a non-generator, a list that is neither 1 nor ``batch`` long, a bad seed.
+    """
+    if generator is not None and seed is not None:
+        raise RuntimeInputError("pass either seed= or generator=, not both")
+    if generator is not None:
+        gens = generator if isinstance(generator, list) else [generator]
+        if not all(isinstance(g, torch.Generator) for g in gens):
+            raise RuntimeInputError(f"generator must be a torch.Generator or a list of them, got {generator!r}")
+        if isinstance(generator, list) and len(generator) not in (1, batch):
+            raise RuntimeInputError(
+                f"generator is a list of {len(generator)} but the batch is {batch} images; pass one generator "
+                f"or {batch}"
+            )
+        return generator, None
+    if seed is None:
+        seed = int(torch.randint(0, _MAX_SEED, (1,)).item())
+    elif isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed <= _MAX_SEED:
+        raise RuntimeInputError(f"seed={seed!r} must be an integer in 0..{_MAX_SEED}")
+    return torch.Generator(device="cpu").manual_seed(int(seed)), int(seed)
+
+
+def prompt_list(name: str, prompt: Any) -> list[str]:
+    """``prompt`` as a list of checked texts: a string, or a non-empty list of strings.
+
+    Raises:
+        RuntimeInputError: anything else, or a text that is not valid UTF-8 (:func:`check_text`).
+    """
+    if isinstance(prompt, str):
+        return [check_text(name, prompt)]
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(p, str) for p in prompt):
+        return [check_text(f"{name}[{i}]" if len(prompt) > 1 else name, p) for i, p in enumerate(prompt)]
+    raise RuntimeInputError(f"{name}={prompt!r} must be a string or a non-empty list of strings")
+
+
+def check_text(name: str, text: str) -> str:
+    """``text`` if it is valid Unicode (encodable as UTF-8): what every prompt of :meth:`EnginePipeline.__call__` must
+    be (the CLI checks its prompts with it before loading the engines).
+
+    Raises:
+        RuntimeInputError: a lone surrogate, e.g. ``"\\udcff"``: how Python passes on command-line bytes that are not
+            UTF-8 (``-p $'\\xff'``); the tokenizer would fail on it with a TypeError.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start:e.end]
+        raw = bytes(ord(c) - 0xDC00 for c in bad if 0xDC80 <= ord(c) <= 0xDCFF)
+        what = f"the bytes {raw!r}" if len(raw) == len(bad) else f"{bad!r}"
+        raise RuntimeInputError(
+            f"{name} is not valid UTF-8 text: {what} at character {e.start}; pass the prompt as UTF-8 (e.g. re-encode "
+            "it with iconv -t UTF-8)"
+        ) from None
+    return text
+
+
+def _zero_pair(value: Any) -> bool:
+    """``value`` is the default (0, 0) crop (any sequence type)."""
+    return isinstance(value, Sequence) and not isinstance(value, str) and list(value) == [0, 0]
+
+
+def per_prompt(name: str, value: Any, n: int) -> list[str]:
+    """One string for each of ``n`` prompts: a string for all of them, or a list of ``n``."""
+    if isinstance(value, str):
+        return [check_text(name, value)] * n
+    values = prompt_list(name, value)
+    if len(values) != n:
+        raise RuntimeInputError(
+            f"{name} has {len(values)} entries but prompt has {n}; pass one string for all prompts or {n} strings"
+        )
+    return values
+
+
+def negative_list(negative: Any, n: int) -> list[str]:
+    """The negative prompt of each of ``n`` prompts: "" for ``None``, one string for all, or a list of ``n``."""
+    if negative is None:
+        return [""] * n
+    if isinstance(negative, str):
+        return [check_text("negative_prompt", negative)] * n
+    negatives = prompt_list("negative_prompt", negative)
+    if len(negatives) != n:
+        raise RuntimeInputError(
+            f"negative_prompt has {len(negatives)} entries but prompt has {n}; pass one string for all prompts "
+            f"or {n} strings"
+        )
+    return negatives
+
+
+def positive_int(name: str, value: Any, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise RuntimeInputError(f"{name}={value!r} must be an integer >= 1; {fix}")
+    return int(value)
+
+
+def non_negative_float(name: str, value: Any, fix: str) -> float:
+    number = not isinstance(value, bool) and isinstance(value, int | float | np.number)
+    if not number or not math.isfinite(value) or value < 0:
+        raise RuntimeInputError(f"{name}={value!r} must be a finite number >= 0; {fix}")
+    return float(value)

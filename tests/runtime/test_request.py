@@ -1,0 +1,146 @@
+"""The checked request (runtime/request.py), the latent geometry (runtime/geometry.py) and the modes' conditioning
+interface (runtime/conditioning.py), on their own: no artifact, no engine runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from diffusion_trt.config import Range, ShapeProfile
+from diffusion_trt.errors import RuntimeInputError
+from diffusion_trt.runtime.conditioning import Conditioning, PreparedLatents, TextToImage
+from diffusion_trt.runtime.geometry import LatentGeometry
+from diffusion_trt.runtime.image_inputs import ImageToImage, Inpainting, read_image_file
+from diffusion_trt.runtime.request import Request, RequestSpec
+from diffusion_trt.runtime.sdxl import SdxlConditioning
+
+PROFILE = ShapeProfile(batch=Range(1, 1, 2), height=Range(32, 64, 128), width=Range(32, 48, 128))
+SPEC = RequestSpec(PROFILE, LatentGeometry())
+
+
+def test_geometry_reads_the_manifest_once() -> None:
+    manifest = {"model": {"vae_scale_factor": 8, "vae_scaling_factor": 0.13025, "unet_in_channels": 9,
+                          "latent_channels": 4}}
+    geo = LatentGeometry.from_manifest(manifest)
+    assert (geo.scale_factor, geo.scaling_factor, geo.channels, geo.unet_in_channels) == (8, 0.13025, 4, 9)
+    assert geo.latent_shape(3, 64, 48) == (3, 4, 8, 6)
+    assert geo.derived_dims == {"H": ("h", 8), "W": ("w", 8)}
+    # without the model entry: SD's VAE, and the UNet engine's channels
+    assert LatentGeometry.from_manifest({}, unet_in_channels=9) == LatentGeometry(8, 0.18215, 4, 9)
+
+
+def test_geometry_checks_requested_and_image_sizes() -> None:
+    geo = LatentGeometry()
+    assert geo.check_size(np.int64(64), 48, PROFILE) == (64, 48)
+    with pytest.raises(RuntimeInputError, match=r"height=700 is not a positive multiple of 8; use 696 or 704"):
+        geo.check_size(700, 48, PROFILE)
+    with pytest.raises(RuntimeInputError, match=r"width=256 is outside the engine profile 32..128"):
+        geo.check_size(64, 256, PROFILE)
+    with pytest.raises(RuntimeInputError, match=r"height=64.0 must be an integer number of pixels"):
+        geo.check_size(64.0, 48, PROFILE)
+    with pytest.raises(RuntimeInputError, match=r"image width=50 is not a multiple of 8 .*to 48 or 56"):
+        geo.check_size(64, 50, PROFILE, image="image")
+    # another VAE factor: the same check, its multiples
+    with pytest.raises(RuntimeInputError, match=r"height=72 is not a positive multiple of 16; use 64 or 80"):
+        LatentGeometry(scale_factor=16).check_size(72, 64, PROFILE)
+
+
+def test_build_checks_once_into_a_frozen_request() -> None:
+    req = Request.build(SPEC, {}, ["a fox", "a cat"], negative_prompt="blurry", num_inference_steps=3, seed=4,
+                        output_type="np", progress=False)
+    assert req.prompts == ("a fox", "a cat") and req.negative_prompts == ("blurry", "blurry")
+    assert (req.height, req.width) == (64, 48)  # the profile's opt size
+    assert req.latent_shape == (2, 4, 8, 6) and req.batch == 2 and req.do_cfg and req.guidance_scale == 7.5
+    assert req.chunks == (range(0, 2),) and req.seed == 4 and isinstance(req.generator, torch.Generator)
+    assert isinstance(req.conditioning, TextToImage) and req.conditioning.mode == "txt2img"
+    assert req.given == {"prompt": ["a fox", "a cat"], "negative_prompt": "blurry"}
+    with pytest.raises(AttributeError):
+        req.height = 32  # type: ignore[misc]
+    # above the profile's max batch: engine-sized chunks
+    assert Request.build(SPEC, {}, "a", num_images_per_prompt=3, seed=0).chunks == (range(0, 2), range(2, 3))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"prompt": 3}, "prompt=3 must be a string"),
+    ({"num_inference_steps": 0}, "num_inference_steps=0 must be an integer >= 1"),
+    ({"guidance_scale": -1}, "guidance_scale=-1 must be a finite number >= 0"),
+    ({"prompt_2": "x"}, "prompt_2 apply to SDXL artifacts only"),
+    ({"strength": 0.5}, "strength=0.5 needs image="),
+    ({"height": 20}, "height=20 is not a positive multiple of 8"),
+    ({"output_type": "jpg"}, "output_type='jpg' is unknown"),
+    ({"seed": 1, "generator": torch.Generator()}, "pass either seed= or generator=, not both"),
+    ({"latents": torch.zeros(1, 4, 4, 4)}, r"latents have shape \(1, 4, 4, 4\)"),
+    ({"image": torch.zeros(3, 64, 48)}, "no vae_encoder component"),
+])
+def test_build_refuses_with_the_value_and_the_fix(kwargs: dict, message: str) -> None:
+    with pytest.raises(RuntimeInputError, match=message):
+        Request.build(SPEC, {}, **{"prompt": "a fox", **kwargs})
+
+
+def test_an_inpainting_unet_needs_an_image() -> None:
+    spec = RequestSpec(PROFILE, LatentGeometry(unet_in_channels=9))
+    with pytest.raises(RuntimeInputError, match=r"inpainting UNet .*pass image= and mask_image="):
+        Request.build(spec, {}, "a fox")
+
+
+def test_every_mode_implements_the_conditioning_interface() -> None:
+    for mode, name in ((TextToImage, "txt2img"), (ImageToImage, "img2img"), (Inpainting, "inpaint"),
+                       (SdxlConditioning, "sdxl")):
+        assert mode.mode == name
+        assert all(callable(getattr(mode, m)) for m in ("start", "prepare", "encode")), mode
+    assert issubclass(ImageToImage, TextToImage) and issubclass(SdxlConditioning, TextToImage)
+    cond: Conditioning = TextToImage()
+    t = torch.tensor([901, 601, 301, 1])
+    assert cond.start(None, 4, t) == (t, None)
+
+
+def test_text_to_image_prepares_diffusers_latents() -> None:
+    class Scheduler:
+        init_noise_sigma = 2.0
+
+    prepared = TextToImage().prepare(Scheduler(), torch.tensor([1]), (2, 4, 8, 6), torch.float32, torch.device("cpu"),
+                                     torch.Generator().manual_seed(3), None)
+    from diffusers.utils.torch_utils import randn_tensor
+
+    want = randn_tensor((2, 4, 8, 6), generator=torch.Generator().manual_seed(3), dtype=torch.float32) * 2.0
+    assert torch.equal(prepared.latents, want)
+    assert prepared.rows(range(0, 1), do_cfg=True) is None  # the steps add nothing
+
+
+def test_inpainting_rows_double_the_unet_extra_with_cfg() -> None:
+    prepared = PreparedLatents(latents=torch.zeros(2, 4, 2, 2), mask=torch.ones(2, 1, 2, 2),
+                               masked_image_latents=torch.full((2, 4, 2, 2), 3.0))
+    chunk = prepared.rows(range(1, 2), do_cfg=True)
+    assert chunk is not None and chunk.unet_extra is not None and chunk.unet_extra.shape == (2, 5, 2, 2)
+    assert chunk.unet_sample(torch.zeros(2, 4, 2, 2)).shape == (2, 9, 2, 2)
+
+
+def test_read_image_file_refuses_with_the_reason(tmp_path: Path) -> None:
+    from PIL import Image
+
+    path = tmp_path / "a.png"
+    Image.new("RGBA", (16, 8)).save(path)
+    with pytest.raises(RuntimeInputError, match="has transparency"):
+        read_image_file(path, "RGB")
+    Image.new("RGB", (16, 8)).save(path)
+    assert read_image_file(path, "RGB").size == (16, 8)
+    with pytest.raises(RuntimeInputError, match=r"is 16x8 \(WxH\), larger than the 8x8"):
+        read_image_file(path, "RGB", (8, 8))
+    (tmp_path / "b.png").write_bytes(b"not an image")
+    with pytest.raises(RuntimeInputError, match="cannot read"):
+        read_image_file(tmp_path / "b.png", "L")
+
+
+def test_the_loop_runs_a_built_request_as_the_pipeline_does(tiny_artifact: Path) -> None:
+    """``denoise.generate(request, engines, scheduler)``: the loop's entry point, driven without ``__call__``."""
+    from diffusion_trt.runtime import EnginePipeline, denoise
+
+    with EnginePipeline.from_artifacts(tiny_artifact) as pipe:
+        want = pipe("a fox", num_inference_steps=3, seed=2, output_type="np", progress=False).images
+        request = Request.build(pipe.request_spec, pipe.engines, "a fox", num_inference_steps=3, seed=2,
+                                output_type="np", progress=False)
+        got = denoise.generate(request, pipe.loop_engines(request.output_type), pipe.scheduler)
+    np.testing.assert_array_equal(got, want)
