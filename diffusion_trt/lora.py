@@ -136,24 +136,3 @@ def check_lora_files(specs: Any) -> list[LoraFile]:
             )
         seen[f.sha256] = f.path
     return files
-
-
-#: Names that moved to :mod:`diffusion_trt.compiler.lora` (the merge, the refit maps) and
-#: :mod:`diffusion_trt.runtime.refit` (the refit weights); still importable from here, lazily, so that importing
-#: this module never imports the compiler. Transitional: ``compiler/pipeline.py`` still calls ``lora.merge_loras``
-#: and ``lora.refit_map`` through this module; once it imports ``compiler.lora`` (which has ``check_lora_files``
-#: too), this table and :func:`__getattr__` go.
-_MOVED = {
-    "merge_loras": "compiler.lora", "refit_map": "compiler.lora", "load_base_modules": "compiler.lora",
-    "lora_layer_count": "compiler.lora", "REFIT_COMPONENTS": "compiler.lora", "REFIT_MAP_FORMAT": "compiler.lora",
-    "refit_weights": "runtime.refit", "onnx_initializers": "runtime.refit", "PICKLE_SUFFIXES": "runtime.refit",
-}
-
-
-def __getattr__(name: str) -> Any:
-    """``lora.merge_loras`` and the other moved names (see :data:`_MOVED`), imported on first use."""
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(f"diffusion_trt.{_MOVED[name]}"), name)

@@ -9,8 +9,7 @@ from pathlib import Path
 import onnx
 import pytest
 
-from diffusion_trt import lora
-from diffusion_trt.compiler import export
+from diffusion_trt.compiler import export, lora
 from diffusion_trt.compiler.pipeline import stage, write_refit_map
 from diffusion_trt.errors import ArtifactError, BuildError, ExportError, PassError
 

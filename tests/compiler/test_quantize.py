@@ -250,7 +250,7 @@ def test_fp8_nan_check_once_keeps_ort_semantics_and_restores_it():
     with _fp8_nan_check_once():
         model.initializer_extend([fp8("w", bytes([0x00, 0x7E, 0xFE]))])  # 448 and -448: finite
         model.initializer_extend([fp8("b", bytes([0x38]))])  # re-checks "w" (ORT's "gain" pass): once only
-        with pytest.raises(ValueError, match="Initializer 'n' has nan."):
+        with pytest.raises(ValueError, match=r"Initializer 'n' has nan\."):
             model.initializer_extend([fp8("n", bytes([0x01, 0xFF]))])
     assert ONNXModel._check_init is original
     assert [i.name for i in model.initializer()] == ["w", "b"]
