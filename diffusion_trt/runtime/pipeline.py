@@ -63,26 +63,23 @@ LAZY_COMPONENTS: tuple[str, ...] = ("vae_encoder",)
 
 
 #: Components whose convolutions run faster in NHWC on CUDA (ORT's ``prefer_nhwc`` lets its layout transformer
-#: put Conv and the NHWC GroupNorm kernel in one layout). Measured on an H200, SD-1.5 fp16 512x512 static
-#: artifact: UNet step 13.1 -> 9.1 ms, VAE decode 14.0 -> 10.5 ms; the text encoder (no Conv) got slower
-#: (1.6 -> 2.5 ms), so it is left out. Figures from benchmarks/components.py.
+#: put Conv and the NHWC GroupNorm kernel in one layout); the text encoder (no Conv) gets slower, so it is left
+#: out. Figures: benchmarks/results/README.md, "Figures behind code defaults".
 NHWC_COMPONENTS: frozenset[str] = frozenset({"unet", "vae_decoder", "vae_encoder"})
 
 
 #: ORT's attention backend for every CUDA engine: ``sdpa_kernel`` bit 8 = cuDNN flash attention (ORT's
 #: AttentionBackend enum, contrib_ops/cpu/bert/attention_common.h). Why: ORT 1.31.1's default pick for the VAE's
 #: one-head 512-wide attention, the CUTLASS memory-efficient kernel, fails with "cudaErrorInvalidValue" on the
-#: second GPU a process uses (a launch attribute set once per process; reproduced on two H200s, 2026-11-30),
-#: which broke data-parallel runs; cuDNN's kernel runs on every device and was as fast or faster on an H200
-#: (UNet step 8.0 vs 8.1 ms, VAE decode 9.8 vs 10.0 ms, benchmarks/components.py). Where cuDNN has no kernel for
-#: a shape, ORT falls back to its unfused path.
+#: second GPU a process uses (a launch attribute set once per process), which broke data-parallel runs; cuDNN's
+#: kernel runs on every device and is as fast or faster. Where cuDNN has no kernel for a shape, ORT falls back to
+#: its unfused path. Figures: benchmarks/results/README.md, "Figures behind code defaults".
 CUDA_ATTENTION_OPTIONS: dict[str, str] = {"sdpa_kernel": "8"}
 
 
 #: Components whose Conv biases ORT should add inside the convolution (``fuse_conv_bias=1``: cuDNN's fused
-#: epilogue instead of a separate ``op_generic_tensor_kernel`` per Conv). Measured on an H200 (SD-1.5 fp16 static
-#: 512x512, CUDA graph + NHWC): VAE decode 9.90 -> 9.35 ms; UNet step 7.28 -> 7.28 ms (most of its Conv biases
-#: already ride in SkipGroupNorm), so only the VAE takes it. benchmarks/results/h200-2026-11-30-components-*.
+#: epilogue instead of a separate ``op_generic_tensor_kernel`` per Conv): only the VAE gains (most UNet Conv
+#: biases already ride in SkipGroupNorm). Figures: benchmarks/results/README.md, "Figures behind code defaults".
 FUSED_CONV_BIAS_COMPONENTS: frozenset[str] = frozenset({"vae_decoder", "vae_encoder"})
 
 
