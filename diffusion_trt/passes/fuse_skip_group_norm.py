@@ -44,8 +44,8 @@ def fuse_skip_group_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
               same epsilon / groups / activation) -> (Y in NHWC, sum in NHWC -> Transpose -> NCHW readers)
               The Transposes meet the NHWC Convs ONNX Runtime makes with ``prefer_nhwc=1`` and cancel there.
     Why:      the Add (and the Conv's separate bias kernel, cuDNN's ``op_generic_tensor_kernel``) run inside the
-              GroupNorm kernel: on an H200 the SD-1.5 VAE decoder spent 1.8 ms of 9.8 in Conv bias kernels and
-              0.36 ms in Adds (kernel profile, 2026-11-30). Other targets: nothing matches (no GroupNorm contrib
+              GroupNorm kernel (the kernel profile behind it: benchmarks/results/README.md ("Figures behind code
+              defaults")). Other targets: nothing matches (no GroupNorm contrib
               op: TensorRT fuses the add into its normalization layer itself).
     Requires: the Transpose read only by the GroupNorm; a and b non-constant, rank 4 with the same static C, b's
               H and W the same as a's or both 1, N the same (int or symbolic name); the Add's output not a graph

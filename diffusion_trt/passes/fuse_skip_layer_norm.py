@@ -39,7 +39,8 @@ def fuse_skip_layer_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
               others:    nothing (``skipped_for_target``): TensorRT fuses the add into its normalization layer
                          itself, and ORT's CPU provider is kept on standard ops.
     Why:      one kernel instead of bias add + residual add + LayerNorm; ORT 1.31's own SkipLayerNormFusion left
-              all 48 of the SD-1.5 UNet's LayerNorms alone (kernel profile on an H200, 2026-11-30).
+              the SD-1.5 UNet's LayerNorms alone (figures: benchmarks/results/README.md ("Figures behind code
+              defaults")).
     Requires: the LayerNorm over the last axis with a constant gamma (beta optional) of D elements; a and b
               non-constant with the same shape [B, S, D] (rank 3, or rank 2 [tokens, D]; D static, other dims the
               same int or the same symbolic name); the bias Add

@@ -41,11 +41,9 @@ def merge_conv_biases(graph: gs.Graph, ctx: PassContext) -> PassResult:
         sum:    Conv(x, A) + Conv(y, B, a + b)          (the per-channel constants commute)
         norm:   Conv(y, B) -> Transpose -> SkipGroupNorm(..., bias = [bias] + b)   (SkipGroupNorm adds
                 ``X + skip + bias`` before normalizing, and its optional sum output is that same sum)
-    Why:  ONNX Runtime's CUDA Conv adds each bias in a kernel of its own (cuDNN's ``op_generic_tensor_kernel``,
-          ~6 us per Conv of the SD-1.5 UNet on an H200) unless ``fuse_conv_bias`` is on, which picked slower
-          conv kernels for the UNet; here the bias rides in an add that happens anyway (SD-1.5 UNet: 14 of 37
-          remaining Conv biases; H200, fp16 512x512, CUDA graph + NHWC: UNet step 7.01 -> 6.97 ms,
-          benchmarks/results/h200-2026-11-30-s3b-components-merge-ab.json).
+    Why:  ONNX Runtime's CUDA Conv adds each bias in a kernel of its own (cuDNN's ``op_generic_tensor_kernel``)
+          unless ``fuse_conv_bias`` is on, which picked slower conv kernels for the UNet; here the bias rides in
+          an add that happens anyway (figures: benchmarks/results/README.md ("Figures behind code defaults")).
     Requires: run after fuse_skip_group_norm (it moves the other Conv's bias into the norm first and emits the
           Transposes matched here). Each moved bias is a constant of C elements (C = the output channels); the
           Conv's output (and the Transpose's) read by the Add / SkipGroupNorm alone and not a graph output; the

@@ -61,11 +61,10 @@ def pack_qkv(graph: gs.Graph, ctx: PassContext) -> PassResult:
 
     Options (``ctx.options`` keys, read as :class:`PackQkvOptions`):
         pack_qkv: True turns the rewrite on; default False (every matched site counts as ``disabled``). Off by
-            default because it measured neutral with the attention kernel ORT picks on an H200 (cuDNN flash
-            attention reads only unpacked Q/K/V, so ORT inserts an unpack kernel per site that eats the saved
-            GEMMs): SD-1.5 UNet step 6.94 ms packed vs 6.92 ms unpacked (fp16, 512x512, CUDA graph + NHWC,
-            sdpa_kernel=8); ORT's TensorRT fused kernels, which read the packed forms, did not run on sm90 (14.0 ms).
-            benchmarks/results/h200x2-2026-11-30-s3-components-packed-vs-unpacked-sdpa.json.
+            default because it measured neutral with the attention kernel ORT picks (cuDNN flash attention reads
+            only unpacked Q/K/V, so ORT inserts an unpack kernel per site that eats the saved GEMMs); ORT's
+            TensorRT fused kernels, which read the packed forms, did not run on sm90. Figures:
+            benchmarks/results/README.md ("Figures behind code defaults").
 
     Counts: ``packed_qkv`` (self sites), ``packed_kv`` (cross sites), ``rejected`` (reasons at DEBUG),
         ``skipped_for_target``.
