@@ -292,7 +292,7 @@ def optimize_file(
     model, found, used = ensure_min_opset(original)
     feeds, warnings = (load_feeds(inputs, model), []) if inputs is not None else random_feeds(model, shapes, seed)
     for text in warnings:
-        logger.warning("warning: %s", text)
+        logger.warning("%s", text)
     ctx = PassContext(component=Path(source).stem, backend=backend, device=device, precision=precision,
                       opset=used, dump_dir=dump_dir, options=options)
     optimized, records, fp16 = optimize_fp16_checked(model, passes, ctx, feeds)

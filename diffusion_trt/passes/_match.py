@@ -167,7 +167,8 @@ def reject(pass_name: str, node: gs.Node, reason: str) -> Rejection:
 _COLLECTED: contextvars.ContextVar[list[Rejection] | None] = contextvars.ContextVar("rejections", default=None)
 
 #: A quoted tensor / node name inside a reason: ``'h' has 2 consumers`` and ``'x.1' has 2 consumers`` are one reason.
-_QUOTED = re.compile(r"'[^']*'")
+#: A quote opens only where no letter precedes it (so the apostrophe of "input's" opens nothing).
+_QUOTED = re.compile(r"(?<![A-Za-z])'[^']*'")
 
 
 @contextmanager

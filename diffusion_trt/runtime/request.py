@@ -174,6 +174,9 @@ class Request:
         chunks = _chunks(spec, len(prompts), n_per)
         if output_type not in OUTPUT_TYPES:
             raise RuntimeInputError(f"output_type={output_type!r} is unknown; use one of {', '.join(OUTPUT_TYPES)}")
+        if callback is not None and not callable(callback):
+            raise RuntimeInputError(f"callback={callback!r} is not callable; pass a function (step, timestep, "
+                                    "latents) or None")
         generator, seed = check_generator(generator, seed, batch)
         shape = spec.geometry.latent_shape(batch, height, width)
         _check_latents(latents, shape, height, width, spec.geometry.scale_factor)

@@ -200,3 +200,14 @@ def test_find_each_collects_matches_in_graph_order() -> None:
                       check=lambda n: "odd" if n.name in ("r1", "r3") else None)
     assert [n.name for n in found.matches] == ["r0", "r2"] and found.rejected == 2
     assert len(graph.nodes) == 5  # nothing rewritten
+
+
+def test_rejection_reasons_merge_names_but_keep_apostrophes() -> None:
+    """Quoted names are merged into one reason; the apostrophe of a word ("input's") opens no quote."""
+    from diffusion_trt.passes._match import rejection_reasons
+
+    reasons = [Rejection("fuse_skip_group_norm", "GroupNorm", f"n{i}",
+                         f"the skip ['{a}', 16] is neither the input's ['{b}', 16] nor [N, C, 1, 1]")
+               for i, (a, b) in enumerate((("x", "y"), ("p.1", "q.2")))]
+    assert rejection_reasons(reasons) == {
+        "GroupNorm: the skip ['…', 16] is neither the input's ['…', 16] nor [N, C, 1, 1]": 2}

@@ -74,6 +74,7 @@ def test_build_checks_once_into_a_frozen_request() -> None:
     ({"seed": 1, "generator": torch.Generator()}, "pass either seed= or generator=, not both"),
     ({"latents": torch.zeros(1, 4, 4, 4)}, r"latents have shape \(1, 4, 4, 4\)"),
     ({"image": torch.zeros(3, 64, 48)}, "no vae_encoder component"),
+    ({"callback": 5}, "callback=5 is not callable"),
 ])
 def test_build_refuses_with_the_value_and_the_fix(kwargs: dict, message: str) -> None:
     with pytest.raises(RuntimeInputError, match=message):
