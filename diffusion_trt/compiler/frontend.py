@@ -97,9 +97,9 @@ def compile_model(
         logger.info("compile cache hit %s: reused %s in %.1f s (no export, passes or build)", key[:12], cached,
                     time.perf_counter() - t0)
         return out
-    if info is None:
+    if info is None:  # the folder's hash is the cache key's: not read and hashed a second time
         pipeline.compile_pipeline(model, out, config, overwrite=overwrite, progress=progress,
-                                  lock_timeout=lock_timeout)
+                                  lock_timeout=lock_timeout, source_sha256=source["sha256"])
     else:
         from .single_file import folder_from_single_file
 

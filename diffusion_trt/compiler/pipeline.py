@@ -280,6 +280,7 @@ def compile_pipeline(
     overwrite: bool = False,
     progress: bool = False,
     lock_timeout: float = 0.0,
+    source_sha256: str | None = None,
 ) -> Path:
     """Compile a diffusers SD 1.x / 2.x / SDXL pipeline folder into an artifact folder.
 
@@ -293,6 +294,8 @@ def compile_pipeline(
         progress: show a progress bar (stderr) over components and stages.
         lock_timeout: seconds to wait while another compile writes ``out_dir`` (0 = fail at once); see
             :func:`~diffusion_trt.artifacts.staging_dir`.
+        source_sha256: ``artifacts.folder_hash(model_dir)`` when the caller has it already (compile_model hashes
+            the folder for the compile cache's key); ``None`` = hash it here.
 
     Returns:
         ``out_dir`` as a Path.
@@ -310,7 +313,7 @@ def compile_pipeline(
     job = prepare(model_dir, Path(out_dir), config)
     with artifacts.staging_dir(job.out, overwrite=overwrite, lock_timeout=lock_timeout) as staging:
         copy_tokenizers(job, staging)
-        models, lora_records, source_hash = load_sources(job)
+        models, lora_records, source_hash = load_sources(job, source_sha256)
         plans = plan_components(config, job.facts, job.names)  # every precision / pipeline / builder decision, once
         qstage = (_quantize_stage(job.folder, models, config, job.profile, source_hash, job.facts, lora_records)
                   if quantized_components(config) else None)
@@ -452,14 +455,17 @@ def copy_tokenizers(job: CompileJob, staging: Path) -> None:
             shutil.copytree(job.folder.path / "tokenizer_2", staging / "tokenizer_2")
 
 
-def load_sources(job: CompileJob) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
-    """The fp32 torch modules (LoRAs merged), the LoRA records and the model folder's hash."""
+def load_sources(job: CompileJob, source_sha256: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+    """The fp32 torch modules (LoRAs merged), the LoRA records and the model folder's hash (``source_sha256`` when
+    given: the caller's :func:`~diffusion_trt.artifacts.folder_hash` of the same folder)."""
     with stage("load models"):
         # always fp32 (ComponentPlan.export_dtype): fp16 is made by the convert_fp16 pass (fp32 islands, Casts
         # at the borders) for every backend; TensorRT networks are built strongly typed from those types
         models = export.load_models(job.folder, "fp32", job.torch_device)
     with stage("merge LoRA"):  # diffusers' load_lora_weights + fuse_lora, before export (see lora.py)
         lora_records = lora.merge_loras(models, job.lora_files)
+    if source_sha256 is not None:
+        return models, lora_records, source_sha256
     with stage("source hash"):
         source_hash = artifacts.folder_hash(job.folder.path)
     return models, lora_records, source_hash

@@ -171,3 +171,20 @@ def test_verify_source(tiny_pipeline_dir: Path, tiny_artifact: Path, tmp_path: P
     assert code == 2 and "nowhere" in out and "does not exist" in out
     manifest = json.loads((tiny_artifact / "manifest.json").read_text())
     assert manifest["source"]["sha256"] == artifacts.folder_hash(tiny_pipeline_dir)
+
+
+def test_a_folder_is_hashed_once_per_compile(tiny_pipeline_dir: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile_model hashes the source folder for the cache key and hands that hash to compile_pipeline: the
+    manifest's source.sha256 is the folder's hash, read once."""
+    calls: list[Path] = []
+    real = artifacts.folder_hash
+
+    def counting(root: str | os.PathLike[str]) -> str:
+        calls.append(Path(root))
+        return real(root)
+
+    monkeypatch.setattr(artifacts, "folder_hash", counting)
+    out = compile_model(tiny_pipeline_dir, tmp_path / "a", FAST, cache=CompileCache(tmp_path / "cache"))
+    assert calls == [tiny_pipeline_dir]
+    assert artifacts.read_manifest(out)["source"]["sha256"] == real(tiny_pipeline_dir)
