@@ -396,28 +396,6 @@ def denoise_latents(
     return latents
 
 
-def engine_batch_range(unet: Engine, vae_decoder: Engine | None, do_cfg: bool) -> tuple[int, int]:
-    """Images per engine call the UNet (CFG doubles its batch) and the VAE decoder both accept: (lo, hi).
-
-    Raises:
-        RuntimeInputError: the engines share no batch size (e.g. a static CFG-batch UNet asked to run without
-            CFG); the message names both ranges.
-    """
-    factor = 2 if do_cfg else 1
-    info = unet.spec.input("sample")
-    lo, hi = -(-info.min[0] // factor), info.max[0] // factor
-    if vae_decoder is not None:
-        vae = vae_decoder.spec.input("latent_sample")
-        lo, hi = max(lo, vae.min[0]), min(hi, vae.max[0])
-    if not 1 <= lo <= hi:
-        raise RuntimeInputError(
-            f"the UNet takes batch {info.min[0]}..{info.max[0]} ({'2 x images with CFG' if do_cfg else 'images'}) "
-            "and the VAE decoder a range that leaves no common images-per-call; "
-            + ("use guidance_scale > 1 with this static artifact" if not do_cfg else "recompile the artifact")
-        )
-    return lo, hi
-
-
 def fresh_scheduler(scheduler: Any) -> Any:
     """A new instance of ``scheduler``'s class and config (schedulers are stateful: one per chunk)."""
     return type(scheduler).from_config(scheduler.config)

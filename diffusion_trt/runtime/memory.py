@@ -41,7 +41,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -564,8 +564,3 @@ def ort_arena_options(limit: int) -> dict[str, str]:
 def request_shape(plan_height: int, plan_width: int, batch: int) -> str:
     """``"512x512, batch 1"`` for messages."""
     return f"{plan_height}x{plan_width}, batch {batch}"
-
-
-def stage_components(manifest_components: Sequence[str]) -> dict[str, tuple[str, ...]]:
-    """The stages of :data:`STAGES` with the components this artifact has."""
-    return {s: tuple(c for c in comps if c in manifest_components) for s, comps in STAGES}
