@@ -80,9 +80,10 @@ def _runtime_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     keywords ``cudnn_conv_algo_search``, ``deterministic``, ``size_buckets``."""
     for option in reversed((
         click.option("--cudnn-algo-search", "cudnn_conv_algo_search",
-                     type=click.Choice(["EXHAUSTIVE", "HEURISTIC", "DEFAULT"], case_sensitive=False),
-                     default="EXHAUSTIVE", show_default=True,
-                     help="ORT CUDA: how cuDNN picks convolution algorithms (EXHAUSTIVE: timed per new shape)."),
+                     type=click.Choice(["AUTO", "EXHAUSTIVE", "HEURISTIC", "DEFAULT"], case_sensitive=False),
+                     default="AUTO", show_default=True,
+                     help="ORT CUDA: how cuDNN picks convolution algorithms (EXHAUSTIVE: timed per new shape; "
+                          "AUTO: EXHAUSTIVE for static artifacts, HEURISTIC for dynamic ones)."),
         click.option("--deterministic", is_flag=True,
                      help="ORT use_deterministic_compute + torch deterministic algorithms (cost: see bench)."),
         click.option("--size-buckets", default=None, metavar="auto|HxW[,HxW...]",
@@ -845,7 +846,7 @@ def _check_engine_options(options: dict[str, Any]) -> dict[str, Any]:
     from .runtime.buckets import parse_size_buckets
 
     options = dict(options)
-    options["cudnn_conv_algo_search"] = str(options.get("cudnn_conv_algo_search") or "EXHAUSTIVE").upper()
+    options["cudnn_conv_algo_search"] = str(options.get("cudnn_conv_algo_search") or "AUTO").upper()
     parse_size_buckets(options.get("size_buckets"))
     return options
 

@@ -53,7 +53,7 @@ class BenchConfig:
     runtime_cache_dir: Path | None = None
     vram_budget: str | None = None
     sizes: tuple[tuple[int, int], ...] = ()
-    cudnn_conv_algo_search: str = "EXHAUSTIVE"
+    cudnn_conv_algo_search: str = "AUTO"
     deterministic: bool = False
     size_buckets: str | None = None
 

@@ -55,8 +55,24 @@ _CAPTURE_LOCK = threading.Lock()
 #: Calls before ORT replays a graph: one regular run (arena allocations), then the capturing run.
 _GRAPH_CAPTURE_RUNS = 2
 
-ConvAlgoSearch = Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"]
-CONV_ALGO_SEARCH: tuple[str, ...] = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
+ConvAlgoSearch = Literal["AUTO", "EXHAUSTIVE", "HEURISTIC", "DEFAULT"]
+CONV_ALGO_SEARCH: tuple[str, ...] = ("AUTO", "EXHAUSTIVE", "HEURISTIC", "DEFAULT")
+
+
+def resolve_conv_algo_search(requested: str, spec: EngineSpec) -> str:
+    """The cuDNN algorithm search a session gets: ``requested``, or for "AUTO" (the default) EXHAUSTIVE when every
+    input of ``spec`` is static (min == max) and HEURISTIC when any is dynamic.
+
+    Why (issue 19; H200, SD-1.5 UNet fp16, ``benchmarks/results/h200-2026-12-01-s4-bench_*.json``): on the static
+    512x512 artifact EXHAUSTIVE's step is 2 % faster (6.97 vs 7.11 ms) for a 1.0 s longer first call; on a dynamic
+    256..1024 artifact it buys nothing (UNet 14.86 vs 12.06 ms plain, 8.23 vs 8.20 ms with size buckets at 512x512)
+    and costs 1.3-2.1 s more on each first call at a new size. Size-bucket sessions are variants of the dynamic
+    engine and keep its choice.
+    """
+    if requested != "AUTO":
+        return requested
+    static = all(info.min == info.max for info in spec.inputs)
+    return "EXHAUSTIVE" if static else "HEURISTIC"
 
 #: ONNX Runtime type strings (``NodeArg.type``) -> manifest dtype names.
 _ORT_TYPES: dict[str, str] = {
@@ -104,7 +120,8 @@ class OrtEngine(EngineBase):
         stream: CUDA only: the ``torch.cuda.Stream`` to run on (see the module docstring); ``None`` = ONNX
             Runtime's own stream with a synchronisation around each ``run``.
         cudnn_conv_algo_search: CUDA only: "EXHAUSTIVE" (benchmark every algorithm once per shape: slow first
-            call, fastest after), "HEURISTIC" or "DEFAULT".
+            call, fastest after), "HEURISTIC", "DEFAULT", or "AUTO" (EXHAUSTIVE for a static ``spec``, HEURISTIC
+            for a dynamic one: see :func:`resolve_conv_algo_search`).
         io_binding: bind inputs/outputs by pointer and reuse output buffers; forced on for CUDA, default off
             for CPU (on CPU it saves an output allocation per call).
         intra_op_num_threads: CPU threads per operator; ``None`` = ONNX Runtime's default (all cores).
@@ -146,7 +163,7 @@ class OrtEngine(EngineBase):
         device: str = "cpu",
         device_id: int = 0,
         stream: torch.cuda.Stream | None = None,
-        cudnn_conv_algo_search: str = "EXHAUSTIVE",
+        cudnn_conv_algo_search: str = "AUTO",
         io_binding: bool | None = None,
         intra_op_num_threads: int | None = None,
         provider_options: Mapping[str, Any] | None = None,
@@ -176,7 +193,7 @@ class OrtEngine(EngineBase):
         self._device_id = device_id
         self._stream = stream if device == "cuda" else None
         self._io_binding = True if device == "cuda" else bool(io_binding)
-        self._conv_algo = cudnn_conv_algo_search
+        self._conv_algo = resolve_conv_algo_search(cudnn_conv_algo_search, self._spec)
         self._threads = intra_op_num_threads
         self._extra_provider_options = dict(provider_options or {})
         self._session_options = session_options
@@ -300,6 +317,10 @@ class OrtEngine(EngineBase):
                 f"onnxruntime {ort.__version__} offers only {', '.join(available)}; install the GPU build "
                 "(`pip uninstall onnxruntime && pip install onnxruntime-gpu`) or run with device='cpu'"
             )
+        return [("CUDAExecutionProvider", self._provider_options()), "CPUExecutionProvider"]
+
+    def _provider_options(self) -> dict[str, str]:
+        """The CUDAExecutionProvider options of the next session: device, cuDNN search, stream, graph, extras."""
         options: dict[str, str] = {
             "device_id": str(self._device_id),
             "cudnn_conv_algo_search": self._conv_algo,
@@ -317,7 +338,7 @@ class OrtEngine(EngineBase):
             options["enable_cuda_graph"] = "1"
         elif self._graph_requested:
             options.pop("enable_cuda_graph", None)  # refused: the caller's own option would fail the same way
-        return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+        return options
 
     def _disable_graph(self, reason: str) -> None:
         """Turn CUDA-graph mode off with ONE warning naming the cause."""

@@ -680,7 +680,7 @@ class LoadOptions:
     device: str | None = None
     scheduler: str | None = None
     device_id: int = 0
-    cudnn_conv_algo_search: str = "EXHAUSTIVE"
+    cudnn_conv_algo_search: str = "AUTO"
     intra_op_num_threads: int | None = None
     io_binding: bool | None = None
     provider_options: Mapping[str, Any] | None = None

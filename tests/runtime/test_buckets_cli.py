@@ -41,7 +41,7 @@ def test_bench_sizes_first_calls_and_repeatability(toy_artifact: Path, tmp_path:
 @pytest.mark.parametrize(
     ("args", "piece"),
     [
-        (["--cudnn-algo-search", "FASTEST"], "'FASTEST' is not one of 'EXHAUSTIVE', 'HEURISTIC', 'DEFAULT'"),
+        (["--cudnn-algo-search", "FASTEST"], "'FASTEST' is not one of 'AUTO', 'EXHAUSTIVE', 'HEURISTIC', 'DEFAULT'"),
         (["--size-buckets", "512"], "--size-buckets: '512' in '512' is not HEIGHTxWIDTH with positive sides; "
                                     "use e.g. --size-buckets 512x512"),
         (["--sizes", "64x64,64"], "--sizes: '64' in '64x64,64' is not HEIGHTxWIDTH with positive sides; "

@@ -14,7 +14,7 @@ from onnx import helper
 
 from diffusion_trt.errors import ArtifactError, RuntimeInputError
 from diffusion_trt.runtime.engine import Engine, EngineSpec
-from diffusion_trt.runtime.ort_engine import OrtEngine
+from diffusion_trt.runtime.ort_engine import OrtEngine, resolve_conv_algo_search
 from tests.graphs import const, make_model, tensor_info
 
 
@@ -251,8 +251,28 @@ def test_missing_or_corrupt_model_file(tmp_path: Path) -> None:
 def test_constructor_rejects_bad_options(add_path: Path) -> None:
     with pytest.raises(ArtifactError, match="device='tpu'"):
         OrtEngine(add_path, ADD_SPEC, device="tpu")
-    with pytest.raises(ArtifactError, match=r"cudnn_conv_algo_search='FAST'.*EXHAUSTIVE, HEURISTIC, DEFAULT"):
+    with pytest.raises(ArtifactError, match=r"cudnn_conv_algo_search='FAST'.*AUTO, EXHAUSTIVE, HEURISTIC, DEFAULT"):
         OrtEngine(add_path, ADD_SPEC, device="cuda", cudnn_conv_algo_search="FAST")
+
+
+def test_auto_conv_algo_search_follows_the_profile(add_path: Path) -> None:
+    """AUTO (the default): EXHAUSTIVE for a static profile, HEURISTIC for a dynamic one, and a size-bucket variant
+    (static spec) of a dynamic engine keeps the dynamic engine's choice; an explicit choice is kept as given."""
+    from diffusion_trt.runtime.buckets import static_spec
+
+    dynamic = OrtEngine(add_path, ADD_SPEC, device="cuda")
+    static = static_spec(dynamic.spec, {"B2": 2, "h": 8, "w": 8})
+    assert resolve_conv_algo_search("AUTO", dynamic.spec) == "HEURISTIC"
+    assert resolve_conv_algo_search("AUTO", static) == "EXHAUSTIVE"
+    assert resolve_conv_algo_search("DEFAULT", static) == "DEFAULT"
+
+    def search(engine: OrtEngine) -> str:
+        return engine._provider_options()["cudnn_conv_algo_search"]
+
+    assert search(dynamic) == "HEURISTIC"
+    assert search(OrtEngine(add_path, static, device="cuda")) == "EXHAUSTIVE"
+    assert search(dynamic.variant(static, free_dimensions={"B2": 2, "h": 8, "w": 8})) == "HEURISTIC"
+    assert search(OrtEngine(add_path, ADD_SPEC, device="cuda", cudnn_conv_algo_search="EXHAUSTIVE")) == "EXHAUSTIVE"
 
 
 @pytest.mark.skipif(
