@@ -10,7 +10,8 @@ choice); ``math_attention`` (``sdpa_kernel=16``, ORT's unfused attention); ``nch
 ``cuda_graph`` (the replayed graph, static artifacts only).
 
 Part 2, single ops: one-node ONNX graphs at SD-1.5 shapes, fp16, run ``--runs`` times: ORT's GroupNorm and
-SkipGroupNorm contrib ops (their sum kernel adds per-block partial sums with atomicAdd), MultiHeadAttention
+SkipGroupNorm contrib ops (their sum kernel adds per-block partial sums with atomicAdd), InstanceNormalization (the
+GroupNorm form an artifact compiled with ``--deterministic`` keeps), MultiHeadAttention
 (cuDNN flash, sdpa_kernel=8), a 3x3 Conv (EXHAUSTIVE), a MatMul. The op whose outputs differ is the culprit.
 
 A benchmark, not a test: the figures depend on the GPU, the libraries and the timing of the blocks.
@@ -136,6 +137,12 @@ def op_probes(runs: int) -> dict[str, Any]:
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
     probes["SkipGroupNorm(2x64x64x320)"] = (model.SerializeToString(), {"x": x, "skip": skip}, {})
+    # compile --deterministic leaves GroupNorm as torch exports it: Reshape [N, G, -1] -> InstanceNormalization (the
+    # reduction that matters; the Reshapes, Mul and Add around it have no sums)
+    xg = rng.standard_normal((2, 32, 64 * 64 * c // 32)).astype(h16)
+    probes["InstanceNormalization(2x32x40960: GroupNorm unfused, compile --deterministic)"] = (
+        _one_node_model("InstanceNormalization", [("x", h16, list(xg.shape))], {"epsilon": 1e-5},
+                        {"s": np.ones(32, h16), "b": np.zeros(32, h16)}), {"x": xg}, {})
     q = rng.standard_normal((2, 4096, c)).astype(h16)
     kv = rng.standard_normal((2, 77, c)).astype(h16)
     for label, k_len, sdpa in (("self", 4096, "8"), ("cross", 77, "8"), ("self, math", 4096, "16")):

@@ -250,6 +250,11 @@ class CompileConfig:
         compute_capabilities: TensorRT-RTX only: the GPUs the plans are built for, e.g. ``("8.6", "8.9", "12.0")``, or
             ``("current",)`` for this machine's GPU; ``None`` = TensorRT-RTX's portable set (8.0, 8.6, 8.9, 12.0;
             ``trt_compat.LIBRARIES``). fp8 needs every target >= 8.9.
+        deterministic: ORT CUDA only: leave GroupNorm unfused (``fuse_group_norm_deterministic``): ORT's GroupNorm
+            and SkipGroupNorm kernels add partial sums with atomicAdd, so two identical calls differ by up to
+            ~1/255 (H200, ``benchmarks/results/h200-2026-12-01-s4-determinism.json``); the runtime's
+            ``deterministic=True`` switches the rest. Costs speed (the UNet's and VAE's norms run as several
+            kernels; not measured yet). Other targets: no effect (logged).
         pass_options: ``PassContext.options`` for every component, over the ones compile derives itself (each
             pass's docstring lists the options it reads, e.g. ``{"pack_qkv": True}``,
             ``{"fuse_attention_emit": "none"}``); for experiments and A/B timings (``--pass-option``).
@@ -278,6 +283,7 @@ class CompileConfig:
     loras: tuple[tuple[str, float], ...] = ()
     refittable: bool = False
     compute_capabilities: tuple[str, ...] | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.compute_capabilities is not None:

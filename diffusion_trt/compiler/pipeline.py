@@ -218,6 +218,17 @@ def pass_options(spec: ComponentSpec, profile: ShapeProfile, facts: Mapping[str,
     return options
 
 
+def deterministic_pass_options(config: CompileConfig) -> dict[str, Any]:
+    """The pass options of ``config.deterministic``: ORT CUDA leaves GroupNorm unfused (see CompileConfig)."""
+    if not config.deterministic:
+        return {}
+    if (config.backend, config.device) != ("ort", "cuda"):
+        logger.warning("--deterministic: no effect with --backend %s --device %s (it leaves ORT CUDA's GroupNorm "
+                       "unfused)", config.backend, config.device)
+        return {}
+    return {"fuse_group_norm_deterministic": True}
+
+
 def _quantize_stage(folder: export.ModelFolder, models: dict[str, Any], config: CompileConfig,
                     profile: ShapeProfile, source_hash: str, facts: dict[str, Any],
                     lora_records: Sequence[Mapping[str, Any]] = ()) -> quantize.QuantizeStage:
@@ -553,7 +564,8 @@ def optimize_component(job: CompileJob, plan: ComponentPlan,
             precision=plan.pass_precision,
             opset=config.opset,
             dump_dir=Path(config.dump_passes) if config.dump_passes else None,
-            options={**pass_options(spec, job.profile, job.facts), **config.pass_options},
+            options={**pass_options(spec, job.profile, job.facts), **deterministic_pass_options(config),
+                     **config.pass_options},
         )
         passes = pipeline_for(plan.pass_backend, config.device, plan.pass_precision, name,
                               static=job.profile.is_static())

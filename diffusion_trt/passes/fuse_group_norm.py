@@ -47,6 +47,10 @@ class FuseGroupNormOptions:
 
     #: tensorrt: raise the opset to 21 where safe; False keeps the graph's opset (sites below 21 are rejected).
     raise_opset: bool = option("fuse_group_norm_raise_opset", True, bool)
+    #: ort-cuda: leave every site unfused (``compile --deterministic``): ORT's GroupNorm kernel adds per-block partial
+    #: sums with atomicAdd in whatever order the blocks finish (measured: its output differs run to run by up to
+    #: 0.0039 on an H200, ``benchmarks/results/h200-2026-12-01-s4-determinism.json``).
+    deterministic: bool = option("fuse_group_norm_deterministic", False, bool)
 
 
 @dataclass
@@ -76,6 +80,8 @@ def fuse_group_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
                          stays: TensorRT fuses the pointwise tail itself)
               ort-cpu:   nothing: ORT CPU has no GroupNormalization kernel (it expands the function into more
                          nodes than the InstanceNormalization form); counted as ``skipped_for_target``.
+              ort-cuda with ``fuse_group_norm_deterministic``: nothing either (``skipped_for_target``): the
+                         InstanceNormalization form stays, and with it no GroupNorm for fuse_skip_group_norm.
     Why:      one kernel instead of five to seven (SD-1.5 UNet: 61 sites, 45 with SiLU; VAE decoder: 30).
     Requires: x's rank known (run infer_shapes); IN scale/bias constant [G] (folded into gamma/beta); gamma and
               beta constant, per channel ((C,1,1) or (1,C,1,1)). ort-cuda: rank 4, C/G even and <= 512 (the
@@ -86,6 +92,8 @@ def fuse_group_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Options (``ctx.options`` keys, read as :class:`FuseGroupNormOptions`):
         fuse_group_norm_raise_opset (bool): tensorrt: raise the opset to 21 where safe (default True); False
             keeps the graph's opset (sites below 21 are rejected), e.g. for a TensorRT whose parser stops at 20.
+        fuse_group_norm_deterministic (bool): ort-cuda: fuse nothing (default False); set by
+            ``CompileConfig.deterministic``. ORT's GroupNorm kernel is not run-to-run deterministic.
 
     Counts: ``GroupNorm`` (ort-cuda) or ``GroupNormalization`` (tensorrt) sites fused, ``with_silu`` (of those,
     SiLU included), ``Transpose`` (inserted, ort-cuda; a later pass may cancel adjacent pairs), ``rejected``
@@ -94,7 +102,11 @@ def fuse_group_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
     target = target_of(ctx.backend, ctx.device)
     op = {ORT_CUDA: "GroupNorm", TENSORRT: "GroupNormalization", ORT_CPU: "GroupNormalization"}[target]
     names = Namer(graph)
-    may_raise = ctx.options_for(FuseGroupNormOptions).raise_opset
+    options = ctx.options_for(FuseGroupNormOptions)
+    may_raise = options.raise_opset
+    leave = {ORT_CPU: "ort-cpu (no faster standard form)"}
+    if options.deterministic:
+        leave[ORT_CUDA] = "ort-cuda in deterministic mode (ORT's GroupNorm kernel sums with atomicAdd)"
     # tensorrt: why opset 21 cannot be had; asked once, at the first site that passes its check
     opset_problem_once = functools.cache(lambda: opset_problem(graph, GROUP_NORMALIZATION_OPSET, may_raise=may_raise))
 
@@ -105,8 +117,8 @@ def fuse_group_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
         return problem
 
     def rewrite(match: _GroupNormMatch) -> dict[str, int] | None:
-        if target == ORT_CPU:
-            logger.debug("%s: left GroupNorm at %r for ort-cpu (no faster standard form)", NAME, match.norm.name)
+        if target in leave:
+            logger.debug("%s: left GroupNorm at %r for %s", NAME, match.norm.name, leave[target])
             return None
         if target == ORT_CUDA:
             return {op: 1, "with_silu": _rewrite_ort_cuda(graph, match, names), "Transpose": 2}

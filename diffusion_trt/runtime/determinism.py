@@ -9,21 +9,29 @@ What it switches on:
   while a call runs (the caller's settings are restored after it). ``warn_only``: an op without a deterministic
   implementation warns (naming itself) instead of failing the image.
 
-What it cannot switch: kernels that ignore ``use_deterministic_compute``. ORT's GroupNorm / SkipGroupNorm contrib
-kernels (``GroupNormNHWCSumKernel``, contrib_ops/cuda/diffusion/group_norm_impl_kernel.cuh) add the per-block sums
-of a group with ``atomicAdd`` in whatever order the blocks finish, so the UNet's and the VAE's norms may differ in
-the last bits from call to call; ``benchmarks/determinism.py`` measures each component twice on the same inputs to
-tell which ones do on a given GPU (it also runs single GroupNorm, SkipGroupNorm, MultiHeadAttention, Conv and
-MatMul nodes). cuDNN's forward convolutions and its flash-attention forward kernel (``sdpa_kernel=8``, the
-runtime's default) are expected to be deterministic for a fixed algorithm (not measured yet: the script says);
-with ``EXHAUSTIVE`` search the algorithm is fixed per session and shape after the first call, but another process
-may pick another one: use ``cudnn_conv_algo_search="HEURISTIC"`` too for images equal across processes.
+What it cannot switch at run time: kernels that ignore ``use_deterministic_compute``. ORT's GroupNorm /
+SkipGroupNorm contrib kernels (``GroupNormNHWCSumKernel``, contrib_ops/cuda/diffusion/group_norm_impl_kernel.cuh)
+add the per-block sums of a group with ``atomicAdd`` in whatever order the blocks finish, so the UNet's and the
+VAE's norms may differ in the last bits from call to call; ``benchmarks/determinism.py`` measures each component
+twice on the same inputs to tell which ones do on a given GPU (it also runs single GroupNorm, SkipGroupNorm,
+MultiHeadAttention, Conv and MatMul nodes). cuDNN's forward convolutions and its flash-attention forward kernel
+(``sdpa_kernel=8``, the runtime's default) were bit-stable over 4 runs on an H200, as were MatMul and the text
+encoder, while GroupNorm and SkipGroupNorm differed by up to 0.0039
+(``benchmarks/results/h200-2026-12-01-s4-determinism.json``); with ``EXHAUSTIVE`` search the algorithm is fixed per
+session and shape after the first call, but another process may pick another one: use
+``cudnn_conv_algo_search="HEURISTIC"`` too for images equal across processes.
+
+The GroupNorm kernels are chosen at compile time: ``compile --deterministic`` (``CompileConfig.deterministic``)
+leaves ORT CUDA's GroupNorm unfused (the InstanceNormalization form torch exports). Whether ORT's
+InstanceNormalization kernel is run-to-run deterministic on a given GPU is what ``benchmarks/determinism.py``
+measures (its single-op part runs it); not yet measured. :func:`compile_time_note` says when an artifact lacks it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -49,3 +57,21 @@ def deterministic_torch(enabled: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.deterministic = before[2]
         torch.backends.cudnn.benchmark = before[3]
+
+
+def compile_time_note(manifest: Mapping[str, Any], device: str) -> str | None:
+    """Why ``deterministic=True`` cannot make this artifact's calls identical, or ``None``.
+
+    Args:
+        manifest: the artifact's manifest (its ``backend`` and ``config.deterministic``).
+        device: the device the engines run on, "cpu" or "cuda".
+
+    Returns:
+        One line for a warning: an ONNX Runtime artifact run on CUDA that was compiled without ``--deterministic``
+        (its fused GroupNorm / SkipGroupNorm kernels sum with atomicAdd); ``None`` otherwise.
+    """
+    if device != "cuda" or manifest.get("backend") != "ort" or manifest.get("config", {}).get("deterministic"):
+        return None
+    return ("deterministic: this artifact was compiled without --deterministic, so its fused GroupNorm kernels (ORT "
+            "contrib, atomicAdd sums) may still change the last bits of an image from call to call; recompile with "
+            "`diffusion-trt compile ... --deterministic` for identical images")

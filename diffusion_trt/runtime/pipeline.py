@@ -41,7 +41,7 @@ from . import denoise
 from .buckets import SizeBuckets, bucket_engines, parse_size_buckets
 from .cuda import HostBuffers
 from .denoise import EmbeddingCache, Generator, StepCallback
-from .determinism import deterministic_torch
+from .determinism import compile_time_note, deterministic_torch
 from .engine import Engine
 from .geometry import LatentGeometry
 from .image_inputs import ImageRequest
@@ -788,6 +788,8 @@ def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, str
         if options.deterministic or buckets is not None:
             logger.warning("deterministic / size_buckets apply to ONNX Runtime artifacts; ignored for TensorRT")
     else:
+        if options.deterministic and (note := compile_time_note(manifest, device)) is not None:
+            logger.warning("%s", note)
         engines = _ort_engines(reader, device, options, stream, derived, bool(cuda_graph), residency)
         engines = bucket_engines(engines, buckets, manifest, device, options.cuda_graph)
     return residency.wrap(engines) if residency is not None else engines

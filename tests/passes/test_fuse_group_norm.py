@@ -146,3 +146,14 @@ def test_tensorrt_without_raising_the_opset_rejects() -> None:
     model = group_norm_model()
     out, counts = fuse(model, fuse_group_norm, "tensorrt", "cuda", fuse_group_norm_raise_opset=False)
     assert counts["rejected"] == 1 and counts["GroupNormalization"] == 0 and domains(out)[""] == 17
+
+
+def test_ort_cuda_deterministic_leaves_the_instance_norm_form() -> None:
+    """``fuse_group_norm_deterministic`` (compile --deterministic): ort-cuda fuses nothing, since ORT's GroupNorm
+    kernel sums with atomicAdd; the exported form stays node for node and the site counts as skipped."""
+    model = group_norm_model(silu=True)
+    out, counts = fuse(model, fuse_group_norm, "ort", "cuda", fuse_group_norm_deterministic=True)
+    assert counts == {"GroupNorm": 0, "with_silu": 0, "Transpose": 0, "rejected": 0, "skipped_for_target": 1}
+    assert graphs.op_counts(out) == graphs.op_counts(model)
+    out, counts = fuse(model, fuse_group_norm, "tensorrt", "cuda", fuse_group_norm_deterministic=True)
+    assert counts["GroupNormalization"] == 1  # an ORT CUDA option: TensorRT's GroupNormalization is still emitted

@@ -1,0 +1,70 @@
+"""compile --deterministic (issue 19): ORT CUDA artifacts keep GroupNorm unfused, and the runtime says when an
+artifact lacks it. Built and checked here on the CPU; whether the unfused norms are run-to-run identical on a GPU
+is what benchmarks/determinism.py measures (not yet run)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from diffusion_trt.cli import main
+from diffusion_trt.compiler.pipeline import compile_pipeline, deterministic_pass_options
+from diffusion_trt.config import CompileConfig
+from diffusion_trt.runtime.determinism import compile_time_note
+
+
+def _ops(artifact: Path, component: str) -> Counter[str]:
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    model = onnx.load(str(artifact / manifest["components"][component]["onnx"]), load_external_data=False)
+    return Counter(n.op_type for n in model.graph.node)
+
+
+def _norm_counts(artifact: Path, component: str) -> dict[str, int]:
+    entry = json.loads((artifact / "manifest.json").read_text())["components"][component]
+    return next(p for p in entry["passes"] if p["name"] == "fuse_group_norm")["counts"]
+
+
+def test_ort_cuda_artifact_keeps_group_norm_unfused(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    config = {"device": "cuda", "precision": "fp16", "components": ("vae_decoder",)}
+    fused = compile_pipeline(tiny_pipeline_dir, tmp_path / "fused", CompileConfig(**config))
+    plain = compile_pipeline(tiny_pipeline_dir, tmp_path / "det", CompileConfig(**config, deterministic=True))
+    assert _ops(fused, "vae_decoder")["GroupNorm"] + _ops(fused, "vae_decoder")["SkipGroupNorm"] > 0
+    ops = _ops(plain, "vae_decoder")
+    assert ops["GroupNorm"] == ops["SkipGroupNorm"] == 0 and ops["InstanceNormalization"] > 0
+    counts = _norm_counts(plain, "vae_decoder")
+    assert counts["GroupNorm"] == 0
+    assert counts["skipped_for_target"] + counts["rejected"] == ops["InstanceNormalization"]
+    assert counts["skipped_for_target"] == _norm_counts(fused, "vae_decoder")["GroupNorm"]  # each site it fuses
+    manifest = json.loads((plain / "manifest.json").read_text())
+    assert manifest["config"]["deterministic"] is True
+    assert compile_time_note(manifest, "cuda") is None
+    note = compile_time_note(json.loads((fused / "manifest.json").read_text()), "cuda")
+    assert note is not None and "recompile with `diffusion-trt compile ... --deterministic`" in note
+
+
+def test_other_targets_are_unchanged_and_say_so(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="diffusion_trt.compiler.pipeline"):
+        assert deterministic_pass_options(CompileConfig(deterministic=True)) == {}
+    assert "--deterministic: no effect with --backend ort --device cpu" in caplog.text
+    assert deterministic_pass_options(CompileConfig(device="cuda", precision="fp16", deterministic=True)) == {
+        "fuse_group_norm_deterministic": True}
+    assert deterministic_pass_options(CompileConfig(device="cuda")) == {}
+    # the CPU provider's kernels are not the ones at stake, nor a TensorRT engine's: no warning for them
+    assert compile_time_note({"backend": "ort", "config": {}}, "cpu") is None
+    assert compile_time_note({"backend": "tensorrt-rtx", "config": {}}, "cuda") is None
+
+
+def test_cli_flag_reaches_the_manifest(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "a"
+    result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(out), "--no-cache",
+                                       "--device", "cuda", "--precision", "fp16", "--components", "vae_decoder",
+                                       "--deterministic"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "manifest.json").read_text())["config"]["deterministic"] is True
+    assert _ops(out, "vae_decoder")["GroupNorm"] == 0
