@@ -253,8 +253,9 @@ class CompileConfig:
         deterministic: ORT CUDA only: leave GroupNorm unfused (``fuse_group_norm_deterministic``): ORT's GroupNorm
             and SkipGroupNorm kernels add partial sums with atomicAdd, so two identical calls differ by up to
             ~1/255 (H200, ``benchmarks/results/h200-2026-12-01-s4-determinism.json``); the runtime's
-            ``deterministic=True`` switches the rest. Costs speed (the UNet's and VAE's norms run as several
-            kernels; not measured yet). Other targets: no effect (logged).
+            ``deterministic=True`` switches the rest (the tiny pipeline's identical calls then differ by 0 on an
+            H200, ``h200-2026-12-01-s6-tiny-deterministic.json``). Costs speed: 0.068 vs 0.044 ms per norm at the
+            SD-1.5 UNet's largest shape (``h200-2026-12-01-s6-norm-probe.json``). Other targets: no effect (logged).
         pass_options: ``PassContext.options`` for every component, over the ones compile derives itself (each
             pass's docstring lists the options it reads, e.g. ``{"pack_qkv": True}``,
             ``{"fuse_attention_emit": "none"}``); for experiments and A/B timings (``--pass-option``).
