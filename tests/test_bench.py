@@ -180,3 +180,16 @@ def test_glue_runs_the_runtime_loop(scheduler_name: str) -> None:
     torch.testing.assert_close(ours, x, rtol=0, atol=0)
     for guidance in (7.5, 1.0):  # without CFG the loop runs on the first b rows
         assert glue_ms(Clock(torch.device("cpu")), template, latents, noise, guidance, 4, True, 1, 0) > 0
+
+
+def test_budget_cost_line_uses_ours_at_the_same_size() -> None:
+    from diffusion_trt.bench import Run, format_table
+
+    rows = [Run("ours", 1, 64, 64, e2e_s=1.0), Run("ours", 1, 96, 96, e2e_s=4.0),
+            Run("ours_vram_budget", 1, 64, 64, e2e_s=1.5), Run("ours_vram_budget", 1, 96, 96, e2e_s=5.0)]
+    for r in rows[2:]:
+        r.stage_memory_mb = {"text": 10.0, "unet": 20.0, "vae": 30.0}
+    text = format_table({"runs": [r.to_json() for r in rows], "ratios": [], "config": {"vram_budget": "4GB"}})
+    assert "vram budget 4GB costs b=1 at 64x64: e2e 1.000 s -> 1.500 s (+0.500 s per request)" in text
+    assert "vram budget 4GB costs b=1 at 96x96: e2e 4.000 s -> 5.000 s (+1.000 s per request)" in text
+    assert "  ours_vram_budget           64x64 b=1   text 10  unet 20  vae 30" in text
