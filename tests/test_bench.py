@@ -182,6 +182,24 @@ def test_glue_runs_the_runtime_loop(scheduler_name: str) -> None:
         assert glue_ms(Clock(torch.device("cpu")), template, latents, noise, guidance, 4, True, 1, 0) > 0
 
 
+def test_budget_rows_are_compared_at_their_own_size(tiny_artifact: Path, tmp_path: Path) -> None:
+    """With two sizes, ``ours_vram_budget`` runs at each and its cost line sets it against ``ours`` at the same size
+    (the report keyed rows by system and batch: the 64x64 budget row was set against ours at 96x96)."""
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--baseline", "none", "--steps", "1", "--iters",
+                                       "1", "--warmup", "0", "--stage-iters", "1", "--sizes", "64x64,96x96",
+                                       "--vram-budget", "16GB", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    validate_result(data)
+    e2e = {(r["system"], r["height"], r["width"]): r["e2e_s"] for r in data["runs"] if r["status"] == "ok"}
+    assert {k for k in e2e if k[0] == "ours_vram_budget"} == {("ours_vram_budget", 64, 64),
+                                                              ("ours_vram_budget", 96, 96)}
+    for h in (64, 96):
+        ours, budget = e2e[("ours", h, h)], e2e[("ours_vram_budget", h, h)]
+        assert f"vram budget 16GB costs b=1 at {h}x{h}: e2e {ours:.3f} s -> {budget:.3f} s" in result.output
+
+
 def test_budget_cost_line_uses_ours_at_the_same_size() -> None:
     from diffusion_trt.bench import Run, format_table
 

@@ -1,6 +1,6 @@
 """``diffusion-trt bench``: our engines next to diffusers, in one process, on the same weights, seed and scheduler.
 
-Systems (each at every ``--batch-size``):
+Systems (each at every size of ``--sizes`` and every ``--batch-size``):
 
 * ``ours``: :class:`~diffusion_trt.runtime.pipeline.EnginePipeline` on the artifact (one device);
 * ``ours_multi_gpu``: :class:`~diffusion_trt.runtime.parallel.DataParallelPipeline` over ``--devices``

@@ -56,10 +56,9 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     model_dir = _model_dir(cfg, manifest)
     notes: list[str] = []
     ours = _ours(cfg, clock, device_kind, notes, say)
-    height, width = ours.sizes[0]
     runs = list(ours.runs)
     if cfg.vram_budget is not None:
-        runs.extend(bench_budget(cfg, clock, device_kind, device.index or 0, height, width, notes, say))
+        runs.extend(bench_budget(cfg, clock, device_kind, device.index or 0, ours.sizes, notes, say))
     runs.extend(_multi(cfg, clock, ours.sizes, say))
     if cfg.baseline == "diffusers":
         runs.extend(diffusers_runs(cfg, clock, model_dir, manifest, ours.scheduler_template, ours.sizes, notes, say))
