@@ -119,6 +119,29 @@ def test_baseline_on_other_weights_is_flagged(tiny_artifact: Path, tiny_pipeline
     assert "LoRAs merged in" in _baseline_mismatch(tiny_pipeline_dir, with_lora)
 
 
+def test_baseline_folder_of_the_same_architecture_passes(tiny_artifact: Path, tiny_pipeline_dir: Path,
+                                                         tiny_sd21_dir: Path, tmp_path: Path) -> None:
+    """architecture_mismatch refuses only what StableDiffusionPipeline cannot run next to the artifact: other weights
+    of the same architecture (SD-2.1 for SD-1.5) are baseline_mismatch's note, not an error."""
+    import shutil
+
+    from diffusion_trt.artifacts import read_manifest
+    from diffusion_trt.bench import architecture_mismatch
+
+    manifest = read_manifest(tiny_artifact)
+    assert architecture_mismatch(tiny_pipeline_dir, manifest) is None
+    assert architecture_mismatch(tiny_sd21_dir, manifest) is None
+    no_unet = tmp_path / "no-unet"
+    shutil.copytree(tiny_pipeline_dir, no_unet, ignore=shutil.ignore_patterns("unet"))
+    index = json.loads((no_unet / "model_index.json").read_text())
+    del index["unet"]
+    (no_unet / "model_index.json").write_text(json.dumps(index))
+    assert architecture_mismatch(no_unet, manifest) == (
+        "a StableDiffusionPipeline folder (architecture sd, UNet in_channels unknown, no unet)",
+        "a StableDiffusionPipeline (architecture sd, UNet in_channels 4)",
+    )
+
+
 def test_wide_spread_and_contradicting_stages_are_warned() -> None:
     from diffusion_trt.bench import Run, trust_notes
 
