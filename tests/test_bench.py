@@ -234,3 +234,67 @@ def test_budget_cost_line_uses_ours_at_the_same_size() -> None:
     assert "vram budget 4GB costs b=1 at 64x64: e2e 1.000 s -> 1.500 s (+0.500 s per request)" in text
     assert "vram budget 4GB costs b=1 at 96x96: e2e 4.000 s -> 5.000 s (+1.000 s per request)" in text
     assert "  ours_vram_budget           64x64 b=1   text 10  unet 20  vae 30" in text
+
+
+def _no_timing(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the benchmark started")
+
+
+def test_bench_refuses_a_bad_json_path_before_any_work(tiny_artifact: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """--json/--plot are written at the end: a bad path is one error: line (exit 2) before anything is timed; the check
+    creates no folder and leaves an existing file as it is."""
+    import errno
+    import os
+    import tempfile
+
+    import diffusion_trt.bench
+
+    monkeypatch.setattr(diffusion_trt.bench, "run_bench", _no_timing)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    folder = f"{tmp_path} is a folder; pass a file path, e.g. {tmp_path}{os.sep}"
+    cases = [
+        (["--json", tmp_path], f"error: --json {folder}bench.json"),
+        (["--plot", tmp_path], f"error: --plot {folder}bench.png"),
+        (["--json", a_file / "sub" / "b.json"],
+         f"error: --json {a_file / 'sub' / 'b.json'}: {a_file} is a file, not a folder; choose another path"),
+    ]
+    existing, missing = tmp_path / "old.json", tmp_path / "missing" / "sub" / "b.json"
+    existing.write_text("keep me")
+    for first in (existing, missing):  # a good --json before a bad --plot: neither is touched
+        cases.append((["--json", first, "--plot", tmp_path], f"error: --plot {folder}bench.png"))
+    for args, message in cases:
+        result = CliRunner().invoke(main, ["bench", str(tiny_artifact), *map(str, args)])
+        assert result.exit_code == 2 and result.output == message + "\n", result.output
+    assert existing.read_text() == "keep me" and not (tmp_path / "missing").exists()
+
+    def denied(*args: object, **kwargs: object) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(tempfile, "mkstemp", denied)  # as in a folder without write permission (tests run as root)
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--json", str(tmp_path / "b.json")])
+    assert result.exit_code == 2
+    assert result.output == (f"error: --json {tmp_path / 'b.json'}: cannot create a file in {tmp_path} (Permission "
+                             "denied); no permission; choose a writable location or fix the permissions\n")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".diffusion-trt-probe")] == []
+
+
+def test_bench_writes_json_and_plot_into_missing_folders_at_the_end(tiny_artifact: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing parent folder is created when the result is written, not when the path is checked."""
+    import diffusion_trt.bench
+
+    out, png = tmp_path / "new" / "sub" / "b.json", tmp_path / "other" / "b.png"
+    fake = {"runs": [], "ratios": [], "config": _config(), "env": {"device": "cpu"}}
+
+    def run_bench(*args: object, **kwargs: object) -> dict[str, object]:
+        assert not (tmp_path / "new").exists() and not (tmp_path / "other").exists()  # nothing made at check time
+        return fake
+
+    monkeypatch.setattr(diffusion_trt.bench, "run_bench", run_bench)
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--json", str(out), "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text()) == fake and f"json: {out}" in result.output
+    with Image.open(png) as image:
+        assert image.format == "PNG"
