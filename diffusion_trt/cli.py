@@ -555,6 +555,53 @@ def _check_writable_dir(folder: Path, flag: str) -> None:
         raise click.BadParameter(f"the folder {folder} is not writable; choose another path", param_hint=flag)
 
 
+def _check_output_file(path: Path, flag: str, example: str) -> None:
+    """Refuse, before any work, a file that is written only at the end (``bench --json/--plot``): a folder, a path
+    under a file, or a place where no file can be created or written. Changes nothing: an existing file is opened
+    for appending and closed (not truncated), a probe file in the folder is removed at once; a missing parent folder
+    is created only when the file is written (:func:`_write_output_file`).
+
+    Raises:
+        OutputPathError: naming the flag, the path, the cause and the fix (exit 2).
+    """
+    from .errors import OutputPathError
+
+    if path.is_dir():
+        raise OutputPathError(f"{flag} {path} is a folder; pass a file path, e.g. {path / example}")
+    folder = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if folder != path and not folder.is_dir():
+        raise OutputPathError(f"{flag} {path}: {folder} is a file, not a folder; choose another path")
+    try:
+        _probe_writable(path if folder == path else folder)
+    except OSError as e:
+        where = f"cannot write {path}" if folder == path else f"cannot create a file in {folder}"
+        raise OutputPathError(f"{flag} {path}: {where} ({e.strerror}); "
+                              f"{_OS_ERROR_FIXES.get(e.errno or 0, 'choose another path')}") from None
+
+
+def _probe_writable(target: Path) -> None:
+    """Open an existing file for appending (no truncation, no write), or create and remove a probe file in a folder.
+
+    Raises:
+        OSError: the file or folder cannot be written.
+    """
+    import os
+    import tempfile
+
+    if not target.is_dir():
+        os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))  # a FIFO without reader: ENXIO
+        return
+    fd, probe = tempfile.mkstemp(dir=target, prefix=".diffusion-trt-probe-")
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _write_output_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` (checked by :func:`_check_output_file`), creating its missing parent folders."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
 def _print_pass_table(path: Path) -> None:
     from .artifacts import read_manifest
 
@@ -904,9 +951,9 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
                    "[default: ~/.cache/diffusion-trt/runtime-cache/<manifest sha256[:16]>].")
 @click.option("--prompt", default=None, help="Prompt of every call [default: a fixed landscape prompt].")
 @click.option("--seed", type=SEED, default=0, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
               help="Write the result as JSON (schema: diffusion_trt/data/bench_result.schema.json).")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
               help="Write a bar chart PNG (matplotlib if installed, else Pillow).")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE",
               help="Also run ours under this budget (" + VRAM_BUDGET_HELP.split(": ")[0].lower() + "): per-stage peak "
@@ -942,9 +989,9 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
 
     engine_options = _check_engine_options(engine_options)
 
-    for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
+    for path, flag, example in ((json_path, "--json", "bench.json"), (plot_path, "--plot", "bench.png")):
         if path is not None:
-            _check_writable_file(path, flag, None)  # before the benchmark, not after
+            _check_output_file(path, flag, example)  # before the benchmark, not after
     device_list = _parse_devices(devices, device)
     config = BenchConfig(
         artifact=artifact_dir, baseline=baseline, model_dir=model_dir, device="cuda" if device_list else device,
@@ -956,9 +1003,10 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
     result = run_bench(config, progress=lambda msg: logger.info("bench: %s", msg))
     click.echo(format_table(result))
     if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=2))
+        _write_output_file(json_path, json.dumps(result, indent=2))
         click.echo(f"json: {json_path}")
     if plot_path is not None:
+        plot_path.parent.mkdir(parents=True, exist_ok=True)
         click.echo(f"plot: {plot_result(result, plot_path)}")
 
 

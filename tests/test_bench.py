@@ -119,6 +119,29 @@ def test_baseline_on_other_weights_is_flagged(tiny_artifact: Path, tiny_pipeline
     assert "LoRAs merged in" in _baseline_mismatch(tiny_pipeline_dir, with_lora)
 
 
+def test_baseline_folder_of_the_same_architecture_passes(tiny_artifact: Path, tiny_pipeline_dir: Path,
+                                                         tiny_sd21_dir: Path, tmp_path: Path) -> None:
+    """architecture_mismatch refuses only what StableDiffusionPipeline cannot run next to the artifact: other weights
+    of the same architecture (SD-2.1 for SD-1.5) are baseline_mismatch's note, not an error."""
+    import shutil
+
+    from diffusion_trt.artifacts import read_manifest
+    from diffusion_trt.bench import architecture_mismatch
+
+    manifest = read_manifest(tiny_artifact)
+    assert architecture_mismatch(tiny_pipeline_dir, manifest) is None
+    assert architecture_mismatch(tiny_sd21_dir, manifest) is None
+    no_unet = tmp_path / "no-unet"
+    shutil.copytree(tiny_pipeline_dir, no_unet, ignore=shutil.ignore_patterns("unet"))
+    index = json.loads((no_unet / "model_index.json").read_text())
+    del index["unet"]
+    (no_unet / "model_index.json").write_text(json.dumps(index))
+    assert architecture_mismatch(no_unet, manifest) == (
+        "a StableDiffusionPipeline folder (architecture sd, UNet in_channels unknown, no unet)",
+        "a StableDiffusionPipeline (architecture sd, UNet in_channels 4)",
+    )
+
+
 def test_wide_spread_and_contradicting_stages_are_warned() -> None:
     from diffusion_trt.bench import Run, trust_notes
 
@@ -180,3 +203,98 @@ def test_glue_runs_the_runtime_loop(scheduler_name: str) -> None:
     torch.testing.assert_close(ours, x, rtol=0, atol=0)
     for guidance in (7.5, 1.0):  # without CFG the loop runs on the first b rows
         assert glue_ms(Clock(torch.device("cpu")), template, latents, noise, guidance, 4, True, 1, 0) > 0
+
+
+def test_budget_rows_are_compared_at_their_own_size(tiny_artifact: Path, tmp_path: Path) -> None:
+    """With two sizes, ``ours_vram_budget`` runs at each and its cost line sets it against ``ours`` at the same size
+    (the report keyed rows by system and batch: the 64x64 budget row was set against ours at 96x96)."""
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--baseline", "none", "--steps", "1", "--iters",
+                                       "1", "--warmup", "0", "--stage-iters", "1", "--sizes", "64x64,96x96",
+                                       "--vram-budget", "16GB", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    validate_result(data)
+    e2e = {(r["system"], r["height"], r["width"]): r["e2e_s"] for r in data["runs"] if r["status"] == "ok"}
+    assert {k for k in e2e if k[0] == "ours_vram_budget"} == {("ours_vram_budget", 64, 64),
+                                                              ("ours_vram_budget", 96, 96)}
+    for h in (64, 96):
+        ours, budget = e2e[("ours", h, h)], e2e[("ours_vram_budget", h, h)]
+        assert f"vram budget 16GB costs b=1 at {h}x{h}: e2e {ours:.3f} s -> {budget:.3f} s" in result.output
+
+
+def test_budget_cost_line_uses_ours_at_the_same_size() -> None:
+    from diffusion_trt.bench import Run, format_table
+
+    rows = [Run("ours", 1, 64, 64, e2e_s=1.0), Run("ours", 1, 96, 96, e2e_s=4.0),
+            Run("ours_vram_budget", 1, 64, 64, e2e_s=1.5), Run("ours_vram_budget", 1, 96, 96, e2e_s=5.0)]
+    for r in rows[2:]:
+        r.stage_memory_mb = {"text": 10.0, "unet": 20.0, "vae": 30.0}
+    text = format_table({"runs": [r.to_json() for r in rows], "ratios": [], "config": {"vram_budget": "4GB"}})
+    assert "vram budget 4GB costs b=1 at 64x64: e2e 1.000 s -> 1.500 s (+0.500 s per request)" in text
+    assert "vram budget 4GB costs b=1 at 96x96: e2e 4.000 s -> 5.000 s (+1.000 s per request)" in text
+    assert "  ours_vram_budget           64x64 b=1   text 10  unet 20  vae 30" in text
+
+
+def _no_timing(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the benchmark started")
+
+
+def test_bench_refuses_a_bad_json_path_before_any_work(tiny_artifact: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """--json/--plot are written at the end: a bad path is one error: line (exit 2) before anything is timed; the check
+    creates no folder and leaves an existing file as it is."""
+    import errno
+    import os
+    import tempfile
+
+    import diffusion_trt.bench
+
+    monkeypatch.setattr(diffusion_trt.bench, "run_bench", _no_timing)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    folder = f"{tmp_path} is a folder; pass a file path, e.g. {tmp_path}{os.sep}"
+    cases = [
+        (["--json", tmp_path], f"error: --json {folder}bench.json"),
+        (["--plot", tmp_path], f"error: --plot {folder}bench.png"),
+        (["--json", a_file / "sub" / "b.json"],
+         f"error: --json {a_file / 'sub' / 'b.json'}: {a_file} is a file, not a folder; choose another path"),
+    ]
+    existing, missing = tmp_path / "old.json", tmp_path / "missing" / "sub" / "b.json"
+    existing.write_text("keep me")
+    for first in (existing, missing):  # a good --json before a bad --plot: neither is touched
+        cases.append((["--json", first, "--plot", tmp_path], f"error: --plot {folder}bench.png"))
+    for args, message in cases:
+        result = CliRunner().invoke(main, ["bench", str(tiny_artifact), *map(str, args)])
+        assert result.exit_code == 2 and result.output == message + "\n", result.output
+    assert existing.read_text() == "keep me" and not (tmp_path / "missing").exists()
+
+    def denied(*args: object, **kwargs: object) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(tempfile, "mkstemp", denied)  # as in a folder without write permission (tests run as root)
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--json", str(tmp_path / "b.json")])
+    assert result.exit_code == 2
+    assert result.output == (f"error: --json {tmp_path / 'b.json'}: cannot create a file in {tmp_path} (Permission "
+                             "denied); no permission; choose a writable location or fix the permissions\n")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".diffusion-trt-probe")] == []
+
+
+def test_bench_writes_json_and_plot_into_missing_folders_at_the_end(tiny_artifact: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing parent folder is created when the result is written, not when the path is checked."""
+    import diffusion_trt.bench
+
+    out, png = tmp_path / "new" / "sub" / "b.json", tmp_path / "other" / "b.png"
+    fake = {"runs": [], "ratios": [], "config": _config(), "env": {"device": "cpu"}}
+
+    def run_bench(*args: object, **kwargs: object) -> dict[str, object]:
+        assert not (tmp_path / "new").exists() and not (tmp_path / "other").exists()  # nothing made at check time
+        return fake
+
+    monkeypatch.setattr(diffusion_trt.bench, "run_bench", run_bench)
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--json", str(out), "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text()) == fake and f"json: {out}" in result.output
+    with Image.open(png) as image:
+        assert image.format == "PNG"

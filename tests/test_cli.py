@@ -305,6 +305,37 @@ def test_bench_model_dir_without_model_index(tiny_artifact: Path, tmp_path: Path
     assert code == 2 and f"error: --model-dir {tmp_path} has no model_index.json" in out and "--baseline none" in out
 
 
+def test_bench_model_dir_of_another_architecture(tiny_artifact: Path, tiny_sdxl_dir: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An SDXL or inpainting folder for an SD text-to-image artifact is refused before anything is timed (the diffusers
+    baseline crashed with a traceback after ours was measured)."""
+    from diffusion_trt.bench import run as bench_run
+    from diffusion_trt.compiler.dummy import write_dummy_pipeline
+
+    def no_timing(*args: object, **kwargs: object) -> None:
+        raise AssertionError("timing started")
+
+    monkeypatch.setattr(bench_run, "_ours", no_timing)
+    source = _source_path(tiny_artifact)
+    code, out = _invoke("bench", tiny_artifact, "--model-dir", tiny_sdxl_dir, "--steps", "1", "--iters", "1")
+    assert code == 2 and "Traceback" not in out and out.count("\n") == 1, out
+    assert out.startswith(f"error: --model-dir {tiny_sdxl_dir} is a StableDiffusionXLPipeline folder (architecture "
+                          f"sdxl, UNet in_channels 4); the artifact {tiny_artifact} is a StableDiffusionPipeline "
+                          "(architecture sd, UNet in_channels 4): the diffusers baseline cannot run that folder next "
+                          f"to it; pass the folder the artifact was compiled from ({source}) or --baseline none")
+    inpaint = write_dummy_pipeline(tmp_path / "inpaint", arch="tiny-sd15-inpaint", seed=0)
+    code, out = _invoke("bench", tiny_artifact, "--model-dir", inpaint, "--steps", "1", "--iters", "1")
+    assert code == 2 and "Traceback" not in out
+    assert f"error: --model-dir {inpaint} is a StableDiffusionInpaintPipeline folder (architecture sd, UNet " \
+           "in_channels 9); the artifact" in out
+
+
+def _source_path(artifact: Path) -> str:
+    from diffusion_trt.artifacts import read_manifest
+
+    return str(read_manifest(artifact)["source"]["path"])
+
+
 def test_corrupt_model_config_names_the_file(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
     broken = tmp_path / "broken"
     shutil.copytree(tiny_pipeline_dir, broken)

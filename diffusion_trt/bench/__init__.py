@@ -1,6 +1,6 @@
 """``diffusion-trt bench``: our engines next to diffusers, in one process, on the same weights, seed and scheduler.
 
-Systems (each at every ``--batch-size``):
+Systems (each at every size of ``--sizes`` and every ``--batch-size``):
 
 * ``ours``: :class:`~diffusion_trt.runtime.pipeline.EnginePipeline` on the artifact (one device);
 * ``ours_multi_gpu``: :class:`~diffusion_trt.runtime.parallel.DataParallelPipeline` over ``--devices``
@@ -61,7 +61,7 @@ The package, one job per module: :mod:`.config` (what is measured), :mod:`.clock
 
 from __future__ import annotations
 
-from .baseline import GraphedUNet, baseline_mismatch, bench_diffusers
+from .baseline import GraphedUNet, architecture_mismatch, baseline_mismatch, bench_diffusers
 from .clock import Clock, spread, time_stage
 from .config import BASELINES, DEFAULT_PROMPT, BenchConfig
 from .glue import glue_ms
@@ -74,7 +74,7 @@ from .trust import STAGES_OVER_E2E, STAGES_UNDER_E2E, WIDE_SPREAD, trust_notes
 
 __all__ = [
     "BASELINES", "DEFAULT_PROMPT", "MEMORY_STAGES", "SCHEMA", "STAGES", "STAGES_OVER_E2E", "STAGES_UNDER_E2E",
-    "SYSTEMS", "WIDE_SPREAD", "BenchConfig", "Clock", "GraphedUNet", "Run", "baseline_mismatch", "bench_diffusers",
-    "bench_ours", "format_table", "glue_ms", "plot_result", "ratios", "run_bench", "spread", "time_stage",
-    "trust_notes", "validate_result",
+    "SYSTEMS", "WIDE_SPREAD", "BenchConfig", "Clock", "GraphedUNet", "Run", "architecture_mismatch",
+    "baseline_mismatch", "bench_diffusers", "bench_ours", "format_table", "glue_ms", "plot_result", "ratios",
+    "run_bench", "spread", "time_stage", "trust_notes", "validate_result",
 ]

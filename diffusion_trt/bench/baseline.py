@@ -159,6 +159,69 @@ def baseline_mismatch(model_dir: Path, manifest: Mapping[str, Any]) -> str | Non
     return None
 
 
+#: The model_index.json components ``StableDiffusionPipeline`` (the baseline) loads.
+BASELINE_COMPONENTS: tuple[str, ...] = ("text_encoder", "tokenizer", "unet", "vae", "scheduler")
+
+
+def folder_kind(model_dir: Path) -> dict[str, Any]:
+    """What the baseline needs to know of a pipeline folder, from its model_index.json and unet/config.json:
+    ``pipeline_class``, ``architecture`` ("sdxl" with a second text encoder, else "sd"), ``unet_in_channels``
+    (``None`` without a unet/config.json) and ``missing`` (the :data:`BASELINE_COMPONENTS` it lacks).
+
+    Raises:
+        ModelFolderError: model_index.json or unet/config.json is not a JSON object (naming it).
+    """
+    index = _json_object(model_dir / "model_index.json")
+    unet = _json_object(model_dir / "unet" / "config.json") if (model_dir / "unet" / "config.json").is_file() else {}
+    cls = str(index.get("_class_name", "?"))
+    return {
+        "pipeline_class": cls,
+        "architecture": "sdxl" if "text_encoder_2" in index or cls.startswith("StableDiffusionXL") else "sd",
+        "unet_in_channels": unet.get("in_channels"),
+        "missing": [c for c in BASELINE_COMPONENTS if not (isinstance(index.get(c), list) and any(index[c]))],
+    }
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """``path`` parsed as a JSON object.
+
+    Raises:
+        ModelFolderError: not valid JSON or not an object (naming the file).
+    """
+    import json
+
+    from ..errors import ModelFolderError
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFolderError(f"{path} is not valid JSON ({e}); restore it or re-save the pipeline") from None
+    if not isinstance(data, dict):
+        raise ModelFolderError(f"{path} holds a {type(data).__name__}, not a JSON object; restore it")
+    return data
+
+
+def architecture_mismatch(model_dir: Path, manifest: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Why the diffusers baseline cannot run ``model_dir`` next to the artifact, or None: the folder is of another
+    architecture (SDXL for an SD artifact), its UNet takes other inputs (an inpainting UNet's 9 channels) or it lacks
+    a component the baseline loads. Else the two sides, e.g. ("a StableDiffusionXLPipeline folder (architecture
+    sdxl, UNet in_channels 4)", "a StableDiffusionPipeline (architecture sd, UNet in_channels 4)").
+
+    Raises:
+        ModelFolderError: the folder's model_index.json or unet/config.json is not a JSON object.
+    """
+    folder = folder_kind(model_dir)
+    model = manifest.get("model", {})
+    arch, channels = model.get("architecture", "sd"), int(model.get("unet_in_channels", 4))
+    theirs = folder["unet_in_channels"]
+    if not folder["missing"] and folder["architecture"] == arch and theirs in (None, channels):
+        return None
+    lacks = f", no {', '.join(folder['missing'])}" if folder["missing"] else ""
+    return (f"a {folder['pipeline_class']} folder (architecture {folder['architecture']}, UNet in_channels "
+            f"{'unknown' if theirs is None else theirs}{lacks})",
+            f"a {manifest.get('pipeline_class', 'pipeline')} (architecture {arch}, UNet in_channels {channels})")
+
+
 def diffusers_runs(
     cfg: BenchConfig,
     clock: Clock,

@@ -8,7 +8,7 @@ Ours run each stage at the chunk size the pipeline uses (``stage_batch``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -88,49 +88,57 @@ def stage_memory(pipe: Any, cfg: BenchConfig, batch: int, height: int, width: in
     return meter.peaks_mib()
 
 
-def bench_budget(cfg: BenchConfig, clock: Clock, device_kind: str, device_id: int, height: int, width: int,
-                 notes: list[str], say: Callable[[str], None]) -> list[Run]:
-    """``ours_vram_budget`` at every batch size: a pipeline loaded with ``vram_budget``; a budget refused for a
-    batch is that row's ``error``, not an exception."""
+def bench_budget(cfg: BenchConfig, clock: Clock, device_kind: str, device_id: int,
+                 sizes: Sequence[tuple[int, int]], notes: list[str], say: Callable[[str], None]) -> list[Run]:
+    """``ours_vram_budget`` at every size ``(height, width)`` and batch size: a pipeline loaded with ``vram_budget``
+    planned for that shape; a budget refused for a shape is that row's ``error``, not an exception."""
+    assert cfg.vram_budget is not None
+    runs: list[Run] = []
+    for height, width in sizes:
+        for batch in cfg.batch_sizes:
+            say(f"ours_vram_budget {cfg.vram_budget} {height}x{width} b={batch}")
+            runs.append(_budget_row(cfg, clock, device_kind, device_id, (height, width, batch), notes))
+    return runs
+
+
+def _budget_row(cfg: BenchConfig, clock: Clock, device_kind: str, device_id: int, shape: tuple[int, int, int],
+                notes: list[str]) -> Run:
+    """One ``ours_vram_budget`` row at ``shape`` (height, width, batch): end to end, memory, the plan."""
     from ..runtime.batching import plan_chunks
     from ..runtime.pipeline import EnginePipeline
 
-    assert cfg.vram_budget is not None
-    runs: list[Run] = []
-    for batch in cfg.batch_sizes:
-        say(f"ours_vram_budget {cfg.vram_budget} b={batch}")
-        run = Run("ours_vram_budget", batch, height=height, width=width)
+    height, width, batch = shape
+    run = Run("ours_vram_budget", batch, height=height, width=width)
+    free_memory()
+    memory_start([clock.device])
+    try:
+        pipe = EnginePipeline.from_artifacts(
+            cfg.artifact, device=device_kind, scheduler=cfg.scheduler, device_id=device_id,
+            cuda_graph=cfg.cuda_graph, vram_budget=cfg.vram_budget, vram_request=shape,
+        )
+    except RuntimeInputError as e:
+        return Run("ours_vram_budget", batch, height=height, width=width, status="error", reason=str(e))
+    try:
+        assert pipe.residency is not None
+        run.vram_plan = pipe.residency.plan.describe()
+        run.stage_batch = len(plan_chunks(batch, pipe.profile.batch.min, pipe.profile.batch.max)[0])
+        kwargs = call_kwargs(cfg, height, width, batch)
+
+        def call() -> None:
+            pipe(**kwargs, generator=torch.Generator().manual_seed(cfg.seed), progress=False)
+
+        with nvtx(f"bench ours_vram_budget b={batch} e2e", clock.device):
+            samples = clock.wall_s(call, cfg.iters, cfg.warmup)
+        finish_e2e(run, samples)
+        run.memory_mb = memory_read([clock.device])
+        run.stage_memory_mb = stage_memory(pipe, cfg, batch, height, width)
+        opens = {n: s.opens for n, s in pipe.residency.staged.items()}
+        notes.append(f"ours_vram_budget {height}x{width} b={batch}: {run.vram_plan}; engine opens over the run: "
+                     f"{opens}")
+    finally:
+        pipe.close()
         free_memory()
-        memory_start([clock.device])
-        try:
-            pipe = EnginePipeline.from_artifacts(
-                cfg.artifact, device=device_kind, scheduler=cfg.scheduler, device_id=device_id,
-                cuda_graph=cfg.cuda_graph, vram_budget=cfg.vram_budget, vram_request=(height, width, batch),
-            )
-        except RuntimeInputError as e:
-            runs.append(Run("ours_vram_budget", batch, height=height, width=width, status="error", reason=str(e)))
-            continue
-        try:
-            assert pipe.residency is not None
-            run.vram_plan = pipe.residency.plan.describe()
-            run.stage_batch = len(plan_chunks(batch, pipe.profile.batch.min, pipe.profile.batch.max)[0])
-            kwargs = call_kwargs(cfg, height, width, batch)
-
-            def call(p: Any = pipe, kw: dict[str, Any] = kwargs) -> None:
-                p(**kw, generator=torch.Generator().manual_seed(cfg.seed), progress=False)
-
-            with nvtx(f"bench ours_vram_budget b={batch} e2e", clock.device):
-                samples = clock.wall_s(call, cfg.iters, cfg.warmup)
-            finish_e2e(run, samples)
-            run.memory_mb = memory_read([clock.device])
-            run.stage_memory_mb = stage_memory(pipe, cfg, batch, height, width)
-            opens = {n: s.opens for n, s in pipe.residency.staged.items()}
-            notes.append(f"ours_vram_budget b={batch}: {run.vram_plan}; engine opens over the run: {opens}")
-        finally:
-            pipe.close()
-            free_memory()
-        runs.append(run)
-    return runs
+    return run
 
 
 def bench_multi(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: int, width: int) -> Run:

@@ -44,9 +44,8 @@ def _run_lines(runs: list[dict[str, Any]]) -> list[str]:
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
         unet_spread = (r.get("stages_spread_ms") or {}).get("unet_step")
         spread_text = f"{unet_spread[0]:.2f}..{unet_spread[2]:.2f}" if unet_spread else "-"
-        size = f"{r['height']}x{r['width']}" if r.get("height") else "-"
         lines.append(
-            f"{r['system']:<22}{size:>10}{r['batch_size']:>6}{_num(st['text_encoder'], '9.2f')}"
+            f"{r['system']:<22}{_size(r):>10}{r['batch_size']:>6}{_num(st['text_encoder'], '9.2f')}"
             f"{_num(st['unet_step'], '9.2f')}{spread_text:>16}"
             f"{_num(st['vae_decode'], '9.2f')}{_num(st['scheduler_glue'], '9.3f')}{_num(r['e2e_s'], '9.3f')}"
             f"{_num(r['s_per_image'], '8.3f')}{_num(r['images_per_s'], '8.2f')}{_num(mem, '10.0f')}  {status}"
@@ -61,21 +60,34 @@ def _stage_memory_lines(runs: list[dict[str, Any]]) -> list[str]:
     lines = ["", "peak device memory per stage, MiB (cudaMemGetInfo, whole device):"]
     for r in mem_rows:
         m = r["stage_memory_mb"]
-        lines.append(f"  {r['system']:<22} b={r['batch_size']:<3} text {_num(m.get('text'), '.0f')}  unet "
-                     f"{_num(m.get('unet'), '.0f')}  vae {_num(m.get('vae'), '.0f')}"
+        lines.append(f"  {r['system']:<22} {_size(r):>9} b={r['batch_size']:<3} text {_num(m.get('text'), '.0f')}"
+                     f"  unet {_num(m.get('unet'), '.0f')}  vae {_num(m.get('vae'), '.0f')}"
                      + (f"  [{r['vram_plan']}]" if r.get("vram_plan") else ""))
     return lines
 
 
+def _size(row: Mapping[str, Any]) -> str:
+    """``row``'s image size as "HxW", "-" for a row without one (results from before ``--sizes``)."""
+    return f"{row['height']}x{row['width']}" if row.get("height") else "-"
+
+
+def _shape(row: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a budget row is compared on: (batch size, height, width); sizes ``None`` in results before ``--sizes``."""
+    return row["batch_size"], row.get("height"), row.get("width")
+
+
 def _budget_lines(result: Mapping[str, Any]) -> list[str]:
+    """One line per ok ``ours_vram_budget`` row: its end to end next to ``ours`` at the same batch size and size."""
+    ok = [r for r in result["runs"] if r["status"] == "ok"]
+    ours = {_shape(r): r for r in ok if r["system"] == "ours"}
     lines = []
-    by = {(r["system"], r["batch_size"]): r for r in result["runs"] if r["status"] == "ok"}
-    for (system, batch), r in by.items():
-        base = by.get(("ours", batch))
-        if system == "ours_vram_budget" and base is not None and base["e2e_s"] and r["e2e_s"]:
-            cost = r["e2e_s"] - base["e2e_s"]
-            lines.append(f"  vram budget {result['config'].get('vram_budget')} costs b={batch}: e2e "
-                         f"{base['e2e_s']:.3f} s -> {r['e2e_s']:.3f} s ({cost:+.3f} s per request)")
+    for r in ok:
+        base = ours.get(_shape(r))
+        if r["system"] != "ours_vram_budget" or base is None or not (base["e2e_s"] and r["e2e_s"]):
+            continue
+        at = f" at {_size(r)}" if r.get("height") else ""
+        lines.append(f"  vram budget {result['config'].get('vram_budget')} costs b={r['batch_size']}{at}: e2e "
+                     f"{base['e2e_s']:.3f} s -> {r['e2e_s']:.3f} s ({r['e2e_s'] - base['e2e_s']:+.3f} s per request)")
     return lines
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelFolderError, RuntimeInputError
-from .baseline import diffusers_runs, is_pipeline_folder
+from .baseline import architecture_mismatch, diffusers_runs, is_pipeline_folder
 from .clock import Clock
 from .config import BenchConfig
 from .memory import free_memory, memory_read, memory_start
@@ -45,7 +45,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
 
     Raises:
         ArtifactError / RuntimeInputError: the artifact cannot be loaded or a batch size cannot be run by it.
-        ModelFolderError: ``model_dir`` was given for the diffusers baseline but holds no model_index.json.
+        ModelFolderError: ``model_dir`` was given for the diffusers baseline but holds no model_index.json, or the
+            baseline's folder is of another architecture than the artifact (before anything is timed).
     """
     from ..artifacts import read_manifest
 
@@ -56,10 +57,9 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     model_dir = _model_dir(cfg, manifest)
     notes: list[str] = []
     ours = _ours(cfg, clock, device_kind, notes, say)
-    height, width = ours.sizes[0]
     runs = list(ours.runs)
     if cfg.vram_budget is not None:
-        runs.extend(bench_budget(cfg, clock, device_kind, device.index or 0, height, width, notes, say))
+        runs.extend(bench_budget(cfg, clock, device_kind, device.index or 0, ours.sizes, notes, say))
     runs.extend(_multi(cfg, clock, ours.sizes, say))
     if cfg.baseline == "diffusers":
         runs.extend(diffusers_runs(cfg, clock, model_dir, manifest, ours.scheduler_template, ours.sizes, notes, say))
@@ -112,7 +112,8 @@ def _model_dir(cfg: BenchConfig, manifest: Mapping[str, Any]) -> Path | None:
     """The diffusers folder of the baseline: ``cfg.model_dir``, else the manifest's source.
 
     Raises:
-        ModelFolderError: ``cfg.model_dir`` given for the diffusers baseline without a model_index.json.
+        ModelFolderError: ``cfg.model_dir`` given for the diffusers baseline without a model_index.json; the folder
+            (given or the manifest's) is of another architecture than the artifact (see :func:`_refuse_other_kind`).
     """
     source = manifest.get("source", {}).get("path")
     if cfg.baseline == "diffusers" and cfg.model_dir is not None and not is_pipeline_folder(cfg.model_dir):
@@ -120,7 +121,29 @@ def _model_dir(cfg: BenchConfig, manifest: Mapping[str, Any]) -> Path | None:
             f"--model-dir {cfg.model_dir} has no model_index.json; pass the diffusers pipeline folder the artifact "
             "was compiled from, or --baseline none"
         )
-    return cfg.model_dir or (Path(source) if source else None)
+    model_dir = cfg.model_dir or (Path(source) if source else None)
+    if cfg.baseline == "diffusers" and model_dir is not None and is_pipeline_folder(model_dir):
+        _refuse_other_kind(cfg, model_dir, manifest)
+    return model_dir
+
+
+def _refuse_other_kind(cfg: BenchConfig, model_dir: Path, manifest: Mapping[str, Any]) -> None:
+    """Refuse, before any timing, a baseline folder diffusers' ``StableDiffusionPipeline`` cannot run next to the
+    artifact (an SDXL or inpainting folder for an SD text-to-image artifact: it crashed after ours was measured).
+
+    Raises:
+        ModelFolderError: naming the folder's pipeline class and architecture, and the artifact's.
+    """
+    mismatch = architecture_mismatch(model_dir, manifest)
+    if mismatch is None:
+        return
+    what = f"--model-dir {model_dir}" if cfg.model_dir is not None else f"the artifact's source folder {model_dir}"
+    source = manifest.get("source", {}).get("path")
+    raise ModelFolderError(
+        f"{what} is {mismatch[0]}; the artifact {cfg.artifact} is {mismatch[1]}: the diffusers baseline cannot run "
+        f"that folder next to it; pass the folder the artifact was compiled from ({source or 'its source'}) or "
+        "--baseline none"
+    )
 
 
 def _ours(cfg: BenchConfig, clock: Clock, device_kind: str, notes: list[str], say: Callable[[str], None]) -> _Ours:
