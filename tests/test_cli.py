@@ -81,6 +81,17 @@ def test_run_bad_input(tiny_artifact: Path, tmp_path: Path, args: list[str], mes
     assert not (tmp_path / "o.png").exists()
 
 
+def test_run_batch_beyond_host_memory_is_refused_up_front(tiny_artifact: Path, tmp_path: Path) -> None:
+    """--batch-size 100000000 crashed inside prepare_latents (102 GB for the latents); now one line, exit 2."""
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "--batch-size", "100000000",
+                        "-o", tmp_path / "o.png")
+    assert code == 2, out
+    assert re.search(r"^error: batch = 1 prompt\(s\) x num_images_per_prompt=100000000 = 100000000 images at 64x64 "
+                     r"\(WxH\) needs at least [\d.]+ GiB of host memory: .* is available; ask for at most \d+ images "
+                     r"per call and call again$", out, re.M), out
+    assert "Traceback" not in out and not (tmp_path / "o.png").exists()
+
+
 def test_run_missing_artifact(tmp_path: Path) -> None:
     code, out = _invoke("run", tmp_path / "none", "-p", "x")
     assert code == 3 and "does not exist; run `diffusion-trt compile` first" in out

@@ -529,7 +529,8 @@ class EnginePipeline:
                 profile's opt size (``compile --height/--width``; the model's size when those were not given).
             num_images_per_prompt: N images per prompt; B = P x N >= the profile's min batch; above its max
                 batch the request runs in engine-sized chunks (same images as one call for deterministic
-                schedulers; see :mod:`~diffusion_trt.runtime.batching` for seeds).
+                schedulers; see :mod:`~diffusion_trt.runtime.batching` for seeds); a B whose latents (drawn at
+                once) and host images exceed the available host memory is refused up front.
             latents: initial noise [B, 4, height/8, width/8] (any float dtype, any device), instead of drawing it.
             output_type: "pil", "np", "pt" or "latent" (see :class:`EnginePipelineOutput`).
             progress: show a tqdm bar over the steps.
