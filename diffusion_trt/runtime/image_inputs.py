@@ -70,6 +70,8 @@ def _item_nhw(x: Any, name: str, mask: bool) -> tuple[int, int, int]:
             f"{name} is a {kind}; pass a PIL.Image, a numpy array, a torch tensor or a list of them (as diffusers)"
         )
     shape = tuple(x.shape)
+    if not mask:
+        _refuse_swapped_channels(name, kind, shape)
     if kind == "np":
         if x.dtype == np.uint8:
             raise RuntimeInputError(
@@ -100,6 +102,36 @@ def _item_nhw(x: Any, name: str, mask: bool) -> tuple[int, int, int]:
     layout = "[H, W], [N, H, W] or [N, H, W, 1]" if mask and kind == "np" else "[H, W] or [N, 1, H, W]" if mask else (
         "[H, W, 3] or [N, H, W, 3]" if kind == "np" else "[3, H, W] or [N, 3, H, W]")
     raise RuntimeInputError(f"{name} has shape {list(shape)}; a {kind} {'mask' if mask else 'image'} is {layout}")
+
+
+_CHANNELS = (1, 3, 4)
+
+
+def _refuse_swapped_channels(name: str, kind: str, shape: tuple[int, ...]) -> None:
+    """Refuse an image whose channels sit where diffusers' VaeImageProcessor does not read them: numpy is channels-last
+    ([H, W, C], [N, H, W, C]; it transposes to NCHW itself), torch channels-first ([C, H, W], [N, C, H, W]). A numpy
+    (3, 512, 512) would otherwise read as a 3x512 image of 512 channels (a confusing size message).
+
+    Raises:
+        RuntimeInputError: naming the layout found and the transpose that fixes it.
+    """
+    if len(shape) not in (3, 4):
+        return
+    lead = shape[-3]  # C of [C, H, W] / [N, C, H, W]; H of [H, W, C] / [N, H, W, C]
+    if kind == "np" and lead in _CHANNELS and shape[-1] not in _CHANNELS:
+        axes = "(1, 2, 0)" if len(shape) == 3 else "(0, 2, 3, 1)"
+        layout = "[H, W, 3]" if len(shape) == 3 else "[N, H, W, 3]"
+        raise RuntimeInputError(
+            f"{name} looks channels-first {shape}; numpy images are channels-last {layout} (as diffusers reads them): "
+            f"pass np.transpose(image, {axes}), or torch.from_numpy(image) (torch images are channels-first)"
+        )
+    if kind == "pt" and shape[-1] in _CHANNELS and lead not in _CHANNELS:
+        axes = "(2, 0, 1)" if len(shape) == 3 else "(0, 3, 1, 2)"
+        layout = "[3, H, W]" if len(shape) == 3 else "[N, 3, H, W]"
+        raise RuntimeInputError(
+            f"{name} looks channels-last {shape}; torch images are channels-first {layout} (as diffusers reads them): "
+            f"pass image.permute{axes}"
+        )
 
 
 def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, int] | None = None) -> Any:

@@ -216,6 +216,14 @@ BAD_IMG2IMG: list[tuple[str, dict[str, Any], str]] = [
     ("uint8-numpy", {"image": np.zeros((64, 64, 3), np.uint8)}, "uint8 numpy array"),
     ("values-0-255", {"image": np.full((64, 64, 3), 200.0, np.float32)}, "values in [200, 200], outside [-1, 1]"),
     ("rgba", {"image": _image().convert("RGBA")}, "convert it with image.convert('RGB')"),
+    ("numpy-channels-first", {"image": np.zeros((3, 64, 64), np.float32)},
+     "image looks channels-first (3, 64, 64); numpy images are channels-last [H, W, 3] (as diffusers reads them): "
+     "pass np.transpose(image, (1, 2, 0)), or torch.from_numpy(image) (torch images are channels-first)"),
+    ("numpy-batch-channels-first", {"image": np.zeros((1, 3, 64, 64), np.float32)},
+     "image looks channels-first (1, 3, 64, 64); numpy images are channels-last [N, H, W, 3]"),
+    ("torch-channels-last", {"image": torch.zeros(64, 64, 3)},
+     "image looks channels-last (64, 64, 3); torch images are channels-first [3, H, W] (as diffusers reads them): "
+     "pass image.permute(2, 0, 1)"),
     ("not-an-image", {"image": "cat.png"}, "image is a str; pass a PIL.Image"),
     ("images-dont-divide-batch", {"image": [_image(), _image()], "num_images_per_prompt": 3},
      "2 images were given for 3 images"),
