@@ -803,7 +803,8 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
 @click.option("--strength", type=float, default=None,
               help="With --image: how much of it is re-noised, in (0, 1] [default: 0.8; 1.0 with --mask].")
 @click.option("--mask", "mask_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Inpainting, with --image: white = repaint, black = keep (read as grayscale, the image's size).")
+              help="Inpainting, with --image: white = repaint, black = keep (read as grayscale, alpha ignored, as "
+                   "diffusers; the image's size).")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE", help=VRAM_BUDGET_HELP)
 @_runtime_options
 @_handle_errors
