@@ -750,6 +750,15 @@ def load_verified(root: str | os.PathLike[str], check_hashes: bool = True) -> di
     return manifest
 
 
+def sha256_hex_problem(value: str) -> str | None:
+    """Why ``value`` is no sha256 digest (64 hex digits; case and surrounding spaces do not matter), or ``None``.
+    ``verify --expect-sha256`` refuses such a value as a usage error (exit 2) before reading the artifact."""
+    if re.fullmatch(r"[0-9a-f]{64}", value.strip().lower()):
+        return None
+    return (f"{value!r} is not a sha256 (64 hex digits); pass the manifest_sha256 that `diffusion-trt inspect --json` "
+            "prints for the artifact you trust")
+
+
 def pin_problems(manifest: dict[str, Any], expect_sha256: str | None) -> list[str]:
     """The manifest is not the one a service pinned: its digest (:func:`manifest_digest`, the ``manifest_sha256``
     that ``inspect`` prints) differs from ``expect_sha256``. The seal alone is an unkeyed sha256 anyone can recompute
@@ -757,10 +766,10 @@ def pin_problems(manifest: dict[str, Any], expect_sha256: str | None) -> list[st
     each file's sha256. Empty when ``expect_sha256`` is ``None`` or matches."""
     if expect_sha256 is None:
         return []
+    problem = sha256_hex_problem(expect_sha256)
+    if problem is not None:
+        return [f"--expect-sha256 {problem}"]
     expected = expect_sha256.strip().lower()
-    if not re.fullmatch(r"[0-9a-f]{64}", expected):
-        return [f"--expect-sha256 {expect_sha256!r} is not a sha256 (64 hex digits); pass the manifest_sha256 that "
-                "`diffusion-trt inspect --json` prints for the artifact you trust"]
     actual = manifest_digest(manifest)
     if actual != expected:
         return [f"manifest digest {actual} is not the expected {expected}: this is not the artifact that was pinned "

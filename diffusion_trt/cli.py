@@ -200,12 +200,66 @@ def _vram_budget(ctx: click.Context, param: click.Parameter, value: str | None) 
     return value
 
 
+def _sha256_hex(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--expect-sha256``: 64 hex digits, or a usage error (exit 2) before the artifact is read."""
+    from .artifacts import sha256_hex_problem
+
+    problem = None if value is None else sha256_hex_problem(value)
+    if problem is not None:
+        raise click.BadParameter(problem, ctx=ctx, param=param)
+    return value
+
+
 VRAM_BUDGET_HELP = ("Device memory the pipeline may use, e.g. 8GB (10^9 bytes), 8GiB, 7.5G, 8000MB or bytes: engines "
                     "are kept resident or opened per stage to fit, ORT arenas capped, large images VAE-tiled; a budget "
                     "no plan meets is refused up front naming the smallest that works.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+class _OneLineError(click.ClickException):
+    """A click error (a usage error: a missing or malformed option, an unknown command...) shown as ONE ``error:``
+    line, as every wrong input is (README "Exit codes"), then, for a usage error, where the help is; same exit code
+    (2 for usage errors). click's own format is three lines: ``Usage: ...``, ``Try ...``, ``Error: ...``."""
+
+    def __init__(self, error: click.ClickException) -> None:
+        super().__init__(error.format_message())
+        self.exit_code = error.exit_code
+        ctx = getattr(error, "ctx", None)
+        self.hint = f"try '{ctx.command_path} --help'" if ctx is not None else None
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.message}", file=file, err=True)
+        if self.hint is not None:
+            click.echo(self.hint, file=file, err=True)
+
+
+@contextlib.contextmanager
+def _one_line_click_errors() -> Iterator[None]:
+    """Re-raise a click error as :class:`_OneLineError` (not the bare ``diffusion-trt``, whose error is the help)."""
+    try:
+        yield
+    except (_OneLineError, click.exceptions.NoArgsIsHelpError):
+        raise
+    except click.ClickException as e:
+        raise _OneLineError(e) from None
+
+
+class _Cli(click.Group):
+    """The ``diffusion-trt`` group: click errors of the group's and every command's options as one ``error:`` line.
+
+    Parsing happens in :meth:`make_context` (the group's options) and :meth:`invoke` (the command's name, its options,
+    its ``click.UsageError``/``click.BadParameter``), so both are wrapped; click's ``main`` then shows the error.
+    """
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        with _one_line_click_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _one_line_click_errors():
+            return super().invoke(ctx)
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
              epilog=EXIT_CODES_HELP)
 @click.option("-v", "--verbose", count=True, help="Debug logs (pass rejections, per-stage timings).")
 @click.version_option(package_name="diffusion-trt")
@@ -602,6 +656,37 @@ def _write_output_file(path: Path, text: str) -> None:
     path.write_text(text)
 
 
+def _output_path(out: Path, index: int) -> Path:
+    """``run``'s PNG of image ``index``: ``-o`` itself for the first, then ``OUT-1.png``, ``OUT-2.png`` ..."""
+    return out if index == 0 else out.with_name(f"{out.stem}-{index}{out.suffix}")
+
+
+def _refuse_existing_outputs(out: Path, count: int) -> None:
+    """Refuse a ``run`` whose ``count`` PNGs (:func:`_output_path`) would replace files that exist (without
+    ``--overwrite``). Lists the folder once, so ``--batch-size 100000000`` costs no 10^8 checks.
+
+    Raises:
+        OutputPathError: naming the first existing file (and how many), and the fix.
+    """
+    import os
+    import re
+
+    from .errors import OutputPathError
+
+    existing = [out] if os.path.lexists(out) else []
+    if count > 1 and out.parent.is_dir():
+        sibling = re.compile(rf"{re.escape(out.stem)}-([1-9]\d*){re.escape(out.suffix)}")
+        for entry in sorted(os.listdir(out.parent)):
+            m = sibling.fullmatch(entry)
+            if m and int(m.group(1)) < count:
+                existing.append(out.parent / entry)
+    if len(existing) == 1:
+        raise OutputPathError(f"{existing[0]} already exists; pass --overwrite to replace it, or choose another -o")
+    if existing:
+        raise OutputPathError(f"{existing[0]} and {len(existing) - 1} more of the {count} PNGs this run writes already "
+                              "exist; pass --overwrite to replace them, or choose another -o")
+
+
 def _print_pass_table(path: Path) -> None:
     from .artifacts import read_manifest
 
@@ -710,20 +795,23 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
               help="TensorRT-RTX: folder of the artifact's runtime cache (kernels compiled for this GPU on first load) "
                    "[default: ~/.cache/diffusion-trt/runtime-cache/<manifest sha256[:16]>].")
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False, path_type=Path), default=Path("out.png"),
-              show_default=True, help="PNG path; with several images, -1, -2 ... are appended.")
+              show_default=True,
+              help="PNG path; with several images, -1, -2 ... are appended; existing files are refused (--overwrite).")
+@click.option("--overwrite", is_flag=True, help="Replace PNGs that exist at -o (and its -1, -2 ... siblings).")
 @click.option("--image", "image_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Image-to-image: the start image (its size is the output size, a multiple of 8).")
 @click.option("--strength", type=float, default=None,
               help="With --image: how much of it is re-noised, in (0, 1] [default: 0.8; 1.0 with --mask].")
 @click.option("--mask", "mask_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Inpainting, with --image: white = repaint, black = keep (read as grayscale, the image's size).")
+              help="Inpainting, with --image: white = repaint, black = keep (read as grayscale, alpha ignored, as "
+                   "diffusers; the image's size).")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE", help=VRAM_BUDGET_HELP)
 @_runtime_options
 @_handle_errors
 def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps: int, guidance: float | None, seed: int,
             height: int | None, width: int | None, batch_size: int, scheduler: str | None, device: str | None,
             snap: bool, devices: str | None, cuda_graph: bool | None, runtime_cache: Path | None, out: Path,
-            image_path: Path | None, strength: float | None, mask_path: Path | None,
+            overwrite: bool, image_path: Path | None, strength: float | None, mask_path: Path | None,
             vram_budget: str | None, **engine_options: Any) -> None:
     """Generate images from a compiled ARTIFACT_DIR: from text, or from an image (--image), or inpaint (--mask).
 
@@ -759,6 +847,8 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
     image = _read_image(image_path, "--image", "RGB", max_hw) if image_path is not None else None
     mask = _read_image(mask_path, "--mask", "L", max_hw) if mask_path is not None else None
     _check_writable_file(out, "-o", ".png")  # before minutes of denoising, not after
+    if not overwrite:
+        _refuse_existing_outputs(out, batch_size)
     if snap and (height is not None or width is not None):
         from .artifacts import read_manifest
 
@@ -792,7 +882,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
             params.update(image=str(image_path), **({"mask": str(mask_path)} if mask_path is not None else {}))
     paths = []
     for i, image in enumerate(result.images):
-        path = out if i == 0 else out.with_name(f"{out.stem}-{i}{out.suffix}")
+        path = _output_path(out, i)
         save_png(image, path, {**params, "index": i})
         paths.append(path)
     for path in paths:
@@ -837,7 +927,7 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
               help="Check plans against this TensorRT (or TensorRT-RTX, e.g. 1.7.1.116) version instead of this "
                    "machine's (with --compute-capability).")
 @click.option("--compute-capability", default=None, help="Target GPU compute capability for plans, e.g. 9.0.")
-@click.option("--expect-sha256", default=None, metavar="HEX",
+@click.option("--expect-sha256", default=None, metavar="HEX", callback=_sha256_hex,
               help="The manifest digest (manifest_sha256, see `inspect --json`) you trust; any other artifact fails, "
                    "even one resealed after an edit (the seal is an unkeyed sha256: it catches accidents, not intent).")
 @click.option("--source", "source", type=click.Path(exists=True, path_type=Path), default=None,

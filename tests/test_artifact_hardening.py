@@ -291,7 +291,7 @@ def test_resealed_model_facts_out_of_range_are_refused(art: Path, tmp_path: Path
         assert "vae_scale_factor" in _one_error_line(_run_cli(*cmd))
 
 
-def test_expect_sha256_pins_the_manifest(art: Path) -> None:
+def test_expect_sha256_pins_the_manifest(art: Path, tmp_path: Path) -> None:
     seal = _manifest(art)["manifest_sha256"]
     assert _run_cli("verify", art, "--expect-sha256", seal).exit_code == 0
     config = art / "scheduler" / "scheduler_config.json"
@@ -303,8 +303,14 @@ def test_expect_sha256_pins_the_manifest(art: Path) -> None:
     assert f"problem: manifest digest {resealed} is not the expected {seal}" in result.output
     with pytest.raises(ArtifactError, match="is not the artifact that was pinned"):
         _load(art, expect_sha256=seal)
-    bad = _run_cli("verify", art, "--expect-sha256", "xyz")
-    assert bad.exit_code == 3 and "'xyz' is not a sha256 (64 hex digits)" in bad.output
+    # a malformed value is a usage error (exit 2, like click's own), one line, before the artifact is read
+    for value in ("xyz", seal[:-1], seal + "0", seal[:-1] + "g"):
+        bad = _run_cli("verify", art, "--expect-sha256", value)
+        assert _one_error_line(bad, code=2).startswith(
+            f"error: Invalid value for '--expect-sha256': {value!r} is not a sha256 (64 hex digits); pass the "
+            "manifest_sha256 that `diffusion-trt inspect --json` prints"), bad.output
+    assert _run_cli("verify", tmp_path / "absent", "--expect-sha256", "xyz").exit_code == 2
+    assert _run_cli("verify", art, "--expect-sha256", f" {seal.upper()} ").exit_code == 3  # a well-formed other pin
 
 
 # -- 5. malformed manifests and paths ---------------------------------------------------------------------

@@ -81,6 +81,70 @@ def test_run_bad_input(tiny_artifact: Path, tmp_path: Path, args: list[str], mes
     assert not (tmp_path / "o.png").exists()
 
 
+def test_run_batch_beyond_host_memory_is_refused_up_front(tiny_artifact: Path, tmp_path: Path) -> None:
+    """--batch-size 100000000 crashed inside prepare_latents (102 GB for the latents); now one line, exit 2."""
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "--batch-size", "100000000",
+                        "-o", tmp_path / "o.png")
+    assert code == 2, out
+    assert re.search(r"^error: batch = 1 prompt\(s\) x num_images_per_prompt=100000000 = 100000000 images at 64x64 "
+                     r"\(WxH\) needs at least [\d.]+ GiB of host memory: .* is available; ask for at most \d+ images "
+                     r"per call and call again$", out, re.M), out
+    assert "Traceback" not in out and not (tmp_path / "o.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "ART"], "error: Missing option '-p' / '--prompt'."),
+        (["run", "ART", "-p", "x", "--steps", "0"], "error: Invalid value for '--steps': 0 is not in the range x>=1."),
+        (["run", "ART", "-p", "x", "--mask", "ART/manifest.json"],
+         "error: --mask needs --image: the image to inpaint (the mask marks what to repaint)"),
+        (["verify", "ART", "--tensorrt", "10.8.0.43"], "error: --tensorrt and --compute-capability go together"),
+        (["nope"], "error: No such command 'nope'."),
+        (["--bogus", "run"], "error: No such option '--bogus'"),
+    ],
+)
+def test_click_usage_errors_are_one_error_line(tiny_artifact: Path, args: list[str], message: str) -> None:
+    """click's three lines (Usage / Try / Error) become one ``error:`` line and where the help is; exit 2."""
+    code, out = _invoke(*[a.replace("ART", str(tiny_artifact)) for a in args])
+    command = " run" if args[0] == "run" else " verify" if args[0] == "verify" else ""
+    assert code == 2, out
+    assert out.splitlines()[0].startswith(message) and out.splitlines()[1:] == [f"try 'main{command} --help'"], out
+
+
+def test_click_usage_error_in_a_real_process() -> None:
+    exe = Path(sys.executable).parent / "diffusion-trt"
+    proc = subprocess.run([str(exe), "run", "nowhere"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == ["error: Missing option '-p' / '--prompt'.", "try 'diffusion-trt run --help'"]
+    bare = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)  # no command: the help, as before
+    assert "Commands:" in bare.stdout + bare.stderr
+
+
+def test_run_refuses_to_overwrite_pngs_without_overwrite(tiny_artifact: Path, tmp_path: Path) -> None:
+    out = tmp_path / "img.png"
+    out.write_bytes(b"precious")
+    args = ["run", tiny_artifact, "-p", "x", "--steps", "1", "-o", out]
+    code, text = _invoke(*args)
+    assert code == 2
+    assert text.strip() == f"error: {out} already exists; pass --overwrite to replace it, or choose another -o"
+    assert out.read_bytes() == b"precious"
+    # several images: -1, -2 ... count too (img-3.png is no output of a batch of 3, img-01.png none of any)
+    out.unlink()
+    for name in ("img-1.png", "img-2.png", "img-3.png", "img-01.png"):
+        (tmp_path / name).write_bytes(b"precious")
+    code, text = _invoke(*args, "--batch-size", "3")
+    assert code == 2 and text.strip() == (f"error: {tmp_path / 'img-1.png'} and 1 more of the 3 PNGs this run writes "
+                                          "already exist; pass --overwrite to replace them, or choose another -o")
+    assert not out.exists() and (tmp_path / "img-2.png").read_bytes() == b"precious"
+    code, text = _invoke(*args, "--batch-size", "3", "--overwrite")
+    assert code == 0, text
+    assert read_png_parameters(tmp_path / "img-2.png")["index"] == 2
+    assert (tmp_path / "img-3.png").read_bytes() == b"precious"
+    code, text = _invoke(*args, "--batch-size", "1")  # img.png exists now
+    assert code == 2 and "already exists; pass --overwrite" in text
+
+
 def test_run_missing_artifact(tmp_path: Path) -> None:
     code, out = _invoke("run", tmp_path / "none", "-p", "x")
     assert code == 3 and "does not exist; run `diffusion-trt compile` first" in out
@@ -256,16 +320,15 @@ def test_16_bit_images_are_scaled_not_clipped(tiny_artifact: Path, tmp_path: Pat
     assert code == 0, out
 
 
-@pytest.mark.parametrize(("flag", "mode"), [("--image", "RGBA"), ("--mask", "LA")])
-def test_transparent_images_are_refused(tiny_artifact: Path, tmp_path: Path, flag: str, mode: str) -> None:
+@pytest.mark.parametrize("mode", ["RGBA", "LA"])
+def test_transparent_images_are_refused(tiny_artifact: Path, tmp_path: Path, mode: str) -> None:
+    """--image with alpha is refused (dropping it would change the picture); a --mask with alpha is read as diffusers
+    reads it, alpha ignored with a warning (tests/runtime/test_img2img_inpaint.py)."""
     from PIL import Image
 
-    image = tmp_path / "image.png"
-    Image.new("RGB", (64, 64)).save(image)
     alpha = tmp_path / "alpha.png"
     Image.new(mode, (64, 64)).save(alpha)
-    args = ["--image", alpha] if flag == "--image" else ["--image", image, "--mask", alpha]
-    code, out = _invoke("run", tiny_artifact, "-p", "x", *args, "-o", tmp_path / "o.png")
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--image", alpha, "-o", tmp_path / "o.png")
     assert code == 2
     assert f"'{alpha}' has transparency (mode {mode})" in out and "flatten it onto a background first" in out
     assert not (tmp_path / "o.png").exists()
@@ -371,7 +434,8 @@ def test_options_without_effect_warn(tiny_pipeline_dir: Path, tiny_artifact: Pat
     code, out = _invoke("run", tiny_artifact, "-p", "x", "-n", "blurry", "--guidance", "1", "--steps", "1",
                         "-o", tmp_path / "o.png")
     assert code == 0 and "--negative-prompt: no effect with --guidance 1" in out
-    code, out = _invoke("run", tiny_artifact, "-p", "x", "-n", "blurry", "--steps", "1", "-o", tmp_path / "o.png")
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "-n", "blurry", "--steps", "1", "-o", tmp_path / "o.png",
+                        "--overwrite")
     assert code == 0 and "no effect" not in out
 
 
@@ -483,7 +547,7 @@ def test_oversized_images_are_refused_before_decoding(tiny_artifact: Path, tmp_p
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert str(bomb) in result.output and ("resize it into the profile" in result.output
                                            or "decompression bomb" in result.output), result.output
-    assert lines[-1].startswith("Error:") and flag in result.output
+    assert lines[-2].startswith(f"error: Invalid value for {flag}: ") and lines[-1].startswith("try '")
     assert not (tmp_path / "o.png").exists()
 
 

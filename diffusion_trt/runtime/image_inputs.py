@@ -15,9 +15,10 @@ Step for step as diffusers 0.42 (same seed, scheduler and steps -> same images):
 Images and masks are read by diffusers' own ``VaeImageProcessor`` (``diffusers/image_processor.py``), so they are
 accepted as diffusers accepts them: a ``PIL.Image``, a float numpy array [H, W, C] / [N, H, W, C] in [0, 1], a
 float torch tensor [C, H, W] / [N, C, H, W] in [0, 1] (or [-1, 1]), or a list of them; a mask may also be
-single-channel ([H, W], [N, H, W], ...); image files are read by :func:`read_image_file` (the CLI's ``--image`` /
-``--mask``). Unlike diffusers, nothing is resized: an image whose size is not a
-multiple of 8, a mask of another size, or values outside the expected range are refused with the fix.
+single-channel ([H, W], [N, H, W], ...); a PIL mask of any mode is read as its grayscale (:func:`mask_to_grayscale`:
+alpha ignored, as diffusers), whether passed as ``mask_image=`` or as a file; image files are read by
+:func:`read_image_file` (the CLI's ``--image`` / ``--mask``). Unlike diffusers, nothing is resized: an image whose
+size is not a multiple of 8, a mask of another size, or values outside the expected range are refused with the fix.
 
 Shapes: ``n`` images given, ``B`` images generated (prompts x images per prompt; ``B % n == 0``, rows tiled
 as diffusers does), ``H``/``W`` pixels, ``h = H / 8``, ``w = W / 8``.
@@ -25,6 +26,7 @@ as diffusers does), ``H``/``W`` pixels, ``h = H / 8``, ``w = W / 8``.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -42,6 +44,8 @@ from .engine import Engine
 
 if TYPE_CHECKING:
     from .geometry import LatentGeometry
+
+logger = logging.getLogger(__name__)
 
 #: diffusers' defaults: StableDiffusionImg2ImgPipeline strength=0.8, StableDiffusionInpaintPipeline strength=1.0.
 DEFAULT_IMG2IMG_STRENGTH = 0.8
@@ -70,6 +74,8 @@ def _item_nhw(x: Any, name: str, mask: bool) -> tuple[int, int, int]:
             f"{name} is a {kind}; pass a PIL.Image, a numpy array, a torch tensor or a list of them (as diffusers)"
         )
     shape = tuple(x.shape)
+    if not mask:
+        _refuse_swapped_channels(name, kind, shape)
     if kind == "np":
         if x.dtype == np.uint8:
             raise RuntimeInputError(
@@ -102,6 +108,68 @@ def _item_nhw(x: Any, name: str, mask: bool) -> tuple[int, int, int]:
     raise RuntimeInputError(f"{name} has shape {list(shape)}; a {kind} {'mask' if mask else 'image'} is {layout}")
 
 
+_CHANNELS = (1, 3, 4)
+
+
+def _refuse_swapped_channels(name: str, kind: str, shape: tuple[int, ...]) -> None:
+    """Refuse an image whose channels sit where diffusers' VaeImageProcessor does not read them: numpy is channels-last
+    ([H, W, C], [N, H, W, C]; it transposes to NCHW itself), torch channels-first ([C, H, W], [N, C, H, W]). A numpy
+    (3, 512, 512) would otherwise read as a 3x512 image of 512 channels (a confusing size message).
+
+    Raises:
+        RuntimeInputError: naming the layout found and the transpose that fixes it.
+    """
+    if len(shape) not in (3, 4):
+        return
+    lead = shape[-3]  # C of [C, H, W] / [N, C, H, W]; H of [H, W, C] / [N, H, W, C]
+    if kind == "np" and lead in _CHANNELS and shape[-1] not in _CHANNELS:
+        axes = "(1, 2, 0)" if len(shape) == 3 else "(0, 2, 3, 1)"
+        layout = "[H, W, 3]" if len(shape) == 3 else "[N, H, W, 3]"
+        raise RuntimeInputError(
+            f"{name} looks channels-first {shape}; numpy images are channels-last {layout} (as diffusers reads them): "
+            f"pass np.transpose(image, {axes}), or torch.from_numpy(image) (torch images are channels-first)"
+        )
+    if kind == "pt" and shape[-1] in _CHANNELS and lead not in _CHANNELS:
+        axes = "(2, 0, 1)" if len(shape) == 3 else "(0, 3, 1, 2)"
+        layout = "[3, H, W]" if len(shape) == 3 else "[N, 3, H, W]"
+        raise RuntimeInputError(
+            f"{name} looks channels-last {shape}; torch images are channels-first {layout} (as diffusers reads them): "
+            f"pass image.permute{axes}"
+        )
+
+
+def mask_to_grayscale(mask: Any, name: str = "mask_image") -> Any:
+    """A PIL mask as inpainting reads it, the one rule of ``mask_image=`` and ``--mask FILE``: diffusers' mask
+    processor (``VaeImageProcessor(do_convert_grayscale=True)``: ``mask.convert("L")``), the grayscale of its colour,
+    white = repaint. An alpha channel (RGBA, LA, a PNG's transparent colour) is ignored, as diffusers ignores it,
+    with a warning when it is not opaque everywhere: transparency does not mark what is repainted, white does.
+
+    Args:
+        mask: a ``PIL.Image`` of any mode.
+        name: the mask's name for the warning (``mask_image``, the file).
+
+    Returns:
+        A new ``PIL.Image`` in mode "L" (decoded: the file ``mask`` was read from may be closed).
+    """
+    if _has_transparency(mask):
+        logger.warning("%s has transparency (mode %s), which is ignored: the mask is the grayscale of its colour "
+                       "(white = repaint, as diffusers reads masks); flatten it first if the transparent part is "
+                       "what should be repainted", name, mask.mode)
+    import warnings
+
+    with warnings.catch_warnings():  # Pillow: "Palette images with Transparency ... should be converted to RGBA"
+        warnings.simplefilter("ignore", UserWarning)
+        return mask.convert("L")
+
+
+def _has_transparency(im: Any) -> bool:
+    """``im`` has an alpha channel that is not opaque everywhere, or a transparent colour (PNG tRNS)."""
+    if "transparency" in im.info:
+        return True
+    alpha = next((b for b in ("A", "a") if b in im.getbands()), None)
+    return alpha is not None and im.getchannel(alpha).getextrema()[0] < 255
+
+
 def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, int] | None = None) -> Any:
     """Open an image file as a PIL image in ``mode`` ("RGB" for an image, "L" for a mask; CLI ``--image`` /
     ``--mask``).
@@ -111,11 +179,12 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
     bomb (a small file whose header claims 100000x100000) costs nothing. 16-bit grayscale (PIL modes "I;16*", and
     "I" holding 0..65535) is scaled to 8 bits (``v / 257``) first: a plain ``convert`` clips it to 255 (a white
     image). Images with transparency are refused, as ``EnginePipeline`` refuses RGBA: dropping the alpha channel
-    would silently change the picture.
+    would silently change the picture. A mask ("L") is read by :func:`mask_to_grayscale`, the rule of
+    ``mask_image=``: its alpha is ignored (with a warning), as diffusers ignores it.
 
     Raises:
-        RuntimeInputError: the file is not an image Pillow can read, is larger than ``max_hw``, has transparency,
-            or holds 32-bit values outside 0..65535.
+        RuntimeInputError: the file is not an image Pillow can read, is larger than ``max_hw``, is an image (not a
+            mask) with transparency, or holds 32-bit values outside 0..65535.
     """
     import warnings
 
@@ -132,7 +201,7 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
                 raise RuntimeInputError(
                     f"{str(path)!r} is {width}x{height} (WxH), larger than the {max_w}x{max_h} the artifact's "
                     "profile allows; resize it into the profile (or recompile with --max-height/--max-width)")
-            if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
+            if mode != "L" and (im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info):
                 raise RuntimeInputError(
                     f"{str(path)!r} has transparency (mode {im.mode}), which would be dropped silently; flatten it "
                     "onto a background first and save it without alpha (RGB PNG or JPEG)")
@@ -143,7 +212,7 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
                         f"{str(path)!r} is a 32-bit integer image with values in [{values.min()}, {values.max()}]; "
                         "save it as an 8- or 16-bit PNG")
                 im = Image.fromarray(((values + 128) // 257).astype(np.uint8))  # 16 -> 8 bits ("L"), rounded
-            return im.convert(mode)
+            return mask_to_grayscale(im, repr(str(path))) if mode == "L" else im.convert(mode)
     except Image.DecompressionBombError as e:  # Pillow's own refusal, at open: a header claiming > 2 x its limit
         raise RuntimeInputError(
             f"{str(path)!r} claims more pixels than any artifact profile allows ({e}); it looks like a "
@@ -206,7 +275,8 @@ def preprocess_mask(mask_image: Any, height: int, width: int, vae_scale_factor: 
     """A mask batch: float32 [m, 1, H, W] of 0 (keep) and 1 (repaint) on the CPU.
 
     diffusers' mask processor of ``StableDiffusionInpaintPipeline.__init__``: ``VaeImageProcessor(do_normalize=
-    False, do_binarize=True, do_convert_grayscale=True)``: grayscale, [0, 1], then ``>= 0.5 -> 1`` else 0.
+    False, do_binarize=True, do_convert_grayscale=True)``: grayscale, [0, 1], then ``>= 0.5 -> 1`` else 0. PIL masks
+    go through :func:`mask_to_grayscale` first (the same ``convert("L")``, with its warning for an ignored alpha).
 
     Raises:
         RuntimeInputError: values outside [0, 1].
@@ -214,6 +284,10 @@ def preprocess_mask(mask_image: Any, height: int, width: int, vae_scale_factor: 
     from diffusers.image_processor import VaeImageProcessor
 
     _check_range("mask_image", mask_image, 0.0, 1.0, "pass a mask in [0, 1] (white = repaint)")
+    if isinstance(mask_image, list):
+        mask_image = [mask_to_grayscale(m) if _kind(m) == "pil" else m for m in mask_image]
+    elif _kind(mask_image) == "pil":
+        mask_image = mask_to_grayscale(mask_image)
     proc = VaeImageProcessor(
         vae_scale_factor=vae_scale_factor, do_normalize=False, do_binarize=True, do_convert_grayscale=True
     )
@@ -521,6 +595,7 @@ __all__: Sequence[str] = (
     "check_strength",
     "encode_image_latents",
     "image_request",
+    "mask_to_grayscale",
     "preprocess_image",
     "preprocess_mask",
     "read_image_file",

@@ -34,6 +34,7 @@ import torch
 
 from ..errors import RuntimeInputError
 from .batching import per_image, split_across
+from .host_memory import check_host_memory
 from .pipeline import EnginePipeline, EnginePipelineOutput
 from .request import negative_list, prompt_list
 
@@ -238,7 +239,7 @@ class DataParallelPipeline:
         width = first.default_width if width is None else width
         gens, seed = first._generator(generator, seed, batch)
         if latents is None:
-            latents = _request_latents(first, batch, int(height), int(width), gens)
+            latents = _request_latents(first, batch, int(height), int(width), gens, output_type)
         per_image_gens = isinstance(gens, list) and len(gens) == batch and batch > 1
         step_gens = _step_generators(gens, len(shares), per_image_gens)
 
@@ -297,13 +298,15 @@ class DataParallelPipeline:
         return f"DataParallelPipeline(devices={[str(d) for d in self.devices]}, {self.pipes[0]!r})"
 
 
-def _request_latents(pipe: EnginePipeline, batch: int, height: int, width: int, generator: Any) -> torch.Tensor:
+def _request_latents(pipe: EnginePipeline, batch: int, height: int, width: int, generator: Any,
+                     output_type: str) -> torch.Tensor:
     """The noise of all B images [B, C, h, w], drawn as one :class:`EnginePipeline` call draws it (CPU generator,
-    the UNet's sample dtype)."""
+    the UNet's sample dtype); refused first when it and the images do not fit in host memory (as Request.build)."""
     from diffusers.utils.torch_utils import randn_tensor
 
     shape = pipe.geometry.latent_shape(batch, height, width)
     dtype = pipe.engines["unet"].spec.input("sample").torch_dtype
+    check_host_memory(f"batch = {batch} images", shape, dtype, height, width, output_type)
     return randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=dtype)
 
 

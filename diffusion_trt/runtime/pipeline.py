@@ -529,7 +529,8 @@ class EnginePipeline:
                 profile's opt size (``compile --height/--width``; the model's size when those were not given).
             num_images_per_prompt: N images per prompt; B = P x N >= the profile's min batch; above its max
                 batch the request runs in engine-sized chunks (same images as one call for deterministic
-                schedulers; see :mod:`~diffusion_trt.runtime.batching` for seeds).
+                schedulers; see :mod:`~diffusion_trt.runtime.batching` for seeds); a B whose latents (drawn at
+                once) and host images exceed the available host memory is refused up front.
             latents: initial noise [B, 4, height/8, width/8] (any float dtype, any device), instead of drawing it.
             output_type: "pil", "np", "pt" or "latent" (see :class:`EnginePipelineOutput`).
             progress: show a tqdm bar over the steps.
@@ -544,7 +545,8 @@ class EnginePipeline:
                 steps are skipped, diffusers' ``get_timesteps``); ``None`` = 0.8 (image-to-image) or 1.0
                 (inpainting), diffusers' defaults. Only with ``image``.
             mask_image: inpainting: white (>= 0.5) = repaint, black = keep; a PIL image (any mode, read as
-                grayscale), numpy array or tensor in [0, 1] of the image's size; one mask or one per image.
+                grayscale: ``convert("L")``, an alpha channel ignored with a warning, as diffusers and ``--mask``),
+                numpy array or tensor in [0, 1] of the image's size; one mask or one per image.
                 Required by an inpainting artifact (UNet with 9 input channels); with a 4-channel UNet the
                 unmasked area is blended back after every step (diffusers' legacy inpainting).
             prompt_2, negative_prompt_2: SDXL: the texts for ``text_encoder_2`` (one string for every prompt, or P

@@ -31,6 +31,7 @@ from .conditioning import Conditioning, TextToImage
 from .denoise import Generator, StepCallback
 from .engine import Engine
 from .geometry import LatentGeometry
+from .host_memory import check_host_memory
 
 OUTPUT_TYPES: tuple[str, ...] = ("pil", "np", "pt", "latent")
 _MAX_SEED = 2**63 - 1
@@ -150,6 +151,8 @@ class Request:
 
         Raises:
             RuntimeInputError: the first argument the engines cannot honour; the message names the value and the fix.
+                A batch whose latents and output images need more host memory than is available is refused here
+                (:func:`~.host_memory.check_host_memory`), before anything is drawn.
         """
         prompts = prompt_list("prompt", prompt)
         negatives = negative_list(negative_prompt, len(prompts))
@@ -180,6 +183,8 @@ class Request:
         generator, seed = check_generator(generator, seed, batch)
         shape = spec.geometry.latent_shape(batch, height, width)
         _check_latents(latents, shape, height, width, spec.geometry.scale_factor)
+        check_host_memory(f"batch = {len(prompts)} prompt(s) x num_images_per_prompt={n_per} = {batch} images",
+                          shape, _latent_dtype(engines), height, width, output_type)
         if spec.architecture == "sdxl":
             from .sdxl import sdxl_conditioning
 
@@ -260,6 +265,12 @@ def _chunks(spec: RequestSpec, prompts: int, n_per: int) -> tuple[range, ...]:
             f"ask for more images or recompile with --min-batch-size {batch}"
         )
     return tuple(plan_chunks(batch, b.min, b.max))
+
+
+def _latent_dtype(engines: Mapping[str, Engine]) -> torch.dtype:
+    """The dtype the latents are drawn in: the UNet's ``sample`` input (float32 without a UNet engine)."""
+    unet = engines.get("unet")
+    return unet.spec.input("sample").torch_dtype if unet is not None else torch.float32
 
 
 def _check_latents(latents: Any, shape: tuple[int, ...], height: int, width: int, f: int) -> None:

@@ -7,6 +7,7 @@ pipeline folders, same seed, scheduler and steps. Float images (``output_type="n
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,14 @@ BAD_IMG2IMG: list[tuple[str, dict[str, Any], str]] = [
     ("uint8-numpy", {"image": np.zeros((64, 64, 3), np.uint8)}, "uint8 numpy array"),
     ("values-0-255", {"image": np.full((64, 64, 3), 200.0, np.float32)}, "values in [200, 200], outside [-1, 1]"),
     ("rgba", {"image": _image().convert("RGBA")}, "convert it with image.convert('RGB')"),
+    ("numpy-channels-first", {"image": np.zeros((3, 64, 64), np.float32)},
+     "image looks channels-first (3, 64, 64); numpy images are channels-last [H, W, 3] (as diffusers reads them): "
+     "pass np.transpose(image, (1, 2, 0)), or torch.from_numpy(image) (torch images are channels-first)"),
+    ("numpy-batch-channels-first", {"image": np.zeros((1, 3, 64, 64), np.float32)},
+     "image looks channels-first (1, 3, 64, 64); numpy images are channels-last [N, H, W, 3]"),
+    ("torch-channels-last", {"image": torch.zeros(64, 64, 3)},
+     "image looks channels-last (64, 64, 3); torch images are channels-first [3, H, W] (as diffusers reads them): "
+     "pass image.permute(2, 0, 1)"),
     ("not-an-image", {"image": "cat.png"}, "image is a str; pass a PIL.Image"),
     ("images-dont-divide-batch", {"image": [_image(), _image()], "num_images_per_prompt": 3},
      "2 images were given for 3 images"),
@@ -272,6 +281,53 @@ def test_cli_inpaint_and_img2img(inpaint_artifact: Path, tiny_artifact: Path, tm
     assert code == 0, out
     params = read_png_parameters(tmp_path / "i2i.png")
     assert params["mode"] == "img2img" and params["strength"] == 0.5
+
+
+def _alpha_mask(mode: str) -> Image.Image:
+    """A mask whose colour marks the region (white square on black) and whose alpha is random noise."""
+    square = np.asarray(_mask())
+    alpha = np.where(np.random.default_rng(1).random(square.shape) > 0.5, 255, 0).astype(np.uint8)
+    if mode == "RGBA":
+        return Image.fromarray(np.dstack([square, square, square, alpha]), "RGBA")
+    if mode == "LA":
+        return Image.merge("LA", [Image.fromarray(square), Image.fromarray(alpha)])
+    return Image.fromarray(square).convert("P")  # saved with a transparent colour (PNG tRNS)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_a_mask_with_alpha_is_read_alike_by_the_api_and_the_cli(tiny_artifact: Path, tmp_path: Path, mode: str,
+                                                                 caplog: pytest.LogCaptureFixture,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rule, diffusers' (VaeImageProcessor(do_convert_grayscale=True): ``convert("L")``): the grayscale of the
+    mask's colour, its alpha ignored with a warning; ``mask_image=`` and ``--mask FILE`` gave different results (the
+    CLI refused the file)."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    from diffusion_trt.cli import _read_image
+    from diffusion_trt.runtime.image_inputs import preprocess_mask
+
+    path = tmp_path / "mask.png"
+    _alpha_mask(mode).save(path, **({"transparency": 0} if mode == "P" else {}))
+    assert Image.open(path).mode == mode
+    monkeypatch.setattr(logging.getLogger("diffusion_trt"), "propagate", True)  # the CLI turns it off
+    with caplog.at_level(logging.WARNING, logger="diffusion_trt"):
+        api = preprocess_mask(Image.open(path), 64, 64)
+    assert f"mask_image has transparency (mode {mode}), which is ignored" in caplog.text
+    cli = preprocess_mask(_read_image(path, "--mask", "L"), 64, 64)
+    processor = VaeImageProcessor(do_normalize=False, do_binarize=True, do_convert_grayscale=True)
+    want = processor.preprocess(Image.open(path), height=64, width=64)
+    assert torch.equal(api, want) and torch.equal(cli, want)
+    assert torch.equal(want[0, 0], torch.from_numpy(np.asarray(_mask()) / 255).float())  # the colour's square
+
+    _image().save(tmp_path / "in.png")
+    code, out = _invoke("run", tiny_artifact, "-p", "a cat", "--image", tmp_path / "in.png", "--mask", path,
+                        "--steps", "2", "--seed", "3", "-o", tmp_path / "o.png")
+    assert code == 0, out
+    assert f"warning: '{path}' has transparency (mode {mode}), which is ignored: the mask is the grayscale" in out
+    with EnginePipeline.from_artifacts(tiny_artifact) as p:
+        image = p("a cat", image=_image(), mask_image=Image.open(path), num_inference_steps=2, seed=3,
+                  progress=False).images[0]
+    np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "o.png").convert("RGB")), np.asarray(image))
 
 
 def test_cli_bad_image_input(inpaint_artifact: Path, tiny_artifact: Path, tmp_path: Path) -> None:

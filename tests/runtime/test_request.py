@@ -81,6 +81,43 @@ def test_build_refuses_with_the_value_and_the_fix(kwargs: dict, message: str) ->
         Request.build(SPEC, {}, **{"prompt": "a fox", **kwargs})
 
 
+def test_build_refuses_a_batch_the_host_memory_cannot_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The latents are drawn for the whole call at once (parity with diffusers): a huge batch is refused here, with
+    the bytes needed and available, not deep inside randn_tensor."""
+    from diffusion_trt.runtime import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 10 * 2**20)
+    # per image at 64x48: latents 4 x 8 x 6 float32 = 768 B; 'pil' images 64 x 48 x 3 uint8, buffer + PIL copy
+    per_image = 768 + 64 * 48 * 3 * 2
+    with pytest.raises(RuntimeInputError) as e:
+        Request.build(SPEC, {}, "a fox", num_images_per_prompt=1000, seed=0)
+    assert str(e.value) == (
+        "batch = 1 prompt(s) x num_images_per_prompt=1000 = 1000 images at 48x64 (WxH) needs at least 18 MiB of "
+        "host memory: 0.7 MiB for its latents (drawn for the whole call at once) and 18 MiB for its output images "
+        f"('pil'), but 10 MiB is available; ask for at most {10 * 2**20 // per_image} images per call and call again"
+    )
+    # 'latent' results stay on the device: only the latents count
+    assert Request.build(SPEC, {}, "a fox", num_images_per_prompt=1000, seed=0, output_type="latent").batch == 1000
+    assert Request.build(SPEC, {}, "a fox", num_images_per_prompt=500, seed=0).batch == 500
+    monkeypatch.undo()  # this machine's real figure: 10**8 images need ~1.8 TB
+    with pytest.raises(RuntimeInputError, match=r"num_images_per_prompt=100000000 = 100000000 images .* available"):
+        Request.build(SPEC, {}, "a fox", num_images_per_prompt=100_000_000, seed=0)
+
+
+def test_available_host_bytes_reads_meminfo_and_the_cgroup_limit(tmp_path: Path) -> None:
+    from diffusion_trt.runtime import host_memory
+
+    available = host_memory.available_host_bytes()
+    assert available is None or available > 0
+    (tmp_path / "meminfo").write_text("MemTotal:  100 kB\nMemAvailable:   2048 kB\n")
+    assert host_memory._meminfo_available(tmp_path / "meminfo") == 2048 * 1024
+    (tmp_path / "memory.max").write_text("1000\n")
+    (tmp_path / "memory.current").write_text("400\n")
+    assert host_memory._cgroup_left(tmp_path) == 600
+    (tmp_path / "memory.max").write_text("max\n")
+    assert host_memory._cgroup_left(tmp_path) is None
+
+
 def test_an_inpainting_unet_needs_an_image() -> None:
     spec = RequestSpec(PROFILE, LatentGeometry(unet_in_channels=9))
     with pytest.raises(RuntimeInputError, match=r"inpainting UNet .*pass image= and mask_image="):
