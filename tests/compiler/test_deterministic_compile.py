@@ -68,3 +68,25 @@ def test_cli_flag_reaches_the_manifest(tiny_pipeline_dir: Path, tmp_path: Path) 
     assert result.exit_code == 0, result.output
     assert json.loads((out / "manifest.json").read_text())["config"]["deterministic"] is True
     assert _ops(out, "vae_decoder")["GroupNorm"] == 0
+
+
+def test_no_effect_warning_is_one_line_per_compile(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """A CPU compile with --deterministic warns once (not once per component), and a compile cache hit warns too."""
+    args = ["compile", str(tiny_pipeline_dir), "--deterministic", "--components", "text_encoder,vae_decoder",
+            "--cache-dir", str(tmp_path / "cache")]
+    warning = "warning: --deterministic: no effect with --backend ort --device cpu"
+    for out in ("a", "b"):  # b: from the compile cache
+        result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / out)])
+        assert result.exit_code == 0, result.output
+        assert result.output.count(warning) == 1, result.output
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["cache"]["hit"] is True
+
+
+def test_contradicting_pass_option_is_refused(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"), "--no-cache",
+                                       "--device", "cuda", "--precision", "fp16", "--deterministic",
+                                       "--pass-option", "fuse_group_norm_deterministic=false"])
+    assert result.exit_code == 2
+    assert result.output.strip() == ("error: --deterministic with --pass-option fuse_group_norm_deterministic=false "
+                                     "contradict each other; drop one")
+    assert not (tmp_path / "a").exists()
