@@ -116,6 +116,20 @@ def test_export_refuses_a_damaged_artifact_and_existing_models(tiny_artifact: Pa
     assert code == 3 and "unet/model.onnx: size 1 !=" in out and not (tmp_path / "r").exists()
 
 
+
+@pytest.mark.parametrize("where", ["artifact", "inside", "model folder"])
+def test_export_refuses_a_repository_over_the_artifact(tiny_artifact: Path, tmp_path: Path, where: str) -> None:
+    """Into the sealed artifact, or with --overwrite over it (that deleted its engines before copying them)."""
+    art = tmp_path / "repo" / "unet" if where == "model folder" else tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    repo = {"artifact": art, "inside": art / "triton", "model folder": tmp_path / "repo"}[where]
+    code, out = _invoke("export-triton", art, repo, "--overwrite")
+    assert code == 2
+    assert out.strip() == (f"error: REPO_DIR {repo} overlaps the artifact {art}; write the Triton repository "
+                           "elsewhere (e.g. model_repository)")
+    assert _invoke("verify", art)[0] == 0 and not (art / "triton").exists()
+
+
 # -- the pipeline model's pure code ----------------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -175,6 +175,20 @@ def _place(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
+def _refuse_overlap(root: Path, repo: Path, folders: Iterable[Path]) -> None:
+    """Refuse a repository inside the artifact (it is sealed) or a model folder that is or holds the artifact (it would
+    be deleted before the engines are copied out of it).
+
+    Raises:
+        OutputPathError: naming both folders and the fix.
+    """
+    artifact = root.resolve()
+    inside = repo.resolve() == artifact or artifact in repo.resolve().parents
+    if inside or any(f.resolve() == artifact or f.resolve() in artifact.parents for f in folders):
+        raise OutputPathError(f"REPO_DIR {repo} overlaps the artifact {root}; write the Triton repository elsewhere "
+                              "(e.g. model_repository)")
+
+
 def export_triton_repository(
     artifact_dir: str | os.PathLike[str],
     repo_dir: str | os.PathLike[str],
@@ -203,7 +217,8 @@ def export_triton_repository(
     Raises:
         ArtifactError: the artifact fails verification or lacks an engine.
         RuntimeInputError: an SDXL or inpainting artifact (the Triton pipeline model runs the SD text-to-image loop).
-        OutputPathError: a model folder exists without ``overwrite``.
+        OutputPathError: a model folder exists without ``overwrite``; ``repo_dir`` is or lies inside the artifact,
+            or a model folder holds it.
     """
     root = Path(artifact_dir)
     repo = Path(repo_dir)
@@ -226,6 +241,7 @@ def export_triton_repository(
     names = {c: f"{prefix}{c}" for c in manifest["components"]}
     pipeline_name = f"{prefix}pipeline"
     folders = {n: repo / n for n in [*names.values(), pipeline_name]}
+    _refuse_overlap(root, repo, folders.values())
     clash = [str(p) for p in folders.values() if p.exists()]
     if clash and not overwrite:
         raise OutputPathError(f"model folder(s) {', '.join(clash)} exist; pass --overwrite or use --prefix")
