@@ -123,7 +123,7 @@ _OS_ERROR_FIXES = {
     errno.EISDIR: "it is a folder; pass a file path",
     errno.EACCES: "no permission; choose a writable location or fix the permissions",
     errno.EPERM: "no permission; choose a writable location or fix the permissions",
-    errno.EROFS: "read-only file system; choose another location",
+    errno.EROFS: "choose a location on a writable file system",
     errno.ENOSPC: "the disk is full; free space or choose another location",
     errno.ENOENT: "check the path",
 }
@@ -661,6 +661,8 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
         raise click.BadParameter(f"{str(output)!r} is the input file; write the result elsewhere",
                                  param_hint="--output")
     _check_writable_dir(output.parent if str(output.parent) else Path("."), "--output")
+    if json_path is not None:  # before the passes: a failure after them left OUTPUT written and exited 2
+        _check_writable_file(json_path, "--json", None)
     if dump_passes is not None:
         if Path(dump_passes).is_file():
             raise click.BadParameter(f"{dump_passes!r} is a file; give a folder (created if needed), e.g. dump/",

@@ -293,6 +293,25 @@ def test_output_path_errors_are_one_line(tiny_pipeline_dir: Path, tmp_path: Path
     assert f"error: {tmp_path / 'ro'}: Permission denied; no permission; choose a writable location" in out
 
 
+
+def test_read_only_file_system_is_said_once(tiny_pipeline_dir: Path, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """It read 'Read-only file system; read-only file system; choose another location'."""
+    import errno
+    import os
+
+    from diffusion_trt import artifacts
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "ro"))
+
+    monkeypatch.setattr(artifacts.tempfile, "mkdtemp", read_only)
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "ro" / "art")
+    assert code == 2
+    fix = "choose a location on a writable file system"
+    assert out.strip() == f"error: {tmp_path / 'ro'}: Read-only file system; {fix}"
+
+
 @pytest.mark.parametrize("command", ["run", "dummy-pipeline", "bench"])
 def test_seed_beyond_int64_is_refused(tiny_artifact: Path, tmp_path: Path, command: str) -> None:
     target = tmp_path / "m" if command == "dummy-pipeline" else tiny_artifact
