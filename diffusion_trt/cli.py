@@ -82,10 +82,14 @@ def _runtime_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--cudnn-algo-search", "cudnn_conv_algo_search",
                      type=click.Choice(["AUTO", "EXHAUSTIVE", "HEURISTIC", "DEFAULT"], case_sensitive=False),
                      default="AUTO", show_default=True,
-                     help="ORT CUDA: how cuDNN picks convolution algorithms (EXHAUSTIVE: timed per new shape; "
-                          "AUTO: EXHAUSTIVE for static artifacts, HEURISTIC for dynamic ones)."),
+                     help="ORT CUDA only (elsewhere a warning says it has no effect): how cuDNN picks convolution "
+                          "algorithms. EXHAUSTIVE: times each one per new shape (slow first call); HEURISTIC: "
+                          "cuDNN's heuristics, no timing; DEFAULT: one fixed algorithm (IMPLICIT_PRECOMP_GEMM); "
+                          "AUTO: EXHAUSTIVE for static artifacts, HEURISTIC for dynamic ones."),
         click.option("--deterministic", is_flag=True,
-                     help="ORT use_deterministic_compute + torch deterministic algorithms (cost: see bench)."),
+                     help="ORT use_deterministic_compute + torch deterministic algorithms; an ORT CUDA artifact "
+                          "also needs compile --deterministic (its fused GroupNorm is not deterministic: a warning "
+                          "says so). Cost: see bench."),
         click.option("--size-buckets", default=None, metavar="auto|HxW[,HxW...]",
                      help="Dynamic ORT artifacts: static sessions per size (listed ones opened at load)."),
     )):
