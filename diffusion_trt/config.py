@@ -42,6 +42,19 @@ def nearest_multiples(value: int, multiple: int) -> tuple[int, int]:
     return below, above
 
 
+def _min_above_max(name: str, lo: int, hi: int, lo_given: bool, hi_given: bool, lo_default: str,
+                   hi_default: str) -> str:
+    """The message of a profile whose min bound is above its max: "swap them" only when both were given; else which
+    bound was the default and what to give instead."""
+    if lo_given and hi_given:
+        return f"--min-{name} {lo} is larger than --max-{name} {hi}; swap them"
+    if lo_given:
+        return (f"--min-{name} {lo} is larger than the default --max-{name} {hi} ({hi_default}); give --max-{name} "
+                f"{lo} or more, or a smaller --min-{name}")
+    return (f"--max-{name} {hi} is smaller than the default --min-{name} {lo} ({lo_default}); give --min-{name} "
+            f"{hi} or less, or a larger --max-{name}")
+
+
 def check_image_size(name: str, value: int, lo: int | None = None, hi: int | None = None, *,
                      multiple: int = IMAGE_ALIGNMENT) -> None:
     """Raise :class:`RuntimeInputError` unless ``value`` is a multiple of ``multiple`` inside ``[lo, hi]``.
@@ -333,8 +346,10 @@ class CompileConfig:
             raise RuntimeInputError(f"backend={self.backend!r} runs on CUDA only, not device={self.device!r}; "
                                     "use --device cuda or --backend ort")
         self._check_rtx()
-        if self.batch_size < 1:
-            raise RuntimeInputError(f"batch_size={self.batch_size} must be >= 1")
+        for name in ("batch_size", "min_batch_size", "max_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise RuntimeInputError(f"{name}={value} must be >= 1")
         if self.precision == "int8" and self.backend == "ort" and self.device != "cpu":
             raise RuntimeInputError("precision='int8' with --backend ort runs on the CPU provider only; use "
                                     "--device cpu, or --backend tensorrt for int8 on CUDA")
@@ -375,13 +390,14 @@ class CompileConfig:
 
         def rng(opt: int | None, lo: int | None, hi: int | None, name: str) -> Range:
             opt = default_size if opt is None else opt  # 0 is a value to refuse, not "the default"
+            lo_given, hi_given = lo is not None, hi is not None
             check_image_size(name, opt)
             lo = lo if lo is not None else max(IMAGE_ALIGNMENT, opt // 2 // IMAGE_ALIGNMENT * IMAGE_ALIGNMENT)
             hi = hi if hi is not None else min(opt * 2, max(opt, MAX_IMAGE_SIZE))
             check_image_size(f"min-{name}", lo)
             check_image_size(f"max-{name}", hi)
             if lo > hi:
-                raise RuntimeInputError(f"--min-{name} {lo} is larger than --max-{name} {hi}; swap them")
+                raise RuntimeInputError(_min_above_max(name, lo, hi, lo_given, hi_given, f"{name}/2", f"2 x {name}"))
             if not lo <= opt <= hi:
                 raise RuntimeInputError(
                     f"{name}={opt} is outside --min-{name} {lo} .. --max-{name} {hi}; widen the range"
@@ -390,8 +406,8 @@ class CompileConfig:
 
         max_batch = self.max_batch_size if self.max_batch_size is not None else max(4, self.batch_size)
         if self.min_batch_size > max_batch:
-            raise RuntimeInputError(f"--min-batch-size {self.min_batch_size} is larger than --max-batch-size "
-                                    f"{max_batch}; swap them")
+            raise RuntimeInputError(_min_above_max("batch-size", self.min_batch_size, max_batch, True,
+                                                   self.max_batch_size is not None, "", "max(4, batch-size)"))
         if not self.min_batch_size <= self.batch_size <= max_batch:
             raise RuntimeInputError(
                 f"batch_size={self.batch_size} is outside --min-batch-size {self.min_batch_size} .. "

@@ -369,6 +369,14 @@ def test_corrupt_model_config_names_the_file(tiny_pipeline_dir: Path, tmp_path: 
         (["--height", "100000"], "error: height=100000 is above the limit of 4096 px; use 4096 or less"),
         (["--max-batch-size", "1000"], "error: max_batch_size=1000 is above the limit of 64; use 64 or less"),
         (["--opset", "99"], "error: opset=99 is newer than torch.onnx's exporter writes; use 17..20"),
+        (["--max-batch-size", "0"], "error: max_batch_size=0 must be >= 1"),  # was "... swap them"
+        (["--min-batch-size", "0"], "error: min_batch_size=0 must be >= 1"),
+        # the tiny model is 64x64: --max-height defaults to 128, which the user never gave ("swap them" before)
+        (["--min-height", "296"], "error: compile failed at model check: --min-height 296 is larger than the default "
+                                  "--max-height 128 (2 x height); give --max-height 296 or more, or a smaller "
+                                  "--min-height"),
+        (["--max-width", "16"], "error: compile failed at model check: --max-width 16 is smaller than the default "
+                                "--min-width 32 (width/2); give --min-width 16 or less, or a larger --max-width"),
     ],
 )
 def test_compile_limits_fail_at_once_in_one_line(tiny_pipeline_dir: Path, tmp_path: Path, args: list[str],

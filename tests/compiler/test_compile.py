@@ -160,6 +160,11 @@ def test_fp16_on_cpu_is_refused_with_fix() -> None:
         ({"min_height": 128, "max_height": 64}, r"--min-height 128 is larger than --max-height 64; swap them"),
         ({"min_batch_size": 4, "max_batch_size": 2, "batch_size": 2},
          r"--min-batch-size 4 is larger than --max-batch-size 2; swap them"),
+        ({"min_batch_size": 8}, r"--min-batch-size 8 is larger than the default --max-batch-size 4 "
+                                r"\(max\(4, batch-size\)\); give --max-batch-size 8 or more"),
+        ({"max_batch_size": 0}, r"max_batch_size=0 must be >= 1"),
+        ({"max_height": 128}, r"--max-height 128 is smaller than the default --min-height 256 \(height/2\); give "
+                              r"--min-height 128 or less, or a larger --max-height"),
     ],
 )
 def test_bad_profile_is_refused(kwargs: dict, message: str) -> None:
