@@ -44,6 +44,14 @@ def test_unknown_scheduler_name(toy_artifact: Path) -> None:
         EnginePipeline.from_artifacts(toy_artifact, scheduler="fastest")
 
 
+def test_scheduler_that_is_not_a_string(toy_artifact: Path, toy_pipe: EnginePipeline) -> None:
+    """It was AttributeError: 'int' object has no attribute 'strip'."""
+    with pytest.raises(RuntimeInputError, match=r"^scheduler=5 is unknown; use one of pndm, ddim"):
+        EnginePipeline.from_artifacts(toy_artifact, scheduler=5)
+    with pytest.raises(RuntimeInputError, match=r"^scheduler=\['euler'\] is unknown; use one of pndm, ddim"):
+        toy_pipe.set_scheduler(["euler"])
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"cudnn_conv_algo_search": "FASTEST"},
      "cudnn_conv_algo_search='FASTEST' is unknown; use one of AUTO, EXHAUSTIVE, HEURISTIC, DEFAULT"),
