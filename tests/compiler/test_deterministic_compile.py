@@ -68,6 +68,9 @@ def test_cli_flag_reaches_the_manifest(tiny_pipeline_dir: Path, tmp_path: Path) 
     assert result.exit_code == 0, result.output
     assert json.loads((out / "manifest.json").read_text())["config"]["deterministic"] is True
     assert _ops(out, "vae_decoder")["GroupNorm"] == 0
+    inspect = CliRunner().invoke(main, ["inspect", str(out)])
+    assert "backend    ort on cuda, fp16 (--deterministic: GroupNorm unfused); compiled in" in inspect.output
+    assert json.loads(CliRunner().invoke(main, ["inspect", str(out), "--json"]).output)["deterministic"] is True
 
 
 def test_no_effect_warning_is_one_line_per_compile(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
