@@ -318,7 +318,8 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
                    "sdxl-vae-fp16-fix). By default it stays fp32 unless vae/config.json says force_upcast: false.")
 @click.option("--deterministic", is_flag=True,
               help="ORT CUDA: leave GroupNorm unfused (ORT's GroupNorm kernel is not run-to-run deterministic); "
-                   "run with --deterministic too. Slower norms (cost: see bench).")
+                   "run with --deterministic too. Elsewhere no effect (a warning says so). Slower norms (not "
+                   "measured yet: compare both artifacts with bench).")
 @click.option("--dump-passes", type=click.Path(file_okay=False), default=None,
               help="Write the graph after each pass into this folder.")
 @click.option("--pass-option", "pass_options", multiple=True, metavar="KEY=VALUE",

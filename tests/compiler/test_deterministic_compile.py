@@ -93,3 +93,13 @@ def test_contradicting_pass_option_is_refused(tiny_pipeline_dir: Path, tmp_path:
     assert result.output.strip() == ("error: --deterministic with --pass-option fuse_group_norm_deterministic=false "
                                      "contradict each other; drop one")
     assert not (tmp_path / "a").exists()
+
+
+def test_help_says_where_the_options_act() -> None:
+    def help_of(command: str) -> str:
+        return " ".join(CliRunner().invoke(main, [command, "--help"]).output.split())
+
+    assert "run with --deterministic too. Elsewhere no effect (a warning says so)" in help_of("compile")
+    run = help_of("run")
+    assert "an ORT CUDA artifact also needs compile --deterministic" in run
+    assert "ORT CUDA only (elsewhere a warning says it has no effect)" in run and "HEURISTIC: cuDNN's heuristics" in run
