@@ -374,7 +374,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
 
     out_dir = out_dir or Path("artifacts") / (Path(model_dir).stem if Path(model_dir).is_file()
                                               else Path(model_dir).resolve().name)
-    cache = _compile_cache(no_cache, cache_dir, cache_max_gb)
+    cache = _compile_cache(no_cache, cache_dir, cache_max_gb, out_dir)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     if snap:
@@ -405,11 +405,12 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     click.echo(f"artifact: {path}")
 
 
-def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float) -> Any:
+def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float, out_dir: Path) -> Any:
     """The CompileCache of ``--cache-dir`` / the environment, or ``None`` with ``--no-cache``.
 
     Raises:
-        click.BadParameter: the cache folder cannot be created or written (naming it, and where it came from).
+        click.BadParameter: the cache folder cannot be created or written (naming it, and where it came from), or
+            it is or lies inside the artifact folder ``out_dir`` (which is sealed).
     """
     if no_cache:
         unused = _given(("cache_dir", "cache_max_gb"))
@@ -419,8 +420,13 @@ def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float) -> Any
     from .compiler.cache import ENV_DIR, CompileCache, default_cache_dir
 
     root = cache_dir.expanduser() if cache_dir is not None else default_cache_dir()
-    _check_writable_dir(root, "--cache-dir" if cache_dir is not None else f"--cache-dir (default from ${ENV_DIR} "
-                        "or $XDG_CACHE_HOME; or pass --no-cache)")
+    flag = "--cache-dir" if cache_dir is not None else f"--cache-dir (default from ${ENV_DIR} or $XDG_CACHE_HOME; or " \
+        "pass --no-cache)"
+    r, o = root.resolve(), out_dir.resolve()
+    if r == o or o in r.parents:
+        raise click.BadParameter(f"the cache folder {root} lies inside the artifact folder {out_dir}, which is sealed; "
+                                 "keep the compile cache outside it", param_hint=flag)
+    _check_writable_dir(root, flag)
     return CompileCache(root, max_bytes=int(max_gb * (1 << 30)))
 
 

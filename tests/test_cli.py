@@ -385,6 +385,16 @@ def test_compile_limits_fail_at_once_in_one_line(tiny_pipeline_dir: Path, tmp_pa
     assert code == 2 and out.strip() == message
 
 
+@pytest.mark.parametrize("cache", ["art", "art/cache"])
+def test_cache_dir_inside_the_artifact_is_refused(tiny_pipeline_dir: Path, tmp_path: Path, cache: str) -> None:
+    """It compiled (exit 0) with the cache written into the sealed artifact, which verify then failed (exit 3)."""
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", "--cache-dir", tmp_path / cache)
+    assert code == 2
+    assert (f"Invalid value for --cache-dir: the cache folder {tmp_path / cache} lies inside the artifact folder "
+            f"{tmp_path / 'art'}, which is sealed; keep the compile cache outside it") in out
+    assert not (tmp_path / "art").exists()
+
+
 def test_options_without_effect_warn(tiny_pipeline_dir: Path, tiny_artifact: Path, tmp_path: Path) -> None:
     # compiling onto an existing artifact stops after the checks (exit 2), once every warning was given
     code, out = _invoke("compile", tiny_pipeline_dir, "-o", tiny_artifact, "--calibration-size", "4", "--min-psnr",
