@@ -396,6 +396,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
         options["compute_capabilities"] = tuple(c.strip() for c in options["compute_capabilities"].split(",")
                                                 if c.strip())
     if options["dump_passes"] is not None:  # the graphs are written after export: check the folder now
+        _refuse_inside_artifact(Path(options["dump_passes"]), out_dir, "dump folder", "--dump-passes")
         _check_writable_dir(Path(options["dump_passes"]), "--dump-passes")
     config = CompileConfig(**options, quantize=quantize)
     with _terminate_like_interrupt(), logging_redirect_tqdm(loggers=[logger]):
@@ -422,12 +423,22 @@ def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float, out_di
     root = cache_dir.expanduser() if cache_dir is not None else default_cache_dir()
     flag = "--cache-dir" if cache_dir is not None else f"--cache-dir (default from ${ENV_DIR} or $XDG_CACHE_HOME; or " \
         "pass --no-cache)"
-    r, o = root.resolve(), out_dir.resolve()
-    if r == o or o in r.parents:
-        raise click.BadParameter(f"the cache folder {root} lies inside the artifact folder {out_dir}, which is sealed; "
-                                 "keep the compile cache outside it", param_hint=flag)
+    _refuse_inside_artifact(root, out_dir, "cache folder", flag)
     _check_writable_dir(root, flag)
     return CompileCache(root, max_bytes=int(max_gb * (1 << 30)))
+
+
+def _refuse_inside_artifact(folder: Path, out_dir: Path, what: str, flag: str) -> None:
+    """Refuse a folder of ours (the compile cache, the pass dumps) that is or lies inside the artifact folder: it
+    would be sealed in (verify fails) or, with --overwrite, deleted with the old artifact.
+
+    Raises:
+        click.BadParameter: naming both folders.
+    """
+    f, o = folder.expanduser().resolve(), out_dir.resolve()
+    if f == o or o in f.parents:
+        raise click.BadParameter(f"the {what} {folder} lies inside the artifact folder {out_dir}, which is sealed and "
+                                 "replaced whole; choose a folder outside it", param_hint=flag)
 
 
 def _parse_pass_options(items: tuple[str, ...]) -> dict[str, Any]:

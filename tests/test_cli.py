@@ -385,13 +385,18 @@ def test_compile_limits_fail_at_once_in_one_line(tiny_pipeline_dir: Path, tmp_pa
     assert code == 2 and out.strip() == message
 
 
-@pytest.mark.parametrize("cache", ["art", "art/cache"])
-def test_cache_dir_inside_the_artifact_is_refused(tiny_pipeline_dir: Path, tmp_path: Path, cache: str) -> None:
-    """It compiled (exit 0) with the cache written into the sealed artifact, which verify then failed (exit 3)."""
-    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", "--cache-dir", tmp_path / cache)
+@pytest.mark.parametrize(("flag", "what", "inside"), [("--cache-dir", "cache folder", "art"),
+                                                     ("--cache-dir", "cache folder", "art/cache"),
+                                                     ("--dump-passes", "dump folder", "art/dump")])
+def test_our_folders_inside_the_artifact_are_refused(tiny_pipeline_dir: Path, tmp_path: Path, flag: str, what: str,
+                                                     inside: str) -> None:
+    """--cache-dir: it compiled (exit 0) with the cache sealed into the artifact, which verify then failed (exit 3).
+    --dump-passes: 'output folder art already exists' (the dump folder made it), or with --overwrite the dumps were
+    deleted with the old artifact."""
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", flag, tmp_path / inside)
     assert code == 2
-    assert (f"Invalid value for --cache-dir: the cache folder {tmp_path / cache} lies inside the artifact folder "
-            f"{tmp_path / 'art'}, which is sealed; keep the compile cache outside it") in out
+    assert (f"Invalid value for {flag}: the {what} {tmp_path / inside} lies inside the artifact folder "
+            f"{tmp_path / 'art'}, which is sealed and replaced whole; choose a folder outside it") in out
     assert not (tmp_path / "art").exists()
 
 
