@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -300,6 +301,7 @@ class CompileConfig:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.compute_capabilities is not None:
             object.__setattr__(self, "compute_capabilities", tuple(str(c) for c in self.compute_capabilities))
         if self.refittable and self.backend == "tensorrt-rtx":
@@ -426,6 +428,28 @@ class CompileConfig:
         data["loras"] = [[str(p), float(s)] for p, s in self.loras]
         data["compute_capabilities"] = list(self.compute_capabilities) if self.compute_capabilities else None
         return data
+
+    def _check_types(self) -> None:
+        """Refuse values of the wrong type before the range checks (``height="64"`` failed there with a TypeError;
+        ``components="unet"`` was read as the components u, n, e, t; ``deterministic="no"`` as true).
+
+        Raises:
+            RuntimeInputError: naming the field, the value and the type it takes.
+        """
+        for name in ("opset", "min_batch_size", "batch_size", *_SIZE_FIELDS, "max_batch_size"):
+            value = getattr(self, name)
+            if (value is not None or name in ("opset", "batch_size", "min_batch_size")) and \
+                    (isinstance(value, bool) or not isinstance(value, int)):
+                raise RuntimeInputError(f"{name}={value!r} must be an integer")
+        for name in ("components", "compute_capabilities"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise RuntimeInputError(f"{name}={value!r} must be a tuple of strings, e.g. ({value!r},)")
+        for name in ("fp16_safe_vae", "trust_pickle", "refittable", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise RuntimeInputError(f"{name}={getattr(self, name)!r} must be True or False")
+        if not isinstance(self.pass_options, Mapping):
+            raise RuntimeInputError(f"pass_options={self.pass_options!r} must be a dict, e.g. {{'pack_qkv': True}}")
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CompileConfig:

@@ -172,6 +172,21 @@ def test_bad_profile_is_refused(kwargs: dict, message: str) -> None:
         CompileConfig(**kwargs).resolve_profile(512)
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"height": "64"}, "height='64' must be an integer"),  # was TypeError: '>' not supported between str and int
+    ({"batch_size": 1.5}, "batch_size=1.5 must be an integer"),
+    ({"opset": None}, "opset=None must be an integer"),
+    ({"components": "unet"}, "components='unet' must be a tuple of strings, e.g. ('unet',)"),  # was u, n, e, t
+    ({"compute_capabilities": "8.9"}, "compute_capabilities='8.9' must be a tuple of strings, e.g. ('8.9',)"),
+    ({"deterministic": "no"}, "deterministic='no' must be True or False"),  # was taken as True
+    ({"pass_options": "pack_qkv=true"}, "pass_options='pack_qkv=true' must be a dict, e.g. {'pack_qkv': True}"),
+])
+def test_wrong_types_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(RuntimeInputError) as e:
+        CompileConfig(**kwargs)
+    assert str(e.value) == message
+
+
 def test_profile_limits_keep_the_largest_sizes() -> None:
     """The limits themselves are valid, and a default max (2 x opt) stops at the limit instead of failing."""
     profile = CompileConfig(height=4096, width=2048, batch_size=64).resolve_profile(512)
