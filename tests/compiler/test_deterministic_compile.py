@@ -58,6 +58,12 @@ def test_other_targets_are_unchanged_and_say_so(caplog: pytest.LogCaptureFixture
     # the CPU provider's kernels are not the ones at stake, nor a TensorRT engine's: no warning for them
     assert compile_time_note({"backend": "ort", "config": {}}, "cpu") is None
     assert compile_time_note({"backend": "tensorrt-rtx", "config": {}}, "cuda") is None
+    # no fused GroupNorm to warn about: compiled for the CPU (run on CUDA), or unfused through the pass option
+    assert compile_time_note({"backend": "ort", "device": "cpu", "config": {}}, "cuda") is None
+    unfused = {"pass_options": {"fuse_group_norm_deterministic": True}}
+    by_option = {"backend": "ort", "device": "cuda", "config": unfused}
+    assert compile_time_note(by_option, "cuda") is None
+    assert compile_time_note({"backend": "ort", "device": "cuda", "config": {}}, "cuda") is not None
 
 
 def test_cli_flag_reaches_the_manifest(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
