@@ -82,10 +82,14 @@ def _runtime_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--cudnn-algo-search", "cudnn_conv_algo_search",
                      type=click.Choice(["AUTO", "EXHAUSTIVE", "HEURISTIC", "DEFAULT"], case_sensitive=False),
                      default="AUTO", show_default=True,
-                     help="ORT CUDA: how cuDNN picks convolution algorithms (EXHAUSTIVE: timed per new shape; "
-                          "AUTO: EXHAUSTIVE for static artifacts, HEURISTIC for dynamic ones)."),
+                     help="ORT CUDA only (elsewhere a warning says it has no effect): how cuDNN picks convolution "
+                          "algorithms. EXHAUSTIVE: times each one per new shape (slow first call); HEURISTIC: "
+                          "cuDNN's heuristics, no timing; DEFAULT: one fixed algorithm (IMPLICIT_PRECOMP_GEMM); "
+                          "AUTO: EXHAUSTIVE for static artifacts, HEURISTIC for dynamic ones."),
         click.option("--deterministic", is_flag=True,
-                     help="ORT use_deterministic_compute + torch deterministic algorithms (cost: see bench)."),
+                     help="ORT use_deterministic_compute + torch deterministic algorithms; an ORT CUDA artifact "
+                          "also needs compile --deterministic (its fused GroupNorm is not deterministic: a warning "
+                          "says so). Cost: compare with bench."),
         click.option("--size-buckets", default=None, metavar="auto|HxW[,HxW...]",
                      help="Dynamic ORT artifacts: static sessions per size (listed ones opened at load)."),
     )):
@@ -123,7 +127,7 @@ _OS_ERROR_FIXES = {
     errno.EISDIR: "it is a folder; pass a file path",
     errno.EACCES: "no permission; choose a writable location or fix the permissions",
     errno.EPERM: "no permission; choose a writable location or fix the permissions",
-    errno.EROFS: "read-only file system; choose another location",
+    errno.EROFS: "choose a location on a writable file system",
     errno.ENOSPC: "the disk is full; free space or choose another location",
     errno.ENOENT: "check the path",
 }
@@ -368,7 +372,8 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
                    "sdxl-vae-fp16-fix). By default it stays fp32 unless vae/config.json says force_upcast: false.")
 @click.option("--deterministic", is_flag=True,
               help="ORT CUDA: leave GroupNorm unfused (ORT's GroupNorm kernel is not run-to-run deterministic); "
-                   "run with --deterministic too. Slower norms (cost: see bench).")
+                   "run with --deterministic too. Elsewhere no effect (a warning says so). Slower norms (H200, "
+                   "SD-1.5 UNet's largest: 0.068 vs 0.044 ms each).")
 @click.option("--dump-passes", type=click.Path(file_okay=False), default=None,
               help="Write the graph after each pass into this folder.")
 @click.option("--pass-option", "pass_options", multiple=True, metavar="KEY=VALUE",
@@ -423,7 +428,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
 
     out_dir = out_dir or Path("artifacts") / (Path(model_dir).stem if Path(model_dir).is_file()
                                               else Path(model_dir).resolve().name)
-    cache = _compile_cache(no_cache, cache_dir, cache_max_gb)
+    cache = _compile_cache(no_cache, cache_dir, cache_max_gb, out_dir)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     if snap:
@@ -445,6 +450,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
         options["compute_capabilities"] = tuple(c.strip() for c in options["compute_capabilities"].split(",")
                                                 if c.strip())
     if options["dump_passes"] is not None:  # the graphs are written after export: check the folder now
+        _refuse_inside_artifact(Path(options["dump_passes"]), out_dir, "dump folder", "--dump-passes")
         _check_writable_dir(Path(options["dump_passes"]), "--dump-passes")
     config = CompileConfig(**options, quantize=quantize)
     with _terminate_like_interrupt(), logging_redirect_tqdm(loggers=[logger]):
@@ -454,11 +460,12 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     click.echo(f"artifact: {path}")
 
 
-def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float) -> Any:
+def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float, out_dir: Path) -> Any:
     """The CompileCache of ``--cache-dir`` / the environment, or ``None`` with ``--no-cache``.
 
     Raises:
-        click.BadParameter: the cache folder cannot be created or written (naming it, and where it came from).
+        click.BadParameter: the cache folder cannot be created or written (naming it, and where it came from), or
+            it is or lies inside the artifact folder ``out_dir`` (which is sealed).
     """
     if no_cache:
         unused = _given(("cache_dir", "cache_max_gb"))
@@ -468,9 +475,24 @@ def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float) -> Any
     from .compiler.cache import ENV_DIR, CompileCache, default_cache_dir
 
     root = cache_dir.expanduser() if cache_dir is not None else default_cache_dir()
-    _check_writable_dir(root, "--cache-dir" if cache_dir is not None else f"--cache-dir (default from ${ENV_DIR} "
-                        "or $XDG_CACHE_HOME; or pass --no-cache)")
+    flag = "--cache-dir" if cache_dir is not None else f"--cache-dir (default from ${ENV_DIR} or $XDG_CACHE_HOME; or " \
+        "pass --no-cache)"
+    _refuse_inside_artifact(root, out_dir, "cache folder", flag)
+    _check_writable_dir(root, flag)
     return CompileCache(root, max_bytes=int(max_gb * (1 << 30)))
+
+
+def _refuse_inside_artifact(folder: Path, out_dir: Path, what: str, flag: str) -> None:
+    """Refuse a folder of ours (the compile cache, the pass dumps) that is or lies inside the artifact folder: it
+    would be sealed in (verify fails) or, with --overwrite, deleted with the old artifact.
+
+    Raises:
+        click.BadParameter: naming both folders.
+    """
+    f, o = folder.expanduser().resolve(), out_dir.resolve()
+    if f == o or o in f.parents:
+        raise click.BadParameter(f"the {what} {folder} lies inside the artifact folder {out_dir}, which is sealed and "
+                                 "replaced whole; choose a folder outside it", param_hint=flag)
 
 
 def _parse_pass_options(items: tuple[str, ...]) -> dict[str, Any]:
@@ -746,6 +768,8 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
         raise click.BadParameter(f"{str(output)!r} is the input file; write the result elsewhere",
                                  param_hint="--output")
     _check_writable_dir(output.parent if str(output.parent) else Path("."), "--output")
+    if json_path is not None:  # before the passes: a failure after them left OUTPUT written and exited 2
+        _check_writable_file(json_path, "--json", None)
     if dump_passes is not None:
         if Path(dump_passes).is_file():
             raise click.BadParameter(f"{dump_passes!r} is a file; give a folder (created if needed), e.g. dump/",

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,6 +41,19 @@ def nearest_multiples(value: int, multiple: int) -> tuple[int, int]:
     below = max(multiple, value // multiple * multiple)
     above = below + multiple if below <= value else below
     return below, above
+
+
+def _min_above_max(name: str, lo: int, hi: int, lo_given: bool, hi_given: bool, lo_default: str,
+                   hi_default: str) -> str:
+    """The message of a profile whose min bound is above its max: "swap them" only when both were given; else which
+    bound was the default and what to give instead."""
+    if lo_given and hi_given:
+        return f"--min-{name} {lo} is larger than --max-{name} {hi}; swap them"
+    if lo_given:
+        return (f"--min-{name} {lo} is larger than the default --max-{name} {hi} ({hi_default}); give --max-{name} "
+                f"{lo} or more, or a smaller --min-{name}")
+    return (f"--max-{name} {hi} is smaller than the default --min-{name} {lo} ({lo_default}); give --min-{name} "
+            f"{hi} or less, or a larger --max-{name}")
 
 
 def check_image_size(name: str, value: int, lo: int | None = None, hi: int | None = None, *,
@@ -287,6 +301,7 @@ class CompileConfig:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.compute_capabilities is not None:
             object.__setattr__(self, "compute_capabilities", tuple(str(c) for c in self.compute_capabilities))
         if self.refittable and self.backend == "tensorrt-rtx":
@@ -333,8 +348,10 @@ class CompileConfig:
             raise RuntimeInputError(f"backend={self.backend!r} runs on CUDA only, not device={self.device!r}; "
                                     "use --device cuda or --backend ort")
         self._check_rtx()
-        if self.batch_size < 1:
-            raise RuntimeInputError(f"batch_size={self.batch_size} must be >= 1")
+        for name in ("batch_size", "min_batch_size", "max_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise RuntimeInputError(f"{name}={value} must be >= 1")
         if self.precision == "int8" and self.backend == "ort" and self.device != "cpu":
             raise RuntimeInputError("precision='int8' with --backend ort runs on the CPU provider only; use "
                                     "--device cpu, or --backend tensorrt for int8 on CUDA")
@@ -375,13 +392,14 @@ class CompileConfig:
 
         def rng(opt: int | None, lo: int | None, hi: int | None, name: str) -> Range:
             opt = default_size if opt is None else opt  # 0 is a value to refuse, not "the default"
+            lo_given, hi_given = lo is not None, hi is not None
             check_image_size(name, opt)
             lo = lo if lo is not None else max(IMAGE_ALIGNMENT, opt // 2 // IMAGE_ALIGNMENT * IMAGE_ALIGNMENT)
             hi = hi if hi is not None else min(opt * 2, max(opt, MAX_IMAGE_SIZE))
             check_image_size(f"min-{name}", lo)
             check_image_size(f"max-{name}", hi)
             if lo > hi:
-                raise RuntimeInputError(f"--min-{name} {lo} is larger than --max-{name} {hi}; swap them")
+                raise RuntimeInputError(_min_above_max(name, lo, hi, lo_given, hi_given, f"{name}/2", f"2 x {name}"))
             if not lo <= opt <= hi:
                 raise RuntimeInputError(
                     f"{name}={opt} is outside --min-{name} {lo} .. --max-{name} {hi}; widen the range"
@@ -390,8 +408,8 @@ class CompileConfig:
 
         max_batch = self.max_batch_size if self.max_batch_size is not None else max(4, self.batch_size)
         if self.min_batch_size > max_batch:
-            raise RuntimeInputError(f"--min-batch-size {self.min_batch_size} is larger than --max-batch-size "
-                                    f"{max_batch}; swap them")
+            raise RuntimeInputError(_min_above_max("batch-size", self.min_batch_size, max_batch, True,
+                                                   self.max_batch_size is not None, "", "max(4, batch-size)"))
         if not self.min_batch_size <= self.batch_size <= max_batch:
             raise RuntimeInputError(
                 f"batch_size={self.batch_size} is outside --min-batch-size {self.min_batch_size} .. "
@@ -410,6 +428,28 @@ class CompileConfig:
         data["loras"] = [[str(p), float(s)] for p, s in self.loras]
         data["compute_capabilities"] = list(self.compute_capabilities) if self.compute_capabilities else None
         return data
+
+    def _check_types(self) -> None:
+        """Refuse values of the wrong type before the range checks (``height="64"`` failed there with a TypeError;
+        ``components="unet"`` was read as the components u, n, e, t; ``deterministic="no"`` as true).
+
+        Raises:
+            RuntimeInputError: naming the field, the value and the type it takes.
+        """
+        for name in ("opset", "min_batch_size", "batch_size", *_SIZE_FIELDS, "max_batch_size"):
+            value = getattr(self, name)
+            if (value is not None or name in ("opset", "batch_size", "min_batch_size")) and \
+                    (isinstance(value, bool) or not isinstance(value, int)):
+                raise RuntimeInputError(f"{name}={value!r} must be an integer")
+        for name in ("components", "compute_capabilities"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise RuntimeInputError(f"{name}={value!r} must be a tuple of strings, e.g. ({value!r},)")
+        for name in ("fp16_safe_vae", "trust_pickle", "refittable", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise RuntimeInputError(f"{name}={getattr(self, name)!r} must be True or False")
+        if not isinstance(self.pass_options, Mapping):
+            raise RuntimeInputError(f"pass_options={self.pass_options!r} must be a dict, e.g. {{'pack_qkv': True}}")
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CompileConfig:

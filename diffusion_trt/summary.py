@@ -84,6 +84,9 @@ def artifact_summary(root: str | os.PathLike[str], manifest: dict[str, Any]) -> 
         "model": manifest.get("model", {}),
         "source_sha256": (manifest.get("source") or {}).get("sha256"),
         "compile_seconds": manifest.get("compile_seconds"),
+        # compile --deterministic took effect: ORT CUDA with GroupNorm left unfused (CompileConfig.deterministic)
+        "deterministic": bool((manifest.get("config") or {}).get("deterministic"))
+        and (manifest.get("backend"), manifest.get("device")) == ("ort", "cuda"),
         "files": len(files),
         "total_bytes": sum(int(e.get("size", 0)) for e in files.values()),
         "components": components,
@@ -110,6 +113,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"           schema {s['schema_version']}, created {s['created_utc']}, {human_bytes(s['total_bytes'])} in "
         f"{s['files']} files, manifest sha256 {str(s['manifest_sha256'])[:12]}…",
         f"backend    {s['backend']} on {s['device']}, {s['precision']}"
+        + (" (--deterministic: GroupNorm unfused)" if s.get("deterministic") else "")
         + (f"; compiled in {s['compile_seconds']:.1f} s" if isinstance(s.get("compile_seconds"), int | float) else "")
         + (f" from {s['pipeline_class']}" if s.get("pipeline_class") else "")
         + (f" (source sha256 {s['source_sha256'][:12]}…)" if s.get("source_sha256") else ""),

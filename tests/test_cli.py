@@ -356,6 +356,25 @@ def test_output_path_errors_are_one_line(tiny_pipeline_dir: Path, tmp_path: Path
     assert f"error: {tmp_path / 'ro'}: Permission denied; no permission; choose a writable location" in out
 
 
+
+def test_read_only_file_system_is_said_once(tiny_pipeline_dir: Path, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """It read 'Read-only file system; read-only file system; choose another location'."""
+    import errno
+    import os
+
+    from diffusion_trt import artifacts
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "ro"))
+
+    monkeypatch.setattr(artifacts.tempfile, "mkdtemp", read_only)
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "ro" / "art")
+    assert code == 2
+    fix = "choose a location on a writable file system"
+    assert out.strip() == f"error: {tmp_path / 'ro'}: Read-only file system; {fix}"
+
+
 @pytest.mark.parametrize("command", ["run", "dummy-pipeline", "bench"])
 def test_seed_beyond_int64_is_refused(tiny_artifact: Path, tmp_path: Path, command: str) -> None:
     target = tmp_path / "m" if command == "dummy-pipeline" else tiny_artifact
@@ -413,12 +432,35 @@ def test_corrupt_model_config_names_the_file(tiny_pipeline_dir: Path, tmp_path: 
         (["--height", "100000"], "error: height=100000 is above the limit of 4096 px; use 4096 or less"),
         (["--max-batch-size", "1000"], "error: max_batch_size=1000 is above the limit of 64; use 64 or less"),
         (["--opset", "99"], "error: opset=99 is newer than torch.onnx's exporter writes; use 17..20"),
+        (["--max-batch-size", "0"], "error: max_batch_size=0 must be >= 1"),  # was "... swap them"
+        (["--min-batch-size", "0"], "error: min_batch_size=0 must be >= 1"),
+        # the tiny model is 64x64: --max-height defaults to 128, which the user never gave ("swap them" before)
+        (["--min-height", "296"], "error: compile failed at model check: --min-height 296 is larger than the default "
+                                  "--max-height 128 (2 x height); give --max-height 296 or more, or a smaller "
+                                  "--min-height"),
+        (["--max-width", "16"], "error: compile failed at model check: --max-width 16 is smaller than the default "
+                                "--min-width 32 (width/2); give --min-width 16 or less, or a larger --max-width"),
     ],
 )
 def test_compile_limits_fail_at_once_in_one_line(tiny_pipeline_dir: Path, tmp_path: Path, args: list[str],
                                                  message: str) -> None:
     code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", *args)
     assert code == 2 and out.strip() == message
+
+
+@pytest.mark.parametrize(("flag", "what", "inside"), [("--cache-dir", "cache folder", "art"),
+                                                     ("--cache-dir", "cache folder", "art/cache"),
+                                                     ("--dump-passes", "dump folder", "art/dump")])
+def test_our_folders_inside_the_artifact_are_refused(tiny_pipeline_dir: Path, tmp_path: Path, flag: str, what: str,
+                                                     inside: str) -> None:
+    """--cache-dir: it compiled (exit 0) with the cache sealed into the artifact, which verify then failed (exit 3).
+    --dump-passes: 'output folder art already exists' (the dump folder made it), or with --overwrite the dumps were
+    deleted with the old artifact."""
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", flag, tmp_path / inside)
+    assert code == 2
+    assert (f"Invalid value for {flag}: the {what} {tmp_path / inside} lies inside the artifact folder "
+            f"{tmp_path / 'art'}, which is sealed and replaced whole; choose a folder outside it") in out
+    assert not (tmp_path / "art").exists()
 
 
 def test_options_without_effect_warn(tiny_pipeline_dir: Path, tiny_artifact: Path, tmp_path: Path) -> None:

@@ -150,3 +150,12 @@ def test_bad_paths(attention_onnx: Path, tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     code, text = _invoke("optimize", attention_onnx, "-o", tmp_path / "o.onnx", "--dump-passes", tmp_path / "file")
     assert code == 2 and "--dump-passes" in text and "is a file; give a folder" in text
+
+
+def test_json_path_checked_before_the_passes(attention_onnx: Path, tmp_path: Path) -> None:
+    """An unwritable --json used to fail after the passes, with OUTPUT already written."""
+    (tmp_path / "file").write_text("")
+    code, text = _invoke("optimize", attention_onnx, "-o", tmp_path / "o.onnx", "--json", tmp_path / "file" / "r.json")
+    assert code == 2
+    assert f"Invalid value for --json: cannot create the folder {tmp_path / 'file'} (File exists)" in text
+    assert "passes for" not in text and not (tmp_path / "o.onnx").exists()

@@ -116,6 +116,46 @@ def test_export_refuses_a_damaged_artifact_and_existing_models(tiny_artifact: Pa
     assert code == 3 and "unet/model.onnx: size 1 !=" in out and not (tmp_path / "r").exists()
 
 
+
+@pytest.mark.parametrize("where", ["artifact", "inside", "model folder"])
+def test_export_refuses_a_repository_over_the_artifact(tiny_artifact: Path, tmp_path: Path, where: str) -> None:
+    """Into the sealed artifact, or with --overwrite over it (that deleted its engines before copying them)."""
+    art = tmp_path / "repo" / "unet" if where == "model folder" else tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    repo = {"artifact": art, "inside": art / "triton", "model folder": tmp_path / "repo"}[where]
+    code, out = _invoke("export-triton", art, repo, "--overwrite")
+    assert code == 2
+    assert out.strip() == (f"error: REPO_DIR {repo} overlaps the artifact {art}; write the Triton repository "
+                           "elsewhere (e.g. model_repository)")
+    assert _invoke("verify", art)[0] == 0 and not (art / "triton").exists()
+
+
+
+def test_export_changes_nothing_when_it_fails(tiny_artifact: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file where a model folder goes, and a failure part way: it left the models written before (exit 2)."""
+    from diffusion_trt.serve import triton_repo
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "unet").write_text("x")
+    code, out = _invoke("export-triton", tiny_artifact, repo, "--overwrite")
+    assert code == 2
+    assert out.strip() == f"error: {repo / 'unet'}: a file where a model folder goes; remove it or use --prefix"
+    assert sorted(p.name for p in repo.iterdir()) == ["unet"]
+    (repo / "unet").unlink()
+    assert _invoke("export-triton", tiny_artifact, repo)[0] == 0
+    before = sorted(str(p.relative_to(repo)) for p in repo.rglob("*"))
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device", str(repo / "pipeline"))
+
+    monkeypatch.setattr(triton_repo, "_write_pipeline_model", full)
+    code, out = _invoke("export-triton", tiny_artifact, repo, "--overwrite")
+    assert code == 2 and "No space left on device" in out
+    assert sorted(str(p.relative_to(repo)) for p in repo.rglob("*")) == before  # the old models, nothing staged
+
+
 # -- the pipeline model's pure code ----------------------------------------------------------------------------
 
 

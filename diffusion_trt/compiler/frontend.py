@@ -93,6 +93,7 @@ def compile_model(
         logger.debug("compile cache not used: %s", why)
     cached = cache.lookup(key) if cache is not None and key else None
     if cached is not None:
+        pipeline.deterministic_pass_options(config)  # its "no effect" warning, which compile_pipeline would log
         cache.materialize(cached, out, key, str(model.resolve()), overwrite=overwrite, lock_timeout=lock_timeout)
         logger.info("compile cache hit %s: reused %s in %.1f s (no export, passes or build)", key[:12], cached,
                     time.perf_counter() - t0)

@@ -23,7 +23,7 @@ import logging
 import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -354,6 +354,8 @@ class CompileJob:
         lora_files: the checked LoRA files to merge (``lora.check_lora_files``).
         torch_device: where torch traces ("cpu" or "cuda", :func:`~.export.export_device`).
         ranges: the profile's symbol ranges (:func:`~.export.export_ranges`).
+        deterministic_options: :func:`deterministic_pass_options` of the config, computed (and its "no effect"
+            warning logged) once per compile, not once per component.
     """
 
     config: CompileConfig
@@ -366,6 +368,7 @@ class CompileJob:
     lora_files: Any
     torch_device: str
     ranges: Mapping[str, tuple[int, int, int]]
+    deterministic_options: Mapping[str, Any] = field(default_factory=dict)
 
 
 def quantized_components(config: CompileConfig) -> tuple[str, ...]:
@@ -377,7 +380,8 @@ def preflight(config: CompileConfig) -> None:
     """Checks that need neither the model nor any work: pass options, the fp8 target, the TensorRT target.
 
     Raises:
-        RuntimeInputError: a pass option that does not exist or has the wrong type.
+        RuntimeInputError: a pass option that does not exist or has the wrong type; ``deterministic`` with
+            ``fuse_group_norm_deterministic=False``.
         BuildError: fp8 for a GPU older than 8.9, no GPU / library for TensorRT, a precision a target lacks.
     """
     from ..passes.options import check_pass_options
@@ -386,6 +390,9 @@ def preflight(config: CompileConfig) -> None:
         check_pass_options(config.pass_options)
     except ValueError as e:
         raise RuntimeInputError(f"pass option {e}; see each pass's docstring (or --dump-passes)") from None
+    if config.deterministic and config.pass_options.get("fuse_group_norm_deterministic", True) is False:
+        raise RuntimeInputError(  # the manifest would say deterministic while the GroupNorms are fused
+            "--deterministic with --pass-option fuse_group_norm_deterministic=false contradict each other; drop one")
     if quantized_components(config) and config.backend != "tensorrt-rtx":  # TensorRT-RTX: CompileConfig checked it
         with stage("quantization preflight"):  # fp8: the target GPU's compute capability, before any work
             quantize.check_fp8_target(config.precision, config.quantize.target_compute_capability)
@@ -422,7 +429,8 @@ def prepare(model_dir: str | Path, out: Path, config: CompileConfig) -> CompileJ
         raise RuntimeInputError(f"--components: unknown component(s) {unknown or 'none given'}; choose from "
                                 f"{', '.join(specs)}")
     return CompileJob(config, out, folder, facts, profile, specs, names, lora_files,
-                      torch_device=export.export_device(config.device), ranges=export.export_ranges(profile))
+                      torch_device=export.export_device(config.device), ranges=export.export_ranges(profile),
+                      deterministic_options=deterministic_pass_options(config))
 
 
 def check_quantizable(config: CompileConfig, facts: Mapping[str, Any]) -> None:
@@ -564,7 +572,7 @@ def optimize_component(job: CompileJob, plan: ComponentPlan,
             precision=plan.pass_precision,
             opset=config.opset,
             dump_dir=Path(config.dump_passes) if config.dump_passes else None,
-            options={**pass_options(spec, job.profile, job.facts), **deterministic_pass_options(config),
+            options={**pass_options(spec, job.profile, job.facts), **job.deterministic_options,
                      **config.pass_options},
         )
         passes = pipeline_for(plan.pass_backend, config.device, plan.pass_precision, name,

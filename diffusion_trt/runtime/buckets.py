@@ -131,8 +131,11 @@ def parse_size_buckets(value: str | Iterable[tuple[int, int]] | SizeBuckets | No
             return SizeBuckets()
         items = parse_sizes(text, "--size-buckets")
         pairs: Iterable[Any] = items
-    else:
+    elif isinstance(value, Iterable):
         pairs = value
+    else:
+        raise RuntimeInputError(f"size_buckets={value!r} is not 'auto', 'HxW,...' or a list of (height, width) "
+                                "pairs; use e.g. 'auto' or [(512, 512), (768, 768)]")
     sizes: list[tuple[int, int]] = []
     for pair in pairs:
         try:

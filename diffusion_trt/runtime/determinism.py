@@ -65,14 +65,18 @@ def compile_time_note(manifest: Mapping[str, Any], device: str) -> str | None:
     """Why ``deterministic=True`` cannot make this artifact's calls identical, or ``None``.
 
     Args:
-        manifest: the artifact's manifest (its ``backend`` and ``config.deterministic``).
+        manifest: the artifact's manifest (its ``backend``, ``device``, ``config.deterministic`` and
+            ``config.pass_options``).
         device: the device the engines run on, "cpu" or "cuda".
 
     Returns:
-        One line for a warning: an ONNX Runtime artifact run on CUDA that was compiled without ``--deterministic``
-        (its fused GroupNorm / SkipGroupNorm kernels sum with atomicAdd); ``None`` otherwise.
+        One line for a warning: an ONNX Runtime artifact compiled for CUDA without ``--deterministic`` (nor
+        ``--pass-option fuse_group_norm_deterministic=true``) and run on CUDA: its fused GroupNorm / SkipGroupNorm
+        kernels sum with atomicAdd; ``None`` otherwise (an artifact compiled for the CPU has no fused GroupNorm).
     """
-    if device != "cuda" or manifest.get("backend") != "ort" or manifest.get("config", {}).get("deterministic"):
+    config = manifest.get("config", {})
+    unfused = config.get("deterministic") or (config.get("pass_options") or {}).get("fuse_group_norm_deterministic")
+    if device != "cuda" or manifest.get("backend") != "ort" or manifest.get("device") != "cuda" or unfused is True:
         return None
     return ("deterministic: this artifact was compiled without --deterministic, so its fused GroupNorm kernels (ORT "
             "contrib, atomicAdd sums) may still change the last bits of an image from call to call; recompile with "

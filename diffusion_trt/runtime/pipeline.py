@@ -282,7 +282,9 @@ class EnginePipeline:
                 values, an unsupported backend, a GPU the artifact's TensorRT library does not support
                 (TensorRT-RTX on compute capability 9.0: before any plan is read), an fp16 artifact on CPU, the CUDA
                 provider unavailable, or engines inconsistent with the manifest.
-            RuntimeInputError: unknown ``scheduler`` or ``device``; ``runtime_cache_dir`` inside the artifact; a
+            RuntimeInputError: unknown ``scheduler``, ``device`` or ``cudnn_conv_algo_search``; an
+                ``intra_op_num_threads`` or ``deterministic`` of the wrong type; a ``size_buckets`` that is no list
+                of sizes; ``runtime_cache_dir`` inside the artifact; a
                 malformed ``vram_budget`` or one no plan meets at ``vram_request`` (the message names the smallest
                 budget that works).
             TypeError: an unknown option.
@@ -694,6 +696,27 @@ class LoadOptions:
     deterministic: bool = False
     size_buckets: str | Sequence[tuple[int, int]] | SizeBuckets | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse option values of the wrong type or range before anything loads (they failed later as a damaged
+        artifact, or were taken as true); ``cudnn_conv_algo_search`` in any case, as the CLI takes it.
+
+        Raises:
+            RuntimeInputError: naming the option, the value and what it takes.
+        """
+        from .ort_engine import CONV_ALGO_SEARCH
+
+        search = self.cudnn_conv_algo_search
+        if not isinstance(search, str) or search.upper() not in CONV_ALGO_SEARCH:
+            raise RuntimeInputError(f"cudnn_conv_algo_search={search!r} is unknown; use one of "
+                                    f"{', '.join(CONV_ALGO_SEARCH)}")
+        object.__setattr__(self, "cudnn_conv_algo_search", search.upper())
+        threads = self.intra_op_num_threads
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
+            raise RuntimeInputError(f"intra_op_num_threads={threads!r} must be an integer >= 0 (0: ONNX Runtime's "
+                                    "default) or None")
+        if not isinstance(self.deterministic, bool):
+            raise RuntimeInputError(f"deterministic={self.deterministic!r} must be True or False")
+
 
 def _profile(manifest: Mapping[str, Any]) -> ShapeProfile:
     """The manifest's shape profile.
@@ -782,6 +805,9 @@ def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, str
         cuda_graph = device == "cuda" and (is_trt or ShapeProfile.from_json(manifest["profile"]).is_static())
     if options.runtime_cache_dir is not None and not (is_trt and trt_compat.LIBRARIES[backend].runtime_config):
         logger.warning("runtime_cache_dir: no effect on a %r artifact (TensorRT-RTX caches its kernels)", backend)
+    if options.cudnn_conv_algo_search != "AUTO" and (is_trt or device != "cuda"):
+        logger.warning("cudnn_conv_algo_search=%s: no effect on a %r artifact on %s (it picks ONNX Runtime CUDA's "
+                       "convolution algorithms)", options.cudnn_conv_algo_search, backend, device)
     engines: dict[str, Engine]
     if is_trt:
         engines = _trt_engines(reader, options.device_id, stream, derived, cuda_graphs=bool(cuda_graph),

@@ -64,9 +64,9 @@ def resolve_scheduler(name: str) -> tuple[str, dict[str, Any]]:
     """(diffusers class name, overrides) of a short name.
 
     Raises:
-        RuntimeInputError: unknown name; the message lists the valid ones.
+        RuntimeInputError: unknown name, or not a string; the message lists the valid ones.
     """
-    key = name.strip().lower()
+    key = name.strip().lower() if isinstance(name, str) else None
     if key not in SCHEDULERS:
         raise RuntimeInputError(f"scheduler={name!r} is unknown; use one of {', '.join(SCHEDULERS)}")
     cls, overrides = SCHEDULERS[key]

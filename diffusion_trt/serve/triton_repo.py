@@ -28,7 +28,8 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -175,6 +176,52 @@ def _place(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
+def _refuse_overlap(root: Path, repo: Path, folders: Iterable[Path]) -> None:
+    """Refuse a repository inside the artifact (it is sealed) or a model folder that is or holds the artifact (it would
+    be deleted before the engines are copied out of it).
+
+    Raises:
+        OutputPathError: naming both folders and the fix.
+    """
+    artifact = root.resolve()
+    inside = repo.resolve() == artifact or artifact in repo.resolve().parents
+    if inside or any(f.resolve() == artifact or f.resolve() in artifact.parents for f in folders):
+        raise OutputPathError(f"REPO_DIR {repo} overlaps the artifact {root}; write the Triton repository elsewhere "
+                              "(e.g. model_repository)")
+
+
+def _write_engine_models(root: Path, manifest: Mapping[str, Any], folders: Mapping[str, Path], names: Mapping[str, str],
+                         instances: int, max_queue_delay_us: int) -> None:
+    """One model folder per engine (``folders[names[component]]``): ``1/`` with the engine file(s) and a config."""
+    backend, device = manifest["backend"], manifest["device"]
+    for component, entry in manifest["components"].items():
+        folder = folders[names[component]]
+        engine_rel = entry["plan"] if backend == "tensorrt" else entry["onnx"]
+        version = folder / "1"
+        _place(artifacts.safe_join(root, engine_rel), version / PurePath(engine_rel).name)
+        if backend == "ort":  # external data sits beside the model under the name the model refers to
+            for rel in entry.get("files", []):
+                if rel != engine_rel and not rel.endswith(".plan"):
+                    _place(artifacts.safe_join(root, rel), version / PurePath(rel).name)
+        text = engine_config(names[component], entry, backend, device, instances=instances,
+                             max_queue_delay_us=max_queue_delay_us)
+        (folder / "config.pbtxt").write_text(text, encoding="utf-8")
+
+
+def _write_pipeline_model(root: Path, manifest: Mapping[str, Any], folder: Path, names: Mapping[str, str],
+                          max_queue: int, queue_timeout_s: float) -> None:
+    """The BLS pipeline model in ``folder``: ``1/`` with model.py, tokenizer/, scheduler_config.json, pipeline.json."""
+    version = folder / "1"
+    version.mkdir(parents=True)
+    shutil.copy2(Path(triton_model.__file__), version / "model.py")
+    shutil.copytree(artifacts.safe_join(root, manifest["tokenizer"]), version / "tokenizer")
+    shutil.copy2(artifacts.safe_join(root, manifest["scheduler"]["config"]), version / "scheduler_config.json")
+    facts = pipeline_facts(manifest, {c: names[c] for c in PIPELINE_ENGINES})
+    (version / "pipeline.json").write_text(json.dumps(facts, indent=2) + "\n", encoding="utf-8")
+    text = pipeline_config(folder.name, max_queue=max_queue, queue_timeout_s=queue_timeout_s)
+    (folder / "config.pbtxt").write_text(text, encoding="utf-8")
+
+
 def export_triton_repository(
     artifact_dir: str | os.PathLike[str],
     repo_dir: str | os.PathLike[str],
@@ -203,7 +250,9 @@ def export_triton_repository(
     Raises:
         ArtifactError: the artifact fails verification or lacks an engine.
         RuntimeInputError: an SDXL or inpainting artifact (the Triton pipeline model runs the SD text-to-image loop).
-        OutputPathError: a model folder exists without ``overwrite``.
+        OutputPathError: a model folder exists without ``overwrite``; a file stands where a model folder goes;
+            ``repo_dir`` is or lies inside the artifact, or a model folder holds it. Nothing is changed then, nor
+            when writing fails part way (models are written aside and moved into place at the end).
     """
     root = Path(artifact_dir)
     repo = Path(repo_dir)
@@ -222,38 +271,29 @@ def export_triton_repository(
     if prefix and not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):  # a model name is one folder of the repository
         raise RuntimeInputError(f"prefix={prefix!r} would make model names Triton cannot load; use letters, digits, "
                                 "'_', '.' or '-' (e.g. sd15_ink_)")
-    backend, device = manifest["backend"], manifest["device"]
     names = {c: f"{prefix}{c}" for c in manifest["components"]}
     pipeline_name = f"{prefix}pipeline"
     folders = {n: repo / n for n in [*names.values(), pipeline_name]}
+    _refuse_overlap(root, repo, folders.values())
+    in_the_way = [str(p) for p in folders.values() if p.exists() and not p.is_dir()]
+    if in_the_way:
+        raise OutputPathError(f"{', '.join(in_the_way)}: a file where a model folder goes; remove it or use --prefix")
     clash = [str(p) for p in folders.values() if p.exists()]
     if clash and not overwrite:
         raise OutputPathError(f"model folder(s) {', '.join(clash)} exist; pass --overwrite or use --prefix")
-    for path in folders.values():
-        shutil.rmtree(path, ignore_errors=True)
-
-    for component, entry in manifest["components"].items():
-        folder = folders[names[component]]
-        engine_rel = entry["plan"] if backend == "tensorrt" else entry["onnx"]
-        version = folder / "1"
-        _place(artifacts.safe_join(root, engine_rel), version / PurePath(engine_rel).name)
-        if backend == "ort":  # external data sits beside the model under the name the model refers to
-            for rel in entry.get("files", []):
-                if rel != engine_rel and not rel.endswith(".plan"):
-                    _place(artifacts.safe_join(root, rel), version / PurePath(rel).name)
-        text = engine_config(names[component], entry, backend, device, instances=instances,
-                             max_queue_delay_us=max_queue_delay_us)
-        (folder / "config.pbtxt").write_text(text, encoding="utf-8")
-
-    version = folders[pipeline_name] / "1"
-    version.mkdir(parents=True)
-    shutil.copy2(Path(triton_model.__file__), version / "model.py")
-    shutil.copytree(artifacts.safe_join(root, manifest["tokenizer"]), version / "tokenizer")
-    shutil.copy2(artifacts.safe_join(root, manifest["scheduler"]["config"]), version / "scheduler_config.json")
-    facts = pipeline_facts(manifest, {c: names[c] for c in PIPELINE_ENGINES})
-    (version / "pipeline.json").write_text(json.dumps(facts, indent=2) + "\n", encoding="utf-8")
-    text = pipeline_config(pipeline_name, max_queue=max_queue, queue_timeout_s=queue_timeout_s)
-    (folders[pipeline_name] / "config.pbtxt").write_text(text, encoding="utf-8")
+    repo.mkdir(parents=True, exist_ok=True)
+    # every model is written into a staging folder inside the repository, then moved into place: a failure part way
+    # leaves the repository as it was (it left the models written before it)
+    staging = Path(tempfile.mkdtemp(prefix=".diffusion-trt-export-", dir=repo))
+    try:
+        staged = {n: staging / n for n in folders}
+        _write_engine_models(root, manifest, staged, names, instances, max_queue_delay_us)
+        _write_pipeline_model(root, manifest, staged[pipeline_name], names, max_queue, queue_timeout_s)
+        for name, folder in folders.items():
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(staged[name], folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     logger.info("wrote Triton models %s to %s", ", ".join(folders), repo)
     return folders
 

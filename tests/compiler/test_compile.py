@@ -160,11 +160,31 @@ def test_fp16_on_cpu_is_refused_with_fix() -> None:
         ({"min_height": 128, "max_height": 64}, r"--min-height 128 is larger than --max-height 64; swap them"),
         ({"min_batch_size": 4, "max_batch_size": 2, "batch_size": 2},
          r"--min-batch-size 4 is larger than --max-batch-size 2; swap them"),
+        ({"min_batch_size": 8}, r"--min-batch-size 8 is larger than the default --max-batch-size 4 "
+                                r"\(max\(4, batch-size\)\); give --max-batch-size 8 or more"),
+        ({"max_batch_size": 0}, r"max_batch_size=0 must be >= 1"),
+        ({"max_height": 128}, r"--max-height 128 is smaller than the default --min-height 256 \(height/2\); give "
+                              r"--min-height 128 or less, or a larger --max-height"),
     ],
 )
 def test_bad_profile_is_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(RuntimeInputError, match=message):
         CompileConfig(**kwargs).resolve_profile(512)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"height": "64"}, "height='64' must be an integer"),  # was TypeError: '>' not supported between str and int
+    ({"batch_size": 1.5}, "batch_size=1.5 must be an integer"),
+    ({"opset": None}, "opset=None must be an integer"),
+    ({"components": "unet"}, "components='unet' must be a tuple of strings, e.g. ('unet',)"),  # was u, n, e, t
+    ({"compute_capabilities": "8.9"}, "compute_capabilities='8.9' must be a tuple of strings, e.g. ('8.9',)"),
+    ({"deterministic": "no"}, "deterministic='no' must be True or False"),  # was taken as True
+    ({"pass_options": "pack_qkv=true"}, "pass_options='pack_qkv=true' must be a dict, e.g. {'pack_qkv': True}"),
+])
+def test_wrong_types_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(RuntimeInputError) as e:
+        CompileConfig(**kwargs)
+    assert str(e.value) == message
 
 
 def test_profile_limits_keep_the_largest_sizes() -> None:

@@ -58,6 +58,12 @@ def test_other_targets_are_unchanged_and_say_so(caplog: pytest.LogCaptureFixture
     # the CPU provider's kernels are not the ones at stake, nor a TensorRT engine's: no warning for them
     assert compile_time_note({"backend": "ort", "config": {}}, "cpu") is None
     assert compile_time_note({"backend": "tensorrt-rtx", "config": {}}, "cuda") is None
+    # no fused GroupNorm to warn about: compiled for the CPU (run on CUDA), or unfused through the pass option
+    assert compile_time_note({"backend": "ort", "device": "cpu", "config": {}}, "cuda") is None
+    unfused = {"pass_options": {"fuse_group_norm_deterministic": True}}
+    by_option = {"backend": "ort", "device": "cuda", "config": unfused}
+    assert compile_time_note(by_option, "cuda") is None
+    assert compile_time_note({"backend": "ort", "device": "cuda", "config": {}}, "cuda") is not None
 
 
 def test_cli_flag_reaches_the_manifest(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
@@ -68,3 +74,38 @@ def test_cli_flag_reaches_the_manifest(tiny_pipeline_dir: Path, tmp_path: Path) 
     assert result.exit_code == 0, result.output
     assert json.loads((out / "manifest.json").read_text())["config"]["deterministic"] is True
     assert _ops(out, "vae_decoder")["GroupNorm"] == 0
+    inspect = CliRunner().invoke(main, ["inspect", str(out)])
+    assert "backend    ort on cuda, fp16 (--deterministic: GroupNorm unfused); compiled in" in inspect.output
+    assert json.loads(CliRunner().invoke(main, ["inspect", str(out), "--json"]).output)["deterministic"] is True
+
+
+def test_no_effect_warning_is_one_line_per_compile(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """A CPU compile with --deterministic warns once (not once per component), and a compile cache hit warns too."""
+    args = ["compile", str(tiny_pipeline_dir), "--deterministic", "--components", "text_encoder,vae_decoder",
+            "--cache-dir", str(tmp_path / "cache")]
+    warning = "warning: --deterministic: no effect with --backend ort --device cpu"
+    for out in ("a", "b"):  # b: from the compile cache
+        result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / out)])
+        assert result.exit_code == 0, result.output
+        assert result.output.count(warning) == 1, result.output
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["cache"]["hit"] is True
+
+
+def test_contradicting_pass_option_is_refused(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"), "--no-cache",
+                                       "--device", "cuda", "--precision", "fp16", "--deterministic",
+                                       "--pass-option", "fuse_group_norm_deterministic=false"])
+    assert result.exit_code == 2
+    assert result.output.strip() == ("error: --deterministic with --pass-option fuse_group_norm_deterministic=false "
+                                     "contradict each other; drop one")
+    assert not (tmp_path / "a").exists()
+
+
+def test_help_says_where_the_options_act() -> None:
+    def help_of(command: str) -> str:
+        return " ".join(CliRunner().invoke(main, [command, "--help"]).output.split())
+
+    assert "run with --deterministic too. Elsewhere no effect (a warning says so)" in help_of("compile")
+    run = help_of("run")
+    assert "an ORT CUDA artifact also needs compile --deterministic" in run
+    assert "ORT CUDA only (elsewhere a warning says it has no effect)" in run and "HEURISTIC: cuDNN's heuristics" in run

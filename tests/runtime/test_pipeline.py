@@ -44,6 +44,41 @@ def test_unknown_scheduler_name(toy_artifact: Path) -> None:
         EnginePipeline.from_artifacts(toy_artifact, scheduler="fastest")
 
 
+def test_scheduler_that_is_not_a_string(toy_artifact: Path, toy_pipe: EnginePipeline) -> None:
+    """It was AttributeError: 'int' object has no attribute 'strip'."""
+    with pytest.raises(RuntimeInputError, match=r"^scheduler=5 is unknown; use one of pndm, ddim"):
+        EnginePipeline.from_artifacts(toy_artifact, scheduler=5)
+    with pytest.raises(RuntimeInputError, match=r"^scheduler=\['euler'\] is unknown; use one of pndm, ddim"):
+        toy_pipe.set_scheduler(["euler"])
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"cudnn_conv_algo_search": "FASTEST"},
+     "cudnn_conv_algo_search='FASTEST' is unknown; use one of AUTO, EXHAUSTIVE, HEURISTIC, DEFAULT"),
+    ({"cudnn_conv_algo_search": None},
+     "cudnn_conv_algo_search=None is unknown; use one of AUTO, EXHAUSTIVE, HEURISTIC, DEFAULT"),
+    ({"intra_op_num_threads": "2"},
+     "intra_op_num_threads='2' must be an integer >= 0 (0: ONNX Runtime's default) or None"),
+    ({"intra_op_num_threads": -3},
+     "intra_op_num_threads=-3 must be an integer >= 0 (0: ONNX Runtime's default) or None"),
+    ({"deterministic": "no"}, "deterministic='no' must be True or False"),
+    ({"size_buckets": 5},
+     "size_buckets=5 is not 'auto', 'HxW,...' or a list of (height, width) pairs; use e.g. 'auto' or "
+     "[(512, 512), (768, 768)]"),
+])
+def test_bad_load_options(toy_artifact: Path, options: dict[str, Any], message: str) -> None:
+    """Usage errors, not a damaged artifact (ArtifactError), a raw TypeError, or "no" taken as True."""
+    with pytest.raises(RuntimeInputError) as e:
+        EnginePipeline.from_artifacts(toy_artifact, **options)
+    assert str(e.value) == message
+
+
+def test_conv_algo_search_any_case_and_no_effect_on_cpu(toy_artifact: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with EnginePipeline.from_artifacts(toy_artifact, cudnn_conv_algo_search="exhaustive") as pipe:
+        assert pipe.engines["unet"]._conv_algo == "EXHAUSTIVE"  # as the CLI, which takes any case
+    assert "cudnn_conv_algo_search=EXHAUSTIVE: no effect on a 'ort' artifact on cpu" in caplog.text
+
+
 def _copy(toy_artifact: Path, tmp_path: Path, **manifest_changes: Any) -> Path:
     dest = tmp_path / "art"
     shutil.copytree(toy_artifact, dest)
