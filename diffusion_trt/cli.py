@@ -744,10 +744,11 @@ def _print_pass_table(path: Path) -> None:
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random inputs.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the counts, fp16 islands and parity as JSON here.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing OUTPUT (and its external-data file).")
 @_handle_errors
 def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_passes: str | None,
                  pass_options: tuple[str, ...], check: bool, inputs: Path | None, shapes: tuple[str, ...],
-                 seed: int, json_path: Path | None) -> None:
+                 seed: int, json_path: Path | None, overwrite: bool) -> None:
     """Optimize any ONNX file SOURCE for an engine: the pass pipeline of compile, on one graph.
 
     \b
@@ -767,6 +768,9 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
     if output.resolve() == Path(source).resolve():
         raise click.BadParameter(f"{str(output)!r} is the input file; write the result elsewhere",
                                  param_hint="--output")
+    if output.exists() and not overwrite:  # as run -o: nothing is replaced unless asked
+        raise click.BadParameter(f"{str(output)!r} already exists; pass --overwrite to replace it, or choose another "
+                                 "-o", param_hint="--output")
     _check_writable_dir(output.parent if str(output.parent) else Path("."), "--output")
     if json_path is not None:  # before the passes: a failure after them left OUTPUT written and exited 2
         _check_writable_file(json_path, "--json", None)

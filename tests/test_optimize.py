@@ -159,3 +159,17 @@ def test_json_path_checked_before_the_passes(attention_onnx: Path, tmp_path: Pat
     assert code == 2
     assert f"Invalid value for --json: cannot create the folder {tmp_path / 'file'} (File exists)" in text
     assert "passes for" not in text and not (tmp_path / "o.onnx").exists()
+
+
+def test_an_existing_output_is_kept_unless_overwrite(attention_onnx: Path, tmp_path: Path) -> None:
+    """As ``run -o``: an existing OUTPUT is refused before any pass runs (exit 2, one line), and replaced only with
+    --overwrite."""
+    out = tmp_path / "attn.opt.onnx"
+    out.write_bytes(b"keep me")
+    code, text = _invoke("optimize", attention_onnx, "-o", out, "--target", "tensorrt")
+    assert code == 2, text
+    assert f"error: Invalid value for --output: '{out}' already exists; pass --overwrite to replace it" in text
+    assert out.read_bytes() == b"keep me"
+    code, text = _invoke("optimize", attention_onnx, "-o", out, "--target", "tensorrt", "--overwrite")
+    assert code == 0, text
+    assert "Einsum" not in graphs.op_counts(onnx.load(out))

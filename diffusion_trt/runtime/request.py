@@ -180,6 +180,8 @@ class Request:
         if callback is not None and not callable(callback):
             raise RuntimeInputError(f"callback={callback!r} is not callable; pass a function (step, timestep, "
                                     "latents) or None")
+        if not isinstance(progress, bool):  # "no" would show the bar: any non-empty string is true
+            raise RuntimeInputError(f"progress={progress!r} must be True or False")
         generator, seed = check_generator(generator, seed, batch)
         shape = spec.geometry.latent_shape(batch, height, width)
         _check_latents(latents, shape, height, width, spec.geometry.scale_factor)
@@ -276,8 +278,11 @@ def _latent_dtype(engines: Mapping[str, Engine]) -> torch.dtype:
 def _check_latents(latents: Any, shape: tuple[int, ...], height: int, width: int, f: int) -> None:
     if latents is None:
         return
-    if not isinstance(latents, torch.Tensor) or not latents.is_floating_point():
-        raise RuntimeInputError(f"latents must be a float torch.Tensor of shape {shape}, got {type(latents)}")
+    if not isinstance(latents, torch.Tensor):
+        raise RuntimeInputError(f"latents must be a float torch.Tensor of shape {shape}, got {type(latents).__name__}")
+    if not latents.is_floating_point():
+        raise RuntimeInputError(f"latents is a {latents.dtype} tensor; pass a float one of shape {shape} "
+                                "(e.g. latents.float())")
     if tuple(latents.shape) != shape:
         raise RuntimeInputError(
             f"latents have shape {tuple(latents.shape)}; for batch {shape[0]} at {height}x{width} they must be "

@@ -163,7 +163,11 @@ def test_size_outside_profile(toy_pipe: EnginePipeline, kw: str, value: int) -> 
         ({"generator": "42"}, "generator must be a torch.Generator"),
         ({"num_images_per_prompt": 2, "generator": [torch.Generator()] * 3}, "list of 3 but the batch is 2"),
         ({"latents": torch.zeros(1, 4, 64, 64)}, "latents have shape (1, 4, 64, 64); for batch 1 at 64x64"),
-        ({"latents": torch.zeros(1, 4, 8, 8, dtype=torch.int64)}, "latents must be a float torch.Tensor"),
+        ({"latents": torch.zeros(1, 4, 8, 8, dtype=torch.int64)},
+         "latents is a torch.int64 tensor; pass a float one of shape (1, 4, 8, 8) (e.g. latents.float())"),
+        ({"latents": np.zeros((1, 4, 8, 8), np.float32)},
+         "latents must be a float torch.Tensor of shape (1, 4, 8, 8), got ndarray"),
+        ({"progress": "no"}, "progress='no' must be True or False"),
         # lone surrogates: bytes that were not UTF-8 (a command line's $'\xff\xfe'); the tokenizer raised TypeError
         ({"prompt": "\udcff\udcfe"}, "prompt is not valid UTF-8 text: the bytes b'\\xff\\xfe' at character 0"),
         ({"prompt": ["a", "b\udcff"]}, "prompt[1] is not valid UTF-8 text"),
