@@ -28,7 +28,7 @@ from onnx import TensorProto, helper
 
 from diffusion_trt import artifacts
 from diffusion_trt.cli import main
-from diffusion_trt.errors import ArtifactError
+from diffusion_trt.errors import ArtifactError, RuntimeInputError
 from diffusion_trt.runtime import EnginePipeline
 from diffusion_trt.runtime import ort_engine as ort_engine_module
 from diffusion_trt.verify import verify_artifact
@@ -310,6 +310,8 @@ def test_expect_sha256_pins_the_manifest(art: Path, tmp_path: Path) -> None:
             f"error: Invalid value for '--expect-sha256': {value!r} is not a sha256 (64 hex digits); pass the "
             "manifest_sha256 that `diffusion-trt inspect --json` prints"), bad.output
     assert _run_cli("verify", tmp_path / "absent", "--expect-sha256", "xyz").exit_code == 2
+    with pytest.raises(RuntimeInputError, match=r"^expect_sha256='xyz' is not a sha256 \(64 hex digits\)"):
+        _load(art, expect_sha256="xyz")  # the API's is the caller's error too, not a damaged artifact's
     assert _run_cli("verify", art, "--expect-sha256", f" {seal.upper()} ").exit_code == 3  # a well-formed other pin
 
 

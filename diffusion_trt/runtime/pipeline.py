@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .. import trt_compat
+from .. import artifacts, trt_compat
 from ..artifact_reader import ArtifactReader, ArtifactReplacedError
 from ..artifact_values import check_scheduler_config
 from ..artifacts import safe_join
@@ -282,7 +282,8 @@ class EnginePipeline:
                 values, an unsupported backend, a GPU the artifact's TensorRT library does not support
                 (TensorRT-RTX on compute capability 9.0: before any plan is read), an fp16 artifact on CPU, the CUDA
                 provider unavailable, or engines inconsistent with the manifest.
-            RuntimeInputError: unknown ``scheduler``, ``device`` or ``cudnn_conv_algo_search``; an
+            RuntimeInputError: a malformed ``expect_sha256``; unknown ``scheduler``, ``device`` or
+                ``cudnn_conv_algo_search``; an
                 ``intra_op_num_threads`` or ``deterministic`` of the wrong type; a ``size_buckets`` that is no list
                 of sizes; ``runtime_cache_dir`` inside the artifact; a
                 malformed ``vram_budget`` or one no plan meets at ``vram_request`` (the message names the smallest
@@ -291,6 +292,8 @@ class EnginePipeline:
         """
         root = Path(path)
         opts = LoadOptions(device=device, scheduler=scheduler, **options)
+        if expect_sha256 is not None and (problem := artifacts.sha256_hex_problem(str(expect_sha256))) is not None:
+            raise RuntimeInputError(f"expect_sha256={problem}")  # a malformed pin is the caller's, not the artifact's
         for attempt in (1, 2):
             # schema, seal, pin, paths, sizes, external data and links (never read outside the folder); the
             # hashes are checked on the bytes each loader gets

@@ -362,7 +362,7 @@ def per_prompt(name: str, value: Any, n: int) -> list[str]:
     values = prompt_list(name, value)
     if len(values) != n:
         raise RuntimeInputError(
-            f"{name} has {len(values)} entries but prompt has {n}; pass one string for all prompts or {n} strings"
+            f"{name} has {len(values)} entries but prompt has {n}; pass one string for all prompts or a list of {n}"
         )
     return values
 
@@ -377,7 +377,7 @@ def negative_list(negative: Any, n: int) -> list[str]:
     if len(negatives) != n:
         raise RuntimeInputError(
             f"negative_prompt has {len(negatives)} entries but prompt has {n}; pass one string for all prompts "
-            f"or {n} strings"
+            f"or a list of {n}"
         )
     return negatives
 
