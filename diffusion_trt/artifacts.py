@@ -54,7 +54,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from .artifact_values import parse_json, schema_problems
-from .errors import ArtifactError, OutputPathError
+from .errors import ArtifactError, ModelFolderError, OutputPathError
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,21 @@ def folder_hash(root: str | os.PathLike[str]) -> str:
         h.update(p.relative_to(root).as_posix().encode())
         h.update(sha256_file(p).encode())
     return h.hexdigest()
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file of a diffusers pipeline folder (``model_index.json``, ``unet/config.json``...), parsed.
+
+    Raises:
+        ModelFolderError: not valid JSON (or not UTF-8), or not a JSON object; naming the file and the fix.
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFolderError(f"{path} is not valid JSON ({e}); restore it or re-save the pipeline") from None
+    if not isinstance(data, dict):
+        raise ModelFolderError(f"{path} holds a JSON {type(data).__name__}, not an object; re-save the pipeline")
+    return data
 
 
 def file_entry(root: Path, rel: str) -> dict[str, Any]:

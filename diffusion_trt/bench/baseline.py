@@ -171,8 +171,11 @@ def folder_kind(model_dir: Path) -> dict[str, Any]:
     Raises:
         ModelFolderError: model_index.json or unet/config.json is not a JSON object (naming it).
     """
-    index = _json_object(model_dir / "model_index.json")
-    unet = _json_object(model_dir / "unet" / "config.json") if (model_dir / "unet" / "config.json").is_file() else {}
+    from ..artifacts import read_json_object
+
+    index = read_json_object(model_dir / "model_index.json")
+    unet_config = model_dir / "unet" / "config.json"
+    unet = read_json_object(unet_config) if unet_config.is_file() else {}
     cls = str(index.get("_class_name", "?"))
     return {
         "pipeline_class": cls,
@@ -180,25 +183,6 @@ def folder_kind(model_dir: Path) -> dict[str, Any]:
         "unet_in_channels": unet.get("in_channels"),
         "missing": [c for c in BASELINE_COMPONENTS if not (isinstance(index.get(c), list) and any(index[c]))],
     }
-
-
-def _json_object(path: Path) -> dict[str, Any]:
-    """``path`` parsed as a JSON object.
-
-    Raises:
-        ModelFolderError: not valid JSON or not an object (naming the file).
-    """
-    import json
-
-    from ..errors import ModelFolderError
-
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFolderError(f"{path} is not valid JSON ({e}); restore it or re-save the pipeline") from None
-    if not isinstance(data, dict):
-        raise ModelFolderError(f"{path} holds a {type(data).__name__}, not a JSON object; restore it")
-    return data
 
 
 def architecture_mismatch(model_dir: Path, manifest: Mapping[str, Any]) -> tuple[str, str] | None:

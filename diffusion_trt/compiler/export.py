@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .. import artifacts
 from ..errors import ExportError, ModelFolderError
 from .components import ComponentSpec, symbol_ranges
 
@@ -72,14 +73,7 @@ class ModelFolder:
         Raises:
             ModelFolderError: the file is not a JSON object (naming it).
         """
-        path = self.path / sub / name
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelFolderError(f"{path} is not valid JSON ({e}); restore it or re-save the pipeline") from None
-        if not isinstance(data, dict):
-            raise ModelFolderError(f"{path} holds a JSON {type(data).__name__}, not an object; re-save the pipeline")
-        return data
+        return artifacts.read_json_object(self.path / sub / name)
 
 
 def check_model_folder(path: str | Path, trust_pickle: bool = False) -> ModelFolder:
