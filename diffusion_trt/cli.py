@@ -684,8 +684,9 @@ def _output_path(out: Path, index: int) -> Path:
 
 
 def _refuse_existing_outputs(out: Path, count: int) -> None:
-    """Refuse a ``run`` whose ``count`` PNGs (:func:`_output_path`) would replace files that exist (without
-    ``--overwrite``). Lists the folder once, so ``--batch-size 100000000`` costs no 10^8 checks.
+    """Refuse a ``run`` whose ``count`` PNGs (:func:`_output_path`; ``optimize``'s one OUTPUT: ``count=1``) would
+    replace files that exist (without ``--overwrite``). Lists the folder once, so ``--batch-size 100000000`` costs
+    no 10^8 checks.
 
     Raises:
         OutputPathError: naming the first existing file (and how many), and the fix.
@@ -768,9 +769,8 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
     if output.resolve() == Path(source).resolve():
         raise click.BadParameter(f"{str(output)!r} is the input file; write the result elsewhere",
                                  param_hint="--output")
-    if output.exists() and not overwrite:  # as run -o: nothing is replaced unless asked
-        raise click.BadParameter(f"{str(output)!r} already exists; pass --overwrite to replace it, or choose another "
-                                 "-o", param_hint="--output")
+    if not overwrite:  # as run -o: nothing is replaced unless asked
+        _refuse_existing_outputs(output, 1)
     _check_writable_dir(output.parent if str(output.parent) else Path("."), "--output")
     if json_path is not None:  # before the passes: a failure after them left OUTPUT written and exited 2
         _check_writable_file(json_path, "--json", None)

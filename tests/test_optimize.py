@@ -168,7 +168,7 @@ def test_an_existing_output_is_kept_unless_overwrite(attention_onnx: Path, tmp_p
     out.write_bytes(b"keep me")
     code, text = _invoke("optimize", attention_onnx, "-o", out, "--target", "tensorrt")
     assert code == 2, text
-    assert f"error: Invalid value for --output: '{out}' already exists; pass --overwrite to replace it" in text
+    assert f"error: {out} already exists; pass --overwrite to replace it, or choose another -o" in text
     assert out.read_bytes() == b"keep me"
     code, text = _invoke("optimize", attention_onnx, "-o", out, "--target", "tensorrt", "--overwrite")
     assert code == 0, text
