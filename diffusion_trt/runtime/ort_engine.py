@@ -55,6 +55,12 @@ _CAPTURE_LOCK = threading.Lock()
 #: Calls before ORT replays a graph: one regular run (arena allocations), then the capturing run.
 _GRAPH_CAPTURE_RUNS = 2
 
+#: ``graph_optimization_level`` names -> ONNX Runtime's GraphOptimizationLevel member names. Our passes already made
+#: the fusions ORT's extended level looks for; what "all" adds on CUDA is the NHWC layout transformation
+#: (``prefer_nhwc``). See benchmarks/cold_start.py for the session-creation cost of each level.
+OPTIMIZATION_LEVELS: dict[str, str] = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
+                                       "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+
 ConvAlgoSearch = Literal["AUTO", "EXHAUSTIVE", "HEURISTIC", "DEFAULT"]
 CONV_ALGO_SEARCH: tuple[str, ...] = ("AUTO", "EXHAUSTIVE", "HEURISTIC", "DEFAULT")
 
@@ -141,6 +147,8 @@ class OrtEngine(EngineBase):
             (see :mod:`~diffusion_trt.runtime.buckets`); ``spec`` should then be static at those values.
         deterministic: ``SessionOptions.use_deterministic_compute`` (ORT's kernels that have a deterministic
             variant use it; see :mod:`~diffusion_trt.runtime.determinism` for what stays non-deterministic).
+        graph_optimization_level: ONNX Runtime's optimisation at session creation, one of
+            :data:`OPTIMIZATION_LEVELS` ("all" by default); ignored when ``session_options`` are given.
 
     Both are applied to ``session_options`` too when one is given.
 
@@ -173,6 +181,7 @@ class OrtEngine(EngineBase):
         source: Callable[[], OnnxBytes] | None = None,
         free_dimensions: Mapping[str, int] | None = None,
         deterministic: bool = False,
+        graph_optimization_level: str = "all",
     ) -> None:
         self.path = Path(path)
         self._source = source
@@ -186,6 +195,10 @@ class OrtEngine(EngineBase):
                 f"cudnn_conv_algo_search={cudnn_conv_algo_search!r} is unknown; "
                 f"use one of {', '.join(CONV_ALGO_SEARCH)}"
             )
+        if graph_optimization_level not in OPTIMIZATION_LEVELS:
+            raise RuntimeInputError(f"graph_optimization_level={graph_optimization_level!r} is unknown; use one of "
+                                    f"{', '.join(OPTIMIZATION_LEVELS)}")
+        self._optimization_level = graph_optimization_level
         if device == "cuda" and io_binding is False:
             logger.warning("%s: io_binding=False is ignored on CUDA (inputs are bound by pointer)", component)
         self._kind = device
@@ -235,6 +248,7 @@ class OrtEngine(EngineBase):
             source=self._source,
             free_dimensions=free_dimensions,
             deterministic=self._deterministic,
+            graph_optimization_level=self._optimization_level,
         )
 
     # -- Engine protocol -------------------------------------------------------------------------------
@@ -427,7 +441,8 @@ class OrtEngine(EngineBase):
             )
         if so is None:
             so = ort.SessionOptions()
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            so.graph_optimization_level = getattr(ort.GraphOptimizationLevel,
+                                                  OPTIMIZATION_LEVELS[self._optimization_level])
             so.log_severity_level = 2  # warning
             if self._threads is not None:
                 so.intra_op_num_threads = self._threads
