@@ -228,7 +228,7 @@ def run_all(ns: argparse.Namespace) -> dict:
                 repeat=rep)
     add("phases", ["phases", ns.artifact, "--cudnn", "HEURISTIC"], cudnn="HEURISTIC")
     add("phases", ["phases", ns.artifact, "--cudnn", "EXHAUSTIVE"], cudnn="EXHAUSTIVE")
-    for level in ("basic", "extended"):
+    for level in ns.levels.split(",") if ns.levels else ():
         add("first-image", ["first-image", ns.artifact, "--cudnn", "HEURISTIC", "--steps", str(ns.steps),
                             "--level", level], level=level)
     add("profile", ["profile", ns.artifact, "--cudnn", "HEURISTIC", "--steps", str(ns.steps)])
@@ -250,6 +250,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--cudnn", default="HEURISTIC")
     ap.add_argument("--level", default="all")
+    ap.add_argument("--levels", default="basic,extended", help="all: the graph optimisation levels to compare")
     ap.add_argument("--png", default="/tmp/cold.png")
     ap.add_argument("--code-before", default=None, help="a folder holding another diffusion_trt package to compare")
     ns = ap.parse_args()

@@ -28,6 +28,7 @@ case $phase in
   cold)
     log cold start
     $py benchmarks/cold_start.py all /tmp/cs/art_b1 --model-dir $M --repeat 2 ${BEFORE:+--code-before "$BEFORE"} \
+      --levels "${LEVELS-basic,extended}" \
       --json "$out/cold_start.json" 2>&1 | tail -60
     log bench b1
     timeout 150 $D bench /tmp/cs/art_b1 --baseline none --steps 50 --json "$out/bench_b1.json" 2>&1 \

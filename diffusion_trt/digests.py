@@ -36,8 +36,10 @@ def workers() -> int:
     return max(1, min(MAX_WORKERS, cores))
 
 
-def slices(size: int, chunk: int = CHUNK_BYTES) -> list[tuple[int, int]]:
-    """``(offset, length)`` of each chunk of a ``size``-byte file (the last one shorter; none for an empty file)."""
+def slices(size: int, chunk: int | None = None) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each ``chunk``-byte (default :data:`CHUNK_BYTES`) slice of a ``size``-byte file (the
+    last one shorter; none for an empty file)."""
+    chunk = chunk or CHUNK_BYTES
     return [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
 
 
@@ -54,13 +56,14 @@ def file_entry(path: str | os.PathLike[str]) -> dict[str, Any]:
             whole.update(f.read())
         return {"sha256": whole.hexdigest(), "size": size}
     digests: list[Any] = []
+    chunk = CHUNK_BYTES
     with open(path, "rb") as f, ThreadPoolExecutor(workers()) as pool:
-        for _off, length in slices(size):
+        for _off, length in slices(size, chunk):
             data = f.read(length)
             whole.update(data)
             digests.append(pool.submit(lambda d: hashlib.sha256(d).hexdigest(), data))
         chunk_hex = [d.result() for d in digests]
-    return {"sha256": whole.hexdigest(), "size": size, "chunks": {"bytes": CHUNK_BYTES, "sha256": chunk_hex}}
+    return {"sha256": whole.hexdigest(), "size": size, "chunks": {"bytes": chunk, "sha256": chunk_hex}}
 
 
 def chunk_problem(entry: Mapping[str, Any]) -> str | None:
@@ -79,7 +82,7 @@ def chunk_problem(entry: Mapping[str, Any]) -> str | None:
 
 
 def read_into(fd: int, size: int, check: Callable[[int, memoryview], None] | None = None,
-              chunk: int = CHUNK_BYTES) -> bytearray:
+              chunk: int | None = None) -> bytearray:
     """Read ``size`` bytes of the open file ``fd`` into a new buffer, ``chunk`` bytes per ``os.preadv`` on
     :func:`workers` threads; ``check(index, view)`` runs on each chunk right after it is read (on that thread).
 
@@ -89,6 +92,7 @@ def read_into(fd: int, size: int, check: Callable[[int, memoryview], None] | Non
     """
     buf = bytearray(size)
     view = memoryview(buf)
+    chunk = chunk or CHUNK_BYTES
 
     def one(index: int, offset: int, length: int) -> None:
         part = view[offset:offset + length]

@@ -49,7 +49,7 @@ from .image_inputs import ImageRequest
 from .png import save_png
 from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text
 from .residency import Residency
-from .schedulers import make_scheduler, short_name
+from .schedulers import import_scheduler_class, make_scheduler, short_name
 from .sdxl import SDXL_COMPONENTS
 
 __all__ = ["OUTPUT_TYPES", "SDXL_ARGUMENTS", "EnginePipeline", "EnginePipelineOutput", "LoadOptions", "check_text",
@@ -343,6 +343,9 @@ class EnginePipeline:
                                          CLIPTokenizer)
             sched = manifest.get("scheduler", {})
             scheduler_config = reader.json(str(sched.get("config", "scheduler/scheduler_config.json")))
+            if isinstance(scheduler_config, Mapping):  # checked (and refused) by __init__
+                import_scheduler_class(scheduler_config, options.scheduler if isinstance(options.scheduler, str)
+                                       else None, sched.get("class_name"))
             opening.wait()
             pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=options.scheduler, stream=stream,
                        root=root, tokenizer_2=tokenizer_2)
