@@ -39,13 +39,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _zeros(engine):  # noqa: ANN001, ANN202 - benchmark helper
+def _zeros(engine):
     import torch
 
     return {i.name: torch.zeros(tuple(i.min), dtype=i.torch_dtype, device=engine.device) for i in engine.spec.inputs}
 
 
-def _timed_runs(engine, n: int = 20) -> float:  # noqa: ANN001
+def _timed_runs(engine, n: int = 20) -> float:
     """Median ms of ``n`` synchronised runs on zeros."""
     feeds = _zeros(engine)
     times = []

@@ -1,5 +1,6 @@
 """Issue 28's load path: per-chunk digests verified on several threads, engines opened side by side, the compile's
-range check bounded by bytes, and the one-shot defaults. Timings are benchmarks/cold_start.py's job, not these tests'."""
+range check bounded by bytes, and the one-shot defaults. Timings are benchmarks/cold_start.py's job, not these
+tests'."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def test_file_entry_lists_one_digest_per_chunk_and_the_whole_file_digest(tmp_pat
     assert "chunks" not in digests.file_entry(tmp_path / "small.bin")
     assert digests.chunk_problem(entry) is None
     short = {**entry, "chunks": {"bytes": MiB, "sha256": entry["chunks"]["sha256"][:2]}}
-    assert digests.chunk_problem(short) == f"lists 2 chunk digest(s) for {len(data)} bytes in chunks of {MiB}; 3 expected"
+    assert digests.chunk_problem(short) == (f"lists 2 chunk digest(s) for {len(data)} bytes in chunks of {MiB}; "
+                                            "3 expected")
 
 
 def test_read_into_reads_every_byte_on_threads_and_checks_each_chunk(tmp_path: Path) -> None:

@@ -8,9 +8,12 @@ in the time the UNet still loads. So :class:`OpenTogether` enters every engine o
 runs each engine whose profile is static once on zeros (:func:`warm_up`); the caller keeps working meanwhile
 (tokenizers, the scheduler) and :meth:`OpenTogether.wait` joins them.
 
-A warm-up run is the regular run ONNX Runtime needs before it captures a CUDA graph, so the first image's first step
-captures and its later steps replay. Capturing is not done here: ONNX Runtime captures in global mode, and the other
-threads' allocations would break it.
+With ``enable_cuda_graph`` ONNX Runtime's first run also captures the graph (a regular run for the allocations, then
+a capturing one, inside one ``run``), so the first image replays from its first step. ONNX Runtime captures in
+``cudaStreamCaptureModeGlobal``: a ``cudaMalloc`` or copy from any other thread during the capture breaks it
+("operation not permitted when stream is capturing", seen on the H200 when the warm-ups ran unguarded). So each
+warm-up, and every CUDA session creation (which allocates and copies weights), holds
+:data:`~.ort_engine.CAPTURE_LOCK`: reading and hashing still overlap everything, the GPU steps take turns.
 """
 
 from __future__ import annotations
@@ -42,10 +45,13 @@ def warm_up(engine: Engine) -> bool:
     """
     if engine.device.type != "cuda" or not is_static(engine):
         return False
-    feeds = {info.name: torch.zeros(tuple(info.min), dtype=info.torch_dtype, device=engine.device)
-             for info in engine.spec.inputs}
-    engine.run(feeds)
-    torch.cuda.current_stream(engine.device).synchronize()
+    from .ort_engine import CAPTURE_LOCK
+
+    with CAPTURE_LOCK:  # the feeds' allocation too: another engine may be capturing
+        feeds = {info.name: torch.zeros(tuple(info.min), dtype=info.torch_dtype, device=engine.device)
+                 for info in engine.spec.inputs}
+        engine.run(feeds)
+        torch.cuda.current_stream(engine.device).synchronize()
     return True
 
 

@@ -50,8 +50,11 @@ from .engine import EngineBase, EngineSpec, _fmt_shape
 
 logger = logging.getLogger(__name__)
 
-#: Held while an engine runs its warm-up/capture calls in CUDA-graph mode: ORT captures in global mode.
-_CAPTURE_LOCK = threading.Lock()
+#: Held while an engine runs its warm-up/capture calls in CUDA-graph mode (its buffers' allocations included) and
+#: while a CUDA session is created: ORT captures in ``cudaStreamCaptureModeGlobal``, where a ``cudaMalloc`` or copy
+#: from any other thread breaks the capture ("operation not permitted when stream is capturing"), and session
+#: creation allocates and copies the weights. Reentrant: :func:`~.loading.warm_up` holds it around a run.
+CAPTURE_LOCK = threading.RLock()
 #: Calls before ORT replays a graph: one regular run (arena allocations), then the capturing run.
 _GRAPH_CAPTURE_RUNS = 2
 
@@ -309,7 +312,10 @@ class OrtEngine(EngineBase):
         symbols = self.validate(feeds)
         shapes = self._spec.output_shapes(symbols)
         if self._graph:
-            return self._run_graph(feeds, shapes)
+            # the capturing runs allocate their buffers under the lock too: no other thread's CUDA call may land
+            # inside ORT's global-mode capture
+            with CAPTURE_LOCK if self._graph_runs < _GRAPH_CAPTURE_RUNS else contextlib.nullcontext():
+                return self._run_graph(feeds, shapes)
         if self._io_binding:
             return self._run_bound(feeds, shapes)
         return self._run_plain(feeds, shapes)
@@ -380,6 +386,16 @@ class OrtEngine(EngineBase):
             )
         data = self._source() if self._source is not None else None  # read (and hashed) before any session
         model: str | bytes = data.model if data is not None else str(self.path)
+        with CAPTURE_LOCK if self._kind == "cuda" else contextlib.nullcontext():
+            session = self._create_session(ort, model, data, providers)
+        self._finish_open(ort, session)
+
+    def _create_session(self, ort: Any, model: str | bytes, data: OnnxBytes | None, providers: list[Any]) -> Any:
+        """The InferenceSession (a refused CUDA graph: again without it, after one warning).
+
+        Raises:
+            ArtifactError: ONNX Runtime cannot load the model.
+        """
         try:
             try:
                 session = ort.InferenceSession(model, sess_options=self._make_session_options(data),
@@ -395,6 +411,10 @@ class OrtEngine(EngineBase):
                 f"engine {self._name!r}: ONNX Runtime could not load {self.path}: {e}; "
                 "check the file (`diffusion-trt verify`) or recompile the artifact"
             ) from e
+        return session
+
+    def _finish_open(self, ort: Any, session: Any) -> None:
+        """Check the new session (CUDA provider in use, I/O as the manifest says) and keep it."""
         if self._kind == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
             raise ArtifactError(
                 f"engine {self._name!r}: the CUDA execution provider failed to initialise (session providers: "
@@ -557,7 +577,7 @@ class OrtEngine(EngineBase):
             self._graph_bound = True
         capturing = self._graph_runs < _GRAPH_CAPTURE_RUNS
         try:
-            with _CAPTURE_LOCK if capturing else contextlib.nullcontext():
+            with CAPTURE_LOCK if capturing else contextlib.nullcontext():
                 self._session.run_with_iobinding(binding, self._run_options)
         except Exception as e:  # ORT's capture failures come as its own exception types
             if not capturing:

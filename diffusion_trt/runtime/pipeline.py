@@ -44,8 +44,8 @@ from .denoise import EmbeddingCache, Generator, StepCallback
 from .determinism import compile_time_note, deterministic_torch
 from .engine import Engine
 from .geometry import LatentGeometry
-from .loading import OpenTogether
 from .image_inputs import ImageRequest
+from .loading import OpenTogether
 from .png import save_png
 from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text
 from .residency import Residency
