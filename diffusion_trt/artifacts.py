@@ -6,7 +6,7 @@ Layout written by ``diffusion-trt compile``::
       manifest.json                 this module's schema (``SCHEMA_VERSION``)
       tokenizer/                    copied from the pipeline folder
       scheduler/scheduler_config.json
-      text_encoder/model.onnx       one folder per component; ``model.onnx.data`` when > 2 GB
+      text_encoder/model.onnx       one folder per component; ``model.onnx.data`` from 64 MiB of weights
       unet/model.onnx
       vae_decoder/model.onnx
       vae_encoder/model.onnx
@@ -115,9 +115,11 @@ def read_json_object(path: Path) -> dict[str, Any]:
 
 
 def file_entry(root: Path, rel: str) -> dict[str, Any]:
-    """``{"sha256": ..., "size": bytes}`` for ``root / rel``."""
-    p = root / rel
-    return {"sha256": sha256_file(p), "size": p.stat().st_size}
+    """``{"sha256": ..., "size": bytes}`` for ``root / rel``, with per-chunk digests for large files (the loader
+    verifies those on several threads: :mod:`~diffusion_trt.digests`)."""
+    from .digests import file_entry as entry_of
+
+    return entry_of(root / rel)
 
 
 def safe_join(root: Path, rel: str) -> Path:
@@ -196,6 +198,11 @@ def manifest_problems(manifest: Any) -> list[str]:
         ArtifactError: ``jsonschema`` is not installed (it is a dependency of diffusion-trt).
     """
     problems = schema_problems(manifest, manifest_schema(), MANIFEST_NAME)
+    if not problems:
+        from .digests import chunk_problem
+
+        problems = [f"files[{rel!r}] {problem}" for rel, entry in manifest["files"].items()
+                    if (problem := chunk_problem(entry)) is not None]
     if isinstance(manifest, dict) and isinstance(manifest.get(SEAL_KEY), str):
         stored, actual = manifest[SEAL_KEY], manifest_digest(manifest)
         if stored != actual:

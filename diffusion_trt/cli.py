@@ -75,17 +75,32 @@ def _quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _runtime_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+#: ``--cudnn-algo-search`` of each command: a one-shot ``run`` pays EXHAUSTIVE's timing of every convolution on its
+#: first call (SD-1.5 static 512, H200: +1.0 s first call for a 2 % faster UNet step, i.e. ~8 ms over 30 steps), a
+#: long-lived ``bench`` earns it back (benchmarks/results/README.md, "Figures behind code defaults").
+ALGO_SEARCH_DEFAULT = {"run": "HEURISTIC", "bench": "AUTO"}
+
+
+def _runtime_options(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The engine options ``run`` and ``bench`` share (issue 19), passed on as ``EnginePipeline.from_artifacts``
-    keywords ``cudnn_conv_algo_search``, ``deterministic``, ``size_buckets``."""
+    keywords ``cudnn_conv_algo_search``, ``deterministic``, ``size_buckets``; ``command`` picks the default search
+    (:data:`ALGO_SEARCH_DEFAULT`)."""
+    return functools.partial(_add_runtime_options, algo_default=ALGO_SEARCH_DEFAULT[command])
+
+
+def _add_runtime_options(fn: Callable[..., Any], algo_default: str) -> Callable[..., Any]:
+    why = {"HEURISTIC": "the default here: one-shot runs gain more from a fast first call than from a 2 % faster "
+                        "step", "AUTO": "the default here: a benchmark measures the steady state"}[algo_default]
     for option in reversed((
         click.option("--cudnn-algo-search", "cudnn_conv_algo_search",
                      type=click.Choice(["AUTO", "EXHAUSTIVE", "HEURISTIC", "DEFAULT"], case_sensitive=False),
-                     default="AUTO", show_default=True,
+                     default=algo_default, show_default=True,
                      help="ORT CUDA only (elsewhere a warning says it has no effect): how cuDNN picks convolution "
-                          "algorithms. EXHAUSTIVE: times each one per new shape (slow first call); HEURISTIC: "
-                          "cuDNN's heuristics, no timing; DEFAULT: one fixed algorithm (IMPLICIT_PRECOMP_GEMM); "
-                          "AUTO: EXHAUSTIVE for static artifacts, HEURISTIC for dynamic ones."),
+                          "algorithms. EXHAUSTIVE: times each one per new shape (slow first call, ~1 s more for "
+                          "SD-1.5 at 512x512, for a 2 % faster UNet step); HEURISTIC: cuDNN's heuristics, no timing "
+                          f"({why if algo_default == 'HEURISTIC' else 'the fastest first call'}); DEFAULT: one fixed "
+                          "algorithm (IMPLICIT_PRECOMP_GEMM); AUTO: EXHAUSTIVE for static artifacts, HEURISTIC for "
+                          f"dynamic ones{' (' + why + ')' if algo_default == 'AUTO' else ''}."),
         click.option("--deterministic", is_flag=True,
                      help="ORT use_deterministic_compute + torch deterministic algorithms; an ORT CUDA artifact "
                           "also needs compile --deterministic (its fused GroupNorm is not deterministic: a warning "
@@ -834,7 +849,7 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
               help="Inpainting, with --image: white = repaint, black = keep (read as grayscale, alpha ignored, as "
                    "diffusers; the image's size).")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE", help=VRAM_BUDGET_HELP)
-@_runtime_options
+@_runtime_options("run")
 @_handle_errors
 def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps: int, guidance: float | None, seed: int,
             height: int | None, width: int | None, batch_size: int, scheduler: str | None, device: str | None,
@@ -1080,7 +1095,7 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
               help="Image sizes to measure, each after one timed first call [default: --height x --width].")
 @click.option("--height", type=int, default=None, help="[default: the artifact's opt height]")
 @click.option("--width", type=int, default=None, help="[default: the artifact's opt width]")
-@_runtime_options
+@_runtime_options("bench")
 @_handle_errors
 def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: int, batch_sizes: str, iters: int,
               warmup: int, stage_iters: int, device: str | None, devices: str | None, scheduler: str | None,

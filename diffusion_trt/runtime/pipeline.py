@@ -45,10 +45,11 @@ from .determinism import compile_time_note, deterministic_torch
 from .engine import Engine
 from .geometry import LatentGeometry
 from .image_inputs import ImageRequest
+from .loading import OpenTogether
 from .png import save_png
 from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text
 from .residency import Residency
-from .schedulers import make_scheduler, short_name
+from .schedulers import import_scheduler_class, make_scheduler, short_name
 from .sdxl import SDXL_COMPONENTS
 
 __all__ = ["OUTPUT_TYPES", "SDXL_ARGUMENTS", "EnginePipeline", "EnginePipelineOutput", "LoadOptions", "check_text",
@@ -315,9 +316,9 @@ class EnginePipeline:
 
     @classmethod
     def _from_reader(cls, reader: ArtifactReader, options: LoadOptions) -> EnginePipeline:
-        """:meth:`from_artifacts` on an open reader: every file comes through it (one folder, hashed bytes)."""
-        from transformers import CLIPTokenizer
-
+        """:meth:`from_artifacts` on an open reader: every file comes through it (one folder, hashed bytes); the
+        text-to-image engines of an ONNX Runtime artifact open side by side while the tokenizers and the scheduler
+        config are read (:class:`~.loading.OpenTogether`)."""
         root, manifest = reader.root, reader.manifest
         device = _check_device(root, manifest, options.device)
         residency = None
@@ -326,20 +327,28 @@ class EnginePipeline:
 
             residency = plan_for_request(options.vram_budget, manifest, root, txt2img_components(manifest),
                                          options.vram_request, options.memory_facts)
-        tokenizer = _tokenizer(reader, str(manifest.get("tokenizer", "tokenizer")), "tokenizer", CLIPTokenizer)
-        tokenizer_2 = None
-        if manifest.get("model", {}).get("architecture") == "sdxl":
-            tokenizer_2 = _tokenizer(reader, str(manifest.get("tokenizer_2", "tokenizer_2")), "SDXL tokenizer_2",
-                                     CLIPTokenizer)
-        sched = manifest.get("scheduler", {})
-        scheduler_config = reader.json(str(sched.get("config", "scheduler/scheduler_config.json")))
         stream: torch.cuda.Stream | None = None
         if device == "cuda" and torch.cuda.is_available():
             # one stream shared by ONNX Runtime and torch: the loop runs without host syncs
             stream = torch.cuda.Stream(device=torch.device("cuda", options.device_id))
         engines = _open_engines(reader, device, options, stream, residency)
-        pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=options.scheduler, stream=stream,
-                   root=root, tokenizer_2=tokenizer_2)
+        together = {n: engines[n] for n in txt2img_components(manifest)} if _opens_together(manifest, residency) else {}
+        with OpenTogether(together, warm=device == "cuda") as opening:  # the engines load while the rest is read
+            from transformers import CLIPTokenizer
+
+            tokenizer = _tokenizer(reader, str(manifest.get("tokenizer", "tokenizer")), "tokenizer", CLIPTokenizer)
+            tokenizer_2 = None
+            if manifest.get("model", {}).get("architecture") == "sdxl":
+                tokenizer_2 = _tokenizer(reader, str(manifest.get("tokenizer_2", "tokenizer_2")), "SDXL tokenizer_2",
+                                         CLIPTokenizer)
+            sched = manifest.get("scheduler", {})
+            scheduler_config = reader.json(str(sched.get("config", "scheduler/scheduler_config.json")))
+            if isinstance(scheduler_config, Mapping):  # checked (and refused) by __init__
+                import_scheduler_class(scheduler_config, options.scheduler if isinstance(options.scheduler, str)
+                                       else None, sched.get("class_name"))
+            opening.wait()
+            pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=options.scheduler, stream=stream,
+                       root=root, tokenizer_2=tokenizer_2)
         pipe.residency = residency
         pipe.deterministic = bool(options.deterministic)
         logger.info("loaded %s (%s, %s, %s; profile %s; scheduler %s)", root, manifest.get("backend"),
@@ -682,6 +691,8 @@ class LoadOptions:
             sessions specialised per shape (see :mod:`~diffusion_trt.runtime.buckets`): ``"auto"`` (any size, up
             to 4 shapes), a list of sizes (``"512x512,768x768"`` or ``[(512, 512)]``; opened now at the opt
             batch), or ``None`` (off). Ignored, with a warning, for static and TensorRT artifacts.
+        graph_optimization_level: ONNX Runtime artifacts: the graph optimisation each session makes when it is created
+            ("disable", "basic", "extended", "all"; see :data:`~diffusion_trt.runtime.ort_engine.OPTIMIZATION_LEVELS`).
     """
 
     device: str | None = None
@@ -698,6 +709,7 @@ class LoadOptions:
     memory_facts: str | os.PathLike[str] | None = None
     deterministic: bool = False
     size_buckets: str | Sequence[tuple[int, int]] | SizeBuckets | None = None
+    graph_optimization_level: str = "all"
 
     def __post_init__(self) -> None:
         """Refuse option values of the wrong type or range before anything loads (they failed later as a damaged
@@ -719,6 +731,11 @@ class LoadOptions:
                                     "default) or None")
         if not isinstance(self.deterministic, bool):
             raise RuntimeInputError(f"deterministic={self.deterministic!r} must be True or False")
+        from .ort_engine import OPTIMIZATION_LEVELS
+
+        if self.graph_optimization_level not in OPTIMIZATION_LEVELS:
+            raise RuntimeInputError(f"graph_optimization_level={self.graph_optimization_level!r} is unknown; use one "
+                                    f"of {', '.join(OPTIMIZATION_LEVELS)}")
 
 
 def _profile(manifest: Mapping[str, Any]) -> ShapeProfile:
@@ -854,6 +871,7 @@ def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stre
             cuda_graph=cuda_graph,
             source=functools.partial(reader.onnx, str(entry["onnx"])),
             deterministic=options.deterministic,
+            graph_optimization_level=options.graph_optimization_level,
         )
     return engines
 
@@ -914,6 +932,13 @@ def _tokenizer(reader: ArtifactReader, rel: str, what: str, tokenizer_class: Any
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise ArtifactError(f"cannot load the {what} from {reader.root / rel} ({e}); recompile the artifact"
                                 ) from None
+
+
+def _opens_together(manifest: Mapping[str, Any], residency: Residency | None) -> bool:
+    """Whether ``from_artifacts`` opens the text-to-image engines side by side (:mod:`~.loading`): ONNX Runtime
+    artifacts without a VRAM budget (a budget opens engines per stage; TensorRT engines share one activation
+    allocation and are opened in turn)."""
+    return manifest.get("backend") == "ort" and residency is None
 
 
 def txt2img_components(manifest: Mapping[str, Any]) -> tuple[str, ...]:

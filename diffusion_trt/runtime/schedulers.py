@@ -8,11 +8,12 @@ swap.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ArtifactError, RuntimeInputError
+from ..errors import ArtifactError, DiffusionTrtError, RuntimeInputError
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,15 @@ def _scheduler_class(class_name: str, label: str) -> type[Any]:
             f"pick another with scheduler= (one of {', '.join(SCHEDULERS)})"
         )
     return cls
+
+
+def import_scheduler_class(config: Mapping[str, Any], name: str | None = None, class_name: str | None = None) -> None:
+    """Import the diffusers class :func:`make_scheduler` will build, so that ``from_artifacts`` pays diffusers'
+    import (seconds: it checks the versions of dozens of packages) while its engines load; a failure is left for
+    :func:`make_scheduler` to report."""
+    with contextlib.suppress(DiffusionTrtError, ImportError):
+        cls_name = (class_name or str(config.get("_class_name", ""))) if name is None else resolve_scheduler(name)[0]
+        _scheduler_class(cls_name, "preload")
 
 
 def make_scheduler(config: Mapping[str, Any], name: str | None = None, class_name: str | None = None) -> Any:
