@@ -366,7 +366,8 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
               help="Merge a LoRA (.safetensors, diffusers or kohya format) into the weights before export, scale "
                    "default 1; repeatable, merged in order. Recorded in the manifest.")
 @click.option("--refittable", is_flag=True,
-              help="TensorRT: refittable engines, so EnginePipeline.load_lora can swap LoRAs at run time.")
+              help="LoRAs per request without a rebuild (run --lora, EnginePipeline.load_lora): TensorRT: refittable "
+                   "engines; ONNX Runtime: the UNet/text-encoder Linear and Conv weights become graph inputs.")
 @click.option("--fp16-safe-vae", is_flag=True,
               help="SDXL, --precision fp16: build the VAE in fp16 too (only for an fp16-safe VAE, e.g. "
                    "sdxl-vae-fp16-fix). By default it stays fp32 unless vae/config.json says force_upcast: false.")
