@@ -145,6 +145,11 @@ def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapp
             scaling = _scaling(config, module) * lora.scale  # fuse_lora's scale_layer: scaling *= lora_scale
             a, b = peft_state[f"{module}.lora_A.weight"], peft_state[f"{module}.lora_B.weight"]
             out[wname] = _delta_weight(a.to(torch.float32), b.to(torch.float32), base[wname], scaling)
+            if tuple(out[wname].shape) != tuple(base[wname].shape):
+                raise LoraError(
+                    f"LoRA file {lora.path}: its layer {comp}.{module} gives a {tuple(out[wname].shape)} update for a "
+                    f"{tuple(base[wname].shape)} weight; it was made for another architecture (other widths)"
+                )
     return out
 
 

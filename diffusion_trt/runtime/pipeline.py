@@ -416,8 +416,10 @@ class EnginePipeline:
 
         Raises:
             LoraError: a missing / non-safetensors file or a bad scale; the file merged into the artifact at compile
-                time already (applying it again would double it); an artifact built without ``--refittable``; a model folder that is missing or not the artifact's source; a LoRA changing
-                weights the engines cannot refit; pickle weights in the model folder without ``trust_pickle``.
+                time already (applying it again would double it); an artifact built without ``--refittable``;
+                several LoRAs on TensorRT; TensorRT: a model folder that is missing or not the artifact's source, a
+                LoRA changing weights the engines cannot refit, pickle weights in the model folder without
+                ``trust_pickle``; ORT: see :func:`~.lora_slots.apply_loras`.
         """
         from ..lora import check_lora_file
         from .refit import onnx_initializers, refit_weights
@@ -426,9 +428,8 @@ class EnginePipeline:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
         if self._weight_slots:
             return self._load_lora_inputs(path, scale)
-        if not isinstance(path, str | os.PathLike):
-            raise LoraError("several LoRAs at once: ONNX Runtime --refittable artifacts only; TensorRT refit takes one")
-        lora = check_lora_file(path, scale)
+        specs = lora_list(path, scale)
+        lora = check_lora_file(*specs[0])
         for rec in self.manifest.get("loras", []):
             if rec.get("sha256") == lora.sha256:
                 raise LoraError(
@@ -443,6 +444,8 @@ class EnginePipeline:
                 f"or merge the LoRA at compile time with `diffusion-trt compile MODEL --lora "
                 f"{lora.path.name}:{lora.scale:g}`"
             )
+        if len(specs) > 1:
+            raise LoraError("several LoRAs at once: ONNX Runtime --refittable artifacts only; TensorRT refit takes one")
         comps = {c: e for c, e in self.manifest["components"].items() if e.get("refit_map") and c in self.engines}
         if not comps:
             raise LoraError(
