@@ -71,8 +71,7 @@ class WeightSlots(Mapping[str, torch.Tensor]):
         device: where the engine runs; on CUDA the bound tensors are device copies and ``base`` is pinned.
 
     Raises:
-        ArtifactError-free by design: a map naming an input ``base`` lacks is a :class:`LoraError` (a damaged
-        artifact would have failed its sha256 first).
+        LoraError: the map names an input ``base`` lacks (an artifact made by another version: recompile).
     """
 
     def __init__(self, component: str, refit_map: Mapping[str, Any], base: Mapping[str, torch.Tensor],
@@ -128,12 +127,18 @@ class WeightSlots(Mapping[str, torch.Tensor]):
         return out
 
     def bind(self, values: Mapping[str, torch.Tensor]) -> None:
-        """Bind ``values`` (from :meth:`merged`) and the base everywhere else (in place on CUDA)."""
+        """Bind ``values`` (from :meth:`merged`) and the base everywhere else (in place on CUDA, between two device
+        syncs: runs queued on the pipeline's stream still read the old values, the next run reads the new ones)."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
         for name in self._changed - set(values):
             self._set(name, self._base[name])
         for name, value in values.items():
             self._set(name, value)
         self._changed = set(values)
+        if cuda:
+            torch.cuda.synchronize(self.device)
 
     def _set(self, name: str, value: torch.Tensor) -> None:
         if self.device.type == "cuda":

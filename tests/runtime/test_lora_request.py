@@ -183,3 +183,49 @@ def test_run_lora_cli(refittable: Path, loras: dict[str, Path], tmp_path: Path, 
         errors = [line for line in result.output.splitlines() if line.startswith("error:")]
         assert result.exit_code == 2 and len(errors) == 1 and message in errors[0], result.output
         assert not (tmp_path / f"bad{i}.png").exists()
+
+
+def test_dummy_lora_cli(tiny_pipeline_dir: Path, refittable: Path, tmp_path: Path) -> None:
+    """The README's example LoRA: dummy-lora writes attention-projection layers that load_lora takes."""
+    out = tmp_path / "ink.safetensors"
+    result = CliRunner().invoke(main, ["dummy-lora", str(tiny_pipeline_dir), str(out), "--rank", "2"])
+    assert result.exit_code == 0 and f"lora: {out}" in result.output, result.output
+    keys = load_file(str(out))
+    assert all(k.startswith(("unet.", "text_encoder.")) and ".lora_" in k for k in keys)
+    assert {v.shape[0] for k, v in keys.items() if "lora_A" in k} == {2}
+    with EnginePipeline.from_artifacts(refittable) as pipe:
+        changed = pipe.load_lora(out, 0.8)["changed"]
+    n_text = sum(1 for k in keys if k.startswith("text_encoder.") and "lora_A" in k)
+    assert changed == {"text_encoder": n_text, "unet": len(keys) // 2 - n_text}
+    again = CliRunner().invoke(main, ["dummy-lora", str(tiny_pipeline_dir), str(out)])
+    assert again.exit_code == 2 and "already exists; pass --overwrite" in again.output
+    missing = CliRunner().invoke(main, ["dummy-lora", str(tmp_path / "none"), str(tmp_path / "x.safetensors")])
+    assert missing.exit_code == 2 and "dummy-lora needs a diffusers folder" in missing.output
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_the_updated_weights(tiny_pipeline_dir: Path, loras: dict[str, Path],
+                                                tmp_path: Path) -> None:
+    """CUDA, fp16, static profile: the engines replay a CUDA graph bound to the weight tensors, which load_lora
+    updates in place; a LoRA image equals the merged compile within fp16 noise, and unload gives the base back."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    static = {"device": "cuda", "precision": "fp16", "height": 64, "width": 64, "min_height": 64, "max_height": 64,
+              "min_width": 64, "max_width": 64, "batch_size": 1, "min_batch_size": 1, "max_batch_size": 1,
+              "components": COMPONENTS}
+    refit = compile_pipeline(tiny_pipeline_dir, tmp_path / "refit", CompileConfig(refittable=True, **static))
+    merged = compile_pipeline(tiny_pipeline_dir, tmp_path / "merged",
+                              CompileConfig(loras=((str(loras["peft"]), 0.7),), **static))
+    with EnginePipeline.from_artifacts(merged, cuda_graph=True) as pipe:
+        want = pipe(**CALL).images
+    with EnginePipeline.from_artifacts(refit, cuda_graph=True) as pipe:
+        assert pipe.engines["unet"].cuda_graph  # type: ignore[attr-defined]
+        base = pipe(**CALL).images
+        pipe(**CALL)  # captured by now
+        pipe.load_lora(loras["peft"], 0.7)
+        got = pipe(**CALL).images
+        pipe.unload_lora()
+        again = pipe(**CALL).images
+    assert float(np.abs(got - want).max()) <= 4 / 255
+    assert float(np.abs(got - base).max()) > 1e-2
+    assert np.array_equal(again, base)
