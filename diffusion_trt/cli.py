@@ -1228,14 +1228,18 @@ def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
 @click.option("--scheduler", default=None, help=f"{SCHEDULER_HELP} [default: the model's].")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE", help=VRAM_BUDGET_HELP)
+@click.option("--lora-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder of .safetensors LoRAs a request may name in its optional `lora` input (NAME or NAME:SCALE; "
+                   "the artifact compiled with --refittable); read once at start-up.")
 @_handle_errors
 def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, max_batch_size: int,
               max_queue_delay_ms: float, max_steps: int, max_queue: int, queue_timeout_s: float,
-              device: str | None, scheduler: str | None, vram_budget: str | None) -> None:
+              device: str | None, scheduler: str | None, vram_budget: str | None, lora_dir: Path | None) -> None:
     """Serve ARTIFACT_DIR through a Triton Inference Server (NVIDIA PyTriton) until Ctrl-C.
 
     Model "pipeline": inputs prompt (BYTES), optional negative_prompt, seed, steps, guidance_scale, height,
-    width; output image (UINT8 [H, W, 3]). Needs `pip install 'diffusion-trt[serve]'`.
+    width (and lora, NAME[:SCALE] of a file in --lora-dir); output image (UINT8 [H, W, 3]). Needs
+    `pip install 'diffusion-trt[serve]'`.
 
     A request the rules refuse gets 400 / INVALID_ARGUMENT with one line naming the field and the allowed range; a
     full queue or a request that waited too long 503 / UNAVAILABLE (README "Serving" lists the statuses).
@@ -1244,13 +1248,18 @@ def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, m
     Examples:
       diffusion-trt serve artifacts/tiny
       diffusion-trt serve artifacts/sd15-fp16 --port 9000 --max-batch-size 8
+      diffusion-trt serve artifacts/sd15-refit --lora-dir loras/
     """
+    from .serve.loras import LoraLibrary
     from .serve.server import ServeConfig, serve
+
+    if lora_dir is not None:
+        LoraLibrary(lora_dir)  # a missing folder or a bad file fails before the engines load
 
     config = ServeConfig(host=host, http_port=port, grpc_port=grpc_port or port + 1, max_batch_size=max_batch_size,
                          max_queue_delay_s=max_queue_delay_ms / 1000, max_steps=max_steps, max_queue=max_queue,
                          queue_timeout_s=queue_timeout_s, device=device, scheduler=scheduler,
-                         vram_budget=vram_budget)
+                         vram_budget=vram_budget, lora_dir=None if lora_dir is None else str(lora_dir))
     serve(artifact_dir, config,
           on_ready=lambda: click.echo(f"ready: http://{host}:{port} grpc {host}:{config.grpc_port}", err=True))
 

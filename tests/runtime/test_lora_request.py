@@ -203,6 +203,65 @@ def test_dummy_lora_cli(tiny_pipeline_dir: Path, refittable: Path, tmp_path: Pat
     assert missing.exit_code == 2 and "dummy-lora needs a diffusers folder" in missing.output
 
 
+# -- serve --lora-dir: the batcher that owns the pipeline, without Triton (tests/test_serve.py needs PyTriton) ------
+
+
+def _serve_params(lora: tuple[str, float] | None, seed: int = 5) -> dict[str, Any]:
+    return {"prompt": CALL["prompt"], "negative_prompt": "", "seed": seed, "steps": CALL["num_inference_steps"],
+            "guidance_scale": 7.5, "height": 64, "width": 64, "lora": lora}
+
+
+def test_serve_lora_per_request_never_leaks(refittable: Path, loras: dict[str, Path]) -> None:
+    from diffusion_trt.serve.loras import LoraLibrary
+    from diffusion_trt.serve.server import MicroBatcher
+
+    library = LoraLibrary(loras["peft"].parent)
+    assert sorted(library.paths) == ["kohya_detail", "style"]
+    with EnginePipeline.from_artifacts(refittable) as pipe:
+        base = np.asarray(pipe(**{**CALL, "output_type": "pil"}).images[0])
+        pipe.load_lora(loras["peft"], 0.7)
+        with_style = np.asarray(pipe(**{**CALL, "output_type": "pil"}).images[0])
+        pipe.unload_lora()
+        batcher = MicroBatcher(pipe, max_batch_size=2, max_delay_s=0.0, max_queue=8)
+        try:
+            order = [library.resolve(np.array([b"style:0.7"])), None, library.resolve(np.array([b"style:0.7"])),
+                     library.resolve(np.array([b""]))]
+            images = [batcher.submit(_serve_params(lora)).result(timeout=300) for lora in order]
+        finally:
+            batcher.close()
+    assert np.array_equal(images[0], with_style) and np.array_equal(images[2], with_style)
+    assert np.array_equal(images[1], base) and np.array_equal(images[3], base)
+
+
+def test_serve_lora_names_are_allow_listed(loras: dict[str, Path], tmp_path: Path) -> None:
+    from diffusion_trt.serve.loras import LoraLibrary
+    from diffusion_trt.serve.triton_model import RequestError
+
+    library = LoraLibrary(loras["peft"].parent)
+    assert library.resolve(None) is None
+    assert library.resolve(np.array(["style"], dtype=object)) == (str(loras["peft"]), 1.0)
+    for value, message in [
+        (np.array([b"../style"]), "lora='../style' is not one of the LoRAs this server offers (kohya_detail, style)"),
+        (np.array([b"style:lots"]), "the scale must be a number in -4..4, e.g. style:0.8"),
+        (np.array([b"style:9"]), "the scale must be a number in -4..4"),
+        (np.array([b"\xff"]), "lora is not valid UTF-8"),
+        (np.array([1], dtype=np.int32), "lora must be one BYTES value"),
+    ]:
+        with pytest.raises(RequestError) as e:
+            library.resolve(value)
+        assert message in str(e.value), str(e.value)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.safetensors").write_bytes(b"not a safetensors file")
+    for folder, message in [(tmp_path / "none", "is not a folder"), (tmp_path / "empty", "holds no .safetensors"),
+                            (tmp_path / "bad", "is not a valid safetensors file")]:
+        with pytest.raises(LoraError, match=message):
+            LoraLibrary(folder)
+        result = CliRunner().invoke(main, ["serve", str(tmp_path), "--lora-dir", str(folder)])
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert result.exit_code == 2 and len(errors) == 1 and message in errors[0], result.output
+
+
 @pytest.mark.gpu
 def test_cuda_graph_replays_the_updated_weights(tiny_pipeline_dir: Path, loras: dict[str, Path],
                                                 tmp_path: Path) -> None:
