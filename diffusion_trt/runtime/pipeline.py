@@ -205,6 +205,7 @@ class EnginePipeline:
         self._lora_weights: dict[str, dict[str, Any]] = {}  # what the last refit changed, per component
         #: ORT --refittable: the weight inputs of the UNet / text encoder(s) (runtime/lora_slots.py); {} otherwise
         self._weight_slots: Mapping[str, Any] = {}
+        self._trt_lora_path: Path | None = None  # TensorRT: the LoRA refitted last (unload_lora refits it at 0)
         # "pil"/"np" results land in pinned host buffers kept across calls, copied on a side stream
         self._host_buffers = HostBuffers(pin=self.device.type == "cuda" and torch.cuda.is_available())
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._host_buffers.pin else None
@@ -467,6 +468,7 @@ class EnginePipeline:
                 )
         self.embedding_cache.clear()  # the text encoder may have changed
         self._lora_weights = weights
+        self._trt_lora_path = lora.path
         self.lora = {**lora.record({}), "refitted": {c: len(v) for c, v in weights.items()}}
         self.lora.pop("layers")
         logger.info("LoRA %s (scale %g): refitted %s", lora.path.name, lora.scale, self.lora["refitted"])
@@ -492,15 +494,16 @@ class EnginePipeline:
         return dict(self.lora)
 
     def unload_lora(self) -> None:
-        """Back to the compiled (base) weights, bit for bit (ONNX Runtime ``--refittable`` artifacts; a no-op when
-        no LoRA is loaded).
+        """Back to the compiled (base) weights (a no-op when no LoRA is loaded): ONNX Runtime ``--refittable``
+        artifacts bind the base tensors again (bit for bit); TensorRT ones refit the last LoRA at scale 0.
 
         Raises:
-            LoraError: a TensorRT artifact (refit the base with ``load_lora(FILE, scale=0)``).
+            LoraError: as :meth:`load_lora` (TensorRT: the model folder it reads the base weights from).
         """
         if not self._weight_slots:
             if self.lora is not None:
-                raise LoraError("unload_lora: TensorRT engines go back to the base with load_lora(FILE, scale=0)")
+                self.load_lora(self._trt_lora_path, 0.0)
+                self.lora = None
             return
         for slots in self._weight_slots.values():
             slots.bind({})
