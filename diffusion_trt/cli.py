@@ -322,8 +322,36 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
     click.echo(str(path))
 
 
+@main.command("dummy-lora")
+@click.argument("model_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--rank", type=click.IntRange(min=1, max=1024), default=4, show_default=True, help="LoRA rank.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random matrices.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@_handle_errors
+def dummy_lora(model_dir: Path, out: Path, rank: int, seed: int, overwrite: bool) -> None:
+    """Write a seeded random LoRA (diffusers keys) for the pipeline folder MODEL_DIR to OUT (.safetensors): on the
+    attention projections of its UNet and text encoder, for trying `run --lora` / `compile --lora`.
+
+    \b
+    Examples:
+      diffusion-trt dummy-lora models/tiny ink.safetensors
+      diffusion-trt dummy-lora models/sd15 style.safetensors --rank 64 --seed 3
+    """
+    from .compiler.dummy_lora import write_dummy_lora
+
+    _check_writable_file(out, "OUT", ".safetensors")
+    if not overwrite:
+        _refuse_existing_outputs(out, 1)
+    counts = write_dummy_lora(model_dir, out, rank=rank, seed=seed)
+    click.echo(f"lora: {out} ({', '.join(f'{c} {n} layers' for c, n in counts.items())})")
+
+
 @main.command("compile")
 @click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--revision", default=None,
+              help="With a Hugging Face model id (org/name): the branch, tag or commit [default: main].")
+@click.option("--variant", default=None, help="With a model id: the weights variant to read, e.g. fp16.")
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Artifact folder [default: artifacts/<model folder name>].")
 @click.option("--backend", type=click.Choice(["ort", "tensorrt", "tensorrt-rtx"]), default="ort", show_default=True,
@@ -381,7 +409,8 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
               help="Merge a LoRA (.safetensors, diffusers or kohya format) into the weights before export, scale "
                    "default 1; repeatable, merged in order. Recorded in the manifest.")
 @click.option("--refittable", is_flag=True,
-              help="TensorRT: refittable engines, so EnginePipeline.load_lora can swap LoRAs at run time.")
+              help="LoRAs per request without a rebuild (run --lora, EnginePipeline.load_lora): TensorRT: refittable "
+                   "engines; ONNX Runtime: the UNet/text-encoder Linear and Conv weights become graph inputs.")
 @click.option("--fp16-safe-vae", is_flag=True,
               help="SDXL, --precision fp16: build the VAE in fp16 too (only for an fp16-safe VAE, e.g. "
                    "sdxl-vae-fp16-fix). By default it stays fp32 unless vae/config.json says force_upcast: false.")
@@ -415,9 +444,9 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
 @_handle_errors
 def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bool, lock_timeout: float,
                 prediction_type: str, no_cache: bool, cache_dir: Path | None, cache_max_gb: float,
-                **options: Any) -> None:
-    """Export MODEL_DIR (a diffusers pipeline folder, or one A1111/ComfyUI .safetensors checkpoint) to ONNX,
-    optimize it and build engines.
+                revision: str | None, variant: str | None, **options: Any) -> None:
+    """Export MODEL_DIR (a diffusers pipeline folder, one A1111/ComfyUI .safetensors checkpoint, or a Hugging Face
+    model id org/name, read from the local cache with HF_HUB_OFFLINE=1) to ONNX, optimize it and build engines.
 
     Writes an artifact folder with one engine per component and a manifest.json (file hashes,
     shapes, passes, tool versions). A failed compile leaves nothing behind. A single file (SD 1.x, SD 2.x,
@@ -470,7 +499,8 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     config = CompileConfig(**options, quantize=quantize)
     with _terminate_like_interrupt(), logging_redirect_tqdm(loggers=[logger]):
         path = compile_model(model_dir, out_dir, config, cache=cache, prediction_type=prediction_type,
-                             overwrite=overwrite, progress=_progress_enabled(), lock_timeout=lock_timeout)
+                             overwrite=overwrite, progress=_progress_enabled(), lock_timeout=lock_timeout,
+                             revision=revision, variant=variant)
     _print_pass_table(path)
     click.echo(f"artifact: {path}")
 
@@ -849,13 +879,16 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
               help="Inpainting, with --image: white = repaint, black = keep (read as grayscale, alpha ignored, as "
                    "diffusers; the image's size).")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE", help=VRAM_BUDGET_HELP)
+@click.option("--lora", "loras", multiple=True, metavar="FILE[:SCALE]",
+              help="A LoRA for this run (repeatable; scale 1.0 by default) on an artifact compiled with --refittable: "
+                   "no recompile (ONNX Runtime: several at once; TensorRT: one).")
 @_runtime_options("run")
 @_handle_errors
 def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps: int, guidance: float | None, seed: int,
             height: int | None, width: int | None, batch_size: int, scheduler: str | None, device: str | None,
             snap: bool, devices: str | None, cuda_graph: bool | None, runtime_cache: Path | None, out: Path,
             overwrite: bool, image_path: Path | None, strength: float | None, mask_path: Path | None,
-            vram_budget: str | None, **engine_options: Any) -> None:
+            vram_budget: str | None, loras: tuple[str, ...], **engine_options: Any) -> None:
     """Generate images from a compiled ARTIFACT_DIR: from text, or from an image (--image), or inpaint (--mask).
 
     \b
@@ -866,7 +899,9 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
       diffusion-trt run artifacts/sd15 -p "an oil painting" --image photo.png --strength 0.6
       diffusion-trt run artifacts/sd15-inpaint -p "a red door" --image house.png --mask door.png
       diffusion-trt run artifacts/sdxl-fp16 -p "a lighthouse" --vram-budget 8GB
+      diffusion-trt run artifacts/tiny-refittable -p "a fox" --lora ink.safetensors:0.8 --lora detail.safetensors
     """
+    from .lora import check_lora_file, parse_lora_arg
     from .runtime.pipeline import check_text, save_png
 
     for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
@@ -886,6 +921,11 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
 
         resolve_scheduler(scheduler)
     engine_options = _check_engine_options(engine_options)
+    lora_specs = [parse_lora_arg(x) for x in loras]
+    for path, scale in lora_specs:  # a missing / pickled / malformed file fails before the engines load
+        check_lora_file(path, scale)
+    if lora_specs and len(_parse_devices(devices, device)) >= 2:
+        raise click.UsageError("--lora runs on one device; drop --devices (or give one device)")
     max_hw = _profile_max_hw(artifact_dir) if image_path is not None else None
     image = _read_image(image_path, "--image", "RGB", max_hw) if image_path is not None else None
     mask = _read_image(mask_path, "--mask", "L", max_hw) if mask_path is not None else None
@@ -908,6 +948,8 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
     with logging_redirect_tqdm(loggers=[logger]), \
             _open_pipeline(artifact_dir, device, scheduler, device_list, cuda_graph, runtime_cache_dir=runtime_cache,
                            **budget, **engine_options) as pipe:
+        if lora_specs:
+            pipe.load_lora(lora_specs)
         result = pipe(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -921,6 +963,8 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
             **({"image": image, "mask_image": mask, "strength": strength} if image is not None else {}),
         )
         params = {**result.parameters, "artifact": str(artifact_dir)}
+        if lora_specs:
+            params["loras"] = [[Path(p).name, s] for p, s in lora_specs]
         if image_path is not None:
             params.update(image=str(image_path), **({"mask": str(mask_path)} if mask_path is not None else {}))
     paths = []
@@ -1199,14 +1243,18 @@ def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
 @click.option("--scheduler", default=None, help=f"{SCHEDULER_HELP} [default: the model's].")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE", help=VRAM_BUDGET_HELP)
+@click.option("--lora-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder of .safetensors LoRAs a request may name in its optional `lora` input (NAME or NAME:SCALE; "
+                   "the artifact compiled with --refittable); read once at start-up.")
 @_handle_errors
 def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, max_batch_size: int,
               max_queue_delay_ms: float, max_steps: int, max_queue: int, queue_timeout_s: float,
-              device: str | None, scheduler: str | None, vram_budget: str | None) -> None:
+              device: str | None, scheduler: str | None, vram_budget: str | None, lora_dir: Path | None) -> None:
     """Serve ARTIFACT_DIR through a Triton Inference Server (NVIDIA PyTriton) until Ctrl-C.
 
     Model "pipeline": inputs prompt (BYTES), optional negative_prompt, seed, steps, guidance_scale, height,
-    width; output image (UINT8 [H, W, 3]). Needs `pip install 'diffusion-trt[serve]'`.
+    width (and lora, NAME[:SCALE] of a file in --lora-dir); output image (UINT8 [H, W, 3]). Needs
+    `pip install 'diffusion-trt[serve]'`.
 
     A request the rules refuse gets 400 / INVALID_ARGUMENT with one line naming the field and the allowed range; a
     full queue or a request that waited too long 503 / UNAVAILABLE (README "Serving" lists the statuses).
@@ -1215,13 +1263,18 @@ def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, m
     Examples:
       diffusion-trt serve artifacts/tiny
       diffusion-trt serve artifacts/sd15-fp16 --port 9000 --max-batch-size 8
+      diffusion-trt serve artifacts/sd15-refit --lora-dir loras/
     """
+    from .serve.loras import LoraLibrary
     from .serve.server import ServeConfig, serve
+
+    if lora_dir is not None:
+        LoraLibrary(lora_dir)  # a missing folder or a bad file fails before the engines load
 
     config = ServeConfig(host=host, http_port=port, grpc_port=grpc_port or port + 1, max_batch_size=max_batch_size,
                          max_queue_delay_s=max_queue_delay_ms / 1000, max_steps=max_steps, max_queue=max_queue,
                          queue_timeout_s=queue_timeout_s, device=device, scheduler=scheduler,
-                         vram_budget=vram_budget)
+                         vram_budget=vram_budget, lora_dir=None if lora_dir is None else str(lora_dir))
     serve(artifact_dir, config,
           on_ready=lambda: click.echo(f"ready: http://{host}:{port} grpc {host}:{config.grpc_port}", err=True))
 

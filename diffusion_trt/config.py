@@ -259,8 +259,9 @@ class CompileConfig:
             TensorRT; fp8: TensorRT on compute capability >= 8.9).
         loras: LoRAs merged into the weights before export, in order: ``(safetensors path, scale)`` pairs (see
             :mod:`diffusion_trt.lora`); the manifest records each file's name, sha256 and scale.
-        refittable: TensorRT only: build refittable engines (``BuilderFlag.REFIT``) and write a refit map per UNet
-            and text encoder, so that ``EnginePipeline.load_lora`` can swap LoRAs at run time.
+        refittable: LoRAs swappable at run time (``EnginePipeline.load_lora``, ``run --lora``): a refit map per UNet
+            and text encoder, and TensorRT: refittable engines (``BuilderFlag.REFIT``); ONNX Runtime: the
+            LoRA-targetable weights as graph inputs bound per run (:mod:`diffusion_trt.compiler.lora_slots`).
         compute_capabilities: TensorRT-RTX only: the GPUs the plans are built for, e.g. ``("8.6", "8.9", "12.0")``, or
             ``("current",)`` for this machine's GPU; ``None`` = TensorRT-RTX's portable set (8.0, 8.6, 8.9, 12.0;
             ``trt_compat.LIBRARIES``). fp8 needs every target >= 8.9.
@@ -309,11 +310,6 @@ class CompileConfig:
                 "refittable=True with backend='tensorrt-rtx': EnginePipeline.load_lora refits full-TensorRT engines "
                 "only (no TensorRT-RTX refit could be run here to test it); merge LoRAs at compile time with "
                 "--lora FILE[:SCALE]"
-            )
-        if self.refittable and self.backend not in TRT_BACKENDS:
-            raise RuntimeInputError(
-                f"refittable=True is a TensorRT build flag, but backend={self.backend!r}; use --backend tensorrt, or "
-                "merge LoRAs into an ORT artifact at compile time with --lora FILE[:SCALE]"
             )
         if self.refittable and self.loras:
             raise RuntimeInputError(

@@ -32,7 +32,7 @@ import onnx
 from .. import artifacts
 from ..config import IMAGE_ALIGNMENT, QUANTIZED_PRECISIONS, TRT_BACKENDS, CompileConfig, ShapeProfile
 from ..errors import BuildError, DiffusionTrtError, ExportError, OutputPathError, PassError, RuntimeInputError
-from . import build_ort, export, lora, quantize
+from . import build_ort, export, lora, lora_slots, quantize
 from .components import ComponentSpec, component_specs, tensor_manifest
 from .plan import VAE_COMPONENTS, ComponentPlan, component_precision, plan_components
 
@@ -521,6 +521,9 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
     entry.update(optimized)
     if job.config.refittable and name in lora.REFIT_COMPONENTS and name in models:
         entry.update(write_refit_map(name, model, models[name], staging))
+        if job.config.backend == "ort":  # the mapped weights become graph inputs (see lora_slots.py)
+            rmap = json.loads((staging / entry["refit_map"]).read_text())
+            entry.update(lora_slots.write_weight_inputs(name, model, rmap, staging))
     bar.update()
     bar.set_postfix_str(f"{name}: build")
     entry["inputs"] = [tensor_manifest(t, plan.precision, job.profile) for t in spec.inputs]
@@ -536,6 +539,8 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
     bar.update()
     entry["onnx"] = f"{name}/model.onnx"
     entry["files"] = [f.relative_to(staging).as_posix() for f in files]
+    if "weight_inputs" in entry:
+        entry["files"].append(entry["weight_inputs"])
     entry["outputs"] = [tensor_manifest(t, plan.precision, job.profile) for t in spec.outputs]
     return entry
 

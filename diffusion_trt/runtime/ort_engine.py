@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from ..artifact_reader import OnnxBytes
@@ -91,6 +92,10 @@ _ORT_TYPES: dict[str, str] = {
     "tensor(int32)": "int32",
     "tensor(bool)": "bool",
 }
+
+
+#: torch dtypes of weight inputs -> the numpy type ``IOBinding.bind_input`` takes.
+_NUMPY_DTYPES: dict[torch.dtype, Any] = {torch.float32: np.float32, torch.float16: np.float16}
 
 
 def cuda_graph_refusal(spec: EngineSpec, device: str) -> str | None:
@@ -152,6 +157,11 @@ class OrtEngine(EngineBase):
             variant use it; see :mod:`~diffusion_trt.runtime.determinism` for what stays non-deterministic).
         graph_optimization_level: ONNX Runtime's optimisation at session creation, one of
             :data:`OPTIMIZATION_LEVELS` ("all" by default); ignored when ``session_options`` are given.
+        weight_inputs: graph inputs that are weights (an ORT ``--refittable`` artifact,
+            :mod:`~diffusion_trt.runtime.lora_slots`): name -> tensor on :attr:`device`, read at every run and bound
+            by pointer (fed as numpy views on the plain CPU path). The mapping is live: whoever owns it may change
+            the tensors' values in place between runs (a CUDA graph replays the addresses bound at capture), never
+            while a run is queued.
 
     Both are applied to ``session_options`` too when one is given.
 
@@ -185,8 +195,10 @@ class OrtEngine(EngineBase):
         free_dimensions: Mapping[str, int] | None = None,
         deterministic: bool = False,
         graph_optimization_level: str = "all",
+        weight_inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.path = Path(path)
+        self._weights: Mapping[str, torch.Tensor] = weight_inputs if weight_inputs is not None else {}
         self._source = source
         component = name or (spec.name if isinstance(spec, EngineSpec) else self.path.parent.name)
         self._spec = spec if isinstance(spec, EngineSpec) else EngineSpec.from_manifest(component, spec, derived)
@@ -252,6 +264,7 @@ class OrtEngine(EngineBase):
             free_dimensions=free_dimensions,
             deterministic=self._deterministic,
             graph_optimization_level=self._optimization_level,
+            weight_inputs=self._weights,
         )
 
     # -- Engine protocol -------------------------------------------------------------------------------
@@ -482,7 +495,7 @@ class OrtEngine(EngineBase):
             ("inputs", session.get_inputs(), self._spec.inputs),
             ("outputs", session.get_outputs(), self._spec.outputs),
         ):
-            graph = {a.name: _ORT_TYPES.get(a.type, a.type) for a in graph_args}
+            graph = {a.name: _ORT_TYPES.get(a.type, a.type) for a in graph_args if a.name not in self._weights}
             manifest = {t.name: t.dtype for t in infos}
             if graph != manifest:
                 raise ArtifactError(
@@ -492,6 +505,7 @@ class OrtEngine(EngineBase):
 
     def _run_plain(self, feeds: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
         arrays = {n: t.detach().contiguous().numpy() for n, t in feeds.items()}
+        arrays.update({n: t.numpy() for n, t in self._weights.items()})
         values = self._session.run(list(self.output_names), arrays, self._run_options)
         out: dict[str, torch.Tensor] = {}
         for name, value in zip(self.output_names, values, strict=True):
@@ -527,6 +541,7 @@ class OrtEngine(EngineBase):
             t = feeds[info.name].detach().contiguous()
             live[info.name] = t
             binding.bind_input(info.name, kind, dev, info.numpy_dtype.type, tuple(t.shape), t.data_ptr())
+        self._bind_weights(binding)
         for info in self._spec.outputs:
             buf, new = self._output_buffer(info.name, shapes[info.name])
             if new:
@@ -540,6 +555,11 @@ class OrtEngine(EngineBase):
         # freed to torch's caching allocator is only reused in stream order anyway; this is belt and braces.)
         self._live_inputs = live
         return {info.name: self._outputs[info.name] for info in self._spec.outputs}
+
+    def _bind_weights(self, binding: Any) -> None:
+        """Bind every weight input by pointer (see ``weight_inputs``)."""
+        for name, t in self._weights.items():
+            binding.bind_input(name, self._kind, self._device_id, _NUMPY_DTYPES[t.dtype], tuple(t.shape), t.data_ptr())
 
     def _run_graph(self, feeds: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
         """CUDA-graph mode: copy feeds into the engine-owned input buffers (bound once), then run/capture/replay."""
@@ -571,6 +591,7 @@ class OrtEngine(EngineBase):
             for info in self._spec.inputs:
                 buf = self._static_inputs[info.name]
                 binding.bind_input(info.name, kind, dev, info.numpy_dtype.type, tuple(buf.shape), buf.data_ptr())
+            self._bind_weights(binding)
             for info in self._spec.outputs:
                 buf, _ = self._output_buffer(info.name, shapes[info.name])
                 binding.bind_output(info.name, kind, dev, info.numpy_dtype.type, tuple(buf.shape), buf.data_ptr())

@@ -46,6 +46,7 @@ from .engine import Engine
 from .geometry import LatentGeometry
 from .image_inputs import ImageRequest
 from .loading import OpenTogether
+from .lora_slots import apply_loras, load_slots, lora_list
 from .png import save_png
 from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text
 from .residency import Residency
@@ -203,6 +204,9 @@ class EnginePipeline:
         #: the LoRA :meth:`load_lora` refitted (``{"file", "sha256", "scale"}``), ``None`` = the compiled weights
         self.lora: dict[str, Any] | None = None
         self._lora_weights: dict[str, dict[str, Any]] = {}  # what the last refit changed, per component
+        #: ORT --refittable: the weight inputs of the UNet / text encoder(s) (runtime/lora_slots.py); {} otherwise
+        self._weight_slots: Mapping[str, Any] = {}
+        self._trt_lora_path: Path | None = None  # TensorRT: the LoRA refitted last (unload_lora refits it at 0)
         # "pil"/"np" results land in pinned host buffers kept across calls, copied on a side stream
         self._host_buffers = HostBuffers(pin=self.device.type == "cuda" and torch.cuda.is_available())
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._host_buffers.pin else None
@@ -331,7 +335,8 @@ class EnginePipeline:
         if device == "cuda" and torch.cuda.is_available():
             # one stream shared by ONNX Runtime and torch: the loop runs without host syncs
             stream = torch.cuda.Stream(device=torch.device("cuda", options.device_id))
-        engines = _open_engines(reader, device, options, stream, residency)
+        slots = load_slots(reader, device, options.device_id)  # ORT --refittable: LoRA per request
+        engines = _open_engines(reader, device, options, stream, residency, slots)
         together = {n: engines[n] for n in txt2img_components(manifest)} if _opens_together(manifest, residency) else {}
         with OpenTogether(together, warm=device == "cuda") as opening:  # the engines load while the rest is read
             from transformers import CLIPTokenizer
@@ -350,6 +355,7 @@ class EnginePipeline:
             pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=options.scheduler, stream=stream,
                        root=root, tokenizer_2=tokenizer_2)
         pipe.residency = residency
+        pipe._weight_slots = slots
         pipe.deterministic = bool(options.deterministic)
         logger.info("loaded %s (%s, %s, %s; profile %s; scheduler %s)", root, manifest.get("backend"),
                     manifest.get("precision"), device, manifest["profile"], pipe.scheduler_name)
@@ -380,12 +386,21 @@ class EnginePipeline:
     # -- LoRA -------------------------------------------------------------------------------------------
 
     def load_lora(
-        self, path: str | os.PathLike[str], scale: float = 1.0, *, model_dir: str | os.PathLike[str] | None = None,
-        trust_pickle: bool = False,
+        self, path: str | os.PathLike[str] | Sequence[Any], scale: float = 1.0, *,
+        model_dir: str | os.PathLike[str] | None = None, trust_pickle: bool = False,
     ) -> dict[str, Any]:
-        """Refit the engines to the compiled (base) weights plus ``scale`` x this LoRA: TensorRT ``--refittable``
-        artifacts only. Every call starts from the base weights, never from the previous LoRA; ``scale=0`` gives
-        the base output.
+        """Use the compiled (base) weights plus ``scale`` x this LoRA (or several) from now on, without a recompile:
+        artifacts compiled with ``--refittable``. Every call starts from the base weights, never from the previous
+        LoRA; ``scale=0`` gives the base output; :meth:`unload_lora` goes back to the base.
+
+        ONNX Runtime ``--refittable`` artifacts (:mod:`~diffusion_trt.runtime.lora_slots`): ``path`` may be a list
+        of paths, ``"FILE:SCALE"`` strings or ``(path, scale)`` pairs, applied together (``W + sum(scale_i *
+        delta_i)``); the base weights come from the artifact (``model_dir`` is not read); the deltas are computed
+        on the engines' device and the weight inputs updated in place. Everything is checked before any weight
+        changes: a refused LoRA leaves the pipeline as it was. Returns ``{"loras": [{"file", "sha256", "scale"}],
+        "changed": {component: weights changed}}``.
+
+        TensorRT ``--refittable`` artifacts: one LoRA, refitted as follows.
 
         How (see :mod:`diffusion_trt.runtime.refit`): the base weights of the UNet and text encoder(s) are read from
         ``model_dir``'s safetensors (checked weight by weight against the artifact's refit maps; no model class is
@@ -394,9 +409,9 @@ class EnginePipeline:
         the ONNX initializers whose value changed (and those the previous LoRA changed) are refitted with
         ``tensorrt.Refitter``. Takes seconds (weights read + refit); the CUDA graphs are re-captured on the next call.
 
-        ONNX Runtime artifacts are refused: their sessions cannot swap weights in place (a new session per LoRA
-        would re-run graph optimisation and double the memory while it loads); merge the LoRA at compile time
-        with ``diffusion-trt compile MODEL --lora FILE:SCALE`` instead.
+        ONNX Runtime artifacts compiled without ``--refittable`` are refused (their weights are constants of the
+        session): recompile with ``--refittable``, or merge the LoRA with ``diffusion-trt compile MODEL --lora
+        FILE:SCALE``.
 
         Args:
             path: a ``.safetensors`` LoRA (the LoRA formats diffusers' ``load_lora_weights`` reads; DoRA, LoKr and
@@ -411,16 +426,20 @@ class EnginePipeline:
 
         Raises:
             LoraError: a missing / non-safetensors file or a bad scale; the file merged into the artifact at compile
-                time already (applying it again would double it); an ORT artifact; a TensorRT artifact built without
-                ``--refittable``; a model folder that is missing or not the artifact's source; a LoRA changing
-                weights the engines cannot refit; pickle weights in the model folder without ``trust_pickle``.
+                time already (applying it again would double it); an artifact built without ``--refittable``;
+                several LoRAs on TensorRT; TensorRT: a model folder that is missing or not the artifact's source, a
+                LoRA changing weights the engines cannot refit, pickle weights in the model folder without
+                ``trust_pickle``; ORT: see :func:`~.lora_slots.apply_loras`.
         """
         from ..lora import check_lora_file
         from .refit import onnx_initializers, refit_weights
 
         if self._closed:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
-        lora = check_lora_file(path, scale)
+        if self._weight_slots:
+            return self._load_lora_inputs(path, scale)
+        specs = lora_list(path, scale)
+        lora = check_lora_file(*specs[0])
         for rec in self.manifest.get("loras", []):
             if rec.get("sha256") == lora.sha256:
                 raise LoraError(
@@ -430,10 +449,13 @@ class EnginePipeline:
         backend = self.manifest.get("backend")
         if backend != "tensorrt":
             raise LoraError(
-                f"load_lora refits TensorRT engines built with --refittable; this is a {backend!r} artifact, whose "
-                f"ONNX Runtime sessions cannot swap weights in place: merge the LoRA at compile time with "
-                f"`diffusion-trt compile MODEL --lora {lora.path.name}:{lora.scale:g}`"
+                f"LoRA {lora.path.name}: this {backend!r} artifact was compiled without --refittable (its weights are "
+                f"constants of the ONNX Runtime sessions); recompile with `diffusion-trt compile MODEL --refittable`, "
+                f"or merge the LoRA at compile time with `diffusion-trt compile MODEL --lora "
+                f"{lora.path.name}:{lora.scale:g}`"
             )
+        if len(specs) > 1:
+            raise LoraError("several LoRAs at once: ONNX Runtime --refittable artifacts only; TensorRT refit takes one")
         comps = {c: e for c, e in self.manifest["components"].items() if e.get("refit_map") and c in self.engines}
         if not comps:
             raise LoraError(
@@ -455,10 +477,47 @@ class EnginePipeline:
                 )
         self.embedding_cache.clear()  # the text encoder may have changed
         self._lora_weights = weights
+        self._trt_lora_path = lora.path
         self.lora = {**lora.record({}), "refitted": {c: len(v) for c, v in weights.items()}}
         self.lora.pop("layers")
         logger.info("LoRA %s (scale %g): refitted %s", lora.path.name, lora.scale, self.lora["refitted"])
         return dict(self.lora)
+
+    def _load_lora_inputs(self, path: Any, scale: Any) -> dict[str, Any]:
+        """:meth:`load_lora` on an ONNX Runtime ``--refittable`` artifact (see :mod:`~.lora_slots`)."""
+        from ..lora import check_lora_file
+
+        files = [check_lora_file(p, s) for p, s in lora_list(path, scale)]
+        merged = {rec.get("sha256"): rec for rec in self.manifest.get("loras", [])}
+        for lora in files:
+            if lora.sha256 in merged:
+                raise LoraError(
+                    f"LoRA {lora.path.name} is merged into this artifact already (compile --lora, scale "
+                    f"{merged[lora.sha256].get('scale')}); loading it again would apply it twice"
+                )
+        changed = apply_loras(self._weight_slots, files)
+        self.embedding_cache.clear()  # the text encoder may have changed
+        records = [{"file": f.path.name, "sha256": f.sha256, "scale": f.scale} for f in files]
+        self.lora = {"loras": records, "changed": changed}
+        logger.info("LoRA %s: %s", " + ".join(f"{f.path.name}:{f.scale:g}" for f in files), changed)
+        return dict(self.lora)
+
+    def unload_lora(self) -> None:
+        """Back to the compiled (base) weights (a no-op when no LoRA is loaded): ONNX Runtime ``--refittable``
+        artifacts bind the base tensors again (bit for bit); TensorRT ones refit the last LoRA at scale 0.
+
+        Raises:
+            LoraError: as :meth:`load_lora` (TensorRT: the model folder it reads the base weights from).
+        """
+        if not self._weight_slots:
+            if self.lora is not None:
+                self.load_lora(self._trt_lora_path, 0.0)
+                self.lora = None
+            return
+        for slots in self._weight_slots.values():
+            slots.bind({})
+        self.embedding_cache.clear()
+        self.lora = None
 
     # -- lifecycle --------------------------------------------------------------------------------------
 
@@ -813,7 +872,7 @@ def _check_device(root: Path, manifest: Mapping[str, Any], device: str | None) -
 
 
 def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, stream: torch.cuda.Stream | None,
-                  residency: Residency | None) -> dict[str, Engine]:
+                  residency: Residency | None, weight_slots: Mapping[str, Any] | None = None) -> dict[str, Engine]:
     """The artifact's engines (unopened), as ``options`` and the VRAM plan ``residency`` say."""
     manifest = reader.manifest
     backend = str(manifest["backend"])
@@ -838,14 +897,15 @@ def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, str
     else:
         if options.deterministic and (note := compile_time_note(manifest, device)) is not None:
             logger.warning("%s", note)
-        engines = _ort_engines(reader, device, options, stream, derived, bool(cuda_graph), residency)
+        engines = _ort_engines(reader, device, options, stream, derived, bool(cuda_graph), residency,
+                               weight_slots or {})
         engines = bucket_engines(engines, buckets, manifest, device, options.cuda_graph)
     return residency.wrap(engines) if residency is not None else engines
 
 
 def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stream: torch.cuda.Stream | None,
                  derived: Mapping[str, tuple[str, int]], cuda_graph: bool,
-                 residency: Residency | None) -> dict[str, Engine]:
+                 residency: Residency | None, weight_slots: Mapping[str, Any]) -> dict[str, Engine]:
     """The ONNX Runtime engines of a verified artifact, with the CUDA provider options of each component."""
     from .ort_engine import OrtEngine
 
@@ -872,6 +932,7 @@ def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stre
             source=functools.partial(reader.onnx, str(entry["onnx"])),
             deterministic=options.deterministic,
             graph_optimization_level=options.graph_optimization_level,
+            weight_inputs=weight_slots.get(name),
         )
     return engines
 

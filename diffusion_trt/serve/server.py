@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DiffusionTrtError, RuntimeInputError
+from ..errors import DiffusionTrtError, LoraError, RuntimeInputError
 from . import pytriton_proxy, triton_model
 from .pytriton_proxy import StatusError
 from .triton_model import RequestError, parse_request
@@ -71,6 +71,8 @@ class ServeConfig:
         scheduler: scheduler short name; ``None`` = the model's.
         vram_budget: device memory the pipeline may use ("8GB", bytes; see ``EnginePipeline.from_artifacts``),
             checked at load for the default size and ``max_batch_size`` images; ``None`` = no budget.
+        lora_dir: the folder of LoRAs a request may name in its ``lora`` input (:mod:`.loras`; an artifact compiled
+            with ``--refittable``); ``None`` = no ``lora`` input.
     """
 
     host: str = "127.0.0.1"
@@ -87,6 +89,7 @@ class ServeConfig:
     device: str | None = None
     scheduler: str | None = None
     vram_budget: str | int | None = None
+    lora_dir: str | None = None
 
     def limits(self) -> dict[str, float]:
         return {"max_prompt_chars": self.max_prompt_chars, "max_steps": self.max_steps,
@@ -106,7 +109,7 @@ class _Job:
     @property
     def key(self) -> tuple[Any, ...]:
         p = self.params
-        return (p["height"], p["width"], p["steps"], p["guidance_scale"])
+        return (p["height"], p["width"], p["steps"], p["guidance_scale"], p.get("lora"))
 
 
 class MicroBatcher:
@@ -127,6 +130,7 @@ class MicroBatcher:
         self._held: list[_Job] = []  # taken from the queue but not compatible with the batch being formed
         self._stop = threading.Event()
         self.batches: list[int] = []  # sizes of the calls made (for tests and logs)
+        self._lora: tuple[str, float] | None = None  # the LoRA the pipeline has loaded (serve --lora-dir)
         self._thread = threading.Thread(target=self._run, name="diffusion-trt-batcher", daemon=True)
         self._thread.start()
 
@@ -183,6 +187,7 @@ class MicroBatcher:
 
         p = batch[0].params
         try:
+            self._use_lora(p.get("lora"))
             out = self.pipe(
                 prompt=[j.params["prompt"] for j in batch],
                 negative_prompt=[j.params["negative_prompt"] for j in batch],
@@ -205,6 +210,18 @@ class MicroBatcher:
                 job.future.set_exception(e)
 
 
+    def _use_lora(self, lora: tuple[str, float] | None) -> None:
+        """Load the batch's LoRA (or go back to the base) when it is not the one loaded; a refused LoRA leaves the
+        pipeline as it was (``load_lora`` checks everything first)."""
+        if lora == self._lora:
+            return
+        if lora is None:
+            self.pipe.unload_lora()
+        else:
+            self.pipe.load_lora([lora])
+        self._lora = lora
+
+
 def _python_backend_libpath() -> None:
     """Let tritonserver's Python-backend stub load *this* interpreter's libpython.
 
@@ -223,7 +240,13 @@ def bind_pipeline(triton: Any, pipe: Any, config: ServeConfig) -> MicroBatcher:
     """Bind model :data:`MODEL_NAME` to ``triton`` (a ``pytriton.triton.Triton``); returns the batcher."""
     from pytriton.model_config import ModelConfig, Tensor
 
+    from .loras import FIELD, LoraLibrary
+
     facts = {"model": pipe.manifest["model"], "profile": pipe.manifest["profile"], "limits": config.limits()}
+    library = LoraLibrary(config.lora_dir) if config.lora_dir is not None else None
+    if library is not None and not any(e.get("refit_map") for e in pipe.manifest["components"].values()):
+        raise LoraError("serve --lora-dir: this artifact was compiled without --refittable, so it cannot take a LoRA "
+                        "per request; recompile with `diffusion-trt compile MODEL --refittable`")
     cap = int(pipe.profile.batch.max)
     # at most `instances` requests are in this process at once (the rest wait in Triton's bounded queue), so the
     # batcher's own queue never refuses one
@@ -233,7 +256,9 @@ def bind_pipeline(triton: Any, pipe: Any, config: ServeConfig) -> MicroBatcher:
         futures = []
         for request in requests:  # unbatched model: one request per call
             try:
-                params = parse_request({name: request.data.get(name) for name in request.data}, facts)
+                data = {name: request.data.get(name) for name in request.data}
+                lora = library.resolve(data.pop(FIELD, None)) if library is not None else None
+                params = {**parse_request(data, facts), "lora": lora}
             except RequestError as e:  # 400 / INVALID_ARGUMENT, this line only (pytriton_proxy)
                 raise StatusError("INVALID_ARG", str(e)) from None
             futures.append(batcher.submit(params))
@@ -242,6 +267,8 @@ def bind_pipeline(triton: Any, pipe: Any, config: ServeConfig) -> MicroBatcher:
     dtypes = {"BYTES": bytes, "INT64": np.int64, "INT32": np.int32, "FP32": np.float32}
     inputs = [Tensor(name=name, dtype=dtypes[t], shape=(1,), optional=True)
               for name, (_kinds, t) in triton_model.FIELDS.items()]
+    if library is not None:
+        inputs.append(Tensor(name=FIELD, dtype=bytes, shape=(1,), optional=True))
     triton.bind(
         model_name=MODEL_NAME,
         infer_func=[infer] * config.instances,
@@ -257,7 +284,7 @@ def _image(future: Future[np.ndarray]) -> np.ndarray:
     """The future's image; a runtime check the request failed (RuntimeInputError) is the client's error (400)."""
     try:
         return future.result()
-    except RuntimeInputError as e:
+    except (RuntimeInputError, LoraError) as e:
         raise StatusError("INVALID_ARG", str(e)) from None
 
 
