@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx.external_data_helper
 
+from .artifacts import external_data_target, onnx_model_tensors
 from .errors import ModelFileError
 from .passes import PassContext, PassRecord, _ort, pipeline_for
 from .passes.base import MIN_OPSET, default_domain_opset
@@ -112,22 +114,51 @@ def parse_shape(text: str) -> tuple[str, list[int]]:
 
 
 def load_model(path: Path) -> onnx.ModelProto:
-    """Load an ONNX file with its external data (looked up beside it).
+    """Load an ONNX file with its external data, which must lie beside it (in its folder or below).
+
+    The model is parsed once without its weights; every tensor that claims external data, wherever the protobuf
+    holds it (:func:`~diffusion_trt.artifacts.onnx_model_tensors`: functions, their attribute defaults,
+    ``training_info`` and subgraphs included), must name a regular file inside the model's folder, which is then read
+    into the tensor. A location that is empty, absolute, has ``..`` or leads out through a symbolic link is refused
+    before any file is opened: no tensor is left for ONNX Runtime to resolve against the working directory.
 
     Raises:
-        ModelFileError: the file is missing, not an ONNX model, or its external data is missing.
+        ModelFileError: the file is missing, not an ONNX model, or an external-data file is missing or outside.
     """
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"{str(path)!r} does not exist or is not a file; pass the path of an .onnx model")
     try:
-        return onnx.load(str(path))
-    except FileNotFoundError as err:
-        raise ModelFileError(f"{str(path)!r}: its external data {err.filename or err} is missing; keep the weight "
-                             "files next to the .onnx file, as the exporter wrote them") from err
+        model = onnx.load(str(path), load_external_data=False)
     except Exception as err:  # protobuf DecodeError and friends
         raise ModelFileError(f"{str(path)!r} is not an ONNX model ({type(err).__name__}: {err}); pass an .onnx "
                              "file") from err
+    for tensor in onnx_model_tensors(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            _load_external(tensor, path)
+    return model
+
+
+def _load_external(tensor: onnx.TensorProto, model_path: Path) -> None:
+    """Read one tensor's external data from beside ``model_path`` (see :func:`load_model`)."""
+    location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+    target = external_data_target(model_path.name, location)
+    base = model_path.parent.resolve()
+    file = base.joinpath(target) if target is not None else None
+    if file is None or not file.resolve().is_relative_to(base):
+        raise ModelFileError(f"{str(model_path)!r}: tensor {tensor.name!r} has its external data at {location!r}, "
+                             f"outside the model's folder {str(model_path.parent)!r}; keep the weight files next to "
+                             "the .onnx file, as the exporter wrote them")
+    if not file.is_file():
+        raise ModelFileError(f"{str(model_path)!r}: its external data {str(file)!r} (tensor {tensor.name!r}) is "
+                             "missing; keep the weight files next to the .onnx file, as the exporter wrote them")
+    try:
+        onnx.external_data_helper.load_external_data_for_tensor(tensor, str(base))
+    except (OSError, ValueError) as err:
+        raise ModelFileError(f"{str(model_path)!r}: the external data of tensor {tensor.name!r} in {location!r} "
+                             f"cannot be read ({err}); re-export the model") from err
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    del tensor.external_data[:]
 
 
 def ensure_min_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int, int]:
