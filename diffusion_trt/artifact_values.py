@@ -5,8 +5,9 @@ can edit a manifest and reseal it). So whatever the manifest and the shipped con
 runtime uses it, the same way in ``verify`` and in the loader:
 
 * :func:`parse_json`: UTF-8, JSON, no ``NaN``/``Infinity``, nesting at most :data:`MAX_JSON_DEPTH`, integers of at
-  most :data:`MAX_INT_DIGITS` digits; every failure is one :class:`~diffusion_trt.errors.ArtifactError` line
-  (never ``UnicodeDecodeError``, ``RecursionError`` or the interpreter's int-parsing ``ValueError``).
+  most :data:`MAX_INT_DIGITS` digits, no lone surrogate escape; every failure is one
+  :class:`~diffusion_trt.errors.ArtifactError` line (never ``UnicodeDecodeError``, ``RecursionError``, the
+  interpreter's int-parsing ``ValueError`` or, later, a ``UnicodeEncodeError``).
 * :func:`schema_problems`: JSON Schema validation where integers are JSON integers (``1000``, not ``1000.0`` or
   ``true``), one line per violation with its JSON path.
 * :func:`scheduler_config_problems`: ``scheduler_config.json`` against ``data/scheduler_config.schema.json``
@@ -20,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import json
+import re
 from collections.abc import Collection
 from typing import Any
 
@@ -43,17 +45,25 @@ def _constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _depth_exceeded(data: Any, limit: int) -> bool:
-    """Whether ``data`` nests deeper than ``limit`` (iterative: a deep document must not recurse here either)."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _tree_problem(data: Any, limit: int) -> str | None:
+    """Why a parsed document cannot be used: nested deeper than ``limit``, or a string or key holding a lone surrogate
+    (``"\\ud800"``: JSON allows the escape, but no UTF-8 text can hold it, so printing or hashing it raises); ``None``
+    when neither. Iterative: a deep document must not recurse here either."""
     stack = [(data, 1)]
     while stack:
         value, depth = stack.pop()
-        if isinstance(value, dict | list):
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return f"holds a lone surrogate escape ({ascii(value)[:60]}), which is no character of UTF-8 text"
+        elif isinstance(value, dict | list):
             if depth > limit:
-                return True
-            children = value.values() if isinstance(value, dict) else value
-            stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-    return False
+                return f"nests objects/arrays deeper than {limit} levels"
+            children = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+            stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list | str))
+    return None
 
 
 def parse_json(data: bytes, where: str, fix: str = "recompile the artifact") -> Any:
@@ -66,7 +76,8 @@ def parse_json(data: bytes, where: str, fix: str = "recompile the artifact") -> 
 
     Raises:
         ArtifactError: not UTF-8, not JSON, ``NaN``/``Infinity``, an integer of more than :data:`MAX_INT_DIGITS`
-            digits, or nested deeper than :data:`MAX_JSON_DEPTH`; one line naming the file, the cause and ``fix``.
+            digits, nested deeper than :data:`MAX_JSON_DEPTH`, or a lone surrogate (``"\\ud800"``) in a string or key;
+            one line naming the file, the cause and ``fix``.
     """
     try:
         text = data.decode("utf-8")
@@ -78,8 +89,9 @@ def parse_json(data: bytes, where: str, fix: str = "recompile the artifact") -> 
         raise ArtifactError(f"{where} nests deeper than Python can parse; {fix}") from None
     except ValueError as e:  # JSONDecodeError is a ValueError, and so are _int's and _constant's refusals
         raise ArtifactError(f"{where} is not valid JSON ({e}); {fix}") from None
-    if _depth_exceeded(value, MAX_JSON_DEPTH):
-        raise ArtifactError(f"{where} nests objects/arrays deeper than {MAX_JSON_DEPTH} levels; {fix}")
+    problem = _tree_problem(value, MAX_JSON_DEPTH)
+    if problem is not None:
+        raise ArtifactError(f"{where} {problem}; {fix}")
     return value
 
 
