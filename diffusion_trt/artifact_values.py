@@ -46,12 +46,36 @@ def _constant(name: str) -> Any:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+#: What a terminal may act on or hide: C0 controls (ESC starts the sequences that set a window title or clear the
+#: screen; CR rewrites a line), DEL, C1 controls, zero-width and bidirectional marks, lone surrogates, BOM.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ud800-\udfff\ufeff]")
+_UNPRINTABLE_BUT_NEWLINE = re.compile(_UNPRINTABLE.pattern.replace("\x00-\x1f", "\x00-\x09\x0b-\x1f"))
+
+
+def printable(text: str, newlines: bool = False) -> str:
+    """``text`` with every character a terminal would act on (or hide) written as its Python escape (``\\x1b``,
+    ``\\u202e``), so what an artifact says is shown, never executed: for everything printed from an artifact (its
+    manifest's values, file names, error messages quoting them). ``newlines``: keep ``\\n`` (a message of several
+    lines of our own); otherwise it is escaped too, so a value cannot fake a line of output."""
+    pattern = _UNPRINTABLE_BUT_NEWLINE if newlines else _UNPRINTABLE
+    return pattern.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+def printable_tree(data: Any) -> Any:
+    """A copy of parsed JSON with :func:`printable` applied to every string, keys included."""
+    if isinstance(data, str):
+        return printable(data)
+    if isinstance(data, dict):
+        return {printable_tree(k): printable_tree(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [printable_tree(v) for v in data]
+    return data
 
 
 def _tree_problem(data: Any, limit: int) -> str | None:
-    """Why a parsed document cannot be used: nested deeper than ``limit``, or a string or key holding a lone surrogate
-    (``"\\ud800"``: JSON allows the escape, but no UTF-8 text can hold it, so printing or hashing it raises); ``None``
-    when neither. Iterative: a deep document must not recurse here either."""
+    """Why a parsed document cannot be used: nested deeper than ``limit``, a string or key holding a lone surrogate
+    (``"\\ud800"``: JSON allows the escape, but no UTF-8 text can hold it, so printing or hashing it raises), or a key
+    holding a NUL; ``None`` when none of these. Iterative: a deep document must not recurse here either."""
     stack = [(data, 1)]
     while stack:
         value, depth = stack.pop()
@@ -61,6 +85,9 @@ def _tree_problem(data: Any, limit: int) -> str | None:
         elif isinstance(value, dict | list):
             if depth > limit:
                 return f"nests objects/arrays deeper than {limit} levels"
+            if isinstance(value, dict) and any("\0" in k for k in value):
+                key = next(k for k in value if "\0" in k)
+                return f"has a key with a NUL character ({ascii(key)[:60]}), which no name of ours holds"
             children = [*value.keys(), *value.values()] if isinstance(value, dict) else value
             stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list | str))
     return None
@@ -76,8 +103,8 @@ def parse_json(data: bytes, where: str, fix: str = "recompile the artifact") -> 
 
     Raises:
         ArtifactError: not UTF-8, not JSON, ``NaN``/``Infinity``, an integer of more than :data:`MAX_INT_DIGITS`
-            digits, nested deeper than :data:`MAX_JSON_DEPTH`, or a lone surrogate (``"\\ud800"``) in a string or key;
-            one line naming the file, the cause and ``fix``.
+            digits, nested deeper than :data:`MAX_JSON_DEPTH`, a lone surrogate (``"\\ud800"``) in a string or key, or a
+            NUL in a key; one line naming the file, the cause and ``fix``.
     """
     try:
         text = data.decode("utf-8")

@@ -46,6 +46,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -66,6 +67,9 @@ COMPONENTS: tuple[str, ...] = ("text_encoder", "unet", "vae_decoder", "vae_encod
 REQUIRED_COMPONENTS: tuple[str, ...] = ("text_encoder", "unet", "vae_decoder")
 
 _HASH_CHUNK = 1 << 20
+#: The most bytes ``manifest.json`` may have (real ones are tens of kB); every reader of it
+#: (:func:`read_manifest_bytes`, :class:`~diffusion_trt.artifact_reader.ArtifactReader`) refuses a larger one unread.
+MAX_MANIFEST_BYTES = 64 << 20
 
 #: The manifest key that seals the rest of the manifest (see :func:`manifest_digest`).
 SEAL_KEY = "manifest_sha256"
@@ -719,13 +723,40 @@ def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
     path = root / MANIFEST_NAME
     if not path.is_file():
         raise ArtifactError(f"{path} is missing; {root} is not a compiled artifact (run `diffusion-trt compile`)")
-    manifest = parse_manifest(path.read_bytes(), path)
+    manifest = parse_manifest(read_manifest_bytes(path), path)
     problems = manifest_problems(manifest)
     if problems:
         raise ArtifactError(
             f"{path} is not a valid artifact manifest (run `diffusion-trt verify {root}`):\n  " + "\n  ".join(problems)
         )
     return manifest
+
+
+def read_manifest_bytes(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of a ``manifest.json``, at most :data:`MAX_MANIFEST_BYTES` (a 1 GB manifest was read whole, then
+    parsed into several GB). Opened non-blocking (a FIFO in its place must not hang us).
+
+    Raises:
+        ArtifactError: not a regular file, larger than the cap, or unreadable; one line with the fix.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as e:
+        raise ArtifactError(f"{path} cannot be opened ({e.strerror}); check the path and its permissions") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ArtifactError(f"{path} is not a regular file; recopy or recompile the artifact")
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise ArtifactError(f"{path} has {st.st_size} bytes, more than {MAX_MANIFEST_BYTES} (real manifests have "
+                                "tens of kB); recompile the artifact")
+        try:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+        except OSError as e:
+            raise ArtifactError(f"{path} cannot be read ({e.strerror}); recopy the artifact") from None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ArtifactError(f"{path} grew past {MAX_MANIFEST_BYTES} bytes while it was read; recompile the artifact")
+    return data
 
 
 def parse_manifest(data: bytes, path: str | os.PathLike[str]) -> dict[str, Any]:

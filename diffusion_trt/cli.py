@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from .artifact_values import printable  # re and json: light
 from .compiler.dummy import ARCHS  # a tuple of names: dummy.py imports torch/diffusers only when called
 from .errors import DiffusionTrtError
 from .runtime.schedulers import scheduler_names  # a table of names: diffusers is imported only when one is built
@@ -38,7 +39,7 @@ class _CliFormatter(logging.Formatter):
     """Our log lines as they are, warnings with the ``warning:`` prefix README.md promises."""
 
     def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
+        text = printable(super().format(record), newlines=True)  # a log line may quote an artifact's file names
         return f"warning: {text}" if record.levelno == logging.WARNING else text
 
 
@@ -174,7 +175,7 @@ def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except DiffusionTrtError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {printable(str(e), newlines=True)}", err=True)  # it may quote what an artifact says
             sys.exit(e.exit_code)
         except OSError as e:
             logger.debug("%s", type(e).__name__, exc_info=True)
@@ -935,6 +936,7 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
     """
     import json
 
+    from .artifact_values import printable_tree
     from .artifacts import leftover_warnings, read_manifest
     from .runtime.residency import memory_summary
     from .summary import artifact_summary, format_summary
@@ -943,8 +945,9 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
     summary = artifact_summary(artifact_dir, manifest)
     summary["memory"] = memory_summary(artifact_dir, manifest)
     for line in leftover_warnings(artifact_dir):
-        click.echo(f"warning: {line}", err=True)
-    click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
+        click.echo(f"warning: {printable(line)}", err=True)
+    # JSON escapes control characters itself (ensure_ascii); the text shows each string of the manifest escaped
+    click.echo(json.dumps(summary, indent=2) if as_json else format_summary(printable_tree(summary)))
 
 
 @main.command("verify")
@@ -985,10 +988,10 @@ def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: 
     report = verify_artifact(artifact_dir, check_hashes=not no_hashes, check_host=not no_host, trt_host=target,
                              expect_sha256=expect_sha256, source=source)
     for line in report.warnings:
-        click.echo(f"warning: {line}", err=True)
+        click.echo(f"warning: {printable(line)}", err=True)
     if not report.ok:
         for line in report.problems:
-            click.echo(f"problem: {line}")
+            click.echo(f"problem: {printable(line)}")
         click.echo(f"{artifact_dir}: {len(report.problems)} problem(s)", err=True)
         sys.exit(3)
     what = "sha256 and size" if not no_hashes else "size"
