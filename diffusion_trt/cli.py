@@ -738,7 +738,9 @@ def _print_pass_table(path: Path) -> None:
 @click.option("--pass-option", "pass_options", multiple=True, metavar="KEY=VALUE",
               help="Per-pass option (JSON value), e.g. fuse_attention_emit=none; repeatable.")
 @click.option("--check", is_flag=True,
-              help="Run original and optimized graphs in ONNX Runtime; report max abs / cosine per output.")
+              help="Run original and optimized graphs in ONNX Runtime; report max abs / cosine per output and "
+                   "exit 1 (OUTPUT removed) when one fails: cosine < 0.999, or max abs over 0.05 x the output's "
+                   "scale for fp16 (0.001 x for fp32), or not finite.")
 @click.option("--inputs", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="An .npz with one array per graph input (fp16 calibration and --check); default: random.")
 @click.option("--shape", "shapes", multiple=True, metavar="NAME:DxDx..",
@@ -760,7 +762,7 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
       diffusion-trt optimize model.onnx -o out.onnx --pass-option fuse_attention_emit=none --dump-passes dump/
     """
     from .errors import ModelFileError
-    from .optimize import format_table, optimize_file, parse_shape
+    from .optimize import check_verdict, format_table, optimize_file, parse_shape
 
     if not click.get_current_context().find_root().params.get("verbose"):  # the table says it all once
         logging.getLogger("diffusion_trt.passes.base").setLevel(logging.WARNING)
@@ -797,6 +799,7 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
     click.echo(format_table(result), err=True)
     if json_path is not None:
         json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    check_verdict(result)  # --check failed: OUTPUT removed, exit 1
     click.echo(f"wrote: {', '.join(str(f) for f in result.files)}")
 
 

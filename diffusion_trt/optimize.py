@@ -13,7 +13,6 @@ this module only loads, saves, makes inputs and compares. The command line in cl
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import time
@@ -27,11 +26,13 @@ import onnx
 import onnx.external_data_helper
 
 from .artifacts import external_data_target, onnx_model_tensors
-from .errors import ModelFileError
+from .errors import ModelFileError, PassError
 from .passes import PassContext, PassRecord, _ort, pipeline_for
 from .passes.base import MIN_OPSET, default_domain_opset
 from .passes.fp16_check import Fp16Check, optimize_fp16_checked
 from .passes.options import check_pass_options
+from .passes.parity import OutputParity, worst_parity
+from .passes.parity import failures as parity_failures
 
 logger = logging.getLogger(__name__)
 
@@ -47,21 +48,6 @@ _SHAPE = re.compile(r"^(?P<name>.+):(?P<dims>\d+(x\d+)*)$")
 
 
 @dataclass
-class OutputParity:
-    """One output of ``--check``: ``max_abs`` = max |optimized - original|, ``cosine`` of the flattened arrays,
-    ``scale`` = max |original| (the tolerance of a fp32 check is 1e-4 of it)."""
-
-    name: str
-    max_abs: float
-    cosine: float
-    scale: float
-    finite: bool
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: (float(v) if isinstance(v, float | np.floating) else v) for k, v in dataclasses.asdict(self).items()}
-
-
-@dataclass
 class Parity:
     """``--check``: where each graph ran and the per-output comparison; ``outputs`` empty and ``note`` set when a
     graph could not run here."""
@@ -70,6 +56,12 @@ class Parity:
     optimized_provider: str
     outputs: list[OutputParity] = field(default_factory=list)
     note: str = ""
+
+    def failures(self, precision: str) -> list[str]:
+        """The verdict of :mod:`diffusion_trt.passes.parity` (cosine >= MIN_COSINE, max abs within
+        MAX_ABS_OF_SCALE[precision] x the output's scale, finite): one line per failing output; empty when every
+        output passes or nothing could be compared (``note`` says why)."""
+        return parity_failures(self.outputs, precision)
 
     def to_json(self) -> dict[str, Any]:
         return {"original_provider": self.original_provider, "optimized_provider": self.optimized_provider,
@@ -348,25 +340,24 @@ def compare(original: onnx.ModelProto, optimized: onnx.ModelProto,
         why = ref if isinstance(ref, str) else new
         return Parity("" if isinstance(ref, str) else ref.provider, "" if isinstance(new, str) else new.provider,
                       note=f"not compared: {which} cannot run on this machine ({why})")
-    worst: dict[str, OutputParity] = {}
-    for feed in feeds:
-        a, b = ref.run(feed), new.run(feed)
-        for name, value in a.items():
-            if name not in b:
-                continue
-            x, y = np.asarray(value, np.float64).ravel(), np.asarray(b[name], np.float64).ravel()
-            if x.shape != y.shape:
-                worst[name] = OutputParity(name, float("inf"), 0.0, 0.0, False)
-                continue
-            finite = bool(np.all(np.isfinite(y)))
-            diff = float(np.max(np.abs(x - y))) if x.size else 0.0
-            norm = float(np.linalg.norm(x) * np.linalg.norm(y))
-            cosine = float(np.dot(x, y) / norm) if norm > 0 else float(np.array_equal(x, y))
-            scale = float(np.max(np.abs(x))) if x.size else 0.0
-            item = OutputParity(name, diff, cosine, scale, finite)
-            if name not in worst or item.max_abs > worst[name].max_abs:
-                worst[name] = item
-    return Parity(ref.provider, new.provider, list(worst.values()))
+    return Parity(ref.provider, new.provider, worst_parity((ref.run(feed), new.run(feed)) for feed in feeds))
+
+
+def check_verdict(result: OptimizeResult) -> None:
+    """``--check``'s verdict (:meth:`Parity.failures`): when an output fails it, the files written are removed and
+    the run fails, so a silently wrong graph is never left as OUTPUT.
+
+    Raises:
+        PassError: an output fails (the message names it, its cosine and difference, and the thresholds).
+    """
+    why = result.parity.failures(result.precision) if result.parity is not None else []
+    if not why:
+        return
+    for path in result.files:
+        path.unlink(missing_ok=True)
+    raise PassError(f"--check: the optimized graph does not match the original ({'; '.join(why)}); nothing was "
+                    "written. For fp16, keep the nodes feeding that output in fp32 (--pass-option "
+                    "convert_fp16_fp32_nodes='[\"NAME\"]', names in --dump-passes) or use --precision fp32")
 
 
 def format_table(result: OptimizeResult) -> str:
