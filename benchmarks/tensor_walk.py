@@ -1,7 +1,7 @@
 """The cost of finding every tensor of a big ONNX model (issue 24 item 1): the parse next to the generic protobuf
 walk (:func:`diffusion_trt.artifacts.onnx_model_tensors`), on one UNet-sized proto.
 
-    python benchmarks/tensor_walk.py [--gb 1.0] [--initializers 700] [--nodes 5000] [--json out.json]
+    PYTHONPATH=. python benchmarks/tensor_walk.py [--gb 1.0] [--initializers 700] [--nodes 5000] [--json out.json]
 
 Builds in memory a model of ``--initializers`` fp32 initializers sharing ``--gb`` GB and ``--nodes`` Conv nodes with
 three attributes each (SD-1.5's UNet: 1.7 GB, ~700 initializers), serializes it, parses it once as a reader does and
@@ -59,7 +59,7 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"command": "python benchmarks/tensor_walk.py " + " ".join(
+            json.dump({"command": "PYTHONPATH=. python benchmarks/tensor_walk.py " + " ".join(
                 f"--{k} {v}" for k, v in vars(args).items() if k != "json" and v is not None), **result}, f, indent=2)
 
 

@@ -270,8 +270,8 @@ def onnx_model_tensors(model: Any) -> Iterator[Any]:
     never touched, so the time goes with the nodes and attributes, not the weights. The fields are read by name from
     the plan rather than with ``ListFields()`` on every message, which measured 5 us per AttributeProto (it wraps
     every set field, ``ints`` included). On a 1 GB model of 700 initializers and 5000 nodes
-    (``benchmarks/tensor_walk.py``, 2 loaded cores) the walk took ~90 ms against ~1.4 s for the parse, no slower than
-    the hand-listed walk it replaced.
+    (``benchmarks/tensor_walk.py``, 2 loaded cores) the walk took 60-80 ms against 1.1-1.3 s for the parse, no
+    slower than the hand-listed walk it replaced.
     """
     root = model.DESCRIPTOR
     plan = _tensor_fields(root)
