@@ -94,9 +94,9 @@ def read_shapes(path: str | Path) -> dict[str, list[int]]:
         header = f.read(size) if 0 < size <= _MAX_HEADER else b""
     fix = "re-download or re-save it"
     try:
-        data = parse_json(header, str(path), fix) if header else None
+        data = parse_json(header, "its header", fix) if header else None
     except ArtifactError as e:  # too deep, not UTF-8, a lone surrogate... (one line): a bad input here, exit 2
-        raise ModelFolderError(f"{e} (its safetensors header)") from None
+        raise ModelFolderError(f"{path} is not a valid safetensors file: {e}") from None
     if not isinstance(data, dict):
         raise ModelFolderError(f"{path} is not a valid safetensors file (unreadable header); {fix}")
     shapes = {}
