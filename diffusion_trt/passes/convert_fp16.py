@@ -131,7 +131,8 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
 
     Counts: ``fp16_nodes``, ``fp32_nodes`` (nodes with float data kept fp32), ``constants`` (converted),
         ``clipped`` (constants whose float32 extremes became fp16's), ``fp32_wide_constants`` (nodes kept fp32
-        because they read a constant beyond fp16's range), ``Cast_inserted``, ``Cast_removed``; with
+        because they read a constant beyond fp16's range; only when there are any), ``Cast_inserted``,
+        ``Cast_removed``; with
         ``convert_fp16_fp32_attention``: ``fp32_attention`` (attention sites kept fp32).
 
     Raises:
@@ -148,8 +149,8 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
     _lower_constant_nodes(graph)
     graph.cleanup()  # drops the emptied Constant nodes
     annotate_shapes(graph, ctx.options_for(InferShapesOptions))  # the dtypes the classification below reads
-    counts = {"fp16_nodes": 0, "fp32_nodes": 0, "constants": 0, "clipped": 0, "fp32_wide_constants": 0,
-              "Cast_inserted": 0, "Cast_removed": 0}
+    counts = {"fp16_nodes": 0, "fp32_nodes": 0, "constants": 0, "clipped": 0, "Cast_inserted": 0,
+              "Cast_removed": 0}
     wide: dict[int, bool] = {}  # id(constant) -> holds a value beyond fp16's range (a weight read by several nodes)
     fp32_ids: set[int] = set()
     if options.fp32_attention:
@@ -163,7 +164,7 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
         fp16 = _fp16_node(node, fp32_ops, fp32_names) and id(node) not in fp32_ids
         if fp16 and _reads_wide_constant(node, wide):
             fp16 = False
-            counts["fp32_wide_constants"] += 1
+            counts["fp32_wide_constants"] = counts.get("fp32_wide_constants", 0) + 1  # listed only when > 0
             logger.debug("convert_fp16: %s %r kept fp32: it reads a constant beyond +-%g", node.op, node.name,
                          FP16_MAX)
         has_float = any(_is_float(t) for t in (*node.inputs, *node.outputs) if t.name)
