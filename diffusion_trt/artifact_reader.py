@@ -33,8 +33,8 @@ from .errors import ArtifactError
 
 logger = logging.getLogger(__name__)
 
-#: The most bytes ``manifest.json`` may have (real ones are tens of kB).
-MAX_MANIFEST_BYTES = 64 << 20
+#: The most bytes ``manifest.json`` may have: one cap for every reader (:data:`artifacts.MAX_MANIFEST_BYTES`).
+MAX_MANIFEST_BYTES = artifacts.MAX_MANIFEST_BYTES
 
 
 class ArtifactReplacedError(ArtifactError):

@@ -5,8 +5,9 @@ can edit a manifest and reseal it). So whatever the manifest and the shipped con
 runtime uses it, the same way in ``verify`` and in the loader:
 
 * :func:`parse_json`: UTF-8, JSON, no ``NaN``/``Infinity``, nesting at most :data:`MAX_JSON_DEPTH`, integers of at
-  most :data:`MAX_INT_DIGITS` digits; every failure is one :class:`~diffusion_trt.errors.ArtifactError` line
-  (never ``UnicodeDecodeError``, ``RecursionError`` or the interpreter's int-parsing ``ValueError``).
+  most :data:`MAX_INT_DIGITS` digits, no lone surrogate escape; every failure is one
+  :class:`~diffusion_trt.errors.ArtifactError` line (never ``UnicodeDecodeError``, ``RecursionError``, the
+  interpreter's int-parsing ``ValueError`` or, later, a ``UnicodeEncodeError``).
 * :func:`schema_problems`: JSON Schema validation where integers are JSON integers (``1000``, not ``1000.0`` or
   ``true``), one line per violation with its JSON path.
 * :func:`scheduler_config_problems`: ``scheduler_config.json`` against ``data/scheduler_config.schema.json``
@@ -20,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import json
+import re
 from collections.abc import Collection
 from typing import Any
 
@@ -43,17 +45,52 @@ def _constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _depth_exceeded(data: Any, limit: int) -> bool:
-    """Whether ``data`` nests deeper than ``limit`` (iterative: a deep document must not recurse here either)."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+#: What a terminal may act on or hide: C0 controls (ESC starts the sequences that set a window title or clear the
+#: screen; CR rewrites a line), DEL, C1 controls, zero-width and bidirectional marks, lone surrogates, BOM.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ud800-\udfff\ufeff]")
+_UNPRINTABLE_BUT_NEWLINE = re.compile(_UNPRINTABLE.pattern.replace("\x00-\x1f", "\x00-\x09\x0b-\x1f"))
+
+
+def printable(text: str, newlines: bool = False) -> str:
+    """``text`` with every character a terminal would act on (or hide) written as its Python escape (``\\x1b``,
+    ``\\u202e``), so what an artifact says is shown, never executed: for everything printed from an artifact (its
+    manifest's values, file names, error messages quoting them). ``newlines``: keep ``\\n`` (a message of several
+    lines of our own); otherwise it is escaped too, so a value cannot fake a line of output."""
+    pattern = _UNPRINTABLE_BUT_NEWLINE if newlines else _UNPRINTABLE
+    return pattern.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+def printable_tree(data: Any) -> Any:
+    """A copy of parsed JSON with :func:`printable` applied to every string, keys included."""
+    if isinstance(data, str):
+        return printable(data)
+    if isinstance(data, dict):
+        return {printable_tree(k): printable_tree(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [printable_tree(v) for v in data]
+    return data
+
+
+def _tree_problem(data: Any, limit: int) -> str | None:
+    """Why a parsed document cannot be used: nested deeper than ``limit``, a string or key holding a lone surrogate
+    (``"\\ud800"``: JSON allows the escape, but no UTF-8 text can hold it, so printing or hashing it raises), or a key
+    holding a NUL; ``None`` when none of these. Iterative: a deep document must not recurse here either."""
     stack = [(data, 1)]
     while stack:
         value, depth = stack.pop()
-        if isinstance(value, dict | list):
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return f"holds a lone surrogate escape ({ascii(value)[:60]}), which is no character of UTF-8 text"
+        elif isinstance(value, dict | list):
             if depth > limit:
-                return True
-            children = value.values() if isinstance(value, dict) else value
-            stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-    return False
+                return f"nests objects/arrays deeper than {limit} levels"
+            if isinstance(value, dict) and any("\0" in k for k in value):
+                key = next(k for k in value if "\0" in k)
+                return f"has a key with a NUL character ({ascii(key)[:60]}), which no name of ours holds"
+            children = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+            stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list | str))
+    return None
 
 
 def parse_json(data: bytes, where: str, fix: str = "recompile the artifact") -> Any:
@@ -66,7 +103,8 @@ def parse_json(data: bytes, where: str, fix: str = "recompile the artifact") -> 
 
     Raises:
         ArtifactError: not UTF-8, not JSON, ``NaN``/``Infinity``, an integer of more than :data:`MAX_INT_DIGITS`
-            digits, or nested deeper than :data:`MAX_JSON_DEPTH`; one line naming the file, the cause and ``fix``.
+            digits, nested deeper than :data:`MAX_JSON_DEPTH`, a lone surrogate (``"\\ud800"``) in a string or key, or a
+            NUL in a key; one line naming the file, the cause and ``fix``.
     """
     try:
         text = data.decode("utf-8")
@@ -78,8 +116,9 @@ def parse_json(data: bytes, where: str, fix: str = "recompile the artifact") -> 
         raise ArtifactError(f"{where} nests deeper than Python can parse; {fix}") from None
     except ValueError as e:  # JSONDecodeError is a ValueError, and so are _int's and _constant's refusals
         raise ArtifactError(f"{where} is not valid JSON ({e}); {fix}") from None
-    if _depth_exceeded(value, MAX_JSON_DEPTH):
-        raise ArtifactError(f"{where} nests objects/arrays deeper than {MAX_JSON_DEPTH} levels; {fix}")
+    problem = _tree_problem(value, MAX_JSON_DEPTH)
+    if problem is not None:
+        raise ArtifactError(f"{where} {problem}; {fix}")
     return value
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from .artifact_values import printable  # re and json: light
 from .compiler.dummy import ARCHS  # a tuple of names: dummy.py imports torch/diffusers only when called
 from .errors import DiffusionTrtError
 from .runtime.schedulers import scheduler_names  # a table of names: diffusers is imported only when one is built
@@ -38,7 +39,7 @@ class _CliFormatter(logging.Formatter):
     """Our log lines as they are, warnings with the ``warning:`` prefix README.md promises."""
 
     def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
+        text = printable(super().format(record), newlines=True)  # a log line may quote an artifact's file names
         return f"warning: {text}" if record.levelno == logging.WARNING else text
 
 
@@ -189,7 +190,7 @@ def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except DiffusionTrtError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {printable(str(e), newlines=True)}", err=True)  # it may quote what an artifact says
             sys.exit(e.exit_code)
         except OSError as e:
             logger.debug("%s", type(e).__name__, exc_info=True)
@@ -782,7 +783,9 @@ def _print_pass_table(path: Path) -> None:
 @click.option("--pass-option", "pass_options", multiple=True, metavar="KEY=VALUE",
               help="Per-pass option (JSON value), e.g. fuse_attention_emit=none; repeatable.")
 @click.option("--check", is_flag=True,
-              help="Run original and optimized graphs in ONNX Runtime; report max abs / cosine per output.")
+              help="Run original and optimized graphs in ONNX Runtime; report max abs / cosine per output and "
+                   "exit 1 (OUTPUT removed) when one fails: cosine < 0.999, or max abs over 0.05 x the output's "
+                   "scale for fp16 (0.001 x for fp32), or not finite.")
 @click.option("--inputs", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="An .npz with one array per graph input (fp16 calibration and --check); default: random.")
 @click.option("--shape", "shapes", multiple=True, metavar="NAME:DxDx..",
@@ -804,7 +807,7 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
       diffusion-trt optimize model.onnx -o out.onnx --pass-option fuse_attention_emit=none --dump-passes dump/
     """
     from .errors import ModelFileError
-    from .optimize import format_table, optimize_file, parse_shape
+    from .optimize import check_verdict, format_table, optimize_file, parse_shape
 
     if not click.get_current_context().find_root().params.get("verbose"):  # the table says it all once
         logging.getLogger("diffusion_trt.passes.base").setLevel(logging.WARNING)
@@ -841,6 +844,7 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
     click.echo(format_table(result), err=True)
     if json_path is not None:
         json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    check_verdict(result)  # --check failed: OUTPUT removed, exit 1
     click.echo(f"wrote: {', '.join(str(f) for f in result.files)}")
 
 
@@ -994,6 +998,7 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
     """
     import json
 
+    from .artifact_values import printable_tree
     from .artifacts import leftover_warnings, read_manifest
     from .runtime.residency import memory_summary
     from .summary import artifact_summary, format_summary
@@ -1002,8 +1007,9 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
     summary = artifact_summary(artifact_dir, manifest)
     summary["memory"] = memory_summary(artifact_dir, manifest)
     for line in leftover_warnings(artifact_dir):
-        click.echo(f"warning: {line}", err=True)
-    click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
+        click.echo(f"warning: {printable(line)}", err=True)
+    # JSON escapes control characters itself (ensure_ascii); the text shows each string of the manifest escaped
+    click.echo(json.dumps(summary, indent=2) if as_json else format_summary(printable_tree(summary)))
 
 
 @main.command("verify")
@@ -1044,10 +1050,10 @@ def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: 
     report = verify_artifact(artifact_dir, check_hashes=not no_hashes, check_host=not no_host, trt_host=target,
                              expect_sha256=expect_sha256, source=source)
     for line in report.warnings:
-        click.echo(f"warning: {line}", err=True)
+        click.echo(f"warning: {printable(line)}", err=True)
     if not report.ok:
         for line in report.problems:
-            click.echo(f"problem: {line}")
+            click.echo(f"problem: {printable(line)}")
         click.echo(f"{artifact_dir}: {len(report.problems)} problem(s)", err=True)
         sys.exit(3)
     what = "sha256 and size" if not no_hashes else "size"

@@ -59,8 +59,9 @@ class VerifyReport:
 def load_manifest_json(root: Path) -> tuple[dict[str, Any] | None, list[str]]:
     """Read ``manifest.json`` without raising: ``(manifest or None, problems)``; schema and seal checked.
 
-    Untrusted bytes: not UTF-8, not JSON, nested too deep, a huge integer... are one problem line each
-    (:func:`~diffusion_trt.artifact_values.parse_json`), never a traceback.
+    Untrusted bytes: larger than :data:`~diffusion_trt.artifacts.MAX_MANIFEST_BYTES`, not UTF-8, not JSON, nested
+    too deep, a huge integer, a lone surrogate... are one problem line each (:func:`~diffusion_trt.artifacts.
+    read_manifest_bytes`, :func:`~diffusion_trt.artifact_values.parse_json`), never a traceback.
     """
     path = root / artifacts.MANIFEST_NAME
     if not root.is_dir():
@@ -68,9 +69,7 @@ def load_manifest_json(root: Path) -> tuple[dict[str, Any] | None, list[str]]:
     if not path.is_file():
         return None, [f"{path}: missing; the folder is not a compiled artifact (run `diffusion-trt compile`)"]
     try:
-        manifest = artifacts.parse_manifest(path.read_bytes(), path)
-    except OSError as e:
-        return None, [f"{path}: cannot be read ({e.strerror}); check its permissions"]
+        manifest = artifacts.parse_manifest(artifacts.read_manifest_bytes(path), path)
     except ArtifactError as e:
         return None, [str(e)]
     return manifest, artifacts.manifest_problems(manifest)
