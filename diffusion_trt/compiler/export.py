@@ -378,7 +378,7 @@ def onnx_from_component(
     """
 
     module = _wrap(component, models, architecture)
-    args = sample_inputs(spec, precision, profile_ranges, device)
+    args = sample_inputs(spec, precision, {**profile_ranges, **dict(spec.symbols)}, device)
     dynamic_axes = {t.name: t.dynamic_axes() for t in (*spec.inputs, *spec.outputs)}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     try:

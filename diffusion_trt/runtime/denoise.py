@@ -59,6 +59,7 @@ from tqdm.auto import tqdm
 from ..errors import RuntimeInputError
 from .cuda import HostBuffers, HostImageSink, images_float, images_uint8, nvtx_range, to_pil
 from .engine import Engine
+from .prompt_encoding import PromptReader, apply_weights, pad_chunks, warn_truncated
 
 if TYPE_CHECKING:
     from .conditioning import ChunkConditioning
@@ -110,7 +111,7 @@ def tokenize(tokenizer: Any, texts: Sequence[str], device: torch.device,
 
 
 class EmbeddingCache:
-    """A small LRU of text embeddings [77, D] keyed by (engine, text, dtype): the negative prompts.
+    """A small LRU of text embeddings [k, 77, D] keyed by (engine, text, dtype, syntax): the negative prompts.
 
     The negative prompt ("" by default) is the same for most requests; caching it spares its text-encoder
     row. Entries are device tensors owned by the cache (clones). Belongs to one pipeline (keys hold the
@@ -132,8 +133,8 @@ class EmbeddingCache:
         self.misses = 0
 
     @staticmethod
-    def key(engine: Engine, text: str, dtype: torch.dtype) -> tuple[int, str, torch.dtype]:
-        return (id(engine), text, dtype)
+    def key(engine: Engine, text: str, dtype: torch.dtype, syntax: str = "a1111") -> tuple[int, str, torch.dtype, str]:
+        return (id(engine), text, dtype, syntax)
 
     def get(self, key: Hashable) -> torch.Tensor | None:
         value = self._entries.get(key)
@@ -167,35 +168,53 @@ def encode_prompt_embeds(
     dtype: torch.dtype,
     cache: EmbeddingCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-prompt text embeddings with ONE text-encoder run over the distinct texts not in ``cache``.
+    """Per-prompt text embeddings with ONE text-encoder run over the chunks of the distinct texts not in ``cache``.
+
+    Long and weighted prompts as :mod:`.prompt_encoding` describes: every text is k_i chunks of 77 tokens, encoded
+    together, weighted, and padded with an empty chunk's states to the request's largest k.
 
     Args:
+        tokenizer: a :class:`~.prompt_encoding.PromptReader`, or a ``CLIPTokenizer`` (= ``PromptReader(tokenizer)``:
+            A1111 syntax, one chunk).
         prompts: P prompts; negative_prompts: P negative prompts, or ``None`` (no CFG).
         dtype: the UNet's ``encoder_hidden_states`` dtype.
         cache: negative-prompt cache; ``None`` = encode everything.
 
     Returns:
-        (positive [P, 77, D], negative [P, 77, D] or ``None``), fresh tensors of ``dtype`` on the engine device.
+        (positive [P, 77 k, D], negative [P, 77 k, D] or ``None``), fresh tensors of ``dtype`` on the engine device.
     """
-    device = text_encoder.device
-    rows: dict[str, torch.Tensor] = {}
+    reader = tokenizer if isinstance(tokenizer, PromptReader) else PromptReader(tokenizer)
+    rows: dict[str, torch.Tensor] = {}  # text -> [k_i, 77, D]
     negatives = list(dict.fromkeys(negative_prompts)) if negative_prompts is not None else []
     if cache is not None:
         for text in negatives:
-            hit = cache.get(EmbeddingCache.key(text_encoder, text, dtype))
+            hit = cache.get(EmbeddingCache.key(text_encoder, text, dtype, reader.syntax))
             if hit is not None:
                 rows[text] = hit
     todo = [t for t in dict.fromkeys([*negatives, *prompts]) if t not in rows]
+    chunks = [reader.chunks(t) for t in todo]
+    warn_truncated(todo, chunks, set(negatives) - set(prompts), reader)
+    counts = {t: r.shape[0] for t, r in rows.items()} | {t: c.chunks for t, c in zip(todo, chunks, strict=True)}
+    k = max(counts.values())
+    short = min(counts.values()) < k  # some texts are padded to k chunks with an empty chunk's states
+    run_empty = short and counts.get("") != 1  # "" is exactly one empty chunk: reuse it when it is at hand
     if todo:
-        with nvtx_range("text_encoder", device):
-            ids = tokenize(tokenizer, todo, device, negatives=set(negatives) - set(prompts))
-            embeds = _run_rows(text_encoder, "input_ids", ids, "last_hidden_state").to(dtype)
-        for j, text in enumerate(todo):
-            rows[text] = embeds[j]
+        ids = torch.cat([c.ids for c in chunks] + ([reader.empty_chunk()] if run_empty else []))
+        with nvtx_range("text_encoder", text_encoder.device):
+            states = _run_rows(text_encoder, "input_ids", ids.to(text_encoder.device), "last_hidden_state")
+        start = 0
+        for text, c in zip(todo, chunks, strict=True):
+            z = states[start : start + c.chunks]
+            start += c.chunks
+            rows[text] = (apply_weights(z, c.weights) if c.weighted else z).to(dtype)
             if cache is not None and text in negatives:
-                cache.put(EmbeddingCache.key(text_encoder, text, dtype), embeds[j].clone())
-    positive = torch.stack([rows[p] for p in prompts])
-    negative = torch.stack([rows[n] for n in negative_prompts]) if negative_prompts is not None else None
+                cache.put(EmbeddingCache.key(text_encoder, text, dtype, reader.syntax), rows[text].clone())
+    empty = None
+    if short:
+        empty = states[-1].to(dtype) if run_empty else rows[""][0]
+    positive = torch.stack([pad_chunks(rows[p], k, empty) for p in prompts])
+    negative = (torch.stack([pad_chunks(rows[n], k, empty) for n in negative_prompts])
+                if negative_prompts is not None else None)
     return positive, negative
 
 
@@ -459,7 +478,7 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any) -> Any:
                             request.latents)
     # 2. encode prompt: one text-encoder run over the distinct texts, then one row per image
     n = request.num_images_per_prompt
-    positive, negative, added = cond.encode(engines.text_encoder, engines.tokenizer, request.prompts,
+    positive, negative, added = cond.encode(engines.text_encoder, prompt_reader(engines, request), request.prompts,
                                             request.negative_prompts if request.do_cfg else None, text_dtype,
                                             engines.embedding_cache)
     positive = positive.repeat_interleave(n, dim=0)
@@ -492,6 +511,14 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any) -> Any:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
     host = sink.finish().numpy()
     return to_pil(host) if request.output_type == "pil" else host.copy()  # the host buffer is reused by the next call
+
+
+def prompt_reader(engines: LoopEngines, request: Request) -> PromptReader:
+    """How the request's texts become token chunks: its syntax, and as many 77-token chunks as the UNet's
+    ``encoder_hidden_states`` profile allows (77 * ``compile --max-prompt-chunks``)."""
+    length = int(engines.tokenizer.model_max_length)
+    seq_max = engines.unet.spec.input("encoder_hidden_states").max[1]
+    return PromptReader(engines.tokenizer, request.prompt_syntax, max(1, int(seq_max) // length))
 
 
 def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device) -> torch.Tensor:

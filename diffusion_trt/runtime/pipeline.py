@@ -515,6 +515,7 @@ class EnginePipeline:
         negative_original_size: tuple[int, int] | None = None,
         negative_crops_coords_top_left: tuple[int, int] = (0, 0),
         negative_target_size: tuple[int, int] | None = None,
+        prompt_syntax: str = "a1111",
     ) -> EnginePipelineOutput:
         """Generate images from text, as ``diffusers.StableDiffusionPipeline.__call__``; with ``image`` as
         ``StableDiffusionImg2ImgPipeline``, with ``image`` and ``mask_image`` as ``StableDiffusionInpaintPipeline``.
@@ -563,6 +564,12 @@ class EnginePipeline:
                 target_size`` (diffusers' ``_get_add_time_ids``); sizes default to (height, width).
             negative_original_size, negative_crops_coords_top_left, negative_target_size: SDXL: the time ids of the
                 negative rows, used only when both sizes are given (else the prompt's), as diffusers.
+            prompt_syntax: "a1111" (default): A1111's weights ``(text)`` x1.1, ``[text]`` /1.1, ``(text:1.3)``,
+                escapes ``\\(``, and ``BREAK``; "plain": the text as it is
+                (:mod:`~diffusion_trt.runtime.prompt_syntax`).
+                Either way a prompt longer than 75 tokens is encoded in 75-token chunks, as many as the artifact
+                allows (``compile --max-prompt-chunks``; :mod:`~diffusion_trt.runtime.prompt_encoding`). SD 1.x/2.x
+                only: SDXL artifacts read prompts as before (one chunk, no weights).
 
         Returns:
             :class:`EnginePipelineOutput` with ``images``, ``seed`` and ``parameters``.
@@ -582,6 +589,7 @@ class EnginePipeline:
             crops_coords_top_left=crops_coords_top_left, target_size=target_size,
             negative_original_size=negative_original_size,
             negative_crops_coords_top_left=negative_crops_coords_top_left, negative_target_size=negative_target_size,
+            prompt_syntax=prompt_syntax,
         )
         if isinstance(request.conditioning, ImageRequest):
             self.engine("vae_encoder")  # opened on first use, after the checks

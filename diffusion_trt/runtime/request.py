@@ -32,6 +32,7 @@ from .denoise import Generator, StepCallback
 from .engine import Engine
 from .geometry import LatentGeometry
 from .host_memory import check_host_memory
+from .prompt_syntax import SYNTAXES
 
 OUTPUT_TYPES: tuple[str, ...] = ("pil", "np", "pt", "latent")
 _MAX_SEED = 2**63 - 1
@@ -84,6 +85,7 @@ class Request:
         conditioning: what the mode adds to the loop (:class:`~.conditioning.Conditioning`).
         progress, callback: a tqdm bar over the steps; the per-step callback.
         given: the arguments as given (prompt, negative_prompt, SDXL extras), for the output's parameters.
+        prompt_syntax: how prompts are read: "a1111" (weights, ``BREAK``; :mod:`.prompt_syntax`) or "plain".
     """
 
     prompts: tuple[str, ...]
@@ -104,6 +106,7 @@ class Request:
     progress: bool = True
     callback: StepCallback | None = None
     given: Mapping[str, Any] = field(default_factory=dict)
+    prompt_syntax: str = "a1111"
 
     @property
     def batch(self) -> int:
@@ -138,6 +141,7 @@ class Request:
         strength: Any = None,
         mask_image: Any = None,
         tokenizer_2: Any = None,
+        prompt_syntax: Any = "a1111",
         **sdxl: Any,
     ) -> Request:
         """Check every argument of :meth:`~.pipeline.EnginePipeline.__call__` (same names, same meaning).
@@ -147,6 +151,7 @@ class Request:
             engines: the pipeline's engines by component (``vae_encoder`` for images, ``text_encoder_2`` for
                 SDXL; they may still be unopened).
             tokenizer_2: SDXL's second tokenizer.
+            prompt_syntax: "a1111" or "plain" (:data:`~.prompt_syntax.SYNTAXES`).
             sdxl: the SDXL arguments (:data:`SDXL_ARGUMENTS`), ``None`` / (0, 0) when not given.
 
         Raises:
@@ -155,6 +160,8 @@ class Request:
                 (:func:`~.host_memory.check_host_memory`), before anything is drawn.
         """
         prompts = prompt_list("prompt", prompt)
+        if prompt_syntax not in SYNTAXES:
+            raise RuntimeInputError(f"prompt_syntax={prompt_syntax!r} is unknown; use one of {', '.join(SYNTAXES)}")
         negatives = negative_list(negative_prompt, len(prompts))
         steps = positive_int("num_inference_steps", num_inference_steps, "use e.g. 30 or 50")
         n_per = positive_int("num_images_per_prompt", num_images_per_prompt, "use 1 or more")
@@ -198,7 +205,7 @@ class Request:
                  else list(negatives),
                  **{k: v if isinstance(v, str) else list(v) for k, v in sdxl_given.items()}}
         return cls(tuple(prompts), tuple(negatives), n_per, steps, guidance, eta, height, width, shape, generator,
-                   seed, latents, output_type, chunks, conditioning, progress, callback, given)
+                   seed, latents, output_type, chunks, conditioning, progress, callback, given, prompt_syntax)
 
 
 #: Arguments of :meth:`~.pipeline.EnginePipeline.__call__` that only SDXL artifacts take (diffusers' SDXL arguments).
