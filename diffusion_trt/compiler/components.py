@@ -76,6 +76,7 @@ def component_specs(
     text_embeds: int | None = None,
     time_ids: int = 6,
     prompt_chunks: int = 1,
+    clip_skip: int = 0,
 ) -> dict[str, ComponentSpec]:
     """The component table, sized from the model's configs: SD 1.x/2.x, or SDXL when ``text_hidden_2`` is given.
 
@@ -90,6 +91,8 @@ def component_specs(
         time_ids: SDXL: the number of ``time_ids`` per row (6: original size, crop top-left, target size).
         prompt_chunks: SD 1.x/2.x: the UNet's ``encoder_hidden_states`` takes 77 * k tokens for k up to this; > 1
             makes its sequence axis the symbol ``S`` (``CompileConfig.max_prompt_chunks``).
+        clip_skip: SD 1.x/2.x: C > 0 adds the text encoder output ``clip_skip_states`` [B2, C, S, D], row c-1 the
+            final-layer-normed ``hidden_states[-(c + 1)]`` (diffusers' ``clip_skip=c``; CompileConfig.max_clip_skip).
 
     SDXL, as diffusers' ``StableDiffusionXLPipeline.encode_prompt``: each text encoder runs with
     ``output_hidden_states=True`` and gives ``hidden_states[-2]`` (the penultimate layer, before the final layer
@@ -103,11 +106,12 @@ def component_specs(
                            text_embeds if text_embeds is not None else text_hidden_2, time_ids)
     context: int | str = text_len if prompt_chunks == 1 else "S"
     symbols = () if prompt_chunks == 1 else (("S", (text_len, text_len, text_len * prompt_chunks)),)
+    skipped = (TensorSpec("clip_skip_states", "float", ("B2", clip_skip, text_len, text_hidden)),) if clip_skip else ()
     return {
         "text_encoder": ComponentSpec(
             "text_encoder",
             inputs=(TensorSpec("input_ids", "int64", ("B2", text_len)),),
-            outputs=(TensorSpec("last_hidden_state", "float", ("B2", text_len, text_hidden)),),
+            outputs=(TensorSpec("last_hidden_state", "float", ("B2", text_len, text_hidden)), *skipped),
         ),
         "unet": ComponentSpec(
             "unet",

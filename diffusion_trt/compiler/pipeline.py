@@ -160,6 +160,7 @@ def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
         "latent_channels": int(vae.get("latent_channels", 4)),
         "text_max_length": max_len,
         "text_hidden_size": int(te["hidden_size"]),
+        "text_encoder_layers": int(te.get("num_hidden_layers", 12)),
         "default_height": int(sample_size) * vae_scale,
         "default_width": int(sample_size) * vae_scale,
         "architecture": folder.architecture,
@@ -171,9 +172,10 @@ def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
     return facts
 
 
-def specs_for(facts: Mapping[str, Any], prompt_chunks: int = 1) -> dict[str, ComponentSpec]:
+def specs_for(facts: Mapping[str, Any], prompt_chunks: int = 1, clip_skip: int = 0) -> dict[str, ComponentSpec]:
     """The component table (:func:`~.components.component_specs`) of a model, from :func:`model_facts`, its UNet
-    taking up to ``prompt_chunks`` 77-token chunks (SD 1.x/2.x; see :func:`prompt_chunks_for`)."""
+    taking up to ``prompt_chunks`` 77-token chunks and its text encoder giving the states of ``clip_skip`` skipped
+    layers (SD 1.x/2.x; see :func:`prompt_chunks_for`, :func:`clip_skip_for`)."""
     sdxl: dict[str, Any] = {}
     if facts.get("architecture") == "sdxl":
         sdxl = {"text_hidden_2": facts["text_encoder_2_hidden_size"], "text_embeds": facts["text_embeds_size"],
@@ -185,8 +187,21 @@ def specs_for(facts: Mapping[str, Any], prompt_chunks: int = 1) -> dict[str, Com
         unet_out=facts["unet_out_channels"],
         latent=facts["latent_channels"],
         prompt_chunks=prompt_chunks,
+        clip_skip=clip_skip,
         **sdxl,
     )
+
+
+def clip_skip_for(config: CompileConfig, facts: Mapping[str, Any]) -> int:
+    """The clip skips the text encoder serves: ``config.max_clip_skip``, at most its layers less one (logged when
+    fewer), 0 for SDXL (whose clip skip is not implemented)."""
+    k = config.max_clip_skip
+    if facts.get("architecture") == "sdxl":
+        return 0
+    most = max(0, int(facts.get("text_encoder_layers", k + 1)) - 1)
+    if k > most:
+        logger.info("max_clip_skip=%d: the text encoder has %d layers; clip skip goes up to %d", k, most + 1, most)
+    return min(k, most)
 
 
 def prompt_chunks_for(config: CompileConfig, profile: ShapeProfile, facts: Mapping[str, Any]) -> int:
@@ -437,7 +452,7 @@ def prepare(model_dir: str | Path, out: Path, config: CompileConfig) -> CompileJ
         check_quantizable(config, facts)
         profile: ShapeProfile = config.resolve_profile(facts["default_height"])
         _warn_fp16_safe_vae(config, facts)
-    specs = specs_for(facts, prompt_chunks_for(config, profile, facts))
+    specs = specs_for(facts, prompt_chunks_for(config, profile, facts), clip_skip_for(config, facts))
     names = component_names(config.components, facts)
     unknown = [c for c in names if c not in specs]
     if unknown or not names:

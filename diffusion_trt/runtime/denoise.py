@@ -45,6 +45,7 @@ latents ``[B, 4, H/8, W/8]``; text embeddings ``[B2, 77, D]``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from collections import OrderedDict
@@ -111,7 +112,8 @@ def tokenize(tokenizer: Any, texts: Sequence[str], device: torch.device,
 
 
 class EmbeddingCache:
-    """A small LRU of text embeddings [k, 77, D] keyed by (engine, text, dtype, syntax): the negative prompts.
+    """A small LRU of text embeddings [k, 77, D] keyed by (engine, text, dtype, syntax, max chunks, clip skip): the
+    negative prompts.
 
     The negative prompt ("" by default) is the same for most requests; caching it spares its text-encoder
     row. Entries are device tensors owned by the cache (clones). Belongs to one pipeline (keys hold the
@@ -133,8 +135,9 @@ class EmbeddingCache:
         self.misses = 0
 
     @staticmethod
-    def key(engine: Engine, text: str, dtype: torch.dtype, syntax: str = "a1111") -> tuple[int, str, torch.dtype, str]:
-        return (id(engine), text, dtype, syntax)
+    def key(engine: Engine, text: str, dtype: torch.dtype, syntax: str = "a1111", max_chunks: int = 1,
+            clip_skip: int = 0) -> tuple[int, str, torch.dtype, str, int, int]:
+        return (id(engine), text, dtype, syntax, max_chunks, clip_skip)
 
     def get(self, key: Hashable) -> torch.Tensor | None:
         value = self._entries.get(key)
@@ -167,6 +170,7 @@ def encode_prompt_embeds(
     negative_prompts: Sequence[str] | None,
     dtype: torch.dtype,
     cache: EmbeddingCache | None = None,
+    min_chunks: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-prompt text embeddings with ONE text-encoder run over the chunks of the distinct texts not in ``cache``.
 
@@ -179,6 +183,7 @@ def encode_prompt_embeds(
         prompts: P prompts; negative_prompts: P negative prompts, or ``None`` (no CFG).
         dtype: the UNet's ``encoder_hidden_states`` dtype.
         cache: negative-prompt cache; ``None`` = encode everything.
+        min_chunks: pad every text to at least this many chunks (the chunks of given ``prompt_embeds``).
 
     Returns:
         (positive [P, 77 k, D], negative [P, 77 k, D] or ``None``), fresh tensors of ``dtype`` on the engine device.
@@ -188,27 +193,32 @@ def encode_prompt_embeds(
     negatives = list(dict.fromkeys(negative_prompts)) if negative_prompts is not None else []
     if cache is not None:
         for text in negatives:
-            hit = cache.get(EmbeddingCache.key(text_encoder, text, dtype, reader.syntax))
+            hit = cache.get(EmbeddingCache.key(text_encoder, text, dtype, reader.syntax, reader.max_chunks,
+                                         reader.clip_skip))
             if hit is not None:
                 rows[text] = hit
     todo = [t for t in dict.fromkeys([*negatives, *prompts]) if t not in rows]
     chunks = [reader.chunks(t) for t in todo]
     warn_truncated(todo, chunks, set(negatives) - set(prompts), reader)
     counts = {t: r.shape[0] for t, r in rows.items()} | {t: c.chunks for t, c in zip(todo, chunks, strict=True)}
-    k = max(counts.values())
+    k = max(*counts.values(), min_chunks)
     short = min(counts.values()) < k  # some texts are padded to k chunks with an empty chunk's states
     run_empty = short and counts.get("") != 1  # "" is exactly one empty chunk: reuse it when it is at hand
     if todo:
         ids = torch.cat([c.ids for c in chunks] + ([reader.empty_chunk()] if run_empty else []))
         with nvtx_range("text_encoder", text_encoder.device):
-            states = _run_rows(text_encoder, "input_ids", ids.to(text_encoder.device), "last_hidden_state")
+            states = _run_rows(text_encoder, "input_ids", ids.to(text_encoder.device), reader.output)
+        if reader.clip_skip:
+            states = reader.states({reader.output: states})
         start = 0
         for text, c in zip(todo, chunks, strict=True):
             z = states[start : start + c.chunks]
             start += c.chunks
             rows[text] = (apply_weights(z, c.weights) if c.weighted else z).to(dtype)
             if cache is not None and text in negatives:
-                cache.put(EmbeddingCache.key(text_encoder, text, dtype, reader.syntax), rows[text].clone())
+                key = EmbeddingCache.key(text_encoder, text, dtype, reader.syntax, reader.max_chunks,
+                                         reader.clip_skip)
+                cache.put(key, rows[text].clone())
     empty = None
     if short:
         empty = states[-1].to(dtype) if run_empty else rows[""][0]
@@ -478,9 +488,13 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any) -> Any:
                             request.latents)
     # 2. encode prompt: one text-encoder run over the distinct texts, then one row per image
     n = request.num_images_per_prompt
-    positive, negative, added = cond.encode(engines.text_encoder, prompt_reader(engines, request), request.prompts,
-                                            request.negative_prompts if request.do_cfg else None, text_dtype,
-                                            engines.embedding_cache)
+    reader = prompt_reader(engines, request)
+    if request.prompt_embeds is not None:
+        (positive, negative), added = given_embeddings(request, engines, reader, text_dtype), None
+    else:
+        positive, negative, added = cond.encode(engines.text_encoder, reader, request.prompts,
+                                                request.negative_prompts if request.do_cfg else None, text_dtype,
+                                                engines.embedding_cache)
     positive = positive.repeat_interleave(n, dim=0)
     negative = negative.repeat_interleave(n, dim=0) if negative is not None else None
     added = added.repeat_interleave(n) if added is not None else None
@@ -514,11 +528,28 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any) -> Any:
 
 
 def prompt_reader(engines: LoopEngines, request: Request) -> PromptReader:
-    """How the request's texts become token chunks: its syntax, and as many 77-token chunks as the UNet's
-    ``encoder_hidden_states`` profile allows (77 * ``compile --max-prompt-chunks``)."""
+    """How the request's texts become token chunks: its syntax and clip skip, and as many 77-token chunks as the
+    UNet's ``encoder_hidden_states`` profile allows (77 * ``compile --max-prompt-chunks``)."""
     length = int(engines.tokenizer.model_max_length)
     seq_max = engines.unet.spec.input("encoder_hidden_states").max[1]
-    return PromptReader(engines.tokenizer, request.prompt_syntax, max(1, int(seq_max) // length))
+    return PromptReader(engines.tokenizer, request.prompt_syntax, max(1, int(seq_max) // length), request.clip_skip)
+
+
+def given_embeddings(request: Request, engines: LoopEngines, reader: PromptReader, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The caller's ``prompt_embeds`` [P, S, D] (and ``negative_prompt_embeds``) in the UNet's dtype and device, as
+    diffusers' ``encode_prompt`` takes them; with CFG and no negative embeddings, the negative prompts are encoded
+    and cut or padded to S / 77 chunks (diffusers pads the negative tokens to ``prompt_embeds.shape[1]``)."""
+    device = engines.unet.device
+    positive = request.prompt_embeds.to(device=device, dtype=dtype)  # type: ignore[union-attr]
+    if not request.do_cfg:
+        return positive, None
+    if request.negative_prompt_embeds is not None:
+        return positive, request.negative_prompt_embeds.to(device=device, dtype=dtype)
+    k = positive.shape[1] // reader.length
+    negative, _ = encode_prompt_embeds(engines.text_encoder, dataclasses.replace(reader, max_chunks=k),
+                                       request.negative_prompts, None, dtype, engines.embedding_cache, min_chunks=k)
+    return positive, negative
 
 
 def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device) -> torch.Tensor:

@@ -70,11 +70,26 @@ class PromptReader:
             ``pad_token_id``).
         syntax: "a1111" or "plain" (:data:`~.prompt_syntax.SYNTAXES`).
         max_chunks: the most chunks a text may have (>= 1); more are dropped with a warning.
+        clip_skip: 0 = the text encoder's last hidden state; c >= 1 = diffusers' ``clip_skip=c``: the
+            final-layer-normed ``hidden_states[-(c + 1)]`` (the engine's ``clip_skip_states`` row c-1). A1111's
+            "Clip skip 2" is c = 1.
     """
 
     tokenizer: Any
     syntax: str = "a1111"
     max_chunks: int = 1
+    clip_skip: int = 0
+
+    def states(self, outputs: dict[str, Any]) -> Any:
+        """The states this reader takes from the text encoder's ``outputs`` (see :attr:`clip_skip`)."""
+        if not self.clip_skip:
+            return outputs["last_hidden_state"]
+        return outputs["clip_skip_states"][:, self.clip_skip - 1]
+
+    @property
+    def output(self) -> str:
+        """The text-encoder output :meth:`states` reads."""
+        return "clip_skip_states" if self.clip_skip else "last_hidden_state"
 
     @property
     def length(self) -> int:
