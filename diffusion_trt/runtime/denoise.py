@@ -60,7 +60,7 @@ from tqdm.auto import tqdm
 from ..errors import RuntimeInputError
 from .cuda import HostBuffers, HostImageSink, images_float, images_uint8, nvtx_range, to_pil
 from .engine import Engine
-from .prompt_encoding import PromptReader, apply_weights, pad_chunks, warn_truncated
+from .prompt_encoding import PromptReader, TokenChunks, apply_weights, pad_chunks, warn_truncated
 
 if TYPE_CHECKING:
     from .conditioning import ChunkConditioning
@@ -189,14 +189,12 @@ def encode_prompt_embeds(
         (positive [P, 77 k, D], negative [P, 77 k, D] or ``None``), fresh tensors of ``dtype`` on the engine device.
     """
     reader = tokenizer if isinstance(tokenizer, PromptReader) else PromptReader(tokenizer)
-    rows: dict[str, torch.Tensor] = {}  # text -> [k_i, 77, D]
     negatives = list(dict.fromkeys(negative_prompts)) if negative_prompts is not None else []
+    keys = {t: EmbeddingCache.key(text_encoder, t, dtype, reader.syntax, reader.max_chunks, reader.clip_skip)
+            for t in negatives}
+    rows: dict[str, torch.Tensor] = {}  # text -> [k_i, 77, D]
     if cache is not None:
-        for text in negatives:
-            hit = cache.get(EmbeddingCache.key(text_encoder, text, dtype, reader.syntax, reader.max_chunks,
-                                         reader.clip_skip))
-            if hit is not None:
-                rows[text] = hit
+        rows = {t: hit for t in negatives if (hit := cache.get(keys[t])) is not None}
     todo = [t for t in dict.fromkeys([*negatives, *prompts]) if t not in rows]
     chunks = [reader.chunks(t) for t in todo]
     warn_truncated(todo, chunks, set(negatives) - set(prompts), reader)
@@ -204,28 +202,36 @@ def encode_prompt_embeds(
     k = max(*counts.values(), min_chunks)
     short = min(counts.values()) < k  # some texts are padded to k chunks with an empty chunk's states
     run_empty = short and counts.get("") != 1  # "" is exactly one empty chunk: reuse it when it is at hand
-    if todo:
-        ids = torch.cat([c.ids for c in chunks] + ([reader.empty_chunk()] if run_empty else []))
-        with nvtx_range("text_encoder", text_encoder.device):
-            states = _run_rows(text_encoder, "input_ids", ids.to(text_encoder.device), reader.output)
-        if reader.clip_skip:
-            states = reader.states({reader.output: states})
-        start = 0
-        for text, c in zip(todo, chunks, strict=True):
-            z = states[start : start + c.chunks]
-            start += c.chunks
-            rows[text] = (apply_weights(z, c.weights) if c.weighted else z).to(dtype)
-            if cache is not None and text in negatives:
-                key = EmbeddingCache.key(text_encoder, text, dtype, reader.syntax, reader.max_chunks,
-                                         reader.clip_skip)
-                cache.put(key, rows[text].clone())
-    empty = None
-    if short:
-        empty = states[-1].to(dtype) if run_empty else rows[""][0]
+    encoded, empty = _encode_chunks(text_encoder, reader, dict(zip(todo, chunks, strict=True)), run_empty, dtype)
+    rows.update(encoded)
+    if cache is not None:
+        for text in encoded.keys() & keys.keys():  # the negatives just encoded
+            cache.put(keys[text], encoded[text].clone())
+    if short and empty is None:
+        empty = rows[""][0]
     positive = torch.stack([pad_chunks(rows[p], k, empty) for p in prompts])
     negative = (torch.stack([pad_chunks(rows[n], k, empty) for n in negative_prompts])
                 if negative_prompts is not None else None)
     return positive, negative
+
+
+def _encode_chunks(text_encoder: Engine, reader: PromptReader, chunks: Mapping[str, TokenChunks], with_empty: bool,
+                   dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """One text-encoder run over every text's chunks (and an empty chunk when ``with_empty``): each text's weighted
+    states [k_i, 77, D] in ``dtype``, and the empty chunk's [77, D] (``None`` without it)."""
+    if not chunks and not with_empty:
+        return {}, None
+    ids = torch.cat([c.ids for c in chunks.values()] + ([reader.empty_chunk()] if with_empty else []))
+    with nvtx_range("text_encoder", text_encoder.device):
+        states = _run_rows(text_encoder, "input_ids", ids.to(text_encoder.device), reader.output)
+    states = reader.states({reader.output: states})
+    rows: dict[str, torch.Tensor] = {}
+    start = 0
+    for text, c in chunks.items():
+        z = states[start : start + c.chunks]
+        start += c.chunks
+        rows[text] = (apply_weights(z, c.weights) if c.weighted else z).to(dtype)
+    return rows, states[-1].to(dtype) if with_empty else None
 
 
 def encode_prompt(

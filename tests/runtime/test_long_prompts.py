@@ -101,6 +101,20 @@ def test_weights_keep_the_chunk_mean(pipe: EnginePipeline) -> None:
     assert (weighted - plain).abs().max() > 1e-2  # and the weight changed the states
 
 
+def test_cached_negatives_of_different_lengths(pipe: EnginePipeline) -> None:
+    """Negatives from the cache, of 1 and 2 chunks, padded again without a text-encoder run of their own."""
+    from diffusion_trt.runtime.denoise import EmbeddingCache
+
+    engines, cache = pipe.loop_engines(), EmbeddingCache()
+    reader = PromptReader(engines.tokenizer, "a1111", 3)
+    args = (engines.text_encoder, reader, ["a fox", "a cat"], [LONG, "(blurry)"], torch.float32)
+    first = encode_prompt_embeds(*args, cache)
+    second = encode_prompt_embeds(*args, cache)
+    assert cache.hits == 2 and len(cache) == 2
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert first[1].shape == (2, 154, 32)
+
+
 def test_degenerate_mean_is_not_rescaled() -> None:
     from diffusion_trt.runtime.prompt_encoding import apply_weights
 
