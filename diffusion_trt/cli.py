@@ -405,6 +405,12 @@ def dummy_lora(model_dir: Path, out: Path, rank: int, seed: int, overwrite: bool
 @click.option("--min-batch-size", type=int, default=1, show_default=True)
 @click.option("--max-batch-size", type=int, default=None, help="[default: max(4, batch-size)]")
 @click.option("--opset", type=int, default=17, show_default=True)
+@click.option("--max-clip-skip", type=int, default=2, show_default=True,
+              help="SD 1.x/2.x: the text encoder also serves run --clip-skip 1..N (one extra output; 0..11, at most "
+                   "its layers less one; 0 = the text encoder of before).")
+@click.option("--max-prompt-chunks", type=int, default=3, show_default=True,
+              help="Long prompts: the UNet takes up to N chunks of 75 tokens (1..8; 1 = 77 tokens, the artifact of "
+                   "before). A static profile and SDXL keep 1.")
 @click.option("--trust-pickle", is_flag=True, help="Allow .bin/.ckpt weights (unpickling runs arbitrary code).")
 @click.option("--lora", "loras", multiple=True, metavar="FILE[:SCALE]",
               help="Merge a LoRA (.safetensors, diffusers or kohya format) into the weights before export, scale "
@@ -854,6 +860,13 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
 @click.option("-n", "--negative-prompt", default=None,
               help="Negative prompt [default: none: SD uses the empty prompt's embedding, SDXL zeros, as diffusers "
                    "does; -n '' gives SDXL the empty prompt's embedding instead].")
+@click.option("--prompt-syntax", type=click.Choice(["a1111", "plain"]), default="a1111", show_default=True,
+              help="a1111: (text) x1.1, [text] /1.1, (text:1.3), \\( \\) escapes, BREAK starts a 75-token chunk; "
+                   "plain: the prompt as it is. Long prompts run in 75-token chunks either way (up to the artifact's "
+                   "compile --max-prompt-chunks).")
+@click.option("--clip-skip", type=click.IntRange(min=0), default=None,
+              help="Text states from N layers before the last, then the final layer norm (diffusers' clip_skip; "
+                   "1 = A1111's 'Clip skip 2'); up to the artifact's compile --max-clip-skip [default: the last].")
 @click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True, help="Denoising steps.")
 @click.option("--guidance", type=float, default=None,
               help="Classifier-free guidance scale; <= 1 disables CFG [default: 7.5; 5.0 for SDXL, as diffusers].")
@@ -888,7 +901,9 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
                    "no recompile (ONNX Runtime: several at once; TensorRT: one).")
 @_runtime_options("run")
 @_handle_errors
-def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps: int, guidance: float | None, seed: int,
+def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt_syntax: str, clip_skip: int | None,
+            steps: int,
+            guidance: float | None, seed: int,
             height: int | None, width: int | None, batch_size: int, scheduler: str | None, device: str | None,
             snap: bool, devices: str | None, cuda_graph: bool | None, runtime_cache: Path | None, out: Path,
             overwrite: bool, image_path: Path | None, strength: float | None, mask_path: Path | None,
@@ -904,6 +919,8 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
       diffusion-trt run artifacts/sd15-inpaint -p "a red door" --image house.png --mask door.png
       diffusion-trt run artifacts/sdxl-fp16 -p "a lighthouse" --vram-budget 8GB
       diffusion-trt run artifacts/tiny-refittable -p "a fox" --lora ink.safetensors:0.8 --lora detail.safetensors
+      diffusion-trt run artifacts/tiny -p "(ink wash:1.3) mountains, [fog] BREAK a red sun" -n "(blurry)"
+      diffusion-trt run artifacts/tiny -p "a guohua landscape" --clip-skip 1
     """
     from .lora import check_lora_file, parse_lora_arg
     from .runtime.pipeline import check_text, save_png
@@ -963,6 +980,8 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
             height=height,
             width=width,
             num_images_per_prompt=batch_size,
+            prompt_syntax=prompt_syntax,
+            clip_skip=clip_skip,
             progress=len(device_list) <= 1 and _progress_enabled(),
             **({"image": image, "mask_image": mask, "strength": strength} if image is not None else {}),
         )

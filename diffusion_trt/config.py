@@ -31,6 +31,10 @@ IMAGE_ALIGNMENT = 8
 MAX_IMAGE_SIZE = 4096
 #: Largest batch (images per engine call) a compile profile may hold; ``run`` splits larger requests into chunks.
 MAX_BATCH_SIZE = 64
+#: The most 77-token prompt chunks a UNet may be compiled for (``--max-prompt-chunks``): 8 x 75 = 600 tokens.
+MAX_PROMPT_CHUNKS = 8
+#: The most text-encoder layers ``--max-clip-skip`` may skip (SD's CLIP has 12 / 23 layers).
+MAX_CLIP_SKIP = 11
 #: Opsets compile exports: 17 (LayerNormalization) up to the newest that torch.onnx's TorchScript exporter
 #: (``dynamo=False``, compiler/export.py) writes.
 MIN_OPSET, MAX_OPSET = 17, 20
@@ -271,6 +275,16 @@ class CompileConfig:
             ``deterministic=True`` switches the rest (the tiny pipeline's identical calls then differ by 0 on an
             H200, ``h200-2026-12-01-s6-tiny-deterministic.json``). Costs speed: 0.068 vs 0.044 ms per norm at the
             SD-1.5 UNet's largest shape (``h200-2026-12-01-s6-norm-probe.json``). Other targets: no effect (logged).
+        max_prompt_chunks: the UNet's ``encoder_hidden_states`` takes 77 * k tokens for k = 1..this
+            (1..:data:`MAX_PROMPT_CHUNKS`): long prompts in 75-token chunks (``runtime/prompt_encoding.py``). 1 = the
+            UNet takes 77 tokens only (the artifact of before). With k > 1 the sequence axis is the profile dim ``S``
+            (min = opt = 77, max = 77 k): TensorRT tunes its kernels at 77 and ``--size-buckets`` gives each
+            (size, k) its own static CUDA-graph session, so one-chunk prompts run as before. A static profile and
+            SDXL models keep 77 (logged): a static profile is one fixed shape (one CUDA graph), and SDXL's
+            two-encoder chunking is not implemented yet.
+        max_clip_skip: SD 1.x/2.x: the text encoder also gives the states that ``clip_skip`` = 1..this take (one
+            extra output of the one engine, ``clip_skip_states``; at most its layers less one); 0 = none (the
+            text encoder of before). SDXL: none yet.
         pass_options: ``PassContext.options`` for every component, over the ones compile derives itself (each
             pass's docstring lists the options it reads, e.g. ``{"pack_qkv": True}``,
             ``{"fuse_attention_emit": "none"}``); for experiments and A/B timings (``--pass-option``).
@@ -300,9 +314,17 @@ class CompileConfig:
     refittable: bool = False
     compute_capabilities: tuple[str, ...] | None = None
     deterministic: bool = False
+    max_prompt_chunks: int = 3
+    max_clip_skip: int = 2
 
     def __post_init__(self) -> None:
         self._check_types()
+        if not 1 <= self.max_prompt_chunks <= MAX_PROMPT_CHUNKS:
+            raise RuntimeInputError(f"max_prompt_chunks={self.max_prompt_chunks} must be in 1..{MAX_PROMPT_CHUNKS} "
+                                    "(chunks of 75 prompt tokens); use e.g. 3")
+        if not 0 <= self.max_clip_skip <= MAX_CLIP_SKIP:
+            raise RuntimeInputError(f"max_clip_skip={self.max_clip_skip} must be in 0..{MAX_CLIP_SKIP} (layers skipped "
+                                    "from the end of the text encoder); use e.g. 2")
         if self.compute_capabilities is not None:
             object.__setattr__(self, "compute_capabilities", tuple(str(c) for c in self.compute_capabilities))
         if self.refittable and self.backend == "tensorrt-rtx":
@@ -432,9 +454,11 @@ class CompileConfig:
         Raises:
             RuntimeInputError: naming the field, the value and the type it takes.
         """
-        for name in ("opset", "min_batch_size", "batch_size", *_SIZE_FIELDS, "max_batch_size"):
+        for name in ("opset", "min_batch_size", "batch_size", *_SIZE_FIELDS, "max_batch_size", "max_prompt_chunks",
+                     "max_clip_skip"):
             value = getattr(self, name)
-            if (value is not None or name in ("opset", "batch_size", "min_batch_size")) and \
+            if (value is not None or name in ("opset", "batch_size", "min_batch_size", "max_prompt_chunks",
+                                                   "max_clip_skip")) and \
                     (isinstance(value, bool) or not isinstance(value, int)):
                 raise RuntimeInputError(f"{name}={value!r} must be an integer")
         for name in ("components", "compute_capabilities"):

@@ -66,7 +66,7 @@ def test_engine_configs_parse_as_triton_model_configs(repo: Path, tiny_artifact:
     unet = {i.name: i for i in _model_config(repo / "unet" / "config.pbtxt").input}
     assert list(unet["sample"].dims) == [4, -1, -1] and unet["sample"].data_type == pb2.TYPE_FP32
     assert list(unet["timestep"].dims) == [1] and list(unet["timestep"].reshape.shape) == []
-    assert list(unet["encoder_hidden_states"].dims) == [77, 32]
+    assert list(unet["encoder_hidden_states"].dims) == [-1, 32]  # 77 * k tokens, k = 1..3 (--max-prompt-chunks)
     te = _model_config(repo / "text_encoder" / "config.pbtxt")
     assert te.input[0].data_type == pb2.TYPE_INT64 and list(te.input[0].dims) == [77]
 

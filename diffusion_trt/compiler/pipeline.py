@@ -160,6 +160,7 @@ def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
         "latent_channels": int(vae.get("latent_channels", 4)),
         "text_max_length": max_len,
         "text_hidden_size": int(te["hidden_size"]),
+        "text_encoder_layers": int(te.get("num_hidden_layers", 12)),
         "default_height": int(sample_size) * vae_scale,
         "default_width": int(sample_size) * vae_scale,
         "architecture": folder.architecture,
@@ -171,8 +172,10 @@ def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
     return facts
 
 
-def specs_for(facts: Mapping[str, Any]) -> dict[str, ComponentSpec]:
-    """The component table (:func:`~.components.component_specs`) of a model, from :func:`model_facts`."""
+def specs_for(facts: Mapping[str, Any], prompt_chunks: int = 1, clip_skip: int = 0) -> dict[str, ComponentSpec]:
+    """The component table (:func:`~.components.component_specs`) of a model, from :func:`model_facts`, its UNet
+    taking up to ``prompt_chunks`` 77-token chunks and its text encoder giving the states of ``clip_skip`` skipped
+    layers (SD 1.x/2.x; see :func:`prompt_chunks_for`, :func:`clip_skip_for`)."""
     sdxl: dict[str, Any] = {}
     if facts.get("architecture") == "sdxl":
         sdxl = {"text_hidden_2": facts["text_encoder_2_hidden_size"], "text_embeds": facts["text_embeds_size"],
@@ -183,8 +186,34 @@ def specs_for(facts: Mapping[str, Any]) -> dict[str, ComponentSpec]:
         unet_in=facts["unet_in_channels"],
         unet_out=facts["unet_out_channels"],
         latent=facts["latent_channels"],
+        prompt_chunks=prompt_chunks,
+        clip_skip=clip_skip,
         **sdxl,
     )
+
+
+def clip_skip_for(config: CompileConfig, facts: Mapping[str, Any]) -> int:
+    """The clip skips the text encoder serves: ``config.max_clip_skip``, at most its layers less one (logged when
+    fewer), 0 for SDXL (whose clip skip is not implemented)."""
+    k = config.max_clip_skip
+    if facts.get("architecture") == "sdxl":
+        return 0
+    most = max(0, int(facts.get("text_encoder_layers", k + 1)) - 1)
+    if k > most:
+        logger.info("max_clip_skip=%d: the text encoder has %d layers; clip skip goes up to %d", k, most + 1, most)
+    return min(k, most)
+
+
+def prompt_chunks_for(config: CompileConfig, profile: ShapeProfile, facts: Mapping[str, Any]) -> int:
+    """The prompt chunks the UNet is built for: ``config.max_prompt_chunks``, but 1 for a static profile (one fixed
+    shape, one CUDA graph) and for SDXL (two-encoder chunking not implemented), logged when more were asked."""
+    k = config.max_prompt_chunks
+    why = ("a static profile is one fixed shape" if profile.is_static()
+           else "SDXL prompts are one chunk for now" if facts.get("architecture") == "sdxl" else None)
+    if why is None or k == 1:
+        return k
+    logger.info("max_prompt_chunks=%d: the UNet takes 77 tokens only (%s); prompts are cut at 75 tokens", k, why)
+    return 1
 
 
 def component_names(requested: Sequence[str], facts: Mapping[str, Any]) -> tuple[str, ...]:
@@ -214,7 +243,8 @@ def pass_options(spec: ComponentSpec, profile: ShapeProfile, facts: Mapping[str,
     if facts is not None and spec.name == "unet" and facts.get("upcast_attention"):
         options["convert_fp16_fp32_attention"] = True
     if profile.is_static():
-        options["static_shapes"] = {t.name: tensor_manifest(t, "fp32", profile)["opt"] for t in spec.inputs}
+        options["static_shapes"] = {t.name: tensor_manifest(t, "fp32", profile, spec.symbols)["opt"]
+                                    for t in spec.inputs}
     return options
 
 
@@ -422,7 +452,7 @@ def prepare(model_dir: str | Path, out: Path, config: CompileConfig) -> CompileJ
         check_quantizable(config, facts)
         profile: ShapeProfile = config.resolve_profile(facts["default_height"])
         _warn_fp16_safe_vae(config, facts)
-    specs = specs_for(facts)
+    specs = specs_for(facts, prompt_chunks_for(config, profile, facts), clip_skip_for(config, facts))
     names = component_names(config.components, facts)
     unknown = [c for c in names if c not in specs]
     if unknown or not names:
@@ -526,7 +556,7 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
             entry.update(lora_slots.write_weight_inputs(name, model, rmap, staging))
     bar.update()
     bar.set_postfix_str(f"{name}: build")
-    entry["inputs"] = [tensor_manifest(t, plan.precision, job.profile) for t in spec.inputs]
+    entry["inputs"] = [tensor_manifest(t, plan.precision, job.profile, spec.symbols) for t in spec.inputs]
     saved = save_optimized(plan, model, staging)
     del model  # GBs for a UNet: gone before calibration and the engine build
     if plan.quantized:
@@ -541,7 +571,7 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
     entry["files"] = [f.relative_to(staging).as_posix() for f in files]
     if "weight_inputs" in entry:
         entry["files"].append(entry["weight_inputs"])
-    entry["outputs"] = [tensor_manifest(t, plan.precision, job.profile) for t in spec.outputs]
+    entry["outputs"] = [tensor_manifest(t, plan.precision, job.profile, spec.symbols) for t in spec.outputs]
     return entry
 
 

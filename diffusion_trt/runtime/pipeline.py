@@ -558,7 +558,7 @@ class EnginePipeline:
 
     def __call__(
         self,
-        prompt: str | Sequence[str],
+        prompt: str | Sequence[str] | None = None,
         negative_prompt: str | Sequence[str] | None = None,
         num_inference_steps: int = 50,
         guidance_scale: float | None = None,
@@ -583,12 +583,16 @@ class EnginePipeline:
         negative_original_size: tuple[int, int] | None = None,
         negative_crops_coords_top_left: tuple[int, int] = (0, 0),
         negative_target_size: tuple[int, int] | None = None,
+        prompt_syntax: str = "a1111",
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        clip_skip: int | None = None,
     ) -> EnginePipelineOutput:
         """Generate images from text, as ``diffusers.StableDiffusionPipeline.__call__``; with ``image`` as
         ``StableDiffusionImg2ImgPipeline``, with ``image`` and ``mask_image`` as ``StableDiffusionInpaintPipeline``.
 
         Args:
-            prompt: one prompt or a list of P prompts.
+            prompt: one prompt or a list of P prompts; ``None`` with ``prompt_embeds``.
             negative_prompt: ``None`` (= ""), one string for every prompt, or P strings. Ignored when
                 ``guidance_scale <= 1`` (no classifier-free guidance).
             num_inference_steps: scheduler steps, >= 1.
@@ -631,6 +635,23 @@ class EnginePipeline:
                 target_size`` (diffusers' ``_get_add_time_ids``); sizes default to (height, width).
             negative_original_size, negative_crops_coords_top_left, negative_target_size: SDXL: the time ids of the
                 negative rows, used only when both sizes are given (else the prompt's), as diffusers.
+            prompt_syntax: "a1111" (default): A1111's weights ``(text)`` x1.1, ``[text]`` /1.1, ``(text:1.3)``,
+                escapes ``\\(``, and ``BREAK``; "plain": the text as it is
+                (:mod:`~diffusion_trt.runtime.prompt_syntax`).
+                Either way a prompt longer than 75 tokens is encoded in 75-token chunks, as many as the artifact
+                allows (``compile --max-prompt-chunks``; :mod:`~diffusion_trt.runtime.prompt_encoding`). SD 1.x/2.x
+                only: SDXL artifacts read prompts as before (one chunk, no weights).
+            prompt_embeds: instead of ``prompt``, as diffusers: text embeddings [P, 77 k, D] (any float dtype and
+                device; e.g. compel's), k chunks within the artifact's range (``compile --max-prompt-chunks``), D the
+                UNet's cross-attention width. Repeated ``num_images_per_prompt`` times. SD 1.x/2.x artifacts only.
+            negative_prompt_embeds: with ``prompt_embeds``, instead of ``negative_prompt``: the same shape. Without
+                it, CFG encodes ``negative_prompt`` ("" by default) cut or padded to k chunks (diffusers pads its
+                tokens to ``prompt_embeds.shape[1]``).
+            clip_skip: diffusers' ``clip_skip``: the text states ``final_layer_norm(hidden_states[-(clip_skip + 1)])``
+                (1 = the penultimate layer, A1111's "Clip skip 2"), for prompts and negative prompts alike (diffusers'
+                ``encode_prompt`` gives the negative prompt the last layer); ``None``/0 = the last layer. Up to
+                ``compile --max-clip-skip`` (2 by default; the engine's ``clip_skip_states`` output). Not used with
+                ``prompt_embeds`` for the prompt. SD 1.x/2.x only.
 
         Returns:
             :class:`EnginePipelineOutput` with ``images``, ``seed`` and ``parameters``.
@@ -650,6 +671,8 @@ class EnginePipeline:
             crops_coords_top_left=crops_coords_top_left, target_size=target_size,
             negative_original_size=negative_original_size,
             negative_crops_coords_top_left=negative_crops_coords_top_left, negative_target_size=negative_target_size,
+            prompt_syntax=prompt_syntax, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
+            clip_skip=clip_skip,
         )
         if isinstance(request.conditioning, ImageRequest):
             self.engine("vae_encoder")  # opened on first use, after the checks
