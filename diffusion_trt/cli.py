@@ -307,6 +307,28 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
     click.echo(str(path))
 
 
+@main.command("dummy-controlnet")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--arch", type=click.Choice([a for a in ARCHS if "inpaint" not in a]), default="tiny",
+              show_default=True, help="The base architecture (as dummy-pipeline's --arch).")
+@click.option("--seed", type=SEED, default=0, show_default=True,
+              help="Seed of the random weights (the same seed as dummy-pipeline's starts from its UNet).")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty OUT_DIR.")
+@_handle_errors
+def dummy_controlnet(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None:
+    """Write a diffusers ControlNetModel folder with seeded random weights (ControlNetModel.from_unet of the
+    architecture's UNet, its zero-initialised projections drawn at random so it changes the images).
+
+    \b
+    Examples:
+      diffusion-trt dummy-controlnet models/tiny-cn
+      diffusion-trt dummy-controlnet --arch sd15 --seed 1 models/sd15-cn
+    """
+    from .compiler.dummy_controlnet import write_dummy_controlnet
+
+    click.echo(str(write_dummy_controlnet(out_dir, arch=arch, seed=seed, overwrite=overwrite)))
+
+
 @main.command("compile")
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -365,6 +387,10 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
 @click.option("--lora", "loras", multiple=True, metavar="FILE[:SCALE]",
               help="Merge a LoRA (.safetensors, diffusers or kohya format) into the weights before export, scale "
                    "default 1; repeatable, merged in order. Recorded in the manifest.")
+@click.option("--controlnet", "controlnets", multiple=True, metavar="[NAME=]FOLDER",
+              help="Add a diffusers ControlNetModel folder as the component controlnet_NAME (NAME default: the "
+                   "folder's name), and the UNet with ControlNet residual inputs as unet_controlnet (the plain unet "
+                   "stays); repeatable.")
 @click.option("--refittable", is_flag=True,
               help="TensorRT: refittable engines, so EnginePipeline.load_lora can swap LoRAs at run time.")
 @click.option("--fp16-safe-vae", is_flag=True,
@@ -422,6 +448,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
       diffusion-trt compile models/sd15 -o artifacts/sd15-ink --lora ink.safetensors:0.8 --lora detail.safetensors
       diffusion-trt compile style.safetensors -o artifacts/style
       diffusion-trt compile sd21-768.safetensors -o artifacts/sd21 --prediction-type v_prediction
+      diffusion-trt compile models/tiny -o artifacts/tiny-cn --controlnet canny=models/tiny-cn
     """
     from .compiler.frontend import compile_model
     from .config import CompileConfig
@@ -439,6 +466,9 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     from .lora import parse_lora_arg
 
     options["loras"] = tuple(parse_lora_arg(x) for x in options["loras"])
+    from .compiler.controlnet import parse_controlnet_arg
+
+    options["controlnets"] = tuple(parse_controlnet_arg(x) for x in options["controlnets"])
     options["pass_options"] = _parse_pass_options(options["pass_options"])
     if options["device"] is None:
         options["device"] = "cuda" if options["backend"] in ("tensorrt", "tensorrt-rtx") else "cpu"

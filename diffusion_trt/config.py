@@ -270,6 +270,10 @@ class CompileConfig:
             ``deterministic=True`` switches the rest (the tiny pipeline's identical calls then differ by 0 on an
             H200, ``h200-2026-12-01-s6-tiny-deterministic.json``). Costs speed: 0.068 vs 0.044 ms per norm at the
             SD-1.5 UNet's largest shape (``h200-2026-12-01-s6-norm-probe.json``). Other targets: no effect (logged).
+        controlnets: ``(name, folder)`` pairs: each diffusers ControlNetModel folder becomes the component
+            ``controlnet_<name>``, and the UNet is compiled a second time with the residual inputs as
+            ``unet_controlnet`` (see :mod:`diffusion_trt.compiler.controlnet`). Saved in the manifest only when
+            given (an artifact without ControlNets is as before).
         pass_options: ``PassContext.options`` for every component, over the ones compile derives itself (each
             pass's docstring lists the options it reads, e.g. ``{"pack_qkv": True}``,
             ``{"fuse_attention_emit": "none"}``); for experiments and A/B timings (``--pass-option``).
@@ -299,6 +303,7 @@ class CompileConfig:
     refittable: bool = False
     compute_capabilities: tuple[str, ...] | None = None
     deterministic: bool = False
+    controlnets: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -427,6 +432,10 @@ class CompileConfig:
         data["quantize"] = self.quantize.to_json()
         data["loras"] = [[str(p), float(s)] for p, s in self.loras]
         data["compute_capabilities"] = list(self.compute_capabilities) if self.compute_capabilities else None
+        if self.controlnets:
+            data["controlnets"] = [[str(n), str(p)] for n, p in self.controlnets]
+        else:
+            del data["controlnets"]  # an artifact without ControlNets keeps today's manifest
         return data
 
     def _check_types(self) -> None:
@@ -458,4 +467,5 @@ class CompileConfig:
         if isinstance(data.get("quantize"), dict):
             data["quantize"] = QuantizeConfig.from_json(data["quantize"])
         data["loras"] = tuple((str(p), float(s)) for p, s in data.get("loras", ()))
+        data["controlnets"] = tuple((str(n), str(p)) for n, p in data.get("controlnets", ()))
         return cls(**data)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import datetime as _dt
 import importlib.metadata
 import json
@@ -32,7 +33,7 @@ import onnx
 from .. import artifacts
 from ..config import IMAGE_ALIGNMENT, QUANTIZED_PRECISIONS, TRT_BACKENDS, CompileConfig, ShapeProfile
 from ..errors import BuildError, DiffusionTrtError, ExportError, OutputPathError, PassError, RuntimeInputError
-from . import build_ort, export, lora, quantize
+from . import build_ort, controlnet, export, lora, quantize
 from .components import ComponentSpec, component_specs, tensor_manifest
 from .plan import VAE_COMPONENTS, ComponentPlan, component_precision, plan_components
 
@@ -211,7 +212,8 @@ def pass_options(spec: ComponentSpec, profile: ShapeProfile, facts: Mapping[str,
     options: dict[str, Any] = {
         "convert_fp16_fp32_inputs": [t.name for t in spec.inputs if t.dtype == "float32"],
     }
-    if facts is not None and spec.name == "unet" and facts.get("upcast_attention"):
+    unets = spec.name in ("unet", controlnet.UNET_CONTROLNET) or spec.name.startswith(controlnet.PREFIX)
+    if facts is not None and unets and facts.get("upcast_attention"):
         options["convert_fp16_fp32_attention"] = True
     if profile.is_static():
         options["static_shapes"] = {t.name: tensor_manifest(t, "fp32", profile)["opt"] for t in spec.inputs}
@@ -321,7 +323,7 @@ def compile_pipeline(
     config = config or CompileConfig()
     preflight(config)
     t_start = time.perf_counter()
-    job = prepare(model_dir, Path(out_dir), config)
+    job = with_controlnets(prepare(model_dir, Path(out_dir), config))
     with artifacts.staging_dir(job.out, overwrite=overwrite, lock_timeout=lock_timeout) as staging:
         copy_tokenizers(job, staging)
         models, lora_records, source_hash = load_sources(job, source_sha256)
@@ -369,6 +371,25 @@ class CompileJob:
     torch_device: str
     ranges: Mapping[str, tuple[int, int, int]]
     deterministic_options: Mapping[str, Any] = field(default_factory=dict)
+    controlnets: tuple[controlnet.ControlNetSource, ...] = ()
+
+
+def with_controlnets(job: CompileJob) -> CompileJob:
+    """``job`` with ``unet_controlnet`` and one ``controlnet_<name>`` per ``config.controlnets`` added to its
+    components (:mod:`.controlnet`); ``job`` itself without ControlNets.
+
+    Raises:
+        ModelFolderError, RuntimeInputError: as :func:`~.controlnet.check_controlnets`.
+    """
+    if not job.config.controlnets:
+        return job
+    unet_config = job.folder.config("unet")
+    with stage("ControlNet check"):
+        sources = controlnet.check_controlnets(job.config.controlnets, unet_config, job.folder.path)
+    if "unet" not in job.specs:
+        raise RuntimeInputError("--controlnet needs a model with a UNet")
+    added = controlnet.controlnet_specs(job.specs["unet"], unet_config, sources)
+    return dataclasses.replace(job, specs={**job.specs, **added}, names=(*job.names, *added), controlnets=sources)
 
 
 def quantized_components(config: CompileConfig) -> tuple[str, ...]:
@@ -481,6 +502,7 @@ def load_sources(job: CompileJob, source_sha256: str | None = None) -> tuple[dic
         # always fp32 (ComponentPlan.export_dtype): fp16 is made by the convert_fp16 pass (fp32 islands, Casts
         # at the borders) for every backend; TensorRT networks are built strongly typed from those types
         models = export.load_models(job.folder, "fp32", job.torch_device)
+        models.update(controlnet.load_controlnets(job.controlnets, job.torch_device))
     with stage("merge LoRA"):  # diffusers' load_lora_weights + fuse_lora, before export (see lora.py)
         lora_records = lora.merge_loras(models, job.lora_files)
     if source_sha256 is not None:
