@@ -329,6 +329,34 @@ def dummy_controlnet(out_dir: Path, arch: str, seed: int, overwrite: bool) -> No
     click.echo(str(write_dummy_controlnet(out_dir, arch=arch, seed=seed, overwrite=overwrite)))
 
 
+@main.command("add-controlnet")
+@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("controlnets", nargs=-1, required=True, metavar="[NAME=]FOLDER...")
+@click.option("--replace", is_flag=True, help="Swap a ControlNet the artifact has already.")
+@_handle_errors
+def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[str, ...], replace: bool) -> None:
+    """Add ControlNets to ARTIFACT_DIR (compiled with --controlnet, so it has unet_controlnet) without rebuilding the
+    UNet: each is compiled with the artifact's own settings as controlnet_NAME and the manifest is resealed.
+
+    MODEL_DIR is the diffusers folder the artifact was compiled from (checked by its sha256).
+
+    \b
+    Examples:
+      diffusion-trt add-controlnet artifacts/tiny-cn models/tiny depth=models/tiny-depth
+      diffusion-trt add-controlnet artifacts/tiny-cn models/tiny canny=models/tiny-canny-v2 --replace
+    """
+    from .compiler.controlnet import parse_controlnet_arg
+    from .compiler.controlnet_add import add_controlnets
+
+    pairs = tuple(parse_controlnet_arg(x) for x in controlnets)
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with _terminate_like_interrupt(), logging_redirect_tqdm(loggers=[logger]):
+        path = add_controlnets(artifact_dir, model_dir, pairs, replace=replace, progress=_progress_enabled())
+    click.echo(f"artifact: {path}")
+
+
 @main.command("compile")
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -864,14 +892,30 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
               help="Inpainting, with --image: white = repaint, black = keep (read as grayscale, alpha ignored, as "
                    "diffusers; the image's size).")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE", help=VRAM_BUDGET_HELP)
+@click.option("--controlnet", "controlnets", multiple=True, metavar="NAME[:SCALE]",
+              help="A ControlNet of the artifact (compile --controlnet) and its conditioning scale (default 1); "
+                   "repeatable, paired in order with --control-image.")
+@click.option("--control-image", "control_images", multiple=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The control image of each --controlnet, of the output size (RGB; never resized).")
+@click.option("--control-preprocess", type=click.Choice(["none", "canny"]), default="none", show_default=True,
+              help="canny: make each control image a Canny edge map first (OpenCV: pip install -e '.[control]').")
+@click.option("--control-guidance-start", type=float, default=0.0, show_default=True,
+              help="Fraction of the steps before the ControlNets act.")
+@click.option("--control-guidance-end", type=float, default=1.0, show_default=True,
+              help="Fraction of the steps after which the ControlNets stop.")
+@click.option("--guess-mode", is_flag=True, help="diffusers' guess mode (ControlNets on the conditional rows only).")
 @_runtime_options
 @_handle_errors
 def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps: int, guidance: float | None, seed: int,
             height: int | None, width: int | None, batch_size: int, scheduler: str | None, device: str | None,
             snap: bool, devices: str | None, cuda_graph: bool | None, runtime_cache: Path | None, out: Path,
             overwrite: bool, image_path: Path | None, strength: float | None, mask_path: Path | None,
-            vram_budget: str | None, **engine_options: Any) -> None:
-    """Generate images from a compiled ARTIFACT_DIR: from text, or from an image (--image), or inpaint (--mask).
+            vram_budget: str | None, controlnets: tuple[str, ...], control_images: tuple[Path, ...],
+            control_preprocess: str, control_guidance_start: float, control_guidance_end: float, guess_mode: bool,
+            **engine_options: Any) -> None:
+    """Generate images from a compiled ARTIFACT_DIR: from text, or from an image (--image), or inpaint (--mask);
+    with ControlNets (--controlnet NAME[:SCALE] --control-image FILE, each pair in order).
 
     \b
     Examples:
@@ -881,6 +925,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
       diffusion-trt run artifacts/sd15 -p "an oil painting" --image photo.png --strength 0.6
       diffusion-trt run artifacts/sd15-inpaint -p "a red door" --image house.png --mask door.png
       diffusion-trt run artifacts/sdxl-fp16 -p "a lighthouse" --vram-budget 8GB
+      diffusion-trt run artifacts/tiny-cn -p "an ink painting" --controlnet canny:0.8 --control-image edges.png
     """
     from .runtime.pipeline import check_text, save_png
 
@@ -903,6 +948,10 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
     engine_options = _check_engine_options(engine_options)
     max_hw = _profile_max_hw(artifact_dir) if image_path is not None else None
     image = _read_image(image_path, "--image", "RGB", max_hw) if image_path is not None else None
+    control = _control_arguments(artifact_dir, controlnets, control_images, control_preprocess,
+                                 control_guidance_start, control_guidance_end, guess_mode)
+    if control and devices is not None:
+        raise click.UsageError("--controlnet runs on one device; drop --devices (or use --device cuda)")
     mask = _read_image(mask_path, "--mask", "L", max_hw) if mask_path is not None else None
     _check_writable_file(out, "-o", ".png")  # before minutes of denoising, not after
     if not overwrite:
@@ -934,8 +983,12 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
             num_images_per_prompt=batch_size,
             progress=len(device_list) <= 1 and _progress_enabled(),
             **({"image": image, "mask_image": mask, "strength": strength} if image is not None else {}),
+            **control,
         )
         params = {**result.parameters, "artifact": str(artifact_dir)}
+        if control:
+            params.update(controlnet=list(control["controlnet"]), control_image=[str(p) for p in control_images],
+                          controlnet_conditioning_scale=control["controlnet_conditioning_scale"])
         if image_path is not None:
             params.update(image=str(image_path), **({"mask": str(mask_path)} if mask_path is not None else {}))
     paths = []
@@ -945,6 +998,44 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
         paths.append(path)
     for path in paths:
         click.echo(f"image: {path}")
+
+
+def _control_arguments(artifact_dir: Path, controlnets: tuple[str, ...], control_images: tuple[Path, ...],
+                       preprocess: str, start: float, end: float, guess_mode: bool) -> dict[str, Any]:
+    """run's ControlNet options as EnginePipeline keywords ({} without --controlnet).
+
+    Raises:
+        click.UsageError: a --controlnet without its --control-image or the other way round, a scale that is not a
+            finite number.
+    """
+    import math
+
+    if not controlnets and not control_images:
+        return {}
+    if len(control_images) != len(controlnets):
+        raise click.UsageError(f"{len(control_images)} --control-image for {len(controlnets)} --controlnet; give "
+                               "one control image per ControlNet, in the same order")
+    names, scales = [], []
+    for value in controlnets:
+        name, sep, scale = value.partition(":")
+        try:
+            number = float(scale) if sep else 1.0
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number):
+            raise click.UsageError(f"--controlnet {value!r}: the scale {scale!r} is not a finite number; use e.g. "
+                                   f"{name}:0.8")
+        names.append(name)
+        scales.append(number)
+    max_hw = _profile_max_hw(artifact_dir)
+    images = [_read_image(p, "--control-image", "RGB", max_hw) for p in control_images]
+    if preprocess == "canny":
+        from .runtime.control_preprocess import canny
+
+        images = [canny(im) for im in images]
+    return {"controlnet": names, "control_image": images if len(images) > 1 else images[0],
+            "controlnet_conditioning_scale": scales, "control_guidance_start": start,
+            "control_guidance_end": end, "guess_mode": guess_mode}
 
 
 @main.command("inspect")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import datetime as _dt
 import importlib.metadata
 import json
@@ -323,7 +322,7 @@ def compile_pipeline(
     config = config or CompileConfig()
     preflight(config)
     t_start = time.perf_counter()
-    job = with_controlnets(prepare(model_dir, Path(out_dir), config))
+    job = prepare(model_dir, Path(out_dir), config)
     with artifacts.staging_dir(job.out, overwrite=overwrite, lock_timeout=lock_timeout) as staging:
         copy_tokenizers(job, staging)
         models, lora_records, source_hash = load_sources(job, source_sha256)
@@ -373,23 +372,6 @@ class CompileJob:
     deterministic_options: Mapping[str, Any] = field(default_factory=dict)
     controlnets: tuple[controlnet.ControlNetSource, ...] = ()
 
-
-def with_controlnets(job: CompileJob) -> CompileJob:
-    """``job`` with ``unet_controlnet`` and one ``controlnet_<name>`` per ``config.controlnets`` added to its
-    components (:mod:`.controlnet`); ``job`` itself without ControlNets.
-
-    Raises:
-        ModelFolderError, RuntimeInputError: as :func:`~.controlnet.check_controlnets`.
-    """
-    if not job.config.controlnets:
-        return job
-    unet_config = job.folder.config("unet")
-    with stage("ControlNet check"):
-        sources = controlnet.check_controlnets(job.config.controlnets, unet_config, job.folder.path)
-    if "unet" not in job.specs:
-        raise RuntimeInputError("--controlnet needs a model with a UNet")
-    added = controlnet.controlnet_specs(job.specs["unet"], unet_config, sources)
-    return dataclasses.replace(job, specs={**job.specs, **added}, names=(*job.names, *added), controlnets=sources)
 
 
 def quantized_components(config: CompileConfig) -> tuple[str, ...]:
@@ -444,14 +426,34 @@ def prepare(model_dir: str | Path, out: Path, config: CompileConfig) -> CompileJ
         profile: ShapeProfile = config.resolve_profile(facts["default_height"])
         _warn_fp16_safe_vae(config, facts)
     specs = specs_for(facts)
+    sources, control_specs = _controlnet_specs(config, folder, specs)
+    specs.update(control_specs)
     names = component_names(config.components, facts)
+    if control_specs and not any(n in control_specs for n in names):
+        names = (*names, *control_specs)  # --controlnet without naming its components in --components: all of them
     unknown = [c for c in names if c not in specs]
     if unknown or not names:
         raise RuntimeInputError(f"--components: unknown component(s) {unknown or 'none given'}; choose from "
                                 f"{', '.join(specs)}")
     return CompileJob(config, out, folder, facts, profile, specs, names, lora_files,
                       torch_device=export.export_device(config.device), ranges=export.export_ranges(profile),
-                      deterministic_options=deterministic_pass_options(config))
+                      deterministic_options=deterministic_pass_options(config), controlnets=sources)
+
+
+def _controlnet_specs(config: CompileConfig, folder: export.ModelFolder, specs: Mapping[str, ComponentSpec]
+                      ) -> tuple[tuple[controlnet.ControlNetSource, ...], dict[str, ComponentSpec]]:
+    """The checked ``config.controlnets`` and the specs of ``unet_controlnet`` and each ``controlnet_<name>``
+    (:mod:`.controlnet`); nothing without ControlNets.
+
+    Raises:
+        ModelFolderError, RuntimeInputError: as :func:`~.controlnet.check_controlnets`.
+    """
+    if not config.controlnets:
+        return (), {}
+    unet_config = folder.config("unet")
+    with stage("ControlNet check"):
+        sources = controlnet.check_controlnets(config.controlnets, unet_config, folder.path)
+    return sources, controlnet.controlnet_specs(specs["unet"], unet_config, sources)
 
 
 def check_quantizable(config: CompileConfig, facts: Mapping[str, Any]) -> None:

@@ -6,6 +6,7 @@ CPU, fp32, same seed, scheduler and steps: the final latents and the float image
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -117,3 +118,138 @@ def test_bad_control_arguments(pipe: EnginePipeline, kwargs: dict[str, Any], mes
     with pytest.raises(RuntimeInputError) as e:
         pipe(prompt="a cat", num_inference_steps=2, seed=0, progress=False, **kwargs)
     assert message in str(e.value)
+
+
+# --- the command line --------------------------------------------------------------------------------------------
+
+
+def _run(artifact: Path, tmp_path: Path, *args: str) -> Any:
+    from click.testing import CliRunner
+
+    from diffusion_trt.cli import main
+
+    return CliRunner().invoke(main, ["run", str(artifact), "-p", "a cat", "--steps", "2", "-o",
+                                     str(tmp_path / "out.png"), *args])
+
+
+def _control_png(tmp_path: Path, name: str, size: int = 64) -> str:
+    path = tmp_path / name
+    _image(3, size).save(path)
+    return str(path)
+
+
+def test_run_with_two_controlnets_writes_the_image_and_parameters(controlnet_artifact: Path, tmp_path: Path) -> None:
+    result = _run(controlnet_artifact, tmp_path, "--controlnet", "a:0.5", "--control-image",
+                  _control_png(tmp_path, "a.png"), "--controlnet", "b", "--control-image",
+                  _control_png(tmp_path, "b.png"), "--control-guidance-end", "0.5")
+    assert result.exit_code == 0, result.output
+    assert f"image: {tmp_path / 'out.png'}" in result.output
+    params = json.loads(Image.open(tmp_path / "out.png").text["parameters"])
+    assert params["controlnet"] == ["a", "b"] and params["controlnet_conditioning_scale"] == [0.5, 1.0]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--controlnet", "a"], "0 --control-image for 1 --controlnet"),
+    (["--controlnet", "a:nan", "--control-image", "{a}"], "the scale 'nan' is not a finite number"),
+    (["--controlnet", "a:x", "--control-image", "{a}"], "the scale 'x' is not a finite number"),
+    (["--controlnet", "a", "--control-image", "{small}"], "is 48x48 (WxH) but the output is 64x64"),
+    (["--controlnet", "z", "--control-image", "{a}"], "ControlNet 'z' is not in this artifact; it has a, b"),
+])
+def test_run_bad_control_input_is_one_error_line_exit_2(controlnet_artifact: Path, tmp_path: Path, args: list[str],
+                                                        message: str) -> None:
+    files = {"a": _control_png(tmp_path, "a.png"), "small": _control_png(tmp_path, "s.png", 48)}
+    result = _run(controlnet_artifact, tmp_path, *(a.format(**files) for a in args))
+    assert result.exit_code == 2, result.output
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.output
+    assert not (tmp_path / "out.png").exists()
+
+
+def test_canny_preprocess_gives_edges(tmp_path: Path) -> None:
+    pytest.importorskip("cv2", reason="opencv-python-headless (the control extra) is not installed")
+    from diffusion_trt.runtime.control_preprocess import canny
+
+    im = Image.new("RGB", (64, 64), "black")
+    im.paste((255, 255, 255), (16, 16, 48, 48))
+    edges = np.asarray(canny(im))
+    assert edges.shape == (64, 64, 3) and set(np.unique(edges)) == {0, 255}
+    assert edges[32, 16].all() and not edges[32, 32].any()  # the square's border, not its inside
+
+
+# --- add-controlnet: add or swap without rebuilding the UNet -----------------------------------------------------
+
+
+def test_add_controlnet_adds_and_swaps_without_rebuilding_the_unet(controlnet_artifact: Path, tiny_pipeline_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    import shutil
+
+    from click.testing import CliRunner
+
+    from diffusion_trt.cli import main
+
+    art = tmp_path / "art"
+    shutil.copytree(controlnet_artifact, art)
+    before = json.loads((art / "manifest.json").read_text())
+    new = write_dummy_controlnet(tmp_path / "c", "tiny", seed=9)
+    result = CliRunner().invoke(main, ["add-controlnet", str(art), str(tiny_pipeline_dir), f"c={new}",
+                                       f"a={new}", "--replace"])
+    assert result.exit_code == 0, result.output
+    after = json.loads((art / "manifest.json").read_text())
+    assert list(after["components"]) == [*before["components"], "controlnet_c"]
+    for name in ("unet", "unet_controlnet", "controlnet_b"):  # untouched
+        assert after["components"][name] == before["components"][name]
+    onnx_a = after["components"]["controlnet_a"]["onnx"]
+    assert after["files"][onnx_a]["sha256"] != before["files"][onnx_a]["sha256"]  # swapped
+    assert [c[0] for c in after["config"]["controlnets"]] == ["b", "c", "a"]
+    assert CliRunner().invoke(main, ["verify", str(art)]).exit_code == 0
+    with EnginePipeline.from_artifacts(art) as p:
+        a = p(prompt="a cat", num_inference_steps=2, seed=1, control_image=_image(0), controlnet="a",
+              output_type="np", progress=False).images
+        c = p(prompt="a cat", num_inference_steps=2, seed=1, control_image=_image(0), controlnet="c",
+              output_type="np", progress=False).images
+    assert np.array_equal(a, c)  # a was replaced by the same weights as c
+
+
+def test_add_controlnet_bad_input(controlnet_artifact: Path, tiny_artifact: Path, tiny_pipeline_dir: Path,
+                                  controlnet_dirs: dict[str, Path], tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from diffusion_trt.cli import main
+
+    for args, message in (
+        ([str(tiny_artifact), str(tiny_pipeline_dir), f"x={controlnet_dirs['a']}"], "has no unet_controlnet"),
+        ([str(controlnet_artifact), str(tiny_pipeline_dir), f"a={controlnet_dirs['a']}"],
+         "has the ControlNet(s) a already; pass --replace"),
+        ([str(controlnet_artifact), str(controlnet_dirs["a"]), f"x={controlnet_dirs['a']}"],
+         "is not the model"),
+    ):
+        result = CliRunner().invoke(main, ["add-controlnet", *args])
+        errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+        assert result.exit_code == 2 and len(errors) == 1 and message in errors[0], result.output
+
+
+# --- the benchmark script, on the tiny arch on the CPU -------------------------------------------------------------
+
+
+def test_controlnet_benchmark_runs_on_the_tiny_arch(controlnet_artifact: Path, tiny_pipeline_dir: Path,
+                                                    controlnet_dirs: dict[str, Path], tmp_path: Path) -> None:
+    import argparse
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "controlnet_step.py"
+    spec = importlib.util.spec_from_file_location("controlnet_step", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = argparse.Namespace(model_dir=tiny_pipeline_dir, artifact_dir=controlnet_artifact,
+                              controlnet_dirs=[controlnet_dirs["a"], controlnet_dirs["b"]], json=tmp_path / "r.json",
+                              device="cpu", steps=2, height=64, width=64, counts="0,1,2", step_iters=1, e2e_iters=1,
+                              warmup=0)
+    out = module.run(args)
+    assert json.loads((tmp_path / "r.json").read_text()) == out
+    measured = {(r["system"], r["controlnets"]): r for r in out["results"] if "step_ms" in r}
+    assert set(measured) == {(s, n) for s in ("ours", "diffusers_eager") for n in (0, 1, 2)}
+    assert all(r["step_ms"] > 0 and r["e2e_ms"] > 0 for r in measured.values())
+    assert measured[("ours", 0)]["step_cost_vs_0"] == 1.0 and "e2e_speedup_vs_diffusers_eager" in measured[("ours", 2)]
+    skipped = [r for r in out["results"] if r.get("status") == "skipped"]
+    assert {r["system"] for r in skipped} == {"diffusers_cuda_graph"}
