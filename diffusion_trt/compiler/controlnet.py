@@ -37,7 +37,8 @@ UNET_CONTROLNET = "unet_controlnet"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_]*$")
 #: UNet config keys a ControlNet must share with its base model (the residuals' count, widths and the conditioning).
 _BASE_KEYS = ("block_out_channels", "layers_per_block", "down_block_types", "cross_attention_dim",
-              "addition_embed_type", "projection_class_embeddings_input_dim", "transformer_layers_per_block")
+              "use_linear_projection", "attention_head_dim", "addition_embed_type",
+              "projection_class_embeddings_input_dim", "transformer_layers_per_block")
 
 
 @dataclass(frozen=True)
@@ -110,16 +111,27 @@ def check_controlnet(name: str, path: str | Path, unet_config: Mapping[str, Any]
     if config.get("global_pool_conditions"):
         raise ModelFolderError(f"--controlnet {folder} pools its residuals (global_pool_conditions=true); such "
                                "ControlNets are not supported yet")
-    differ = [k for k in _BASE_KEYS if _norm(config.get(k)) != _norm(unet_config.get(k))]
+    differ = [k for k in _BASE_KEYS if _norm(config, k) != _norm(unet_config, k)]
     if differ:
         raise ModelFolderError(
             f"--controlnet {folder} is for an {base_label(config)} base, but {model} is an {base_label(unet_config)} "
-            f"model ({differ[0]}: {_norm(config.get(differ[0]))} vs {_norm(unet_config.get(differ[0]))}); use a "
+            f"model ({differ[0]}: {_norm(config, differ[0])} vs {_norm(unet_config, differ[0])}); use a "
             "ControlNet trained for this base model")
     return ControlNetSource(name, folder, config)
 
 
-def _norm(value: Any) -> Any:
+#: diffusers' defaults of the compared keys a config may leave out.
+_DEFAULTS: dict[str, Any] = {"layers_per_block": 2, "transformer_layers_per_block": 1, "use_linear_projection": False,
+                             "attention_head_dim": 8}
+_PER_BLOCK = ("layers_per_block", "transformer_layers_per_block", "attention_head_dim")
+
+
+def _norm(config: Mapping[str, Any], key: str) -> Any:
+    """``config[key]`` comparable across UNet and ControlNet configs: defaults filled, per-block ints expanded."""
+    value = config.get(key)
+    value = _DEFAULTS.get(key) if value is None else value
+    if key in _PER_BLOCK and isinstance(value, int):
+        value = [value] * len(config.get("block_out_channels") or [])
     return list(value) if isinstance(value, list | tuple) else value
 
 

@@ -121,7 +121,7 @@ class ChunkControl:
 
     def residuals(self, i: int, steps: int, latent_model_input: torch.Tensor, latents: torch.Tensor,
                   scheduler: Any, t: torch.Tensor, timestep: torch.Tensor, prompt_embeds: torch.Tensor,
-                  ) -> dict[str, torch.Tensor]:
+                  added_inputs: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The UNet's residual inputs at step ``i`` of ``steps`` (fresh tensors or ControlNet output buffers,
         read by the UNet before the next step).
 
@@ -130,13 +130,17 @@ class ChunkControl:
             latents: the chunk's latents [b, 4, h, w] (guess mode's ControlNet input).
             timestep: the UNet's float32 timestep feed [B2].
             prompt_embeds: [B2, 77, D].
+            added_inputs: SDXL: the UNet's ``text_embeds`` [B2, E] and ``time_ids`` [B2, 6], which the ControlNets
+                take too (diffusers' ``StableDiffusionXLControlNetPipeline``); ``None`` for SD 1.x/2.x.
         """
         guess = self.plan.guess_mode and self.do_cfg
         if guess:
             sample = scheduler.scale_model_input(latents, t) if hasattr(scheduler, "scale_model_input") else latents
             embeds, ts = prompt_embeds.chunk(2)[1], timestep[: latents.shape[0]]
+            added = {k: v.chunk(2)[1] for k, v in (added_inputs or {}).items()}
         else:
             sample, embeds, ts = latent_model_input, prompt_embeds, timestep
+            added = dict(added_inputs or {})
         total: list[torch.Tensor] | None = None
         names = self.plan.residual_names
         for unit, image in zip(self.plan.units, self.images, strict=True):
@@ -145,7 +149,7 @@ class ChunkControl:
                 continue
             out = unit.engine.run({
                 "sample": sample.to(unit.engine.spec.input("sample").torch_dtype), "timestep": ts,
-                "encoder_hidden_states": embeds, "controlnet_cond": image,
+                "encoder_hidden_states": embeds, **added, "controlnet_cond": image,
                 "conditioning_scale": self._factors(factor, len(names), sample.device),
             })
             res = [out[n] for n in names]

@@ -376,7 +376,7 @@ def denoise_latents(
             if control is not None:  # ControlNets see the 4-channel input, as diffusers' ControlNet pipelines
                 with nvtx_range("controlnet", device):
                     residuals = control.residuals(i, len(timesteps), latent_model_input, latents, scheduler, t,
-                                                  timestep_feeds[i], prompt_embeds)
+                                                  timestep_feeds[i], prompt_embeds, added_inputs)
             if conditioning is not None:  # inpainting UNet: cat([latents, mask, masked_image_latents], dim=1)
                 latent_model_input = conditioning.unet_sample(latent_model_input)
             with nvtx_range("unet", device):

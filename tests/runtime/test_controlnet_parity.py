@@ -36,7 +36,7 @@ def controlnet_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 @pytest.fixture(scope="session")
 def controlnet_artifact(tiny_pipeline_dir: Path, controlnet_dirs: dict[str, Path],
                         tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = CompileConfig(components=("text_encoder", "unet", "vae_decoder"),
+    config = CompileConfig(components=("text_encoder", "unet", "vae_decoder", "vae_encoder"),
                            controlnets=tuple((n, str(p)) for n, p in controlnet_dirs.items()))
     return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("cn-artifact") / "tiny-cn", config)
 
@@ -86,6 +86,19 @@ def test_matches_diffusers_controlnet_pipeline(pipe: EnginePipeline, tiny_pipeli
     plain = pipe(seed=7, output_type="np", progress=False,
                  **{k: v for k, v in common.items() if not k.startswith(("control", "guess"))}).images
     assert np.abs(got - plain).max() > 1e-3  # the ControlNets changed the image
+
+
+def test_img2img_matches_diffusers_controlnet_img2img(pipe: EnginePipeline, tiny_pipeline_dir: Path,
+                                                      controlnet_dirs: dict[str, Path]) -> None:
+    cn = diffusers.ControlNetModel.from_pretrained(controlnet_dirs["a"], local_files_only=True)
+    ref = diffusers.StableDiffusionControlNetImg2ImgPipeline.from_pretrained(
+        tiny_pipeline_dir, controlnet=cn, local_files_only=True, safety_checker=None, requires_safety_checker=False)
+    ref.set_progress_bar_config(disable=True)
+    common = {"prompt": "a lake", "num_inference_steps": 6, "strength": 0.6, "image": _image(8),
+              "control_image": _image(9), "control_guidance_start": 0.2}
+    want = ref(generator=torch.Generator("cpu").manual_seed(4), output_type="np", **common).images
+    got = pipe(controlnet="a", seed=4, output_type="np", progress=False, **common).images
+    assert np.abs(got - want).max() <= TOL
 
 
 def test_scale_zero_equals_no_controlnet(pipe: EnginePipeline) -> None:
