@@ -893,7 +893,8 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
                    "diffusers; the image's size).")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE", help=VRAM_BUDGET_HELP)
 @click.option("--controlnet", "controlnets", multiple=True, metavar="NAME[:SCALE]",
-              help="A ControlNet of the artifact (compile --controlnet) and its conditioning scale (default 1); "
+              help="A ControlNet of the artifact (compile --controlnet) and its conditioning scale (default as "
+                   "diffusers: 1.0; 0.8 with --image, 0.5 with --mask); "
                    "repeatable, paired in order with --control-image.")
 @click.option("--control-image", "control_images", multiple=True,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -948,8 +949,9 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
     engine_options = _check_engine_options(engine_options)
     max_hw = _profile_max_hw(artifact_dir) if image_path is not None else None
     image = _read_image(image_path, "--image", "RGB", max_hw) if image_path is not None else None
+    mode = "inpaint" if mask_path is not None else "img2img" if image_path is not None else "txt2img"
     control = _control_arguments(artifact_dir, controlnets, control_images, control_preprocess,
-                                 control_guidance_start, control_guidance_end, guess_mode)
+                                 control_guidance_start, control_guidance_end, guess_mode, mode)
     if control and devices is not None:
         raise click.UsageError("--controlnet runs on one device; drop --devices (or use --device cuda)")
     mask = _read_image(mask_path, "--mask", "L", max_hw) if mask_path is not None else None
@@ -1001,14 +1003,17 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
 
 
 def _control_arguments(artifact_dir: Path, controlnets: tuple[str, ...], control_images: tuple[Path, ...],
-                       preprocess: str, start: float, end: float, guess_mode: bool) -> dict[str, Any]:
-    """run's ControlNet options as EnginePipeline keywords ({} without --controlnet).
+                       preprocess: str, start: float, end: float, guess_mode: bool, mode: str) -> dict[str, Any]:
+    """run's ControlNet options as EnginePipeline keywords ({} without --controlnet); a --controlnet without a scale
+    gets the default of diffusers' ControlNet pipeline of ``mode`` (1.0 txt2img, 0.8 img2img, 0.5 inpaint).
 
     Raises:
         click.UsageError: a --controlnet without its --control-image or the other way round, a scale that is not a
             finite number.
     """
     import math
+
+    from .runtime.controlnet import DEFAULT_CONTROL_SCALE
 
     if not controlnets and not control_images:
         return {}
@@ -1019,7 +1024,7 @@ def _control_arguments(artifact_dir: Path, controlnets: tuple[str, ...], control
     for value in controlnets:
         name, sep, scale = value.partition(":")
         try:
-            number = float(scale) if sep else 1.0
+            number = float(scale) if sep else DEFAULT_CONTROL_SCALE[mode]
         except ValueError:
             number = math.nan
         if not math.isfinite(number):

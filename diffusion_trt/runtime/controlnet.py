@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "controlnet_"
 UNET_CONTROLNET = "unet_controlnet"
+#: ``controlnet_conditioning_scale``'s default per mode, as diffusers' ControlNet pipelines (txt2img, Img2Img, Inpaint)
+DEFAULT_CONTROL_SCALE: dict[str, float] = {"txt2img": 1.0, "img2img": 0.8, "inpaint": 0.5}
 
 
 def controlnet_names(components: Sequence[str]) -> tuple[str, ...]:

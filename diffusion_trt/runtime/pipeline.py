@@ -40,7 +40,7 @@ from ..config import ShapeProfile
 from ..errors import ArtifactError, LoraError, RuntimeInputError
 from . import denoise
 from .buckets import SizeBuckets, bucket_engines, parse_size_buckets
-from .controlnet import ControlPlan, control_components, control_plan
+from .controlnet import DEFAULT_CONTROL_SCALE, ControlPlan, control_components, control_plan
 from .cuda import HostBuffers
 from .denoise import EmbeddingCache, Generator, StepCallback
 from .determinism import compile_time_note, deterministic_torch
@@ -520,7 +520,7 @@ class EnginePipeline:
         negative_target_size: tuple[int, int] | None = None,
         control_image: Any = None,
         controlnet: str | Sequence[str] | None = None,
-        controlnet_conditioning_scale: float | Sequence[float] = 1.0,
+        controlnet_conditioning_scale: float | Sequence[float] | None = None,
         control_guidance_start: float | Sequence[float] = 0.0,
         control_guidance_end: float | Sequence[float] = 1.0,
         guess_mode: bool = False,
@@ -575,7 +575,8 @@ class EnginePipeline:
             control_image, controlnet, controlnet_conditioning_scale, control_guidance_start, control_guidance_end,
                 guess_mode: ControlNets (an artifact compiled with ``--controlnet``), as diffusers'
                 ``StableDiffusionControlNetPipeline``: one control image (or a list, one per ControlNet named in
-                ``controlnet``, default the artifact's only one) of the output size, scales and the guidance window
+                ``controlnet``, default the artifact's only one) of the output size, scales (default as diffusers'
+                pipeline of the mode: 1.0 text-to-image, 0.8 image-to-image, 0.5 inpainting) and the guidance window
                 per ControlNet or for all; see :func:`~diffusion_trt.runtime.controlnet.control_plan`. As in
                 diffusers' text-to-image ControlNet pipeline, ``image=`` is the control image when ``controlnet`` is
                 given without ``control_image`` and ``mask_image``.
@@ -601,6 +602,8 @@ class EnginePipeline:
             negative_original_size=negative_original_size,
             negative_crops_coords_top_left=negative_crops_coords_top_left, negative_target_size=negative_target_size,
         )
+        if controlnet_conditioning_scale is None:  # the default of diffusers' ControlNet pipeline of the mode
+            controlnet_conditioning_scale = DEFAULT_CONTROL_SCALE[getattr(request.conditioning, "mode", "txt2img")]
         control = control_plan({**self._lazy, **self.engines}, control_image, controlnet,
                                controlnet_conditioning_scale, control_guidance_start, control_guidance_end,
                                guess_mode, request.height, request.width, len(request.prompts))
