@@ -82,8 +82,8 @@ def _merge(staging: Path, manifest: dict[str, Any], built: Path, added: dict[str
     new["components"] = dict(manifest["components"])
     new["files"] = dict(manifest["files"])
     for name, entry in added["components"].items():
-        old = new["components"].pop(name, None)
-        if old is not None:  # a swap: the previous files go
+        old = new["components"].get(name)
+        if old is not None:  # a swap, in place: the previous files go
             for rel in old.get("files", []):
                 new["files"].pop(rel, None)
             shutil.rmtree(staging / name, ignore_errors=True)

@@ -213,7 +213,7 @@ def test_add_controlnet_adds_and_swaps_without_rebuilding_the_unet(controlnet_ar
         assert after["components"][name] == before["components"][name]
     onnx_a = after["components"]["controlnet_a"]["onnx"]
     assert after["files"][onnx_a]["sha256"] != before["files"][onnx_a]["sha256"]  # swapped
-    assert [c[0] for c in after["config"]["controlnets"]] == ["b", "c", "a"]
+    assert [c[0] for c in after["config"]["controlnets"]] == ["b", "c", "a"]  # a given again: last
     assert CliRunner().invoke(main, ["verify", str(art)]).exit_code == 0
     with EnginePipeline.from_artifacts(art) as p:
         a = p(prompt="a cat", num_inference_steps=2, seed=1, control_image=_image(0), controlnet="a",
