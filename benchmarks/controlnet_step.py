@@ -224,7 +224,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if graphed is not None:
             del base.unet.forward
     _ratios(results)
-    out = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"},
+    config = {k: ([str(p) for p in v] if isinstance(v, list) else str(v) if isinstance(v, Path) else v)
+              for k, v in vars(args).items() if k != "json"}
+    out = {"config": config,
            "torch": torch.__version__, "diffusers": diffusers.__version__,
            "gpu": torch.cuda.get_device_name() if dev == "cuda" else None, "results": results}
     args.json.parent.mkdir(parents=True, exist_ok=True)
