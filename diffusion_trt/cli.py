@@ -346,6 +346,54 @@ def dummy_lora(model_dir: Path, out: Path, rank: int, seed: int, overwrite: bool
         _refuse_existing_outputs(out, 1)
     counts = write_dummy_lora(model_dir, out, rank=rank, seed=seed)
     click.echo(f"lora: {out} ({', '.join(f'{c} {n} layers' for c, n in counts.items())})")
+@main.command("dummy-controlnet")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--arch", type=click.Choice([a for a in ARCHS if "inpaint" not in a]), default="tiny",
+              show_default=True, help="The base architecture (as dummy-pipeline's --arch).")
+@click.option("--seed", type=SEED, default=0, show_default=True,
+              help="Seed of the random weights (the same seed as dummy-pipeline's starts from its UNet).")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty OUT_DIR.")
+@_handle_errors
+def dummy_controlnet(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None:
+    """Write a diffusers ControlNetModel folder with seeded random weights (ControlNetModel.from_unet of the
+    architecture's UNet, its zero-initialised projections drawn at random so it changes the images).
+
+    \b
+    Examples:
+      diffusion-trt dummy-controlnet models/tiny-cn
+      diffusion-trt dummy-controlnet --arch sd15 --seed 1 models/sd15-cn
+    """
+    from .compiler.dummy_controlnet import write_dummy_controlnet
+
+    click.echo(str(write_dummy_controlnet(out_dir, arch=arch, seed=seed, overwrite=overwrite)))
+
+
+@main.command("add-controlnet")
+@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("controlnets", nargs=-1, required=True, metavar="[NAME=]FOLDER...")
+@click.option("--replace", is_flag=True, help="Swap a ControlNet the artifact has already.")
+@_handle_errors
+def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[str, ...], replace: bool) -> None:
+    """Add ControlNets to ARTIFACT_DIR (compiled with --controlnet, so it has unet_controlnet) without rebuilding the
+    UNet: each is compiled with the artifact's own settings as controlnet_NAME and the manifest is resealed.
+
+    MODEL_DIR is the diffusers folder the artifact was compiled from (checked by its sha256).
+
+    \b
+    Examples:
+      diffusion-trt add-controlnet artifacts/tiny-cn models/tiny depth=models/tiny-depth
+      diffusion-trt add-controlnet artifacts/tiny-cn models/tiny canny=models/tiny-canny-v2 --replace
+    """
+    from .compiler.controlnet import parse_controlnet_arg
+    from .compiler.controlnet_add import add_controlnets
+
+    pairs = tuple(parse_controlnet_arg(x) for x in controlnets)
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with _terminate_like_interrupt(), logging_redirect_tqdm(loggers=[logger]):
+        path = add_controlnets(artifact_dir, model_dir, pairs, replace=replace, progress=_progress_enabled())
+    click.echo(f"artifact: {path}")
 
 
 @main.command("compile")
@@ -415,6 +463,10 @@ def dummy_lora(model_dir: Path, out: Path, rank: int, seed: int, overwrite: bool
 @click.option("--lora", "loras", multiple=True, metavar="FILE[:SCALE]",
               help="Merge a LoRA (.safetensors, diffusers or kohya format) into the weights before export, scale "
                    "default 1; repeatable, merged in order. Recorded in the manifest.")
+@click.option("--controlnet", "controlnets", multiple=True, metavar="[NAME=]FOLDER",
+              help="Add a diffusers ControlNetModel folder as the component controlnet_NAME (NAME default: the "
+                   "folder's name), and the UNet with ControlNet residual inputs as unet_controlnet (the plain unet "
+                   "stays); repeatable.")
 @click.option("--refittable", is_flag=True,
               help="LoRAs per request without a rebuild (run --lora, EnginePipeline.load_lora): TensorRT: refittable "
                    "engines; ONNX Runtime: the UNet/text-encoder Linear and Conv weights become graph inputs.")
@@ -473,6 +525,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
       diffusion-trt compile models/sd15 -o artifacts/sd15-ink --lora ink.safetensors:0.8 --lora detail.safetensors
       diffusion-trt compile style.safetensors -o artifacts/style
       diffusion-trt compile sd21-768.safetensors -o artifacts/sd21 --prediction-type v_prediction
+      diffusion-trt compile models/tiny -o artifacts/tiny-cn --controlnet canny=models/tiny-cn
     """
     from .compiler.frontend import compile_model
     from .config import CompileConfig
@@ -490,6 +543,9 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     from .lora import parse_lora_arg
 
     options["loras"] = tuple(parse_lora_arg(x) for x in options["loras"])
+    from .compiler.controlnet import parse_controlnet_arg
+
+    options["controlnets"] = tuple(parse_controlnet_arg(x) for x in options["controlnets"])
     options["pass_options"] = _parse_pass_options(options["pass_options"])
     if options["device"] is None:
         options["device"] = "cuda" if options["backend"] in ("tensorrt", "tensorrt-rtx") else "cpu"
@@ -899,6 +955,20 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
 @click.option("--lora", "loras", multiple=True, metavar="FILE[:SCALE]",
               help="A LoRA for this run (repeatable; scale 1.0 by default) on an artifact compiled with --refittable: "
                    "no recompile (ONNX Runtime: several at once; TensorRT: one).")
+@click.option("--controlnet", "controlnets", multiple=True, metavar="NAME[:SCALE]",
+              help="A ControlNet of the artifact (compile --controlnet) and its conditioning scale (default as "
+                   "diffusers: 1.0; 0.8 with --image, 0.5 with --mask); "
+                   "repeatable, paired in order with --control-image.")
+@click.option("--control-image", "control_images", multiple=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The control image of each --controlnet, of the output size (RGB; never resized).")
+@click.option("--control-preprocess", type=click.Choice(["none", "canny"]), default="none", show_default=True,
+              help="canny: make each control image a Canny edge map first (OpenCV: pip install -e '.[control]').")
+@click.option("--control-guidance-start", type=float, default=0.0, show_default=True,
+              help="Fraction of the steps before the ControlNets act.")
+@click.option("--control-guidance-end", type=float, default=1.0, show_default=True,
+              help="Fraction of the steps after which the ControlNets stop.")
+@click.option("--guess-mode", is_flag=True, help="diffusers' guess mode (ControlNets on the conditional rows only).")
 @_runtime_options("run")
 @_handle_errors
 def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt_syntax: str, clip_skip: int | None,
@@ -907,8 +977,11 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
             height: int | None, width: int | None, batch_size: int, scheduler: str | None, device: str | None,
             snap: bool, devices: str | None, cuda_graph: bool | None, runtime_cache: Path | None, out: Path,
             overwrite: bool, image_path: Path | None, strength: float | None, mask_path: Path | None,
-            vram_budget: str | None, loras: tuple[str, ...], **engine_options: Any) -> None:
-    """Generate images from a compiled ARTIFACT_DIR: from text, or from an image (--image), or inpaint (--mask).
+            vram_budget: str | None, loras: tuple[str, ...], controlnets: tuple[str, ...],
+            control_images: tuple[Path, ...], control_preprocess: str, control_guidance_start: float,
+            control_guidance_end: float, guess_mode: bool, **engine_options: Any) -> None:
+    """Generate images from a compiled ARTIFACT_DIR: from text, or from an image (--image), or inpaint (--mask);
+    with ControlNets (--controlnet NAME[:SCALE] --control-image FILE, each pair in order).
 
     \b
     Examples:
@@ -921,6 +994,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
       diffusion-trt run artifacts/tiny-refittable -p "a fox" --lora ink.safetensors:0.8 --lora detail.safetensors
       diffusion-trt run artifacts/tiny -p "(ink wash:1.3) mountains, [fog] BREAK a red sun" -n "(blurry)"
       diffusion-trt run artifacts/tiny -p "a guohua landscape" --clip-skip 1
+      diffusion-trt run artifacts/tiny-cn -p "an ink painting" --controlnet canny:0.8 --control-image edges.png
     """
     from .lora import check_lora_file, parse_lora_arg
     from .runtime.pipeline import check_text, save_png
@@ -949,6 +1023,11 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         raise click.UsageError("--lora runs on one device; drop --devices (or give one device)")
     max_hw = _profile_max_hw(artifact_dir) if image_path is not None else None
     image = _read_image(image_path, "--image", "RGB", max_hw) if image_path is not None else None
+    mode = "inpaint" if mask_path is not None else "img2img" if image_path is not None else "txt2img"
+    control = _control_arguments(artifact_dir, controlnets, control_images, control_preprocess,
+                                 control_guidance_start, control_guidance_end, guess_mode, mode)
+    if control and devices is not None:
+        raise click.UsageError("--controlnet runs on one device; drop --devices (or use --device cuda)")
     mask = _read_image(mask_path, "--mask", "L", max_hw) if mask_path is not None else None
     _check_writable_file(out, "-o", ".png")  # before minutes of denoising, not after
     if not overwrite:
@@ -984,10 +1063,14 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
             clip_skip=clip_skip,
             progress=len(device_list) <= 1 and _progress_enabled(),
             **({"image": image, "mask_image": mask, "strength": strength} if image is not None else {}),
+            **control,
         )
         params = {**result.parameters, "artifact": str(artifact_dir)}
         if lora_specs:
             params["loras"] = [[Path(p).name, s] for p, s in lora_specs]
+        if control:
+            params.update(controlnet=list(control["controlnet"]), control_image=[str(p) for p in control_images],
+                          controlnet_conditioning_scale=control["controlnet_conditioning_scale"])
         if image_path is not None:
             params.update(image=str(image_path), **({"mask": str(mask_path)} if mask_path is not None else {}))
     paths = []
@@ -997,6 +1080,47 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         paths.append(path)
     for path in paths:
         click.echo(f"image: {path}")
+
+
+def _control_arguments(artifact_dir: Path, controlnets: tuple[str, ...], control_images: tuple[Path, ...],
+                       preprocess: str, start: float, end: float, guess_mode: bool, mode: str) -> dict[str, Any]:
+    """run's ControlNet options as EnginePipeline keywords ({} without --controlnet); a --controlnet without a scale
+    gets the default of diffusers' ControlNet pipeline of ``mode`` (1.0 txt2img, 0.8 img2img, 0.5 inpaint).
+
+    Raises:
+        click.UsageError: a --controlnet without its --control-image or the other way round, a scale that is not a
+            finite number.
+    """
+    import math
+
+    from .runtime.controlnet import DEFAULT_CONTROL_SCALE
+
+    if not controlnets and not control_images:
+        return {}
+    if len(control_images) != len(controlnets):
+        raise click.UsageError(f"{len(control_images)} --control-image for {len(controlnets)} --controlnet; give "
+                               "one control image per ControlNet, in the same order")
+    names, scales = [], []
+    for value in controlnets:
+        name, sep, scale = value.partition(":")
+        try:
+            number = float(scale) if sep else DEFAULT_CONTROL_SCALE[mode]
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number):
+            raise click.UsageError(f"--controlnet {value!r}: the scale {scale!r} is not a finite number; use e.g. "
+                                   f"{name}:0.8")
+        names.append(name)
+        scales.append(number)
+    max_hw = _profile_max_hw(artifact_dir)
+    images = [_read_image(p, "--control-image", "RGB", max_hw) for p in control_images]
+    if preprocess == "canny":
+        from .runtime.control_preprocess import canny
+
+        images = [canny(im) for im in images]
+    return {"controlnet": names, "control_image": images if len(images) > 1 else images[0],
+            "controlnet_conditioning_scale": scales, "control_guidance_start": start,
+            "control_guidance_end": end, "guess_mode": guess_mode}
 
 
 @main.command("inspect")

@@ -285,6 +285,10 @@ class CompileConfig:
         max_clip_skip: SD 1.x/2.x: the text encoder also gives the states that ``clip_skip`` = 1..this take (one
             extra output of the one engine, ``clip_skip_states``; at most its layers less one); 0 = none (the
             text encoder of before). SDXL: none yet.
+        controlnets: ``(name, folder)`` pairs: each diffusers ControlNetModel folder becomes the component
+            ``controlnet_<name>``, and the UNet is compiled a second time with the residual inputs as
+            ``unet_controlnet`` (see :mod:`diffusion_trt.compiler.controlnet`). Saved in the manifest only when
+            given (an artifact without ControlNets is as before).
         pass_options: ``PassContext.options`` for every component, over the ones compile derives itself (each
             pass's docstring lists the options it reads, e.g. ``{"pack_qkv": True}``,
             ``{"fuse_attention_emit": "none"}``); for experiments and A/B timings (``--pass-option``).
@@ -316,6 +320,7 @@ class CompileConfig:
     deterministic: bool = False
     max_prompt_chunks: int = 3
     max_clip_skip: int = 2
+    controlnets: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -445,6 +450,10 @@ class CompileConfig:
         data["quantize"] = self.quantize.to_json()
         data["loras"] = [[str(p), float(s)] for p, s in self.loras]
         data["compute_capabilities"] = list(self.compute_capabilities) if self.compute_capabilities else None
+        if self.controlnets:
+            data["controlnets"] = [[str(n), str(p)] for n, p in self.controlnets]
+        else:
+            del data["controlnets"]  # an artifact without ControlNets keeps today's manifest
         return data
 
     def _check_types(self) -> None:
@@ -478,4 +487,5 @@ class CompileConfig:
         if isinstance(data.get("quantize"), dict):
             data["quantize"] = QuantizeConfig.from_json(data["quantize"])
         data["loras"] = tuple((str(p), float(s)) for p, s in data.get("loras", ()))
+        data["controlnets"] = tuple((str(n), str(p)) for n, p in data.get("controlnets", ()))
         return cls(**data)

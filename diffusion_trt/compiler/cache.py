@@ -105,6 +105,8 @@ def uncacheable(config: CompileConfig) -> str:
         return "--dump-passes writes the graphs while compiling"
     if config.precision in QUANTIZED_PRECISIONS and config.quantize.cache:
         return "--calibration-cache is read and written while compiling"
+    if config.controlnets:  # the key hashes the model folder only, not the ControlNet folders
+        return "--controlnet folders are not part of the cache key yet"
     if any(not Path(p).is_file() for p, _ in config.loras):
         return "a LoRA file is missing"  # compile_pipeline names it
     return ""

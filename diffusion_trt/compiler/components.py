@@ -10,6 +10,8 @@ Symbolic dims:
     ``S``   the UNet's context length with long prompts: 77 * k tokens, k = 1..``max_prompt_chunks`` (its range is
             the component's own, :attr:`ComponentSpec.symbols`: (77, 77, 77 * max)); the text encoder always
             takes CLIP's 77 positions (``tokenizer.model_max_length``), and so does a UNet compiled for one chunk.
+    ``h/k`` ``w/k`` (k = 2, 4, 8) the latent size after k-fold stride-2 downsampling, ``ceil(h / k)``: the UNet's
+            ControlNet residuals (see :mod:`.controlnet`).
 
 SDXL (``StableDiffusionXLPipeline``) has its own table: two text encoders whose penultimate hidden states are
 concatenated into the UNet's ``encoder_hidden_states``, the second one's pooled projection as the UNet's
@@ -22,6 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import IMAGE_ALIGNMENT, ShapeProfile
+
+#: The downsampling factors of the ``h/k`` / ``w/k`` symbols (a UNet of 4 levels halves the latents 3 times).
+DOWNSAMPLED_FACTORS: tuple[int, ...] = (2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -183,7 +188,7 @@ def symbol_ranges(profile: ShapeProfile) -> dict[str, tuple[int, int, int]]:
     b, hh, ww = profile.batch, profile.height, profile.width
     a = IMAGE_ALIGNMENT
     b2_min = 2 * b.opt if profile.is_static() else b.min
-    return {
+    ranges = {
         "B": (b.min, b.opt, b.max),
         "B2": (b2_min, 2 * b.opt, 2 * b.max),
         "H": (hh.min, hh.opt, hh.max),
@@ -191,6 +196,10 @@ def symbol_ranges(profile: ShapeProfile) -> dict[str, tuple[int, int, int]]:
         "h": (hh.min // a, hh.opt // a, hh.max // a),
         "w": (ww.min // a, ww.opt // a, ww.max // a),
     }
+    for base in ("h", "w"):
+        for k in DOWNSAMPLED_FACTORS:
+            ranges[f"{base}/{k}"] = tuple(-(-d // k) for d in ranges[base])  # type: ignore[assignment]
+    return ranges
 
 
 def tensor_manifest(spec: TensorSpec, precision: str, profile: ShapeProfile,

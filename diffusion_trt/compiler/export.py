@@ -278,6 +278,11 @@ def _wrap(component: str, models: dict[str, Any], architecture: str = "sd", clip
             return _TextEncoderWithProjection(models["text_encoder_2"])
         if component == "unet":
             return _UNetXL(models["unet"])
+    from . import controlnet
+
+    wrapped = controlnet.wrap(component, models, architecture)  # unet_controlnet, controlnet_<name>
+    if wrapped is not None:
+        return wrapped
     if component == "text_encoder":
         return _TextEncoder(models["text_encoder"], clip_skip)
     if component == "unet":
@@ -343,14 +348,18 @@ def sample_inputs(spec: ComponentSpec, precision: str, ranges: dict[str, tuple[i
     """Example inputs at the profile's opt shape, for tracing."""
 
     args = []
+    opt = {k: v[1] for k, v in ranges.items()}
+    if spec.name in ("unet", "unet_controlnet"):
+        # Trace at a latent size that is not a multiple of 2**num_upsamplers: diffusers then forwards
+        # each skip connection's size to its Upsample2D (F.interpolate(size=...)), which traces to a
+        # shape-driven Resize. Traced at a multiple of 8 it would freeze scale_factor=2 and every
+        # latent size that is not a multiple of 8 (image sizes not multiples of 64) would fail.
+        for base in ("h", "w"):
+            opt[base] = opt[base] + 1 if opt[base] % 2 == 0 else opt[base]
+        # the ControlNet residuals at that size: h/k = ceil(h / k)
+        opt.update({k: -(-opt[k.partition("/")[0]] // int(k.partition("/")[2])) for k in opt if "/" in k})
     for t in spec.inputs:
-        shape = [d if isinstance(d, int) else ranges[d][1] for d in t.shape]
-        if spec.name == "unet" and t.name == "sample":
-            # Trace at a latent size that is not a multiple of 2**num_upsamplers: diffusers then forwards
-            # each skip connection's size to its Upsample2D (F.interpolate(size=...)), which traces to a
-            # shape-driven Resize. Traced at a multiple of 8 it would freeze scale_factor=2 and every
-            # latent size that is not a multiple of 8 (image sizes not multiples of 64) would fail.
-            shape[2:] = [d + 1 if d % 2 == 0 else d for d in shape[2:]]
+        shape = [d if isinstance(d, int) else opt[d] for d in t.shape]
         dtype = t.resolved_dtype(precision)
         if dtype == "int64":
             args.append(torch.randint(0, 1000, shape, dtype=torch.int64, device=device))

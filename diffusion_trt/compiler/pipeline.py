@@ -32,7 +32,7 @@ import onnx
 from .. import artifacts
 from ..config import IMAGE_ALIGNMENT, QUANTIZED_PRECISIONS, TRT_BACKENDS, CompileConfig, ShapeProfile
 from ..errors import BuildError, DiffusionTrtError, ExportError, OutputPathError, PassError, RuntimeInputError
-from . import build_ort, export, lora, lora_slots, quantize
+from . import build_ort, controlnet, export, lora, lora_slots, quantize
 from .components import ComponentSpec, component_specs, tensor_manifest
 from .plan import VAE_COMPONENTS, ComponentPlan, component_precision, plan_components
 
@@ -240,7 +240,8 @@ def pass_options(spec: ComponentSpec, profile: ShapeProfile, facts: Mapping[str,
     options: dict[str, Any] = {
         "convert_fp16_fp32_inputs": [t.name for t in spec.inputs if t.dtype == "float32"],
     }
-    if facts is not None and spec.name == "unet" and facts.get("upcast_attention"):
+    unets = spec.name in ("unet", controlnet.UNET_CONTROLNET) or spec.name.startswith(controlnet.PREFIX)
+    if facts is not None and unets and facts.get("upcast_attention"):
         options["convert_fp16_fp32_attention"] = True
     if profile.is_static():
         options["static_shapes"] = {t.name: tensor_manifest(t, "fp32", profile, spec.symbols)["opt"]
@@ -399,6 +400,8 @@ class CompileJob:
     torch_device: str
     ranges: Mapping[str, tuple[int, int, int]]
     deterministic_options: Mapping[str, Any] = field(default_factory=dict)
+    controlnets: tuple[controlnet.ControlNetSource, ...] = ()
+
 
 
 def quantized_components(config: CompileConfig) -> tuple[str, ...]:
@@ -453,14 +456,34 @@ def prepare(model_dir: str | Path, out: Path, config: CompileConfig) -> CompileJ
         profile: ShapeProfile = config.resolve_profile(facts["default_height"])
         _warn_fp16_safe_vae(config, facts)
     specs = specs_for(facts, prompt_chunks_for(config, profile, facts), clip_skip_for(config, facts))
+    sources, control_specs = _controlnet_specs(config, folder, specs)
+    specs.update(control_specs)
     names = component_names(config.components, facts)
+    if control_specs and not any(n in control_specs for n in names):
+        names = (*names, *control_specs)  # --controlnet without naming its components in --components: all of them
     unknown = [c for c in names if c not in specs]
     if unknown or not names:
         raise RuntimeInputError(f"--components: unknown component(s) {unknown or 'none given'}; choose from "
                                 f"{', '.join(specs)}")
     return CompileJob(config, out, folder, facts, profile, specs, names, lora_files,
                       torch_device=export.export_device(config.device), ranges=export.export_ranges(profile),
-                      deterministic_options=deterministic_pass_options(config))
+                      deterministic_options=deterministic_pass_options(config), controlnets=sources)
+
+
+def _controlnet_specs(config: CompileConfig, folder: export.ModelFolder, specs: Mapping[str, ComponentSpec]
+                      ) -> tuple[tuple[controlnet.ControlNetSource, ...], dict[str, ComponentSpec]]:
+    """The checked ``config.controlnets`` and the specs of ``unet_controlnet`` and each ``controlnet_<name>``
+    (:mod:`.controlnet`); nothing without ControlNets.
+
+    Raises:
+        ModelFolderError, RuntimeInputError: as :func:`~.controlnet.check_controlnets`.
+    """
+    if not config.controlnets:
+        return (), {}
+    unet_config = folder.config("unet")
+    with stage("ControlNet check"):
+        sources = controlnet.check_controlnets(config.controlnets, unet_config, folder.path)
+    return sources, controlnet.controlnet_specs(specs["unet"], unet_config, sources)
 
 
 def check_quantizable(config: CompileConfig, facts: Mapping[str, Any]) -> None:
@@ -511,6 +534,7 @@ def load_sources(job: CompileJob, source_sha256: str | None = None) -> tuple[dic
         # always fp32 (ComponentPlan.export_dtype): fp16 is made by the convert_fp16 pass (fp32 islands, Casts
         # at the borders) for every backend; TensorRT networks are built strongly typed from those types
         models = export.load_models(job.folder, "fp32", job.torch_device)
+        models.update(controlnet.load_controlnets(job.controlnets, job.torch_device))
     with stage("merge LoRA"):  # diffusers' load_lora_weights + fuse_lora, before export (see lora.py)
         lora_records = lora.merge_loras(models, job.lora_files)
     if source_sha256 is not None:

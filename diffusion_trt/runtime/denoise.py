@@ -64,6 +64,7 @@ from .prompt_encoding import PromptReader, TokenChunks, apply_weights, pad_chunk
 
 if TYPE_CHECKING:
     from .conditioning import ChunkConditioning
+    from .controlnet import ChunkControl, ControlPlan
     from .request import Request
 
 logger = logging.getLogger(__name__)
@@ -369,6 +370,7 @@ def denoise_latents(
     callback: StepCallback | None = None,
     conditioning: ChunkConditioning | None = None,
     added_inputs: Mapping[str, torch.Tensor] | None = None,
+    control: ChunkControl | None = None,
 ) -> torch.Tensor:
     """The denoising loop of one chunk; the scheduler has had ``set_timesteps``.
 
@@ -385,6 +387,8 @@ def denoise_latents(
             4-channel blend after each step); ``None`` for text-to-image and image-to-image.
         added_inputs: further UNet inputs, the same every step (SDXL: ``text_embeds`` [B2, E] and ``time_ids``
             [B2, 6], see :mod:`.sdxl`); ``None`` for SD 1.x/2.x.
+        control: ControlNets: the residual inputs of each step (``unet`` is then ``unet_controlnet``, see
+            :mod:`.controlnet`); ``None`` without.
 
     Returns:
         The final latents [b, C, h, w] (a fresh tensor, the scheduler's dtype).
@@ -403,6 +407,11 @@ def denoise_latents(
             latent_model_input = torch.cat([latents] * 2) if do_cfg else latents
             if hasattr(scheduler, "scale_model_input"):
                 latent_model_input = scheduler.scale_model_input(latent_model_input, t)
+            residuals = {}
+            if control is not None:  # ControlNets see the 4-channel input, as diffusers' ControlNet pipelines
+                with nvtx_range("controlnet", device):
+                    residuals = control.residuals(i, len(timesteps), latent_model_input, latents, scheduler, t,
+                                                  timestep_feeds[i], prompt_embeds, added_inputs)
             if conditioning is not None:  # inpainting UNet: cat([latents, mask, masked_image_latents], dim=1)
                 latent_model_input = conditioning.unet_sample(latent_model_input)
             with nvtx_range("unet", device):
@@ -412,6 +421,7 @@ def denoise_latents(
                         "timestep": timestep_feeds[i],
                         "encoder_hidden_states": prompt_embeds,
                         **(added_inputs or {}),
+                        **residuals,
                     }
                 )["noise_pred"]
             with nvtx_range("scheduler", device):
@@ -461,13 +471,15 @@ class LoopEngines:
     copy_stream: Any = None
 
 
-def generate(request: Request, engines: LoopEngines, scheduler: Any) -> Any:
+def generate(request: Request, engines: LoopEngines, scheduler: Any, control: ControlPlan | None = None) -> Any:
     """Run a whole checked request (:meth:`~.request.Request.build`) in any mode: the loop written out once.
 
     Args:
         request: the checked call (prompts, sizes, steps, generator, chunks, mode's conditioning, output type).
         engines: the engines and state it runs on.
         scheduler: a fresh diffusers scheduler (its ``set_timesteps`` is called here).
+        control: the call's ControlNets (:func:`~.controlnet.control_plan`): the loop runs on ``control.unet``;
+            ``None`` = none.
 
     Returns:
         The images in ``request.output_type``: "pil" (list of B ``PIL.Image``), "np" (float32 [B, H, W, 3] in
@@ -478,7 +490,7 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any) -> Any:
     Raises:
         RuntimeInputError: ``num_inference_steps`` the scheduler cannot run (:func:`set_schedule`).
     """
-    unet = engines.unet
+    unet = engines.unet if control is None else control.unet
     device = unet.device
     cond = request.conditioning
     sample_dtype = unet.spec.input("sample").torch_dtype
@@ -524,6 +536,7 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any) -> Any:
                     extra=step_kwargs(sched, _chunk_generator(request, rows), request.eta), bar=bar,
                     callback=request.callback, conditioning=prepared.rows(rows, request.do_cfg),
                     added_inputs=None if added is None else added.unet_inputs(rows, unet),
+                    control=None if control is None else control.rows(rows, request.batch, n, request.do_cfg),
                 )
             nonfinite = _finish_chunk(final, rows, request.output_type, engines, sink, parts, nonfinite)
     _warn_nonfinite(nonfinite)

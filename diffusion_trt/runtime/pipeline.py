@@ -19,6 +19,7 @@ needs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -39,6 +40,7 @@ from ..config import ShapeProfile
 from ..errors import ArtifactError, LoraError, RuntimeInputError
 from . import denoise
 from .buckets import SizeBuckets, bucket_engines, parse_size_buckets
+from .controlnet import DEFAULT_CONTROL_SCALE, ControlPlan, control_components, control_plan
 from .cuda import HostBuffers
 from .denoise import EmbeddingCache, Generator, StepCallback
 from .determinism import compile_time_note, deterministic_torch
@@ -194,7 +196,8 @@ class EnginePipeline:
             self._stack.close()
             raise
         #: engines entered on first use (see LAZY_COMPONENTS)
-        self._lazy: dict[str, Engine] = {n: engines[n] for n in LAZY_COMPONENTS if n in engines}
+        self._lazy: dict[str, Engine] = {n: engines[n] for n in (*LAZY_COMPONENTS, *control_components(list(engines)))
+                                         if n in engines}
         self.device: torch.device = unet.device
         #: SDXL: negative_prompt=None gives zero negative embeddings (model_index.json force_zeros_for_empty_prompt)
         self.request_spec = RequestSpec(self.profile, self.geometry, self.architecture,
@@ -587,6 +590,12 @@ class EnginePipeline:
         prompt_embeds: torch.Tensor | None = None,
         negative_prompt_embeds: torch.Tensor | None = None,
         clip_skip: int | None = None,
+        control_image: Any = None,
+        controlnet: str | Sequence[str] | None = None,
+        controlnet_conditioning_scale: float | Sequence[float] | None = None,
+        control_guidance_start: float | Sequence[float] = 0.0,
+        control_guidance_end: float | Sequence[float] = 1.0,
+        guess_mode: bool = False,
     ) -> EnginePipelineOutput:
         """Generate images from text, as ``diffusers.StableDiffusionPipeline.__call__``; with ``image`` as
         ``StableDiffusionImg2ImgPipeline``, with ``image`` and ``mask_image`` as ``StableDiffusionInpaintPipeline``.
@@ -652,6 +661,14 @@ class EnginePipeline:
                 ``encode_prompt`` gives the negative prompt the last layer); ``None``/0 = the last layer. Up to
                 ``compile --max-clip-skip`` (2 by default; the engine's ``clip_skip_states`` output). Not used with
                 ``prompt_embeds`` for the prompt. SD 1.x/2.x only.
+            control_image, controlnet, controlnet_conditioning_scale, control_guidance_start, control_guidance_end,
+                guess_mode: ControlNets (an artifact compiled with ``--controlnet``), as diffusers'
+                ``StableDiffusionControlNetPipeline``: one control image (or a list, one per ControlNet named in
+                ``controlnet``, default the artifact's only one) of the output size, scales (default as diffusers'
+                pipeline of the mode: 1.0 text-to-image, 0.8 image-to-image, 0.5 inpainting) and the guidance window
+                per ControlNet or for all; see :func:`~diffusion_trt.runtime.controlnet.control_plan`. As in
+                diffusers' text-to-image ControlNet pipeline, ``image=`` is the control image when ``controlnet`` is
+                given without ``control_image`` and ``mask_image``.
 
         Returns:
             :class:`EnginePipelineOutput` with ``images``, ``seed`` and ``parameters``.
@@ -663,6 +680,8 @@ class EnginePipeline:
         """
         if self._closed:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
+        if controlnet is not None and control_image is None and image is not None and mask_image is None:
+            control_image, image = image, None  # diffusers' StableDiffusionControlNetPipeline(image=control image)
         request = Request.build(
             self.request_spec, {**self._lazy, **self.engines}, prompt, negative_prompt, num_inference_steps,
             guidance_scale, generator, seed, height, width, num_images_per_prompt, latents, output_type, progress,
@@ -674,12 +693,25 @@ class EnginePipeline:
             prompt_syntax=prompt_syntax, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
             clip_skip=clip_skip,
         )
+        if controlnet_conditioning_scale is None:  # the default of diffusers' ControlNet pipeline of the mode
+            controlnet_conditioning_scale = DEFAULT_CONTROL_SCALE[getattr(request.conditioning, "mode", "txt2img")]
+        control = control_plan({**self._lazy, **self.engines}, control_image, controlnet,
+                               controlnet_conditioning_scale, control_guidance_start, control_guidance_end,
+                               guess_mode, request.height, request.width, len(request.prompts))
         if isinstance(request.conditioning, ImageRequest):
             self.engine("vae_encoder")  # opened on first use, after the checks
-        images = self._generate(request)
+        if control is not None:  # the ControlNet engines, opened on first use
+            control = self._open_control(control)
+        images = self._generate(request, control)
         return EnginePipelineOutput(images=images, seed=request.seed, parameters=self._parameters(request))
 
-    def _generate(self, request: Request) -> Any:
+    def _open_control(self, control: ControlPlan) -> ControlPlan:
+        """``control`` on the entered engines (``unet_controlnet`` and its ControlNets entered on first use)."""
+        unet = self.engine(control.unet.name)
+        units = tuple(dataclasses.replace(u, engine=self.engine(u.engine.name)) for u in control.units)
+        return dataclasses.replace(control, unet=unet, units=units)
+
+    def _generate(self, request: Request, control: ControlPlan | None = None) -> Any:
         """Run ``request`` on this pipeline's stream (and VRAM budget); the images of :func:`.denoise.generate`."""
         if self.residency is not None:  # the budget at this size and batch (refused before anything runs)
             self.residency.begin(request.height, request.width, request.batch)
@@ -689,7 +721,7 @@ class EnginePipeline:
             stream.wait_stream(caller)  # inputs the caller enqueued (latents, generator state) come first
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
                 deterministic_torch(self.deterministic):
-            images = denoise.generate(request, self.loop_engines(request.output_type), self.scheduler)
+            images = denoise.generate(request, self.loop_engines(request.output_type), self.scheduler, control)
         if self.residency is not None:
             self.residency.end()  # per-stage engines released (after a failed call: by the next one, or close)
         if caller is not None and stream is not None and isinstance(images, torch.Tensor):
@@ -1044,4 +1076,4 @@ def _components_to_open(manifest: Mapping[str, Any]) -> tuple[str, ...]:
             f"the artifact has only the component(s) {sorted(have)} and lacks {missing}, which generating images "
             "needs (it was compiled with --components); recompile without --components"
         )
-    return (*txt2img_components(manifest), *(c for c in LAZY_COMPONENTS if c in have))
+    return (*txt2img_components(manifest), *(c for c in LAZY_COMPONENTS if c in have), *control_components(list(have)))
