@@ -333,11 +333,9 @@ class CompileConfig:
         if self.compute_capabilities is not None:
             object.__setattr__(self, "compute_capabilities", tuple(str(c) for c in self.compute_capabilities))
         if self.refittable and self.backend == "tensorrt-rtx":
-            raise RuntimeInputError(
-                "refittable=True with backend='tensorrt-rtx': EnginePipeline.load_lora refits full-TensorRT engines "
-                "only (no TensorRT-RTX refit could be run here to test it); merge LoRAs at compile time with "
-                "--lora FILE[:SCALE]"
-            )
+            from .trt_compat import rtx_refit_refusal
+
+            raise RuntimeInputError(rtx_refit_refusal("backend"))
         if self.refittable and self.loras:
             raise RuntimeInputError(
                 "refittable=True with loras: a refittable artifact keeps the base weights (load_lora refits from them "
