@@ -199,9 +199,16 @@ def clip_skip_for(config: CompileConfig, facts: Mapping[str, Any]) -> int:
     if facts.get("architecture") == "sdxl":
         return 0
     most = max(0, int(facts.get("text_encoder_layers", k + 1)) - 1)
-    if k > most:
-        logger.info("max_clip_skip=%d: the text encoder has %d layers; clip skip goes up to %d", k, most + 1, most)
+    if k > most:  # said at INFO only when asked for: the default (2) exceeds what a tiny test model has
+        logger.log(_level_for(config, "max_clip_skip"), "max_clip_skip=%d: the text encoder has %d layers; clip skip "
+                   "goes up to %d", k, most + 1, most)
     return min(k, most)
+
+
+def _level_for(config: CompileConfig, field: str) -> int:
+    """INFO for a setting the user changed, DEBUG for its default (a default that does not apply is no news)."""
+    default = CompileConfig.__dataclass_fields__[field].default
+    return logging.DEBUG if getattr(config, field) == default else logging.INFO
 
 
 def prompt_chunks_for(config: CompileConfig, profile: ShapeProfile, facts: Mapping[str, Any]) -> int:
@@ -212,7 +219,8 @@ def prompt_chunks_for(config: CompileConfig, profile: ShapeProfile, facts: Mappi
            else "SDXL prompts are one chunk for now" if facts.get("architecture") == "sdxl" else None)
     if why is None or k == 1:
         return k
-    logger.info("max_prompt_chunks=%d: the UNet takes 77 tokens only (%s); prompts are cut at 75 tokens", k, why)
+    logger.log(_level_for(config, "max_prompt_chunks"), "max_prompt_chunks=%d: the UNet takes 77 tokens only (%s); "
+               "prompts are cut at 75 tokens", k, why)
     return 1
 
 

@@ -51,7 +51,9 @@ def test_clip_skip_is_capped_at_the_layers_less_one(caplog: pytest.LogCaptureFix
     assert clip_skip_for(CompileConfig(), SD) == 2
     with caplog.at_level(logging.INFO, logger="diffusion_trt"):
         assert clip_skip_for(CompileConfig(), {"architecture": "sd", "text_encoder_layers": 2}) == 1
-    assert "clip skip goes up to 1" in caplog.text
+        assert "clip skip" not in caplog.text  # the default is capped quietly (INFO lines reach the CLI's output)
+        assert clip_skip_for(CompileConfig(max_clip_skip=3), {"architecture": "sd", "text_encoder_layers": 2}) == 1
+    assert "max_clip_skip=3: the text encoder has 2 layers; clip skip goes up to 1" in caplog.text
     assert clip_skip_for(CompileConfig(), {"architecture": "sdxl", "text_encoder_layers": 12}) == 0
     outputs = component_specs(**SIZES, clip_skip=2)["text_encoder"].outputs
     assert [(t.name, t.shape) for t in outputs] == [("last_hidden_state", ("B2", 77, 32)),
