@@ -1015,7 +1015,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         from .runtime.schedulers import resolve_scheduler
 
         resolve_scheduler(scheduler)
-    engine_options = _check_engine_options(engine_options)
+    engine_options = _one_shot_search(_check_engine_options(engine_options), artifact_dir, device)
     lora_specs = [parse_lora_arg(x) for x in loras]
     for path, scale in lora_specs:  # a missing / pickled / malformed file fails before the engines load
         check_lora_file(path, scale)
@@ -1224,6 +1224,24 @@ def _check_engine_options(options: dict[str, Any]) -> dict[str, Any]:
     options = dict(options)
     options["cudnn_conv_algo_search"] = str(options.get("cudnn_conv_algo_search") or "AUTO").upper()
     parse_size_buckets(options.get("size_buckets"))
+    return options
+
+
+def _one_shot_search(options: dict[str, Any], artifact_dir: Path, device: str | None) -> dict[str, Any]:
+    """``run``'s default HEURISTIC search where it acts (an ONNX Runtime artifact on CUDA), else AUTO: a default is
+    no reason for the "no effect" warning an explicit ``--cudnn-algo-search`` gets elsewhere."""
+    from click.core import ParameterSource
+
+    from . import artifacts
+
+    if click.get_current_context().get_parameter_source("cudnn_conv_algo_search") is not ParameterSource.DEFAULT:
+        return options
+    try:
+        manifest = artifacts.read_manifest(artifact_dir)
+    except DiffusionTrtError:
+        return options  # from_artifacts says what is wrong with the artifact
+    if manifest.get("backend") != "ort" or (device or manifest.get("device")) != "cuda":
+        options["cudnn_conv_algo_search"] = "AUTO"
     return options
 
 

@@ -180,16 +180,18 @@ def residual_specs(unet_config: Mapping[str, Any]) -> tuple[TensorSpec, ...]:
 
 def controlnet_specs(unet: ComponentSpec, unet_config: Mapping[str, Any],
                      sources: Sequence[ControlNetSource]) -> dict[str, ComponentSpec]:
-    """``unet_controlnet`` and one ``controlnet_<name>`` per source, from the model's ``unet`` spec."""
+    """``unet_controlnet`` and one ``controlnet_<name>`` per source, from the model's ``unet`` spec (its own symbol
+    ranges too: the context length ``S`` of long prompts)."""
     residuals = residual_specs(unet_config)
-    specs = {UNET_CONTROLNET: ComponentSpec(UNET_CONTROLNET, (*unet.inputs, *residuals), unet.outputs)}
+    specs = {UNET_CONTROLNET: ComponentSpec(UNET_CONTROLNET, (*unet.inputs, *residuals), unet.outputs,
+                                            symbols=unet.symbols)}
     for src in sources:
         inputs = [t if t.name != "sample" else TensorSpec("sample", "float", ("B2", int(src.config.get(
             "in_channels", 4)), "h", "w")) for t in unet.inputs]
         channels = int(src.config.get("conditioning_channels", 3))
         inputs += [TensorSpec("controlnet_cond", "float", ("B2", channels, "H", "W")),
                    TensorSpec("conditioning_scale", "float32", (len(residuals),))]
-        specs[src.component] = ComponentSpec(src.component, tuple(inputs), residuals)
+        specs[src.component] = ComponentSpec(src.component, tuple(inputs), residuals, symbols=unet.symbols)
     return specs
 
 

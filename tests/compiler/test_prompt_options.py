@@ -31,7 +31,9 @@ def test_dynamic_profile_takes_the_chunks_asked(caplog: pytest.LogCaptureFixture
 def test_static_profile_and_sdxl_keep_77_tokens(caplog: pytest.LogCaptureFixture, static: bool, facts: dict) -> None:
     with caplog.at_level(logging.INFO, logger="diffusion_trt"):
         assert prompt_chunks_for(CompileConfig(), _profile(static), facts) == 1
-    assert "the UNet takes 77 tokens only" in caplog.text
+        assert "77 tokens" not in caplog.text  # the default: said at DEBUG (INFO lines reach the CLI's output)
+        assert prompt_chunks_for(CompileConfig(max_prompt_chunks=4), _profile(static), facts) == 1
+    assert "max_prompt_chunks=4: the UNet takes 77 tokens only" in caplog.text
 
 
 def test_static_profile_pins_the_context_of_a_one_chunk_unet() -> None:
