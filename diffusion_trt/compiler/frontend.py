@@ -20,7 +20,7 @@ from .. import artifacts
 from ..config import CompileConfig
 from ..errors import OutputPathError
 from . import export, pipeline
-from .cache import CompileCache, cache_key, mark_stored, uncacheable
+from .cache import CompileCache, UnprovenEntry, cache_key, mark_stored, uncacheable
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,19 @@ def _record_single_file(out: Path, model: Path, source: dict[str, Any]) -> None:
     manifest["source"] = {**manifest["source"], "path": str(model.resolve()),
                           "single_file": {"sha256": source["sha256"], **source["checkpoint"]}}
     artifacts.write_manifest(out, manifest)
+
+
+def _materialize(cache: CompileCache, cached: Path, out: Path, key: str, model: Path, config: CompileConfig,
+                 overwrite: bool, lock_timeout: float) -> bool:
+    """Write the cache hit ``cached`` to ``out``; False (a warning, nothing written) when its entry no longer proves
+    its origin: its manifest was replaced after :meth:`~.cache.CompileCache.lookup` proved it."""
+    pipeline.deterministic_pass_options(config)  # its "no effect" warning, which compile_pipeline would log
+    try:
+        cache.materialize(cached, out, key, str(model.resolve()), overwrite=overwrite, lock_timeout=lock_timeout)
+    except UnprovenEntry as e:
+        logger.warning("compile cache entry %s %s: compiling anew", key[:12], e)
+        return False
+    return True
 
 
 def compile_model(
@@ -92,9 +105,7 @@ def compile_model(
     if why:
         logger.debug("compile cache not used: %s", why)
     cached = cache.lookup(key) if cache is not None and key else None
-    if cached is not None:
-        pipeline.deterministic_pass_options(config)  # its "no effect" warning, which compile_pipeline would log
-        cache.materialize(cached, out, key, str(model.resolve()), overwrite=overwrite, lock_timeout=lock_timeout)
+    if cached is not None and _materialize(cache, cached, out, key, model, config, overwrite, lock_timeout):
         logger.info("compile cache hit %s: reused %s in %.1f s (no export, passes or build)", key[:12], cached,
                     time.perf_counter() - t0)
         return out
