@@ -7,7 +7,7 @@ import ast
 import importlib.util
 import json
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -84,18 +84,25 @@ def test_pipeline_config_parses(repo: Path) -> None:
     assert list(cfg.output[0].dims) == [-1, -1, 3]
 
 
-def test_tensorrt_artifact_exports_plans_on_gpu(tiny_artifact: Path, tmp_path: Path) -> None:
-    pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] is not installed")
-    art = tmp_path / "art"
+def _plan_artifact(tiny_artifact: Path, art: Path, backend: str, build: Callable[[str], dict[str, Any]]) -> Path:
+    """A copy of the tiny artifact made to look like a ``backend`` one: a 4-byte plan per component with
+    ``build(name)`` as its build facts, listed and resealed."""
     shutil.copytree(tiny_artifact, art)
     manifest = json.loads((art / "manifest.json").read_text())
-    manifest.update(backend="tensorrt", device="cuda")
+    manifest.update(backend=backend, device="cuda")
     for name, entry in manifest["components"].items():
         entry["plan"] = f"{name}/model.plan"
-        entry["build"] = {"tensorrt": "10.8.0.43", "compute_capability": "9.0"}
+        entry["build"] = build(name)
         (art / entry["plan"]).write_bytes(b"plan")
         manifest["files"][entry["plan"]] = artifacts.file_entry(art, entry["plan"])
     artifacts.write_manifest(art, manifest)
+    return art
+
+
+def test_tensorrt_artifact_exports_plans_on_gpu(tiny_artifact: Path, tmp_path: Path) -> None:
+    pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] is not installed")
+    art = _plan_artifact(tiny_artifact, tmp_path / "art", "tensorrt",
+                         lambda name: {"tensorrt": "10.8.0.43", "compute_capability": "9.0"})
     code, out = _invoke("export-triton", art, tmp_path / "repo", "--prefix", "sd_", "--instances", "2")
     assert code == 0, out
     cfg = _model_config(tmp_path / "repo" / "sd_unet" / "config.pbtxt")
@@ -211,17 +218,9 @@ def test_export_refuses_a_symlinked_model_folder_before_changing_anything(tiny_a
 def test_tensorrt_rtx_artifact_is_refused_with_the_reason(tiny_artifact: Path, tmp_path: Path) -> None:
     """Issue 23: `export-triton` on a TensorRT-RTX artifact died with KeyError: 'tensorrt-rtx' (exit 1). Triton's
     TensorRT backend loads plans with libnvinfer; a TensorRT-RTX plan needs the TensorRT-RTX runtime: exit 2."""
-    art = tmp_path / "art"
-    shutil.copytree(tiny_artifact, art)
-    manifest = json.loads((art / "manifest.json").read_text())
-    manifest.update(backend="tensorrt-rtx", device="cuda")
-    for name, entry in manifest["components"].items():
-        entry["plan"] = f"{name}/model.plan"
-        (art / entry["plan"]).write_bytes(b"plan")
-        entry["build"] = {"library": "tensorrt-rtx", "tensorrt": "1.2.0.54", "compute_capabilities": ["8.9"],
-                          "runtime_cache": f"{name}.runtime-cache", "plan_sha256": "0" * 64, "plan_bytes": 4}
-        manifest["files"][entry["plan"]] = artifacts.file_entry(art, entry["plan"])
-    artifacts.write_manifest(art, manifest)
+    art = _plan_artifact(tiny_artifact, tmp_path / "art", "tensorrt-rtx", lambda name: {
+        "library": "tensorrt-rtx", "tensorrt": "1.2.0.54", "compute_capabilities": ["8.9"],
+        "runtime_cache": f"{name}.runtime-cache", "plan_sha256": "0" * 64, "plan_bytes": 4})
     assert _invoke("verify", art, "--no-host")[0] == 0, "the fake RTX artifact should be a valid one"
     code, out = _invoke("export-triton", art, tmp_path / "repo")
     assert code == 2, out
