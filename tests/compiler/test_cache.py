@@ -65,7 +65,7 @@ def test_identical_recompile_is_a_hit_and_a_changed_weight_a_miss(tiny_pipeline_
     onnx = tmp_path / "cache" / "entries" / key / "artifact" / "text_encoder" / "model.onnx"
     data = bytearray(onnx.read_bytes())
     data[-1] ^= 0xFF
-    onnx.unlink()  # a new inode: the artifact "a" keeps its intact hard link
+    onnx.unlink()  # a new inode (the artifact "a" has its own copy anyway: see test_cache_files_share_no_inode...)
     onnx.write_bytes(bytes(data))
     assert cache.lookup(key) is None and not (tmp_path / "cache" / "entries" / key).exists()
     assert verify_artifact(first, check_host=False).ok
