@@ -604,6 +604,34 @@ def _recover(final: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def remove_dead_leftovers(folder: Path, pattern: re.Pattern[str], what: str) -> list[Path]:
+    """Remove the temporary folders a killed writer left in ``folder``: entries whose name ``pattern`` matches whole
+    and whose writer is gone (the ``pid`` group of the name no longer runs on this host, or the name has none). One
+    whose pid still runs (another writer now, or a reused pid) is left alone. Symbolic links are never followed or
+    removed. Logs one warning per folder removed, naming ``what`` left it (e.g. "an interrupted export-triton").
+
+    Returns:
+        The folders removed.
+    """
+    removed: list[Path] = []
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.fullmatch(name)
+        path = folder / name
+        if not m or path.is_symlink() or not path.is_dir():
+            continue
+        pid = m.groupdict().get("pid")
+        if pid and int(pid) != os.getpid() and _pid_alive(int(pid)):
+            continue
+        logger.warning("removing %s, left by %s", path, what)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths with ``renameat2(RENAME_EXCHANGE)`` (Linux); False where unsupported."""
     if not sys.platform.startswith("linux"):

@@ -722,6 +722,25 @@ def _check_writable_file(path: Path, flag: str, suffix: str | None) -> None:
     _check_writable_dir(path.parent if str(path.parent) else Path("."), flag)
 
 
+def _refuse_missing_folder(path: Path, flag: str) -> None:
+    """Refuse an output file whose folder does not exist (``run -o``: ``image.save`` in diffusers and PIL raises
+    there too), naming the first missing folder, instead of creating the folders of a mistyped path.
+
+    Raises:
+        click.BadParameter: naming the missing folder and the fix.
+    """
+    folder = path.parent if str(path.parent) else Path(".")
+    if folder.exists():
+        return  # a folder, or a file that _check_writable_dir names
+    missing = folder
+    while not missing.parent.exists() and missing.parent != missing:
+        missing = missing.parent
+    if not missing.parent.is_dir():
+        return  # a file on the way: _check_writable_dir says so
+    raise click.BadParameter(f"the folder {missing} does not exist; create it first (mkdir -p {folder}) or choose "
+                             "another path", param_hint=flag)
+
+
 def _check_writable_dir(folder: Path, flag: str) -> None:
     """Create ``folder`` (and its parents) if needed and refuse it when that fails or it is not writable.
 
@@ -1029,6 +1048,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
     if control and devices is not None:
         raise click.UsageError("--controlnet runs on one device; drop --devices (or use --device cuda)")
     mask = _read_image(mask_path, "--mask", "L", max_hw) if mask_path is not None else None
+    _refuse_missing_folder(out, "-o")  # as PIL's image.save and diffusers: a typo'd folder is not made silently
     _check_writable_file(out, "-o", ".png")  # before minutes of denoising, not after
     if not overwrite:
         _refuse_existing_outputs(out, batch_size)
@@ -1375,7 +1395,9 @@ def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances
 
     Engine models use platform onnxruntime_onnx or tensorrt_plan with dynamic batching; the pipeline model
     (Python backend) runs the denoising loop by calling them, and needs numpy, torch, diffusers and
-    transformers in Triton's Python environment.
+    transformers in Triton's Python environment. A TensorRT-RTX artifact is refused (exit 2): Triton loads plans
+    with TensorRT, not the TensorRT-RTX runtime; use `diffusion-trt serve` for it. Models are written beside
+    REPO_DIR and moved in at the end (Triton would load a half-written folder inside it).
 
     \b
     Examples:

@@ -76,8 +76,8 @@ def load_manifest_json(root: Path) -> tuple[dict[str, Any] | None, list[str]]:
 
 
 def scheduler_problems(root: Path, manifest: dict[str, Any]) -> list[str]:
-    """The shipped scheduler config is readable JSON whose values the runtime can use
-    (:func:`~diffusion_trt.artifact_values.scheduler_config_problems`); one line per problem."""
+    """The shipped scheduler config is readable JSON whose values the runtime can use with the artifact's scheduler
+    class (:func:`~diffusion_trt.artifact_values.scheduler_config_problems`); one line per problem."""
     sched = manifest.get("scheduler")
     rel = sched.get("config") if isinstance(sched, dict) else None
     if not isinstance(rel, str):
@@ -91,7 +91,9 @@ def scheduler_problems(root: Path, manifest: dict[str, Any]) -> list[str]:
         return [f"scheduler: {e}"]
     except OSError as e:
         return [f"scheduler: {rel} cannot be read ({e.strerror})"]
-    return [f"{p}; restore the original file or recompile" for p in scheduler_config_problems(config, rel)]
+    named = sched.get("class_name")  # the class the runtime builds (the manifest's schema: a string or null)
+    class_name = named if isinstance(named, str) else None
+    return [f"{p}; restore the original file or recompile" for p in scheduler_config_problems(config, rel, class_name)]
 
 
 def integrity_problems(root: str | os.PathLike[str], check_hashes: bool = True) -> tuple[dict[str, Any] | None,

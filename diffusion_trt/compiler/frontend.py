@@ -20,7 +20,7 @@ from .. import artifacts
 from ..config import CompileConfig
 from ..errors import ModelFolderError, OutputPathError
 from . import export, hub, pipeline
-from .cache import CompileCache, cache_key, mark_stored, uncacheable
+from .cache import CompileCache, UnprovenEntry, cache_key, mark_stored, uncacheable
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,17 @@ def _compile_model_id(model_id: str, out: Path, config: CompileConfig | None, re
     manifest["source"] = {**manifest["source"], "path": str(resolved.snapshot), "hub": resolved.record()}
     artifacts.write_manifest(out, manifest)
     return out
+def _materialize(cache: CompileCache, cached: Path, out: Path, key: str, model: Path, config: CompileConfig,
+                 overwrite: bool, lock_timeout: float) -> bool:
+    """Write the cache hit ``cached`` to ``out``; False (a warning, nothing written) when its entry no longer proves
+    its origin: its manifest was replaced after :meth:`~.cache.CompileCache.lookup` proved it."""
+    pipeline.deterministic_pass_options(config)  # its "no effect" warning, which compile_pipeline would log
+    try:
+        cache.materialize(cached, out, key, str(model.resolve()), overwrite=overwrite, lock_timeout=lock_timeout)
+    except UnprovenEntry as e:
+        logger.warning("compile cache entry %s %s: compiling anew", key[:12], e)
+        return False
+    return True
 
 
 def compile_model(
@@ -119,9 +130,7 @@ def compile_model(
     if why:
         logger.debug("compile cache not used: %s", why)
     cached = cache.lookup(key) if cache is not None and key else None
-    if cached is not None:
-        pipeline.deterministic_pass_options(config)  # its "no effect" warning, which compile_pipeline would log
-        cache.materialize(cached, out, key, str(model.resolve()), overwrite=overwrite, lock_timeout=lock_timeout)
+    if cached is not None and _materialize(cache, cached, out, key, model, config, overwrite, lock_timeout):
         logger.info("compile cache hit %s: reused %s in %.1f s (no export, passes or build)", key[:12], cached,
                     time.perf_counter() - t0)
         return out

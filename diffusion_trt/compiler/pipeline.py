@@ -30,8 +30,17 @@ from typing import Any
 import onnx
 
 from .. import artifacts
+from ..artifact_values import scheduler_config_problems
 from ..config import IMAGE_ALIGNMENT, QUANTIZED_PRECISIONS, TRT_BACKENDS, CompileConfig, ShapeProfile
-from ..errors import BuildError, DiffusionTrtError, ExportError, OutputPathError, PassError, RuntimeInputError
+from ..errors import (
+    BuildError,
+    DiffusionTrtError,
+    ExportError,
+    ModelFolderError,
+    OutputPathError,
+    PassError,
+    RuntimeInputError,
+)
 from . import build_ort, controlnet, export, lora, lora_slots, quantize
 from .components import ComponentSpec, component_specs, tensor_manifest
 from .plan import VAE_COMPONENTS, ComponentPlan, component_precision, plan_components
@@ -139,6 +148,8 @@ def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
 
     Raises:
         ExportError: a VAE that does not downsample by 8, or SDXL components that do not fit together.
+        ModelFolderError: a scheduler config the runtime cannot run (a class outside its allow-list, a value that
+            class does not accept: :func:`~diffusion_trt.artifact_values.scheduler_config_problems`).
     """
     unet = folder.config("unet")
     vae = folder.config("vae")
@@ -152,6 +163,13 @@ def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
     sample_size = unet.get("sample_size", 64)
     sample_size = sample_size[0] if isinstance(sample_size, list | tuple) else sample_size
     sched = folder.config("scheduler", "scheduler_config.json")
+    problems = scheduler_config_problems(sched, "scheduler/scheduler_config.json")
+    if problems:  # the artifact would carry it: verify and run would refuse what compile wrote
+        raise ModelFolderError(
+            f"{folder.path}: the runtime cannot run this scheduler config: {'; '.join(problems)}; edit it to a "
+            f"scheduler class and values the runtime runs (e.g. _class_name EulerDiscreteScheduler, as diffusers' "
+            "Class.from_config(pipe.scheduler.config) swap does)"
+        )
     facts: dict[str, Any] = {
         "vae_scale_factor": vae_scale,
         "vae_scaling_factor": float(vae.get("scaling_factor", 0.18215)),

@@ -52,7 +52,7 @@ from .lora_slots import apply_loras, load_slots, lora_list
 from .png import save_png
 from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text
 from .residency import Residency
-from .schedulers import import_scheduler_class, make_scheduler, short_name
+from .schedulers import import_scheduler_class, make_scheduler, scheduler_for, short_name
 from .sdxl import SDXL_COMPONENTS
 
 __all__ = ["OUTPUT_TYPES", "SDXL_ARGUMENTS", "EnginePipeline", "EnginePipelineOutput", "LoadOptions", "check_text",
@@ -176,10 +176,9 @@ class EnginePipeline:
         self.architecture = str(model.get("architecture", "sd"))
         self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
         _check_tokenizers(model, self.architecture, tokenizer, tokenizer_2)
-        self._scheduler_config = check_scheduler_config(scheduler_config)  # before diffusers allocates anything
-        self._default_scheduler_class = self.manifest.get("scheduler", {}).get("class_name") or str(
-            scheduler_config.get("_class_name", "")
-        )
+        self._default_scheduler_class = _scheduler_class_name(self.manifest, scheduler_config)
+        # before diffusers allocates anything: values typed, bounded and accepted by the class that is built
+        self._scheduler_config = check_scheduler_config(scheduler_config, class_name=self._default_scheduler_class)
         self._scheduler_template: Any = None
         self._scheduler_name = ""
         self.set_scheduler(scheduler)
@@ -334,6 +333,10 @@ class EnginePipeline:
 
             residency = plan_for_request(options.vram_budget, manifest, root, txt2img_components(manifest),
                                          options.vram_request, options.memory_facts)
+        sched = manifest.get("scheduler", {})
+        scheduler_config = reader.json(str(sched.get("config", "scheduler/scheduler_config.json")))
+        class_name = _scheduler_class_name(manifest, scheduler_config)  # refused here, before any engine opens
+        scheduler_for(check_scheduler_config(scheduler_config, class_name=class_name), options.scheduler, class_name)
         stream: torch.cuda.Stream | None = None
         if device == "cuda" and torch.cuda.is_available():
             # one stream shared by ONNX Runtime and torch: the loop runs without host syncs
@@ -349,11 +352,9 @@ class EnginePipeline:
             if manifest.get("model", {}).get("architecture") == "sdxl":
                 tokenizer_2 = _tokenizer(reader, str(manifest.get("tokenizer_2", "tokenizer_2")), "SDXL tokenizer_2",
                                          CLIPTokenizer)
-            sched = manifest.get("scheduler", {})
-            scheduler_config = reader.json(str(sched.get("config", "scheduler/scheduler_config.json")))
-            if isinstance(scheduler_config, Mapping):  # checked (and refused) by __init__
-                import_scheduler_class(scheduler_config, options.scheduler if isinstance(options.scheduler, str)
-                                       else None, sched.get("class_name"))
+            # diffusers' import (seconds) while the engines load; the values were checked above
+            import_scheduler_class(scheduler_config, options.scheduler if isinstance(options.scheduler, str) else None,
+                                   class_name)
             opening.wait()
             pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=options.scheduler, stream=stream,
                        root=root, tokenizer_2=tokenizer_2)
@@ -850,6 +851,14 @@ class LoadOptions:
         if self.graph_optimization_level not in OPTIMIZATION_LEVELS:
             raise RuntimeInputError(f"graph_optimization_level={self.graph_optimization_level!r} is unknown; use one "
                                     f"of {', '.join(OPTIMIZATION_LEVELS)}")
+
+
+def _scheduler_class_name(manifest: Mapping[str, Any], scheduler_config: Mapping[str, Any]) -> str:
+    """The artifact's scheduler class: the manifest's ``scheduler.class_name``, else the config's ``_class_name``."""
+    sched = manifest.get("scheduler")
+    named = sched.get("class_name") if isinstance(sched, Mapping) else None
+    own = scheduler_config.get("_class_name") if isinstance(scheduler_config, Mapping) else None
+    return str(named or own or "")
 
 
 def _profile(manifest: Mapping[str, Any]) -> ShapeProfile:

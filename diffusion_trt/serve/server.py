@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DiffusionTrtError, LoraError, RuntimeInputError
+from ..errors import DiffusionTrtError, LoraError, MissingPackageError, RuntimeInputError
 from . import pytriton_proxy, triton_model
 from .pytriton_proxy import StatusError
 from .triton_model import RequestError, parse_request
@@ -50,7 +50,7 @@ MODEL_NAME = "pipeline"
 
 
 class ServeError(DiffusionTrtError):
-    """The server cannot start (PyTriton missing, ports taken, tritonserver failing)."""
+    """The server cannot start (ports taken, tritonserver failing); PyTriton missing is a MissingPackageError."""
 
 
 @dataclass(frozen=True)
@@ -293,14 +293,15 @@ def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = Non
     """Serve an artifact until SIGINT/SIGTERM (or ``stop`` is set); ``on_ready()`` once the endpoints are up.
 
     Raises:
-        ServeError: PyTriton is not installed or the server cannot start.
+        MissingPackageError: PyTriton is not installed (exit 2).
+        ServeError: the server cannot start.
         ArtifactError: the artifact fails verification.
     """
     config = config or ServeConfig()
     try:
         from pytriton.triton import Triton, TritonConfig
     except ImportError as e:
-        raise ServeError(
+        raise MissingPackageError(
             f"serve needs NVIDIA PyTriton ({e}); pip install 'diffusion-trt[serve]' (Linux x86_64/aarch64, "
             "glibc >= 2.35)"
         ) from None
