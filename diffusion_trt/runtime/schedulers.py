@@ -115,9 +115,9 @@ def import_scheduler_class(config: Mapping[str, Any], name: str | None = None, c
     """Import the diffusers class :func:`make_scheduler` will build, so that ``from_artifacts`` pays diffusers'
     import (seconds: it checks the versions of dozens of packages) while its engines load; a failure is left for
     :func:`make_scheduler` to report."""
-    with contextlib.suppress(DiffusionTrtError, ImportError):
+    with contextlib.suppress(DiffusionTrtError, ImportError, AttributeError):
         cls_name = (class_name or str(config.get("_class_name", ""))) if name is None else resolve_scheduler(name)[0]
-        _scheduler_class(cls_name, "preload")
+        _scheduler_class(cls_name)
 
 
 def make_scheduler(config: Mapping[str, Any], name: str | None = None, class_name: str | None = None) -> Any:
