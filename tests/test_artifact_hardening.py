@@ -225,6 +225,24 @@ def _exchange_after_first_engine(monkeypatch: pytest.MonkeyPatch, a: Path, b: Pa
     return opened
 
 
+def _exchange_on_first_read(monkeypatch: pytest.MonkeyPatch, prefix: str, a: Path, b: Path,
+                            then: Callable[[], None] = lambda: None) -> None:
+    """Exchange folders ``a`` and ``b`` (and run ``then``) just before the first read of a file under ``prefix``."""
+    from diffusion_trt.artifact_reader import ArtifactReader
+
+    real_read = ArtifactReader._read_file
+    done: list[bool] = []
+
+    def exchange_then_read(self: Any, rel: str, *args: Any, **kwargs: Any) -> Any:
+        if rel.startswith(prefix) and not done:
+            done.append(True)
+            assert artifacts._exchange(a, b), "renameat2(RENAME_EXCHANGE) is not available here"
+            then()
+        return real_read(self, rel, *args, **kwargs)
+
+    monkeypatch.setattr(ArtifactReader, "_read_file", exchange_then_read)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="renameat2(RENAME_EXCHANGE) is Linux only")
 def test_a_folder_exchanged_while_loading_gives_one_whole_artifact(art: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -250,7 +268,9 @@ def test_a_folder_replaced_and_deleted_while_loading_is_loaded_again(art: Path,
     with _load(other) as pipe:
         new_output = _unet_output(pipe)
     new_seal = _manifest(other)["manifest_sha256"]
-    _exchange_after_first_engine(monkeypatch, art, other, then=lambda: shutil.rmtree(other))  # as staging_dir does
+    # the exchange and delete come on the first tokenizer read, made on the calling thread while the engines open on
+    # theirs (runtime/loading.py): that read fails for sure, whatever the engine threads had read already
+    _exchange_on_first_read(monkeypatch, "tokenizer/", art, other, then=lambda: shutil.rmtree(other))
     with _load(art) as pipe:
         assert pipe.manifest["manifest_sha256"] == new_seal
         np.testing.assert_array_equal(_unet_output(pipe), new_output)

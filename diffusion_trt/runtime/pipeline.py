@@ -694,8 +694,10 @@ class EnginePipeline:
             prompt_syntax=prompt_syntax, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
             clip_skip=clip_skip,
         )
-        if controlnet_conditioning_scale is None:  # the default of diffusers' ControlNet pipeline of the mode
-            controlnet_conditioning_scale = DEFAULT_CONTROL_SCALE[getattr(request.conditioning, "mode", "txt2img")]
+        if controlnet_conditioning_scale is None:  # the default of diffusers' ControlNet pipeline of the mode (SDXL's
+            # conditioning says "sdxl": its text-to-image default)
+            controlnet_conditioning_scale = DEFAULT_CONTROL_SCALE.get(getattr(request.conditioning, "mode", "txt2img"),
+                                                                      DEFAULT_CONTROL_SCALE["txt2img"])
         control = control_plan({**self._lazy, **self.engines}, control_image, controlnet,
                                controlnet_conditioning_scale, control_guidance_start, control_guidance_end,
                                guess_mode, request.height, request.width, len(request.prompts))
