@@ -16,6 +16,10 @@ request reaches this process), steps, guidance, height/width inside the engines'
 call, the number of requests waiting in Triton's queue (beyond it: 503 / UNAVAILABLE) and how long one may wait
 there (then it is dropped unrun: 503 / UNAVAILABLE "Request timeout expired"); see :mod:`.pytriton_proxy`.
 
+HTTP goes through our own front (:mod:`.http_front`) before Triton's parser: a body cap (413), the JSON request
+checked for what Triton 2.51 would answer 500 to or silently wrap (400), a connection bound; Triton's own HTTP
+endpoint listens on another port of 127.0.0.1. gRPC goes to Triton directly.
+
 Statuses: a request the rules refuse gets 400 / INVALID_ARGUMENT with one line naming the field and the allowed
 range; a full queue 503 / UNAVAILABLE; anything else 500 / INTERNAL "see the server log" (the traceback is
 logged here, never sent). Listens on 127.0.0.1 unless told otherwise.
@@ -41,6 +45,7 @@ import numpy as np
 
 from ..errors import DiffusionTrtError, RuntimeInputError
 from . import pytriton_proxy, triton_model
+from .http_front import FrontLimits, HttpFront, free_loopback_port
 from .pytriton_proxy import StatusError
 from .triton_model import RequestError, parse_request
 
@@ -71,6 +76,7 @@ class ServeConfig:
         scheduler: scheduler short name; ``None`` = the model's.
         vram_budget: device memory the pipeline may use ("8GB", bytes; see ``EnginePipeline.from_artifacts``),
             checked at load for the default size and ``max_batch_size`` images; ``None`` = no budget.
+        max_connections: HTTP client connections at once (more get 503 at once; :mod:`.http_front`).
     """
 
     host: str = "127.0.0.1"
@@ -87,6 +93,7 @@ class ServeConfig:
     device: str | None = None
     scheduler: str | None = None
     vram_budget: str | int | None = None
+    max_connections: int = 128
 
     def limits(self) -> dict[str, float]:
         return {"max_prompt_chars": self.max_prompt_chars, "max_steps": self.max_steps,
@@ -96,6 +103,13 @@ class ServeConfig:
         """The byte bound of each text input, checked before a request reaches this process (UTF-8: <= 4 bytes a
         character)."""
         return {name: 4 * self.max_prompt_chars for name in ("prompt", "negative_prompt")}
+
+    def front_limits(self) -> FrontLimits:
+        """The HTTP front's bounds: a body of at most 64 KiB + 24 bytes per prompt character (two prompts, each
+        character at most 12 bytes as JSON: a ``\\uXXXX`` surrogate pair), the connection bound, and the longest a
+        request may take in Triton (its queue timeout plus an hour to compute)."""
+        return FrontLimits(max_body_bytes=65536 + 24 * self.max_prompt_chars, max_connections=self.max_connections,
+                           upstream_timeout_s=self.queue_timeout_s + 3600.0)
 
 
 @dataclass
@@ -261,6 +275,19 @@ def _image(future: Future[np.ndarray]) -> np.ndarray:
         raise StatusError("INVALID_ARG", str(e)) from None
 
 
+def _front(config: ServeConfig, upstream_port: int) -> HttpFront:
+    """The HTTP front on ``config.host:config.http_port``, forwarding to Triton's HTTP on ``upstream_port``.
+
+    Raises:
+        ServeError: the port cannot be bound.
+    """
+    try:
+        return HttpFront(config.host, config.http_port, upstream_port, config.front_limits())
+    except OSError as e:
+        raise ServeError(f"cannot listen on {config.host}:{config.http_port} ({e.strerror or e}); choose another "
+                         "--port") from None
+
+
 def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = None,
           stop: threading.Event | None = None, on_ready: Callable[[], None] | None = None) -> None:
     """Serve an artifact until SIGINT/SIGTERM (or ``stop`` is set); ``on_ready()`` once the endpoints are up.
@@ -288,8 +315,11 @@ def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = Non
                                                         "vram_request": (None, None, config.max_batch_size)}
         pipe = stack.enter_context(EnginePipeline.from_artifacts(artifact_dir, device=config.device,
                                                                  scheduler=config.scheduler, **budget))
+        upstream_port = free_loopback_port()  # Triton's own HTTP, behind the front (loopback only)
+        front = _front(config, upstream_port)  # bound now: a port in use fails before Triton starts
+        stack.callback(front.close)
         triton_config = TritonConfig(
-            http_address=config.host, http_port=config.http_port,
+            http_address="127.0.0.1", http_port=upstream_port,
             grpc_address=config.host, grpc_port=config.grpc_port,
             allow_metrics=False, exit_on_error=True, exit_timeout_secs=5,
         )
@@ -299,8 +329,11 @@ def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = Non
         try:
             triton.run()
         except Exception as e:  # PyTritonException and friends: say what failed, once
-            where = f"{config.host}:{config.http_port}/{config.grpc_port}"
+            where = f"HTTP 127.0.0.1:{upstream_port} (behind {config.host}:{config.http_port}), gRPC " \
+                    f"{config.host}:{config.grpc_port}"
             raise ServeError(f"Triton could not start on {where}: {e}") from e
+        front.start()
+        stack.callback(front.close)  # closed first on the way out (again: idempotent)
         previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
         stack.callback(lambda: [signal.signal(s, h) for s, h in previous.items()])
         logger.info(
