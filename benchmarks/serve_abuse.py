@@ -94,6 +94,8 @@ PARSER_CASES: list[tuple[str, bytes]] = [
     ("json-null", b"null"),
     ("junk-10mb", os.urandom(10 * 2**20)),
 ]
+#: gRPC statuses that count as a refusal (the client's error or a bound), as 4xx over HTTP.
+GRPC_REFUSALS = ("StatusCode.INVALID_ARGUMENT", "StatusCode.RESOURCE_EXHAUSTED")
 TYPES = {"prompt": "BYTES", "negative_prompt": "BYTES", "seed": "INT64", "steps": "INT32", "guidance_scale": "FP32",
          "height": "INT32", "width": "INT32"}
 NUMPY = {"INT64": np.int64, "INT32": np.int32, "FP32": np.float32}
@@ -349,8 +351,7 @@ def run(url: str, *, grpc_url: str | None = None, pid: int | None = None, reques
                 **result.get("oversized_grpc", {}).get("grpc_statuses", {})}
     parser_ok = all(s.startswith("4") for s in result["parser"]["statuses"])
     result["ok"] = bool(result["mixed"]["valid_failures"] == 0 and result["abandoned"]["next_valid_status"] == "200"
-                        and parser_ok and all(s.startswith("4") or s in ("503", "StatusCode.INVALID_ARGUMENT")
-                                              for s in statuses))
+                        and parser_ok and all(s.startswith("4") or s in ("503", *GRPC_REFUSALS) for s in statuses))
     return result
 
 

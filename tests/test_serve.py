@@ -226,10 +226,10 @@ def _tree_mb(abuse: Any, pid: int) -> float:
 
 
 def test_oversized_prompt_is_refused_before_it_reaches_python(server: Server, expected: dict[int, np.ndarray]) -> None:
-    """A 48 MB prompt: over HTTP 413 from serve's front before any process reads the body; over gRPC (to Triton
-    directly) 400 naming the field and the byte bound, from the proxy in Triton's Python-backend stub before PyTriton
-    copies it to the serve process, whose memory stays put (issue 14, item 12; before: 500 after the whole body
-    reached the 2,000-character check, and RSS grew by the body each time)."""
+    """A 48 MB prompt: over HTTP 413 from serve's front before any process reads the body; over gRPC
+    RESOURCE_EXHAUSTED from serve's relay, from the message's length prefix; the serve process's memory stays put
+    (issue 14, item 12; before: 500 after the whole body reached the 2,000-character check, and RSS grew by the body
+    each time; issue 24, item 12: gRPC reached Triton, the stub's byte bound answered 400)."""
     abuse = _benchmark("serve_abuse")
     big = b"x" * (48 * 2**20)
     _generate(server.http_url, prompt="warm-up", steps=1)
@@ -242,17 +242,19 @@ def test_oversized_prompt_is_refused_before_it_reaches_python(server: Server, ex
         _no_internals(err.value.message())
     with pytest.raises(InferenceServerException) as err:
         grpc.InferenceServerClient(server.grpc_url).infer("pipeline", _inputs(grpc, prompt="x", negative_prompt=big))
-    assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and "negative_prompt is" in err.value.message()
+    assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED", (err.value.status(), err.value.message()[-300:])
+    assert "Received message larger than max" in err.value.message(), err.value.message()
+    assert f"vs. {MAX_BODY})" in err.value.message(), err.value.message()
     grown = abuse.rss_mb(server.pid) - before
     assert grown < 24, f"the serve process grew by {grown:.0f} MB over four 48 MB prompts"
     np.testing.assert_array_equal(_generate(server.http_url, prompt="a guohua landscape", seed=4, steps=STEPS),
                                   expected[4])
 
 
-def test_a_256_mb_http_body_is_refused_before_any_process_of_the_server_holds_it(server: Server) -> None:
-    """Issue 24, item 12: a 256 MB body (raw JSON, and a prompt through tritonclient) gets 413 from serve's front,
-    which reads it 1 MiB at a time and drops it; no process of the tree grows (before: 400 from the stub, but
-    tritonserver and the stub that took it kept ~+512 MB each)."""
+def test_a_256_mb_body_is_refused_before_any_process_of_the_server_holds_it(server: Server) -> None:
+    """Issue 24, item 12: a 256 MB body (raw JSON, and a prompt through tritonclient) gets 413 from serve's HTTP front,
+    which reads it 1 MiB at a time and drops it, and RESOURCE_EXHAUSTED from its gRPC relay; no process of the tree
+    grows (before: 400 from the stub, but tritonserver and the stub that took it kept ~+512 MB each)."""
     abuse = _benchmark("serve_abuse")
     big = b"x" * (256 * 2**20)
     raw = b'{"inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["' + big + b'"]}]}'
@@ -264,6 +266,9 @@ def test_a_256_mb_http_body_is_refused_before_any_process_of_the_server_holds_it
     with pytest.raises(InferenceServerException) as err:
         http.InferenceServerClient(server.http_url, network_timeout=300).infer("pipeline", _inputs(http, prompt=big))
     assert err.value.status() == "413", err.value.message()[-300:]
+    with pytest.raises(InferenceServerException) as err:
+        grpc.InferenceServerClient(server.grpc_url).infer("pipeline", _inputs(grpc, prompt=big), client_timeout=300)
+    assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED", err.value.message()[-300:]
     grown = {p: abuse.rss_mb(p) - mb for p, mb in before.items()}
     assert max(grown.values()) < 32, f"processes grew (MB): {grown}"
     assert _generate(server.http_url, prompt="x", steps=1).shape == (64, 64, 3)

@@ -17,8 +17,9 @@ call, the number of requests waiting in Triton's queue (beyond it: 503 / UNAVAIL
 there (then it is dropped unrun: 503 / UNAVAILABLE "Request timeout expired"); see :mod:`.pytriton_proxy`.
 
 HTTP goes through our own front (:mod:`.http_front`) before Triton's parser: a body cap (413), the JSON request
-checked for what Triton 2.51 would answer 500 to or silently wrap (400), a connection bound; Triton's own HTTP
-endpoint listens on another port of 127.0.0.1. gRPC goes to Triton directly.
+checked for what Triton 2.51 would answer 500 to or silently wrap (400), a connection bound. gRPC goes through a
+relay of ours (:mod:`.grpc_front`) with the same message bound (RESOURCE_EXHAUSTED). Triton's own HTTP and gRPC
+endpoints listen on other ports of 127.0.0.1.
 
 Statuses: a request the rules refuse gets 400 / INVALID_ARGUMENT with one line naming the field and the allowed
 range; a full queue 503 / UNAVAILABLE; anything else 500 / INTERNAL "see the server log" (the traceback is
@@ -275,17 +276,29 @@ def _image(future: Future[np.ndarray]) -> np.ndarray:
         raise StatusError("INVALID_ARG", str(e)) from None
 
 
-def _front(config: ServeConfig, upstream_port: int) -> HttpFront:
-    """The HTTP front on ``config.host:config.http_port``, forwarding to Triton's HTTP on ``upstream_port``.
+def _fronts(config: ServeConfig, http_upstream: int, grpc_upstream: int) -> tuple[HttpFront, Any]:
+    """The HTTP front on ``config.host:config.http_port`` and the gRPC relay on ``config.grpc_port``, forwarding to
+    Triton's endpoints on ``127.0.0.1:http_upstream`` / ``grpc_upstream``; bound, not started.
 
     Raises:
-        ServeError: the port cannot be bound.
+        ServeError: a port cannot be bound.
     """
+    from .grpc_front import GrpcFront
+
+    limits = config.front_limits()
     try:
-        return HttpFront(config.host, config.http_port, upstream_port, config.front_limits())
+        front = HttpFront(config.host, config.http_port, http_upstream, limits)
     except OSError as e:
         raise ServeError(f"cannot listen on {config.host}:{config.http_port} ({e.strerror or e}); choose another "
                          "--port") from None
+    try:
+        relay = GrpcFront(config.host, config.grpc_port, grpc_upstream, limits.max_body_bytes,
+                          limits.max_connections)
+    except OSError as e:
+        front.close()
+        raise ServeError(f"cannot listen on {config.host}:{config.grpc_port} ({e}); choose another --grpc-port"
+                         ) from None
+    return front, relay
 
 
 def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = None,
@@ -315,12 +328,15 @@ def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = Non
                                                         "vram_request": (None, None, config.max_batch_size)}
         pipe = stack.enter_context(EnginePipeline.from_artifacts(artifact_dir, device=config.device,
                                                                  scheduler=config.scheduler, **budget))
-        upstream_port = free_loopback_port()  # Triton's own HTTP, behind the front (loopback only)
-        front = _front(config, upstream_port)  # bound now: a port in use fails before Triton starts
+        # Triton's own endpoints, behind the fronts (loopback only); the fronts are bound now: a port in use fails
+        # before Triton starts
+        upstream_port, grpc_upstream = free_loopback_port(), free_loopback_port()
+        front, relay = _fronts(config, upstream_port, grpc_upstream)
         stack.callback(front.close)
+        stack.callback(relay.close)
         triton_config = TritonConfig(
             http_address="127.0.0.1", http_port=upstream_port,
-            grpc_address=config.host, grpc_port=config.grpc_port,
+            grpc_address="127.0.0.1", grpc_port=grpc_upstream,
             allow_metrics=False, exit_on_error=True, exit_timeout_secs=5,
         )
         triton = stack.enter_context(Triton(config=triton_config))
@@ -329,11 +345,12 @@ def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = Non
         try:
             triton.run()
         except Exception as e:  # PyTritonException and friends: say what failed, once
-            where = f"HTTP 127.0.0.1:{upstream_port} (behind {config.host}:{config.http_port}), gRPC " \
-                    f"{config.host}:{config.grpc_port}"
+            where = f"127.0.0.1:{upstream_port} (HTTP) / {grpc_upstream} (gRPC)"
             raise ServeError(f"Triton could not start on {where}: {e}") from e
         front.start()
+        relay.start()
         stack.callback(front.close)  # closed first on the way out (again: idempotent)
+        stack.callback(relay.close)
         previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
         stack.callback(lambda: [signal.signal(s, h) for s, h in previous.items()])
         logger.info(
