@@ -2,8 +2,8 @@
 
 Triton 2.51 takes gRPC messages up to 2 GB and has no option to lower that: a 256 MB prompt is read whole by
 tritonserver and copied into the shared memory of the Python-backend stub that takes it, before the stub's byte
-bound refuses it (measured: tritonserver +1.6 GB and +256 MB per stub over three such prompts;
-``benchmarks/results/cpu-2core-2026-12-01-serve-abuse-2.json``). So ``serve`` listens itself on the gRPC port and
+bound refuses it (measured over three such prompts: tritonserver +1.4 GB, +256 MB in each of three stubs;
+``benchmarks/results/cpu-2core-2026-12-01-serve-abuse-2-before.json``). So ``serve`` listens itself on the gRPC port and
 relays every call, as raw bytes (nothing is decoded or re-encoded), to Triton's gRPC on another port of 127.0.0.1:
 
 * a request message over ``max_message_bytes`` is refused by grpc itself, from its length prefix, with

@@ -283,6 +283,9 @@ class _Handler(BaseHTTPRequestHandler):
     """One client connection; ``server`` is the :class:`_Server` (limits, upstream port)."""
 
     protocol_version = "HTTP/1.1"  # keep-alive, as Triton
+    # TCP_NODELAY: the headers and the body go out in two writes, and Nagle held the second until the client's
+    # delayed ACK: +43 ms per request (measured on loopback: 45.3 ms -> 2.6 ms a request through the front)
+    disable_nagle_algorithm = True
     server_version = "diffusion-trt"
     server: _Server
 
@@ -296,7 +299,8 @@ class _Handler(BaseHTTPRequestHandler):
     def handle_expect_100(self) -> bool:
         """``Expect: 100-continue`` with a body over the bound: 413 before the client sends it."""
         length = self.headers.get("Content-Length", "")
-        if length.isdigit() and int(length) > self.server.limits.max_body_bytes:
+        if length.isascii() and length.isdigit() and int(length) > self.server.limits.max_body_bytes:
+            self.close_connection = True  # the body may follow all the same: it is never read as a request
             self._send_error(413, self._too_large(int(length)))
             return False
         return super().handle_expect_100()

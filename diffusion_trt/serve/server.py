@@ -18,8 +18,8 @@ there (then it is dropped unrun: 503 / UNAVAILABLE "Request timeout expired"); s
 
 HTTP goes through our own front (:mod:`.http_front`) before Triton's parser: a body cap (413), the JSON request
 checked for what Triton 2.51 would answer 500 to or silently wrap (400), a connection bound. gRPC goes through a
-relay of ours (:mod:`.grpc_front`) with the same message bound (RESOURCE_EXHAUSTED). Triton's own HTTP and gRPC
-endpoints listen on other ports of 127.0.0.1.
+relay of ours (:mod:`.grpc_front`) with the same message bound (RESOURCE_EXHAUSTED); both run in a process of their
+own (:mod:`.front_process`). Triton's own HTTP and gRPC endpoints listen on other ports of 127.0.0.1.
 
 Statuses: a request the rules refuse gets 400 / INVALID_ARGUMENT with one line naming the field and the allowed
 range; a full queue 503 / UNAVAILABLE; anything else 500 / INTERNAL "see the server log" (the traceback is
@@ -46,7 +46,8 @@ import numpy as np
 
 from ..errors import DiffusionTrtError, RuntimeInputError
 from . import pytriton_proxy, triton_model
-from .http_front import FrontLimits, HttpFront, free_loopback_port
+from .front_process import FrontProcess, FrontSettings, FrontStartError
+from .http_front import FrontLimits, free_loopback_port
 from .pytriton_proxy import StatusError
 from .triton_model import RequestError, parse_request
 
@@ -276,29 +277,20 @@ def _image(future: Future[np.ndarray]) -> np.ndarray:
         raise StatusError("INVALID_ARG", str(e)) from None
 
 
-def _fronts(config: ServeConfig, http_upstream: int, grpc_upstream: int) -> tuple[HttpFront, Any]:
+def _fronts(config: ServeConfig, http_upstream: int, grpc_upstream: int) -> FrontProcess:
     """The HTTP front on ``config.host:config.http_port`` and the gRPC relay on ``config.grpc_port``, forwarding to
-    Triton's endpoints on ``127.0.0.1:http_upstream`` / ``grpc_upstream``; bound, not started.
+    Triton's endpoints on ``127.0.0.1:http_upstream`` / ``grpc_upstream``, in their own process (see
+    :mod:`.front_process`), started and listening.
 
     Raises:
-        ServeError: a port cannot be bound.
+        ServeError: a port cannot be bound, or the process did not start.
     """
-    from .grpc_front import GrpcFront
-
-    limits = config.front_limits()
+    settings = FrontSettings.of(config.host, config.http_port, config.grpc_port, http_upstream, grpc_upstream,
+                                config.front_limits())
     try:
-        front = HttpFront(config.host, config.http_port, http_upstream, limits)
-    except OSError as e:
-        raise ServeError(f"cannot listen on {config.host}:{config.http_port} ({e.strerror or e}); choose another "
-                         "--port") from None
-    try:
-        relay = GrpcFront(config.host, config.grpc_port, grpc_upstream, limits.max_body_bytes,
-                          limits.max_connections)
-    except OSError as e:
-        front.close()
-        raise ServeError(f"cannot listen on {config.host}:{config.grpc_port} ({e}); choose another --grpc-port"
-                         ) from None
-    return front, relay
+        return FrontProcess(settings).__enter__()
+    except FrontStartError as e:
+        raise ServeError(str(e)) from None
 
 
 def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = None,
@@ -331,9 +323,8 @@ def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = Non
         # Triton's own endpoints, behind the fronts (loopback only); the fronts are bound now: a port in use fails
         # before Triton starts
         upstream_port, grpc_upstream = free_loopback_port(), free_loopback_port()
-        front, relay = _fronts(config, upstream_port, grpc_upstream)
-        stack.callback(front.close)
-        stack.callback(relay.close)
+        fronts = _fronts(config, upstream_port, grpc_upstream)
+        stack.callback(fronts.close)
         triton_config = TritonConfig(
             http_address="127.0.0.1", http_port=upstream_port,
             grpc_address="127.0.0.1", grpc_port=grpc_upstream,
@@ -347,10 +338,7 @@ def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = Non
         except Exception as e:  # PyTritonException and friends: say what failed, once
             where = f"127.0.0.1:{upstream_port} (HTTP) / {grpc_upstream} (gRPC)"
             raise ServeError(f"Triton could not start on {where}: {e}") from e
-        front.start()
-        relay.start()
-        stack.callback(front.close)  # closed first on the way out (again: idempotent)
-        stack.callback(relay.close)
+        stack.callback(fronts.close)  # closed first on the way out (again: idempotent)
         previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
         stack.callback(lambda: [signal.signal(s, h) for s, h in previous.items()])
         logger.info(
@@ -362,6 +350,8 @@ def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = Non
         while not stop.wait(0.5):
             if not triton.is_alive():
                 raise ServeError("tritonserver exited; see the log above")
+            if not fronts.alive():
+                raise ServeError("serve's front process exited; see the log above")
         logger.info("stopping")
 
 
