@@ -294,3 +294,24 @@ def test_triton_not_answering_is_503(upstream: _Upstream) -> None:
 def test_a_port_in_use_fails_when_the_front_is_made(front: HttpFront, upstream: _Upstream) -> None:
     with pytest.raises(OSError):
         HttpFront("127.0.0.1", front.port, upstream.server_address[1], LIMITS)
+
+
+def test_the_fronts_run_in_their_own_process_and_stop_with_it(upstream: _Upstream) -> None:
+    """serve runs both fronts in a child (front_process): it binds at once, relays, and exits when closed; a port in
+    use is one FrontStartError naming it, before anything else starts."""
+    pytest.importorskip("grpc", reason="grpcio is not installed (the gRPC relay needs it)")
+    from diffusion_trt.serve.front_process import FrontProcess, FrontSettings, FrontStartError
+
+    http_port, grpc_port = free_loopback_port(), free_loopback_port()
+    settings = FrontSettings.of("127.0.0.1", http_port, grpc_port, upstream.server_address[1], free_loopback_port(),
+                                LIMITS)
+    with FrontProcess(settings) as fronts:
+        assert fronts.alive()
+        status, _, data = _request(http_port, "POST", INFER, _body())
+        assert (status, json.loads(data)) == (200, {"echo": len(_body())})
+        with pytest.raises(FrontStartError, match=rf"^cannot listen on 127\.0\.0\.1:{http_port} "):
+            FrontProcess(settings).__enter__()
+        pid = fronts.pid
+    assert pid is not None and not fronts.alive()
+    with pytest.raises(ConnectionRefusedError):
+        _request(http_port, "GET", "/v2")
