@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from . import artifacts
+from . import artifacts, digests
 from .errors import ArtifactError
 
 logger = logging.getLogger(__name__)
 
-#: The most bytes ``manifest.json`` may have (real ones are tens of kB).
-MAX_MANIFEST_BYTES = 64 << 20
+#: The most bytes ``manifest.json`` may have: one cap for every reader (:data:`artifacts.MAX_MANIFEST_BYTES`).
+MAX_MANIFEST_BYTES = artifacts.MAX_MANIFEST_BYTES
 
 
 class ArtifactReplacedError(ArtifactError):
@@ -53,7 +53,7 @@ class OnnxBytes:
 
     rel: str
     model: bytes
-    external: dict[str, bytes] = field(default_factory=dict)
+    external: dict[str, bytes | bytearray] = field(default_factory=dict)
 
 
 class ArtifactReader:
@@ -129,9 +129,14 @@ class ArtifactReader:
         proc = Path(f"/proc/self/fd/{self._require_fd()}")
         return proc if proc.is_dir() else self.root
 
-    def read(self, rel: str) -> bytes:
+    def read(self, rel: str) -> bytes | bytearray:
         """The bytes of the listed file ``rel``, read once through the folder descriptor, checked against the
-        manifest's size and (when :attr:`check_hashes`) sha256.
+        manifest's size and (when :attr:`check_hashes`) its digests: per chunk, on several threads, when the manifest
+        lists chunk digests (:mod:`~diffusion_trt.digests`), else one sha256 of the whole file.
+
+        Returns:
+            ``bytes`` for small files; a private ``bytearray`` for files of :data:`~diffusion_trt.digests.CHUNK_BYTES`
+            or more (read in parallel; never a mapping of the file, so later writes to it cannot reach these bytes).
 
         Raises:
             ArtifactError: ``rel`` is not listed, leaves the folder, is not a regular file, or differs from the
@@ -141,16 +146,21 @@ class ArtifactReader:
         if entry is None:
             raise ArtifactError(f"{rel} is not listed in the manifest of {self.root}, so it cannot be checked; "
                                 "recompile the artifact")
-        data = self._read_file(rel, int(entry["size"]))
+        chunks = entry.get("chunks") if self.check_hashes else None
+        data = self._read_file(rel, int(entry["size"]), chunks=chunks)
         if self.check_hashes:
-            digest = hashlib.sha256(data).hexdigest()
-            if digest != entry["sha256"]:
-                raise ArtifactError(
-                    f"{self.root}/{rel}: sha256 {digest[:12]}… != {entry['sha256'][:12]}… in the manifest; the file "
-                    "was altered: recopy or recompile the artifact"
-                )
-            self.loaded[rel] = digest
+            if chunks is None:
+                digest = hashlib.sha256(data).hexdigest()
+                if digest != entry["sha256"]:
+                    raise self._altered(rel, digest, entry["sha256"])
+            self.loaded[rel] = entry["sha256"]  # every chunk matched: the bytes of that whole-file digest
         return data
+
+    def _altered(self, rel: str, digest: str, expected: str, where: str = "") -> ArtifactError:
+        return ArtifactError(
+            f"{self.root}/{rel}: sha256 {where}{digest[:12]}… != {expected[:12]}… in the manifest; the file "
+            "was altered: recopy or recompile the artifact"
+        )
 
     def json(self, rel: str) -> Any:
         """:meth:`read` ``rel`` and parse it as untrusted JSON (:func:`~diffusion_trt.artifact_values.parse_json`)."""
@@ -182,7 +192,9 @@ class ArtifactReader:
         if problems:
             raise ArtifactError(f"artifact {self.root} failed verification:\n  " + "\n  ".join(problems))
         external = {loc: self.read(str(artifacts.external_data_target(rel, loc))) for loc in locations}
-        return OnnxBytes(rel, data, external)
+        # ONNX Runtime takes a model only as ``bytes``; a large one (weights inline: artifacts of before the
+        # external-data threshold of build_ort) costs one copy here
+        return OnnxBytes(rel, bytes(data) if isinstance(data, bytearray) else data, external)
 
     @contextlib.contextmanager
     def private_copy(self, rel_dir: str) -> Iterator[Path]:
@@ -241,9 +253,12 @@ class ArtifactReader:
             )
         return manifest
 
-    def _read_file(self, rel: str, size: int | None, limit: int | None = None) -> bytes:
+    def _read_file(self, rel: str, size: int | None, limit: int | None = None,
+                   chunks: dict[str, Any] | None = None) -> bytes | bytearray:
         """Open ``rel`` relative to the folder descriptor (non-blocking: a FIFO must not hang us), check that it is a
-        regular file inside the folder of ``size`` bytes, and read it whole."""
+        regular file inside the folder of ``size`` bytes, and read it whole: in parallel chunks at
+        :data:`~diffusion_trt.digests.CHUNK_BYTES` or more, each checked against ``chunks`` (the manifest's chunk
+        digests) when given."""
         fd = self._require_fd()
         artifacts.safe_join(self.pinned_root, rel)  # lexical checks and links (raises ArtifactError)
         try:
@@ -268,11 +283,32 @@ class ArtifactReader:
                                     "truncated or altered")
             if limit is not None and st.st_size > limit:
                 raise ArtifactError(f"{self.root}/{rel} has {st.st_size} bytes, more than {limit}; recompile")
-            with os.fdopen(f, "rb", closefd=False) as stream:
-                data = stream.read(st.st_size + 1)
+            data = self._read_whole(f, rel, st.st_size, chunks)
         finally:
             os.close(f)
-        if len(data) != st.st_size:
+        return data
+
+    def _read_whole(self, f: int, rel: str, size: int, chunks: dict[str, Any] | None) -> bytes | bytearray:
+        """The ``size`` bytes of the open file ``f``: one read below a chunk, else :func:`digests.read_into` (each
+        chunk compared with ``chunks`` on its thread). Growth past ``size`` is refused like a short read."""
+        if size < digests.CHUNK_BYTES and chunks is None:
+            with os.fdopen(f, "rb", closefd=False) as stream:
+                data = stream.read(size + 1)
+            if len(data) != size:
+                raise ArtifactError(f"{self.root}/{rel} changed size while it was read; recopy the artifact")
+            return data
+
+        def check(index: int, part: memoryview) -> None:
+            digest = hashlib.sha256(part).hexdigest()
+            if digest != chunks["sha256"][index]:
+                raise self._altered(rel, digest, chunks["sha256"][index], where=f"of chunk {index} ")
+
+        try:
+            data = digests.read_into(f, size, check if chunks is not None else None,
+                                     int(chunks["bytes"]) if chunks is not None else digests.CHUNK_BYTES)
+        except EOFError:
+            raise ArtifactError(f"{self.root}/{rel} changed size while it was read; recopy the artifact") from None
+        if os.fstat(f).st_size != size:
             raise ArtifactError(f"{self.root}/{rel} changed size while it was read; recopy the artifact")
         return data
 

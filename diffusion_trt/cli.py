@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from .artifact_values import printable  # re and json: light
 from .compiler.dummy import ARCHS  # a tuple of names: dummy.py imports torch/diffusers only when called
 from .errors import DiffusionTrtError
 from .runtime.schedulers import scheduler_names  # a table of names: diffusers is imported only when one is built
@@ -38,7 +39,7 @@ class _CliFormatter(logging.Formatter):
     """Our log lines as they are, warnings with the ``warning:`` prefix README.md promises."""
 
     def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
+        text = printable(super().format(record), newlines=True)  # a log line may quote an artifact's file names
         return f"warning: {text}" if record.levelno == logging.WARNING else text
 
 
@@ -75,17 +76,32 @@ def _quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _runtime_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+#: ``--cudnn-algo-search`` of each command: a one-shot ``run`` pays EXHAUSTIVE's timing of every convolution on its
+#: first call (SD-1.5 static 512, H200: +1.0 s first call for a 2 % faster UNet step, i.e. ~8 ms over 30 steps), a
+#: long-lived ``bench`` earns it back (benchmarks/results/README.md, "Figures behind code defaults").
+ALGO_SEARCH_DEFAULT = {"run": "HEURISTIC", "bench": "AUTO"}
+
+
+def _runtime_options(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The engine options ``run`` and ``bench`` share (issue 19), passed on as ``EnginePipeline.from_artifacts``
-    keywords ``cudnn_conv_algo_search``, ``deterministic``, ``size_buckets``."""
+    keywords ``cudnn_conv_algo_search``, ``deterministic``, ``size_buckets``; ``command`` picks the default search
+    (:data:`ALGO_SEARCH_DEFAULT`)."""
+    return functools.partial(_add_runtime_options, algo_default=ALGO_SEARCH_DEFAULT[command])
+
+
+def _add_runtime_options(fn: Callable[..., Any], algo_default: str) -> Callable[..., Any]:
+    why = {"HEURISTIC": "the default here: one-shot runs gain more from a fast first call than from a 2 % faster "
+                        "step", "AUTO": "the default here: a benchmark measures the steady state"}[algo_default]
     for option in reversed((
         click.option("--cudnn-algo-search", "cudnn_conv_algo_search",
                      type=click.Choice(["AUTO", "EXHAUSTIVE", "HEURISTIC", "DEFAULT"], case_sensitive=False),
-                     default="AUTO", show_default=True,
+                     default=algo_default, show_default=True,
                      help="ORT CUDA only (elsewhere a warning says it has no effect): how cuDNN picks convolution "
-                          "algorithms. EXHAUSTIVE: times each one per new shape (slow first call); HEURISTIC: "
-                          "cuDNN's heuristics, no timing; DEFAULT: one fixed algorithm (IMPLICIT_PRECOMP_GEMM); "
-                          "AUTO: EXHAUSTIVE for static artifacts, HEURISTIC for dynamic ones."),
+                          "algorithms. EXHAUSTIVE: times each one per new shape (slow first call, ~1 s more for "
+                          "SD-1.5 at 512x512, for a 2 % faster UNet step); HEURISTIC: cuDNN's heuristics, no timing "
+                          f"({why if algo_default == 'HEURISTIC' else 'the fastest first call'}); DEFAULT: one fixed "
+                          "algorithm (IMPLICIT_PRECOMP_GEMM); AUTO: EXHAUSTIVE for static artifacts, HEURISTIC for "
+                          f"dynamic ones{' (' + why + ')' if algo_default == 'AUTO' else ''}."),
         click.option("--deterministic", is_flag=True,
                      help="ORT use_deterministic_compute + torch deterministic algorithms; an ORT CUDA artifact "
                           "also needs compile --deterministic (its fused GroupNorm is not deterministic: a warning "
@@ -174,7 +190,7 @@ def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except DiffusionTrtError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {printable(str(e), newlines=True)}", err=True)  # it may quote what an artifact says
             sys.exit(e.exit_code)
         except OSError as e:
             logger.debug("%s", type(e).__name__, exc_info=True)
@@ -307,8 +323,84 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
     click.echo(str(path))
 
 
+@main.command("dummy-lora")
+@click.argument("model_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--rank", type=click.IntRange(min=1, max=1024), default=4, show_default=True, help="LoRA rank.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random matrices.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@_handle_errors
+def dummy_lora(model_dir: Path, out: Path, rank: int, seed: int, overwrite: bool) -> None:
+    """Write a seeded random LoRA (diffusers keys) for the pipeline folder MODEL_DIR to OUT (.safetensors): on the
+    attention projections of its UNet and text encoder, for trying `run --lora` / `compile --lora`.
+
+    \b
+    Examples:
+      diffusion-trt dummy-lora models/tiny ink.safetensors
+      diffusion-trt dummy-lora models/sd15 style.safetensors --rank 64 --seed 3
+    """
+    from .compiler.dummy_lora import write_dummy_lora
+
+    _check_writable_file(out, "OUT", ".safetensors")
+    if not overwrite:
+        _refuse_existing_outputs(out, 1)
+    counts = write_dummy_lora(model_dir, out, rank=rank, seed=seed)
+    click.echo(f"lora: {out} ({', '.join(f'{c} {n} layers' for c, n in counts.items())})")
+@main.command("dummy-controlnet")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--arch", type=click.Choice([a for a in ARCHS if "inpaint" not in a]), default="tiny",
+              show_default=True, help="The base architecture (as dummy-pipeline's --arch).")
+@click.option("--seed", type=SEED, default=0, show_default=True,
+              help="Seed of the random weights (the same seed as dummy-pipeline's starts from its UNet).")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty OUT_DIR.")
+@_handle_errors
+def dummy_controlnet(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None:
+    """Write a diffusers ControlNetModel folder with seeded random weights (ControlNetModel.from_unet of the
+    architecture's UNet, its zero-initialised projections drawn at random so it changes the images).
+
+    \b
+    Examples:
+      diffusion-trt dummy-controlnet models/tiny-cn
+      diffusion-trt dummy-controlnet --arch sd15 --seed 1 models/sd15-cn
+    """
+    from .compiler.dummy_controlnet import write_dummy_controlnet
+
+    click.echo(str(write_dummy_controlnet(out_dir, arch=arch, seed=seed, overwrite=overwrite)))
+
+
+@main.command("add-controlnet")
+@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("controlnets", nargs=-1, required=True, metavar="[NAME=]FOLDER...")
+@click.option("--replace", is_flag=True, help="Swap a ControlNet the artifact has already.")
+@_handle_errors
+def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[str, ...], replace: bool) -> None:
+    """Add ControlNets to ARTIFACT_DIR (compiled with --controlnet, so it has unet_controlnet) without rebuilding the
+    UNet: each is compiled with the artifact's own settings as controlnet_NAME and the manifest is resealed.
+
+    MODEL_DIR is the diffusers folder the artifact was compiled from (checked by its sha256).
+
+    \b
+    Examples:
+      diffusion-trt add-controlnet artifacts/tiny-cn models/tiny depth=models/tiny-depth
+      diffusion-trt add-controlnet artifacts/tiny-cn models/tiny canny=models/tiny-canny-v2 --replace
+    """
+    from .compiler.controlnet import parse_controlnet_arg
+    from .compiler.controlnet_add import add_controlnets
+
+    pairs = tuple(parse_controlnet_arg(x) for x in controlnets)
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with _terminate_like_interrupt(), logging_redirect_tqdm(loggers=[logger]):
+        path = add_controlnets(artifact_dir, model_dir, pairs, replace=replace, progress=_progress_enabled())
+    click.echo(f"artifact: {path}")
+
+
 @main.command("compile")
 @click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--revision", default=None,
+              help="With a Hugging Face model id (org/name): the branch, tag or commit [default: main].")
+@click.option("--variant", default=None, help="With a model id: the weights variant to read, e.g. fp16.")
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Artifact folder [default: artifacts/<model folder name>].")
 @click.option("--backend", type=click.Choice(["ort", "tensorrt", "tensorrt-rtx"]), default="ort", show_default=True,
@@ -361,12 +453,23 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
 @click.option("--min-batch-size", type=int, default=1, show_default=True)
 @click.option("--max-batch-size", type=int, default=None, help="[default: max(4, batch-size)]")
 @click.option("--opset", type=int, default=17, show_default=True)
+@click.option("--max-clip-skip", type=int, default=2, show_default=True,
+              help="SD 1.x/2.x: the text encoder also serves run --clip-skip 1..N (one extra output; 0..11, at most "
+                   "its layers less one; 0 = the text encoder of before).")
+@click.option("--max-prompt-chunks", type=int, default=3, show_default=True,
+              help="Long prompts: the UNet takes up to N chunks of 75 tokens (1..8; 1 = 77 tokens, the artifact of "
+                   "before). A static profile and SDXL keep 1.")
 @click.option("--trust-pickle", is_flag=True, help="Allow .bin/.ckpt weights (unpickling runs arbitrary code).")
 @click.option("--lora", "loras", multiple=True, metavar="FILE[:SCALE]",
               help="Merge a LoRA (.safetensors, diffusers or kohya format) into the weights before export, scale "
                    "default 1; repeatable, merged in order. Recorded in the manifest.")
+@click.option("--controlnet", "controlnets", multiple=True, metavar="[NAME=]FOLDER",
+              help="Add a diffusers ControlNetModel folder as the component controlnet_NAME (NAME default: the "
+                   "folder's name), and the UNet with ControlNet residual inputs as unet_controlnet (the plain unet "
+                   "stays); repeatable.")
 @click.option("--refittable", is_flag=True,
-              help="TensorRT: refittable engines, so EnginePipeline.load_lora can swap LoRAs at run time.")
+              help="LoRAs per request without a rebuild (run --lora, EnginePipeline.load_lora): TensorRT: refittable "
+                   "engines; ONNX Runtime: the UNet/text-encoder Linear and Conv weights become graph inputs.")
 @click.option("--fp16-safe-vae", is_flag=True,
               help="SDXL, --precision fp16: build the VAE in fp16 too (only for an fp16-safe VAE, e.g. "
                    "sdxl-vae-fp16-fix). By default it stays fp32 unless vae/config.json says force_upcast: false.")
@@ -400,9 +503,9 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
 @_handle_errors
 def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bool, lock_timeout: float,
                 prediction_type: str, no_cache: bool, cache_dir: Path | None, cache_max_gb: float,
-                **options: Any) -> None:
-    """Export MODEL_DIR (a diffusers pipeline folder, or one A1111/ComfyUI .safetensors checkpoint) to ONNX,
-    optimize it and build engines.
+                revision: str | None, variant: str | None, **options: Any) -> None:
+    """Export MODEL_DIR (a diffusers pipeline folder, one A1111/ComfyUI .safetensors checkpoint, or a Hugging Face
+    model id org/name, read from the local cache with HF_HUB_OFFLINE=1) to ONNX, optimize it and build engines.
 
     Writes an artifact folder with one engine per component and a manifest.json (file hashes,
     shapes, passes, tool versions). A failed compile leaves nothing behind. A single file (SD 1.x, SD 2.x,
@@ -422,6 +525,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
       diffusion-trt compile models/sd15 -o artifacts/sd15-ink --lora ink.safetensors:0.8 --lora detail.safetensors
       diffusion-trt compile style.safetensors -o artifacts/style
       diffusion-trt compile sd21-768.safetensors -o artifacts/sd21 --prediction-type v_prediction
+      diffusion-trt compile models/tiny -o artifacts/tiny-cn --controlnet canny=models/tiny-cn
     """
     from .compiler.frontend import compile_model
     from .config import CompileConfig
@@ -439,6 +543,9 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     from .lora import parse_lora_arg
 
     options["loras"] = tuple(parse_lora_arg(x) for x in options["loras"])
+    from .compiler.controlnet import parse_controlnet_arg
+
+    options["controlnets"] = tuple(parse_controlnet_arg(x) for x in options["controlnets"])
     options["pass_options"] = _parse_pass_options(options["pass_options"])
     if options["device"] is None:
         options["device"] = "cuda" if options["backend"] in ("tensorrt", "tensorrt-rtx") else "cpu"
@@ -455,7 +562,8 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     config = CompileConfig(**options, quantize=quantize)
     with _terminate_like_interrupt(), logging_redirect_tqdm(loggers=[logger]):
         path = compile_model(model_dir, out_dir, config, cache=cache, prediction_type=prediction_type,
-                             overwrite=overwrite, progress=_progress_enabled(), lock_timeout=lock_timeout)
+                             overwrite=overwrite, progress=_progress_enabled(), lock_timeout=lock_timeout,
+                             revision=revision, variant=variant)
     _print_pass_table(path)
     click.echo(f"artifact: {path}")
 
@@ -614,6 +722,25 @@ def _check_writable_file(path: Path, flag: str, suffix: str | None) -> None:
     _check_writable_dir(path.parent if str(path.parent) else Path("."), flag)
 
 
+def _refuse_missing_folder(path: Path, flag: str) -> None:
+    """Refuse an output file whose folder does not exist (``run -o``: ``image.save`` in diffusers and PIL raises
+    there too), naming the first missing folder, instead of creating the folders of a mistyped path.
+
+    Raises:
+        click.BadParameter: naming the missing folder and the fix.
+    """
+    folder = path.parent if str(path.parent) else Path(".")
+    if folder.exists():
+        return  # a folder, or a file that _check_writable_dir names
+    missing = folder
+    while not missing.parent.exists() and missing.parent != missing:
+        missing = missing.parent
+    if not missing.parent.is_dir():
+        return  # a file on the way: _check_writable_dir says so
+    raise click.BadParameter(f"the folder {missing} does not exist; create it first (mkdir -p {folder}) or choose "
+                             "another path", param_hint=flag)
+
+
 def _check_writable_dir(folder: Path, flag: str) -> None:
     """Create ``folder`` (and its parents) if needed and refuse it when that fails or it is not writable.
 
@@ -737,7 +864,9 @@ def _print_pass_table(path: Path) -> None:
 @click.option("--pass-option", "pass_options", multiple=True, metavar="KEY=VALUE",
               help="Per-pass option (JSON value), e.g. fuse_attention_emit=none; repeatable.")
 @click.option("--check", is_flag=True,
-              help="Run original and optimized graphs in ONNX Runtime; report max abs / cosine per output.")
+              help="Run original and optimized graphs in ONNX Runtime; report max abs / cosine per output and "
+                   "exit 1 (OUTPUT removed) when one fails: cosine < 0.999, or max abs over 0.05 x the output's "
+                   "scale for fp16 (0.001 x for fp32), or not finite.")
 @click.option("--inputs", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="An .npz with one array per graph input (fp16 calibration and --check); default: random.")
 @click.option("--shape", "shapes", multiple=True, metavar="NAME:DxDx..",
@@ -759,7 +888,7 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
       diffusion-trt optimize model.onnx -o out.onnx --pass-option fuse_attention_emit=none --dump-passes dump/
     """
     from .errors import ModelFileError
-    from .optimize import format_table, optimize_file, parse_shape
+    from .optimize import check_verdict, format_table, optimize_file, parse_shape
 
     if not click.get_current_context().find_root().params.get("verbose"):  # the table says it all once
         logging.getLogger("diffusion_trt.passes.base").setLevel(logging.WARNING)
@@ -796,6 +925,7 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
     click.echo(format_table(result), err=True)
     if json_path is not None:
         json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    check_verdict(result)  # --check failed: OUTPUT removed, exit 1
     click.echo(f"wrote: {', '.join(str(f) for f in result.files)}")
 
 
@@ -805,6 +935,13 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
 @click.option("-n", "--negative-prompt", default=None,
               help="Negative prompt [default: none: SD uses the empty prompt's embedding, SDXL zeros, as diffusers "
                    "does; -n '' gives SDXL the empty prompt's embedding instead].")
+@click.option("--prompt-syntax", type=click.Choice(["a1111", "plain"]), default="a1111", show_default=True,
+              help="a1111: (text) x1.1, [text] /1.1, (text:1.3), \\( \\) escapes, BREAK starts a 75-token chunk; "
+                   "plain: the prompt as it is. Long prompts run in 75-token chunks either way (up to the artifact's "
+                   "compile --max-prompt-chunks).")
+@click.option("--clip-skip", type=click.IntRange(min=0), default=None,
+              help="Text states from N layers before the last, then the final layer norm (diffusers' clip_skip; "
+                   "1 = A1111's 'Clip skip 2'); up to the artifact's compile --max-clip-skip [default: the last].")
 @click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True, help="Denoising steps.")
 @click.option("--guidance", type=float, default=None,
               help="Classifier-free guidance scale; <= 1 disables CFG [default: 7.5; 5.0 for SDXL, as diffusers].")
@@ -834,14 +971,36 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
               help="Inpainting, with --image: white = repaint, black = keep (read as grayscale, alpha ignored, as "
                    "diffusers; the image's size).")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE", help=VRAM_BUDGET_HELP)
-@_runtime_options
+@click.option("--lora", "loras", multiple=True, metavar="FILE[:SCALE]",
+              help="A LoRA for this run (repeatable; scale 1.0 by default) on an artifact compiled with --refittable: "
+                   "no recompile (ONNX Runtime: several at once; TensorRT: one).")
+@click.option("--controlnet", "controlnets", multiple=True, metavar="NAME[:SCALE]",
+              help="A ControlNet of the artifact (compile --controlnet) and its conditioning scale (default as "
+                   "diffusers: 1.0; 0.8 with --image, 0.5 with --mask); "
+                   "repeatable, paired in order with --control-image.")
+@click.option("--control-image", "control_images", multiple=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The control image of each --controlnet, of the output size (RGB; never resized).")
+@click.option("--control-preprocess", type=click.Choice(["none", "canny"]), default="none", show_default=True,
+              help="canny: make each control image a Canny edge map first (OpenCV: pip install -e '.[control]').")
+@click.option("--control-guidance-start", type=float, default=0.0, show_default=True,
+              help="Fraction of the steps before the ControlNets act.")
+@click.option("--control-guidance-end", type=float, default=1.0, show_default=True,
+              help="Fraction of the steps after which the ControlNets stop.")
+@click.option("--guess-mode", is_flag=True, help="diffusers' guess mode (ControlNets on the conditional rows only).")
+@_runtime_options("run")
 @_handle_errors
-def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps: int, guidance: float | None, seed: int,
+def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt_syntax: str, clip_skip: int | None,
+            steps: int,
+            guidance: float | None, seed: int,
             height: int | None, width: int | None, batch_size: int, scheduler: str | None, device: str | None,
             snap: bool, devices: str | None, cuda_graph: bool | None, runtime_cache: Path | None, out: Path,
             overwrite: bool, image_path: Path | None, strength: float | None, mask_path: Path | None,
-            vram_budget: str | None, **engine_options: Any) -> None:
-    """Generate images from a compiled ARTIFACT_DIR: from text, or from an image (--image), or inpaint (--mask).
+            vram_budget: str | None, loras: tuple[str, ...], controlnets: tuple[str, ...],
+            control_images: tuple[Path, ...], control_preprocess: str, control_guidance_start: float,
+            control_guidance_end: float, guess_mode: bool, **engine_options: Any) -> None:
+    """Generate images from a compiled ARTIFACT_DIR: from text, or from an image (--image), or inpaint (--mask);
+    with ControlNets (--controlnet NAME[:SCALE] --control-image FILE, each pair in order).
 
     \b
     Examples:
@@ -851,7 +1010,12 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
       diffusion-trt run artifacts/sd15 -p "an oil painting" --image photo.png --strength 0.6
       diffusion-trt run artifacts/sd15-inpaint -p "a red door" --image house.png --mask door.png
       diffusion-trt run artifacts/sdxl-fp16 -p "a lighthouse" --vram-budget 8GB
+      diffusion-trt run artifacts/tiny-refittable -p "a fox" --lora ink.safetensors:0.8 --lora detail.safetensors
+      diffusion-trt run artifacts/tiny -p "(ink wash:1.3) mountains, [fog] BREAK a red sun" -n "(blurry)"
+      diffusion-trt run artifacts/tiny -p "a guohua landscape" --clip-skip 1
+      diffusion-trt run artifacts/tiny-cn -p "an ink painting" --controlnet canny:0.8 --control-image edges.png
     """
+    from .lora import check_lora_file, parse_lora_arg
     from .runtime.pipeline import check_text, save_png
 
     for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
@@ -870,10 +1034,21 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
         from .runtime.schedulers import resolve_scheduler
 
         resolve_scheduler(scheduler)
-    engine_options = _check_engine_options(engine_options)
+    engine_options = _one_shot_search(_check_engine_options(engine_options), artifact_dir, device)
+    lora_specs = [parse_lora_arg(x) for x in loras]
+    for path, scale in lora_specs:  # a missing / pickled / malformed file fails before the engines load
+        check_lora_file(path, scale)
+    if lora_specs and len(_parse_devices(devices, device)) >= 2:
+        raise click.UsageError("--lora runs on one device; drop --devices (or give one device)")
     max_hw = _profile_max_hw(artifact_dir) if image_path is not None else None
     image = _read_image(image_path, "--image", "RGB", max_hw) if image_path is not None else None
+    mode = "inpaint" if mask_path is not None else "img2img" if image_path is not None else "txt2img"
+    control = _control_arguments(artifact_dir, controlnets, control_images, control_preprocess,
+                                 control_guidance_start, control_guidance_end, guess_mode, mode)
+    if control and devices is not None:
+        raise click.UsageError("--controlnet runs on one device; drop --devices (or use --device cuda)")
     mask = _read_image(mask_path, "--mask", "L", max_hw) if mask_path is not None else None
+    _refuse_missing_folder(out, "-o")  # as PIL's image.save and diffusers: a typo'd folder is not made silently
     _check_writable_file(out, "-o", ".png")  # before minutes of denoising, not after
     if not overwrite:
         _refuse_existing_outputs(out, batch_size)
@@ -893,6 +1068,8 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
     with logging_redirect_tqdm(loggers=[logger]), \
             _open_pipeline(artifact_dir, device, scheduler, device_list, cuda_graph, runtime_cache_dir=runtime_cache,
                            **budget, **engine_options) as pipe:
+        if lora_specs:
+            pipe.load_lora(lora_specs)
         result = pipe(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -902,10 +1079,18 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
             height=height,
             width=width,
             num_images_per_prompt=batch_size,
+            prompt_syntax=prompt_syntax,
+            clip_skip=clip_skip,
             progress=len(device_list) <= 1 and _progress_enabled(),
             **({"image": image, "mask_image": mask, "strength": strength} if image is not None else {}),
+            **control,
         )
         params = {**result.parameters, "artifact": str(artifact_dir)}
+        if lora_specs:
+            params["loras"] = [[Path(p).name, s] for p, s in lora_specs]
+        if control:
+            params.update(controlnet=list(control["controlnet"]), control_image=[str(p) for p in control_images],
+                          controlnet_conditioning_scale=control["controlnet_conditioning_scale"])
         if image_path is not None:
             params.update(image=str(image_path), **({"mask": str(mask_path)} if mask_path is not None else {}))
     paths = []
@@ -915,6 +1100,47 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, steps:
         paths.append(path)
     for path in paths:
         click.echo(f"image: {path}")
+
+
+def _control_arguments(artifact_dir: Path, controlnets: tuple[str, ...], control_images: tuple[Path, ...],
+                       preprocess: str, start: float, end: float, guess_mode: bool, mode: str) -> dict[str, Any]:
+    """run's ControlNet options as EnginePipeline keywords ({} without --controlnet); a --controlnet without a scale
+    gets the default of diffusers' ControlNet pipeline of ``mode`` (1.0 txt2img, 0.8 img2img, 0.5 inpaint).
+
+    Raises:
+        click.UsageError: a --controlnet without its --control-image or the other way round, a scale that is not a
+            finite number.
+    """
+    import math
+
+    from .runtime.controlnet import DEFAULT_CONTROL_SCALE
+
+    if not controlnets and not control_images:
+        return {}
+    if len(control_images) != len(controlnets):
+        raise click.UsageError(f"{len(control_images)} --control-image for {len(controlnets)} --controlnet; give "
+                               "one control image per ControlNet, in the same order")
+    names, scales = [], []
+    for value in controlnets:
+        name, sep, scale = value.partition(":")
+        try:
+            number = float(scale) if sep else DEFAULT_CONTROL_SCALE[mode]
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number):
+            raise click.UsageError(f"--controlnet {value!r}: the scale {scale!r} is not a finite number; use e.g. "
+                                   f"{name}:0.8")
+        names.append(name)
+        scales.append(number)
+    max_hw = _profile_max_hw(artifact_dir)
+    images = [_read_image(p, "--control-image", "RGB", max_hw) for p in control_images]
+    if preprocess == "canny":
+        from .runtime.control_preprocess import canny
+
+        images = [canny(im) for im in images]
+    return {"controlnet": names, "control_image": images if len(images) > 1 else images[0],
+            "controlnet_conditioning_scale": scales, "control_guidance_start": start,
+            "control_guidance_end": end, "guess_mode": guess_mode}
 
 
 @main.command("inspect")
@@ -935,6 +1161,7 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
     """
     import json
 
+    from .artifact_values import printable_tree
     from .artifacts import leftover_warnings, read_manifest
     from .runtime.residency import memory_summary
     from .summary import artifact_summary, format_summary
@@ -943,8 +1170,9 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
     summary = artifact_summary(artifact_dir, manifest)
     summary["memory"] = memory_summary(artifact_dir, manifest)
     for line in leftover_warnings(artifact_dir):
-        click.echo(f"warning: {line}", err=True)
-    click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
+        click.echo(f"warning: {printable(line)}", err=True)
+    # JSON escapes control characters itself (ensure_ascii); the text shows each string of the manifest escaped
+    click.echo(json.dumps(summary, indent=2) if as_json else format_summary(printable_tree(summary)))
 
 
 @main.command("verify")
@@ -985,10 +1213,10 @@ def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: 
     report = verify_artifact(artifact_dir, check_hashes=not no_hashes, check_host=not no_host, trt_host=target,
                              expect_sha256=expect_sha256, source=source)
     for line in report.warnings:
-        click.echo(f"warning: {line}", err=True)
+        click.echo(f"warning: {printable(line)}", err=True)
     if not report.ok:
         for line in report.problems:
-            click.echo(f"problem: {line}")
+            click.echo(f"problem: {printable(line)}")
         click.echo(f"{artifact_dir}: {len(report.problems)} problem(s)", err=True)
         sys.exit(3)
     what = "sha256 and size" if not no_hashes else "size"
@@ -1016,6 +1244,24 @@ def _check_engine_options(options: dict[str, Any]) -> dict[str, Any]:
     options = dict(options)
     options["cudnn_conv_algo_search"] = str(options.get("cudnn_conv_algo_search") or "AUTO").upper()
     parse_size_buckets(options.get("size_buckets"))
+    return options
+
+
+def _one_shot_search(options: dict[str, Any], artifact_dir: Path, device: str | None) -> dict[str, Any]:
+    """``run``'s default HEURISTIC search where it acts (an ONNX Runtime artifact on CUDA), else AUTO: a default is
+    no reason for the "no effect" warning an explicit ``--cudnn-algo-search`` gets elsewhere."""
+    from click.core import ParameterSource
+
+    from . import artifacts
+
+    if click.get_current_context().get_parameter_source("cudnn_conv_algo_search") is not ParameterSource.DEFAULT:
+        return options
+    try:
+        manifest = artifacts.read_manifest(artifact_dir)
+    except DiffusionTrtError:
+        return options  # from_artifacts says what is wrong with the artifact
+    if manifest.get("backend") != "ort" or (device or manifest.get("device")) != "cuda":
+        options["cudnn_conv_algo_search"] = "AUTO"
     return options
 
 
@@ -1080,7 +1326,7 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
               help="Image sizes to measure, each after one timed first call [default: --height x --width].")
 @click.option("--height", type=int, default=None, help="[default: the artifact's opt height]")
 @click.option("--width", type=int, default=None, help="[default: the artifact's opt width]")
-@_runtime_options
+@_runtime_options("bench")
 @_handle_errors
 def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: int, batch_sizes: str, iters: int,
               warmup: int, stage_iters: int, device: str | None, devices: str | None, scheduler: str | None,
@@ -1149,7 +1395,9 @@ def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances
 
     Engine models use platform onnxruntime_onnx or tensorrt_plan with dynamic batching; the pipeline model
     (Python backend) runs the denoising loop by calling them, and needs numpy, torch, diffusers and
-    transformers in Triton's Python environment.
+    transformers in Triton's Python environment. A TensorRT-RTX artifact is refused (exit 2): Triton loads plans
+    with TensorRT, not the TensorRT-RTX runtime; use `diffusion-trt serve` for it. Models are written beside
+    REPO_DIR and moved in at the end (Triton would load a half-written folder inside it).
 
     \b
     Examples:
@@ -1184,14 +1432,18 @@ def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
 @click.option("--scheduler", default=None, help=f"{SCHEDULER_HELP} [default: the model's].")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE", help=VRAM_BUDGET_HELP)
+@click.option("--lora-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder of .safetensors LoRAs a request may name in its optional `lora` input (NAME or NAME:SCALE; "
+                   "the artifact compiled with --refittable); read once at start-up.")
 @_handle_errors
 def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, max_batch_size: int,
               max_queue_delay_ms: float, max_steps: int, max_queue: int, queue_timeout_s: float,
-              device: str | None, scheduler: str | None, vram_budget: str | None) -> None:
+              device: str | None, scheduler: str | None, vram_budget: str | None, lora_dir: Path | None) -> None:
     """Serve ARTIFACT_DIR through a Triton Inference Server (NVIDIA PyTriton) until Ctrl-C.
 
     Model "pipeline": inputs prompt (BYTES), optional negative_prompt, seed, steps, guidance_scale, height,
-    width; output image (UINT8 [H, W, 3]). Needs `pip install 'diffusion-trt[serve]'`.
+    width (and lora, NAME[:SCALE] of a file in --lora-dir); output image (UINT8 [H, W, 3]). Needs
+    `pip install 'diffusion-trt[serve]'`.
 
     A request the rules refuse gets 400 / INVALID_ARGUMENT with one line naming the field and the allowed range; a
     full queue or a request that waited too long 503 / UNAVAILABLE (README "Serving" lists the statuses).
@@ -1200,13 +1452,18 @@ def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, m
     Examples:
       diffusion-trt serve artifacts/tiny
       diffusion-trt serve artifacts/sd15-fp16 --port 9000 --max-batch-size 8
+      diffusion-trt serve artifacts/sd15-refit --lora-dir loras/
     """
+    from .serve.loras import LoraLibrary
     from .serve.server import ServeConfig, serve
+
+    if lora_dir is not None:
+        LoraLibrary(lora_dir)  # a missing folder or a bad file fails before the engines load
 
     config = ServeConfig(host=host, http_port=port, grpc_port=grpc_port or port + 1, max_batch_size=max_batch_size,
                          max_queue_delay_s=max_queue_delay_ms / 1000, max_steps=max_steps, max_queue=max_queue,
                          queue_timeout_s=queue_timeout_s, device=device, scheduler=scheduler,
-                         vram_budget=vram_budget)
+                         vram_budget=vram_budget, lora_dir=None if lora_dir is None else str(lora_dir))
     serve(artifact_dir, config,
           on_ready=lambda: click.echo(f"ready: http://{host}:{port} grpc {host}:{config.grpc_port}", err=True))
 

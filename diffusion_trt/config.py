@@ -31,6 +31,10 @@ IMAGE_ALIGNMENT = 8
 MAX_IMAGE_SIZE = 4096
 #: Largest batch (images per engine call) a compile profile may hold; ``run`` splits larger requests into chunks.
 MAX_BATCH_SIZE = 64
+#: The most 77-token prompt chunks a UNet may be compiled for (``--max-prompt-chunks``): 8 x 75 = 600 tokens.
+MAX_PROMPT_CHUNKS = 8
+#: The most text-encoder layers ``--max-clip-skip`` may skip (SD's CLIP has 12 / 23 layers).
+MAX_CLIP_SKIP = 11
 #: Opsets compile exports: 17 (LayerNormalization) up to the newest that torch.onnx's TorchScript exporter
 #: (``dynamo=False``, compiler/export.py) writes.
 MIN_OPSET, MAX_OPSET = 17, 20
@@ -259,8 +263,9 @@ class CompileConfig:
             TensorRT; fp8: TensorRT on compute capability >= 8.9).
         loras: LoRAs merged into the weights before export, in order: ``(safetensors path, scale)`` pairs (see
             :mod:`diffusion_trt.lora`); the manifest records each file's name, sha256 and scale.
-        refittable: TensorRT only: build refittable engines (``BuilderFlag.REFIT``) and write a refit map per UNet
-            and text encoder, so that ``EnginePipeline.load_lora`` can swap LoRAs at run time.
+        refittable: LoRAs swappable at run time (``EnginePipeline.load_lora``, ``run --lora``): a refit map per UNet
+            and text encoder, and TensorRT: refittable engines (``BuilderFlag.REFIT``); ONNX Runtime: the
+            LoRA-targetable weights as graph inputs bound per run (:mod:`diffusion_trt.compiler.lora_slots`).
         compute_capabilities: TensorRT-RTX only: the GPUs the plans are built for, e.g. ``("8.6", "8.9", "12.0")``, or
             ``("current",)`` for this machine's GPU; ``None`` = TensorRT-RTX's portable set (8.0, 8.6, 8.9, 12.0;
             ``trt_compat.LIBRARIES``). fp8 needs every target >= 8.9.
@@ -270,6 +275,20 @@ class CompileConfig:
             ``deterministic=True`` switches the rest (the tiny pipeline's identical calls then differ by 0 on an
             H200, ``h200-2026-12-01-s6-tiny-deterministic.json``). Costs speed: 0.068 vs 0.044 ms per norm at the
             SD-1.5 UNet's largest shape (``h200-2026-12-01-s6-norm-probe.json``). Other targets: no effect (logged).
+        max_prompt_chunks: the UNet's ``encoder_hidden_states`` takes 77 * k tokens for k = 1..this
+            (1..:data:`MAX_PROMPT_CHUNKS`): long prompts in 75-token chunks (``runtime/prompt_encoding.py``). 1 = the
+            UNet takes 77 tokens only (the artifact of before). With k > 1 the sequence axis is the profile dim ``S``
+            (min = opt = 77, max = 77 k): TensorRT tunes its kernels at 77 and ``--size-buckets`` gives each
+            (size, k) its own static CUDA-graph session, so one-chunk prompts run as before. A static profile and
+            SDXL models keep 77 (logged): a static profile is one fixed shape (one CUDA graph), and SDXL's
+            two-encoder chunking is not implemented yet.
+        max_clip_skip: SD 1.x/2.x: the text encoder also gives the states that ``clip_skip`` = 1..this take (one
+            extra output of the one engine, ``clip_skip_states``; at most its layers less one); 0 = none (the
+            text encoder of before). SDXL: none yet.
+        controlnets: ``(name, folder)`` pairs: each diffusers ControlNetModel folder becomes the component
+            ``controlnet_<name>``, and the UNet is compiled a second time with the residual inputs as
+            ``unet_controlnet`` (see :mod:`diffusion_trt.compiler.controlnet`). Saved in the manifest only when
+            given (an artifact without ControlNets is as before).
         pass_options: ``PassContext.options`` for every component, over the ones compile derives itself (each
             pass's docstring lists the options it reads, e.g. ``{"pack_qkv": True}``,
             ``{"fuse_attention_emit": "none"}``); for experiments and A/B timings (``--pass-option``).
@@ -299,22 +318,24 @@ class CompileConfig:
     refittable: bool = False
     compute_capabilities: tuple[str, ...] | None = None
     deterministic: bool = False
+    max_prompt_chunks: int = 3
+    max_clip_skip: int = 2
+    controlnets: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         self._check_types()
+        if not 1 <= self.max_prompt_chunks <= MAX_PROMPT_CHUNKS:
+            raise RuntimeInputError(f"max_prompt_chunks={self.max_prompt_chunks} must be in 1..{MAX_PROMPT_CHUNKS} "
+                                    "(chunks of 75 prompt tokens); use e.g. 3")
+        if not 0 <= self.max_clip_skip <= MAX_CLIP_SKIP:
+            raise RuntimeInputError(f"max_clip_skip={self.max_clip_skip} must be in 0..{MAX_CLIP_SKIP} (layers skipped "
+                                    "from the end of the text encoder); use e.g. 2")
         if self.compute_capabilities is not None:
             object.__setattr__(self, "compute_capabilities", tuple(str(c) for c in self.compute_capabilities))
         if self.refittable and self.backend == "tensorrt-rtx":
-            raise RuntimeInputError(
-                "refittable=True with backend='tensorrt-rtx': EnginePipeline.load_lora refits full-TensorRT engines "
-                "only (no TensorRT-RTX refit could be run here to test it); merge LoRAs at compile time with "
-                "--lora FILE[:SCALE]"
-            )
-        if self.refittable and self.backend not in TRT_BACKENDS:
-            raise RuntimeInputError(
-                f"refittable=True is a TensorRT build flag, but backend={self.backend!r}; use --backend tensorrt, or "
-                "merge LoRAs into an ORT artifact at compile time with --lora FILE[:SCALE]"
-            )
+            from .trt_compat import rtx_refit_refusal
+
+            raise RuntimeInputError(rtx_refit_refusal("backend"))
         if self.refittable and self.loras:
             raise RuntimeInputError(
                 "refittable=True with loras: a refittable artifact keeps the base weights (load_lora refits from them "
@@ -427,6 +448,10 @@ class CompileConfig:
         data["quantize"] = self.quantize.to_json()
         data["loras"] = [[str(p), float(s)] for p, s in self.loras]
         data["compute_capabilities"] = list(self.compute_capabilities) if self.compute_capabilities else None
+        if self.controlnets:
+            data["controlnets"] = [[str(n), str(p)] for n, p in self.controlnets]
+        else:
+            del data["controlnets"]  # an artifact without ControlNets keeps today's manifest
         return data
 
     def _check_types(self) -> None:
@@ -436,9 +461,11 @@ class CompileConfig:
         Raises:
             RuntimeInputError: naming the field, the value and the type it takes.
         """
-        for name in ("opset", "min_batch_size", "batch_size", *_SIZE_FIELDS, "max_batch_size"):
+        for name in ("opset", "min_batch_size", "batch_size", *_SIZE_FIELDS, "max_batch_size", "max_prompt_chunks",
+                     "max_clip_skip"):
             value = getattr(self, name)
-            if (value is not None or name in ("opset", "batch_size", "min_batch_size")) and \
+            if (value is not None or name in ("opset", "batch_size", "min_batch_size", "max_prompt_chunks",
+                                                   "max_clip_skip")) and \
                     (isinstance(value, bool) or not isinstance(value, int)):
                 raise RuntimeInputError(f"{name}={value!r} must be an integer")
         for name in ("components", "compute_capabilities"):
@@ -458,4 +485,5 @@ class CompileConfig:
         if isinstance(data.get("quantize"), dict):
             data["quantize"] = QuantizeConfig.from_json(data["quantize"])
         data["loras"] = tuple((str(p), float(s)) for p, s in data.get("loras", ()))
+        data["controlnets"] = tuple((str(n), str(p)) for n, p in data.get("controlnets", ()))
         return cls(**data)

@@ -9,7 +9,9 @@ code  meaning
 ====  ==========================================================================================================
 0     success
 1     an unexpected error, or a compile stage failed (:class:`ExportError`, :class:`PassError`, :class:`BuildError`)
-2     bad input or usage: options, model folder, LoRA, runtime arguments, an output path that cannot be used
+2     bad input or usage: options, model folder, LoRA, runtime arguments, an output path that cannot be used; or
+      an optional package the command needs is not installed (:class:`MissingPackageError`: ``serve`` without
+      PyTriton, ``--scheduler lms`` without scipy, ``--lora`` without peft), the message naming the ``pip install``
 3     the artifact is missing, damaged or incompatible with this machine (``verify`` found problems)
 4     a quantized engine failed the quality gate (:class:`QualityGateError`)
 ====  ==========================================================================================================
@@ -70,6 +72,15 @@ class ModelFileError(DiffusionTrtError, ValueError):
 
 class LoraError(DiffusionTrtError, ValueError):
     """A LoRA file cannot be merged: missing, not safetensors, matching no layer, a bad scale, or merged already."""
+
+    exit_code = 2
+
+
+class MissingPackageError(DiffusionTrtError, ImportError):
+    """An optional package (an extra of diffusion-trt: ``serve``, ``schedulers``, ``lora``...) that the command
+    needs is not installed; the message names the ``pip install``. Exit 2 whatever the command: the user fixes the
+    set-up and runs it again. (An engine library an artifact needs on this machine, onnxruntime-gpu or TensorRT, is
+    the artifact's incompatibility with the machine: :class:`ArtifactError`, exit 3, as ``verify`` reports it.)"""
 
     exit_code = 2
 

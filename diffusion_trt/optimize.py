@@ -13,7 +13,6 @@ this module only loads, saves, makes inputs and compares. The command line in cl
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import time
@@ -24,12 +23,16 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx.external_data_helper
 
-from .errors import ModelFileError
+from .artifacts import external_data_target, onnx_model_tensors
+from .errors import ModelFileError, PassError
 from .passes import PassContext, PassRecord, _ort, pipeline_for
 from .passes.base import MIN_OPSET, default_domain_opset
 from .passes.fp16_check import Fp16Check, optimize_fp16_checked
 from .passes.options import check_pass_options
+from .passes.parity import OutputParity, worst_parity
+from .passes.parity import failures as parity_failures
 
 logger = logging.getLogger(__name__)
 
@@ -45,21 +48,6 @@ _SHAPE = re.compile(r"^(?P<name>.+):(?P<dims>\d+(x\d+)*)$")
 
 
 @dataclass
-class OutputParity:
-    """One output of ``--check``: ``max_abs`` = max |optimized - original|, ``cosine`` of the flattened arrays,
-    ``scale`` = max |original| (the tolerance of a fp32 check is 1e-4 of it)."""
-
-    name: str
-    max_abs: float
-    cosine: float
-    scale: float
-    finite: bool
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: (float(v) if isinstance(v, float | np.floating) else v) for k, v in dataclasses.asdict(self).items()}
-
-
-@dataclass
 class Parity:
     """``--check``: where each graph ran and the per-output comparison; ``outputs`` empty and ``note`` set when a
     graph could not run here."""
@@ -68,6 +56,12 @@ class Parity:
     optimized_provider: str
     outputs: list[OutputParity] = field(default_factory=list)
     note: str = ""
+
+    def failures(self, precision: str) -> list[str]:
+        """The verdict of :mod:`diffusion_trt.passes.parity` (cosine >= MIN_COSINE, max abs within
+        MAX_ABS_OF_SCALE[precision] x the output's scale, finite): one line per failing output; empty when every
+        output passes or nothing could be compared (``note`` says why)."""
+        return parity_failures(self.outputs, precision)
 
     def to_json(self) -> dict[str, Any]:
         return {"original_provider": self.original_provider, "optimized_provider": self.optimized_provider,
@@ -112,22 +106,51 @@ def parse_shape(text: str) -> tuple[str, list[int]]:
 
 
 def load_model(path: Path) -> onnx.ModelProto:
-    """Load an ONNX file with its external data (looked up beside it).
+    """Load an ONNX file with its external data, which must lie beside it (in its folder or below).
+
+    The model is parsed once without its weights; every tensor that claims external data, wherever the protobuf
+    holds it (:func:`~diffusion_trt.artifacts.onnx_model_tensors`: functions, their attribute defaults,
+    ``training_info`` and subgraphs included), must name a regular file inside the model's folder, which is then read
+    into the tensor. A location that is empty, absolute, has ``..`` or leads out through a symbolic link is refused
+    before any file is opened: no tensor is left for ONNX Runtime to resolve against the working directory.
 
     Raises:
-        ModelFileError: the file is missing, not an ONNX model, or its external data is missing.
+        ModelFileError: the file is missing, not an ONNX model, or an external-data file is missing or outside.
     """
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"{str(path)!r} does not exist or is not a file; pass the path of an .onnx model")
     try:
-        return onnx.load(str(path))
-    except FileNotFoundError as err:
-        raise ModelFileError(f"{str(path)!r}: its external data {err.filename or err} is missing; keep the weight "
-                             "files next to the .onnx file, as the exporter wrote them") from err
+        model = onnx.load(str(path), load_external_data=False)
     except Exception as err:  # protobuf DecodeError and friends
         raise ModelFileError(f"{str(path)!r} is not an ONNX model ({type(err).__name__}: {err}); pass an .onnx "
                              "file") from err
+    for tensor in onnx_model_tensors(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            _load_external(tensor, path)
+    return model
+
+
+def _load_external(tensor: onnx.TensorProto, model_path: Path) -> None:
+    """Read one tensor's external data from beside ``model_path`` (see :func:`load_model`)."""
+    location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+    target = external_data_target(model_path.name, location)
+    base = model_path.parent.resolve()
+    file = base.joinpath(target) if target is not None else None
+    if file is None or not file.resolve().is_relative_to(base):
+        raise ModelFileError(f"{str(model_path)!r}: tensor {tensor.name!r} has its external data at {location!r}, "
+                             f"outside the model's folder {str(model_path.parent)!r}; keep the weight files next to "
+                             "the .onnx file, as the exporter wrote them")
+    if not file.is_file():
+        raise ModelFileError(f"{str(model_path)!r}: its external data {str(file)!r} (tensor {tensor.name!r}) is "
+                             "missing; keep the weight files next to the .onnx file, as the exporter wrote them")
+    try:
+        onnx.external_data_helper.load_external_data_for_tensor(tensor, str(base))
+    except (OSError, ValueError) as err:
+        raise ModelFileError(f"{str(model_path)!r}: the external data of tensor {tensor.name!r} in {location!r} "
+                             f"cannot be read ({err}); re-export the model") from err
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    del tensor.external_data[:]
 
 
 def ensure_min_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int, int]:
@@ -317,25 +340,24 @@ def compare(original: onnx.ModelProto, optimized: onnx.ModelProto,
         why = ref if isinstance(ref, str) else new
         return Parity("" if isinstance(ref, str) else ref.provider, "" if isinstance(new, str) else new.provider,
                       note=f"not compared: {which} cannot run on this machine ({why})")
-    worst: dict[str, OutputParity] = {}
-    for feed in feeds:
-        a, b = ref.run(feed), new.run(feed)
-        for name, value in a.items():
-            if name not in b:
-                continue
-            x, y = np.asarray(value, np.float64).ravel(), np.asarray(b[name], np.float64).ravel()
-            if x.shape != y.shape:
-                worst[name] = OutputParity(name, float("inf"), 0.0, 0.0, False)
-                continue
-            finite = bool(np.all(np.isfinite(y)))
-            diff = float(np.max(np.abs(x - y))) if x.size else 0.0
-            norm = float(np.linalg.norm(x) * np.linalg.norm(y))
-            cosine = float(np.dot(x, y) / norm) if norm > 0 else float(np.array_equal(x, y))
-            scale = float(np.max(np.abs(x))) if x.size else 0.0
-            item = OutputParity(name, diff, cosine, scale, finite)
-            if name not in worst or item.max_abs > worst[name].max_abs:
-                worst[name] = item
-    return Parity(ref.provider, new.provider, list(worst.values()))
+    return Parity(ref.provider, new.provider, worst_parity((ref.run(feed), new.run(feed)) for feed in feeds))
+
+
+def check_verdict(result: OptimizeResult) -> None:
+    """``--check``'s verdict (:meth:`Parity.failures`): when an output fails it, the files written are removed and
+    the run fails, so a silently wrong graph is never left as OUTPUT.
+
+    Raises:
+        PassError: an output fails (the message names it, its cosine and difference, and the thresholds).
+    """
+    why = result.parity.failures(result.precision) if result.parity is not None else []
+    if not why:
+        return
+    for path in result.files:
+        path.unlink(missing_ok=True)
+    raise PassError(f"--check: the optimized graph does not match the original ({'; '.join(why)}); nothing was "
+                    "written. For fp16, keep the nodes feeding that output in fp32 (--pass-option "
+                    "convert_fp16_fp32_nodes='[\"NAME\"]', names in --dump-passes) or use --precision fp32")
 
 
 def format_table(result: OptimizeResult) -> str:

@@ -20,15 +20,20 @@ Why these rules exist:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import os
 import re
+import stat
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from .artifact_values import parse_json
 from .errors import ArtifactError, BuildError
 
 logger = logging.getLogger(__name__)
@@ -55,6 +60,26 @@ TRT_DTYPES: dict[str, str] = {
 TIMING_CACHE_MAGIC = b"DTRT-TIMING-CACHE\n"
 TIMING_CACHE_FORMAT = 1
 _LEN = struct.Struct("<I")  # little-endian uint32: length of the JSON header that follows the magic
+#: The largest timing-cache file read (TensorRT's timing caches are megabytes); a larger one is ignored.
+MAX_TIMING_CACHE_BYTES = 1 << 30
+#: A framed cache's JSON header is ~250 bytes (:func:`pack_framed`); a longer one is not ours and is not parsed.
+MAX_FRAME_HEADER_BYTES = 64 << 10
+
+#: Why a TensorRT-RTX plan cannot be built refittable here; ``CompileConfig`` and ``TrtBuildConfig`` both raise it
+#: (:func:`rtx_refit_refusal`). Observed with 1.7.1.116 on a machine without a GPU: a refittable build of a graph
+#: with weights fails inside the builder with ``MyelinCheckException ... CHECK(status == CUDA_SUCCESS)``.
+_RTX_REFIT_REFUSAL = (
+    "refittable=True with {field}='tensorrt-rtx': LoRAs swapped at run time (EnginePipeline.load_lora) work on "
+    "full-TensorRT and ONNX Runtime artifacts only (no TensorRT-RTX refit could be run here to test it, and "
+    "TensorRT-RTX 1.7.1 cannot build a refittable plan on a machine without a GPU); merge LoRAs at compile time "
+    "with --lora FILE[:SCALE]"
+)
+
+
+def rtx_refit_refusal(field: str) -> str:
+    """The one message refusing a refittable TensorRT-RTX build; ``field`` names the option that chose the library
+    (``backend`` for ``CompileConfig``, ``library`` for ``TrtBuildConfig``)."""
+    return _RTX_REFIT_REFUSAL.format(field=field)
 
 
 # -- the two TensorRT libraries ------------------------------------------------------------------------
@@ -453,10 +478,14 @@ def unpack_framed(data: bytes, magic: bytes, fmt: int, what: str,
                   key: Mapping[str, Any]) -> tuple[bytes | None, dict[str, Any] | str]:
     """The payload of a file written by :func:`pack_framed`, if its header holds ``key``.
 
+    The file is untrusted (a user's cache folder): a header longer than :data:`MAX_FRAME_HEADER_BYTES` is not parsed,
+    and the header is parsed by :func:`~diffusion_trt.artifact_values.parse_json` (bounded nesting and integers, no
+    NaN), so no content raises.
+
     Returns:
         ``(payload, header)`` when usable; else ``(None, reason)``: not such a file (bad magic), truncated, an
-        unreadable header, another format, checksum mismatch — or ``(None, header)`` when only the key differs
-        (the caller words that reason, naming both keys).
+        unreadable or oversized header, another format, checksum mismatch — or ``(None, header)`` when only the key
+        differs (the caller words that reason, naming both keys; :func:`printable` its values).
     """
     if not data.startswith(magic):
         return None, f"not a diffusion-trt {what} (bad magic)"
@@ -464,21 +493,66 @@ def unpack_framed(data: bytes, magic: bytes, fmt: int, what: str,
     if len(rest) < _LEN.size:
         return None, "truncated header"
     (n,) = _LEN.unpack_from(rest)
+    if n > MAX_FRAME_HEADER_BYTES:
+        return None, f"a header of {n} bytes (ours are under {MAX_FRAME_HEADER_BYTES}): not a {what} this wrote"
     raw = rest[_LEN.size : _LEN.size + n]
     if len(raw) != n:
         return None, "truncated header"
     try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None, "unreadable header"
+        header = parse_json(raw, "the header")
+    except ArtifactError as e:
+        return None, f"unreadable header ({str(e).split('; ')[0].removeprefix('the header ')})"
     if not isinstance(header, dict) or header.get("format") != fmt:
-        return None, f"format {header.get('format') if isinstance(header, dict) else header!r} != {fmt}"
+        found = header.get("format") if isinstance(header, dict) else header
+        return None, f"format {printable(found)} != {fmt}"
     if any(header.get(k) != v for k, v in key.items()):
         return None, header
     payload = rest[_LEN.size + n :]
     if len(payload) != header.get("size") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
         return None, "payload checksum mismatch (truncated or altered file)"
     return payload, header
+
+
+def printable(value: Any, limit: int = 80) -> str:
+    """``value`` read from an untrusted file, safe for a log line: control characters escaped, at most ``limit``
+    characters (``str`` of other values)."""
+    text = str(value)
+    if not text.isprintable():
+        text = text.encode("unicode_escape", "backslashreplace").decode("ascii")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def read_cache_file(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of a cache file that anyone with write access to the cache folder may have replaced: opened with
+    ``O_NOFOLLOW | O_NONBLOCK`` (a symbolic link is refused, a FIFO does not block), required to be a regular file
+    (not a device such as ``/dev/zero``, a FIFO or a folder) of at most ``limit`` bytes, and read with that bound
+    (a file growing while it is read is refused too).
+
+    Raises:
+        FileNotFoundError: no file there (the caller's "no cache yet").
+        OSError: anything else; its ``strerror`` (the system's own errors: no permission, I/O error) or, for ours,
+            its text says why: a symbolic link, not a regular file, over ``limit``.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and Path(path).is_symlink():
+            raise OSError("it is a symbolic link, which is not followed (replace it with the file itself)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"it is not a regular file (mode {stat.filemode(st.st_mode)})")
+        if st.st_size > limit:
+            raise OSError(f"it has {st.st_size} bytes, more than the {limit} a cache may have")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise OSError(f"it grew past {limit} bytes while it was read")
+    return data
 
 
 def pack_timing_cache(key: TimingCacheKey, payload: bytes) -> bytes:
@@ -524,16 +598,20 @@ def gpu_facts(device_id: int = 0) -> TrtHost | None:
 _TRT_LOGGERS: dict[str, Any] = {}
 
 
-def make_trt_logger(trt: Any, name: str = "tensorrt", keep_errors: int = 20) -> Any:
-    """The process's ``trt.ILogger`` forwarding to Python logging (``logging.getLogger(name)``).
+def make_trt_logger(trt: Any, keep_errors: int = 20) -> Any:
+    """The process's one ``trt.ILogger`` for the library ``trt`` (``tensorrt`` or ``tensorrt_rtx_bindings``), shared
+    by its builders, runtimes and refitters, forwarding to Python logging (``logging.getLogger(trt.__name__)``).
 
-    One instance per name: TensorRT warns when builders, runtimes and refitters get different loggers.
-    TensorRT's INFO is chatty (every tactic), so it maps to DEBUG; VERBOSE too. The last ``keep_errors``
-    ERROR / INTERNAL_ERROR messages are kept in ``.errors`` so a failed build or load can quote them.
+    One instance per library: TensorRT-RTX 1.7.1 warns, when a ``Runtime`` is created with another logger while a
+    ``Builder`` lives, that "the current new logger is ignored" (observed). TensorRT's INFO is chatty (every
+    tactic), so it maps to DEBUG; VERBOSE too. The last ``keep_errors`` ERROR / INTERNAL_ERROR messages are kept in
+    ``.errors``; an operation that quotes them takes :meth:`mark` first and reads :meth:`errors_since` (so a failed
+    load never quotes the errors of an earlier one). ``.name`` is the Python logger's name, for messages.
 
     Args:
-        trt: the imported ``tensorrt`` module (only ``*_trt.py`` modules import it).
+        trt: the imported library module (only ``*_trt.py`` modules import it).
     """
+    name = str(trt.__name__).split(".")[0]
     if name in _TRT_LOGGERS:
         return _TRT_LOGGERS[name]
     log = logging.getLogger(name)
@@ -549,12 +627,58 @@ def make_trt_logger(trt: Any, name: str = "tensorrt", keep_errors: int = 20) -> 
     class _Logger(trt.ILogger):  # type: ignore[misc, name-defined]
         def __init__(self) -> None:
             trt.ILogger.__init__(self)
+            self.name = name
             self.errors: list[str] = []
+            self.logged = 0  # errors ever logged: marks count from it
 
         def log(self, severity: Any, msg: str) -> None:
             if severity in (sev.INTERNAL_ERROR, sev.ERROR):
                 self.errors = [*self.errors[-(keep_errors - 1) :], msg]
+                self.logged += 1
             log.log(levels.get(severity, logging.INFO), "%s", msg)
+
+        def mark(self) -> int:
+            """A point to quote errors from (:meth:`errors_since`)."""
+            return self.logged
+
+        def errors_since(self, mark: int) -> list[str]:
+            """The errors logged after ``mark`` (the last ``keep_errors`` of them), oldest first."""
+            n = self.logged - mark
+            return self.errors[-n:] if n > 0 else []
 
     _TRT_LOGGERS[name] = _Logger()
     return _TRT_LOGGERS[name]
+
+
+def quote_errors(trt_logger: Any, mark: int, limit: int = 3) -> str:
+    """The library's errors since ``mark`` for a message: the first ``limit`` (the cause comes first; later ones are
+    often its consequences), and how many more; or that none was logged and where to look."""
+    errors = trt_logger.errors_since(mark)
+    if not errors:
+        return f"no error logged (enable DEBUG logging of {trt_logger.name!r} for its other messages)"
+    more = max(len(errors), trt_logger.logged - mark) - limit
+    return " | ".join(errors[:limit]) + (f" | and {more} more (DEBUG logging of {trt_logger.name!r} shows them)"
+                                         if more > 0 else "")
+
+
+def assign(obj: Any, attr: str, value: Any, trt_logger: Any = None) -> str | None:
+    """``obj.<attr> = value``, and whether the library took it: ``None`` when it did, else why not (for a message).
+
+    The C++ setters behind ``IRuntimeConfig.cuda_graph_strategy`` and ``ICudaEngine.weight_streaming_budget_v2``
+    return ``bool``, and their Python docstrings say ``(arg0, arg1) -> bool``, but a pybind11 property setter's
+    result never reaches Python: with tensorrt_rtx_bindings 1.7.1.116, ``fset`` returns ``None`` even for a refused
+    value (observed on ``Runtime.max_threads = 0`` and a bad ``IEinsumLayer.equation``, both ``-> bool``). What a
+    refusal does leave (observed on both): an error the library logs, and the old value still read back. So the
+    setting is refused when ``trt_logger`` (the library's, :func:`make_trt_logger`) got an error during the
+    assignment, or when the attribute still reads its old value instead of ``value`` (a value the library adjusted
+    to another one counts as taken).
+    """
+    before = getattr(obj, attr, None)
+    mark = trt_logger.mark() if trt_logger is not None else 0
+    setattr(obj, attr, value)
+    if trt_logger is not None and trt_logger.errors_since(mark):
+        return quote_errors(trt_logger, mark)
+    after = getattr(obj, attr, None)
+    if after != value and after == before:
+        return f"it still reads {printable(getattr(after, 'name', after))}"
+    return None

@@ -59,8 +59,9 @@ class VerifyReport:
 def load_manifest_json(root: Path) -> tuple[dict[str, Any] | None, list[str]]:
     """Read ``manifest.json`` without raising: ``(manifest or None, problems)``; schema and seal checked.
 
-    Untrusted bytes: not UTF-8, not JSON, nested too deep, a huge integer... are one problem line each
-    (:func:`~diffusion_trt.artifact_values.parse_json`), never a traceback.
+    Untrusted bytes: larger than :data:`~diffusion_trt.artifacts.MAX_MANIFEST_BYTES`, not UTF-8, not JSON, nested
+    too deep, a huge integer, a lone surrogate... are one problem line each (:func:`~diffusion_trt.artifacts.
+    read_manifest_bytes`, :func:`~diffusion_trt.artifact_values.parse_json`), never a traceback.
     """
     path = root / artifacts.MANIFEST_NAME
     if not root.is_dir():
@@ -68,17 +69,15 @@ def load_manifest_json(root: Path) -> tuple[dict[str, Any] | None, list[str]]:
     if not path.is_file():
         return None, [f"{path}: missing; the folder is not a compiled artifact (run `diffusion-trt compile`)"]
     try:
-        manifest = artifacts.parse_manifest(path.read_bytes(), path)
-    except OSError as e:
-        return None, [f"{path}: cannot be read ({e.strerror}); check its permissions"]
+        manifest = artifacts.parse_manifest(artifacts.read_manifest_bytes(path), path)
     except ArtifactError as e:
         return None, [str(e)]
     return manifest, artifacts.manifest_problems(manifest)
 
 
 def scheduler_problems(root: Path, manifest: dict[str, Any]) -> list[str]:
-    """The shipped scheduler config is readable JSON whose values the runtime can use
-    (:func:`~diffusion_trt.artifact_values.scheduler_config_problems`); one line per problem."""
+    """The shipped scheduler config is readable JSON whose values the runtime can use with the artifact's scheduler
+    class (:func:`~diffusion_trt.artifact_values.scheduler_config_problems`); one line per problem."""
     sched = manifest.get("scheduler")
     rel = sched.get("config") if isinstance(sched, dict) else None
     if not isinstance(rel, str):
@@ -92,7 +91,9 @@ def scheduler_problems(root: Path, manifest: dict[str, Any]) -> list[str]:
         return [f"scheduler: {e}"]
     except OSError as e:
         return [f"scheduler: {rel} cannot be read ({e.strerror})"]
-    return [f"{p}; restore the original file or recompile" for p in scheduler_config_problems(config, rel)]
+    named = sched.get("class_name")  # the class the runtime builds (the manifest's schema: a string or null)
+    class_name = named if isinstance(named, str) else None
+    return [f"{p}; restore the original file or recompile" for p in scheduler_config_problems(config, rel, class_name)]
 
 
 def integrity_problems(root: str | os.PathLike[str], check_hashes: bool = True) -> tuple[dict[str, Any] | None,

@@ -237,7 +237,8 @@ def test_a_folder_exchanged_while_loading_gives_one_whole_artifact(art: Path,
     seal = _manifest(art)["manifest_sha256"]
     opened = _exchange_after_first_engine(monkeypatch, art, other)
     with _load(art) as pipe:
-        assert opened[0] == "text_encoder" and "unet" in opened
+        # the engines open side by side (runtime/loading.py): the exchange came after the first of them opened
+        assert set(opened) == {"text_encoder", "unet", "vae_decoder"}
         assert pipe.manifest["manifest_sha256"] == seal
         np.testing.assert_array_equal(_unet_output(pipe), original)  # the folder that was opened, not its successor
 
@@ -278,6 +279,81 @@ def test_a_resealed_scheduler_config_with_bad_values_is_refused(art: Path, tmp_p
     line = _one_error_line(_run_cli("run", art, "-p", "x", "--steps", "1", "-o", tmp_path / "o.png"))
     assert f"num_train_timesteps: {message}" in line and "restore the original" in line
     assert not (tmp_path / "o.png").exists()
+
+
+#: Issue 24, item 3: scheduler configs that passed verify and crashed run (exit 1, a traceback). (the edit of
+#: scheduler_config.json, the manifest's scheduler.class_name or None to keep it, what verify's one line says)
+CRASHING_SCHEDULERS = {
+    "flow_prediction": ({"prediction_type": "flow_prediction"}, None,
+                        "prediction_type: 'flow_prediction' is not one of ['epsilon', 'v_prediction'] (PNDMScheduler)"),
+    "exp_with_pndm": ({"beta_schedule": "exp"}, None,
+                      "beta_schedule: 'exp' is not one of ['linear', 'scaled_linear', 'squaredcos_cap_v2'] "
+                      "(PNDMScheduler)"),
+    "steps_offset_1000": ({"steps_offset": 1000}, None,
+                          "steps_offset: 1000 with num_train_timesteps=1000 starts the default 50 steps at timestep "
+                          "1980, past the last training timestep 999; use at most 19"),
+    "amused": ({}, "AmusedScheduler", "scheduler class 'AmusedScheduler' is not one the runtime runs"),
+    "score_sde_ve": ({}, "ScoreSdeVeScheduler", "scheduler class 'ScoreSdeVeScheduler' is not one the runtime runs"),
+    "config_class_amused": ({"_class_name": "AmusedScheduler"}, "",
+                            "scheduler class 'AmusedScheduler' is not one the runtime runs"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRASHING_SCHEDULERS))
+def test_a_scheduler_the_runtime_cannot_run_fails_verify_and_run_before_loading(
+        art: Path, tmp_path: Path, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import diffusion_trt.runtime.pipeline as runtime_pipeline
+
+    edit, class_name, message = CRASHING_SCHEDULERS[case]
+    path = art / "scheduler" / "scheduler_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    manifest = _reseal(art, "scheduler/scheduler_config.json")
+    if class_name is not None:
+        manifest["scheduler"]["class_name"] = class_name or None
+        artifacts.write_manifest(art, manifest)
+    result = _run_cli("verify", art, "--no-host")
+    assert result.exit_code == 3, result.output
+    problems = [line for line in result.output.splitlines() if "scheduler_config.json" in line]
+    assert len(problems) == 1 and message in problems[0], result.output
+
+    def no_engine(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an engine was opened before the scheduler was checked")
+
+    monkeypatch.setattr(runtime_pipeline, "_open_engines", no_engine)
+    line = _one_error_line(_run_cli("run", art, "-p", "x", "--steps", "2", "-o", tmp_path / "o.png"))
+    assert message in line and not (tmp_path / "o.png").exists()
+
+
+@pytest.mark.parametrize("class_name", ["DDPMWuerstchenScheduler", "RePaintScheduler", "UnCLIPScheduler",
+                                        "AmusedScheduler", "ScoreSdeVeScheduler"])
+def test_the_api_builds_only_the_allowed_scheduler_classes(tiny_artifact: Path, class_name: str) -> None:
+    """Through the API (make_scheduler, EnginePipeline's default class): refused with the allow-list, before diffusers
+    builds anything."""
+    from diffusion_trt.runtime.schedulers import SCHEDULERS, make_scheduler
+
+    config = json.loads((tiny_artifact / "scheduler" / "scheduler_config.json").read_text())
+    with pytest.raises(ArtifactError, match=f"scheduler class '{class_name}' is not one the runtime runs; use one of "
+                                            "PNDMScheduler, DDIMScheduler"):
+        make_scheduler(config, None, class_name=class_name)
+    from diffusion_trt.artifact_values import scheduler_classes
+
+    assert set(scheduler_classes()) == {cls for cls, _ in SCHEDULERS.values()}  # the schema's list is the table's
+
+
+def test_a_chosen_scheduler_that_cannot_run_the_config_is_a_usage_error(art: Path, tmp_path: Path) -> None:
+    """DDIM accepts prediction_type 'sample'; euler_a does not: `run --scheduler euler_a` is refused (exit 2) before
+    loading, naming the value; the artifact itself verifies."""
+    path = art / "scheduler" / "scheduler_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "_class_name": "DDIMScheduler",
+                                "prediction_type": "sample"}))
+    manifest = _reseal(art, "scheduler/scheduler_config.json")
+    manifest["scheduler"]["class_name"] = "DDIMScheduler"
+    artifacts.write_manifest(art, manifest)
+    assert _run_cli("verify", art, "--no-host").exit_code == 0
+    line = _one_error_line(_run_cli("run", art, "-p", "x", "--steps", "1", "--scheduler", "euler_a", "-o",
+                                    tmp_path / "o.png"), code=2)
+    assert ("scheduler='euler_a' (EulerAncestralDiscreteScheduler) cannot run this artifact's scheduler config: "
+            "scheduler_config.json prediction_type: 'sample' is not one of ['epsilon', 'v_prediction']") in line
 
 
 def test_resealed_model_facts_out_of_range_are_refused(art: Path, tmp_path: Path) -> None:

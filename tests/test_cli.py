@@ -266,7 +266,60 @@ def test_run_checks_output_path_before_work(tiny_artifact: Path, tmp_path: Path)
     code, out = _invoke("run", tiny_artifact, "-p", "x", "-o", tmp_path / "x.jpg")
     assert code == 2 and "does not end in .png; use e.g. out.png" in out
     code, out = _invoke("run", tiny_artifact, "-p", "x", "-o", "/proc/nope/x.png")
-    assert code == 2 and "cannot create the folder /proc/nope" in out
+    assert code == 2 and "the folder /proc/nope does not exist" in out
+
+
+def test_run_refuses_an_output_folder_that_does_not_exist(tiny_artifact: Path, tmp_path: Path) -> None:
+    """Issue 24, item 14: `run -o /nonexistent/dir/z.png` created the folders silently; diffusers' and PIL's
+    image.save raise there, so a mistyped folder is refused (exit 2) naming the first missing folder."""
+    out = tmp_path / "nonexistent" / "dir" / "z.png"
+    code, text = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "-o", out)
+    assert code == 2 and text.startswith("error: Invalid value for -o: "), text
+    assert (f"the folder {tmp_path / 'nonexistent'} does not exist; create it first (mkdir -p {out.parent}) or "
+            "choose another path") in text
+    assert not (tmp_path / "nonexistent").exists()
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, text = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "-o", blocker / "z.png")
+    assert code == 2 and f"cannot create the folder {blocker}" in text
+
+
+@pytest.mark.parametrize("what", ["serve", "lms", "lora"])
+def test_a_missing_optional_package_exits_2(what: str, tiny_artifact: Path, tiny_pipeline_dir: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24, item 14: a missing optional package exited 1 for `serve` but 2 for `lms` and LoRA. One rule: exit 2,
+    one line naming the pip install (README's exit-code table)."""
+    import sys
+
+    import diffusers
+
+    if what == "serve":
+        monkeypatch.setitem(sys.modules, "pytriton", None)  # `import pytriton...` raises ImportError
+        monkeypatch.setitem(sys.modules, "pytriton.triton", None)
+        code, out = _invoke("serve", tiny_artifact)
+        fix = "pip install 'diffusion-trt[serve]'"
+    elif what == "lms":
+        def no_scipy(*args: object, **kwargs: object) -> None:
+            raise ImportError("LMSDiscreteScheduler requires the scipy library but it was not found")
+
+        monkeypatch.setattr(diffusers.LMSDiscreteScheduler, "from_config", no_scipy)
+        code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "--scheduler", "lms",
+                            "-o", tmp_path / "o.png")
+        fix = "pip install 'diffusion-trt[schedulers]'"
+    else:  # compile --lora: checked when the LoRAs are merged (a full compile is not needed to see the class)
+        import diffusers.utils
+
+        from diffusion_trt.compiler import lora
+        from diffusion_trt.errors import MissingPackageError
+
+        monkeypatch.setattr(diffusers.utils, "USE_PEFT_BACKEND", False)
+        with pytest.raises(MissingPackageError) as e:
+            lora._require_peft()
+        assert e.value.exit_code == 2 and "pip install 'diffusion-trt[lora]'" in str(e.value)
+        return
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and fix in errors[0], out
+    assert "Traceback" not in out
 
 
 def test_too_many_steps_for_the_scheduler(tiny_artifact: Path, tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "diffusion_trt"
 SHARED = frozenset({"errors", "config", "trt_compat", "artifact_values", "artifacts", "artifact_facts",
-                    "artifact_reader", "lora", "data"})
+                    "artifact_reader", "digests", "lora", "data"})
 #: part -> the parts it may import (besides itself).
 ALLOWED: dict[str, frozenset[str]] = {
     **{p: SHARED for p in SHARED},

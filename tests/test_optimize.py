@@ -45,7 +45,7 @@ def test_optimize_prints_counts_rejections_and_parity(attention_onnx: Path, tmp_
 
 def test_fp16_reports_islands(tmp_path: Path) -> None:
     src = tmp_path / "block.onnx"
-    onnx.save_model(graphs.overflow_model(gain=1e5), src)
+    onnx.save_model(graphs.overflow_model(gain=5e4), src)
     code, text = _invoke("optimize", src, "-o", tmp_path / "o.onnx", "--target", "tensorrt", "--precision", "fp16",
                          "--check")
     assert code == 0, text

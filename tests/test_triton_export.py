@@ -7,7 +7,7 @@ import ast
 import importlib.util
 import json
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -66,7 +66,7 @@ def test_engine_configs_parse_as_triton_model_configs(repo: Path, tiny_artifact:
     unet = {i.name: i for i in _model_config(repo / "unet" / "config.pbtxt").input}
     assert list(unet["sample"].dims) == [4, -1, -1] and unet["sample"].data_type == pb2.TYPE_FP32
     assert list(unet["timestep"].dims) == [1] and list(unet["timestep"].reshape.shape) == []
-    assert list(unet["encoder_hidden_states"].dims) == [77, 32]
+    assert list(unet["encoder_hidden_states"].dims) == [-1, 32]  # 77 * k tokens, k = 1..3 (--max-prompt-chunks)
     te = _model_config(repo / "text_encoder" / "config.pbtxt")
     assert te.input[0].data_type == pb2.TYPE_INT64 and list(te.input[0].dims) == [77]
 
@@ -84,18 +84,25 @@ def test_pipeline_config_parses(repo: Path) -> None:
     assert list(cfg.output[0].dims) == [-1, -1, 3]
 
 
-def test_tensorrt_artifact_exports_plans_on_gpu(tiny_artifact: Path, tmp_path: Path) -> None:
-    pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] is not installed")
-    art = tmp_path / "art"
+def _plan_artifact(tiny_artifact: Path, art: Path, backend: str, build: Callable[[str], dict[str, Any]]) -> Path:
+    """A copy of the tiny artifact made to look like a ``backend`` one: a 4-byte plan per component with
+    ``build(name)`` as its build facts, listed and resealed."""
     shutil.copytree(tiny_artifact, art)
     manifest = json.loads((art / "manifest.json").read_text())
-    manifest.update(backend="tensorrt", device="cuda")
+    manifest.update(backend=backend, device="cuda")
     for name, entry in manifest["components"].items():
         entry["plan"] = f"{name}/model.plan"
-        entry["build"] = {"tensorrt": "10.8.0.43", "compute_capability": "9.0"}
+        entry["build"] = build(name)
         (art / entry["plan"]).write_bytes(b"plan")
         manifest["files"][entry["plan"]] = artifacts.file_entry(art, entry["plan"])
     artifacts.write_manifest(art, manifest)
+    return art
+
+
+def test_tensorrt_artifact_exports_plans_on_gpu(tiny_artifact: Path, tmp_path: Path) -> None:
+    pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] is not installed")
+    art = _plan_artifact(tiny_artifact, tmp_path / "art", "tensorrt",
+                         lambda name: {"tensorrt": "10.8.0.43", "compute_capability": "9.0"})
     code, out = _invoke("export-triton", art, tmp_path / "repo", "--prefix", "sd_", "--instances", "2")
     assert code == 0, out
     cfg = _model_config(tmp_path / "repo" / "sd_unet" / "config.pbtxt")
@@ -154,6 +161,74 @@ def test_export_changes_nothing_when_it_fails(tiny_artifact: Path, tmp_path: Pat
     code, out = _invoke("export-triton", tiny_artifact, repo, "--overwrite")
     assert code == 2 and "No space left on device" in out
     assert sorted(str(p.relative_to(repo)) for p in repo.rglob("*")) == before  # the old models, nothing staged
+
+
+def test_export_stages_outside_the_repository_and_cleans_leftovers(tiny_artifact: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24, item 8: `kill -9` left REPO/.diffusion-trt-export-*, which the next export neither reported nor
+    removed and tritonserver tried to load as a model (it takes every folder of the repository, hidden ones too)."""
+    import subprocess
+
+    from diffusion_trt.serve import triton_repo
+
+    repo = tmp_path / "repo"
+    (repo / ".diffusion-trt-export-k1ll3d9x" / "unet" / "1").mkdir(parents=True)  # a kill -9 of the old layout
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    beside = tmp_path / f".repo.diffusion-trt-export-{dead.pid}-abc123"  # a kill -9 of this version's layout
+    (beside / "unet").mkdir(parents=True)
+    seen: list[list[str]] = []
+    real = triton_repo._write_pipeline_model
+
+    def spying(root: Path, manifest: Mapping[str, Any], folder: Path, *args: Any) -> None:
+        seen.append(sorted(p.name for p in repo.iterdir()))  # the repository while the models are being written
+        assert folder.parent.parent == tmp_path, folder  # staged beside the repository, on its file system
+        real(root, manifest, folder, *args)
+
+    monkeypatch.setattr(triton_repo, "_write_pipeline_model", spying)
+    code, out = _invoke("export-triton", tiny_artifact, repo)
+    assert code == 0, out
+    assert seen == [[]], "a folder Triton would load stood in the repository during the export"
+    assert sorted(p.name for p in repo.iterdir()) == ["pipeline", "text_encoder", "unet", "vae_decoder",
+                                                      "vae_encoder"]
+    assert not beside.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["repo"]
+    assert f"warning: removing {repo / '.diffusion-trt-export-k1ll3d9x'}, left by an interrupted export-triton" in out
+    assert f"warning: removing {beside}, left by an interrupted export-triton" in out
+
+
+def test_export_refuses_a_symlinked_model_folder_before_changing_anything(tiny_artifact: Path, tmp_path: Path
+                                                                          ) -> None:
+    """Issue 24, item 8: with --overwrite, a model folder that is a symbolic link failed after other models were
+    already replaced."""
+    repo = tmp_path / "repo"
+    assert _invoke("export-triton", tiny_artifact, repo)[0] == 0
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(str(repo / "unet"), elsewhere)
+    (repo / "unet").symlink_to(elsewhere)
+    before = {str(p.relative_to(repo)): (p.lstat().st_ino, p.lstat().st_mtime_ns) for p in repo.rglob("*")}
+    code, out = _invoke("export-triton", tiny_artifact, repo, "--overwrite")
+    assert code == 2
+    assert out.strip() == (f"error: {repo / 'unet'} (to {elsewhere}): a symbolic link where a model folder goes; "
+                           "export-triton replaces model folders whole and does not replace links: remove the link or "
+                           "use --prefix (nothing was changed)")
+    after = {str(p.relative_to(repo)): (p.lstat().st_ino, p.lstat().st_mtime_ns) for p in repo.rglob("*")}
+    assert after == before and (repo / "unet").is_symlink()
+
+
+def test_tensorrt_rtx_artifact_is_refused_with_the_reason(tiny_artifact: Path, tmp_path: Path) -> None:
+    """Issue 23: `export-triton` on a TensorRT-RTX artifact died with KeyError: 'tensorrt-rtx' (exit 1). Triton's
+    TensorRT backend loads plans with libnvinfer; a TensorRT-RTX plan needs the TensorRT-RTX runtime: exit 2."""
+    art = _plan_artifact(tiny_artifact, tmp_path / "art", "tensorrt-rtx", lambda name: {
+        "library": "tensorrt-rtx", "tensorrt": "1.2.0.54", "compute_capabilities": ["8.9"],
+        "runtime_cache": f"{name}.runtime-cache", "plan_sha256": "0" * 64, "plan_bytes": 4})
+    assert _invoke("verify", art, "--no-host")[0] == 0, "the fake RTX artifact should be a valid one"
+    code, out = _invoke("export-triton", art, tmp_path / "repo")
+    assert code == 2, out
+    assert out.strip() == (f"error: {art} is a TensorRT-RTX artifact: Triton's TensorRT backend loads plans with "
+                           "TensorRT (libnvinfer), and a TensorRT-RTX plan needs the TensorRT-RTX runtime, which no "
+                           "Triton backend has; serve it with `diffusion-trt serve`, or compile with --backend "
+                           "tensorrt (or ort) for a Triton repository")
+    assert not (tmp_path / "repo").exists()
 
 
 # -- the pipeline model's pure code ----------------------------------------------------------------------------

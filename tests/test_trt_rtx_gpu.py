@@ -31,7 +31,7 @@ ENTRY: dict[str, Any] = {
 def _real_plan(path: Path) -> str:
     """A real TensorRT-RTX plan for compute capability 8.9; returns the library's version."""
     trt = pytest.importorskip("tensorrt_rtx_bindings")
-    logger = trt_compat.make_trt_logger(trt, name="tensorrt_rtx_bindings")
+    logger = trt_compat.make_trt_logger(trt)
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     x = network.add_input("x", trt.float32, (-1, 4))
@@ -84,6 +84,6 @@ def test_tensorrt_rtx_plan_is_refused_on_an_unsupported_gpu_before_deserialising
     if plan_kind == "real":  # and the library agrees that its plan cannot run on this GPU
         import tensorrt_rtx_bindings as trt
 
-        runtime = trt.Runtime(trt_compat.make_trt_logger(trt, name="tensorrt_rtx_bindings"))
+        runtime = trt.Runtime(trt_compat.make_trt_logger(trt))
         validity, _ = runtime.get_engine_validity(plan.read_bytes())
         assert validity != trt.EngineValidity.VALID

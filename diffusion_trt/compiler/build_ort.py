@@ -18,9 +18,12 @@ from ..errors import BuildError
 
 logger = logging.getLogger(__name__)
 
-#: Tensors at or above this many bytes go to external data when a model is saved. Protobuf refuses
-#: messages over 2 GiB; we switch well below it.
-EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
+#: A model with at least this many bytes of weights keeps them in ``model.onnx.data`` beside it. Protobuf refuses
+#: messages over 2 GiB, but the reason for a low threshold is loading (issue 28): the loader then parses a graph of a
+#: few MB instead of a 1.7 GB protobuf (the SD-1.5 fp16 UNet), verifies the weights on several threads by chunk
+#: (:mod:`~diffusion_trt.digests`) and hands them to ONNX Runtime from memory without another copy. The tiny test
+#: models stay inline.
+EXTERNAL_DATA_THRESHOLD_BYTES = 64 << 20
 EXTERNAL_DATA_NAME = "model.onnx.data"
 
 
@@ -36,7 +39,8 @@ def initializer_bytes(model: onnx.ModelProto) -> int:
 
 
 def save_onnx(model: onnx.ModelProto, path: Path) -> list[Path]:
-    """Save ``model`` to ``path``; weights go to ``model.onnx.data`` beside it when the model is > ~1.8 GB.
+    """Save ``model`` to ``path``; weights go to ``model.onnx.data`` beside it when they reach
+    :data:`EXTERNAL_DATA_THRESHOLD_BYTES` (64 MiB).
 
     Returns:
         The files written (the .onnx file first).

@@ -76,7 +76,8 @@ class TrtBuildConfig:
         workspace_bytes: limit of the WORKSPACE memory pool (``set_memory_pool_limit``), bytes; ``None`` =
             TensorRT's default (the device's total memory).
         refittable: build with ``BuilderFlag.REFIT`` so weights can be swapped at run time (LoRA); costs
-            some speed.
+            some speed. Full TensorRT only: refused with ``library="tensorrt-rtx"``, as ``CompileConfig`` refuses it
+            (:func:`~diffusion_trt.trt_compat.rtx_refit_refusal`).
         flags: precision flags to set, overriding :data:`PRECISION_FLAGS` for the precision; ``None`` =
             derive them from the precision.
         strongly_typed: build a strongly typed network (types from the graph, no precision flags).
@@ -110,6 +111,8 @@ class TrtBuildConfig:
                                         "BuilderFlag.WEIGHT_STREAMING); drop strongly_typed=False")
             object.__setattr__(self, "strongly_typed", True)
         trt_compat.library(self.library)  # a backend that is not a TensorRT library fails here
+        if self.refittable and self.library == "tensorrt-rtx":  # CompileConfig's refusal, for callers of this level
+            raise RuntimeInputError(trt_compat.rtx_refit_refusal("library"))
         if self.compute_capabilities is not None:
             object.__setattr__(self, "compute_capabilities", tuple(str(c) for c in self.compute_capabilities))
         level = self.builder_optimization_level
@@ -406,9 +409,16 @@ def read_timing_cache(cache_dir: Path, key: trt_compat.TimingCacheKey) -> tuple[
     """
     path = cache_dir / key.filename
     facts: dict[str, Any] = {"file": key.filename, "loaded": False, "ignored": None}
-    if not path.is_file():
+    try:  # bounded, no link followed, no FIFO or device read (trt_compat.read_cache_file)
+        data = trt_compat.read_cache_file(path, trt_compat.MAX_TIMING_CACHE_BYTES)
+    except FileNotFoundError:
         return None, facts
-    payload, reason = trt_compat.unpack_timing_cache(path.read_bytes(), key)
+    except OSError as e:
+        reason = str(e.strerror or e)
+        logger.warning("timing cache %s ignored: %s; building with a fresh cache", path, reason)
+        facts["ignored"] = reason
+        return None, facts
+    payload, reason = trt_compat.unpack_timing_cache(data, key)
     if payload is None:
         logger.warning("timing cache %s ignored: %s; building with a fresh cache", path, reason)
         facts["ignored"] = reason
@@ -516,8 +526,7 @@ def network_from_onnx(trt: Any, onnx_path: Path, strongly_typed: bool) -> tuple[
     Raises:
         BuildError: parser errors, one line per node (index, name, op, message).
     """
-    trt_logger = trt_compat.make_trt_logger(trt)
-    trt_logger.errors = []  # quote this build's errors only
+    trt_logger = trt_compat.make_trt_logger(trt)  # the library's one logger, shared with its runtimes
     builder = trt.Builder(trt_logger)
     network = builder.create_network(_network_flags(trt, strongly_typed))
     parser = trt.OnnxParser(network, trt_logger)
@@ -650,12 +659,16 @@ def engine_from_network(trt: Any, builder: Any, network: Any, config: Any, where
     Raises:
         BuildError: the build failed, quoting TensorRT's last errors.
     """
+    trt_logger = trt_compat.make_trt_logger(trt)
+    mark = trt_logger.mark()  # quote this build's errors only
     plan = builder.build_serialized_network(network, config)
     if plan is None:
-        errors = getattr(trt_compat.make_trt_logger(trt), "errors", [])
-        last = "\n  ".join(errors[-5:]) or "(no error logged; rerun with DEBUG logging)"
+        errors = trt_logger.errors_since(mark)
+        last = "\n  ".join(errors[-5:]) or f"(no error logged; rerun with DEBUG logging of {trt_logger.name!r})"
+        display = next((lib.display for lib in trt_compat.LIBRARIES.values() if lib.module == trt_logger.name),
+                       "TensorRT")
         raise BuildError(
-            f"TensorRT failed to build {where}; its last errors:\n  {last}\nfix: raise workspace_bytes, lower "
+            f"{display} failed to build {where}; its last errors:\n  {last}\nfix: raise workspace_bytes, lower "
             "builder_optimization_level, or compile with --precision fp32 to isolate a precision problem"
         )
     return memoryview(plan)

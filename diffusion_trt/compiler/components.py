@@ -7,7 +7,11 @@ Symbolic dims:
     ``B``   images per call (profile ``batch``); ``B2`` = the UNet/text-encoder batch, 2*B with
             classifier-free guidance (CFG) and B without, so its range is ``[min_B, 2*max_B]``.
     ``H``/``W`` image size in pixels; ``h``/``w`` = latent size = H/8, W/8.
-    ``S``   text length: CLIP's 77 positions (``tokenizer.model_max_length``).
+    ``S``   the UNet's context length with long prompts: 77 * k tokens, k = 1..``max_prompt_chunks`` (its range is
+            the component's own, :attr:`ComponentSpec.symbols`: (77, 77, 77 * max)); the text encoder always
+            takes CLIP's 77 positions (``tokenizer.model_max_length``), and so does a UNet compiled for one chunk.
+    ``h/k`` ``w/k`` (k = 2, 4, 8) the latent size after k-fold stride-2 downsampling, ``ceil(h / k)``: the UNet's
+            ControlNet residuals (see :mod:`.controlnet`).
 
 SDXL (``StableDiffusionXLPipeline``) has its own table: two text encoders whose penultimate hidden states are
 concatenated into the UNet's ``encoder_hidden_states``, the second one's pooled projection as the UNet's
@@ -20,6 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import IMAGE_ALIGNMENT, ShapeProfile
+
+#: The downsampling factors of the ``h/k`` / ``w/k`` symbols (a UNet of 4 levels halves the latents 3 times).
+DOWNSAMPLED_FACTORS: tuple[int, ...] = (2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -47,11 +54,20 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ComponentSpec:
-    """I/O of one exported component (see :func:`component_specs`)."""
+    """I/O of one exported component (see :func:`component_specs`).
+
+    Attributes:
+        symbols: (min, opt, max) of the symbols that do not follow the image profile (``S``), by name.
+    """
 
     name: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    symbols: tuple[tuple[str, tuple[int, int, int]], ...] = ()
+
+    def ranges(self, profile: ShapeProfile) -> dict[str, tuple[int, int, int]]:
+        """min/opt/max of every symbol of this component: :func:`symbol_ranges` and :attr:`symbols`."""
+        return {**symbol_ranges(profile), **dict(self.symbols)}
 
 
 def component_specs(
@@ -64,6 +80,8 @@ def component_specs(
     text_hidden_2: int | None = None,
     text_embeds: int | None = None,
     time_ids: int = 6,
+    prompt_chunks: int = 1,
+    clip_skip: int = 0,
 ) -> dict[str, ComponentSpec]:
     """The component table, sized from the model's configs: SD 1.x/2.x, or SDXL when ``text_hidden_2`` is given.
 
@@ -76,6 +94,10 @@ def component_specs(
         text_hidden_2: SDXL: hidden size of ``text_encoder_2`` (1280); ``None`` = an SD 1.x/2.x table.
         text_embeds: SDXL: ``text_encoder_2.config.projection_dim`` (1280), the pooled ``text_embeds`` width.
         time_ids: SDXL: the number of ``time_ids`` per row (6: original size, crop top-left, target size).
+        prompt_chunks: SD 1.x/2.x: the UNet's ``encoder_hidden_states`` takes 77 * k tokens for k up to this; > 1
+            makes its sequence axis the symbol ``S`` (``CompileConfig.max_prompt_chunks``).
+        clip_skip: SD 1.x/2.x: C > 0 adds the text encoder output ``clip_skip_states`` [B2, C, S, D], row c-1 the
+            final-layer-normed ``hidden_states[-(c + 1)]`` (diffusers' ``clip_skip=c``; CompileConfig.max_clip_skip).
 
     SDXL, as diffusers' ``StableDiffusionXLPipeline.encode_prompt``: each text encoder runs with
     ``output_hidden_states=True`` and gives ``hidden_states[-2]`` (the penultimate layer, before the final layer
@@ -87,20 +109,24 @@ def component_specs(
     if text_hidden_2 is not None:
         return _sdxl_specs(text_hidden, text_len, unet_in, unet_out, latent, text_hidden_2,
                            text_embeds if text_embeds is not None else text_hidden_2, time_ids)
+    context: int | str = text_len if prompt_chunks == 1 else "S"
+    symbols = () if prompt_chunks == 1 else (("S", (text_len, text_len, text_len * prompt_chunks)),)
+    skipped = (TensorSpec("clip_skip_states", "float", ("B2", clip_skip, text_len, text_hidden)),) if clip_skip else ()
     return {
         "text_encoder": ComponentSpec(
             "text_encoder",
             inputs=(TensorSpec("input_ids", "int64", ("B2", text_len)),),
-            outputs=(TensorSpec("last_hidden_state", "float", ("B2", text_len, text_hidden)),),
+            outputs=(TensorSpec("last_hidden_state", "float", ("B2", text_len, text_hidden)), *skipped),
         ),
         "unet": ComponentSpec(
             "unet",
             inputs=(
                 TensorSpec("sample", "float", ("B2", unet_in, "h", "w")),
                 TensorSpec("timestep", "float32", ("B2",)),
-                TensorSpec("encoder_hidden_states", "float", ("B2", text_len, text_hidden)),
+                TensorSpec("encoder_hidden_states", "float", ("B2", context, text_hidden)),
             ),
             outputs=(TensorSpec("noise_pred", "float", ("B2", unet_out, "h", "w")),),
+            symbols=symbols,
         ),
         **_vae_specs(latent),
     }
@@ -162,7 +188,7 @@ def symbol_ranges(profile: ShapeProfile) -> dict[str, tuple[int, int, int]]:
     b, hh, ww = profile.batch, profile.height, profile.width
     a = IMAGE_ALIGNMENT
     b2_min = 2 * b.opt if profile.is_static() else b.min
-    return {
+    ranges = {
         "B": (b.min, b.opt, b.max),
         "B2": (b2_min, 2 * b.opt, 2 * b.max),
         "H": (hh.min, hh.opt, hh.max),
@@ -170,11 +196,17 @@ def symbol_ranges(profile: ShapeProfile) -> dict[str, tuple[int, int, int]]:
         "h": (hh.min // a, hh.opt // a, hh.max // a),
         "w": (ww.min // a, ww.opt // a, ww.max // a),
     }
+    for base in ("h", "w"):
+        for k in DOWNSAMPLED_FACTORS:
+            ranges[f"{base}/{k}"] = tuple(-(-d // k) for d in ranges[base])  # type: ignore[assignment]
+    return ranges
 
 
-def tensor_manifest(spec: TensorSpec, precision: str, profile: ShapeProfile) -> dict[str, Any]:
-    """Manifest entry of one tensor: name, dtype, symbolic shape and concrete min/opt/max shapes."""
-    ranges = symbol_ranges(profile)
+def tensor_manifest(spec: TensorSpec, precision: str, profile: ShapeProfile,
+                    symbols: tuple[tuple[str, tuple[int, int, int]], ...] = ()) -> dict[str, Any]:
+    """Manifest entry of one tensor: name, dtype, symbolic shape and concrete min/opt/max shapes (``symbols``: its
+    component's own ranges, :attr:`ComponentSpec.symbols`)."""
+    ranges = {**symbol_ranges(profile), **dict(symbols)}
     shapes: dict[str, list[int]] = {"min": [], "opt": [], "max": []}
     for d in spec.shape:
         for i, key in enumerate(("min", "opt", "max")):

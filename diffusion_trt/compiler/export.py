@@ -167,14 +167,24 @@ def _artifact_as_source(root: Path) -> str:
 
 
 class _TextEncoder(torch.nn.Module):
-    """(input_ids[B2,S] int64) -> last_hidden_state[B2,S,D]."""
+    """(input_ids[B2,S] int64) -> last_hidden_state[B2,S,D]; with ``clip_skip`` C > 0 also
+    clip_skip_states[B2,C,S,D], row c-1 = ``final_layer_norm(hidden_states[-(c + 1)])``: diffusers' ``clip_skip=c``
+    (``StableDiffusionPipeline.encode_prompt``), for c = 1..C, from the one engine."""
 
-    def __init__(self, text_encoder: torch.nn.Module) -> None:
+    def __init__(self, text_encoder: torch.nn.Module, clip_skip: int = 0) -> None:
         super().__init__()
         self.text_encoder = text_encoder
+        self.clip_skip = clip_skip
+        # transformers 5's CLIPTextModel holds the final layer norm itself; 4.x under .text_model
+        inner = getattr(text_encoder, "text_model", text_encoder)
+        self.final_layer_norm = inner.final_layer_norm
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.text_encoder(input_ids, return_dict=False)[0]
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not self.clip_skip:
+            return self.text_encoder(input_ids, return_dict=False)[0]
+        out = self.text_encoder(input_ids, output_hidden_states=True)
+        skipped = [self.final_layer_norm(out.hidden_states[-(c + 1)]) for c in range(1, self.clip_skip + 1)]
+        return out.last_hidden_state, torch.stack(skipped, dim=1)
 
 
 class _TextEncoderPenultimate(torch.nn.Module):
@@ -260,7 +270,7 @@ class _VaeEncoder(torch.nn.Module):
         return h
 
 
-def _wrap(component: str, models: dict[str, Any], architecture: str = "sd") -> torch.nn.Module:
+def _wrap(component: str, models: dict[str, Any], architecture: str = "sd", clip_skip: int = 0) -> torch.nn.Module:
     if architecture == "sdxl":
         if component == "text_encoder":
             return _TextEncoderPenultimate(models["text_encoder"])
@@ -268,8 +278,13 @@ def _wrap(component: str, models: dict[str, Any], architecture: str = "sd") -> t
             return _TextEncoderWithProjection(models["text_encoder_2"])
         if component == "unet":
             return _UNetXL(models["unet"])
+    from . import controlnet
+
+    wrapped = controlnet.wrap(component, models, architecture)  # unet_controlnet, controlnet_<name>
+    if wrapped is not None:
+        return wrapped
     if component == "text_encoder":
-        return _TextEncoder(models["text_encoder"])
+        return _TextEncoder(models["text_encoder"], clip_skip)
     if component == "unet":
         return _UNet(models["unet"])
     if component == "vae_decoder":
@@ -333,14 +348,18 @@ def sample_inputs(spec: ComponentSpec, precision: str, ranges: dict[str, tuple[i
     """Example inputs at the profile's opt shape, for tracing."""
 
     args = []
+    opt = {k: v[1] for k, v in ranges.items()}
+    if spec.name in ("unet", "unet_controlnet"):
+        # Trace at a latent size that is not a multiple of 2**num_upsamplers: diffusers then forwards
+        # each skip connection's size to its Upsample2D (F.interpolate(size=...)), which traces to a
+        # shape-driven Resize. Traced at a multiple of 8 it would freeze scale_factor=2 and every
+        # latent size that is not a multiple of 8 (image sizes not multiples of 64) would fail.
+        for base in ("h", "w"):
+            opt[base] = opt[base] + 1 if opt[base] % 2 == 0 else opt[base]
+        # the ControlNet residuals at that size: h/k = ceil(h / k)
+        opt.update({k: -(-opt[k.partition("/")[0]] // int(k.partition("/")[2])) for k in opt if "/" in k})
     for t in spec.inputs:
-        shape = [d if isinstance(d, int) else ranges[d][1] for d in t.shape]
-        if spec.name == "unet" and t.name == "sample":
-            # Trace at a latent size that is not a multiple of 2**num_upsamplers: diffusers then forwards
-            # each skip connection's size to its Upsample2D (F.interpolate(size=...)), which traces to a
-            # shape-driven Resize. Traced at a multiple of 8 it would freeze scale_factor=2 and every
-            # latent size that is not a multiple of 8 (image sizes not multiples of 64) would fail.
-            shape[2:] = [d + 1 if d % 2 == 0 else d for d in shape[2:]]
+        shape = [d if isinstance(d, int) else opt[d] for d in t.shape]
         dtype = t.resolved_dtype(precision)
         if dtype == "int64":
             args.append(torch.randint(0, 1000, shape, dtype=torch.int64, device=device))
@@ -377,8 +396,9 @@ def onnx_from_component(
         ExportError: torch.onnx failed; the message names the component and the cause.
     """
 
-    module = _wrap(component, models, architecture)
-    args = sample_inputs(spec, precision, profile_ranges, device)
+    clip_skip = next((int(t.shape[1]) for t in spec.outputs if t.name == "clip_skip_states"), 0)
+    module = _wrap(component, models, architecture, clip_skip)
+    args = sample_inputs(spec, precision, {**profile_ranges, **dict(spec.symbols)}, device)
     dynamic_axes = {t.name: t.dynamic_axes() for t in (*spec.inputs, *spec.outputs)}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -19,13 +19,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import ShapeProfile
-from .components import ComponentSpec, symbol_ranges
+from .components import ComponentSpec
 
 
 def calibration_feeds(spec: ComponentSpec, profile: ShapeProfile, seed: int = 0) -> list[dict[str, np.ndarray]]:
     """One feed dict for ``spec``'s inputs at ``profile``'s min shape (float32 / int64 arrays)."""
     rng = np.random.default_rng(seed)
-    ranges = symbol_ranges(profile)
+    ranges = spec.ranges(profile)
     feed: dict[str, np.ndarray] = {}
     for t in spec.inputs:
         shape = [d if isinstance(d, int) else ranges[d][0] for d in t.shape]

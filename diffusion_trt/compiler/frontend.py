@@ -18,9 +18,9 @@ from typing import Any
 
 from .. import artifacts
 from ..config import CompileConfig
-from ..errors import OutputPathError
-from . import export, pipeline
-from .cache import CompileCache, cache_key, mark_stored, uncacheable
+from ..errors import ModelFolderError, OutputPathError
+from . import export, hub, pipeline
+from .cache import CompileCache, UnprovenEntry, cache_key, mark_stored, uncacheable
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,32 @@ def _record_single_file(out: Path, model: Path, source: dict[str, Any]) -> None:
     artifacts.write_manifest(out, manifest)
 
 
+def _compile_model_id(model_id: str, out: Path, config: CompileConfig | None, revision: str | None,
+                      variant: str | None, **kwargs: Any) -> Path:
+    """:func:`compile_model` of a Hub id: its snapshot compiled as a folder; ``source.hub`` and ``source.path`` (the
+    snapshot) recorded in the manifest (resealed)."""
+    resolved = hub.snapshot_for(model_id, revision, variant)
+    logger.info("%s (revision %s%s): snapshot %s", model_id, revision or "main",
+                f", variant {variant}" if variant else "", resolved.snapshot)
+    with hub.plain_folder(resolved) as folder:
+        compile_model(folder, out, config, **kwargs)
+    manifest = artifacts.read_manifest(out)
+    manifest["source"] = {**manifest["source"], "path": str(resolved.snapshot), "hub": resolved.record()}
+    artifacts.write_manifest(out, manifest)
+    return out
+def _materialize(cache: CompileCache, cached: Path, out: Path, key: str, model: Path, config: CompileConfig,
+                 overwrite: bool, lock_timeout: float) -> bool:
+    """Write the cache hit ``cached`` to ``out``; False (a warning, nothing written) when its entry no longer proves
+    its origin: its manifest was replaced after :meth:`~.cache.CompileCache.lookup` proved it."""
+    pipeline.deterministic_pass_options(config)  # its "no effect" warning, which compile_pipeline would log
+    try:
+        cache.materialize(cached, out, key, str(model.resolve()), overwrite=overwrite, lock_timeout=lock_timeout)
+    except UnprovenEntry as e:
+        logger.warning("compile cache entry %s %s: compiling anew", key[:12], e)
+        return False
+    return True
+
+
 def compile_model(
     model: str | Path,
     out_dir: str | Path,
@@ -61,12 +87,17 @@ def compile_model(
     overwrite: bool = False,
     progress: bool = False,
     lock_timeout: float = 0.0,
+    revision: str | None = None,
+    variant: str | None = None,
 ) -> Path:
-    """Compile a diffusers folder or a single-file checkpoint, reusing an identical earlier compile from ``cache``.
+    """Compile a diffusers folder, a single-file checkpoint or a Hugging Face model id, reusing an identical earlier
+    compile from ``cache``.
 
     Args:
-        model: a diffusers pipeline folder, or an A1111 / ComfyUI ``.safetensors`` checkpoint (see
-            :mod:`~.single_file`; converted offline into a temporary diffusers folder).
+        model: a diffusers pipeline folder, an A1111 / ComfyUI ``.safetensors`` checkpoint (see
+            :mod:`~.single_file`; converted offline into a temporary diffusers folder), or a Hugging Face model id
+            ``org/name`` that is no path here (see :mod:`~.hub`; the local cache only with ``HF_HUB_OFFLINE=1``).
+        revision, variant: model ids only: the branch / tag / commit, and the weights variant (``"fp16"``).
         out_dir, config, overwrite, progress, lock_timeout: as :func:`~.pipeline.compile_pipeline`.
         cache: the compile cache, or ``None`` for none (``--no-cache``).
         prediction_type: single files: "auto", "epsilon" or "v_prediction" (no effect on a folder: warned).
@@ -75,10 +106,17 @@ def compile_model(
         ``out_dir`` as a Path; its manifest's ``cache`` says whether it came from the cache.
 
     Raises:
-        ModelFolderError: the model folder or single file cannot be used (named, with the reason).
+        ModelFolderError: the model folder or single file cannot be used (named, with the reason); a model id not
+            found (offline: not in the cache); ``revision`` / ``variant`` with a path.
         RuntimeInputError: an unknown ``prediction_type``; and as :func:`~.pipeline.compile_pipeline`.
         ExportError, PassError, BuildError, ArtifactError: as :func:`~.pipeline.compile_pipeline`.
     """
+    if hub.is_model_id(model):
+        return _compile_model_id(str(model), Path(out_dir), config, revision, variant, cache=cache,
+                                 overwrite=overwrite, progress=progress, lock_timeout=lock_timeout)
+    if revision is not None or variant is not None:
+        raise ModelFolderError(f"--revision / --variant apply to a Hugging Face model id (org/name); {model} is a "
+                               "path: drop them")
     model, out = Path(model), Path(out_dir)
     config = config or CompileConfig()
     t0 = time.perf_counter()
@@ -92,9 +130,7 @@ def compile_model(
     if why:
         logger.debug("compile cache not used: %s", why)
     cached = cache.lookup(key) if cache is not None and key else None
-    if cached is not None:
-        pipeline.deterministic_pass_options(config)  # its "no effect" warning, which compile_pipeline would log
-        cache.materialize(cached, out, key, str(model.resolve()), overwrite=overwrite, lock_timeout=lock_timeout)
+    if cached is not None and _materialize(cache, cached, out, key, model, config, overwrite, lock_timeout):
         logger.info("compile cache hit %s: reused %s in %.1f s (no export, passes or build)", key[:12], cached,
                     time.perf_counter() - t0)
         return out

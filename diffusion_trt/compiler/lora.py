@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import LoraError
+from ..errors import LoraError, MissingPackageError
 from ..lora import LoraFile, check_lora_files  # check_lora_files: compile's check, before any work
 from ..runtime.lora_deltas import is_down_key
 from ..runtime.refit import array_key, as_initializer, weights_are_safetensors
@@ -47,7 +47,7 @@ def _require_peft() -> None:
     from diffusers.utils import USE_PEFT_BACKEND
 
     if not USE_PEFT_BACKEND:
-        raise LoraError(
+        raise MissingPackageError(
             "merging LoRAs needs diffusers' PEFT backend (peft >= 0.17 and transformers > 4.45): "
             "pip install 'diffusion-trt[lora]' (or pip install peft)"
         )
@@ -86,7 +86,8 @@ def merge_loras(models: dict[str, Any], loras: list[LoraFile]) -> list[dict[str,
         The manifest records (:meth:`LoraFile.record`), in order.
 
     Raises:
-        LoraError: peft is missing; diffusers cannot read the file (its message quoted); the file's keys match no
+        MissingPackageError: peft is missing (exit 2).
+        LoraError: diffusers cannot read the file (its message quoted); the file's keys match no
             layer of the UNet or text encoder(s) (a LoRA for another architecture); or fewer layers took the LoRA
             than it has (partly another architecture).
     """

@@ -30,9 +30,18 @@ from typing import Any
 import onnx
 
 from .. import artifacts
+from ..artifact_values import scheduler_config_problems
 from ..config import IMAGE_ALIGNMENT, QUANTIZED_PRECISIONS, TRT_BACKENDS, CompileConfig, ShapeProfile
-from ..errors import BuildError, DiffusionTrtError, ExportError, OutputPathError, PassError, RuntimeInputError
-from . import build_ort, export, lora, quantize
+from ..errors import (
+    BuildError,
+    DiffusionTrtError,
+    ExportError,
+    ModelFolderError,
+    OutputPathError,
+    PassError,
+    RuntimeInputError,
+)
+from . import build_ort, controlnet, export, lora, lora_slots, quantize
 from .components import ComponentSpec, component_specs, tensor_manifest
 from .plan import VAE_COMPONENTS, ComponentPlan, component_precision, plan_components
 
@@ -139,6 +148,8 @@ def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
 
     Raises:
         ExportError: a VAE that does not downsample by 8, or SDXL components that do not fit together.
+        ModelFolderError: a scheduler config the runtime cannot run (a class outside its allow-list, a value that
+            class does not accept: :func:`~diffusion_trt.artifact_values.scheduler_config_problems`).
     """
     unet = folder.config("unet")
     vae = folder.config("vae")
@@ -152,6 +163,13 @@ def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
     sample_size = unet.get("sample_size", 64)
     sample_size = sample_size[0] if isinstance(sample_size, list | tuple) else sample_size
     sched = folder.config("scheduler", "scheduler_config.json")
+    problems = scheduler_config_problems(sched, "scheduler/scheduler_config.json")
+    if problems:  # the artifact would carry it: verify and run would refuse what compile wrote
+        raise ModelFolderError(
+            f"{folder.path}: the runtime cannot run this scheduler config: {'; '.join(problems)}; edit it to a "
+            f"scheduler class and values the runtime runs (e.g. _class_name EulerDiscreteScheduler, as diffusers' "
+            "Class.from_config(pipe.scheduler.config) swap does)"
+        )
     facts: dict[str, Any] = {
         "vae_scale_factor": vae_scale,
         "vae_scaling_factor": float(vae.get("scaling_factor", 0.18215)),
@@ -160,6 +178,7 @@ def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
         "latent_channels": int(vae.get("latent_channels", 4)),
         "text_max_length": max_len,
         "text_hidden_size": int(te["hidden_size"]),
+        "text_encoder_layers": int(te.get("num_hidden_layers", 12)),
         "default_height": int(sample_size) * vae_scale,
         "default_width": int(sample_size) * vae_scale,
         "architecture": folder.architecture,
@@ -171,8 +190,10 @@ def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
     return facts
 
 
-def specs_for(facts: Mapping[str, Any]) -> dict[str, ComponentSpec]:
-    """The component table (:func:`~.components.component_specs`) of a model, from :func:`model_facts`."""
+def specs_for(facts: Mapping[str, Any], prompt_chunks: int = 1, clip_skip: int = 0) -> dict[str, ComponentSpec]:
+    """The component table (:func:`~.components.component_specs`) of a model, from :func:`model_facts`, its UNet
+    taking up to ``prompt_chunks`` 77-token chunks and its text encoder giving the states of ``clip_skip`` skipped
+    layers (SD 1.x/2.x; see :func:`prompt_chunks_for`, :func:`clip_skip_for`)."""
     sdxl: dict[str, Any] = {}
     if facts.get("architecture") == "sdxl":
         sdxl = {"text_hidden_2": facts["text_encoder_2_hidden_size"], "text_embeds": facts["text_embeds_size"],
@@ -183,8 +204,42 @@ def specs_for(facts: Mapping[str, Any]) -> dict[str, ComponentSpec]:
         unet_in=facts["unet_in_channels"],
         unet_out=facts["unet_out_channels"],
         latent=facts["latent_channels"],
+        prompt_chunks=prompt_chunks,
+        clip_skip=clip_skip,
         **sdxl,
     )
+
+
+def clip_skip_for(config: CompileConfig, facts: Mapping[str, Any]) -> int:
+    """The clip skips the text encoder serves: ``config.max_clip_skip``, at most its layers less one (logged when
+    fewer), 0 for SDXL (whose clip skip is not implemented)."""
+    k = config.max_clip_skip
+    if facts.get("architecture") == "sdxl":
+        return 0
+    most = max(0, int(facts.get("text_encoder_layers", k + 1)) - 1)
+    if k > most:  # said at INFO only when asked for: the default (2) exceeds what a tiny test model has
+        logger.log(_level_for(config, "max_clip_skip"), "max_clip_skip=%d: the text encoder has %d layers; clip skip "
+                   "goes up to %d", k, most + 1, most)
+    return min(k, most)
+
+
+def _level_for(config: CompileConfig, field: str) -> int:
+    """INFO for a setting the user changed, DEBUG for its default (a default that does not apply is no news)."""
+    default = CompileConfig.__dataclass_fields__[field].default
+    return logging.DEBUG if getattr(config, field) == default else logging.INFO
+
+
+def prompt_chunks_for(config: CompileConfig, profile: ShapeProfile, facts: Mapping[str, Any]) -> int:
+    """The prompt chunks the UNet is built for: ``config.max_prompt_chunks``, but 1 for a static profile (one fixed
+    shape, one CUDA graph) and for SDXL (two-encoder chunking not implemented), logged when more were asked."""
+    k = config.max_prompt_chunks
+    why = ("a static profile is one fixed shape" if profile.is_static()
+           else "SDXL prompts are one chunk for now" if facts.get("architecture") == "sdxl" else None)
+    if why is None or k == 1:
+        return k
+    logger.log(_level_for(config, "max_prompt_chunks"), "max_prompt_chunks=%d: the UNet takes 77 tokens only (%s); "
+               "prompts are cut at 75 tokens", k, why)
+    return 1
 
 
 def component_names(requested: Sequence[str], facts: Mapping[str, Any]) -> tuple[str, ...]:
@@ -211,10 +266,12 @@ def pass_options(spec: ComponentSpec, profile: ShapeProfile, facts: Mapping[str,
     options: dict[str, Any] = {
         "convert_fp16_fp32_inputs": [t.name for t in spec.inputs if t.dtype == "float32"],
     }
-    if facts is not None and spec.name == "unet" and facts.get("upcast_attention"):
+    unets = spec.name in ("unet", controlnet.UNET_CONTROLNET) or spec.name.startswith(controlnet.PREFIX)
+    if facts is not None and unets and facts.get("upcast_attention"):
         options["convert_fp16_fp32_attention"] = True
     if profile.is_static():
-        options["static_shapes"] = {t.name: tensor_manifest(t, "fp32", profile)["opt"] for t in spec.inputs}
+        options["static_shapes"] = {t.name: tensor_manifest(t, "fp32", profile, spec.symbols)["opt"]
+                                    for t in spec.inputs}
     return options
 
 
@@ -369,6 +426,8 @@ class CompileJob:
     torch_device: str
     ranges: Mapping[str, tuple[int, int, int]]
     deterministic_options: Mapping[str, Any] = field(default_factory=dict)
+    controlnets: tuple[controlnet.ControlNetSource, ...] = ()
+
 
 
 def quantized_components(config: CompileConfig) -> tuple[str, ...]:
@@ -422,15 +481,35 @@ def prepare(model_dir: str | Path, out: Path, config: CompileConfig) -> CompileJ
         check_quantizable(config, facts)
         profile: ShapeProfile = config.resolve_profile(facts["default_height"])
         _warn_fp16_safe_vae(config, facts)
-    specs = specs_for(facts)
+    specs = specs_for(facts, prompt_chunks_for(config, profile, facts), clip_skip_for(config, facts))
+    sources, control_specs = _controlnet_specs(config, folder, specs)
+    specs.update(control_specs)
     names = component_names(config.components, facts)
+    if control_specs and not any(n in control_specs for n in names):
+        names = (*names, *control_specs)  # --controlnet without naming its components in --components: all of them
     unknown = [c for c in names if c not in specs]
     if unknown or not names:
         raise RuntimeInputError(f"--components: unknown component(s) {unknown or 'none given'}; choose from "
                                 f"{', '.join(specs)}")
     return CompileJob(config, out, folder, facts, profile, specs, names, lora_files,
                       torch_device=export.export_device(config.device), ranges=export.export_ranges(profile),
-                      deterministic_options=deterministic_pass_options(config))
+                      deterministic_options=deterministic_pass_options(config), controlnets=sources)
+
+
+def _controlnet_specs(config: CompileConfig, folder: export.ModelFolder, specs: Mapping[str, ComponentSpec]
+                      ) -> tuple[tuple[controlnet.ControlNetSource, ...], dict[str, ComponentSpec]]:
+    """The checked ``config.controlnets`` and the specs of ``unet_controlnet`` and each ``controlnet_<name>``
+    (:mod:`.controlnet`); nothing without ControlNets.
+
+    Raises:
+        ModelFolderError, RuntimeInputError: as :func:`~.controlnet.check_controlnets`.
+    """
+    if not config.controlnets:
+        return (), {}
+    unet_config = folder.config("unet")
+    with stage("ControlNet check"):
+        sources = controlnet.check_controlnets(config.controlnets, unet_config, folder.path)
+    return sources, controlnet.controlnet_specs(specs["unet"], unet_config, sources)
 
 
 def check_quantizable(config: CompileConfig, facts: Mapping[str, Any]) -> None:
@@ -481,6 +560,7 @@ def load_sources(job: CompileJob, source_sha256: str | None = None) -> tuple[dic
         # always fp32 (ComponentPlan.export_dtype): fp16 is made by the convert_fp16 pass (fp32 islands, Casts
         # at the borders) for every backend; TensorRT networks are built strongly typed from those types
         models = export.load_models(job.folder, "fp32", job.torch_device)
+        models.update(controlnet.load_controlnets(job.controlnets, job.torch_device))
     with stage("merge LoRA"):  # diffusers' load_lora_weights + fuse_lora, before export (see lora.py)
         lora_records = lora.merge_loras(models, job.lora_files)
     if source_sha256 is not None:
@@ -521,9 +601,12 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
     entry.update(optimized)
     if job.config.refittable and name in lora.REFIT_COMPONENTS and name in models:
         entry.update(write_refit_map(name, model, models[name], staging))
+        if job.config.backend == "ort":  # the mapped weights become graph inputs (see lora_slots.py)
+            rmap = json.loads((staging / entry["refit_map"]).read_text())
+            entry.update(lora_slots.write_weight_inputs(name, model, rmap, staging))
     bar.update()
     bar.set_postfix_str(f"{name}: build")
-    entry["inputs"] = [tensor_manifest(t, plan.precision, job.profile) for t in spec.inputs]
+    entry["inputs"] = [tensor_manifest(t, plan.precision, job.profile, spec.symbols) for t in spec.inputs]
     saved = save_optimized(plan, model, staging)
     del model  # GBs for a UNet: gone before calibration and the engine build
     if plan.quantized:
@@ -536,7 +619,9 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
     bar.update()
     entry["onnx"] = f"{name}/model.onnx"
     entry["files"] = [f.relative_to(staging).as_posix() for f in files]
-    entry["outputs"] = [tensor_manifest(t, plan.precision, job.profile) for t in spec.outputs]
+    if "weight_inputs" in entry:
+        entry["files"].append(entry["weight_inputs"])
+    entry["outputs"] = [tensor_manifest(t, plan.precision, job.profile, spec.symbols) for t in spec.outputs]
     return entry
 
 

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelFolderError
+from ..artifact_values import parse_json
+from ..errors import ArtifactError, ModelFolderError
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 _INPAINT_CHANNELS = 9
 _MAX_HEADER = 100 << 20  # a safetensors header is JSON; 100 MB is far beyond any real one
+#: A block number in a key (``input_blocks.11.``): ASCII digits only (``str.isdigit`` also takes "²" and "٣").
+_BLOCK_NUMBER = re.compile(r"[0-9]{1,6}")
 
 
 @dataclass(frozen=True)
@@ -88,19 +92,35 @@ def read_shapes(path: str | Path) -> dict[str, list[int]]:
         raw = f.read(8)
         size = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
         header = f.read(size) if 0 < size <= _MAX_HEADER else b""
+    fix = "re-download or re-save it"
     try:
-        data = json.loads(header)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        data = None
+        data = parse_json(header, "its header", fix) if header else None
+    except ArtifactError as e:  # too deep, not UTF-8, a lone surrogate... (one line): a bad input here, exit 2
+        raise ModelFolderError(f"{path} is not a valid safetensors file: {e}") from None
     if not isinstance(data, dict):
-        raise ModelFolderError(f"{path} is not a valid safetensors file (unreadable header); re-download or re-save it")
-    return {k: list(v.get("shape", [])) for k, v in data.items() if k != "__metadata__" and isinstance(v, dict)}
+        raise ModelFolderError(f"{path} is not a valid safetensors file (unreadable header); {fix}")
+    shapes = {}
+    for key, entry in data.items():
+        if key == "__metadata__" or not isinstance(entry, dict):
+            continue
+        shape = entry.get("shape", [])
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ModelFolderError(f"{path}: tensor {_printable(key)} has shape {_printable(shape)} in its header, "
+                                   f"not a list of non-negative integers; the file is damaged: {fix}")
+        shapes[key] = shape
+    return shapes
+
+
+def _printable(value: Any, limit: int = 80) -> str:
+    """``repr`` of a header value for a message, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _layers(shapes: dict[str, list[int]], prefix: str) -> int:
     """How many numbered blocks ``prefix<N>.`` the file has (max N + 1; 0 when none)."""
     found = [int(k[len(prefix):].split(".", 1)[0]) for k in shapes
-             if k.startswith(prefix) and k[len(prefix):].split(".", 1)[0].isdigit()]
+             if k.startswith(prefix) and _BLOCK_NUMBER.fullmatch(k[len(prefix):].split(".", 1)[0])]
     return max(found) + 1 if found else 0
 
 

@@ -29,6 +29,10 @@ INLINE_LIMIT_BYTES = 1_800_000_000
 
 #: Intermediate tensors exposed per session when every activation is read (bounds the memory of one run).
 EXPOSE_PER_RUN = 256
+#: Bytes of exposed intermediate tensors per session run (by their inferred shapes): the count alone let the SD-1.5
+#: VAE decoder's range check at 512x512 hold 256 full-resolution activations at once (18.2 GB peak RSS of a b1
+#: compile on the H200 host, issue 28; 4x that at batch 4). Tensors of unknown size count as this budget / 16.
+EXPOSE_BYTES_PER_RUN = 2 << 30
 
 _ONNX_TO_NUMPY = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64,
                   TensorProto.INT64: np.int64, TensorProto.INT32: np.int32, TensorProto.INT8: np.int8,
@@ -111,11 +115,45 @@ def _first_line(err: BaseException) -> str:
 def float_tensor_types(model: onnx.ModelProto) -> dict[str, int]:
     """``{tensor name: ONNX elem type}`` for every float (fp32/fp16) node output of the main graph, from shape
     inference (models over 2 GiB: only the types the model already declares)."""
+    return {name: elem for name, (elem, _size) in _float_tensors(model).items()}
+
+
+def _float_tensors(model: onnx.ModelProto) -> dict[str, tuple[int, int | None]]:
+    """``{tensor name: (ONNX elem type, bytes or None when a dim is not known)}`` of every float node output."""
     if model.ByteSize() < INLINE_LIMIT_BYTES:
         model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     infos = [*model.graph.value_info, *model.graph.output]
-    return {info.name: info.type.tensor_type.elem_type for info in infos
-            if info.type.tensor_type.elem_type in (TensorProto.FLOAT, TensorProto.FLOAT16)}
+    found: dict[str, tuple[int, int | None]] = {}
+    for info in infos:
+        tensor = info.type.tensor_type
+        if tensor.elem_type not in (TensorProto.FLOAT, TensorProto.FLOAT16):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        known = tensor.HasField("shape") and all(d is not None for d in dims)
+        size = (4 if tensor.elem_type == TensorProto.FLOAT else 2) * int(np.prod(dims, dtype=np.int64)) if known \
+            else None
+        found[info.name] = (tensor.elem_type, size)
+    return found
+
+
+def exposure_groups(names: Sequence[str], sizes: Mapping[str, int | None],
+                    budget: int = EXPOSE_BYTES_PER_RUN, most: int = EXPOSE_PER_RUN) -> list[list[str]]:
+    """``names`` cut, in order, into groups of at most ``most`` tensors and ``budget`` bytes (a tensor larger than
+    the budget alone; an unknown size counts as ``budget // 16``): the tensors one session run exposes."""
+    groups: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name in names:
+        size = sizes.get(name)
+        size = budget // 16 if size is None else size
+        if current and (len(current) >= most or used + size > budget):
+            groups.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size
+    if current:
+        groups.append(current)
+    return groups
 
 
 def with_outputs(model: onnx.ModelProto, names: Iterable[str], types: Mapping[str, int]) -> onnx.ModelProto:
@@ -135,17 +173,18 @@ def activation_peaks(model: onnx.ModelProto, feed_list: Sequence[Mapping[str, np
     """``({tensor: max |x| over the feeds (inf if any value is not finite)}, provider)`` for every float node
     output of ``model``, or the reason the model cannot run here.
 
-    The tensors are read :data:`EXPOSE_PER_RUN` at a time (one session each), so the memory of one run is bounded
-    by that many activations, not by the whole graph's.
+    The tensors are read in groups of at most :data:`EXPOSE_PER_RUN` tensors and :data:`EXPOSE_BYTES_PER_RUN`
+    bytes (:func:`exposure_groups`; one session each), so the memory of one run is bounded by that budget, not by
+    the whole graph's activations.
     """
-    types = float_tensor_types(model)
+    tensors = _float_tensors(model)
+    types = {name: elem for name, (elem, _size) in tensors.items()}
     produced = [name for node in model.graph.node for name in node.output if name in types]
     peaks: dict[str, float] = {}
     provider = ""
     if not produced:
         return peaks, provider
-    for start in range(0, max(len(produced), 1), EXPOSE_PER_RUN):
-        chunk = produced[start:start + EXPOSE_PER_RUN]
+    for chunk in exposure_groups(produced, {name: size for name, (_elem, size) in tensors.items()}):
         session = open_session(with_outputs(model, chunk, types), providers)
         if isinstance(session, str):
             return session

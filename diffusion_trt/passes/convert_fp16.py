@@ -23,6 +23,11 @@ from .infer_shapes import InferShapesOptions, annotate_shapes
 logger = logging.getLogger(__name__)
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
+#: A float32 constant at or beyond this magnitude is float32's own extreme, an infinity stand-in (torch's
+#: ``masked_fill(finfo(float32).min)`` in attention masks): it becomes fp16's extreme (+-65504), the same stand-in
+#: (counted as ``clipped``). Any other value beyond +-65504 (a BatchNorm variance of 4.8e7) is never clipped: the
+#: nodes that read it stay float32 (``fp32_wide_constants``).
+F32_EXTREME = 1e38
 
 #: Op types kept in float32 by default, and why:
 #:   Sin, Cos       the UNet timestep embedding: arguments up to ~1000 rad lose +-0.5 rad in fp16.
@@ -107,7 +112,9 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Per input/output slot, the ONNX op schema decides whether float16 is allowed (Resize ``scales`` and
     LayerNormalization ``Mean``/``InvStdDev`` are float-only), so a converted graph passes
     ``onnx.checker.check_model(full_check=True)``. Float constants read in fp16 are converted once (values
-    beyond +-65504 clipped, counted); a constant read by both kinds is duplicated. ``Cast(to=FLOAT)`` in an fp16
+    beyond +-65504 are never clipped: a node that reads one stays fp32, counted in ``fp32_wide_constants``; only
+    float32's own extremes, +-3.4e38 infinity stand-ins, become +-65504, counted in ``clipped``); a constant read by
+    both kinds is duplicated. ``Cast(to=FLOAT)`` in an fp16
     node becomes ``Cast(to=FLOAT16)``, ``ConstantOfShape``'s float value becomes float16. Afterwards no-op Casts
     (to == input type) and lossless round trips (f16 -> f32 -> f16) are removed.
 
@@ -123,7 +130,9 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
             diffusers' ``upcast_attention`` does (SD 2.x UNets, whose scores pass 65504); default False.
 
     Counts: ``fp16_nodes``, ``fp32_nodes`` (nodes with float data kept fp32), ``constants`` (converted),
-        ``clipped`` (constants with values beyond fp16 range), ``Cast_inserted``, ``Cast_removed``; with
+        ``clipped`` (constants whose float32 extremes became fp16's), ``fp32_wide_constants`` (nodes kept fp32
+        because they read a constant beyond fp16's range; only when there are any), ``Cast_inserted``,
+        ``Cast_removed``; with
         ``convert_fp16_fp32_attention``: ``fp32_attention`` (attention sites kept fp32).
 
     Raises:
@@ -142,6 +151,7 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
     annotate_shapes(graph, ctx.options_for(InferShapesOptions))  # the dtypes the classification below reads
     counts = {"fp16_nodes": 0, "fp32_nodes": 0, "constants": 0, "clipped": 0, "Cast_inserted": 0,
               "Cast_removed": 0}
+    wide: dict[int, bool] = {}  # id(constant) -> holds a value beyond fp16's range (a weight read by several nodes)
     fp32_ids: set[int] = set()
     if options.fp32_attention:
         sites = attention_score_nodes(graph)
@@ -152,6 +162,11 @@ def convert_fp16(graph: gs.Graph, ctx: PassContext) -> PassResult:
     wants: list[tuple[gs.Node, int, np.dtype | None]] = []  # (node, input slot, wanted dtype or None: any)
     for node in graph.nodes:
         fp16 = _fp16_node(node, fp32_ops, fp32_names) and id(node) not in fp32_ids
+        if fp16 and _reads_wide_constant(node, wide):
+            fp16 = False
+            counts["fp32_wide_constants"] = counts.get("fp32_wide_constants", 0) + 1  # listed only when > 0
+            logger.debug("convert_fp16: %s %r kept fp32: it reads a constant beyond +-%g", node.op, node.name,
+                         FP16_MAX)
         has_float = any(_is_float(t) for t in (*node.inputs, *node.outputs) if t.name)
         if has_float:
             counts["fp16_nodes" if fp16 else "fp32_nodes"] += 1
@@ -267,6 +282,27 @@ def attention_score_nodes(graph: gs.Graph) -> list[list[gs.Node]]:
     return sites
 
 
+def _beyond_fp16(values: np.ndarray | None) -> bool:
+    """Whether float ``values`` hold a finite value fp16 cannot: |x| in (65504, :data:`F32_EXTREME`)."""
+    if values is None or values.size == 0 or values.dtype.kind != "f":
+        return False
+    magnitude = np.abs(values)
+    return bool(np.any((magnitude > FP16_MAX) & (magnitude < F32_EXTREME)))
+
+
+def _reads_wide_constant(node: gs.Node, wide: dict[int, bool]) -> bool:
+    """Whether ``node`` reads a float constant (an input, or ConstantOfShape's ``value``) beyond fp16's range."""
+    tensors = [t for t in node.inputs if isinstance(t, gs.Constant)]
+    if node.op == "ConstantOfShape" and isinstance(node.attrs.get("value"), gs.Constant):
+        tensors.append(node.attrs["value"])
+    for tensor in tensors:
+        if id(tensor) not in wide:
+            wide[id(tensor)] = _beyond_fp16(const_value(tensor))
+        if wide[id(tensor)]:
+            return True
+    return False
+
+
 def _fp16_node(node: gs.Node, fp32_ops: frozenset[str], fp32_names: frozenset[str]) -> bool:
     if node.name in fp32_names or node.op in fp32_ops:
         return False
@@ -326,8 +362,9 @@ def _converted_constant(tensor: gs.Constant, want: np.dtype, counts: dict[str, i
     values = const_value(tensor)
     assert values is not None
     if want == _F16 and values.size and float(np.nanmax(np.abs(values))) > FP16_MAX:
+        # only float32 extremes get here (a node reading any other value beyond fp16's range stayed fp32)
         counts["clipped"] += 1
-        logger.debug("%s: values beyond +-%g clipped for float16", tensor.name, FP16_MAX)
+        logger.debug("%s: float32 extremes (+-%g) become fp16's (+-%g)", tensor.name, F32_EXTREME, FP16_MAX)
         values = np.clip(values, -FP16_MAX, FP16_MAX)
     counts["constants"] += 1
     converted = np.asarray(values).astype(want)

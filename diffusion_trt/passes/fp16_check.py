@@ -40,6 +40,8 @@ from diffusion_trt.errors import PassError
 from . import _ort
 from .base import Pass, PassContext, PassRecord, optimize_model, pass_name
 from .convert_fp16 import ConvertFp16Options
+from .parity import failures as parity_failures
+from .parity import worst_parity
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,11 @@ class Fp16Check:
         finite: every output that is finite in fp32 is finite in fp16 on the calibration inputs; None when the fp16
             graph cannot run here (``note`` says why).
         note: why something was not checked, else "".
+        wide_constant_nodes: nodes ``convert_fp16`` kept fp32 because they read a weight beyond fp16's range (a
+            BatchNorm variance of 4.8e7: clipped to 65,504 it made the output wrong).
+        parity: the fp16 graph's outputs against the fp32 graph's on the calibration inputs
+            (:func:`.parity.worst_parity`, JSON-ready), which must pass :mod:`.parity`'s verdict; empty when the
+            graphs could not both run here.
         seconds: wall time of the check (calibration + conversions + re-checks), not of the other passes.
     """
 
@@ -88,6 +95,8 @@ class Fp16Check:
     rounds: int = 0
     finite: bool | None = None
     note: str = ""
+    wide_constant_nodes: int = 0
+    parity: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -106,7 +115,13 @@ class Fp16Check:
         else:
             found = f"no tensor > {self.threshold:g}" if self.calibrated != "none" else "not calibrated"
         verdict = {True: "outputs finite", False: "outputs NOT finite", None: "fp16 graph not run"}[self.finite]
-        text = f"fp16 range check: {found}, {len(self.islands)} node(s) kept fp32, {verdict} ({self.seconds:.1f} s)"
+        kept = f"{len(self.islands)} node(s) kept fp32"
+        if self.wide_constant_nodes:
+            kept += f" (+{self.wide_constant_nodes} reading weights beyond +-65504)"
+        if self.parity:
+            cosine = min(p["cosine"] for p in self.parity)
+            verdict += f", cosine >= {cosine:.6f} vs fp32"
+        text = f"fp16 range check: {found}, {kept}, {verdict} ({self.seconds:.1f} s)"
         return f"{text}; {self.note}" if self.note else text
 
 
@@ -181,13 +196,38 @@ def optimize_fp16_checked(
                     check.rounds, len(bad), ", ".join(new))
         islands.extend(new)
     check.islands = sorted(islands)
-    check.seconds = time.perf_counter() - start - pre_seconds
     for record in tail:
         if record.name == "convert_fp16":
             record.counts["fp32_range_islands"] = len(check.islands)
+            check.wide_constant_nodes = int(record.counts.get("fp32_wide_constants", 0))
+    _check_parity(fp32, fp16, feeds, check, ctx.component)
+    check.seconds = time.perf_counter() - start - pre_seconds
     log = logger.warning if check.finite is None else logger.info
     log("%s %s", ctx.component, check.summary())
     return fp16, [*records, *tail], check
+
+
+def _check_parity(fp32: onnx.ModelProto, fp16: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
+                  check: Fp16Check, component: str) -> None:
+    """Compare the fp16 graph's outputs with the fp32 graph's on ``feeds`` and apply :mod:`.parity`'s verdict (the
+    one ``optimize --check`` gives): finite outputs can still be wrong (a clipped weight: cosine 0.02).
+
+    Raises:
+        PassError: an output fails the verdict (the message names it, its figures and the thresholds).
+    """
+    ref, new = _ort.open_session(fp32), _ort.open_session(fp16)
+    if isinstance(ref, str) or isinstance(new, str):
+        logger.warning("%s: fp16 outputs not compared with fp32: %s", component, ref if isinstance(ref, str) else new)
+        return
+    outputs = worst_parity((ref.run(feed), new.run(feed)) for feed in feeds)
+    check.parity = [o.to_json() for o in outputs]
+    why = parity_failures(outputs, "fp16")
+    if why:
+        raise PassError(
+            f"{component}: the fp16 graph does not match fp32 on the calibration inputs ({'; '.join(why)}), with "
+            f"{len(check.islands)} node(s) kept fp32 for ranges and {check.wide_constant_nodes} for weights; build "
+            "this component in fp32, or keep more of it fp32 (--pass-option convert_fp16_fp32_nodes='[\"NAME\"]')"
+        )
 
 
 def _name_nodes(model: onnx.ModelProto) -> None:

@@ -297,7 +297,8 @@ class BucketedEngine(EngineBase):
 def preload_symbols(component: str, spec: EngineSpec, buckets: SizeBuckets, profile: ShapeProfile,
                     vae_scale_factor: int) -> list[dict[str, int]]:
     """The shapes to specialise while loading: each listed size at the profile's opt batch (the UNet at the CFG
-    batch, ``2 x opt``, when its batch symbol is the CFG one). Empty for "auto" or ``preload=False``."""
+    batch, ``2 x opt``, when its batch symbol is the CFG one), and the UNet's context ``S`` at 77 (one chunk: longer
+    prompts get their own session on first use). Empty for "auto" or ``preload=False``."""
     if buckets.sizes is None or not buckets.preload:
         return []
     batch_symbols = {d for t in spec.inputs for d in t.shape[:1] if isinstance(d, str)}
@@ -306,6 +307,8 @@ def preload_symbols(component: str, spec: EngineSpec, buckets: SizeBuckets, prof
         symbols: dict[str, int] = {"h": h // vae_scale_factor, "w": w // vae_scale_factor}
         for sym in batch_symbols:
             symbols[sym] = 2 * profile.batch.opt if sym == "B2" else profile.batch.opt
+        for t in spec.inputs:  # the UNet's context length "S" (long prompts): one-chunk prompts, its min (77)
+            symbols.update({d: t.min[axis] for axis, d in enumerate(t.shape) if d == "S"})
         bound = {d for t in spec.inputs for d in t.shape if isinstance(d, str)}
         if set(symbols) >= bound:
             if (pinned := {k: v for k, v in symbols.items() if k in bound}) not in out:

@@ -45,6 +45,7 @@ latents ``[B, 4, H/8, W/8]``; text embeddings ``[B2, 77, D]``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from collections import OrderedDict
@@ -59,9 +60,11 @@ from tqdm.auto import tqdm
 from ..errors import RuntimeInputError
 from .cuda import HostBuffers, HostImageSink, images_float, images_uint8, nvtx_range, to_pil
 from .engine import Engine
+from .prompt_encoding import PromptReader, TokenChunks, apply_weights, pad_chunks, warn_truncated
 
 if TYPE_CHECKING:
     from .conditioning import ChunkConditioning
+    from .controlnet import ChunkControl, ControlPlan
     from .request import Request
 
 logger = logging.getLogger(__name__)
@@ -110,7 +113,8 @@ def tokenize(tokenizer: Any, texts: Sequence[str], device: torch.device,
 
 
 class EmbeddingCache:
-    """A small LRU of text embeddings [77, D] keyed by (engine, text, dtype): the negative prompts.
+    """A small LRU of text embeddings [k, 77, D] keyed by (engine, text, dtype, syntax, max chunks, clip skip): the
+    negative prompts.
 
     The negative prompt ("" by default) is the same for most requests; caching it spares its text-encoder
     row. Entries are device tensors owned by the cache (clones). Belongs to one pipeline (keys hold the
@@ -132,8 +136,9 @@ class EmbeddingCache:
         self.misses = 0
 
     @staticmethod
-    def key(engine: Engine, text: str, dtype: torch.dtype) -> tuple[int, str, torch.dtype]:
-        return (id(engine), text, dtype)
+    def key(engine: Engine, text: str, dtype: torch.dtype, syntax: str = "a1111", max_chunks: int = 1,
+            clip_skip: int = 0) -> tuple[int, str, torch.dtype, str, int, int]:
+        return (id(engine), text, dtype, syntax, max_chunks, clip_skip)
 
     def get(self, key: Hashable) -> torch.Tensor | None:
         value = self._entries.get(key)
@@ -166,37 +171,68 @@ def encode_prompt_embeds(
     negative_prompts: Sequence[str] | None,
     dtype: torch.dtype,
     cache: EmbeddingCache | None = None,
+    min_chunks: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-prompt text embeddings with ONE text-encoder run over the distinct texts not in ``cache``.
+    """Per-prompt text embeddings with ONE text-encoder run over the chunks of the distinct texts not in ``cache``.
+
+    Long and weighted prompts as :mod:`.prompt_encoding` describes: every text is k_i chunks of 77 tokens, encoded
+    together, weighted, and padded with an empty chunk's states to the request's largest k.
 
     Args:
+        tokenizer: a :class:`~.prompt_encoding.PromptReader`, or a ``CLIPTokenizer`` (= ``PromptReader(tokenizer)``:
+            A1111 syntax, one chunk).
         prompts: P prompts; negative_prompts: P negative prompts, or ``None`` (no CFG).
         dtype: the UNet's ``encoder_hidden_states`` dtype.
         cache: negative-prompt cache; ``None`` = encode everything.
+        min_chunks: pad every text to at least this many chunks (the chunks of given ``prompt_embeds``).
 
     Returns:
-        (positive [P, 77, D], negative [P, 77, D] or ``None``), fresh tensors of ``dtype`` on the engine device.
+        (positive [P, 77 k, D], negative [P, 77 k, D] or ``None``), fresh tensors of ``dtype`` on the engine device.
     """
-    device = text_encoder.device
-    rows: dict[str, torch.Tensor] = {}
+    reader = tokenizer if isinstance(tokenizer, PromptReader) else PromptReader(tokenizer)
     negatives = list(dict.fromkeys(negative_prompts)) if negative_prompts is not None else []
+    keys = {t: EmbeddingCache.key(text_encoder, t, dtype, reader.syntax, reader.max_chunks, reader.clip_skip)
+            for t in negatives}
+    rows: dict[str, torch.Tensor] = {}  # text -> [k_i, 77, D]
     if cache is not None:
-        for text in negatives:
-            hit = cache.get(EmbeddingCache.key(text_encoder, text, dtype))
-            if hit is not None:
-                rows[text] = hit
+        rows = {t: hit for t in negatives if (hit := cache.get(keys[t])) is not None}
     todo = [t for t in dict.fromkeys([*negatives, *prompts]) if t not in rows]
-    if todo:
-        with nvtx_range("text_encoder", device):
-            ids = tokenize(tokenizer, todo, device, negatives=set(negatives) - set(prompts))
-            embeds = _run_rows(text_encoder, "input_ids", ids, "last_hidden_state").to(dtype)
-        for j, text in enumerate(todo):
-            rows[text] = embeds[j]
-            if cache is not None and text in negatives:
-                cache.put(EmbeddingCache.key(text_encoder, text, dtype), embeds[j].clone())
-    positive = torch.stack([rows[p] for p in prompts])
-    negative = torch.stack([rows[n] for n in negative_prompts]) if negative_prompts is not None else None
+    chunks = [reader.chunks(t) for t in todo]
+    warn_truncated(todo, chunks, set(negatives) - set(prompts), reader)
+    counts = {t: r.shape[0] for t, r in rows.items()} | {t: c.chunks for t, c in zip(todo, chunks, strict=True)}
+    k = max(*counts.values(), min_chunks)
+    short = min(counts.values()) < k  # some texts are padded to k chunks with an empty chunk's states
+    run_empty = short and counts.get("") != 1  # "" is exactly one empty chunk: reuse it when it is at hand
+    encoded, empty = _encode_chunks(text_encoder, reader, dict(zip(todo, chunks, strict=True)), run_empty, dtype)
+    rows.update(encoded)
+    if cache is not None:
+        for text in encoded.keys() & keys.keys():  # the negatives just encoded
+            cache.put(keys[text], encoded[text].clone())
+    if short and empty is None:
+        empty = rows[""][0]
+    positive = torch.stack([pad_chunks(rows[p], k, empty) for p in prompts])
+    negative = (torch.stack([pad_chunks(rows[n], k, empty) for n in negative_prompts])
+                if negative_prompts is not None else None)
     return positive, negative
+
+
+def _encode_chunks(text_encoder: Engine, reader: PromptReader, chunks: Mapping[str, TokenChunks], with_empty: bool,
+                   dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """One text-encoder run over every text's chunks (and an empty chunk when ``with_empty``): each text's weighted
+    states [k_i, 77, D] in ``dtype``, and the empty chunk's [77, D] (``None`` without it)."""
+    if not chunks and not with_empty:
+        return {}, None
+    ids = torch.cat([c.ids for c in chunks.values()] + ([reader.empty_chunk()] if with_empty else []))
+    with nvtx_range("text_encoder", text_encoder.device):
+        states = _run_rows(text_encoder, "input_ids", ids.to(text_encoder.device), reader.output)
+    states = reader.states({reader.output: states})
+    rows: dict[str, torch.Tensor] = {}
+    start = 0
+    for text, c in chunks.items():
+        z = states[start : start + c.chunks]
+        start += c.chunks
+        rows[text] = (apply_weights(z, c.weights) if c.weighted else z).to(dtype)
+    return rows, states[-1].to(dtype) if with_empty else None
 
 
 def encode_prompt(
@@ -334,6 +370,7 @@ def denoise_latents(
     callback: StepCallback | None = None,
     conditioning: ChunkConditioning | None = None,
     added_inputs: Mapping[str, torch.Tensor] | None = None,
+    control: ChunkControl | None = None,
 ) -> torch.Tensor:
     """The denoising loop of one chunk; the scheduler has had ``set_timesteps``.
 
@@ -350,6 +387,8 @@ def denoise_latents(
             4-channel blend after each step); ``None`` for text-to-image and image-to-image.
         added_inputs: further UNet inputs, the same every step (SDXL: ``text_embeds`` [B2, E] and ``time_ids``
             [B2, 6], see :mod:`.sdxl`); ``None`` for SD 1.x/2.x.
+        control: ControlNets: the residual inputs of each step (``unet`` is then ``unet_controlnet``, see
+            :mod:`.controlnet`); ``None`` without.
 
     Returns:
         The final latents [b, C, h, w] (a fresh tensor, the scheduler's dtype).
@@ -368,6 +407,11 @@ def denoise_latents(
             latent_model_input = torch.cat([latents] * 2) if do_cfg else latents
             if hasattr(scheduler, "scale_model_input"):
                 latent_model_input = scheduler.scale_model_input(latent_model_input, t)
+            residuals = {}
+            if control is not None:  # ControlNets see the 4-channel input, as diffusers' ControlNet pipelines
+                with nvtx_range("controlnet", device):
+                    residuals = control.residuals(i, len(timesteps), latent_model_input, latents, scheduler, t,
+                                                  timestep_feeds[i], prompt_embeds, added_inputs)
             if conditioning is not None:  # inpainting UNet: cat([latents, mask, masked_image_latents], dim=1)
                 latent_model_input = conditioning.unet_sample(latent_model_input)
             with nvtx_range("unet", device):
@@ -377,6 +421,7 @@ def denoise_latents(
                         "timestep": timestep_feeds[i],
                         "encoder_hidden_states": prompt_embeds,
                         **(added_inputs or {}),
+                        **residuals,
                     }
                 )["noise_pred"]
             with nvtx_range("scheduler", device):
@@ -426,13 +471,15 @@ class LoopEngines:
     copy_stream: Any = None
 
 
-def generate(request: Request, engines: LoopEngines, scheduler: Any) -> Any:
+def generate(request: Request, engines: LoopEngines, scheduler: Any, control: ControlPlan | None = None) -> Any:
     """Run a whole checked request (:meth:`~.request.Request.build`) in any mode: the loop written out once.
 
     Args:
         request: the checked call (prompts, sizes, steps, generator, chunks, mode's conditioning, output type).
         engines: the engines and state it runs on.
         scheduler: a fresh diffusers scheduler (its ``set_timesteps`` is called here).
+        control: the call's ControlNets (:func:`~.controlnet.control_plan`): the loop runs on ``control.unet``;
+            ``None`` = none.
 
     Returns:
         The images in ``request.output_type``: "pil" (list of B ``PIL.Image``), "np" (float32 [B, H, W, 3] in
@@ -443,7 +490,7 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any) -> Any:
     Raises:
         RuntimeInputError: ``num_inference_steps`` the scheduler cannot run (:func:`set_schedule`).
     """
-    unet = engines.unet
+    unet = engines.unet if control is None else control.unet
     device = unet.device
     cond = request.conditioning
     sample_dtype = unet.spec.input("sample").torch_dtype
@@ -459,9 +506,13 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any) -> Any:
                             request.latents)
     # 2. encode prompt: one text-encoder run over the distinct texts, then one row per image
     n = request.num_images_per_prompt
-    positive, negative, added = cond.encode(engines.text_encoder, engines.tokenizer, request.prompts,
-                                            request.negative_prompts if request.do_cfg else None, text_dtype,
-                                            engines.embedding_cache)
+    reader = prompt_reader(engines, request)
+    if request.prompt_embeds is not None:
+        (positive, negative), added = given_embeddings(request, engines, reader, text_dtype), None
+    else:
+        positive, negative, added = cond.encode(engines.text_encoder, reader, request.prompts,
+                                                request.negative_prompts if request.do_cfg else None, text_dtype,
+                                                engines.embedding_cache)
     positive = positive.repeat_interleave(n, dim=0)
     negative = negative.repeat_interleave(n, dim=0) if negative is not None else None
     added = added.repeat_interleave(n) if added is not None else None
@@ -485,6 +536,7 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any) -> Any:
                     extra=step_kwargs(sched, _chunk_generator(request, rows), request.eta), bar=bar,
                     callback=request.callback, conditioning=prepared.rows(rows, request.do_cfg),
                     added_inputs=None if added is None else added.unet_inputs(rows, unet),
+                    control=None if control is None else control.rows(rows, request.batch, n, request.do_cfg),
                 )
             nonfinite = _finish_chunk(final, rows, request.output_type, engines, sink, parts, nonfinite)
     _warn_nonfinite(nonfinite)
@@ -492,6 +544,31 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any) -> Any:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
     host = sink.finish().numpy()
     return to_pil(host) if request.output_type == "pil" else host.copy()  # the host buffer is reused by the next call
+
+
+def prompt_reader(engines: LoopEngines, request: Request) -> PromptReader:
+    """How the request's texts become token chunks: its syntax and clip skip, and as many 77-token chunks as the
+    UNet's ``encoder_hidden_states`` profile allows (77 * ``compile --max-prompt-chunks``)."""
+    length = int(engines.tokenizer.model_max_length)
+    seq_max = engines.unet.spec.input("encoder_hidden_states").max[1]
+    return PromptReader(engines.tokenizer, request.prompt_syntax, max(1, int(seq_max) // length), request.clip_skip)
+
+
+def given_embeddings(request: Request, engines: LoopEngines, reader: PromptReader, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The caller's ``prompt_embeds`` [P, S, D] (and ``negative_prompt_embeds``) in the UNet's dtype and device, as
+    diffusers' ``encode_prompt`` takes them; with CFG and no negative embeddings, the negative prompts are encoded
+    and cut or padded to S / 77 chunks (diffusers pads the negative tokens to ``prompt_embeds.shape[1]``)."""
+    device = engines.unet.device
+    positive = request.prompt_embeds.to(device=device, dtype=dtype)  # type: ignore[union-attr]
+    if not request.do_cfg:
+        return positive, None
+    if request.negative_prompt_embeds is not None:
+        return positive, request.negative_prompt_embeds.to(device=device, dtype=dtype)
+    k = positive.shape[1] // reader.length
+    negative, _ = encode_prompt_embeds(engines.text_encoder, dataclasses.replace(reader, max_chunks=k),
+                                       request.negative_prompts, None, dtype, engines.embedding_cache, min_chunks=k)
+    return positive, negative
 
 
 def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device) -> torch.Tensor:

@@ -19,7 +19,7 @@ has one value across all inputs, so a bad call fails with a message instead of a
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
@@ -158,7 +158,7 @@ class EngineSpec:
         inverse = {base: sym for sym, (base, _) in spec.derived.items() if sym in bound}  # h from H = 8h
         for t in spec.outputs:
             for d in t.shape:
-                if (isinstance(d, str) and d not in bound and d not in inverse
+                if (isinstance(d, str) and d not in bound and d not in inverse and _downsampled(d, bound) is None
                         and not (d in spec.derived and spec.derived[d][0] in bound)):
                     raise ArtifactError(
                         f"component {name!r} output {t.name!r} has dim {d!r} that no input determines "
@@ -270,11 +270,23 @@ class EngineSpec:
                 elif d in self.derived and self.derived[d][0] in symbols:
                     base, factor = self.derived[d]
                     dims.append(symbols[base] * factor)
+                elif (down := _downsampled(d, symbols)) is not None:  # "h/4" = ceil(h / 4)
+                    base, factor = down
+                    dims.append(-(-symbols[base] // factor))
                 else:  # the relation read backwards: h = H // 8
                     sym, (_, factor) = next((k, v) for k, v in self.derived.items() if v[0] == d and k in symbols)
                     dims.append(symbols[sym] // factor)
             shapes[info.name] = tuple(dims)
         return shapes
+
+
+def _downsampled(symbol: str, bound: Collection[str]) -> tuple[str, int] | None:
+    """``("h", 4)`` for the symbol ``"h/4"`` (= ceil(h / 4), a latent size after two stride-2 convolutions, as the
+    ControlNet residuals have) when ``h`` is bound; ``None`` for any other symbol."""
+    base, sep, factor = symbol.partition("/")
+    if not sep or not factor.isdigit() or base not in bound or int(factor) < 1:
+        return None
+    return base, int(factor)
 
 
 @runtime_checkable

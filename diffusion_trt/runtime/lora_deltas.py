@@ -34,24 +34,29 @@ LORA_METADATA_KEY = "lora_adapter_metadata"
 _TEXT_RANK_MODULES = (".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")
 
 
-def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]], unet_config: Any = None
-                ) -> dict[str, dict[str, torch.Tensor]]:
+def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]], unet_config: Any = None,
+                *, device: torch.device | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """``scale * (alpha / r) * B @ A`` per weight the LoRA targets, component by component (peft's delta weight).
 
     Args:
         lora: the checked file and scale.
-        bases: component -> {weight name: base weight}: the layers a LoRA may target.
+        bases: component -> {weight name: base weight}: the layers a LoRA may target (only their shapes are read:
+            ``meta`` tensors do).
         unet_config: SDXL: the UNet's config (``layers_per_block``), to map kohya's SGM block names as
             ``StableDiffusionXLLoraLoaderMixin`` does; ``None`` for SD 1.x/2.x.
+        device: where the LoRA's matrices go and the deltas are computed; ``None`` = the CPU.
 
     Returns:
         component -> {weight name: fp32 delta of the weight's shape}.
 
     Raises:
         LoraError: diffusers cannot convert the file's keys; a LoRA variant refit cannot merge; its layers match
-            none (or only part) of the components' layers (a LoRA for another architecture).
+            none (or only part) of the components' layers (a LoRA for another architecture; the message names the
+            first layer that matches none).
     """
     state, alphas, metadata = _lora_state_dict(lora.path, unet_config)
+    if device is not None:
+        state = {k: v.to(device) for k, v in state.items()}
     expected = sum(1 for k in state if is_down_key(k))
     deltas = {c: _component_deltas(c, state, alphas, metadata, bases[c], lora) for c in bases}
     matched = sum(len(d) for d in deltas.values())
@@ -62,11 +67,31 @@ def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]],
             f"{components} (keys like {next(iter(state), '?')!r}); it was made for another architecture"
         )
     if expected and matched < expected:
+        first = _first_unmatched(state, bases, deltas)
         raise LoraError(
             f"LoRA file {lora.path}: only {matched} of its {expected} LoRA layers match layers of "
-            "this model; it was made for another architecture (merging part of it would give neither model)"
+            f"this model (the first that matches none: {first!r}); it was made for another architecture (merging "
+            "part of it would give neither model)"
         )
     return deltas
+
+
+def _first_unmatched(state: Mapping[str, torch.Tensor], bases: Mapping[str, Any],
+                     deltas: Mapping[str, Mapping[str, torch.Tensor]]) -> str:
+    """The first down-matrix key of ``state`` (file order) whose layer got no delta, for messages; "?" if none is
+    found (a key form this lookup does not know)."""
+    done = {f"{c}.{w.removesuffix('.weight')}" for c, d in deltas.items() for w in d}
+    done |= {w.replace("text_model.", "") for w in done}
+    for key in state:
+        if not is_down_key(key):
+            continue
+        module = key
+        for suffix in (".lora_A.weight", ".lora.down.weight", ".lora_down.weight", ".lora_linear_layer.down.weight"):
+            module = module.removesuffix(suffix)
+        module = module.replace(".processor.", ".").replace("_lora", "")
+        if module.split(".")[0] not in bases or module.replace("text_model.", "") not in done:
+            return key
+    return "?"
 
 
 def _lora_state_dict(path: Path, unet_config: Any) -> tuple[dict[str, torch.Tensor], dict[str, float], Any]:
@@ -120,6 +145,11 @@ def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapp
             scaling = _scaling(config, module) * lora.scale  # fuse_lora's scale_layer: scaling *= lora_scale
             a, b = peft_state[f"{module}.lora_A.weight"], peft_state[f"{module}.lora_B.weight"]
             out[wname] = _delta_weight(a.to(torch.float32), b.to(torch.float32), base[wname], scaling)
+            if tuple(out[wname].shape) != tuple(base[wname].shape):
+                raise LoraError(
+                    f"LoRA file {lora.path}: its layer {comp}.{module} gives a {tuple(out[wname].shape)} update for a "
+                    f"{tuple(base[wname].shape)} weight; it was made for another architecture (other widths)"
+                )
     return out
 
 

@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from ..artifact_reader import OnnxBytes
@@ -50,10 +51,19 @@ from .engine import EngineBase, EngineSpec, _fmt_shape
 
 logger = logging.getLogger(__name__)
 
-#: Held while an engine runs its warm-up/capture calls in CUDA-graph mode: ORT captures in global mode.
-_CAPTURE_LOCK = threading.Lock()
+#: Held while an engine runs its warm-up/capture calls in CUDA-graph mode (its buffers' allocations included) and
+#: while a CUDA session is created: ORT captures in ``cudaStreamCaptureModeGlobal``, where a ``cudaMalloc`` or copy
+#: from any other thread breaks the capture ("operation not permitted when stream is capturing"), and session
+#: creation allocates and copies the weights. Reentrant: :func:`~.loading.warm_up` holds it around a run.
+CAPTURE_LOCK = threading.RLock()
 #: Calls before ORT replays a graph: one regular run (arena allocations), then the capturing run.
 _GRAPH_CAPTURE_RUNS = 2
+
+#: ``graph_optimization_level`` names -> ONNX Runtime's GraphOptimizationLevel member names. Our passes already made
+#: the fusions ORT's extended level looks for; what "all" adds on CUDA is the NHWC layout transformation
+#: (``prefer_nhwc``). See benchmarks/cold_start.py for the session-creation cost of each level.
+OPTIMIZATION_LEVELS: dict[str, str] = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
+                                       "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 
 ConvAlgoSearch = Literal["AUTO", "EXHAUSTIVE", "HEURISTIC", "DEFAULT"]
 CONV_ALGO_SEARCH: tuple[str, ...] = ("AUTO", "EXHAUSTIVE", "HEURISTIC", "DEFAULT")
@@ -82,6 +92,10 @@ _ORT_TYPES: dict[str, str] = {
     "tensor(int32)": "int32",
     "tensor(bool)": "bool",
 }
+
+
+#: torch dtypes of weight inputs -> the numpy type ``IOBinding.bind_input`` takes.
+_NUMPY_DTYPES: dict[torch.dtype, Any] = {torch.float32: np.float32, torch.float16: np.float16}
 
 
 def cuda_graph_refusal(spec: EngineSpec, device: str) -> str | None:
@@ -141,6 +155,13 @@ class OrtEngine(EngineBase):
             (see :mod:`~diffusion_trt.runtime.buckets`); ``spec`` should then be static at those values.
         deterministic: ``SessionOptions.use_deterministic_compute`` (ORT's kernels that have a deterministic
             variant use it; see :mod:`~diffusion_trt.runtime.determinism` for what stays non-deterministic).
+        graph_optimization_level: ONNX Runtime's optimisation at session creation, one of
+            :data:`OPTIMIZATION_LEVELS` ("all" by default); ignored when ``session_options`` are given.
+        weight_inputs: graph inputs that are weights (an ORT ``--refittable`` artifact,
+            :mod:`~diffusion_trt.runtime.lora_slots`): name -> tensor on :attr:`device`, read at every run and bound
+            by pointer (fed as numpy views on the plain CPU path). The mapping is live: whoever owns it may change
+            the tensors' values in place between runs (a CUDA graph replays the addresses bound at capture), never
+            while a run is queued.
 
     Both are applied to ``session_options`` too when one is given.
 
@@ -173,8 +194,11 @@ class OrtEngine(EngineBase):
         source: Callable[[], OnnxBytes] | None = None,
         free_dimensions: Mapping[str, int] | None = None,
         deterministic: bool = False,
+        graph_optimization_level: str = "all",
+        weight_inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.path = Path(path)
+        self._weights: Mapping[str, torch.Tensor] = weight_inputs if weight_inputs is not None else {}
         self._source = source
         component = name or (spec.name if isinstance(spec, EngineSpec) else self.path.parent.name)
         self._spec = spec if isinstance(spec, EngineSpec) else EngineSpec.from_manifest(component, spec, derived)
@@ -186,6 +210,10 @@ class OrtEngine(EngineBase):
                 f"cudnn_conv_algo_search={cudnn_conv_algo_search!r} is unknown; "
                 f"use one of {', '.join(CONV_ALGO_SEARCH)}"
             )
+        if graph_optimization_level not in OPTIMIZATION_LEVELS:
+            raise RuntimeInputError(f"graph_optimization_level={graph_optimization_level!r} is unknown; use one of "
+                                    f"{', '.join(OPTIMIZATION_LEVELS)}")
+        self._optimization_level = graph_optimization_level
         if device == "cuda" and io_binding is False:
             logger.warning("%s: io_binding=False is ignored on CUDA (inputs are bound by pointer)", component)
         self._kind = device
@@ -235,6 +263,8 @@ class OrtEngine(EngineBase):
             source=self._source,
             free_dimensions=free_dimensions,
             deterministic=self._deterministic,
+            graph_optimization_level=self._optimization_level,
+            weight_inputs=self._weights,
         )
 
     # -- Engine protocol -------------------------------------------------------------------------------
@@ -295,7 +325,10 @@ class OrtEngine(EngineBase):
         symbols = self.validate(feeds)
         shapes = self._spec.output_shapes(symbols)
         if self._graph:
-            return self._run_graph(feeds, shapes)
+            # the capturing runs allocate their buffers under the lock too: no other thread's CUDA call may land
+            # inside ORT's global-mode capture
+            with CAPTURE_LOCK if self._graph_runs < _GRAPH_CAPTURE_RUNS else contextlib.nullcontext():
+                return self._run_graph(feeds, shapes)
         if self._io_binding:
             return self._run_bound(feeds, shapes)
         return self._run_plain(feeds, shapes)
@@ -366,6 +399,16 @@ class OrtEngine(EngineBase):
             )
         data = self._source() if self._source is not None else None  # read (and hashed) before any session
         model: str | bytes = data.model if data is not None else str(self.path)
+        with CAPTURE_LOCK if self._kind == "cuda" else contextlib.nullcontext():
+            session = self._create_session(ort, model, data, providers)
+        self._finish_open(ort, session)
+
+    def _create_session(self, ort: Any, model: str | bytes, data: OnnxBytes | None, providers: list[Any]) -> Any:
+        """The InferenceSession (a refused CUDA graph: again without it, after one warning).
+
+        Raises:
+            ArtifactError: ONNX Runtime cannot load the model.
+        """
         try:
             try:
                 session = ort.InferenceSession(model, sess_options=self._make_session_options(data),
@@ -381,6 +424,10 @@ class OrtEngine(EngineBase):
                 f"engine {self._name!r}: ONNX Runtime could not load {self.path}: {e}; "
                 "check the file (`diffusion-trt verify`) or recompile the artifact"
             ) from e
+        return session
+
+    def _finish_open(self, ort: Any, session: Any) -> None:
+        """Check the new session (CUDA provider in use, I/O as the manifest says) and keep it."""
         if self._kind == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
             raise ArtifactError(
                 f"engine {self._name!r}: the CUDA execution provider failed to initialise (session providers: "
@@ -427,7 +474,8 @@ class OrtEngine(EngineBase):
             )
         if so is None:
             so = ort.SessionOptions()
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            so.graph_optimization_level = getattr(ort.GraphOptimizationLevel,
+                                                  OPTIMIZATION_LEVELS[self._optimization_level])
             so.log_severity_level = 2  # warning
             if self._threads is not None:
                 so.intra_op_num_threads = self._threads
@@ -447,7 +495,7 @@ class OrtEngine(EngineBase):
             ("inputs", session.get_inputs(), self._spec.inputs),
             ("outputs", session.get_outputs(), self._spec.outputs),
         ):
-            graph = {a.name: _ORT_TYPES.get(a.type, a.type) for a in graph_args}
+            graph = {a.name: _ORT_TYPES.get(a.type, a.type) for a in graph_args if a.name not in self._weights}
             manifest = {t.name: t.dtype for t in infos}
             if graph != manifest:
                 raise ArtifactError(
@@ -457,6 +505,7 @@ class OrtEngine(EngineBase):
 
     def _run_plain(self, feeds: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
         arrays = {n: t.detach().contiguous().numpy() for n, t in feeds.items()}
+        arrays.update({n: t.numpy() for n, t in self._weights.items()})
         values = self._session.run(list(self.output_names), arrays, self._run_options)
         out: dict[str, torch.Tensor] = {}
         for name, value in zip(self.output_names, values, strict=True):
@@ -492,6 +541,7 @@ class OrtEngine(EngineBase):
             t = feeds[info.name].detach().contiguous()
             live[info.name] = t
             binding.bind_input(info.name, kind, dev, info.numpy_dtype.type, tuple(t.shape), t.data_ptr())
+        self._bind_weights(binding)
         for info in self._spec.outputs:
             buf, new = self._output_buffer(info.name, shapes[info.name])
             if new:
@@ -505,6 +555,11 @@ class OrtEngine(EngineBase):
         # freed to torch's caching allocator is only reused in stream order anyway; this is belt and braces.)
         self._live_inputs = live
         return {info.name: self._outputs[info.name] for info in self._spec.outputs}
+
+    def _bind_weights(self, binding: Any) -> None:
+        """Bind every weight input by pointer (see ``weight_inputs``)."""
+        for name, t in self._weights.items():
+            binding.bind_input(name, self._kind, self._device_id, _NUMPY_DTYPES[t.dtype], tuple(t.shape), t.data_ptr())
 
     def _run_graph(self, feeds: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
         """CUDA-graph mode: copy feeds into the engine-owned input buffers (bound once), then run/capture/replay."""
@@ -536,13 +591,14 @@ class OrtEngine(EngineBase):
             for info in self._spec.inputs:
                 buf = self._static_inputs[info.name]
                 binding.bind_input(info.name, kind, dev, info.numpy_dtype.type, tuple(buf.shape), buf.data_ptr())
+            self._bind_weights(binding)
             for info in self._spec.outputs:
                 buf, _ = self._output_buffer(info.name, shapes[info.name])
                 binding.bind_output(info.name, kind, dev, info.numpy_dtype.type, tuple(buf.shape), buf.data_ptr())
             self._graph_bound = True
         capturing = self._graph_runs < _GRAPH_CAPTURE_RUNS
         try:
-            with _CAPTURE_LOCK if capturing else contextlib.nullcontext():
+            with CAPTURE_LOCK if capturing else contextlib.nullcontext():
                 self._session.run_with_iobinding(binding, self._run_options)
         except Exception as e:  # ORT's capture failures come as its own exception types
             if not capturing:

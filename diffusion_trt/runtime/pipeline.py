@@ -19,6 +19,7 @@ needs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -40,16 +41,19 @@ from ..errors import ArtifactError, LoraError, RuntimeInputError
 from . import denoise
 from .buckets import SizeBuckets, bucket_engines, parse_size_buckets
 from .call_guard import CallGuard, one_call_at_a_time
+from .controlnet import DEFAULT_CONTROL_SCALE, ControlPlan, control_components, control_plan
 from .cuda import HostBuffers
 from .denoise import EmbeddingCache, Generator, StepCallback
 from .determinism import compile_time_note, deterministic_torch
 from .engine import Engine
 from .geometry import LatentGeometry
 from .image_inputs import ImageRequest
+from .loading import OpenTogether
+from .lora_slots import apply_loras, load_slots, lora_list
 from .png import save_png
 from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text
 from .residency import Residency
-from .schedulers import make_scheduler, short_name
+from .schedulers import import_scheduler_class, make_scheduler, scheduler_for, short_name
 from .sdxl import SDXL_COMPONENTS
 
 __all__ = ["OUTPUT_TYPES", "SDXL_ARGUMENTS", "EnginePipeline", "EnginePipelineOutput", "LoadOptions", "check_text",
@@ -122,8 +126,9 @@ class EnginePipeline:
     Build it with :meth:`from_artifacts`; the constructor is for engines you made yourself.
 
     Threads: one call at a time. Like diffusers' pipelines, a pipeline is not thread-safe (its engines reuse their
-    buffers, the VAE encoder opens on the first image call); a call (or ``load_lora``, ``set_scheduler``,
-    ``engine``, ``close``) made while another one runs, from another thread or from the running call's ``callback``,
+    buffers, the VAE encoder opens on the first image call); a call (or ``load_lora``, ``unload_lora``,
+    ``set_scheduler``, ``engine``, ``close``) made while another one runs, from another thread or from the running
+    call's ``callback``,
     is refused at once with :class:`~diffusion_trt.errors.PipelineBusyError` (a ``RuntimeError``) and runs
     nothing; the running call is not disturbed. To call from several threads, put one ``threading.Lock`` around the
     calls (they then run one after the other), or load one pipeline per thread (see :mod:`~.call_guard`).
@@ -181,10 +186,9 @@ class EnginePipeline:
         self.architecture = str(model.get("architecture", "sd"))
         self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
         _check_tokenizers(model, self.architecture, tokenizer, tokenizer_2)
-        self._scheduler_config = check_scheduler_config(scheduler_config)  # before diffusers allocates anything
-        self._default_scheduler_class = self.manifest.get("scheduler", {}).get("class_name") or str(
-            scheduler_config.get("_class_name", "")
-        )
+        self._default_scheduler_class = _scheduler_class_name(self.manifest, scheduler_config)
+        # before diffusers allocates anything: values typed, bounded and accepted by the class that is built
+        self._scheduler_config = check_scheduler_config(scheduler_config, class_name=self._default_scheduler_class)
         self._scheduler_template: Any = None
         self._scheduler_name = ""
         self.set_scheduler(scheduler)
@@ -201,7 +205,8 @@ class EnginePipeline:
             self._stack.close()
             raise
         #: engines entered on first use (see LAZY_COMPONENTS)
-        self._lazy: dict[str, Engine] = {n: engines[n] for n in LAZY_COMPONENTS if n in engines}
+        self._lazy: dict[str, Engine] = {n: engines[n] for n in (*LAZY_COMPONENTS, *control_components(list(engines)))
+                                         if n in engines}
         self.device: torch.device = unet.device
         #: SDXL: negative_prompt=None gives zero negative embeddings (model_index.json force_zeros_for_empty_prompt)
         self.request_spec = RequestSpec(self.profile, self.geometry, self.architecture,
@@ -211,6 +216,9 @@ class EnginePipeline:
         #: the LoRA :meth:`load_lora` refitted (``{"file", "sha256", "scale"}``), ``None`` = the compiled weights
         self.lora: dict[str, Any] | None = None
         self._lora_weights: dict[str, dict[str, Any]] = {}  # what the last refit changed, per component
+        #: ORT --refittable: the weight inputs of the UNet / text encoder(s) (runtime/lora_slots.py); {} otherwise
+        self._weight_slots: Mapping[str, Any] = {}
+        self._trt_lora_path: Path | None = None  # TensorRT: the LoRA refitted last (unload_lora refits it at 0)
         # "pil"/"np" results land in pinned host buffers kept across calls, copied on a side stream
         self._host_buffers = HostBuffers(pin=self.device.type == "cuda" and torch.cuda.is_available())
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._host_buffers.pin else None
@@ -328,9 +336,9 @@ class EnginePipeline:
 
     @classmethod
     def _from_reader(cls, reader: ArtifactReader, options: LoadOptions) -> EnginePipeline:
-        """:meth:`from_artifacts` on an open reader: every file comes through it (one folder, hashed bytes)."""
-        from transformers import CLIPTokenizer
-
+        """:meth:`from_artifacts` on an open reader: every file comes through it (one folder, hashed bytes); the
+        text-to-image engines of an ONNX Runtime artifact open side by side while the tokenizers and the scheduler
+        config are read (:class:`~.loading.OpenTogether`)."""
         root, manifest = reader.root, reader.manifest
         device = _check_device(root, manifest, options.device)
         _check_device_id(device, options.device_id)
@@ -340,21 +348,33 @@ class EnginePipeline:
 
             residency = plan_for_request(options.vram_budget, manifest, root, txt2img_components(manifest),
                                          options.vram_request, options.memory_facts)
-        tokenizer = _tokenizer(reader, str(manifest.get("tokenizer", "tokenizer")), "tokenizer", CLIPTokenizer)
-        tokenizer_2 = None
-        if manifest.get("model", {}).get("architecture") == "sdxl":
-            tokenizer_2 = _tokenizer(reader, str(manifest.get("tokenizer_2", "tokenizer_2")), "SDXL tokenizer_2",
-                                     CLIPTokenizer)
         sched = manifest.get("scheduler", {})
         scheduler_config = reader.json(str(sched.get("config", "scheduler/scheduler_config.json")))
+        class_name = _scheduler_class_name(manifest, scheduler_config)  # refused here, before any engine opens
+        scheduler_for(check_scheduler_config(scheduler_config, class_name=class_name), options.scheduler, class_name)
         stream: torch.cuda.Stream | None = None
         if device == "cuda" and torch.cuda.is_available():
             # one stream shared by ONNX Runtime and torch: the loop runs without host syncs
             stream = torch.cuda.Stream(device=torch.device("cuda", options.device_id))
-        engines = _open_engines(reader, device, options, stream, residency)
-        pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=options.scheduler, stream=stream,
-                   root=root, tokenizer_2=tokenizer_2)
+        slots = load_slots(reader, device, options.device_id)  # ORT --refittable: LoRA per request
+        engines = _open_engines(reader, device, options, stream, residency, slots)
+        together = {n: engines[n] for n in txt2img_components(manifest)} if _opens_together(manifest, residency) else {}
+        with OpenTogether(together, warm=device == "cuda") as opening:  # the engines load while the rest is read
+            from transformers import CLIPTokenizer
+
+            tokenizer = _tokenizer(reader, str(manifest.get("tokenizer", "tokenizer")), "tokenizer", CLIPTokenizer)
+            tokenizer_2 = None
+            if manifest.get("model", {}).get("architecture") == "sdxl":
+                tokenizer_2 = _tokenizer(reader, str(manifest.get("tokenizer_2", "tokenizer_2")), "SDXL tokenizer_2",
+                                         CLIPTokenizer)
+            # diffusers' import (seconds) while the engines load; the values were checked above
+            import_scheduler_class(scheduler_config, options.scheduler if isinstance(options.scheduler, str) else None,
+                                   class_name)
+            opening.wait()
+            pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=options.scheduler, stream=stream,
+                       root=root, tokenizer_2=tokenizer_2)
         pipe.residency = residency
+        pipe._weight_slots = slots
         pipe.deterministic = bool(options.deterministic)
         logger.info("loaded %s (%s, %s, %s; profile %s; scheduler %s)", root, manifest.get("backend"),
                     manifest.get("precision"), device, manifest["profile"], pipe.scheduler_name)
@@ -387,12 +407,21 @@ class EnginePipeline:
 
     @one_call_at_a_time("load_lora()")
     def load_lora(
-        self, path: str | os.PathLike[str], scale: float = 1.0, *, model_dir: str | os.PathLike[str] | None = None,
-        trust_pickle: bool = False,
+        self, path: str | os.PathLike[str] | Sequence[Any], scale: float = 1.0, *,
+        model_dir: str | os.PathLike[str] | None = None, trust_pickle: bool = False,
     ) -> dict[str, Any]:
-        """Refit the engines to the compiled (base) weights plus ``scale`` x this LoRA: TensorRT ``--refittable``
-        artifacts only. Every call starts from the base weights, never from the previous LoRA; ``scale=0`` gives
-        the base output.
+        """Use the compiled (base) weights plus ``scale`` x this LoRA (or several) from now on, without a recompile:
+        artifacts compiled with ``--refittable``. Every call starts from the base weights, never from the previous
+        LoRA; ``scale=0`` gives the base output; :meth:`unload_lora` goes back to the base.
+
+        ONNX Runtime ``--refittable`` artifacts (:mod:`~diffusion_trt.runtime.lora_slots`): ``path`` may be a list
+        of paths, ``"FILE:SCALE"`` strings or ``(path, scale)`` pairs, applied together (``W + sum(scale_i *
+        delta_i)``); the base weights come from the artifact (``model_dir`` is not read); the deltas are computed
+        on the engines' device and the weight inputs updated in place. Everything is checked before any weight
+        changes: a refused LoRA leaves the pipeline as it was. Returns ``{"loras": [{"file", "sha256", "scale"}],
+        "changed": {component: weights changed}}``.
+
+        TensorRT ``--refittable`` artifacts: one LoRA, refitted as follows.
 
         How (see :mod:`diffusion_trt.runtime.refit`): the base weights of the UNet and text encoder(s) are read from
         ``model_dir``'s safetensors (checked weight by weight against the artifact's refit maps; no model class is
@@ -401,9 +430,9 @@ class EnginePipeline:
         the ONNX initializers whose value changed (and those the previous LoRA changed) are refitted with
         ``tensorrt.Refitter``. Takes seconds (weights read + refit); the CUDA graphs are re-captured on the next call.
 
-        ONNX Runtime artifacts are refused: their sessions cannot swap weights in place (a new session per LoRA
-        would re-run graph optimisation and double the memory while it loads); merge the LoRA at compile time
-        with ``diffusion-trt compile MODEL --lora FILE:SCALE`` instead.
+        ONNX Runtime artifacts compiled without ``--refittable`` are refused (their weights are constants of the
+        session): recompile with ``--refittable``, or merge the LoRA with ``diffusion-trt compile MODEL --lora
+        FILE:SCALE``.
 
         Args:
             path: a ``.safetensors`` LoRA (the LoRA formats diffusers' ``load_lora_weights`` reads; DoRA, LoKr and
@@ -418,9 +447,10 @@ class EnginePipeline:
 
         Raises:
             LoraError: a missing / non-safetensors file or a bad scale; the file merged into the artifact at compile
-                time already (applying it again would double it); an ORT artifact; a TensorRT artifact built without
-                ``--refittable``; a model folder that is missing or not the artifact's source; a LoRA changing
-                weights the engines cannot refit; pickle weights in the model folder without ``trust_pickle``.
+                time already (applying it again would double it); an artifact built without ``--refittable``;
+                several LoRAs on TensorRT; TensorRT: a model folder that is missing or not the artifact's source, a
+                LoRA changing weights the engines cannot refit, pickle weights in the model folder without
+                ``trust_pickle``; ORT: see :func:`~.lora_slots.apply_loras`.
             PipelineBusyError: a call of this pipeline is running (see "Threads" in the class docstring).
         """
         from ..lora import check_lora_file
@@ -428,7 +458,10 @@ class EnginePipeline:
 
         if self._closed:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
-        lora = check_lora_file(path, scale)
+        if self._weight_slots:
+            return self._load_lora_inputs(path, scale)
+        specs = lora_list(path, scale)
+        lora = check_lora_file(*specs[0])
         for rec in self.manifest.get("loras", []):
             if rec.get("sha256") == lora.sha256:
                 raise LoraError(
@@ -438,10 +471,13 @@ class EnginePipeline:
         backend = self.manifest.get("backend")
         if backend != "tensorrt":
             raise LoraError(
-                f"load_lora refits TensorRT engines built with --refittable; this is a {backend!r} artifact, whose "
-                f"ONNX Runtime sessions cannot swap weights in place: merge the LoRA at compile time with "
-                f"`diffusion-trt compile MODEL --lora {lora.path.name}:{lora.scale:g}`"
+                f"LoRA {lora.path.name}: this {backend!r} artifact was compiled without --refittable (its weights are "
+                f"constants of the ONNX Runtime sessions); recompile with `diffusion-trt compile MODEL --refittable`, "
+                f"or merge the LoRA at compile time with `diffusion-trt compile MODEL --lora "
+                f"{lora.path.name}:{lora.scale:g}`"
             )
+        if len(specs) > 1:
+            raise LoraError("several LoRAs at once: ONNX Runtime --refittable artifacts only; TensorRT refit takes one")
         comps = {c: e for c, e in self.manifest["components"].items() if e.get("refit_map") and c in self.engines}
         if not comps:
             raise LoraError(
@@ -463,10 +499,49 @@ class EnginePipeline:
                 )
         self.embedding_cache.clear()  # the text encoder may have changed
         self._lora_weights = weights
+        self._trt_lora_path = lora.path
         self.lora = {**lora.record({}), "refitted": {c: len(v) for c, v in weights.items()}}
         self.lora.pop("layers")
         logger.info("LoRA %s (scale %g): refitted %s", lora.path.name, lora.scale, self.lora["refitted"])
         return dict(self.lora)
+
+    def _load_lora_inputs(self, path: Any, scale: Any) -> dict[str, Any]:
+        """:meth:`load_lora` on an ONNX Runtime ``--refittable`` artifact (see :mod:`~.lora_slots`)."""
+        from ..lora import check_lora_file
+
+        files = [check_lora_file(p, s) for p, s in lora_list(path, scale)]
+        merged = {rec.get("sha256"): rec for rec in self.manifest.get("loras", [])}
+        for lora in files:
+            if lora.sha256 in merged:
+                raise LoraError(
+                    f"LoRA {lora.path.name} is merged into this artifact already (compile --lora, scale "
+                    f"{merged[lora.sha256].get('scale')}); loading it again would apply it twice"
+                )
+        changed = apply_loras(self._weight_slots, files)
+        self.embedding_cache.clear()  # the text encoder may have changed
+        records = [{"file": f.path.name, "sha256": f.sha256, "scale": f.scale} for f in files]
+        self.lora = {"loras": records, "changed": changed}
+        logger.info("LoRA %s: %s", " + ".join(f"{f.path.name}:{f.scale:g}" for f in files), changed)
+        return dict(self.lora)
+
+    @one_call_at_a_time("unload_lora()")
+    def unload_lora(self) -> None:
+        """Back to the compiled (base) weights (a no-op when no LoRA is loaded): ONNX Runtime ``--refittable``
+        artifacts bind the base tensors again (bit for bit); TensorRT ones refit the last LoRA at scale 0.
+
+        Raises:
+            LoraError: as :meth:`load_lora` (TensorRT: the model folder it reads the base weights from).
+            PipelineBusyError: a call of this pipeline is running (see "Threads" in the class docstring).
+        """
+        if not self._weight_slots:
+            if self.lora is not None:  # load_lora itself, under the guard this method holds already
+                EnginePipeline.load_lora.__wrapped__(self, self._trt_lora_path, 0.0)  # type: ignore[attr-defined]
+                self.lora = None
+            return
+        for slots in self._weight_slots.values():
+            slots.bind({})
+        self.embedding_cache.clear()
+        self.lora = None
 
     # -- lifecycle --------------------------------------------------------------------------------------
 
@@ -515,7 +590,7 @@ class EnginePipeline:
     @one_call_at_a_time("a call")
     def __call__(
         self,
-        prompt: str | Sequence[str],
+        prompt: str | Sequence[str] | None = None,
         negative_prompt: str | Sequence[str] | None = None,
         num_inference_steps: int = 50,
         guidance_scale: float | None = None,
@@ -540,12 +615,22 @@ class EnginePipeline:
         negative_original_size: tuple[int, int] | None = None,
         negative_crops_coords_top_left: tuple[int, int] = (0, 0),
         negative_target_size: tuple[int, int] | None = None,
+        prompt_syntax: str = "a1111",
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        clip_skip: int | None = None,
+        control_image: Any = None,
+        controlnet: str | Sequence[str] | None = None,
+        controlnet_conditioning_scale: float | Sequence[float] | None = None,
+        control_guidance_start: float | Sequence[float] = 0.0,
+        control_guidance_end: float | Sequence[float] = 1.0,
+        guess_mode: bool = False,
     ) -> EnginePipelineOutput:
         """Generate images from text, as ``diffusers.StableDiffusionPipeline.__call__``; with ``image`` as
         ``StableDiffusionImg2ImgPipeline``, with ``image`` and ``mask_image`` as ``StableDiffusionInpaintPipeline``.
 
         Args:
-            prompt: one prompt or a list of P prompts.
+            prompt: one prompt or a list of P prompts; ``None`` with ``prompt_embeds``.
             negative_prompt: ``None`` (= ""), one string for every prompt, or P strings. Ignored when
                 ``guidance_scale <= 1`` (no classifier-free guidance).
             num_inference_steps: scheduler steps, >= 1.
@@ -588,6 +673,31 @@ class EnginePipeline:
                 target_size`` (diffusers' ``_get_add_time_ids``); sizes default to (height, width).
             negative_original_size, negative_crops_coords_top_left, negative_target_size: SDXL: the time ids of the
                 negative rows, used only when both sizes are given (else the prompt's), as diffusers.
+            prompt_syntax: "a1111" (default): A1111's weights ``(text)`` x1.1, ``[text]`` /1.1, ``(text:1.3)``,
+                escapes ``\\(``, and ``BREAK``; "plain": the text as it is
+                (:mod:`~diffusion_trt.runtime.prompt_syntax`).
+                Either way a prompt longer than 75 tokens is encoded in 75-token chunks, as many as the artifact
+                allows (``compile --max-prompt-chunks``; :mod:`~diffusion_trt.runtime.prompt_encoding`). SD 1.x/2.x
+                only: SDXL artifacts read prompts as before (one chunk, no weights).
+            prompt_embeds: instead of ``prompt``, as diffusers: text embeddings [P, 77 k, D] (any float dtype and
+                device; e.g. compel's), k chunks within the artifact's range (``compile --max-prompt-chunks``), D the
+                UNet's cross-attention width. Repeated ``num_images_per_prompt`` times. SD 1.x/2.x artifacts only.
+            negative_prompt_embeds: with ``prompt_embeds``, instead of ``negative_prompt``: the same shape. Without
+                it, CFG encodes ``negative_prompt`` ("" by default) cut or padded to k chunks (diffusers pads its
+                tokens to ``prompt_embeds.shape[1]``).
+            clip_skip: diffusers' ``clip_skip``: the text states ``final_layer_norm(hidden_states[-(clip_skip + 1)])``
+                (1 = the penultimate layer, A1111's "Clip skip 2"), for prompts and negative prompts alike (diffusers'
+                ``encode_prompt`` gives the negative prompt the last layer); ``None``/0 = the last layer. Up to
+                ``compile --max-clip-skip`` (2 by default; the engine's ``clip_skip_states`` output). Not used with
+                ``prompt_embeds`` for the prompt. SD 1.x/2.x only.
+            control_image, controlnet, controlnet_conditioning_scale, control_guidance_start, control_guidance_end,
+                guess_mode: ControlNets (an artifact compiled with ``--controlnet``), as diffusers'
+                ``StableDiffusionControlNetPipeline``: one control image (or a list, one per ControlNet named in
+                ``controlnet``, default the artifact's only one) of the output size, scales (default as diffusers'
+                pipeline of the mode: 1.0 text-to-image, 0.8 image-to-image, 0.5 inpainting) and the guidance window
+                per ControlNet or for all; see :func:`~diffusion_trt.runtime.controlnet.control_plan`. As in
+                diffusers' text-to-image ControlNet pipeline, ``image=`` is the control image when ``controlnet`` is
+                given without ``control_image`` and ``mask_image``.
 
         Returns:
             :class:`EnginePipelineOutput` with ``images``, ``seed`` and ``parameters``.
@@ -601,6 +711,8 @@ class EnginePipeline:
         """
         if self._closed:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
+        if controlnet is not None and control_image is None and image is not None and mask_image is None:
+            control_image, image = image, None  # diffusers' StableDiffusionControlNetPipeline(image=control image)
         request = Request.build(
             self.request_spec, {**self._lazy, **self.engines}, prompt, negative_prompt, num_inference_steps,
             guidance_scale, generator, seed, height, width, num_images_per_prompt, latents, output_type, progress,
@@ -609,13 +721,28 @@ class EnginePipeline:
             crops_coords_top_left=crops_coords_top_left, target_size=target_size,
             negative_original_size=negative_original_size,
             negative_crops_coords_top_left=negative_crops_coords_top_left, negative_target_size=negative_target_size,
+            prompt_syntax=prompt_syntax, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
+            clip_skip=clip_skip,
         )
+        if controlnet_conditioning_scale is None:  # the default of diffusers' ControlNet pipeline of the mode
+            controlnet_conditioning_scale = DEFAULT_CONTROL_SCALE[getattr(request.conditioning, "mode", "txt2img")]
+        control = control_plan({**self._lazy, **self.engines}, control_image, controlnet,
+                               controlnet_conditioning_scale, control_guidance_start, control_guidance_end,
+                               guess_mode, request.height, request.width, len(request.prompts))
         if isinstance(request.conditioning, ImageRequest):
             self._engine("vae_encoder")  # opened on first use, after the checks
-        images = self._generate(request)
+        if control is not None:  # the ControlNet engines, opened on first use
+            control = self._open_control(control)
+        images = self._generate(request, control)
         return EnginePipelineOutput(images=images, seed=request.seed, parameters=self._parameters(request))
 
-    def _generate(self, request: Request) -> Any:
+    def _open_control(self, control: ControlPlan) -> ControlPlan:
+        """``control`` on the entered engines (``unet_controlnet`` and its ControlNets entered on first use)."""
+        unet = self._engine(control.unet.name)  # inside the call: its guard is held already
+        units = tuple(dataclasses.replace(u, engine=self._engine(u.engine.name)) for u in control.units)
+        return dataclasses.replace(control, unet=unet, units=units)
+
+    def _generate(self, request: Request, control: ControlPlan | None = None) -> Any:
         """Run ``request`` on this pipeline's stream (and VRAM budget); the images of :func:`.denoise.generate`."""
         if self.residency is not None:  # the budget at this size and batch (refused before anything runs)
             self.residency.begin(request.height, request.width, request.batch)
@@ -625,7 +752,7 @@ class EnginePipeline:
             stream.wait_stream(caller)  # inputs the caller enqueued (latents, generator state) come first
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
                 deterministic_torch(self.deterministic):
-            images = denoise.generate(request, self.loop_engines(request.output_type), self.scheduler)
+            images = denoise.generate(request, self.loop_engines(request.output_type), self.scheduler, control)
         if self.residency is not None:
             self.residency.end()  # per-stage engines released (after a failed call: by the next one, or close)
         if caller is not None and stream is not None and isinstance(images, torch.Tensor):
@@ -709,6 +836,8 @@ class LoadOptions:
             sessions specialised per shape (see :mod:`~diffusion_trt.runtime.buckets`): ``"auto"`` (any size, up
             to 4 shapes), a list of sizes (``"512x512,768x768"`` or ``[(512, 512)]``; opened now at the opt
             batch), or ``None`` (off). Ignored, with a warning, for static and TensorRT artifacts.
+        graph_optimization_level: ONNX Runtime artifacts: the graph optimisation each session makes when it is created
+            ("disable", "basic", "extended", "all"; see :data:`~diffusion_trt.runtime.ort_engine.OPTIMIZATION_LEVELS`).
     """
 
     device: str | None = None
@@ -725,6 +854,7 @@ class LoadOptions:
     memory_facts: str | os.PathLike[str] | None = None
     deterministic: bool = False
     size_buckets: str | Sequence[tuple[int, int]] | SizeBuckets | None = None
+    graph_optimization_level: str = "all"
 
     def __post_init__(self) -> None:
         """Refuse option values of the wrong type or range before anything loads (they failed later as a damaged
@@ -746,6 +876,11 @@ class LoadOptions:
                                     "default) or None")
         if not isinstance(self.deterministic, bool):
             raise RuntimeInputError(f"deterministic={self.deterministic!r} must be True or False")
+        from .ort_engine import OPTIMIZATION_LEVELS
+
+        if self.graph_optimization_level not in OPTIMIZATION_LEVELS:
+            raise RuntimeInputError(f"graph_optimization_level={self.graph_optimization_level!r} is unknown; use one "
+                                    f"of {', '.join(OPTIMIZATION_LEVELS)}")
         _check_option_types(self)
 
 
@@ -842,6 +977,14 @@ def _check_device_id(device: str, device_id: int) -> None:
                                 f"{count - 1}")
 
 
+def _scheduler_class_name(manifest: Mapping[str, Any], scheduler_config: Mapping[str, Any]) -> str:
+    """The artifact's scheduler class: the manifest's ``scheduler.class_name``, else the config's ``_class_name``."""
+    sched = manifest.get("scheduler")
+    named = sched.get("class_name") if isinstance(sched, Mapping) else None
+    own = scheduler_config.get("_class_name") if isinstance(scheduler_config, Mapping) else None
+    return str(named or own or "")
+
+
 def _profile(manifest: Mapping[str, Any]) -> ShapeProfile:
     """The manifest's shape profile.
 
@@ -917,7 +1060,7 @@ def _check_device(root: Path, manifest: Mapping[str, Any], device: str | None) -
 
 
 def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, stream: torch.cuda.Stream | None,
-                  residency: Residency | None) -> dict[str, Engine]:
+                  residency: Residency | None, weight_slots: Mapping[str, Any] | None = None) -> dict[str, Engine]:
     """The artifact's engines (unopened), as ``options`` and the VRAM plan ``residency`` say."""
     manifest = reader.manifest
     backend = str(manifest["backend"])
@@ -942,14 +1085,15 @@ def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, str
     else:
         if options.deterministic and (note := compile_time_note(manifest, device)) is not None:
             logger.warning("%s", note)
-        engines = _ort_engines(reader, device, options, stream, derived, bool(cuda_graph), residency)
+        engines = _ort_engines(reader, device, options, stream, derived, bool(cuda_graph), residency,
+                               weight_slots or {})
         engines = bucket_engines(engines, buckets, manifest, device, options.cuda_graph)
     return residency.wrap(engines) if residency is not None else engines
 
 
 def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stream: torch.cuda.Stream | None,
                  derived: Mapping[str, tuple[str, int]], cuda_graph: bool,
-                 residency: Residency | None) -> dict[str, Engine]:
+                 residency: Residency | None, weight_slots: Mapping[str, Any]) -> dict[str, Engine]:
     """The ONNX Runtime engines of a verified artifact, with the CUDA provider options of each component."""
     from .ort_engine import OrtEngine
 
@@ -975,6 +1119,8 @@ def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stre
             cuda_graph=cuda_graph,
             source=functools.partial(reader.onnx, str(entry["onnx"])),
             deterministic=options.deterministic,
+            graph_optimization_level=options.graph_optimization_level,
+            weight_inputs=weight_slots.get(name),
         )
     return engines
 
@@ -1037,6 +1183,13 @@ def _tokenizer(reader: ArtifactReader, rel: str, what: str, tokenizer_class: Any
                                 ) from None
 
 
+def _opens_together(manifest: Mapping[str, Any], residency: Residency | None) -> bool:
+    """Whether ``from_artifacts`` opens the text-to-image engines side by side (:mod:`~.loading`): ONNX Runtime
+    artifacts without a VRAM budget (a budget opens engines per stage; TensorRT engines share one activation
+    allocation and are opened in turn)."""
+    return manifest.get("backend") == "ort" and residency is None
+
+
 def txt2img_components(manifest: Mapping[str, Any]) -> tuple[str, ...]:
     """The components the text-to-image loop opens: :data:`TXT2IMG_COMPONENTS`, with ``text_encoder_2`` for an SDXL
     artifact (``model.architecture == "sdxl"``; absent = "sd")."""
@@ -1056,4 +1209,4 @@ def _components_to_open(manifest: Mapping[str, Any]) -> tuple[str, ...]:
             f"the artifact has only the component(s) {sorted(have)} and lacks {missing}, which generating images "
             "needs (it was compiled with --components); recompile without --components"
         )
-    return (*txt2img_components(manifest), *(c for c in LAZY_COMPONENTS if c in have))
+    return (*txt2img_components(manifest), *(c for c in LAZY_COMPONENTS if c in have), *control_components(list(have)))

@@ -32,6 +32,7 @@ from .denoise import Generator, StepCallback
 from .engine import Engine
 from .geometry import LatentGeometry
 from .host_memory import check_host_memory
+from .prompt_syntax import SYNTAXES
 
 OUTPUT_TYPES: tuple[str, ...] = ("pil", "np", "pt", "latent")
 _MAX_SEED = 2**63 - 1
@@ -83,7 +84,12 @@ class Request:
         chunks: the image ranges run one after another (engine-sized).
         conditioning: what the mode adds to the loop (:class:`~.conditioning.Conditioning`).
         progress, callback: a tqdm bar over the steps; the per-step callback.
-        given: the arguments as given (prompt, negative_prompt, SDXL extras), for the output's parameters.
+        given: the arguments as given (prompt, negative_prompt, SDXL extras, a clip skip, a plain prompt syntax), for
+            the output's parameters.
+        prompt_syntax: how prompts are read: "a1111" (weights, ``BREAK``; :mod:`.prompt_syntax`) or "plain".
+        prompt_embeds, negative_prompt_embeds: the caller's text embeddings [P, 77 k, D] (then ``prompts`` are P
+            empty placeholders), or ``None``.
+        clip_skip: 0 (the last layer) or diffusers' ``clip_skip`` (:class:`~.prompt_encoding.PromptReader`).
     """
 
     prompts: tuple[str, ...]
@@ -104,6 +110,10 @@ class Request:
     progress: bool = True
     callback: StepCallback | None = None
     given: Mapping[str, Any] = field(default_factory=dict)
+    prompt_syntax: str = "a1111"
+    prompt_embeds: torch.Tensor | None = None
+    negative_prompt_embeds: torch.Tensor | None = None
+    clip_skip: int = 0
 
     @property
     def batch(self) -> int:
@@ -138,6 +148,10 @@ class Request:
         strength: Any = None,
         mask_image: Any = None,
         tokenizer_2: Any = None,
+        prompt_syntax: Any = "a1111",
+        prompt_embeds: Any = None,
+        negative_prompt_embeds: Any = None,
+        clip_skip: Any = None,
         **sdxl: Any,
     ) -> Request:
         """Check every argument of :meth:`~.pipeline.EnginePipeline.__call__` (same names, same meaning).
@@ -147,6 +161,7 @@ class Request:
             engines: the pipeline's engines by component (``vae_encoder`` for images, ``text_encoder_2`` for
                 SDXL; they may still be unopened).
             tokenizer_2: SDXL's second tokenizer.
+            prompt_syntax: "a1111" or "plain" (:data:`~.prompt_syntax.SYNTAXES`).
             sdxl: the SDXL arguments (:data:`SDXL_ARGUMENTS`), ``None`` / (0, 0) when not given.
 
         Raises:
@@ -154,7 +169,11 @@ class Request:
                 A batch whose latents and output images need more host memory than is available is refused here
                 (:func:`~.host_memory.check_host_memory`), before anything is drawn.
         """
-        prompts = prompt_list("prompt", prompt)
+        skip = _check_clip_skip(spec, engines, clip_skip)
+        embeds = _check_prompt_embeds(spec, engines, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)
+        prompts = prompt_list("prompt", prompt) if embeds is None else [""] * embeds.shape[0]
+        if prompt_syntax not in SYNTAXES:
+            raise RuntimeInputError(f"prompt_syntax={prompt_syntax!r} is unknown; use one of {', '.join(SYNTAXES)}")
         negatives = negative_list(negative_prompt, len(prompts))
         steps = positive_int("num_inference_steps", num_inference_steps, "use e.g. 30 or 50")
         n_per = positive_int("num_images_per_prompt", num_images_per_prompt, "use 1 or more")
@@ -193,12 +212,15 @@ class Request:
             conditioning = sdxl_conditioning(
                 prompts, negatives, negative_prompt, height, width, engines["text_encoder_2"], tokenizer_2,
                 zero_negative=negative_prompt is None and spec.force_zeros_for_empty_prompt, **sdxl)
-        given = {"prompt": prompt if isinstance(prompt, str) else list(prompts),
+        given = {"prompt": prompt if isinstance(prompt, str) or embeds is not None else list(prompts),
                  "negative_prompt": negative_prompt if negative_prompt is None or isinstance(negative_prompt, str)
                  else list(negatives),
-                 **{k: v if isinstance(v, str) else list(v) for k, v in sdxl_given.items()}}
+                 **{k: v if isinstance(v, str) else list(v) for k, v in sdxl_given.items()},
+                 **({"clip_skip": skip} if skip else {}),
+                 **({"prompt_syntax": prompt_syntax} if prompt_syntax != "a1111" else {})}
         return cls(tuple(prompts), tuple(negatives), n_per, steps, guidance, eta, height, width, shape, generator,
-                   seed, latents, output_type, chunks, conditioning, progress, callback, given)
+                   seed, latents, output_type, chunks, conditioning, progress, callback, given, prompt_syntax,
+                   embeds, negative_prompt_embeds, skip)
 
 
 #: Arguments of :meth:`~.pipeline.EnginePipeline.__call__` that only SDXL artifacts take (diffusers' SDXL arguments).
@@ -226,6 +248,76 @@ def _sdxl_given(spec: RequestSpec, sdxl: Mapping[str, Any], has_image: bool) -> 
             "run text-to-image (no image=) or use an SD 1.x/2.x artifact"
         )
     return given
+
+
+def _check_clip_skip(spec: RequestSpec, engines: Mapping[str, Engine], clip_skip: Any) -> int:
+    """``clip_skip`` as an int the text encoder serves (``None`` = 0).
+
+    Raises:
+        RuntimeInputError: not an integer >= 0, more than the engine's ``clip_skip_states`` hold, or SDXL.
+    """
+    if clip_skip is None or (not isinstance(clip_skip, bool) and clip_skip == 0):
+        return 0
+    if isinstance(clip_skip, bool) or not isinstance(clip_skip, int | np.integer) or clip_skip < 0:
+        raise RuntimeInputError(f"clip_skip={clip_skip!r} must be None or an integer >= 0 (1 = the penultimate "
+                                "layer, A1111's 'Clip skip 2')")
+    if spec.architecture == "sdxl":
+        raise RuntimeInputError("clip_skip is not supported for SDXL artifacts yet; leave it out")
+    most = next((int(t.shape[1]) for t in engines["text_encoder"].spec.outputs if t.name == "clip_skip_states"), 0)
+    if clip_skip > most:
+        raise RuntimeInputError(f"clip_skip={clip_skip} is more than this artifact's text encoder serves (up to "
+                                f"{most}; compile --max-clip-skip, at most the encoder's layers less one); use "
+                                f"0..{most}")
+    return int(clip_skip)
+
+
+def _check_prompt_embeds(spec: RequestSpec, engines: Mapping[str, Engine], prompt: Any, negative_prompt: Any,
+                         prompt_embeds: Any, negative_prompt_embeds: Any) -> torch.Tensor | None:
+    """``prompt_embeds`` checked as diffusers' ``check_inputs`` checks it (and against the UNet's context range);
+    ``None`` when not given.
+
+    Raises:
+        RuntimeInputError: both or neither of prompt / prompt_embeds; both negative_prompt and
+            negative_prompt_embeds; negative_prompt_embeds without prompt_embeds; not a float tensor [P, 77 k, D] the
+            UNet takes; the two of different shapes; an SDXL artifact (its pooled embeddings are not taken yet).
+    """
+    if prompt is not None and prompt_embeds is not None:
+        raise RuntimeInputError("pass either prompt= or prompt_embeds=, not both (as diffusers)")
+    if prompt is None and prompt_embeds is None:
+        raise RuntimeInputError("prompt=None: pass a string, a non-empty list of strings, or prompt_embeds=")
+    if negative_prompt is not None and negative_prompt_embeds is not None:
+        raise RuntimeInputError("pass either negative_prompt= or negative_prompt_embeds=, not both (as diffusers)")
+    if prompt_embeds is None:
+        if negative_prompt_embeds is not None:
+            raise RuntimeInputError("negative_prompt_embeds= needs prompt_embeds= (their shapes must match); encode "
+                                    "the prompt yourself too, or pass negative_prompt= as text")
+        return None
+    if spec.architecture == "sdxl":
+        raise RuntimeInputError("prompt_embeds= is not supported for SDXL artifacts yet (it also needs "
+                                "pooled_prompt_embeds=); pass prompt= as text")
+    _check_embeds("prompt_embeds", prompt_embeds, engines["unet"].spec.input("encoder_hidden_states"))
+    if negative_prompt_embeds is not None:
+        _check_embeds("negative_prompt_embeds", negative_prompt_embeds,
+                      engines["unet"].spec.input("encoder_hidden_states"))
+        if negative_prompt_embeds.shape != prompt_embeds.shape:
+            raise RuntimeInputError(
+                f"negative_prompt_embeds has shape {tuple(negative_prompt_embeds.shape)} but prompt_embeds "
+                f"{tuple(prompt_embeds.shape)}; they must match (as diffusers): pad the shorter to as many 77-token "
+                "chunks")
+    return prompt_embeds
+
+
+def _check_embeds(name: str, value: Any, unet_context: Any) -> None:
+    """A float tensor [P, 77 k, D] inside the UNet's ``encoder_hidden_states`` range (``unet_context``)."""
+    lo, hi, width = int(unet_context.min[1]), int(unet_context.max[1]), int(unet_context.shape[2])
+    want = f"a float torch.Tensor [prompts, 77 * k, {width}] with 77 * k in {lo}..{hi}"
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        raise RuntimeInputError(f"{name} must be {want}; got {type(value).__name__}"
+                                f"{'' if not isinstance(value, torch.Tensor) else ' of ' + str(value.dtype)}")
+    shape = tuple(value.shape)
+    if len(shape) != 3 or shape[0] < 1 or shape[2] != width or not lo <= shape[1] <= hi or shape[1] % lo:
+        raise RuntimeInputError(f"{name} has shape {shape}; this artifact takes {want} (longer contexts: compile "
+                                "with a larger --max-prompt-chunks)")
 
 
 def _image_conditioning(spec: RequestSpec, engines: Mapping[str, Engine], image: Any, mask_image: Any,

@@ -20,6 +20,11 @@ TensorRT-RTX's serialised cache, unchanged. The header lets a truncated or alter
 another GPU or library release, be ignored with a reason before TensorRT sees it; TensorRT-RTX checks the
 payload again itself (``IRuntimeCache.deserialize`` returns ``False`` on any mismatch).
 
+Anyone who can write the cache folder can put anything at the file's path, so the reader trusts nothing
+(:func:`load_runtime_cache`): a symbolic link is not followed, a FIFO does not block, a device, a folder or a file
+over :data:`MAX_RUNTIME_CACHE_BYTES` is not read, the header is bounded and parsed without recursion errors; each
+is a miss with a ``warning`` (one more JIT compilation), never an error.
+
 Pure Python: no ``tensorrt`` import (``runtime/trt_engine.py`` passes the bytes in and out).
 """
 
@@ -37,13 +42,16 @@ from typing import Any
 
 from ..artifacts import SEAL_KEY, umask_mode
 from ..errors import ArtifactError, RuntimeInputError
-from ..trt_compat import pack_framed, unpack_framed
+from ..trt_compat import pack_framed, printable, read_cache_file, unpack_framed
 
 logger = logging.getLogger(__name__)
 
 #: First bytes of a runtime-cache file written by :func:`pack_runtime_cache`.
 RUNTIME_CACHE_MAGIC = b"DTRT-RUNTIME-CACHE\n"
 RUNTIME_CACHE_FORMAT = 1
+#: The largest runtime-cache file read (and written): kernels of one engine for one GPU. A larger file is not read
+#: (a miss, with a warning), so a huge file or one swapped for a device cannot exhaust memory.
+MAX_RUNTIME_CACHE_BYTES = 1 << 30
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -147,26 +155,31 @@ def unpack_runtime_cache(data: bytes, key: RuntimeCacheKey) -> tuple[bytes | Non
     if isinstance(made, str):
         return None, made
     return None, (
-        f"made for {made.get('library')} {made.get('version')} on {made.get('gpu')} (compute capability "
-        f"{made.get('compute_capability')}), this is {key.library} {key.version} on {key.gpu} "
-        f"({key.compute_capability})"
+        f"made for {printable(made.get('library'))} {printable(made.get('version'))} on {printable(made.get('gpu'))} "
+        f"(compute capability {printable(made.get('compute_capability'))}), this is {key.library} {key.version} on "
+        f"{key.gpu} ({key.compute_capability})"
     )
 
 
 def load_runtime_cache(path: Path | None, key: RuntimeCacheKey, where: str) -> bytes | None:
     """TensorRT-RTX's payload from ``path``, or ``None`` (no file, or one that is ignored with a warning).
 
-    Never raises for the file's content: a corrupt or foreign cache costs one JIT compilation, not the run.
+    The file lies in a user's cache folder: it is read by :func:`~diffusion_trt.trt_compat.read_cache_file`
+    (``O_NOFOLLOW | O_NONBLOCK``: a symbolic link, a FIFO, a device, a folder or a file over
+    :data:`MAX_RUNTIME_CACHE_BYTES` is not read) and its header parsed with bounds. Never raises for the file: a
+    bad one is a miss with a warning (it costs one JIT compilation, not the run); the next save replaces a bad file
+    or link.
     """
     if path is None:
         return None
     try:
-        data = path.read_bytes()
+        data = read_cache_file(path, MAX_RUNTIME_CACHE_BYTES)
     except FileNotFoundError:
         logger.info("%s: no runtime cache at %s yet: kernels are compiled for this GPU on first load", where, path)
         return None
     except OSError as e:
-        logger.warning("%s: cannot read the runtime cache %s (%s); compiling kernels without it", where, path, e)
+        logger.warning("%s: ignoring the runtime cache %s: %s; kernels are compiled without it", where, path,
+                       e.strerror or e)
         return None
     payload, reason = unpack_runtime_cache(data, key)
     if payload is None:
@@ -178,15 +191,21 @@ def save_runtime_cache(path: Path, key: RuntimeCacheKey, payload: bytes, where: 
     """Write the framed cache to ``path`` atomically (temporary file + ``os.replace``); readers never see half a file.
 
     Returns:
-        Whether it was written. An OS error (read-only home, full disk) is a warning, never an exception: the
-        images are already made, only the next start is slower.
+        Whether it was written. An OS error (read-only home, full disk) or a cache over
+        :data:`MAX_RUNTIME_CACHE_BYTES` is a warning, never an exception: the images are already made, only the next
+        start is slower. A symbolic link at ``path`` is replaced by the file (``os.replace`` does not follow it).
     """
+    data = pack_runtime_cache(key, payload)
+    if len(data) > MAX_RUNTIME_CACHE_BYTES:  # it would not be read back
+        logger.warning("%s: the runtime cache has %d bytes, more than a cache file may hold (%d); not saved, the next "
+                       "load compiles again", where, len(data), MAX_RUNTIME_CACHE_BYTES)
+        return False
     tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
-            f.write(pack_runtime_cache(key, payload))
+            f.write(data)
         os.chmod(tmp, umask_mode("file"))
         os.replace(tmp, path)
     except OSError as e:

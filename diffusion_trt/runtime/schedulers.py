@@ -8,11 +8,13 @@ swap.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ArtifactError, RuntimeInputError
+from ..artifact_values import scheduler_config_problems
+from ..errors import ArtifactError, DiffusionTrtError, MissingPackageError, RuntimeInputError
 
 logger = logging.getLogger(__name__)
 
@@ -73,16 +75,49 @@ def resolve_scheduler(name: str) -> tuple[str, dict[str, Any]]:
     return cls, dict(overrides)
 
 
-def _scheduler_class(class_name: str, label: str) -> type[Any]:
+def _scheduler_class(class_name: str) -> type[Any]:
     import diffusers
 
-    cls = getattr(diffusers, class_name, None)
-    if cls is None or not class_name.endswith("Scheduler"):
+    return getattr(diffusers, class_name)  # every class of the allow-list is one diffusers has (test_schedulers)
+
+
+def scheduler_for(config: Mapping[str, Any], name: str | None = None, class_name: str | None = None
+                  ) -> tuple[str, dict[str, Any]]:
+    """(class name, overrides) that :func:`make_scheduler` builds, checked against the allow-list and the values that
+    class accepts (:func:`~diffusion_trt.artifact_values.scheduler_config_problems`), before anything loads. Imports
+    no diffusers.
+
+    Raises:
+        RuntimeInputError: unknown ``name``, or a chosen scheduler that cannot run this config (naming the value).
+        ArtifactError: the artifact's own class (``name`` None) is not one the runtime runs, or its config holds a
+            value that class does not accept.
+    """
+    if name is None:
+        cls_name = class_name or str(config.get("_class_name", ""))
+        overrides: dict[str, Any] = {}
+    else:
+        cls_name, overrides = resolve_scheduler(name)
+    problems = scheduler_config_problems({**config, **overrides}, "scheduler_config.json", cls_name)
+    if problems and name is None:
         raise ArtifactError(
-            f"scheduler class {class_name!r} ({label}) is not in diffusers {diffusers.__version__}; "
-            f"pick another with scheduler= (one of {', '.join(SCHEDULERS)})"
+            f"the artifact's scheduler cannot run: {'; '.join(problems)}; pick another with scheduler= (one of "
+            f"{', '.join(SCHEDULERS)}), or restore the original scheduler/scheduler_config.json and manifest"
         )
-    return cls
+    if problems:
+        raise RuntimeInputError(
+            f"scheduler={name!r} ({cls_name}) cannot run this artifact's scheduler config: {'; '.join(problems)}; "
+            "choose another scheduler"
+        )
+    return cls_name, overrides
+
+
+def import_scheduler_class(config: Mapping[str, Any], name: str | None = None, class_name: str | None = None) -> None:
+    """Import the diffusers class :func:`make_scheduler` will build, so that ``from_artifacts`` pays diffusers'
+    import (seconds: it checks the versions of dozens of packages) while its engines load; a failure is left for
+    :func:`make_scheduler` to report."""
+    with contextlib.suppress(DiffusionTrtError, ImportError, AttributeError):
+        cls_name = (class_name or str(config.get("_class_name", ""))) if name is None else resolve_scheduler(name)[0]
+        _scheduler_class(cls_name)
 
 
 def make_scheduler(config: Mapping[str, Any], name: str | None = None, class_name: str | None = None) -> Any:
@@ -99,17 +134,12 @@ def make_scheduler(config: Mapping[str, Any], name: str | None = None, class_nam
         e.g. ``type(s).from_config(s.config)``.
 
     Raises:
-        RuntimeInputError: unknown ``name``, or a scheduler whose optional dependency is missing (``lms``:
-            scipy).
-        ArtifactError: the artifact names a scheduler class diffusers does not have.
+        RuntimeInputError, ArtifactError: as :func:`scheduler_for` (a class outside the allow-list, or a value
+            its class does not accept).
+        MissingPackageError: a scheduler whose optional dependency is missing (``lms``: scipy).
     """
-    if name is None:
-        cls_name = class_name or str(config.get("_class_name", ""))
-        overrides: dict[str, Any] = {}
-        cls = _scheduler_class(cls_name, "the artifact's scheduler")
-    else:
-        cls_name, overrides = resolve_scheduler(name)
-        cls = _scheduler_class(cls_name, f"scheduler={name!r}")
+    cls_name, overrides = scheduler_for(config, name, class_name)
+    cls = _scheduler_class(cls_name)
     clean = {k: v for k, v in config.items() if not k.startswith("_")}
     try:
         return cls.from_config(clean, **overrides)
@@ -117,7 +147,7 @@ def make_scheduler(config: Mapping[str, Any], name: str | None = None, class_nam
         reason = " ".join(str(e).split())  # diffusers' message spans lines and names the package
         fix = ("pip install 'diffusion-trt[schedulers]' (scipy), or choose another scheduler"
                if cls_name in _SCIPY_SCHEDULERS else "install it or choose another scheduler")
-        raise RuntimeInputError(
+        raise MissingPackageError(
             f"scheduler={name or cls_name!r} ({cls_name}) needs an optional package that is not installed "
             f"({reason}); {fix}"
         ) from None

@@ -38,6 +38,7 @@ from .conditioning import TextToImage
 from .cuda import nvtx_range
 from .denoise import EmbeddingCache, tokenize
 from .engine import Engine
+from .prompt_encoding import PromptReader
 from .request import per_prompt
 
 logger = logging.getLogger(__name__)
@@ -162,6 +163,8 @@ class SdxlConditioning(TextToImage):
         """Per-prompt SDXL embeddings, each distinct text run once per encoder (negatives cached).
 
         Args:
+            tokenizer: ``text_encoder``'s ``CLIPTokenizer``, or a :class:`~.prompt_encoding.PromptReader` holding it
+                (SDXL reads prompts as one 77-token chunk without weights: its syntax and chunk limit are not used).
             prompts: P prompts (for ``text_encoder``); negative_prompts: P negatives, or ``None`` (no CFG).
             dtype: the UNet's ``encoder_hidden_states`` / ``text_embeds`` dtype.
 
@@ -169,6 +172,7 @@ class SdxlConditioning(TextToImage):
             (positive [P, 77, D1+D2], negative [P, 77, D1+D2] or ``None``, the pooled ``text_embeds`` and time ids),
             fresh tensors on the engines' device.
         """
+        tokenizer = tokenizer.tokenizer if isinstance(tokenizer, PromptReader) else tokenizer
         device = text_encoder.device
         # host->device copies of pageable memory synchronise the stream: made before any engine work is queued
         time_ids, negative_time_ids = self.time_ids.to(device), self.negative_time_ids.to(device)

@@ -31,20 +31,31 @@ What happens, in order:
      inputs are copied into engine-owned buffers so the addresses it captured stay valid), ``DISABLED`` on dynamic
      ones (:func:`rtx_cuda_graph_strategy`). Our torch capture of item 4 is off for these engines: with dynamic
      shapes TensorRT-RTX swaps a fallback kernel for a shape-specialised one once compiled, which a graph captured
-     from outside would never see.
+     from outside would never see. When the shared activation memory moves, the context gets the new address
+     (``set_device_memory``); that TensorRT-RTX then captures again rather than replaying the old address has not
+     been observed yet: no GPU it supports has run this code (issue 27).
    * ``DynamicShapesKernelSpecializationStrategy.LAZY`` (TensorRT-RTX's default, set explicitly): a new shape of a
      dynamic profile runs a generic fallback kernel at once while the specialised one compiles in the background
      and is used from a later call on. EAGER would stall the call at every new image size for the compilation;
      NONE would never specialise.
    * one ``IRuntimeCache`` per engine, shared by its contexts, loaded from and saved (atomically, on
      :meth:`TrtEngine.close`) to the file ``runtime_cache`` names (:mod:`~diffusion_trt.runtime.runtime_cache`):
-     the first load compiles the kernels for this GPU, later loads read them. A corrupt or foreign file is
-     ignored with a warning.
+     the first load compiles the kernels for this GPU, later loads read them. A corrupt, foreign, oversized or
+     not-regular file is ignored with a warning; so is a ``create_runtime_cache`` that returns ``None`` (then
+     kernels are not cached).
    * activation memory stays USER_MANAGED and shared (``set_execution_context_allocation_strategy``).
 
    The compute-capability refusal comes first, from manifest facts alone
    (:func:`~diffusion_trt.trt_compat.check_host`): on a GPU TensorRT-RTX does not support (the H200's 9.0) no plan
    byte is read.
+
+6. **Every call's verdict is read**: a ``False`` from ``set_tensor_address``, ``set_input_shape``,
+   ``set_optimization_profile_async``, ``execute_async_v3`` or the refitter, a ``None`` engine, context or runtime
+   config, and a refused ``cuda_graph_strategy`` or ``weight_streaming_budget_v2`` (whose setters' ``bool`` never
+   reaches Python: :func:`~diffusion_trt.trt_compat.assign` reads the library's logged errors and the value back)
+   are errors naming the tensor, setting or profile.
+   The library has one logger per process (:func:`~diffusion_trt.trt_compat.make_trt_logger`, shared with the
+   build); a message quotes only the errors it logged during this open, run or refit.
 
 **The tensors ``run`` returns ARE the engine's output buffers: the next ``run`` at the same shape
 overwrites them. ``.clone()`` anything that must outlive the next call.**
@@ -385,6 +396,7 @@ class TrtEngine(EngineBase):
 
         self._trt: Any = None
         self._logger: Any = None
+        self._mark = 0  # the logger's mark at the start of the current open/run/refit: its errors are quoted
         self._runtime: Any = None
         self._engine: Any = None
         self._stream: Any = None
@@ -397,6 +409,7 @@ class TrtEngine(EngineBase):
         self._depth = 0
         self._runtime_configs: list[Any] = []  # TensorRT-RTX: one per context, kept as long as the contexts
         self._runtime_cache: Any = None
+        self._cache_failed = False  # create_runtime_cache returned None: not asked again for this open
         self._cache_key: runtime_cache.RuntimeCacheKey | None = None
         self._cache_loaded: bytes | None = None
         self._weight_streaming_budget = weight_streaming_budget
@@ -426,6 +439,7 @@ class TrtEngine(EngineBase):
         self._states = []  # contexts first, then their runtime configs and cache, then the engine
         self._runtime_configs = []
         self._runtime_cache = None
+        self._cache_failed = False
         self._cache_loaded = None
         self._buffers = {}
         self._live_inputs = {}
@@ -448,10 +462,12 @@ class TrtEngine(EngineBase):
 
         Raises:
             RuntimeInputError: inputs that fail :meth:`validate` or fit no profile.
-            RuntimeError: the engine is not open, or TensorRT failed to enqueue (its last errors quoted).
+            RuntimeError: the engine is not open, or TensorRT refused a tensor's address (the tensor named) or failed
+                to enqueue (the errors it logged during this call quoted).
         """
         if self._engine is None:
             raise RuntimeError(f"engine {self._name!r} is not open; use `with engine:` or call it inside the pipeline")
+        self._mark = self._logger.mark()
         symbols = self.validate(feeds)
         out_shapes = self._spec.output_shapes(symbols)
         in_shapes = {n: tuple(int(d) for d in feeds[n].shape) for n in self.input_names}
@@ -492,8 +508,7 @@ class TrtEngine(EngineBase):
             if use_graph and state.graph is not None:
                 state.graph.replay()
             else:
-                for n, t in (*bound.items(), *outputs.items()):
-                    ctx.set_tensor_address(n, t.data_ptr())
+                self._bind(ctx, {**bound, **outputs}, index)
                 if use_graph and state.warm:
                     self._capture(state)
                 else:
@@ -520,11 +535,13 @@ class TrtEngine(EngineBase):
 
         Raises:
             ArtifactError: the plan is not refittable, or TensorRT's refit failed.
-            RuntimeInputError: an unknown weight name or shape, or weights TensorRT still needs
-                (``get_missing_weights``).
+            RuntimeInputError: an unknown weight name, shape or dtype (also one TensorRT has no host type for:
+                float64, a torch bfloat16 tensor, which numpy cannot hold), a value that is not an array, or weights
+                TensorRT still needs (``get_missing_weights``).
         """
         if self._engine is None:
             raise RuntimeError(f"engine {self._name!r} is not open; use `with engine:`")
+        self._mark = self._logger.mark()
         trt = self._trt
         if not self._engine.refittable:
             raise ArtifactError(
@@ -534,12 +551,9 @@ class TrtEngine(EngineBase):
         refitter = trt.Refitter(self._engine, self._logger)
         keep: list[np.ndarray] = []  # TensorRT reads the host arrays during refit_cuda_engine
         for wname, value in weights.items():
-            if isinstance(value, torch.Tensor):
-                arr = value.detach().cpu().contiguous().numpy()
-            else:
-                arr = np.ascontiguousarray(value)
+            arr, host = self._refit_weights(wname, value)
             keep.append(arr)
-            if not refitter.set_named_weights(wname, trt.Weights(arr)):
+            if not refitter.set_named_weights(wname, host):
                 raise RuntimeInputError(
                     f"engine {self._name!r}: weight {wname!r} {arr.shape} {arr.dtype} was refused (unknown name or "
                     "wrong shape/dtype); names are the ONNX initializer names"
@@ -547,9 +561,9 @@ class TrtEngine(EngineBase):
         missing = list(refitter.get_missing_weights())
         if missing and fill_missing is not None:
             for wname, value in fill_missing(missing).items():
-                arr = np.ascontiguousarray(value)
+                arr, host = self._refit_weights(wname, value)
                 keep.append(arr)
-                if not refitter.set_named_weights(wname, trt.Weights(arr)):
+                if not refitter.set_named_weights(wname, host):
                     raise RuntimeInputError(f"engine {self._name!r}: weight {wname!r} was refused while filling in")
             missing = list(refitter.get_missing_weights())
         if missing:
@@ -566,8 +580,55 @@ class TrtEngine(EngineBase):
     # -- internals ------------------------------------------------------------------------------------
 
     def _last_errors(self) -> str:
-        errors = getattr(self._logger, "errors", [])
-        return " | ".join(errors[-3:]) or "no error logged (enable DEBUG logging of 'tensorrt')"
+        """The errors the library logged since the current open, run or refit began (never an earlier one's)."""
+        return trt_compat.quote_errors(self._logger, self._mark)
+
+    def _refit_weights(self, wname: str, value: Any) -> tuple[np.ndarray, Any]:
+        """``(host array, trt.Weights)`` of one refit value (the array must stay alive until the refit is done).
+
+        Raises:
+            RuntimeInputError: a value numpy cannot hold (a torch bfloat16 tensor), that is not an array, or of a
+                dtype TensorRT has no weights type for (float64, strings, objects); naming the weight.
+        """
+        what = f"engine {self._name!r}: weight {wname!r}"
+        if isinstance(value, torch.Tensor):
+            if value.dtype == torch.bfloat16:
+                raise RuntimeInputError(
+                    f"{what} is a torch.bfloat16 tensor, which refit cannot hand to TensorRT (numpy, its host type, "
+                    "has no bfloat16); give it in its ONNX initializer's dtype (e.g. .to(torch.float16) for an fp16 "
+                    "artifact)"
+                )
+            try:
+                arr = value.detach().cpu().contiguous().numpy()
+            except (TypeError, RuntimeError) as e:
+                raise RuntimeInputError(f"{what}: a {value.dtype} tensor cannot be read as a numpy array ({e}); "
+                                        "give it in its ONNX initializer's dtype") from None
+        else:
+            try:
+                arr = np.ascontiguousarray(value)
+            except (TypeError, ValueError) as e:
+                raise RuntimeInputError(f"{what} is a {type(value).__name__}, not an array ({e}); give a numpy "
+                                        "array or torch tensor in its ONNX initializer's dtype and shape") from None
+        try:
+            return arr, self._trt.Weights(arr)
+        except (TypeError, ValueError) as e:
+            raise RuntimeInputError(
+                f"{what} {arr.shape} {arr.dtype}: {self._library.display} has no weights type for {arr.dtype} "
+                f"({e}); give it in its ONNX initializer's dtype (float32 or float16)"
+            ) from None
+
+    def _bind(self, ctx: Any, tensors: Mapping[str, torch.Tensor], index: int) -> None:
+        """``set_tensor_address`` for every tensor; a refusal (``False``) is an error naming the tensor.
+
+        Raises:
+            RuntimeError: naming the tensor, its shape, dtype and address, the profile, and the library's errors.
+        """
+        for n, t in tensors.items():
+            if ctx.set_tensor_address(n, t.data_ptr()) is False:
+                raise RuntimeError(
+                    f"engine {self._name!r}: {self._library.display} refused the address 0x{t.data_ptr():x} of tensor "
+                    f"{n!r} ({t.dtype} {_fmt(t.shape)}) on profile {index}: {self._last_errors()}"
+                )
 
     def _buffer(self, key: str, shape: Shape) -> torch.Tensor:
         """The engine-owned buffer for ``key`` (an output name, or ``input:<name>``) at ``shape``.
@@ -614,13 +675,33 @@ class TrtEngine(EngineBase):
 
     @staticmethod
     def _memory_size(engine: Any, index: int) -> int:
+        """Activation bytes profile ``index`` needs: the per-profile getter, else the engine's size; the ``_v2`` name
+        first (RTX 1.7.1 has only the ``_v2`` names), each looked up only when the one before is absent.
+
+        Raises:
+            ArtifactError: the engine has none of these attributes.
+        """
         for attr in ("get_device_memory_size_for_profile_v2", "get_device_memory_size_for_profile"):
             fn = getattr(engine, attr, None)
             if fn is not None:
                 return int(fn(index))
-        return int(getattr(engine, "device_memory_size_v2", engine.device_memory_size))
+        for attr in ("device_memory_size_v2", "device_memory_size"):
+            value = getattr(engine, attr, None)
+            if value is not None:
+                return int(value)
+        raise ArtifactError(
+            f"this {type(engine).__name__} tells no activation-memory size (no get_device_memory_size_for_profile_v2, "
+            "device_memory_size_v2 or device_memory_size); use a TensorRT release this diffusion-trt supports"
+        )
 
     def _open(self) -> None:
+        try:
+            self._load()
+        except BaseException:
+            self.close()  # a failed open keeps nothing: no runtime, configs, cache or memory of its own
+            raise
+
+    def _load(self) -> None:
         lib = self._library
         where = f"engine {self._name!r} ({self.path})"
         facts = trt_compat.gpu_facts(self._device_id)
@@ -643,7 +724,8 @@ class TrtEngine(EngineBase):
         if self._verify:
             check_plan_bytes(blob, self._build, where)
         self._trt = trt
-        self._logger = trt_compat.make_trt_logger(trt, name=lib.module)
+        self._logger = trt_compat.make_trt_logger(trt)  # the library's one logger, shared with its builders
+        self._mark = self._logger.mark()  # this open quotes its own errors only
         self._runtime = trt.Runtime(self._logger)  # must outlive the engine
         with torch.cuda.device(self._device):
             self._check_validity(blob, where)
@@ -660,7 +742,8 @@ class TrtEngine(EngineBase):
         check_engine_io(self._name, io, self._spec)
         from .trt_memory import apply_weight_streaming, engine_memory_facts
 
-        apply_weight_streaming(engine, self._weight_streaming_budget, where)  # before any execution context
+        apply_weight_streaming(engine, self._weight_streaming_budget, where, self._logger,  # before any context
+                               lib.display)
         self.memory_facts = engine_memory_facts(engine)
         is_shape_io = getattr(engine, "is_shape_inference_io", None)
         host_inputs = [n for n in self.input_names if is_shape_io is not None and is_shape_io(n)]
@@ -753,25 +836,42 @@ class TrtEngine(EngineBase):
         # LAZY (the library's default, stated): a new shape runs a fallback kernel while its specialised one compiles
         config.dynamic_shapes_kernel_specialization_strategy = trt.DynamicShapesKernelSpecializationStrategy.LAZY
         graph = rtx_cuda_graph_strategy(profile, self._cuda_graphs)
-        config.cuda_graph_strategy = getattr(trt.CudaGraphStrategy, graph)
-        if self._runtime_cache is None:
-            self._runtime_cache = config.create_runtime_cache()
-            payload = runtime_cache.load_runtime_cache(self._cache_path, self._cache_key, where)
-            if payload is not None:
-                if self._runtime_cache.deserialize(payload):
-                    self._cache_loaded = payload
-                    logger.info("%s: runtime cache loaded from %s (%d bytes)", where, self._cache_path, len(payload))
-                else:
-                    logger.warning(
-                        "%s: %s refused the runtime cache %s (written by another driver, GPU or release?); kernels "
-                        "are compiled again and the file is replaced on close", where, self._library.display,
-                        self._cache_path,
-                    )
-        if not config.set_runtime_cache(self._runtime_cache):
+        refused = trt_compat.assign(config, "cuda_graph_strategy", getattr(trt.CudaGraphStrategy, graph), self._logger)
+        if refused is not None:
+            raise ArtifactError(
+                f"{where}: {self._library.display} refused CudaGraphStrategy.{graph} for optimization profile "
+                f"{profile.index}{f' ({profile.kind})' if profile.kind else ''} ({refused})"
+                + ("; load it without CUDA graphs (cuda_graph=False, --no-cuda-graph)" if graph != "DISABLED" else "")
+            )
+        if self._runtime_cache is None and not self._cache_failed:
+            cache = config.create_runtime_cache()
+            if cache is None:  # documented to return a fresh cache; the binding may still hand back None
+                self._cache_failed = True
+                logger.warning("%s: %s created no runtime cache (%s); kernels are compiled for this GPU at every load",
+                               where, self._library.display, self._last_errors())
+            else:
+                self._runtime_cache = cache
+                self._load_runtime_cache(where)
+        if self._runtime_cache is not None and not config.set_runtime_cache(self._runtime_cache):
             logger.warning("%s: %s did not take the runtime cache; kernels are not cached", where,
                            self._library.display)
         self._runtime_configs.append(config)
         return engine.create_execution_context(config), graph != "DISABLED"
+
+    def _load_runtime_cache(self, where: str) -> None:
+        """Fill the new runtime cache from its file (a missing, bad or refused file: compiled again, a warning)."""
+        payload = runtime_cache.load_runtime_cache(self._cache_path, self._cache_key, where)
+        if payload is None:
+            return
+        if self._runtime_cache.deserialize(payload):
+            self._cache_loaded = payload
+            logger.info("%s: runtime cache loaded from %s (%d bytes)", where, self._cache_path, len(payload))
+        else:
+            logger.warning(
+                "%s: %s refused the runtime cache %s (written by another driver, GPU or release?); kernels "
+                "are compiled again and the file is replaced on close", where, self._library.display,
+                self._cache_path,
+            )
 
     def _save_runtime_cache(self) -> None:
         """Serialise the runtime cache to its file when it holds anything new (never raises: a warning at most)."""
@@ -780,7 +880,12 @@ class TrtEngine(EngineBase):
         where = f"engine {self._name!r}"
         try:
             with torch.cuda.device(self._device):
-                payload = bytes(memoryview(self._runtime_cache.serialize()))
+                blob = self._runtime_cache.serialize()
+            if blob is None:
+                logger.warning("%s: %s serialised no runtime cache; the file is left as it was", where,
+                               self._library.display)
+                return
+            payload = bytes(memoryview(blob))
         except Exception as e:  # noqa: BLE001 - a cache must never fail a close
             logger.warning("%s: could not serialise the runtime cache (%s: %s)", where, type(e).__name__, e)
             return

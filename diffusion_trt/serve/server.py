@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DiffusionTrtError, RuntimeInputError
+from ..errors import DiffusionTrtError, LoraError, MissingPackageError, RuntimeInputError
 from . import pytriton_proxy, triton_model
 from .front_process import FrontProcess, FrontSettings, FrontStartError
 from .http_front import FrontLimits, free_loopback_port
@@ -57,7 +57,7 @@ MODEL_NAME = "pipeline"
 
 
 class ServeError(DiffusionTrtError):
-    """The server cannot start (PyTriton missing, ports taken, tritonserver failing)."""
+    """The server cannot start (ports taken, tritonserver failing); PyTriton missing is a MissingPackageError."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,8 @@ class ServeConfig:
         vram_budget: device memory the pipeline may use ("8GB", bytes; see ``EnginePipeline.from_artifacts``),
             checked at load for the default size and ``max_batch_size`` images; ``None`` = no budget.
         max_connections: HTTP client connections at once (more get 503 at once; :mod:`.http_front`).
+        lora_dir: the folder of LoRAs a request may name in its ``lora`` input (:mod:`.loras`; an artifact compiled
+            with ``--refittable``); ``None`` = no ``lora`` input.
     """
 
     host: str = "127.0.0.1"
@@ -96,6 +98,7 @@ class ServeConfig:
     scheduler: str | None = None
     vram_budget: str | int | None = None
     max_connections: int = 128
+    lora_dir: str | None = None
 
     def limits(self) -> dict[str, float]:
         return {"max_prompt_chars": self.max_prompt_chars, "max_steps": self.max_steps,
@@ -122,7 +125,7 @@ class _Job:
     @property
     def key(self) -> tuple[Any, ...]:
         p = self.params
-        return (p["height"], p["width"], p["steps"], p["guidance_scale"])
+        return (p["height"], p["width"], p["steps"], p["guidance_scale"], p.get("lora"))
 
 
 class MicroBatcher:
@@ -143,6 +146,7 @@ class MicroBatcher:
         self._held: list[_Job] = []  # taken from the queue but not compatible with the batch being formed
         self._stop = threading.Event()
         self.batches: list[int] = []  # sizes of the calls made (for tests and logs)
+        self._lora: tuple[str, float] | None = None  # the LoRA the pipeline has loaded (serve --lora-dir)
         self._thread = threading.Thread(target=self._run, name="diffusion-trt-batcher", daemon=True)
         self._thread.start()
 
@@ -199,6 +203,7 @@ class MicroBatcher:
 
         p = batch[0].params
         try:
+            self._use_lora(p.get("lora"))
             out = self.pipe(
                 prompt=[j.params["prompt"] for j in batch],
                 negative_prompt=[j.params["negative_prompt"] for j in batch],
@@ -221,6 +226,18 @@ class MicroBatcher:
                 job.future.set_exception(e)
 
 
+    def _use_lora(self, lora: tuple[str, float] | None) -> None:
+        """Load the batch's LoRA (or go back to the base) when it is not the one loaded; a refused LoRA leaves the
+        pipeline as it was (``load_lora`` checks everything first)."""
+        if lora == self._lora:
+            return
+        if lora is None:
+            self.pipe.unload_lora()
+        else:
+            self.pipe.load_lora([lora])
+        self._lora = lora
+
+
 def _python_backend_libpath() -> None:
     """Let tritonserver's Python-backend stub load *this* interpreter's libpython.
 
@@ -239,7 +256,13 @@ def bind_pipeline(triton: Any, pipe: Any, config: ServeConfig) -> MicroBatcher:
     """Bind model :data:`MODEL_NAME` to ``triton`` (a ``pytriton.triton.Triton``); returns the batcher."""
     from pytriton.model_config import ModelConfig, Tensor
 
+    from .loras import FIELD, LoraLibrary
+
     facts = {"model": pipe.manifest["model"], "profile": pipe.manifest["profile"], "limits": config.limits()}
+    library = LoraLibrary(config.lora_dir) if config.lora_dir is not None else None
+    if library is not None and not any(e.get("refit_map") for e in pipe.manifest["components"].values()):
+        raise LoraError("serve --lora-dir: this artifact was compiled without --refittable, so it cannot take a LoRA "
+                        "per request; recompile with `diffusion-trt compile MODEL --refittable`")
     cap = int(pipe.profile.batch.max)
     # at most `instances` requests are in this process at once (the rest wait in Triton's bounded queue), so the
     # batcher's own queue never refuses one
@@ -249,7 +272,9 @@ def bind_pipeline(triton: Any, pipe: Any, config: ServeConfig) -> MicroBatcher:
         futures = []
         for request in requests:  # unbatched model: one request per call
             try:
-                params = parse_request({name: request.data.get(name) for name in request.data}, facts)
+                data = {name: request.data.get(name) for name in request.data}
+                lora = library.resolve(data.pop(FIELD, None)) if library is not None else None
+                params = {**parse_request(data, facts), "lora": lora}
             except RequestError as e:  # 400 / INVALID_ARGUMENT, this line only (pytriton_proxy)
                 raise StatusError("INVALID_ARG", str(e)) from None
             futures.append(batcher.submit(params))
@@ -258,6 +283,8 @@ def bind_pipeline(triton: Any, pipe: Any, config: ServeConfig) -> MicroBatcher:
     dtypes = {"BYTES": bytes, "INT64": np.int64, "INT32": np.int32, "FP32": np.float32}
     inputs = [Tensor(name=name, dtype=dtypes[t], shape=(1,), optional=True)
               for name, (_kinds, t) in triton_model.FIELDS.items()]
+    if library is not None:
+        inputs.append(Tensor(name=FIELD, dtype=bytes, shape=(1,), optional=True))
     triton.bind(
         model_name=MODEL_NAME,
         infer_func=[infer] * config.instances,
@@ -273,7 +300,7 @@ def _image(future: Future[np.ndarray]) -> np.ndarray:
     """The future's image; a runtime check the request failed (RuntimeInputError) is the client's error (400)."""
     try:
         return future.result()
-    except RuntimeInputError as e:
+    except (RuntimeInputError, LoraError) as e:
         raise StatusError("INVALID_ARG", str(e)) from None
 
 
@@ -298,14 +325,15 @@ def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = Non
     """Serve an artifact until SIGINT/SIGTERM (or ``stop`` is set); ``on_ready()`` once the endpoints are up.
 
     Raises:
-        ServeError: PyTriton is not installed or the server cannot start.
+        MissingPackageError: PyTriton is not installed (exit 2).
+        ServeError: the server cannot start.
         ArtifactError: the artifact fails verification.
     """
     config = config or ServeConfig()
     try:
         from pytriton.triton import Triton, TritonConfig
     except ImportError as e:
-        raise ServeError(
+        raise MissingPackageError(
             f"serve needs NVIDIA PyTriton ({e}); pip install 'diffusion-trt[serve]' (Linux x86_64/aarch64, "
             "glibc >= 2.35)"
         ) from None

@@ -19,6 +19,19 @@ for ``cpu`` ones; the pipeline model runs its loop on the CPU and calls the engi
 
 The artifact is verified (sha256 and all) before anything is copied; files are hard-linked when the
 repository is on the same file system, else copied.
+
+Models are written into a staging folder and moved into place at the end, so a failure part way leaves the
+repository as it was. Triton takes every sub-folder of the repository for a model, hidden ones too (its repository
+poll lists directories and skips none by name), so the staging folder is *outside* it:
+``.<REPO_DIR name>.diffusion-trt-export-<pid>-<random>`` beside ``REPO_DIR``, on the same file system (one rename per
+model). Only when ``REPO_DIR`` is a mount point (its parent on another file system) or its parent cannot be written
+is it staged inside (``REPO_DIR/.diffusion-trt-export-<pid>-<random>``), with a warning. What a killed export left
+in either place is removed by the next export (a ``warning:`` line names it) unless its pid still runs.
+
+TensorRT-RTX artifacts are refused (exit 2): Triton's TensorRT backend (``tensorrt_plan``) deserializes plans with
+TensorRT's ``libnvinfer``, and a TensorRT-RTX plan loads only in the TensorRT-RTX runtime, which no Triton backend
+links; serve them with ``diffusion-trt serve`` (the runtime inside PyTriton), or compile with ``--backend tensorrt``
+or ``ort`` for a Triton repository.
 """
 
 from __future__ import annotations
@@ -51,6 +64,9 @@ TRITON_TYPES: dict[str, str] = {
     "bool": "TYPE_BOOL",
 }
 PLATFORMS: dict[str, str] = {"ort": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
+#: The staging folder's name: beside REPO_DIR (``.<repo name>`` first) or, failing that, inside it (see the module
+#: docstring); ``<pid>`` is absent in those of versions before the pid was recorded.
+STAGING_PREFIX = ".diffusion-trt-export-"
 BATCH_SYMBOLS = ("B", "B2")
 #: Engines the text-to-image pipeline model calls.
 PIPELINE_ENGINES: tuple[str, ...] = ("text_encoder", "unet", "vae_decoder")
@@ -222,6 +238,67 @@ def _write_pipeline_model(root: Path, manifest: Mapping[str, Any], folder: Path,
     (folder / "config.pbtxt").write_text(text, encoding="utf-8")
 
 
+def _refuse_backend(root: Path, manifest: Mapping[str, Any]) -> None:
+    """Refuse an artifact whose engines no Triton backend loads (see the module docstring).
+
+    Raises:
+        RuntimeInputError: a TensorRT-RTX artifact, or any backend without a Triton platform (exit 2).
+    """
+    backend = manifest["backend"]
+    if backend == "tensorrt-rtx":
+        raise RuntimeInputError(
+            f"{root} is a TensorRT-RTX artifact: Triton's TensorRT backend loads plans with TensorRT (libnvinfer), "
+            "and a TensorRT-RTX plan needs the TensorRT-RTX runtime, which no Triton backend has; serve it with "
+            "`diffusion-trt serve`, or compile with --backend tensorrt (or ort) for a Triton repository"
+        )
+    if backend not in PLATFORMS:
+        raise RuntimeInputError(f"{root} has backend {backend!r}, which no Triton platform serves; export an "
+                                f"artifact of backend {' or '.join(PLATFORMS)}")
+
+
+def _refuse_in_the_way(folders: Iterable[Path], overwrite: bool) -> None:
+    """Refuse, before anything is changed, what stands where a model folder goes: a file, or a symbolic link (with
+    ``--overwrite`` too: a model folder is replaced whole, never written through a link or swapped for one), and
+    existing model folders without ``overwrite``.
+
+    Raises:
+        OutputPathError: naming every such path and the fix.
+    """
+    folders = list(folders)
+    links = [f"{p} (to {os.readlink(p)})" for p in folders if p.is_symlink()]
+    if links:
+        raise OutputPathError(f"{', '.join(links)}: a symbolic link where a model folder goes; export-triton replaces "
+                              "model folders whole and does not replace links: remove the link or use --prefix "
+                              "(nothing was changed)")
+    in_the_way = [str(p) for p in folders if p.exists() and not p.is_dir()]
+    if in_the_way:
+        raise OutputPathError(f"{', '.join(in_the_way)}: a file where a model folder goes; remove it or use --prefix")
+    clash = [str(p) for p in folders if p.exists()]
+    if clash and not overwrite:
+        raise OutputPathError(f"model folder(s) {', '.join(clash)} exist; pass --overwrite or use --prefix")
+
+
+def _staging_folder(repo: Path) -> Path:
+    """A new staging folder for ``repo``'s models, beside it on the same file system (Triton ignores it there), else
+    inside it with a warning; the leftovers of killed exports in both places are removed first."""
+    real = repo.resolve()
+    inside = re.compile(rf"{re.escape(STAGING_PREFIX)}(?:(?P<pid>\d+)-)?[A-Za-z0-9_]+")
+    beside = re.compile(rf"\.{re.escape(real.name)}{re.escape(STAGING_PREFIX)}(?P<pid>\d+)-[A-Za-z0-9_]+")
+    what = "an interrupted export-triton (Triton would try to load a folder inside the repository as a model)"
+    artifacts.remove_dead_leftovers(real, inside, what)
+    artifacts.remove_dead_leftovers(real.parent, beside, what)
+    parent = real.parent
+    try:
+        if parent.stat().st_dev == real.stat().st_dev:
+            return Path(tempfile.mkdtemp(prefix=f".{real.name}{STAGING_PREFIX}{os.getpid()}-", dir=parent))
+        why = f"{real} is a mount point: its parent {parent} is another file system"
+    except OSError as e:
+        why = f"{parent} cannot be written ({e.strerror})"
+    logger.warning("staging the models inside %s (%s): if this export is killed, remove %s%s* from it before "
+                   "starting tritonserver (the next export removes it)", real, why, STAGING_PREFIX, os.getpid())
+    return Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=real))
+
+
 def export_triton_repository(
     artifact_dir: str | os.PathLike[str],
     repo_dir: str | os.PathLike[str],
@@ -249,14 +326,17 @@ def export_triton_repository(
 
     Raises:
         ArtifactError: the artifact fails verification or lacks an engine.
-        RuntimeInputError: an SDXL or inpainting artifact (the Triton pipeline model runs the SD text-to-image loop).
-        OutputPathError: a model folder exists without ``overwrite``; a file stands where a model folder goes;
+        RuntimeInputError: an SDXL or inpainting artifact (the Triton pipeline model runs the SD text-to-image loop);
+            a TensorRT-RTX artifact (no Triton backend loads its plans).
+        OutputPathError: a model folder exists without ``overwrite``; a file or a symbolic link stands where a model
+            folder goes;
             ``repo_dir`` is or lies inside the artifact, or a model folder holds it. Nothing is changed then, nor
             when writing fails part way (models are written aside and moved into place at the end).
     """
     root = Path(artifact_dir)
     repo = Path(repo_dir)
     manifest = artifacts.load_verified(root)
+    _refuse_backend(root, manifest)
     if manifest.get("model", {}).get("architecture", "sd") != "sd":  # a usage error (exit 2), not a damaged artifact
         raise RuntimeInputError(
             f"{root} is an {manifest['model']['architecture']} artifact; the Triton pipeline model runs the SD 1.x/2.x "
@@ -275,16 +355,11 @@ def export_triton_repository(
     pipeline_name = f"{prefix}pipeline"
     folders = {n: repo / n for n in [*names.values(), pipeline_name]}
     _refuse_overlap(root, repo, folders.values())
-    in_the_way = [str(p) for p in folders.values() if p.exists() and not p.is_dir()]
-    if in_the_way:
-        raise OutputPathError(f"{', '.join(in_the_way)}: a file where a model folder goes; remove it or use --prefix")
-    clash = [str(p) for p in folders.values() if p.exists()]
-    if clash and not overwrite:
-        raise OutputPathError(f"model folder(s) {', '.join(clash)} exist; pass --overwrite or use --prefix")
+    _refuse_in_the_way(folders.values(), overwrite)
     repo.mkdir(parents=True, exist_ok=True)
-    # every model is written into a staging folder inside the repository, then moved into place: a failure part way
-    # leaves the repository as it was (it left the models written before it)
-    staging = Path(tempfile.mkdtemp(prefix=".diffusion-trt-export-", dir=repo))
+    # every model is written into a staging folder outside the repository (Triton would load one inside), then moved
+    # into place: a failure part way leaves the repository as it was
+    staging = _staging_folder(repo)
     try:
         staged = {n: staging / n for n in folders}
         _write_engine_models(root, manifest, staged, names, instances, max_queue_delay_us)

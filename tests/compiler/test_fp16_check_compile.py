@@ -12,9 +12,14 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+import pytest
+from click.testing import CliRunner
 from safetensors.numpy import load_file, save_file
 
+from diffusion_trt.cli import main
 from diffusion_trt.compiler.pipeline import compile_pipeline
 from diffusion_trt.config import CompileConfig
 
@@ -52,3 +57,36 @@ def test_an_unscaled_vae_gets_no_islands(tiny_sdxl_dir: Path, tmp_path: Path) ->
         device="cuda", precision="fp16", components=("vae_decoder",), fp16_safe_vae=True))
     check = json.loads((out / "manifest.json").read_text())["components"]["vae_decoder"]["fp16_check"]
     assert check["hot"] == {} and check["islands"] == []
+
+
+def test_compile_applies_the_fp16_verdict_to_each_component(tiny_pipeline_dir: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24 item 13: each fp16 component's outputs are compared with fp32 on the calibration inputs
+    (``fp16_check.parity`` in the manifest), and a component that fails the verdict fails the compile with one
+    line. ``--deterministic`` leaves ORT CUDA's GroupNorm unfused, so the fp16 graph runs on this CPU machine."""
+    from diffusion_trt.passes import convert_fp16 as convert_fp16_module
+    from diffusion_trt.passes.parity import MIN_COSINE
+
+    args = ["compile", str(tiny_pipeline_dir), "--device", "cuda", "--precision", "fp16", "--components",
+            "vae_decoder", "--deterministic", "--no-cache"]
+    result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "ok")])
+    assert result.exit_code == 0, result.output
+    check = json.loads((tmp_path / "ok" / "manifest.json").read_text())["components"]["vae_decoder"]["fp16_check"]
+    (parity,) = check["parity"]
+    assert parity["name"] == "sample" and parity["cosine"] >= MIN_COSINE, check
+
+    real = convert_fp16_module._converted_constant
+
+    def wrong_sign(tensor: Any, want: Any, counts: Any, in_place: bool) -> Any:  # a conversion silently wrong
+        out = real(tensor, want, counts, in_place)
+        if out.values.dtype == np.float16 and out.values.ndim == 4:
+            out.values = -out.values
+        return out
+
+    monkeypatch.setattr(convert_fp16_module, "_converted_constant", wrong_sign)
+    result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "bad")])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "vae_decoder: the fp16 graph does not match fp32" in errors[0], result.output
+    assert "output 'sample': cosine" in errors[0] and "Traceback" not in result.output
+    assert not (tmp_path / "bad").exists()

@@ -283,9 +283,13 @@ def test_lora_for_a_wider_model_is_one_error_line(tiny_pipeline_dir: Path, tmp_p
     assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage()[:200] for r in records]
 
 
-def test_refittable_is_tensorrt_only() -> None:
-    with pytest.raises(RuntimeInputError, match="refittable=True is a TensorRT build flag"):
-        CompileConfig(refittable=True)
+def test_refittable_rules() -> None:
+    """ORT and full TensorRT take --refittable (LoRA per request); TensorRT-RTX and merged LoRAs do not."""
+    assert CompileConfig(refittable=True).refittable
+    with pytest.raises(RuntimeInputError, match="refittable=True with backend='tensorrt-rtx'"):
+        CompileConfig(refittable=True, backend="tensorrt-rtx")
+    with pytest.raises(RuntimeInputError, match="refittable=True with loras"):
+        CompileConfig(refittable=True, loras=(("a.safetensors", 1.0),))
 
 
 def test_compiling_an_artifact_is_refused(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path) -> None:
@@ -312,8 +316,9 @@ def test_cli_lora_errors(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_pa
         result = runner.invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"), "--lora", lora_arg])
         assert result.exit_code == 2, result.output
         assert message in result.output
-    result = runner.invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"), "--refittable"])
-    assert result.exit_code == 2 and "refittable=True is a TensorRT build flag" in result.output
+    result = runner.invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"), "--refittable",
+                                  "--lora", str(loras["peft"])])
+    assert result.exit_code == 2 and "refittable=True with loras" in result.output
 
 
 # -- load_lora: the refit weights (computed on the CPU; refitting needs TensorRT) --------------------------------
@@ -492,8 +497,9 @@ def test_load_lora_bad_input(tiny_artifact: Path, peft_artifact: Path, loras: di
     (tmp_path / "w.bin").write_bytes(b"x")
     with EnginePipeline.from_artifacts(tiny_artifact) as pipe:
         cases: list[tuple[Any, Any, str]] = [
-            (loras["peft"], 1.0, "ONNX Runtime sessions cannot swap weights in place: merge the LoRA at compile "
-                                 "time with `diffusion-trt compile MODEL --lora style.safetensors:1`"),
+            (loras["peft"], 1.0, "was compiled without --refittable (its weights are constants of the ONNX Runtime "
+                                 "sessions); recompile with `diffusion-trt compile MODEL --refittable`, or merge the "
+                                 "LoRA at compile time with `diffusion-trt compile MODEL --lora style.safetensors:1`"),
             (tmp_path / "missing.safetensors", 1.0, "does not exist"),
             (tmp_path / "w.bin", 1.0, "is not a .safetensors file"),
             (loras["peft"], float("nan"), "scale=nan must be a finite number"),

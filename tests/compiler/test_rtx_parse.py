@@ -71,8 +71,8 @@ class _AttentionLog(logging.Handler):
 @contextmanager
 def attention_patterns() -> Iterator[set[str]]:
     """The ONNX nodes the builder reports as part of a self-attention pattern (a VERBOSE message, which
-    ``trt_compat.make_trt_logger`` forwards at DEBUG to the "tensorrt" logger)."""
-    log, handler = logging.getLogger("tensorrt"), _AttentionLog()
+    ``trt_compat.make_trt_logger`` forwards at DEBUG to the library's logger, "tensorrt_rtx_bindings")."""
+    log, handler = logging.getLogger("tensorrt_rtx_bindings"), _AttentionLog()
     level = log.level
     log.setLevel(logging.DEBUG)
     log.addHandler(handler)

@@ -155,3 +155,44 @@ def test_sd15_single_file_compiles_to_the_same_image(tmp_path: Path) -> None:
         with EnginePipeline.from_artifacts(out, device="cpu") as pipe:
             images.append(np.asarray(pipe("a red fox", num_inference_steps=2, seed=7, progress=False).images[0]))
     assert np.array_equal(images[0], images[1])
+
+
+def _header_file(path: Path, header: bytes) -> Path:
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    return path
+
+
+def _sd1_header(**extra: dict[str, object]) -> bytes:
+    entries: dict[str, object] = {
+        "model.diffusion_model.input_blocks.0.0.weight": {"dtype": "F32", "shape": [32, 4, 3, 3],
+                                                          "data_offsets": [0, 0]},
+        "first_stage_model.encoder.conv_in.weight": {"dtype": "F32", "shape": [32, 3, 3, 3], "data_offsets": [0, 0]},
+        "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight": {
+            "dtype": "F32", "shape": [1000, 32], "data_offsets": [0, 0]},
+        **extra,
+    }
+    return json.dumps(entries).encode()
+
+
+@pytest.mark.parametrize(("header", "message"), [
+    (b"[" * 100_000 + b"]" * 100_000, r"nests (objects/arrays )?deeper than"),
+    (_sd1_header(**{"model.diffusion_model.out.0.weight": {"dtype": "F32", "shape": 5, "data_offsets": [0, 0]}}),
+     r"tensor 'model\.diffusion_model\.out\.0\.weight' has shape 5 in its header, not a list of non-negative"),
+    (_sd1_header(**{"model.diffusion_model.out.0.weight": {"dtype": "F32", "shape": "abcd", "data_offsets": [0, 0]}}),
+     r"has shape 'abcd' in its header"),
+    (_sd1_header(**{"model.diffusion_model.out.0.weight": {"dtype": "F32", "shape": [2, -1], "data_offsets": [0, 0]}}),
+     r"has shape \[2, -1\] in its header"),
+    (_sd1_header(**{"model.diffusion_model.input_blocks.\u00b2.0.weight": {"dtype": "F32", "shape": [4],
+                                                                           "data_offsets": [0, 0]}}),
+     r"match none of the shipped SD 1\.x architectures"),
+    (b'{"model.diffusion_model.x": {"shape": [1]}, "\\ud800": {}}', r"lone surrogate|not valid"),
+], ids=["100000-deep", "shape-5", "shape-abcd", "shape-negative", "unicode-digit-block", "lone-surrogate"])
+def test_a_bad_single_file_header_is_one_error_line_exit_2(tmp_path: Path, header: bytes, message: str) -> None:
+    file = _header_file(tmp_path / "bad.safetensors", header)
+    with pytest.raises(ModelFolderError, match=message):
+        inspect_checkpoint(file)
+    result = CliRunner().invoke(main, ["compile", str(file), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert [line for line in result.output.splitlines() if line.startswith("error:")] == result.output.splitlines()[-1:]
+    assert "Traceback" not in result.output

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper
 
 from diffusion_trt.errors import PassError
 from diffusion_trt.passes import PassContext
@@ -130,3 +133,76 @@ def test_nested_if_with_a_constant_condition_stays_runnable() -> None:
     (else_branch,) = [a.g for a in out.graph.node[0].attribute if a.name == "else_branch"]
     inner = [n for n in else_branch.node if n.op_type == "If"]
     assert len(inner) == 2, "the If with a constant condition was inlined (flatten_subgraphs)"
+
+
+def _generator_model(elements: int, adds: int) -> onnx.ModelProto:
+    """ConstantOfShape([elements]) -> ``adds`` x Add(c, k_i) -> Mul(x, .): ``adds`` foldable results of
+    ``elements`` float32 each, from a graph of a few hundred bytes."""
+    nodes = [helper.make_node("Constant", [], ["s"], value=helper.make_tensor("s", TensorProto.INT64, [1],
+                                                                                [elements])),
+             helper.make_node("ConstantOfShape", ["s"], ["c"],
+                              value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0]))]
+    outputs = []
+    for i in range(adds):
+        nodes.append(helper.make_node("Constant", [], [f"k{i}"], value_float=float(i)))
+        nodes.append(helper.make_node("Add", ["c", f"k{i}"], [f"a{i}"]))
+        nodes.append(helper.make_node("Mul", ["x", f"a{i}"], [f"y{i}"]))
+        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [elements]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])], outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_folding_beyond_the_total_cap_fails_with_one_line_naming_the_option() -> None:
+    graph = gs.import_onnx(_generator_model(1 << 18, 4))  # 4 results of 1 MiB from a ~400-byte graph
+    with pytest.raises(PassError, match=r"add \d+ MiB of constants.*--pass-option fold_constants_max_total_bytes="):
+        fold_constants(graph, ctx(fold_constants_max_total_bytes=2 << 20))
+    graph = gs.import_onnx(_generator_model(1 << 18, 4))
+    assert fold_constants(graph, ctx(fold_constants_max_total_bytes=8 << 20)).modified  # raised: it folds
+    assert [node.op for node in graph.nodes] == ["Mul"] * 4
+
+
+def test_the_total_cap_defaults_to_one_gib_and_is_a_user_option() -> None:
+    from diffusion_trt.passes.fold_constants import DEFAULT_MAX_TOTAL_BYTES, FoldConstantsOptions
+    from diffusion_trt.passes.options import check_pass_options
+
+    assert DEFAULT_MAX_TOTAL_BYTES == 1 << 30
+    assert ctx().options_for(FoldConstantsOptions).max_total_bytes == 1 << 30
+    check_pass_options({"fold_constants_max_total_bytes": 4 << 30})
+    with pytest.raises(ValueError, match=r"fold_constants_max_total_bytes='x'.*expects a positive integer"):
+        check_pass_options({"fold_constants_max_total_bytes": "x"})
+
+
+def test_a_generator_over_the_threshold_is_never_evaluated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ConstantOfShape of 256 MiB (the per-result threshold is 64 MiB) stays in the graph and ONNX Runtime is
+    never asked to make it: before, it was materialised and then dropped (a 10 GB one hit the memory limit)."""
+    import onnxruntime as ort
+
+    made: list[int] = []
+    real_run = ort.InferenceSession.run
+
+    def run(self: ort.InferenceSession, *args: object, **kwargs: object) -> list[np.ndarray]:
+        outputs = real_run(self, *args, **kwargs)
+        made.extend(np.asarray(o).nbytes for o in outputs)
+        return outputs
+
+    monkeypatch.setattr(ort.InferenceSession, "run", run)
+    graph = gs.import_onnx(_generator_model(1 << 26, 1))
+    fold_constants(graph, ctx())
+    assert "ConstantOfShape" in [node.op for node in graph.nodes]
+    assert max(made, default=0) <= 64 << 20, made
+
+
+def test_optimize_refuses_a_constant_bomb_with_one_line(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from diffusion_trt.cli import main
+
+    path = tmp_path / "bomb.onnx"
+    path.write_bytes(_generator_model(1 << 18, 4).SerializeToString())
+    assert path.stat().st_size < 1000
+    result = CliRunner().invoke(main, ["optimize", str(path), "-o", str(tmp_path / "out.onnx"), "--target", "ort-cpu",
+                                       "--pass-option", "fold_constants_max_total_bytes=2097152"])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "fold_constants_max_total_bytes=2097152" in errors[0], result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out.onnx").exists()

@@ -105,7 +105,7 @@ def test_static_spec_pins_every_tensor(toy_artifact: Path) -> None:
 
 def test_free_dimensions_fold_every_shape_op(tiny_artifact: Path, tmp_path: Path) -> None:
     entry = read_manifest(tiny_artifact)["components"]["unet"]
-    symbols = {"B2": 2, "h": 8, "w": 8}
+    symbols = {"B2": 2, "h": 8, "w": 8, "S": 77}  # S: the UNet context (77 * prompt chunks)
     counts = {}
     for label, free in (("dynamic", None), ("static", symbols)):
         so = ort.SessionOptions()

@@ -18,6 +18,8 @@ import torch
 
 from diffusion_trt.runtime import EnginePipeline
 
+from .prompt_reference import reference_states
+
 #: runtime name -> how a diffusers user builds that scheduler from the model's config
 DIFFUSERS_SCHEDULERS: dict[str | None, tuple[type, dict[str, Any]]] = {
     None: (diffusers.PNDMScheduler, {}),
@@ -52,8 +54,23 @@ CASES: list[tuple[str, str | None, dict[str, Any], bool]] = [
     # PNDM keeps the raw UNet outputs of past steps: catches a reused (aliased) engine output buffer
     ("pndm-no-cfg-bound", None, {"prompt": ["a cat", "a dog"], "guidance_scale": 1.0}, True),
     ("ddim-non-square-bound", "ddim", {"prompt": "a house", "height": 48, "width": 80, "guidance_scale": 3.0}, True),
+    # 120 tokens: two 75-token chunks on the UNet's 77..231-token context (diffusers cuts at 77: it gets the chunks
+    # as prompt_embeds, built independently by tests/runtime/prompt_reference.py)
     ("heun-long-prompt", "heun", {"prompt": "a very long prompt " * 30, "num_inference_steps": 4}, False),
 ]
+
+
+def _long_prompt_as_embeds(reference: diffusers.StableDiffusionPipeline, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for diffusers: a single prompt over 75 tokens becomes its chunked prompt_embeds (and the empty
+    negative prompt's, padded to as many chunks)."""
+    prompt = kwargs.get("prompt")
+    if not isinstance(prompt, str) or len(reference.tokenizer(prompt).input_ids) <= 77:
+        return kwargs
+    embeds = reference_states(reference.text_encoder, reference.tokenizer, [[(prompt, 1.0)]])
+    chunks = embeds.shape[0] // 77
+    negative = reference_states(reference.text_encoder, reference.tokenizer, [[]], chunks)
+    rest = {k: v for k, v in kwargs.items() if k != "prompt"}
+    return {**rest, "prompt_embeds": embeds[None], "negative_prompt_embeds": negative[None]}
 
 
 @pytest.mark.parametrize(("scheduler", "kwargs", "io_binding"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -70,8 +87,9 @@ def test_images_match_diffusers(
     cls, overrides = DIFFUSERS_SCHEDULERS[scheduler]
     original = reference.scheduler
     reference.scheduler = cls.from_config(original.config, **overrides)
+    ref_kwargs = _long_prompt_as_embeds(reference, kwargs)
     try:
-        want = reference(**kwargs, generator=torch.Generator("cpu").manual_seed(1234), output_type="np").images
+        want = reference(**ref_kwargs, generator=torch.Generator("cpu").manual_seed(1234), output_type="np").images
     finally:
         reference.scheduler = original
     got = pipe(**kwargs, seed=1234, output_type="np", progress=False).images

@@ -1,0 +1,271 @@
+"""Time to the first image, phase by phase, each measurement in a fresh process (issue 28).
+
+    python benchmarks/cold_start.py all ARTIFACT --model-dir MODEL --json OUT.json [--repeat 2] [--steps 30]
+
+``all`` runs, each in a new Python process (so nothing is cached in the process; the OS page cache and the CUDA
+compute cache are warm after the first repeat):
+
+* ``phases``: per component (text_encoder, unet, vae_decoder), alone and in turn: read + hash (``ArtifactReader``),
+  session creation, first run, second run (the CUDA-graph capture), warm run (median of 20);
+* ``first-image``: ``EnginePipeline.from_artifacts`` + one 512x512 image of ``--steps`` steps, per cuDNN search,
+  with the marks import torch / import diffusion_trt / from_artifacts / first image / second image and the warm
+  UNet step of that configuration;
+* ``cli``: ``diffusion-trt run`` of one image, from process start to the PNG (wall clock of the process);
+* ``diffusers``: diffusers' own one-shot: ``from_pretrained(fp16)`` -> cuda -> one image -> PNG, same steps;
+* ``profile``: cProfile of ``from_artifacts`` + the first image (top functions by cumulative time);
+* ``levels``: from_artifacts per ONNX Runtime graph optimisation level: UNet session time and warm step.
+
+Prints one line per measurement; the JSON holds every figure (seconds unless named ``_ms``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+T0 = time.perf_counter()
+PROMPT = "an ink painting of a mountain above a river, mist, pine trees"
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _zeros(engine):
+    import torch
+
+    return {i.name: torch.zeros(tuple(i.min), dtype=i.torch_dtype, device=engine.device) for i in engine.spec.inputs}
+
+
+def _timed_runs(engine, n: int = 20) -> float:
+    """Median ms of ``n`` synchronised runs on zeros."""
+    feeds = _zeros(engine)
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        engine.run(feeds)
+        _sync()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def phases(art: str, cudnn: str) -> dict:
+    """Per component, in turn: read + hash, session, first run, capture run, warm run."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke test of this script only
+    t = time.perf_counter()
+    torch.zeros(1, device=device)
+    out: dict = {"cuda_init_s": time.perf_counter() - t}
+    from diffusion_trt.artifact_reader import ArtifactReader
+    from diffusion_trt.runtime.ort_engine import OrtEngine
+    from diffusion_trt.runtime.pipeline import cuda_layout_options
+
+    t = time.perf_counter()
+    reader = ArtifactReader.open(art)
+    out["reader_open_s"] = time.perf_counter() - t
+    manifest = reader.manifest
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    for name in ("text_encoder", "unet", "vae_decoder"):
+        entry = manifest["components"][name]
+        row: dict = {}
+        t = time.perf_counter()
+        data = reader.onnx(entry["onnx"])
+        row["read_hash_s"] = time.perf_counter() - t
+        row["bytes"] = len(data.model) + sum(len(b) for b in data.external.values())
+        row["read_hash_gb_per_s"] = row["bytes"] / row["read_hash_s"] / 1e9
+        engine = OrtEngine(art + "/" + entry["onnx"], entry, name=name, device=device, stream=stream,
+                           cudnn_conv_algo_search=cudnn, provider_options=cuda_layout_options(name, device),
+                           cuda_graph=device == "cuda", source=lambda d=data: d)
+        t = time.perf_counter()
+        engine.__enter__()
+        row["session_s"] = time.perf_counter() - t
+        feeds = _zeros(engine)
+        for key in ("first_run_s", "capture_run_s"):
+            t = time.perf_counter()
+            engine.run(feeds)
+            _sync()
+            row[key] = time.perf_counter() - t
+        row["warm_ms"] = _timed_runs(engine)
+        row["cuda_graph"] = engine.cuda_graph
+        engine.__exit__(None, None, None)
+        out[name] = row
+        del data
+    return out
+
+
+def first_image(art: str, cudnn: str, steps: int, level: str = "all") -> dict:
+    """from_artifacts + the first image (and a second), with marks since the process started."""
+    marks = {}
+    import torch
+
+    marks["import_torch"] = time.perf_counter() - T0
+    import diffusion_trt
+
+    marks["import_diffusion_trt"] = time.perf_counter() - T0
+    marks["package"] = os.path.dirname(diffusion_trt.__file__)
+    t_load = time.perf_counter()
+    extra = {"graph_optimization_level": level} if level != "all" else {}  # a tree before the option had "all"
+    pipe = diffusion_trt.EnginePipeline.from_artifacts(art, cudnn_conv_algo_search=cudnn, **extra)
+    marks["from_artifacts"] = time.perf_counter() - T0
+    out: dict = {"cudnn": cudnn, "graph_optimization_level": level}
+    out["from_artifacts_s"] = time.perf_counter() - t_load
+    images = []
+    for key in ("first_call_s", "second_call_s"):
+        t = time.perf_counter()
+        res = pipe(PROMPT, num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="np",
+                   progress=False)
+        images.append(res.images)
+        out[key] = time.perf_counter() - t
+        marks[key.replace("_s", "")] = time.perf_counter() - T0
+    out["time_to_first_image_s"] = out["from_artifacts_s"] + out["first_call_s"]
+    out["first_call_overhead_s"] = out["first_call_s"] - out["second_call_s"]
+    out["unet_warm_ms"] = _timed_runs(pipe.engine("unet"))
+    out["images_equal"] = bool((images[0] == images[1]).all())
+    out["marks_since_process_start_s"] = marks
+    pipe.close()
+    return out
+
+
+def profile(art: str, cudnn: str, steps: int) -> dict:
+    """cProfile of from_artifacts + the first image: the top functions by cumulative time."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    import diffusion_trt
+
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    pipe = diffusion_trt.EnginePipeline.from_artifacts(art, cudnn_conv_algo_search=cudnn)
+    pipe(PROMPT, num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="np",
+         progress=False)
+    prof.disable()
+    total = time.perf_counter() - t
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in stats.stats.items():
+        rows.append({"function": f"{os.path.basename(file)}:{line}:{fn}", "calls": nc, "tottime_s": tt,
+                     "cumtime_s": ct})
+    rows.sort(key=lambda r: -r["cumtime_s"])
+    by_self = sorted(rows, key=lambda r: -r["tottime_s"])[:25]
+    pipe.close()
+    return {"total_s": total, "top_cumulative": rows[:40], "top_self": by_self}
+
+
+def diffusers_oneshot(model_dir: str, steps: int, png: str) -> dict:
+    """diffusers' one-shot: import, from_pretrained fp16 -> cuda -> one image -> PNG."""
+    marks = {}
+    import torch
+
+    marks["import_torch"] = time.perf_counter() - T0
+    from diffusers import StableDiffusionPipeline
+
+    marks["import_diffusers"] = time.perf_counter() - T0
+    pipe = StableDiffusionPipeline.from_pretrained(model_dir, torch_dtype=torch.float16, safety_checker=None,
+                                                   requires_safety_checker=False)
+    marks["from_pretrained"] = time.perf_counter() - T0
+    pipe = pipe.to("cuda")
+    pipe.set_progress_bar_config(disable=True)
+    marks["to_cuda"] = time.perf_counter() - T0
+    image = pipe(PROMPT, num_inference_steps=steps, generator=torch.Generator("cuda").manual_seed(0)).images[0]
+    marks["first_image"] = time.perf_counter() - T0
+    image.save(png)
+    marks["png"] = time.perf_counter() - T0
+    t = time.perf_counter()
+    pipe(PROMPT, num_inference_steps=steps, generator=torch.Generator("cuda").manual_seed(0))
+    return {"marks_since_process_start_s": marks, "second_call_s": time.perf_counter() - t}
+
+
+def _child(args: list[str], timeout: float = 300, env: dict | None = None) -> tuple[dict | None, float, str]:
+    """Run this script's subcommand in a fresh process; (its JSON, wall seconds from spawn to exit, stderr tail)."""
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, **(env or {})})
+    wall = time.perf_counter() - t
+    last = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    return (json.loads(last[-1]) if p.returncode == 0 and last else None), wall, p.stderr[-1500:]
+
+
+def _wall(cmd: list[str], timeout: float = 300) -> tuple[float, int, str]:
+    t = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return time.perf_counter() - t, p.returncode, (p.stdout + p.stderr)[-1500:]
+
+
+def run_all(ns: argparse.Namespace) -> dict:
+    ns.artifact = ns.path
+    res: dict = {"artifact": ns.artifact, "steps": ns.steps, "repeat": ns.repeat, "rows": []}
+
+    def add(kind: str, args: list[str], env: dict | None = None, **extra: object) -> None:
+        data, wall, err = _child(args, env=env)
+        row = {"kind": kind, "process_wall_s": wall, **extra, **(data or {"error": err})}
+        res["rows"].append(row)
+        print(kind, extra, json.dumps({k: v for k, v in (data or {"error": err[-300:]}).items()
+                                       if not isinstance(v, (dict, list))}), flush=True)
+
+    for rep in range(ns.repeat):
+        for cudnn in ("HEURISTIC", "EXHAUSTIVE"):
+            add("first-image", ["first-image", ns.artifact, "--cudnn", cudnn, "--steps", str(ns.steps)],
+                repeat=rep, cudnn=cudnn)
+        cli = [sys.executable, "-m", "diffusion_trt.cli", "run", ns.artifact, "--prompt", PROMPT, "--steps",
+               str(ns.steps), "-o", "/tmp/cold_cli.png", "--overwrite"]
+        wall, rc, tail = _wall(cli)
+        res["rows"].append({"kind": "cli", "repeat": rep, "process_wall_s": wall, "rc": rc, "tail": tail[-400:]})
+        print("cli", rep, round(wall, 3), rc, flush=True)
+        if ns.model_dir:
+            add("diffusers", ["diffusers", ns.model_dir, "--steps", str(ns.steps), "--png", "/tmp/cold_diffusers.png"],
+                repeat=rep)
+    add("phases", ["phases", ns.artifact, "--cudnn", "HEURISTIC"], cudnn="HEURISTIC")
+    add("phases", ["phases", ns.artifact, "--cudnn", "EXHAUSTIVE"], cudnn="EXHAUSTIVE")
+    for level in ns.levels.split(",") if ns.levels else ():
+        add("first-image", ["first-image", ns.artifact, "--cudnn", "HEURISTIC", "--steps", str(ns.steps),
+                            "--level", level], level=level)
+    add("profile", ["profile", ns.artifact, "--cudnn", "HEURISTIC", "--steps", str(ns.steps)])
+    if ns.code_before:  # the same measurement with another tree's package (e.g. main before these changes)
+        path = os.pathsep.join(p for p in (os.path.abspath(ns.code_before), os.environ.get("SITE", "")) if p)
+        for cudnn in ("HEURISTIC", "EXHAUSTIVE"):
+            add("first-image-before", ["first-image", ns.artifact, "--cudnn", cudnn, "--steps", str(ns.steps)],
+                env={"PYTHONPATH": path}, cudnn=cudnn)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["all", "phases", "first-image", "profile", "diffusers"])
+    ap.add_argument("path")
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--cudnn", default="HEURISTIC")
+    ap.add_argument("--level", default="all")
+    ap.add_argument("--levels", default="basic,extended", help="all: the graph optimisation levels to compare")
+    ap.add_argument("--png", default="/tmp/cold.png")
+    ap.add_argument("--code-before", default=None, help="a folder holding another diffusion_trt package to compare")
+    ns = ap.parse_args()
+    if ns.what == "all":
+        res = run_all(ns)
+        if ns.json:
+            with open(ns.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
+    fn = {"phases": lambda: phases(ns.path, ns.cudnn),
+          "first-image": lambda: first_image(ns.path, ns.cudnn, ns.steps, ns.level),
+          "profile": lambda: profile(ns.path, ns.cudnn, ns.steps),
+          "diffusers": lambda: diffusers_oneshot(ns.path, ns.steps, ns.png)}[ns.what]
+    print(json.dumps(fn()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

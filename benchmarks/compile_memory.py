@@ -1,0 +1,115 @@
+"""Peak host memory of a compile, per stage (issue 28).
+
+    python benchmarks/compile_memory.py --json OUT.json -- compile MODEL -o ART [compile options...]
+
+Runs ``diffusion-trt`` in this process with a thread sampling the resident set size (``/proc/self/statm``) every
+20 ms, and wraps :func:`diffusion_trt.compiler.pipeline.stage` so every stage (``load models``, ``export of unet``,
+``passes of unet``, ``build of unet``...) records the RSS when it starts and ends and the largest RSS sampled while it
+ran. Stages nest (a component's passes run inside its compile), so a parent's peak includes its children's.
+The JSON also has the process's ``VmHWM`` (the kernel's own peak) and the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+def vm_hwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Sampler(threading.Thread):
+    """Samples RSS; every open stage keeps the largest sample seen since it opened."""
+
+    def __init__(self, period: float = 0.02) -> None:
+        super().__init__(daemon=True)
+        self.period = period
+        self.open: dict[int, dict] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.peak = 0
+
+    def run(self) -> None:
+        while not self.stop.wait(self.period):
+            rss = rss_bytes()
+            with self.lock:
+                self.peak = max(self.peak, rss)
+                for row in self.open.values():
+                    row["peak_rss_gb"] = max(row["peak_rss_gb"], rss / 1e9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("args", nargs=argparse.REMAINDER, help="-- then the diffusion-trt command line")
+    ns = ap.parse_args()
+    args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+
+    from diffusion_trt import cli
+    from diffusion_trt.compiler import pipeline
+
+    sampler = Sampler()
+    rows: list[dict] = []
+    real_stage = pipeline.stage
+
+    @contextlib.contextmanager
+    def measured(name: str, component: str | None = None) -> Iterator[None]:
+        row = {"stage": name, "component": component, "start_rss_gb": rss_bytes() / 1e9, "t_start_s": 0.0}
+        row["peak_rss_gb"] = row["start_rss_gb"]
+        row["t_start_s"] = time.perf_counter() - t0
+        with sampler.lock:
+            sampler.open[id(row)] = row
+        try:
+            with real_stage(name, component):
+                yield
+        finally:
+            with sampler.lock:
+                sampler.open.pop(id(row), None)
+            row["end_rss_gb"] = rss_bytes() / 1e9
+            row["peak_rss_gb"] = max(row["peak_rss_gb"], row["end_rss_gb"])
+            row["seconds"] = time.perf_counter() - t0 - row["t_start_s"]
+            rows.append(row)
+
+    pipeline.stage = measured
+    t0 = time.perf_counter()
+    sampler.start()
+    rc = 0
+    try:
+        cli.main.main(args=args, standalone_mode=False)
+    except SystemExit as e:
+        rc = int(e.code or 0)
+    except Exception as e:  # noqa: BLE001 - reported in the JSON
+        rc = 1
+        print(f"compile failed: {type(e).__name__}: {e}", file=sys.stderr)
+    sampler.stop.set()
+    res = {"argv": args, "rc": rc, "wall_s": time.perf_counter() - t0, "vm_hwm_gb": vm_hwm_bytes() / 1e9,
+           "sampled_peak_gb": sampler.peak / 1e9, "stages": sorted(rows, key=lambda r: r["t_start_s"])}
+    with open(ns.json, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"rc={rc} wall {res['wall_s']:.1f} s, VmHWM {res['vm_hwm_gb']:.2f} GB")
+    for r in res["stages"]:
+        print(f"  {r['stage']:<28} {r['component'] or '':<14} peak {r['peak_rss_gb']:6.2f} GB  "
+              f"start {r['start_rss_gb']:6.2f}  end {r['end_rss_gb']:6.2f}  {r['seconds']:7.1f} s")
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()

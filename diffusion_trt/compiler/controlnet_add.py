@@ -1,0 +1,97 @@
+"""``add-controlnet``: add (or swap) ControlNets in an artifact that has ``unet_controlnet``, without rebuilding it.
+
+::
+
+    read + verify the artifact ──► same model? (source sha256) ──► compile only controlnet_<name> with the artifact's
+    own CompileConfig (same backend, precision, profile) into a scratch artifact ──► copy the artifact, put the new
+    component's files in, add its manifest entry and ``config.controlnets`` ──► reseal ──► swap into place
+
+The result is one sealed artifact, as if compiled with every ``--controlnet`` at once (``verify`` passes); a failure
+leaves the artifact as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .. import artifacts
+from ..config import CompileConfig
+from ..errors import RuntimeInputError
+from .controlnet import PREFIX, UNET_CONTROLNET
+
+logger = logging.getLogger(__name__)
+
+
+def add_controlnets(artifact: str | Path, model_dir: str | Path, controlnets: Sequence[tuple[str, str]], *,
+                    replace: bool = False, progress: bool = False) -> Path:
+    """Compile each ``(name, folder)`` as ``controlnet_<name>`` into ``artifact`` (resealed in place).
+
+    Args:
+        artifact: an artifact compiled with ``--controlnet`` (it has ``unet_controlnet``).
+        model_dir: the diffusers folder the artifact was compiled from (its sha256 must match the manifest's).
+        controlnets: ``(name, folder)`` pairs (:func:`~.controlnet.parse_controlnet_arg`).
+        replace: swap a ControlNet the artifact has already (else refused).
+
+    Raises:
+        ArtifactError: the artifact is missing or damaged.
+        RuntimeInputError: no ``unet_controlnet``, ``model_dir`` is not its source, or a name is taken and
+            ``replace`` is false.
+        ModelFolderError, ExportError, PassError, BuildError: as :func:`~.pipeline.compile_pipeline`.
+    """
+    from .pipeline import compile_pipeline
+
+    root = Path(artifact)
+    manifest = artifacts.read_manifest(root)
+    comps = manifest["components"]
+    if UNET_CONTROLNET not in comps:
+        raise RuntimeInputError(f"{root} has no {UNET_CONTROLNET} (the UNet with ControlNet residual inputs); "
+                                "compile it once with --controlnet [NAME=]FOLDER, then add more with add-controlnet")
+    taken = [n for n, _ in controlnets if PREFIX + n in comps]
+    if taken and not replace:
+        raise RuntimeInputError(f"{root} has the ControlNet(s) {', '.join(taken)} already; pass --replace to swap, "
+                                "or choose another NAME=")
+    source = manifest["source"]["sha256"]
+    if artifacts.folder_hash(model_dir) != source:
+        raise RuntimeInputError(f"{model_dir} is not the model {root} was compiled from (source sha256 differs); pass "
+                                f"that folder ({manifest['source'].get('path')})")
+    config = CompileConfig.from_json(manifest["config"])
+    config = dataclasses.replace(config, controlnets=tuple(controlnets),
+                                 components=tuple(PREFIX + n for n, _ in controlnets))
+    with tempfile.TemporaryDirectory(prefix=".add-controlnet-", dir=root.parent) as scratch:
+        built = compile_pipeline(model_dir, Path(scratch) / "cn", config, progress=progress, source_sha256=source)
+        added = artifacts.read_manifest(built)
+        with artifacts.staging_dir(root, overwrite=True) as staging:
+            shutil.rmtree(staging)
+            shutil.copytree(root, staging, symlinks=False)
+            _merge(staging, manifest, built, added, controlnets)
+    logger.info("added %s to %s", ", ".join(PREFIX + n for n, _ in controlnets), root)
+    return root
+
+
+def _merge(staging: Path, manifest: dict[str, Any], built: Path, added: dict[str, Any],
+           controlnets: Sequence[tuple[str, str]]) -> None:
+    """Put the scratch artifact ``built``'s ControlNet components (files, entries) and ``config.controlnets`` into
+    the copy ``staging`` of the artifact, and reseal it."""
+    new = {k: v for k, v in manifest.items() if k not in (artifacts.SEAL_KEY, "cache")}
+    new["components"] = dict(manifest["components"])
+    new["files"] = dict(manifest["files"])
+    for name, entry in added["components"].items():
+        old = new["components"].get(name)
+        if old is not None:  # a swap, in place: the previous files go
+            for rel in old.get("files", []):
+                new["files"].pop(rel, None)
+            shutil.rmtree(staging / name, ignore_errors=True)
+        shutil.copytree(built / name, staging / name)
+        new["components"][name] = entry
+        for rel in entry["files"]:
+            new["files"][rel] = artifacts.file_entry(staging, rel)
+    names = {n for n, _ in controlnets}
+    kept = [c for c in manifest["config"].get("controlnets", []) if c[0] not in names]
+    new["config"] = {**manifest["config"], "controlnets": [*kept, *([n, str(p)] for n, p in controlnets)]}
+    artifacts.write_manifest(staging, new)

@@ -1,0 +1,114 @@
+"""Open a pipeline's engines side by side, and run each static CUDA engine once while the others still load.
+
+Why (issue 28): opened one after another, the SD-1.5 engines cost the sum of their parts before the first image
+(on the H200: UNet read + hash 2.47 s, session 3.0 s, first run 3.9 s; text encoder 0.75 + 1.09 s; VAE decoder
+0.10 + 0.64 s). The parts overlap well: hashing (``hashlib``), reading, and ONNX Runtime's session creation release
+the GIL, and a first run (cuDNN's algorithm choice, cuBLAS handles, lazily loaded kernels) of the small engines fits
+in the time the UNet still loads. So :class:`OpenTogether` enters every engine on a thread of its own and, on CUDA,
+runs each engine whose profile is static once on zeros (:func:`warm_up`); the caller keeps working meanwhile
+(tokenizers, the scheduler) and :meth:`OpenTogether.wait` joins them.
+
+With ``enable_cuda_graph`` ONNX Runtime's first run also captures the graph (a regular run for the allocations, then
+a capturing one, inside one ``run``), so the first image replays from its first step. ONNX Runtime captures in
+``cudaStreamCaptureModeGlobal``: a ``cudaMalloc`` or copy from any other thread during the capture breaks it
+("operation not permitted when stream is capturing", seen on the H200 when the warm-ups ran unguarded). So each
+warm-up, and every CUDA session creation (which allocates and copies weights), holds
+:data:`~.ort_engine.CAPTURE_LOCK`: reading and hashing still overlap everything, the GPU steps take turns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+
+import torch
+
+from .engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+def is_static(engine: Engine) -> bool:
+    """Every input of ``engine`` has one shape (profile min == max)."""
+    return all(info.min == info.max for info in engine.spec.inputs)
+
+
+def warm_up(engine: Engine) -> bool:
+    """Run an open CUDA ``engine`` once on zeros at its (static) input shapes and wait for the GPU.
+
+    Returns:
+        Whether it ran: only CUDA engines with a static profile are warmed (a dynamic one would be warmed at a shape
+        the calls may never use).
+    """
+    if engine.device.type != "cuda" or not is_static(engine):
+        return False
+    from .ort_engine import CAPTURE_LOCK
+
+    with CAPTURE_LOCK:  # the feeds' allocation too: another engine may be capturing
+        feeds = {info.name: torch.zeros(tuple(info.min), dtype=info.torch_dtype, device=engine.device)
+                 for info in engine.spec.inputs}
+        engine.run(feeds)
+        torch.cuda.current_stream(engine.device).synchronize()
+    return True
+
+
+class OpenTogether:
+    """Enter ``engines`` at once, one thread each (and :func:`warm_up` each when ``warm``); a context manager.
+
+    ``with OpenTogether(engines, warm=True) as opening: ...; opening.wait()``: the engines open while the block
+    runs; :meth:`wait` returns when all are open (raising the first failure, in ``engines`` order). The opener holds
+    one enter of each engine until the block ends, so a caller that must keep them open enters them itself inside the
+    block (``EngineBase`` counts enters); leaving the block (also on an error) waits for the threads and exits what
+    they opened.
+
+    Args:
+        engines: name -> unopened engine.
+        warm: warm each static CUDA engine after it opens.
+    """
+
+    def __init__(self, engines: Mapping[str, Engine], *, warm: bool) -> None:
+        self._engines = dict(engines)
+        self._warm = warm
+        self._pool = ThreadPoolExecutor(max(1, len(self._engines)), thread_name_prefix="diffusion-trt-open")
+        self._futures: dict[str, Future[bool]] = {}
+        self._lock = threading.Lock()
+        self.warmed: list[str] = []
+
+    def __enter__(self) -> OpenTogether:
+        for name, engine in self._engines.items():
+            self._futures[name] = self._pool.submit(self._open, name, engine)
+        return self
+
+    def _open(self, name: str, engine: Engine) -> bool:
+        engine.__enter__()
+        try:
+            if self._warm and warm_up(engine):
+                with self._lock:
+                    self.warmed.append(name)
+        except BaseException:
+            engine.__exit__(None, None, None)
+            raise
+        return True
+
+    def wait(self) -> None:
+        """Block until every engine is open (and warmed).
+
+        Raises:
+            The first failure of an engine, in ``engines`` order (e.g. ``ArtifactError`` for an altered file).
+        """
+        for future in self._futures.values():
+            future.exception()  # all done before any is raised: the block's exit then closes the others
+        for future in self._futures.values():
+            future.result()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._pool.shutdown(wait=True)
+        for name, future in self._futures.items():
+            if future.exception() is None:
+                self._engines[name].__exit__(None, None, None)
+        if self.warmed:
+            logger.debug("warmed up %s at load", ", ".join(self.warmed))

@@ -1,0 +1,217 @@
+"""LoRA per request on ONNX Runtime artifacts: weights as graph inputs, ``W + sum(scale * B @ A)`` on the device.
+
+An artifact compiled with ``--backend ort --refittable`` has the Linear / Conv2d weights of its UNet and text
+encoder as graph inputs (:mod:`diffusion_trt.compiler.lora_slots`), their base values in
+``<component>/lora_base.safetensors`` and, in ``refit_map.json``, which torch weight each input holds (name,
+transpose, dtype). A :class:`WeightSlots` per component owns the tensors the engine binds on every run (ORT IO
+binding by pointer; numpy views on the plain CPU path):
+
+* no LoRA: the base tensors are bound; nothing is computed, nothing copied (a pointer per weight per run);
+* ``load_lora``: for every weight the LoRAs target, ``base + sum_i(scale_i * alpha_i / r_i * B_i @ A_i)`` is computed
+  with torch on the engine's device (:func:`~.lora_deltas.lora_deltas`, the same arithmetic as diffusers + peft's
+  ``fuse_lora``) and written into the bound tensors in place on CUDA (a captured CUDA graph replays the same
+  addresses, so no re-capture), or bound instead of the base on the CPU; every weight is computed and checked
+  before any bound tensor changes, so a refused LoRA leaves the previous state whole;
+* ``unload_lora``: the base values again (copied back on CUDA, re-bound on the CPU): bit for bit the base image.
+
+Why this mechanism (issue 26), and not the alternatives:
+
+* ORT's LoRA adapters (``onnxruntime.AdapterFormat`` + ``RunOptions.add_active_adapter``) feed low-rank branches
+  per run: ORT documents that they do not apply to runs with IO binding, which the CUDA path always uses, and the
+  branches need ``B @ (A @ x)`` nodes in the graph at a fixed rank (a compile-time rank limit, extra kernels per
+  layer per step: the step with a LoRA could not be 1.0x the base step).
+* ``SessionOptions.add_initializer`` overrides need a new session per LoRA: for a UNet, seconds of graph
+  optimisation and twice the memory while it builds (the 200 ms switch goal is out of reach).
+* Initializers that are also graph inputs (ONNX's overridable initializers) would keep the base inside the session,
+  but ORT's IO binding refuses to bind them (``Failed to find NodeArg``).
+
+With weights as inputs a step with a LoRA runs the very kernels the base step runs, on other weight values
+(same cost); a switch is one delta GEMM per targeted layer on the device plus an in-place copy; there is no rank
+limit (any rank merges into a full weight). The price: ORT cannot constant-fold or pre-pack these weights (on the
+CPU provider MatMul prepacking of constant weights is lost; on CUDA no pass of ours depends on them being
+constants), and on CUDA the base values stay on the host (pinned) besides the bound device copy.
+``benchmarks/lora_switch.py`` measures switch time and step cost on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import LoraError
+from ..lora import LoraFile
+from .lora_deltas import lora_deltas
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One weight input: the torch weight it holds and how (``transpose``: Linear exported as MatMul)."""
+
+    torch_name: str
+    input_name: str
+    transpose: bool
+
+
+class WeightSlots(Mapping[str, torch.Tensor]):
+    """The weight inputs of one component: input name -> the tensor its engine binds (the live mapping the engine
+    reads at every run; see ``OrtEngine(weight_inputs=...)``).
+
+    Args:
+        component: "unet", "text_encoder"...
+        refit_map: the component's ``refit_map.json`` (``{"weights": {torch name: {"initializer", "transpose",
+            "dtype", ...}}}``).
+        base: input name -> base value (CPU tensor, the graph's dtype and layout), from ``lora_base.safetensors``.
+        device: where the engine runs; on CUDA the bound tensors are device copies and ``base`` is pinned.
+
+    Raises:
+        LoraError: the map names an input ``base`` lacks (an artifact made by another version: recompile).
+    """
+
+    def __init__(self, component: str, refit_map: Mapping[str, Any], base: Mapping[str, torch.Tensor],
+                 device: torch.device) -> None:
+        self.component = component
+        self.device = device
+        self._slots = [_Slot(w, e["initializer"], bool(e["transpose"])) for w, e in refit_map["weights"].items()]
+        missing = [s.input_name for s in self._slots if s.input_name not in base]
+        if missing:
+            raise LoraError(f"{component}: lora_base.safetensors lacks the weight input {missing[0]!r}; recompile")
+        cuda = device.type == "cuda"
+        self._base = {s.input_name: base[s.input_name].pin_memory() if cuda else base[s.input_name]
+                      for s in self._slots}
+        self._live = {n: t.to(device) if cuda else t for n, t in self._base.items()}
+        self._changed: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._live[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._live)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def torch_shapes(self) -> dict[str, torch.Tensor]:
+        """torch weight name -> an empty tensor of its torch shape on the device (what :func:`lora_deltas` reads)."""
+        out = {}
+        for s in self._slots:
+            shape = tuple(self._base[s.input_name].shape)
+            out[s.torch_name] = torch.empty(shape[::-1] if s.transpose else shape, device="meta")
+        return out
+
+    def merged(self, deltas: Sequence[Mapping[str, torch.Tensor]], what: str) -> dict[str, torch.Tensor]:
+        """input name -> ``base + sum(deltas)`` in the input's dtype and layout, on the device, for every weight a
+        delta touches; nothing bound changes.
+
+        Raises:
+            LoraError: NaN/Inf in a merged weight (``what`` names the LoRAs in the message).
+        """
+        out = {}
+        for s in self._slots:
+            parts = [d[s.torch_name] for d in deltas if s.torch_name in d]
+            if not parts:
+                continue
+            base = self._base[s.input_name].to(self.device, torch.float32, non_blocking=True)
+            total = torch.stack([p.to(self.device) for p in parts]).sum(0)
+            value = base + (total.T if s.transpose else total)
+            if not bool(torch.isfinite(value).all()):
+                raise LoraError(f"{what} leaves NaN/Inf in {self.component}.{s.torch_name}: the file holds non-finite "
+                                "values or the scale is too large; check the file, or use a smaller scale")
+            out[s.input_name] = value.to(self._base[s.input_name].dtype).contiguous()
+        return out
+
+    def bind(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Bind ``values`` (from :meth:`merged`) and the base everywhere else (in place on CUDA, between two device
+        syncs: runs queued on the pipeline's stream still read the old values, the next run reads the new ones)."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        for name in self._changed - set(values):
+            self._set(name, self._base[name])
+        for name, value in values.items():
+            self._set(name, value)
+        self._changed = set(values)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _set(self, name: str, value: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            self._live[name].copy_(value, non_blocking=True)
+        else:
+            self._live[name] = value
+
+
+def load_slots(reader: Any, device: str, device_id: int = 0) -> dict[str, WeightSlots]:
+    """The :class:`WeightSlots` of every component with ``weight_inputs`` in the manifest (read through ``reader``,
+    an :class:`~diffusion_trt.artifact_reader.ArtifactReader`: hashed bytes); empty for any other artifact."""
+    import json
+
+    from safetensors.torch import load as load_safetensors
+
+    dev = torch.device("cuda", device_id) if device == "cuda" else torch.device("cpu")
+    out = {}
+    for name, entry in reader.manifest["components"].items():
+        if "weight_inputs" in entry:
+            rmap = json.loads(reader.read(str(entry["refit_map"])))
+            out[name] = WeightSlots(name, rmap, load_safetensors(reader.read(str(entry["weight_inputs"]))), dev)
+    return out
+
+
+def lora_list(path: Any, scale: Any) -> list[tuple[Any, Any]]:
+    """``load_lora``'s argument as ``[(path, scale), ...]``: one path with ``scale``, or a list of paths,
+    ``"FILE:SCALE"`` strings and ``(path, scale)`` pairs (those without a scale get ``scale``).
+
+    Raises:
+        LoraError: an empty list, or an item that is none of these.
+    """
+    from ..lora import parse_lora_arg
+
+    if isinstance(path, str | Path):
+        return [(path, scale)]
+    items = list(path) if isinstance(path, list | tuple) else None
+    if not items:
+        raise LoraError(f"load_lora({path!r}): give a .safetensors path, or a list of paths / (path, scale) pairs")
+    out: list[tuple[Any, Any]] = []
+    for item in items:
+        if isinstance(item, tuple) and len(item) == 2:
+            out.append(item)
+        elif isinstance(item, Path):
+            out.append((item, scale))
+        elif isinstance(item, str):
+            p, s = parse_lora_arg(item)
+            out.append((p, s if ":" in item and not item.lower().endswith(".safetensors") else scale))
+        else:
+            raise LoraError(f"load_lora: {item!r} is neither a path nor a (path, scale) pair")
+    return out
+
+
+def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile]) -> dict[str, int]:
+    """Bind base + every LoRA of ``loras`` in every component of ``slots``; all checked before anything is bound.
+
+    Returns:
+        component -> weights that now differ from the base.
+
+    Raises:
+        LoraError: a LoRA matching no layer, or only part of them (naming the first that matches none), a variant
+            that is not ``W + delta`` (DoRA, LoKr, LoRA bias), NaN/Inf after the merge; the same file twice.
+    """
+    seen: dict[str, Path] = {}
+    for lora in loras:
+        if lora.sha256 in seen:
+            raise LoraError(f"LoRA {lora.path} is the same file as {seen[lora.sha256]}; give each LoRA once with "
+                            "the sum of the scales")
+        seen[lora.sha256] = lora.path
+    shapes = {c: s.torch_shapes() for c, s in slots.items()}
+    device = next(iter(slots.values())).device
+    deltas = [lora_deltas(lora, shapes, device=device) for lora in loras]
+    what = " + ".join(f"LoRA {lora.path.name} at scale {lora.scale:g}" for lora in loras)
+    values = {c: s.merged([d.get(c, {}) for d in deltas], what) for c, s in slots.items()}
+    for comp, s in slots.items():  # nothing failed: bind
+        s.bind(values[comp])
+    return {c: len(v) for c, v in values.items()}

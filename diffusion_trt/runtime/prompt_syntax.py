@@ -1,0 +1,120 @@
+"""The A1111 prompt dialect: attention weights and ``BREAK``, parsed into weighted text segments.
+
+:func:`parse_prompt` turns ``"a (red:1.3) fox BREAK [blurry] sky"`` into parts (split at ``BREAK``) of
+``(text, weight)`` segments. The semantics are those AUTOMATIC1111's stable-diffusion-webui documents
+("Attention/emphasis" in its wiki), re-implemented here:
+
+* ``(text)`` multiplies the weight of ``text`` by 1.1, ``[text]`` divides it by 1.1; nesting multiplies
+  (``((text))`` = 1.1 ** 2 = 1.21);
+* ``(text:1.3)`` sets the factor of that round bracket to 1.3 instead of 1.1 (``[text:1.3]`` is plain text:
+  only round brackets take a number, as in A1111);
+* ``\\(`` ``\\)`` ``\\[`` ``\\]`` ``\\\\`` are the literal characters;
+* ``BREAK`` (upper case, a word of its own) ends the current 75-token chunk (see :mod:`.prompt_encoding`);
+* a bracket without its partner is kept as literal text, and reported in :attr:`ParsedPrompt.warnings` (A1111
+  instead weights the rest of the prompt by an unclosed bracket); never an exception.
+
+Syntax ``"plain"`` reads the whole prompt as one segment of weight 1.0 (no brackets, no ``BREAK``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+#: The factor of one ``( )`` level; ``[ ]`` divides by it.
+ATTENTION = 1.1
+SYNTAXES: tuple[str, ...] = ("a1111", "plain")
+
+_TOKEN = re.compile(
+    r"\\[\\()\[\]]"                              # an escaped bracket or backslash
+    r"|\(|\[|\]"                                 # an opening bracket, or a closing square one
+    r"|:\s*([+-]?(?:\d+\.?\d*|\.\d+))\s*\)"      # ':1.3)': closes a round bracket with its own factor
+    r"|\)"                                       # a closing round bracket
+    r"|\bBREAK\b"                                # a chunk break
+    r"|[^\\()\[\]:B]+|."                         # text (one character at a time where it could start a token)
+)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of text and its attention weight (1.0 = unweighted)."""
+
+    text: str
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class ParsedPrompt:
+    """A parsed prompt.
+
+    Attributes:
+        parts: the prompt split at ``BREAK``: each part a tuple of segments (adjacent equal weights merged, empty
+            text dropped); at least one part, which may be empty.
+        warnings: one line per bracket kept as text because it had no partner, naming it and its position.
+    """
+
+    parts: tuple[tuple[Segment, ...], ...]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def weighted(self) -> bool:
+        """Any segment has a weight other than 1.0."""
+        return any(s.weight != 1.0 for part in self.parts for s in part)
+
+
+def parse_prompt(text: str, syntax: str = "a1111") -> ParsedPrompt:
+    """Parse ``text`` in ``syntax`` ("a1111" or "plain", see the module docstring).
+
+    Raises:
+        ValueError: an unknown ``syntax`` (a programming error: the request checks it first).
+    """
+    if syntax not in SYNTAXES:
+        raise ValueError(f"syntax={syntax!r}; use one of {', '.join(SYNTAXES)}")
+    if syntax == "plain":
+        return ParsedPrompt(((Segment(text),),) if text else ((),))
+    # items: [text, weight] lists, or None for a BREAK; open brackets are items too until closed
+    items: list[list | None] = []
+    stack: list[tuple[str, int, int]] = []  # (bracket, index of its item, position in text)
+    warnings: list[str] = []
+    for m in _TOKEN.finditer(text):
+        tok = m.group(0)
+        if len(tok) == 2 and tok.startswith("\\"):
+            items.append([tok[1], 1.0])
+        elif tok in "([":
+            stack.append((tok, len(items), m.start()))
+            items.append([tok, 1.0])
+        elif tok == "]" or tok == ")" or m.group(1) is not None:
+            want = "[" if tok == "]" else "("
+            if stack and stack[-1][0] == want:
+                _, at, _ = stack.pop()
+                items[at] = ["", 1.0]
+                factor = 1 / ATTENTION if want == "[" else (float(m.group(1)) if m.group(1) else ATTENTION)
+                for item in items[at + 1:]:
+                    if item is not None:
+                        item[1] *= factor
+            else:
+                warnings.append(f"prompt: {tok.strip()!r} at character {m.start()} closes no bracket; kept as text")
+                items.append([tok, 1.0])
+        elif tok == "BREAK":
+            items.append(None)
+        else:
+            items.append([tok, 1.0])
+    for bracket, _, pos in stack:
+        warnings.append(f"prompt: {bracket!r} at character {pos} is never closed; kept as text")
+    return ParsedPrompt(_parts(items), tuple(warnings))
+
+
+def _parts(items: list[list | None]) -> tuple[tuple[Segment, ...], ...]:
+    """Items split at BREAK (None), adjacent equal weights merged, empty text dropped."""
+    parts: list[tuple[Segment, ...]] = []
+    current: list[Segment] = []
+    for item in [*items, None]:
+        if item is None:
+            parts.append(tuple(current))
+            current = []
+        elif item[0]:
+            if current and current[-1].weight == item[1]:
+                current[-1] = Segment(current[-1].text + item[0], item[1])
+            else:
+                current.append(Segment(item[0], item[1]))
+    return tuple(parts)

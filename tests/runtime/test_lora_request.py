@@ -1,0 +1,290 @@
+"""LoRA per request on an ONNX Runtime artifact compiled with --refittable (runtime/lora_slots.py): no recompile.
+
+The LoRAs are tests/compiler/test_lora.py's (peft-key and kohya files made with random low-rank matrices on the
+tiny UNet and text encoder). Parity is against ``compile --lora`` (the merged compile) and, for several LoRAs at
+once, against diffusers' ``load_lora_weights`` + ``fuse_lora`` of each (which the merged compile equals,
+tests/compiler/test_lora.py). CPU fp32.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from diffusion_trt.cli import main
+from diffusion_trt.compiler.pipeline import compile_pipeline
+from diffusion_trt.config import CompileConfig
+from diffusion_trt.errors import LoraError
+from diffusion_trt.runtime import EnginePipeline
+from tests.compiler.test_lora import _diffusers_with, _theirs, make_lora
+
+pytest.importorskip("peft", reason="the reference merge needs peft (pip install -e '.[test]')")
+
+CALL: dict[str, Any] = {"prompt": "a watercolor fox", "num_inference_steps": 4, "output_type": "np", "seed": 5,
+                        "progress": False}
+COMPONENTS = ("text_encoder", "unet", "vae_decoder")
+
+
+@pytest.fixture(scope="module")
+def loras(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("loras")
+    return {
+        "peft": make_lora(tiny_pipeline_dir, d / "style.safetensors", "peft", seed=1),
+        "kohya": make_lora(tiny_pipeline_dir, d / "kohya_detail.safetensors", "kohya", seed=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def refittable(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny pipeline compiled for ORT CPU with --refittable and no LoRA."""
+    return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("artifacts") / "tiny-refit",
+                            CompileConfig(refittable=True, components=COMPONENTS))
+
+
+@pytest.fixture(scope="module")
+def base_image(refittable: Path) -> np.ndarray:
+    with EnginePipeline.from_artifacts(refittable) as pipe:
+        return pipe(**CALL).images
+
+
+def test_weights_are_graph_inputs_with_their_base_values(refittable: Path) -> None:
+    import onnx
+
+    manifest = json.loads((refittable / "manifest.json").read_text())
+    for comp in ("unet", "text_encoder"):
+        entry = manifest["components"][comp]
+        rmap = json.loads((refittable / entry["refit_map"]).read_text())
+        graph = onnx.load(str(refittable / entry["onnx"])).graph
+        inputs = {i.name for i in graph.input}
+        inits = {i.name for i in graph.initializer}
+        names = {e["initializer"] for e in rmap["weights"].values()}
+        base = load_file(str(refittable / entry["weight_inputs"]))
+        assert names and names <= inputs and not names & inits and set(base) == names
+        assert entry["weight_inputs"] in manifest["files"]
+    assert "weight_inputs" not in manifest["components"]["vae_decoder"]
+
+
+def test_per_request_lora_equals_the_merged_compile(
+    tiny_pipeline_dir: Path, refittable: Path, base_image: np.ndarray, loras: dict[str, Path], tmp_path: Path
+) -> None:
+    merged = compile_pipeline(tiny_pipeline_dir, tmp_path / "merged",
+                              CompileConfig(loras=((str(loras["peft"]), 0.7),), components=COMPONENTS))
+    with EnginePipeline.from_artifacts(merged) as pipe:
+        want = pipe(**CALL).images
+    with EnginePipeline.from_artifacts(refittable) as pipe:
+        info = pipe.load_lora(loras["peft"], 0.7)
+        got = pipe(**CALL).images
+    assert float(np.abs(got - want).max()) <= 1e-5
+    assert float(np.abs(got - base_image).max()) > 1e-2  # the LoRA did change the image
+    assert info["loras"][0]["file"] == "style.safetensors" and info["loras"][0]["scale"] == 0.7
+    assert info["changed"]["text_encoder"] == 4 and info["changed"]["unet"] > 0
+
+
+def test_several_loras_at_once_equal_diffusers_fuse_lora(
+    tiny_pipeline_dir: Path, refittable: Path, loras: dict[str, Path]
+) -> None:
+    want = _theirs(_diffusers_with(tiny_pipeline_dir, [(loras["kohya"], 1.0), (loras["peft"], -0.5)]))
+    with EnginePipeline.from_artifacts(refittable) as pipe:
+        pipe.load_lora([f"{loras['kohya']}", (loras["peft"], -0.5)])
+        got = pipe(**{k: v for k, v in CALL.items() if k not in ("seed", "progress")},
+                   generator=torch.Generator().manual_seed(5), progress=False).images
+    assert float(np.abs(got - want).max()) < 1e-4  # the merged compile's own bound against diffusers
+
+
+def test_requests_do_not_leak(refittable: Path, base_image: np.ndarray, loras: dict[str, Path],
+                              tiny_artifact: Path) -> None:
+    """With a LoRA, then without, then another: each image is what a fresh pipeline gives."""
+    with EnginePipeline.from_artifacts(refittable) as pipe:
+        pipe.load_lora(loras["peft"], 0.7)
+        first = pipe(**CALL).images
+        pipe.unload_lora()
+        assert pipe.lora is None
+        assert np.array_equal(pipe(**CALL).images, base_image)
+        pipe.load_lora(loras["kohya"], 1.0)
+        pipe.load_lora(loras["peft"], 0.7)  # replaces kohya: base + peft, not on top
+        assert np.array_equal(pipe(**CALL).images, first)
+        pipe.load_lora(loras["peft"], 0.0)
+        assert np.array_equal(pipe(**CALL).images, base_image)
+    with EnginePipeline.from_artifacts(tiny_artifact) as pipe:  # weights as inputs change nothing by themselves
+        assert float(np.abs(pipe(**CALL).images - base_image).max()) <= 1e-5
+
+
+def _bad_loras(loras: dict[str, Path], d: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (file, message) for LoRAs that must be refused."""
+    tensors = load_file(str(loras["peft"]))
+    other = {"unet.no_such_block.proj.lora_A.weight": torch.zeros(4, 8),
+             "unet.no_such_block.proj.lora_B.weight": torch.zeros(8, 4)}
+    save_file(other, str(d / "other_arch.safetensors"))
+    save_file({**tensors, **other}, str(d / "partial.safetensors"))
+    wide = {k: torch.zeros(v.shape[0], v.shape[1] * 2) if "lora_A" in k and "to_q" in k else v
+            for k, v in tensors.items()}
+    save_file(wide, str(d / "wider.safetensors"))
+    save_file({k: v * float("inf") if "lora_B" in k else v for k, v in tensors.items()}, str(d / "inf.safetensors"))
+    torch.save(tensors, d / "pickled.pt")
+    (d / "pickle_renamed.safetensors").write_bytes((d / "pickled.pt").read_bytes())
+    return {
+        "another-architecture": (d / "other_arch.safetensors", "none of its 1 LoRA layers matches"),
+        "keys-matching-no-layer": (d / "partial.safetensors",
+                                   "the first that matches none: 'unet.no_such_block.proj.lora_A.weight'"),
+        "wider-model": (d / "wider.safetensors", "weight; it was made for another architecture (other widths)"),
+        "non-finite": (d / "inf.safetensors", "leaves NaN/Inf in"),
+        "pickle": (d / "pickled.pt", "is not a .safetensors file"),
+        "pickle-renamed": (d / "pickle_renamed.safetensors", "is not a valid safetensors file"),
+    }
+
+
+def test_bad_loras_are_refused_and_nothing_is_half_applied(
+    refittable: Path, base_image: np.ndarray, loras: dict[str, Path], tmp_path: Path
+) -> None:
+    bad = _bad_loras(loras, tmp_path)
+    with EnginePipeline.from_artifacts(refittable) as pipe:
+        for name, (path, message) in bad.items():
+            with pytest.raises(LoraError) as e:
+                pipe.load_lora([loras["kohya"], path])  # a good one first: it must not stay applied either
+            assert message in str(e.value), (name, str(e.value))
+            assert pipe.lora is None
+        assert np.array_equal(pipe(**CALL).images, base_image)
+        pipe.load_lora(loras["peft"], 0.7)
+        with_peft = pipe(**CALL).images
+        with pytest.raises(LoraError, match="same file"):
+            pipe.load_lora([loras["peft"], loras["peft"]])
+        assert pipe.lora is not None and np.array_equal(pipe(**CALL).images, with_peft)  # the previous state
+
+
+def test_run_lora_cli(refittable: Path, loras: dict[str, Path], tmp_path: Path, tiny_artifact: Path) -> None:
+    runner = CliRunner()
+    args = ["run", str(refittable), "-p", CALL["prompt"], "--steps", "4", "--seed", "5"]
+    out = tmp_path / "lora.png"
+    result = runner.invoke(main, [*args, "--lora", f"{loras['peft']}:0.7", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    with EnginePipeline.from_artifacts(refittable) as pipe:
+        pipe.load_lora(loras["peft"], 0.7)
+        want = pipe(**{**CALL, "output_type": "pil"}).images[0]
+    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.asarray(want))
+    assert json.loads(Image.open(out).text["parameters"])["loras"] == [["style.safetensors", 0.7]]
+    bad = _bad_loras(loras, tmp_path)
+    cases = [
+        ([*args, "--lora", str(bad["keys-matching-no-layer"][0])], bad["keys-matching-no-layer"][1]),
+        ([*args, "--lora", str(bad["pickle"][0])], "is not a .safetensors file"),
+        ([*args, "--lora", f"{loras['peft']}:strong"], "'strong' is not a scale"),
+        (["run", str(tiny_artifact), "-p", "x", "--steps", "1", "--lora", str(loras["peft"])],
+         "was compiled without --refittable"),
+    ]
+    for i, (cmd, message) in enumerate(cases):
+        result = runner.invoke(main, [*cmd, "-o", str(tmp_path / f"bad{i}.png")])
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert result.exit_code == 2 and len(errors) == 1 and message in errors[0], result.output
+        assert not (tmp_path / f"bad{i}.png").exists()
+
+
+def test_dummy_lora_cli(tiny_pipeline_dir: Path, refittable: Path, tmp_path: Path) -> None:
+    """The README's example LoRA: dummy-lora writes attention-projection layers that load_lora takes."""
+    out = tmp_path / "ink.safetensors"
+    result = CliRunner().invoke(main, ["dummy-lora", str(tiny_pipeline_dir), str(out), "--rank", "2"])
+    assert result.exit_code == 0 and f"lora: {out}" in result.output, result.output
+    keys = load_file(str(out))
+    assert all(k.startswith(("unet.", "text_encoder.")) and ".lora_" in k for k in keys)
+    assert {v.shape[0] for k, v in keys.items() if "lora_A" in k} == {2}
+    with EnginePipeline.from_artifacts(refittable) as pipe:
+        changed = pipe.load_lora(out, 0.8)["changed"]
+    n_text = sum(1 for k in keys if k.startswith("text_encoder.") and "lora_A" in k)
+    assert changed == {"text_encoder": n_text, "unet": len(keys) // 2 - n_text}
+    again = CliRunner().invoke(main, ["dummy-lora", str(tiny_pipeline_dir), str(out)])
+    assert again.exit_code == 2 and "already exists; pass --overwrite" in again.output
+    missing = CliRunner().invoke(main, ["dummy-lora", str(tmp_path / "none"), str(tmp_path / "x.safetensors")])
+    assert missing.exit_code == 2 and "dummy-lora needs a diffusers folder" in missing.output
+
+
+# -- serve --lora-dir: the batcher that owns the pipeline, without Triton (tests/test_serve.py needs PyTriton) ------
+
+
+def _serve_params(lora: tuple[str, float] | None, seed: int = 5) -> dict[str, Any]:
+    return {"prompt": CALL["prompt"], "negative_prompt": "", "seed": seed, "steps": CALL["num_inference_steps"],
+            "guidance_scale": 7.5, "height": 64, "width": 64, "lora": lora}
+
+
+def test_serve_lora_per_request_never_leaks(refittable: Path, loras: dict[str, Path]) -> None:
+    from diffusion_trt.serve.loras import LoraLibrary
+    from diffusion_trt.serve.server import MicroBatcher
+
+    library = LoraLibrary(loras["peft"].parent)
+    assert sorted(library.paths) == ["kohya_detail", "style"]
+    with EnginePipeline.from_artifacts(refittable) as pipe:
+        base = np.asarray(pipe(**{**CALL, "output_type": "pil"}).images[0])
+        pipe.load_lora(loras["peft"], 0.7)
+        with_style = np.asarray(pipe(**{**CALL, "output_type": "pil"}).images[0])
+        pipe.unload_lora()
+        batcher = MicroBatcher(pipe, max_batch_size=2, max_delay_s=0.0, max_queue=8)
+        try:
+            order = [library.resolve(np.array([b"style:0.7"])), None, library.resolve(np.array([b"style:0.7"])),
+                     library.resolve(np.array([b""]))]
+            images = [batcher.submit(_serve_params(lora)).result(timeout=300) for lora in order]
+        finally:
+            batcher.close()
+    assert np.array_equal(images[0], with_style) and np.array_equal(images[2], with_style)
+    assert np.array_equal(images[1], base) and np.array_equal(images[3], base)
+
+
+def test_serve_lora_names_are_allow_listed(loras: dict[str, Path], tmp_path: Path) -> None:
+    from diffusion_trt.serve.loras import LoraLibrary
+    from diffusion_trt.serve.triton_model import RequestError
+
+    library = LoraLibrary(loras["peft"].parent)
+    assert library.resolve(None) is None
+    assert library.resolve(np.array(["style"], dtype=object)) == (str(loras["peft"]), 1.0)
+    for value, message in [
+        (np.array([b"../style"]), "lora='../style' is not one of the LoRAs this server offers (kohya_detail, style)"),
+        (np.array([b"style:lots"]), "the scale must be a number in -4..4, e.g. style:0.8"),
+        (np.array([b"style:9"]), "the scale must be a number in -4..4"),
+        (np.array([b"\xff"]), "lora is not valid UTF-8"),
+        (np.array([1], dtype=np.int32), "lora must be one BYTES value"),
+    ]:
+        with pytest.raises(RequestError) as e:
+            library.resolve(value)
+        assert message in str(e.value), str(e.value)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.safetensors").write_bytes(b"not a safetensors file")
+    for folder, message in [(tmp_path / "none", "is not a folder"), (tmp_path / "empty", "holds no .safetensors"),
+                            (tmp_path / "bad", "is not a valid safetensors file")]:
+        with pytest.raises(LoraError, match=message):
+            LoraLibrary(folder)
+        result = CliRunner().invoke(main, ["serve", str(tmp_path), "--lora-dir", str(folder)])
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert result.exit_code == 2 and len(errors) == 1 and message in errors[0], result.output
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_the_updated_weights(tiny_pipeline_dir: Path, loras: dict[str, Path],
+                                                tmp_path: Path) -> None:
+    """CUDA, fp16, static profile: the engines replay a CUDA graph bound to the weight tensors, which load_lora
+    updates in place; a LoRA image equals the merged compile within fp16 noise, and unload gives the base back."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    static = {"device": "cuda", "precision": "fp16", "height": 64, "width": 64, "min_height": 64, "max_height": 64,
+              "min_width": 64, "max_width": 64, "batch_size": 1, "min_batch_size": 1, "max_batch_size": 1,
+              "components": COMPONENTS}
+    refit = compile_pipeline(tiny_pipeline_dir, tmp_path / "refit", CompileConfig(refittable=True, **static))
+    merged = compile_pipeline(tiny_pipeline_dir, tmp_path / "merged",
+                              CompileConfig(loras=((str(loras["peft"]), 0.7),), **static))
+    with EnginePipeline.from_artifacts(merged, cuda_graph=True) as pipe:
+        want = pipe(**CALL).images
+    with EnginePipeline.from_artifacts(refit, cuda_graph=True) as pipe:
+        assert pipe.engines["unet"].cuda_graph  # type: ignore[attr-defined]
+        base = pipe(**CALL).images
+        pipe(**CALL)  # captured by now
+        pipe.load_lora(loras["peft"], 0.7)
+        got = pipe(**CALL).images
+        pipe.unload_lora()
+        again = pipe(**CALL).images
+    assert float(np.abs(got - want).max()) <= 4 / 255
+    assert float(np.abs(got - base).max()) > 1e-2
+    assert np.array_equal(again, base)

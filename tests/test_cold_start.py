@@ -1,0 +1,189 @@
+"""Issue 28's load path: per-chunk digests verified on several threads, engines opened side by side, the compile's
+range check bounded by bytes, and the one-shot defaults. Timings are benchmarks/cold_start.py's job, not these
+tests'."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from diffusion_trt import artifacts, digests
+from diffusion_trt.artifact_reader import ArtifactReader
+from diffusion_trt.cli import ALGO_SEARCH_DEFAULT, main
+from diffusion_trt.errors import ArtifactError, RuntimeInputError
+from diffusion_trt.passes import _ort
+from diffusion_trt.runtime import EnginePipeline
+from diffusion_trt.runtime.loading import OpenTogether
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(digests, "CHUNK_BYTES", MiB)  # the schema's smallest chunk: several chunks for tiny files
+    return MiB
+
+
+def test_file_entry_lists_one_digest_per_chunk_and_the_whole_file_digest(tmp_path: Path, small_chunks: int) -> None:
+    data = np.random.default_rng(0).integers(0, 256, int(2.5 * MiB), dtype=np.uint8).tobytes()
+    (tmp_path / "w.bin").write_bytes(data)
+    entry = digests.file_entry(tmp_path / "w.bin")
+    assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["size"] == len(data)
+    assert entry["chunks"]["bytes"] == MiB
+    assert entry["chunks"]["sha256"] == [hashlib.sha256(data[o:o + MiB]).hexdigest() for o in (0, MiB, 2 * MiB)]
+    (tmp_path / "small.bin").write_bytes(b"x" * 100)
+    assert "chunks" not in digests.file_entry(tmp_path / "small.bin")
+    assert digests.chunk_problem(entry) is None
+    short = {**entry, "chunks": {"bytes": MiB, "sha256": entry["chunks"]["sha256"][:2]}}
+    assert digests.chunk_problem(short) == (f"lists 2 chunk digest(s) for {len(data)} bytes in chunks of {MiB}; "
+                                            "3 expected")
+
+
+def test_read_into_reads_every_byte_on_threads_and_checks_each_chunk(tmp_path: Path) -> None:
+    import os
+
+    data = os.urandom(5 * MiB + 17)
+    path = tmp_path / "w.bin"
+    path.write_bytes(data)
+    seen: list[int] = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = digests.read_into(fd, len(data), lambda i, part: seen.append(i), chunk=MiB)
+        assert bytes(buf) == data and sorted(seen) == list(range(6))
+        with pytest.raises(EOFError):
+            digests.read_into(fd, len(data) + 1, chunk=MiB)
+    finally:
+        os.close(fd)
+
+
+def _externalise_unet(src: Path, dest: Path) -> Path:
+    """``src`` copied to ``dest`` with the UNet's weights in ``model.onnx.data`` and chunk digests (1 MiB chunks),
+    resealed: what compile writes for a UNet over the external-data threshold."""
+    shutil.copytree(src, dest)
+    model = onnx.load(str(dest / "unet" / "model.onnx"))
+    onnx.save_model(model, str(dest / "unet" / "model.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=1024)
+    manifest = json.loads((dest / "manifest.json").read_text())
+    for rel in ("unet/model.onnx", "unet/model.onnx.data"):
+        manifest["files"][rel] = artifacts.file_entry(dest, rel)
+    manifest["components"]["unet"]["files"] = ["unet/model.onnx", "unet/model.onnx.data"]
+    artifacts.write_manifest(dest, manifest)
+    assert len(manifest["files"]["unet/model.onnx.data"]["chunks"]["sha256"]) > 1
+    return dest
+
+
+def _unet_output(pipe: EnginePipeline) -> np.ndarray:
+    unet = pipe.engines["unet"]
+    gen = torch.Generator().manual_seed(0)
+    feeds = {i.name: torch.randn(tuple(i.min), generator=gen).to(i.torch_dtype) for i in unet.spec.inputs}
+    return next(iter(unet.run(feeds).values())).clone().numpy()
+
+
+@pytest.fixture
+def chunked(tiny_artifact: Path, tmp_path: Path, small_chunks: int) -> Path:
+    return _externalise_unet(tiny_artifact, tmp_path / "chunked")
+
+
+def test_a_chunked_artifact_loads_the_same_weights(tiny_artifact: Path, chunked: Path) -> None:
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    with ArtifactReader.open(chunked) as reader:
+        data = reader.onnx("unet/model.onnx")
+        assert reader.loaded["unet/model.onnx.data"] == reader.manifest["files"]["unet/model.onnx.data"]["sha256"]
+        assert isinstance(data.external["model.onnx.data"], bytearray)  # private memory, never a mapping
+
+
+def test_a_byte_flipped_in_one_chunk_is_refused_before_anything_runs(chunked: Path) -> None:
+    path = chunked / "unet" / "model.onnx.data"
+    raw = bytearray(path.read_bytes())
+    raw[MiB + 5] ^= 0xFF  # chunk 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ArtifactError, match=r"model.onnx.data: sha256 of chunk 1 .* the file was altered"):
+        EnginePipeline.from_artifacts(chunked, device="cpu")
+    result = CliRunner().invoke(main, ["run", str(chunked), "--prompt", "x", "--steps", "1", "-o",
+                                       str(chunked.parent / "o.png")])
+    assert result.exit_code == 3
+    assert result.output.count("error:") == 1 and "sha256 of chunk 1" in result.output
+    assert not (chunked.parent / "o.png").exists()
+
+
+def test_a_chunk_list_that_does_not_cover_the_file_is_an_invalid_manifest(chunked: Path) -> None:
+    manifest = json.loads((chunked / "manifest.json").read_text())
+    manifest["files"]["unet/model.onnx.data"]["chunks"]["sha256"].pop()  # the last bytes would go unhashed
+    artifacts.write_manifest(chunked, manifest)
+    with pytest.raises(ArtifactError, match=r"files\['unet/model.onnx.data'\] lists \d+ chunk digest"):
+        ArtifactReader.open(chunked)
+    assert CliRunner().invoke(main, ["verify", str(chunked)]).exit_code == 3
+
+
+class _Opens:
+    """An engine stand-in that records enters/exits (and fails to open when told)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.depth = fail, 0
+
+    def __enter__(self) -> _Opens:
+        if self.fail:
+            raise ArtifactError("altered")
+        self.depth += 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.depth -= 1
+
+
+def test_open_together_closes_what_opened_when_one_engine_fails() -> None:
+    good, bad = _Opens(), _Opens(fail=True)
+    with pytest.raises(ArtifactError, match="altered"), OpenTogether({"a": good, "b": bad}, warm=False) as opening:
+        opening.wait()
+    assert good.depth == 0
+
+
+def test_open_together_hands_over_engines_the_caller_entered() -> None:
+    engines = {"a": _Opens(), "b": _Opens()}
+    with OpenTogether(engines, warm=False) as opening:
+        opening.wait()
+        for e in engines.values():
+            e.__enter__()  # as EnginePipeline.__init__ does
+    assert [e.depth for e in engines.values()] == [1, 1]
+
+
+def test_exposure_groups_bound_bytes_as_well_as_count() -> None:
+    sizes = {"a": 600, "b": 600, "c": 600, "d": 5000, "e": None}
+    assert _ort.exposure_groups(list(sizes), sizes, budget=1600, most=10) == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert _ort.exposure_groups(list(sizes), sizes, budget=10**9, most=2) == [["a", "b"], ["c", "d"], ["e"]]
+
+
+def test_float_tensor_sizes_come_from_inferred_shapes() -> None:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Cast", ["y"], ["z"], to=10)],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT16, [2, 3])])
+    found = _ort._float_tensors(helper.make_model(graph))
+    assert found == {"y": (TensorProto.FLOAT, 24), "z": (TensorProto.FLOAT16, 12)}
+
+
+def test_graph_optimization_level_is_checked_before_loading(tiny_artifact: Path) -> None:
+    with pytest.raises(RuntimeInputError, match="graph_optimization_level='fast' is unknown; use one of disable, "
+                                                 "basic, extended, all"):
+        EnginePipeline.from_artifacts(tiny_artifact, device="cpu", graph_optimization_level="fast")
+
+
+def test_run_defaults_to_heuristic_and_bench_to_auto() -> None:
+    assert ALGO_SEARCH_DEFAULT == {"run": "HEURISTIC", "bench": "AUTO"}
+    run_help = CliRunner().invoke(main, ["run", "--help"], terminal_width=200).output
+    bench_help = CliRunner().invoke(main, ["bench", "--help"], terminal_width=200).output
+    assert "[default: HEURISTIC]" in " ".join(run_help.split())
+    assert "[default: AUTO]" in " ".join(bench_help.split())
