@@ -89,3 +89,9 @@ class QualityGateError(BuildError):
     """A quantized engine is further from fp32 than the quality thresholds allow (``--accept-quality-loss``)."""
 
     exit_code = 4
+
+
+class PipelineBusyError(DiffusionTrtError, RuntimeError):
+    """An ``EnginePipeline`` was called while another call of it was running (from another thread, or from its own
+    callback): a pipeline runs one call at a time, and the second is refused at once rather than run on engines,
+    buffers and caches the first is using (diffusers' pipelines are not thread-safe either)."""

@@ -7,6 +7,7 @@ The server runs as a subprocess on free loopback ports; every wait is bounded an
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -216,10 +217,19 @@ def _benchmark(name: str) -> Any:
         sys.path.pop(0)
 
 
+#: The HTTP front's body bound for the default 2,000-character prompts (ServeConfig.front_limits).
+MAX_BODY = 65536 + 24 * 2000
+
+
+def _tree_mb(abuse: Any, pid: int) -> float:
+    return sum(abuse.rss_mb(p) for p in abuse.process_tree(pid))
+
+
 def test_oversized_prompt_is_refused_before_it_reaches_python(server: Server, expected: dict[int, np.ndarray]) -> None:
-    """A 48 MB prompt: 400 naming the field and the byte bound, refused by the proxy in Triton's Python-backend stub
-    before PyTriton copies it to the serve process, whose memory stays put (issue 14, item 12; before: 500 after
-    the whole body reached the 2,000-character check, and RSS grew by the body each time)."""
+    """A 48 MB prompt: over HTTP 413 from serve's front before any process reads the body; over gRPC
+    RESOURCE_EXHAUSTED from serve's relay, from the message's length prefix; the serve process's memory stays put
+    (issue 14, item 12; before: 500 after the whole body reached the 2,000-character check, and RSS grew by the body
+    each time; issue 24, item 12: gRPC reached Triton, the stub's byte bound answered 400)."""
     abuse = _benchmark("serve_abuse")
     big = b"x" * (48 * 2**20)
     _generate(server.http_url, prompt="warm-up", steps=1)
@@ -227,16 +237,74 @@ def test_oversized_prompt_is_refused_before_it_reaches_python(server: Server, ex
     for _ in range(3):
         with pytest.raises(InferenceServerException) as err:
             _generate(server.http_url, prompt=big)
-        assert err.value.status() == "400", err.value.message()[-300:]
-        assert f"prompt is {len(big)} bytes; at most 8000 are accepted" in err.value.message()
+        assert err.value.status() == "413", err.value.message()[-300:]
+        assert f"bytes; at most {MAX_BODY} are accepted" in err.value.message(), err.value.message()
         _no_internals(err.value.message())
     with pytest.raises(InferenceServerException) as err:
         grpc.InferenceServerClient(server.grpc_url).infer("pipeline", _inputs(grpc, prompt="x", negative_prompt=big))
-    assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and "negative_prompt is" in err.value.message()
+    assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED", (err.value.status(), err.value.message()[-300:])
+    assert "Received message larger than max" in err.value.message(), err.value.message()
+    assert f"vs. {MAX_BODY})" in err.value.message(), err.value.message()
     grown = abuse.rss_mb(server.pid) - before
     assert grown < 24, f"the serve process grew by {grown:.0f} MB over four 48 MB prompts"
     np.testing.assert_array_equal(_generate(server.http_url, prompt="a guohua landscape", seed=4, steps=STEPS),
                                   expected[4])
+
+
+def test_a_256_mb_body_is_refused_before_any_process_of_the_server_holds_it(server: Server) -> None:
+    """Issue 24, item 12: a 256 MB body (raw JSON, and a prompt through tritonclient) gets 413 from serve's HTTP front,
+    which reads it 1 MiB at a time and drops it, and RESOURCE_EXHAUSTED from its gRPC relay; no process of the tree
+    grows (before: 400 from the stub, but tritonserver and the stub that took it kept ~+512 MB each)."""
+    abuse = _benchmark("serve_abuse")
+    big = b"x" * (256 * 2**20)
+    raw = b'{"inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["' + big + b'"]}]}'
+    _generate(server.http_url, prompt="warm-up", steps=1)
+    before = {p: abuse.rss_mb(p) for p in abuse.process_tree(server.pid)}
+    status, text = abuse.raw_post(server.http_url, raw, timeout_s=300)
+    assert status == 413 and f"the request body is {len(raw)} bytes; at most {MAX_BODY} are accepted" in text, text
+    del raw
+    with pytest.raises(InferenceServerException) as err:
+        http.InferenceServerClient(server.http_url, network_timeout=300).infer("pipeline", _inputs(http, prompt=big))
+    assert err.value.status() == "413", err.value.message()[-300:]
+    with pytest.raises(InferenceServerException) as err:
+        grpc.InferenceServerClient(server.grpc_url).infer("pipeline", _inputs(grpc, prompt=big), client_timeout=300)
+    assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED", err.value.message()[-300:]
+    grown = {p: abuse.rss_mb(p) - mb for p, mb in before.items()}
+    assert max(grown.values()) < 32, f"processes grew (MB): {grown}"
+    assert _generate(server.http_url, prompt="x", steps=1).shape == (64, 64, 3)
+
+
+#: Issue 24, item 12: bodies Triton 2.51's parser answered with 500 (or ran with a wrapped value), and the 400 line
+#: serve's HTTP front now gives each.
+PARSER_400: list[tuple[str, bytes, str]] = [
+    ("seed-2^63", b'{"inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["x"]}, '
+                  b'{"name": "seed", "datatype": "INT64", "shape": [1], "data": [9223372036854775808]}]}',
+     "seed=9223372036854775808 is outside INT64's range -9223372036854775808..9223372036854775807"),
+    ("shape-minus-1", b'{"inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [-1], "data": ["x"]}]}',
+     'input "prompt": shape=[-1] must be a list of integers >= 0, e.g. [1]'),
+    ("timeout-minus-1", b'{"inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["x"]}], '
+                        b'"parameters": {"timeout": -1}}',
+     "parameters.timeout=-1 must be an integer in 0..18446744073709551615"),
+    ("timeout-abc", b'{"inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["x"]}], '
+                    b'"parameters": {"timeout": "abc"}}',
+     'parameters.timeout="abc" must be an integer in 0..18446744073709551615'),
+    ("lone-surrogate", b'{"inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["a \\ud800"]}]}',
+     'input "prompt" (BYTES): element 0 holds a lone surrogate ("\\ud800" at character 2), which is not text; send '
+     "the text as UTF-8"),
+    ("steps-2^32+3", b'{"inputs": [{"name": "prompt", "datatype": "BYTES", "shape": [1], "data": ["x"]}, '
+                     b'{"name": "steps", "datatype": "INT32", "shape": [1], "data": [4294967299]}]}',
+     "steps=4294967299 is outside INT32's range -2147483648..2147483647"),  # Triton ran it with steps=3
+    ("malformed", b'{"inputs": [', "the request body is not valid JSON (Expecting value at character 12)"),
+    ("array", b"[]", "the request must be a JSON object, got []"),
+    ("null", b"null", "the request must be a JSON object, got null"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), [c[1:] for c in PARSER_400], ids=[c[0] for c in PARSER_400])
+def test_bodies_triton_answered_500_get_400_naming_the_field(server: Server, body: bytes, message: str) -> None:
+    abuse = _benchmark("serve_abuse")
+    status, text = abuse.raw_post(server.http_url, body)
+    assert (status, json.loads(text)) == (400, {"error": message})
 
 
 def _statuses(url: str, n: int, **fields: Any) -> list[tuple[str, str]]:
@@ -286,21 +354,20 @@ def test_a_full_queue_answers_503_and_expired_requests_are_dropped(server: Serve
     assert all(c == "503" and "Request timeout expired" in m for c, m in late), late
 
 
-def test_bodies_triton_cannot_parse_get_its_one_line_error_and_leave_nothing_behind(server: Server) -> None:
-    """Malformed JSON, a JSON array, null, 10 MB of junk: Triton 2.51's own HTTP front end answers them (status 400
-    or 500, as README "Serving" documents: it cannot be configured) with one line, before any model code runs; the
-    process tree's memory does not keep the bodies (issue 14, item 14)."""
+def test_bodies_triton_cannot_parse_get_one_line_4xx_and_leave_nothing_behind(server: Server) -> None:
+    """Every body of serve_abuse.PARSER_CASES (malformed JSON, null, 10 MB of junk, 100,000 brackets...): 400 (413 for
+    the junk, over the body bound) from serve's front with one line, never 500, before Triton's parser or model code
+    sees it; the process tree's memory does not keep the bodies (issue 14, item 14; issue 24, item 12: Triton 2.51
+    answered most of them 500)."""
     abuse = _benchmark("serve_abuse")
-    junk = os.urandom(10 * 2**20)
-    bodies = {"malformed": b'{"inputs": [', "array": b"[]", "null": b"null", "junk": junk}
-    abuse.raw_post(server.http_url, junk)  # the first large body sizes the server's buffers
-    before = sum(abuse.rss_mb(p) for p in abuse.process_tree(server.pid))
+    abuse.raw_post(server.http_url, abuse.PARSER_CASES[-1][1])  # a first large body sizes the buffers, if any
+    before = _tree_mb(abuse, server.pid)
     for _ in range(3):
-        for name, body in bodies.items():
+        for name, body in abuse.PARSER_CASES:
             status, text = abuse.raw_post(server.http_url, body)
-            assert status in (400, 500), (name, status, text)
-            assert text.startswith('{"error":') and "Traceback" not in text, (name, text)
-    grown = sum(abuse.rss_mb(p) for p in abuse.process_tree(server.pid)) - before
+            assert status == (413 if len(body) > MAX_BODY else 400), (name, status, text)
+            assert text.startswith('{"error": ') and "\n" not in text and "Traceback" not in text, (name, text)
+    grown = _tree_mb(abuse, server.pid) - before
     assert grown < 40, f"the server's processes grew by {grown:.0f} MB over 3 x 10 MB of junk"
     assert _generate(server.http_url, prompt="x", steps=1).shape == (64, 64, 3)
 

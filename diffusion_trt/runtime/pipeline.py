@@ -40,6 +40,7 @@ from ..config import ShapeProfile
 from ..errors import ArtifactError, LoraError, RuntimeInputError
 from . import denoise
 from .buckets import SizeBuckets, bucket_engines, parse_size_buckets
+from .call_guard import CallGuard, one_call_at_a_time
 from .controlnet import DEFAULT_CONTROL_SCALE, ControlPlan, control_components, control_plan
 from .cuda import HostBuffers
 from .denoise import EmbeddingCache, Generator, StepCallback
@@ -124,6 +125,14 @@ class EnginePipeline:
 
     Build it with :meth:`from_artifacts`; the constructor is for engines you made yourself.
 
+    Threads: one call at a time. Like diffusers' pipelines, a pipeline is not thread-safe (its engines reuse their
+    buffers, the VAE encoder opens on the first image call); a call (or ``load_lora``, ``unload_lora``,
+    ``set_scheduler``, ``engine``, ``close``) made while another one runs, from another thread or from the running
+    call's ``callback``,
+    is refused at once with :class:`~diffusion_trt.errors.PipelineBusyError` (a ``RuntimeError``) and runs
+    nothing; the running call is not disturbed. To call from several threads, put one ``threading.Lock`` around the
+    calls (they then run one after the other), or load one pipeline per thread (see :mod:`~.call_guard`).
+
     Args:
         manifest: the artifact's manifest (``profile``, ``model``, ``scheduler`` and ``components`` are read).
         engines: at least ``text_encoder``, ``unet``, ``vae_decoder``; the pipeline enters them now (allocating)
@@ -164,6 +173,7 @@ class EnginePipeline:
         tokenizer_2: Any = None,
     ) -> None:
         self._closed = True  # until the engines are open
+        self._call_guard = CallGuard()  # one call at a time (see "Threads" above)
         self.root = Path(root) if root is not None else None
         required = txt2img_components(manifest)
         missing = [c for c in required if c not in engines]
@@ -290,14 +300,18 @@ class EnginePipeline:
                 (TensorRT-RTX on compute capability 9.0: before any plan is read), an fp16 artifact on CPU, the CUDA
                 provider unavailable, or engines inconsistent with the manifest.
             RuntimeInputError: a malformed ``expect_sha256``; unknown ``scheduler``, ``device`` or
-                ``cudnn_conv_algo_search``; an
-                ``intra_op_num_threads`` or ``deterministic`` of the wrong type; a ``size_buckets`` that is no list
-                of sizes; ``runtime_cache_dir`` inside the artifact; a
+                ``cudnn_conv_algo_search``; an argument of the wrong type or range, named with what it takes
+                (``path`` no str / ``os.PathLike``; ``verify``, ``deterministic``, ``io_binding``, ``cuda_graph`` no
+                bool; ``device_id`` no integer >= 0 or not a CUDA device of this machine; ``intra_op_num_threads``;
+                ``provider_options`` no mapping of names to str/int/float/bool; ``runtime_cache_dir``,
+                ``memory_facts`` no path; ``vram_request`` not (height, width, batch)); a ``size_buckets`` that is
+                no list of sizes; ``runtime_cache_dir`` inside the artifact; a
                 malformed ``vram_budget`` or one no plan meets at ``vram_request`` (the message names the smallest
                 budget that works).
             TypeError: an unknown option.
         """
-        root = Path(path)
+        root = _artifact_path(path)
+        _check_flag("verify", verify, "False skips the sha256 of each file only")
         opts = LoadOptions(device=device, scheduler=scheduler, **options)
         if expect_sha256 is not None and (problem := artifacts.sha256_hex_problem(str(expect_sha256))) is not None:
             raise RuntimeInputError(f"expect_sha256={problem}")  # a malformed pin is the caller's, not the artifact's
@@ -327,6 +341,7 @@ class EnginePipeline:
         config are read (:class:`~.loading.OpenTogether`)."""
         root, manifest = reader.root, reader.manifest
         device = _check_device(root, manifest, options.device)
+        _check_device_id(device, options.device_id)
         residency = None
         if options.vram_budget is not None:  # refused here, before anything opens
             from .residency import plan_for_request
@@ -367,6 +382,7 @@ class EnginePipeline:
 
     # -- scheduler --------------------------------------------------------------------------------------
 
+    @one_call_at_a_time("set_scheduler()")
     def set_scheduler(self, name: str | None) -> None:
         """Use scheduler ``name`` (a short name) from now on; ``None`` = the model's own.
 
@@ -389,6 +405,7 @@ class EnginePipeline:
 
     # -- LoRA -------------------------------------------------------------------------------------------
 
+    @one_call_at_a_time("load_lora()")
     def load_lora(
         self, path: str | os.PathLike[str] | Sequence[Any], scale: float = 1.0, *,
         model_dir: str | os.PathLike[str] | None = None, trust_pickle: bool = False,
@@ -434,6 +451,7 @@ class EnginePipeline:
                 several LoRAs on TensorRT; TensorRT: a model folder that is missing or not the artifact's source, a
                 LoRA changing weights the engines cannot refit, pickle weights in the model folder without
                 ``trust_pickle``; ORT: see :func:`~.lora_slots.apply_loras`.
+            PipelineBusyError: a call of this pipeline is running (see "Threads" in the class docstring).
         """
         from ..lora import check_lora_file
         from .refit import onnx_initializers, refit_weights
@@ -506,16 +524,18 @@ class EnginePipeline:
         logger.info("LoRA %s: %s", " + ".join(f"{f.path.name}:{f.scale:g}" for f in files), changed)
         return dict(self.lora)
 
+    @one_call_at_a_time("unload_lora()")
     def unload_lora(self) -> None:
         """Back to the compiled (base) weights (a no-op when no LoRA is loaded): ONNX Runtime ``--refittable``
         artifacts bind the base tensors again (bit for bit); TensorRT ones refit the last LoRA at scale 0.
 
         Raises:
             LoraError: as :meth:`load_lora` (TensorRT: the model folder it reads the base weights from).
+            PipelineBusyError: a call of this pipeline is running (see "Threads" in the class docstring).
         """
         if not self._weight_slots:
-            if self.lora is not None:
-                self.load_lora(self._trt_lora_path, 0.0)
+            if self.lora is not None:  # load_lora itself, under the guard this method holds already
+                EnginePipeline.load_lora.__wrapped__(self, self._trt_lora_path, 0.0)  # type: ignore[attr-defined]
                 self.lora = None
             return
         for slots in self._weight_slots.values():
@@ -525,14 +545,21 @@ class EnginePipeline:
 
     # -- lifecycle --------------------------------------------------------------------------------------
 
+    @one_call_at_a_time("engine()")
     def engine(self, name: str) -> Engine | None:
         """The open engine ``name``; a lazily opened one (the VAE encoder) is entered now. ``None`` if absent."""
+        return self._engine(name)
+
+    def _engine(self, name: str) -> Engine | None:
+        """:meth:`engine` inside a call (which holds the call guard already)."""
         if name not in self.engines and name in self._lazy:
             self.engines[name] = self._stack.enter_context(self._lazy.pop(name))
         return self.engines.get(name)
 
+    @one_call_at_a_time("close()")
     def close(self) -> None:
-        """Free every engine (idempotent)."""
+        """Free every engine (idempotent). Refused (:class:`~diffusion_trt.errors.PipelineBusyError`) while a call
+        runs in another thread: its engines would be freed under it."""
         if not getattr(self, "_closed", True):
             self._closed = True
             self._stack.close()
@@ -560,6 +587,7 @@ class EnginePipeline:
 
     # -- the call ---------------------------------------------------------------------------------------
 
+    @one_call_at_a_time("a call")
     def __call__(
         self,
         prompt: str | Sequence[str] | None = None,
@@ -678,6 +706,8 @@ class EnginePipeline:
             RuntimeInputError: any argument the engines cannot honour; the message names the value and the fix
                 (for images: see :func:`~diffusion_trt.runtime.image_inputs.image_request`).
             RuntimeError: the pipeline was closed.
+            PipelineBusyError: another call of this pipeline is running (in another thread, or this call's
+                ``callback`` called the pipeline); nothing was run (see "Threads" in the class docstring).
         """
         if self._closed:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
@@ -702,7 +732,7 @@ class EnginePipeline:
                                controlnet_conditioning_scale, control_guidance_start, control_guidance_end,
                                guess_mode, request.height, request.width, len(request.prompts))
         if isinstance(request.conditioning, ImageRequest):
-            self.engine("vae_encoder")  # opened on first use, after the checks
+            self._engine("vae_encoder")  # opened on first use, after the checks
         if control is not None:  # the ControlNet engines, opened on first use
             control = self._open_control(control)
         images = self._generate(request, control)
@@ -710,8 +740,8 @@ class EnginePipeline:
 
     def _open_control(self, control: ControlPlan) -> ControlPlan:
         """``control`` on the entered engines (``unet_controlnet`` and its ControlNets entered on first use)."""
-        unet = self.engine(control.unet.name)
-        units = tuple(dataclasses.replace(u, engine=self.engine(u.engine.name)) for u in control.units)
+        unet = self._engine(control.unet.name)  # inside the call: its guard is held already
+        units = tuple(dataclasses.replace(u, engine=self._engine(u.engine.name)) for u in control.units)
         return dataclasses.replace(control, unet=unet, units=units)
 
     def _generate(self, request: Request, control: ControlPlan | None = None) -> Any:
@@ -853,6 +883,100 @@ class LoadOptions:
         if self.graph_optimization_level not in OPTIMIZATION_LEVELS:
             raise RuntimeInputError(f"graph_optimization_level={self.graph_optimization_level!r} is unknown; use one "
                                     f"of {', '.join(OPTIMIZATION_LEVELS)}")
+        _check_option_types(self)
+
+
+def _check_option_types(options: LoadOptions) -> None:
+    """:meth:`LoadOptions.__post_init__`'s checks of the options that were taken as they came (``io_binding='no'``
+    as true, ``device_id='0'`` failing inside ONNX Runtime, ``provider_options='x'`` as a bare TypeError).
+
+    Raises:
+        RuntimeInputError: naming the option, the value and what it takes.
+    """
+    if options.device is not None and options.device not in ("cpu", "cuda"):
+        raise RuntimeInputError(f"device={options.device!r} is not supported; use 'cpu' or 'cuda'")
+    device_id = options.device_id
+    if not isinstance(device_id, int) or isinstance(device_id, bool) or device_id < 0:
+        raise RuntimeInputError(f"device_id={device_id!r} must be an integer >= 0 (a CUDA device ordinal, as "
+                                "torch.device('cuda', device_id))")
+    _check_flag("io_binding", options.io_binding, "None: on for CUDA, off on the CPU", allow_none=True)
+    _check_flag("cuda_graph", options.cuda_graph, "None: on for CUDA artifacts with a static profile and for "
+                "TensorRT ones", allow_none=True)
+    _check_provider_options(options.provider_options)
+    _check_path_or_none("runtime_cache_dir", options.runtime_cache_dir, "a folder")
+    _check_path_or_none("memory_facts", options.memory_facts, "a memory facts file")
+    _check_vram_request(options.vram_request)
+    if options.vram_budget is None and options.vram_request is not None:
+        logger.warning("vram_request=%r: no effect without vram_budget", options.vram_request)
+
+
+def _artifact_path(path: Any) -> Path:
+    """``path`` as a :class:`Path`.
+
+    Raises:
+        RuntimeInputError: not a str or ``os.PathLike`` of a str, or empty.
+    """
+    text = os.fspath(path) if isinstance(path, str | os.PathLike) else None
+    if not isinstance(text, str) or not text:
+        raise RuntimeInputError(f"path={path!r} must be the artifact folder (the one with manifest.json), as a str or "
+                                "os.PathLike")
+    return Path(text)
+
+
+def _check_flag(name: str, value: Any, meaning: str, allow_none: bool = False) -> None:
+    """Refuse a flag that is not a bool (``'no'`` is true to ``if``)."""
+    if isinstance(value, bool) or (allow_none and value is None):
+        return
+    allowed = "True, False or None" if allow_none else "True or False"
+    raise RuntimeInputError(f"{name}={value!r} must be {allowed} ({meaning})")
+
+
+def _check_path_or_none(name: str, value: Any, what: str) -> None:
+    """Refuse a path option that is no str / ``os.PathLike`` of a str, or is empty (``Path('')`` is the current
+    folder)."""
+    if value is None:
+        return
+    text = os.fspath(value) if isinstance(value, str | os.PathLike) else None
+    if not isinstance(text, str) or not text:
+        raise RuntimeInputError(f"{name}={value!r} must be the path of {what} (a str or os.PathLike) or None")
+
+
+def _check_provider_options(value: Any) -> None:
+    """Refuse provider options that are not a mapping of option names to plain values (ONNX Runtime reads each value
+    as a string)."""
+    if value is None:
+        return
+    plain = (str, int, float, bool)
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, plain)
+                                                 for k, v in value.items()):
+        raise RuntimeInputError(
+            f"provider_options={value!r} must be a mapping of ONNX Runtime CUDA provider option names to values (str, "
+            "int, float or bool), e.g. {'arena_extend_strategy': 'kSameAsRequested'}, or None"
+        )
+
+
+def _check_vram_request(value: Any) -> None:
+    """Refuse a ``vram_request`` that is not (height, width, batch)."""
+    if value is None:
+        return
+
+    def count(v: Any, minimum: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+    ok = (isinstance(value, tuple | list) and len(value) == 3 and all(v is None or count(v, 1) for v in value[:2])
+          and count(value[2], 1))
+    if not ok:
+        raise RuntimeInputError(
+            f"vram_request={value!r} must be (height, width, batch): height and width in pixels or None (the "
+            "artifact's default size), batch an integer >= 1; e.g. (512, 512, 1), or None"
+        )
+
+
+def _check_device_id(device: str, device_id: int) -> None:
+    """Refuse a CUDA ordinal this machine does not have (it failed inside torch or ONNX Runtime)."""
+    if device == "cuda" and torch.cuda.is_available() and device_id >= (count := torch.cuda.device_count()):
+        raise RuntimeInputError(f"device_id={device_id} but this machine has {count} CUDA device(s); use 0.."
+                                f"{count - 1}")
 
 
 def _scheduler_class_name(manifest: Mapping[str, Any], scheduler_config: Mapping[str, Any]) -> str:

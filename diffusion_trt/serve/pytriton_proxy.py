@@ -16,6 +16,10 @@ requests of an unbatched model without any bound. This module closes both from o
      (503 / UNAVAILABLE) with just that one line; any other error becomes INTERNAL "internal error ...; see the
      server log" (the traceback goes to the server log only, never to the client);
 
+  3. waits up to 60 s, not PyTriton's 1 s, for the first instance's handshake socket when an instance starts, and
+     tries again while it refuses connections (``get_config_from_handshake_server``): on a loaded host the other
+     instances gave up and the server died during start-up;
+
 * and adds ``dynamic_batching { default_queue_policy {...} }`` to the model's config (Triton accepts it with
   ``max_batch_size: 0``: one request per execution, as before): at most ``max_queue`` requests wait, more get
   UNAVAILABLE "Exceeds maximum queue size"; a request that waited longer than its timeout (``timeout_s``, or the
@@ -59,6 +63,23 @@ import re as _dtrt_re
 _DTRT_MAX_BYTES = {max_bytes!r}
 _DTRT_MARK = _dtrt_re.compile(r"\\[diffusion-trt:(INVALID_ARG|UNAVAILABLE)\\] ([^\\n]*)")
 _DtrtPyTritonModel = TritonPythonModel
+_dtrt_get_config = get_config_from_handshake_server
+
+
+def get_config_from_handshake_server(socket_path, timeout_s=60.0):
+    """PyTriton's wait of instances 1..N for instance 0's handshake socket, with 60 s instead of its 1 s, and tried
+    again while the socket exists but does not listen yet: on a loaded host instance 0 took longer and every other
+    instance failed to initialise (TimeoutError, or ConnectionRefusedError: the start-up that died)."""
+    import time as _time
+
+    deadline = _time.monotonic() + timeout_s
+    while True:
+        try:
+            return _dtrt_get_config(socket_path, timeout_s=max(1.0, deadline - _time.monotonic()))
+        except (ConnectionRefusedError, TimeoutError):
+            if _time.monotonic() >= deadline:
+                raise
+            _time.sleep(0.05)
 
 
 def _dtrt_refusal(request):

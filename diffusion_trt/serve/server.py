@@ -16,6 +16,11 @@ request reaches this process), steps, guidance, height/width inside the engines'
 call, the number of requests waiting in Triton's queue (beyond it: 503 / UNAVAILABLE) and how long one may wait
 there (then it is dropped unrun: 503 / UNAVAILABLE "Request timeout expired"); see :mod:`.pytriton_proxy`.
 
+HTTP goes through our own front (:mod:`.http_front`) before Triton's parser: a body cap (413), the JSON request
+checked for what Triton 2.51 would answer 500 to or silently wrap (400), a connection bound. gRPC goes through a
+relay of ours (:mod:`.grpc_front`) with the same message bound (RESOURCE_EXHAUSTED); both run in a process of their
+own (:mod:`.front_process`). Triton's own HTTP and gRPC endpoints listen on other ports of 127.0.0.1.
+
 Statuses: a request the rules refuse gets 400 / INVALID_ARGUMENT with one line naming the field and the allowed
 range; a full queue 503 / UNAVAILABLE; anything else 500 / INTERNAL "see the server log" (the traceback is
 logged here, never sent). Listens on 127.0.0.1 unless told otherwise.
@@ -41,6 +46,8 @@ import numpy as np
 
 from ..errors import DiffusionTrtError, LoraError, MissingPackageError, RuntimeInputError
 from . import pytriton_proxy, triton_model
+from .front_process import FrontProcess, FrontSettings, FrontStartError
+from .http_front import FrontLimits, free_loopback_port
 from .pytriton_proxy import StatusError
 from .triton_model import RequestError, parse_request
 
@@ -71,6 +78,7 @@ class ServeConfig:
         scheduler: scheduler short name; ``None`` = the model's.
         vram_budget: device memory the pipeline may use ("8GB", bytes; see ``EnginePipeline.from_artifacts``),
             checked at load for the default size and ``max_batch_size`` images; ``None`` = no budget.
+        max_connections: HTTP client connections at once (more get 503 at once; :mod:`.http_front`).
         lora_dir: the folder of LoRAs a request may name in its ``lora`` input (:mod:`.loras`; an artifact compiled
             with ``--refittable``); ``None`` = no ``lora`` input.
     """
@@ -89,6 +97,7 @@ class ServeConfig:
     device: str | None = None
     scheduler: str | None = None
     vram_budget: str | int | None = None
+    max_connections: int = 128
     lora_dir: str | None = None
 
     def limits(self) -> dict[str, float]:
@@ -99,6 +108,13 @@ class ServeConfig:
         """The byte bound of each text input, checked before a request reaches this process (UTF-8: <= 4 bytes a
         character)."""
         return {name: 4 * self.max_prompt_chars for name in ("prompt", "negative_prompt")}
+
+    def front_limits(self) -> FrontLimits:
+        """The HTTP front's bounds: a body of at most 64 KiB + 24 bytes per prompt character (two prompts, each
+        character at most 12 bytes as JSON: a ``\\uXXXX`` surrogate pair), the connection bound, and the longest a
+        request may take in Triton (its queue timeout plus an hour to compute)."""
+        return FrontLimits(max_body_bytes=65536 + 24 * self.max_prompt_chars, max_connections=self.max_connections,
+                           upstream_timeout_s=self.queue_timeout_s + 3600.0)
 
 
 @dataclass
@@ -288,6 +304,22 @@ def _image(future: Future[np.ndarray]) -> np.ndarray:
         raise StatusError("INVALID_ARG", str(e)) from None
 
 
+def _fronts(config: ServeConfig, http_upstream: int, grpc_upstream: int) -> FrontProcess:
+    """The HTTP front on ``config.host:config.http_port`` and the gRPC relay on ``config.grpc_port``, forwarding to
+    Triton's endpoints on ``127.0.0.1:http_upstream`` / ``grpc_upstream``, in their own process (see
+    :mod:`.front_process`), started and listening.
+
+    Raises:
+        ServeError: a port cannot be bound, or the process did not start.
+    """
+    settings = FrontSettings.of(config.host, config.http_port, config.grpc_port, http_upstream, grpc_upstream,
+                                config.front_limits())
+    try:
+        return FrontProcess(settings).__enter__()
+    except FrontStartError as e:
+        raise ServeError(str(e)) from None
+
+
 def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = None,
           stop: threading.Event | None = None, on_ready: Callable[[], None] | None = None) -> None:
     """Serve an artifact until SIGINT/SIGTERM (or ``stop`` is set); ``on_ready()`` once the endpoints are up.
@@ -316,9 +348,14 @@ def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = Non
                                                         "vram_request": (None, None, config.max_batch_size)}
         pipe = stack.enter_context(EnginePipeline.from_artifacts(artifact_dir, device=config.device,
                                                                  scheduler=config.scheduler, **budget))
+        # Triton's own endpoints, behind the fronts (loopback only); the fronts are bound now: a port in use fails
+        # before Triton starts
+        upstream_port, grpc_upstream = free_loopback_port(), free_loopback_port()
+        fronts = _fronts(config, upstream_port, grpc_upstream)
+        stack.callback(fronts.close)
         triton_config = TritonConfig(
-            http_address=config.host, http_port=config.http_port,
-            grpc_address=config.host, grpc_port=config.grpc_port,
+            http_address="127.0.0.1", http_port=upstream_port,
+            grpc_address="127.0.0.1", grpc_port=grpc_upstream,
             allow_metrics=False, exit_on_error=True, exit_timeout_secs=5,
         )
         triton = stack.enter_context(Triton(config=triton_config))
@@ -327,8 +364,9 @@ def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = Non
         try:
             triton.run()
         except Exception as e:  # PyTritonException and friends: say what failed, once
-            where = f"{config.host}:{config.http_port}/{config.grpc_port}"
+            where = f"127.0.0.1:{upstream_port} (HTTP) / {grpc_upstream} (gRPC)"
             raise ServeError(f"Triton could not start on {where}: {e}") from e
+        stack.callback(fronts.close)  # closed first on the way out (again: idempotent)
         previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
         stack.callback(lambda: [signal.signal(s, h) for s, h in previous.items()])
         logger.info(
@@ -340,6 +378,8 @@ def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = Non
         while not stop.wait(0.5):
             if not triton.is_alive():
                 raise ServeError("tritonserver exited; see the log above")
+            if not fronts.alive():
+                raise ServeError("serve's front process exited; see the log above")
         logger.info("stopping")
 
 
