@@ -138,11 +138,12 @@ def test_two_gpus_equal_one(static_artifact: Path, graph_and_eager: tuple[Engine
 def test_engines_opened_side_by_side_warm_and_capture_without_a_race(static_artifact: Path) -> None:
     """runtime/loading.py opens the engines on threads and warms each static one (ORT's first run captures its
     graph): session creations and captures take CAPTURE_LOCK in turn, so five loads in a row neither fail ("operation
-    not permitted when stream is capturing", seen on the H200 before the lock) nor change the image."""
+    not permitted when stream is capturing", seen on the H200 before the lock) nor change the image beyond the
+    kernels' own noise."""
     images = []
     for _ in range(5):
         with EnginePipeline.from_artifacts(static_artifact) as pipe:
             assert all(pipe.engines[n].cuda_graph for n in ("text_encoder", "unet", "vae_decoder"))
-            images.append(np.asarray(pipe(**CALL, output_type="np").images))
-    for image in images[1:]:
-        np.testing.assert_array_equal(image, images[0])
+            images.append(np.asarray(pipe(**CALL, num_images_per_prompt=2, output_type="np").images))
+    for image in images[1:]:  # separate loads may pick other cuDNN/cuBLAS kernels: 0.0018 max abs seen on the H200
+        np.testing.assert_allclose(image, images[0], atol=5e-3, rtol=0)
