@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _package_logs_reach_caplog() -> Iterator[None]:
+    """Undo what an in-process CLI call leaves on the ``diffusion_trt`` logger: ``cli._setup_logging`` turns its
+    propagation off and gives it a handler on that call's (since closed) stderr, which hid later tests' records from
+    ``caplog`` depending on the order the tests ran in."""
+    yield
+    root = logging.getLogger("diffusion_trt")
+    root.propagate = True
+    root.handlers[:] = []
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
