@@ -12,13 +12,15 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def _package_logs_reach_caplog() -> Iterator[None]:
-    """Undo what an in-process CLI call leaves on the ``diffusion_trt`` logger: ``cli._setup_logging`` turns its
-    propagation off and gives it a handler on that call's (since closed) stderr, which hid later tests' records from
-    ``caplog`` depending on the order the tests ran in."""
+    """Undo what an in-process CLI call leaves on the package's loggers: ``cli._setup_logging`` turns propagation off
+    and adds a handler on that call's (since closed) stderr, and ``optimize`` quiets ``diffusion_trt.passes.base`` to
+    WARNING; either hid later tests' INFO records from ``caplog``, depending on the order the tests ran in."""
     yield
     root = logging.getLogger("diffusion_trt")
     root.propagate = True
     root.handlers[:] = []
+    root.setLevel(logging.NOTSET)
+    logging.getLogger("diffusion_trt.passes.base").setLevel(logging.NOTSET)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
