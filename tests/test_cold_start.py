@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-import torch
 from click.testing import CliRunner
 
 from diffusion_trt import artifacts, digests
@@ -23,6 +22,7 @@ from diffusion_trt.errors import ArtifactError, RuntimeInputError
 from diffusion_trt.passes import _ort
 from diffusion_trt.runtime import EnginePipeline
 from diffusion_trt.runtime.loading import OpenTogether
+from tests.test_artifact_hardening import _unet_output
 
 MiB = 1 << 20
 
@@ -79,13 +79,6 @@ def _externalise_unet(src: Path, dest: Path) -> Path:
     artifacts.write_manifest(dest, manifest)
     assert len(manifest["files"]["unet/model.onnx.data"]["chunks"]["sha256"]) > 1
     return dest
-
-
-def _unet_output(pipe: EnginePipeline) -> np.ndarray:
-    unet = pipe.engines["unet"]
-    gen = torch.Generator().manual_seed(0)
-    feeds = {i.name: torch.randn(tuple(i.min), generator=gen).to(i.torch_dtype) for i in unet.spec.inputs}
-    return next(iter(unet.run(feeds).values())).clone().numpy()
 
 
 @pytest.fixture
