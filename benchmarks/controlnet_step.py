@@ -8,7 +8,9 @@ For each count n it measures, in one process on the same weights and seed:
   them);
 * ``e2e_ms``: one whole generation (median of --e2e-iters): ``EnginePipeline(...)`` vs diffusers'
   ``StableDiffusionControlNetPipeline`` (``StableDiffusionPipeline`` for n = 0);
-* ``step_cost_vs_0``: each count's step time over the same system's step time without ControlNets.
+* ``step_cost_vs_0``: each count's step time over the same system's step time without ControlNets;
+* ``parity``: max abs difference of our image from diffusers' eager image (same seed through a CPU generator, same
+  control images; float images in [0, 1]); the issue's goal on the GPU in fp16 is <= 4/255.
 
 Usage (the GPU host; the artifact compiled with two ControlNets, named a and b):
 
@@ -192,6 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     gen = dict(prompt="an ink painting of mountains above a river, guohua style", num_inference_steps=args.steps,
                height=args.height, width=args.width)
+    ours_images: dict[int, np.ndarray] = {}
     with EnginePipeline.from_artifacts(args.artifact_dir, device=dev) as pipe:
         for n in counts:
             images = control_images(n, size)
@@ -201,6 +204,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                  args.step_iters),
                             "e2e_ms": median_ms(lambda kw=kw: pipe(**gen, **kw, seed=0, progress=False), dev, 1,
                                                 args.e2e_iters)})
+            ours_images[n] = pipe(**gen, **kw, generator=torch.Generator("cpu").manual_seed(0), output_type="np",
+                                  progress=False).images
     for system in ("diffusers_eager", "diffusers_cuda_graph"):
         if system == "diffusers_cuda_graph" and dev != "cuda":
             results += [{"system": system, "controlnets": n, "status": "skipped", "reason": "needs CUDA"}
@@ -221,6 +226,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                  args.warmup, args.step_iters),
                             "e2e_ms": median_ms(lambda ref=ref, kw=kw: ref(**gen, **kw, generator=torch.Generator(
                                 "cpu").manual_seed(0)), dev, 1, args.e2e_iters)})
+            if system == "diffusers_eager":  # parity: the same seed and control images, images in [0, 1]
+                want = ref(**gen, **kw, generator=torch.Generator("cpu").manual_seed(0), output_type="np").images
+                results.append({"system": "parity", "controlnets": n, "max_abs_vs_diffusers_eager": round(float(
+                    np.abs(np.asarray(ours_images[n], np.float32) - np.asarray(want, np.float32)).max()), 5),
+                    "goal": round(4 / 255, 5)})
         if graphed is not None:
             del base.unet.forward
     _ratios(results)

@@ -6,6 +6,15 @@
 #   bash benchmarks/gpu_cold_start.sh cold OUT         cold_start.py all (ours, diffusers one-shot, phases, levels,
 #                                                       profile; BEFORE=DIR: that tree's package too); bench b1
 #   bash benchmarks/gpu_cold_start.sh compile-b4 OUT   static 512 b4 compile with its memory profile; bench b4
+# Eighth session (the models and four static 512 b1 compiles side by side, then the measurements on a quiet host):
+#   bash benchmarks/gpu_cold_start.sh prep OUT         sd15 pipeline, ControlNets a/b, rank-64 LoRAs a/b; starts the
+#                                                       compiles base, refit (--refittable), merged (--lora a), cn
+#                                                       (--controlnet a,b) in the background
+#   bash benchmarks/gpu_cold_start.sh wait OUT         waits (<= 570 s) for them; their log tails
+#   bash benchmarks/gpu_cold_start.sh cold-base OUT    cold_start.py all on base (BEFORE=DIR: that tree too), bench b1
+#   bash benchmarks/gpu_cold_start.sh offline OUT      ort_offline_optimization.py on base's UNet
+#   bash benchmarks/gpu_cold_start.sh controlnet OUT   controlnet_step.py (0/1/2 ControlNets, ours vs diffusers)
+#   bash benchmarks/gpu_cold_start.sh lora OUT         lora_switch.py on the refit/merged/base artifacts
 # Run from the folder holding the diffusion_trt package to measure; SITE: where the host's extra wheels went.
 set -u
 phase=${1:?phase}; out=${2:?OUT folder}
@@ -17,7 +26,52 @@ M=/tmp/cs/sd15
 log() { echo "=== $(date +%T) $*"; }
 static() { echo "--height $1 --width $1 --min-height $1 --max-height $1 --min-width $1 --max-width $1 --batch-size $2 --min-batch-size $2 --max-batch-size $2"; }
 common="--device cuda --precision fp16 --no-cache --overwrite --components text_encoder,unet,vae_decoder"
+W=/tmp/lora-switch
 case $phase in
+  prep)
+    mkdir -p $W /tmp/cs
+    log dummy; $D dummy-pipeline --arch sd15 --seed 0 --overwrite $W/model-sd15 > "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
+    $D dummy-controlnet --arch sd15 --seed 0 --overwrite /tmp/cs/cn-a >> "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
+    $D dummy-controlnet --arch sd15 --seed 1 --overwrite /tmp/cs/cn-b >> "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
+    log loras
+    $py -c "
+import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import lora_switch as ls
+for i, k in enumerate('ab'): ls.make_lora(Path('$W/model-sd15'), Path('$W/lora_%s_r64.safetensors' % k), 64, seed=i + 1)
+" 2>&1 | tail -3
+    ls -la $W
+    log compiles
+    base="$common $(static 512 1)"
+    nohup $D compile $W/model-sd15 -o $W/art-base $base > /tmp/cs/c-base.log 2>&1 &
+    nohup $D compile $W/model-sd15 -o $W/art-refit $base --refittable > /tmp/cs/c-refit.log 2>&1 &
+    nohup $D compile $W/model-sd15 -o $W/art-merged $base --lora $W/lora_a_r64.safetensors > /tmp/cs/c-merged.log 2>&1 &
+    nohup $D compile $W/model-sd15 -o /tmp/cs/art-cn $base --controlnet a=/tmp/cs/cn-a --controlnet b=/tmp/cs/cn-b \
+      > /tmp/cs/c-cn.log 2>&1 &
+    sleep 5; log started; free -g | head -2 ;;
+  wait)
+    for i in $(seq 1 57); do
+      pgrep -f "diffusion_trt.cli compile" > /dev/null || break
+      sleep 10
+    done
+    log done waiting; pgrep -af "diffusion_trt.cli compile" | cut -c1-120
+    for f in /tmp/cs/c-*.log; do echo "--- $f"; grep -v -E "it/s|stage/s" "$f" | tail -6; done
+    ls $W/art-*/manifest.json /tmp/cs/art-cn/manifest.json ;;
+  cold-base)
+    log cold start
+    $py benchmarks/cold_start.py all $W/art-base --model-dir $W/model-sd15 --repeat 2 ${BEFORE:+--code-before "$BEFORE"} \
+      --levels "" --json "$out/cold_start.json" 2>&1 | tail -40
+    log bench b1
+    timeout 150 $D bench $W/art-base --baseline none --steps 50 --json "$out/bench_b1.json" 2>&1 \
+      | grep -v -E "it/s|stage/s" | tail -12 ;;
+  offline)
+    log offline optimisation
+    timeout 400 $py benchmarks/ort_offline_optimization.py $W/art-base --json "$out/ort_offline.json" 2>&1 | tail -12 ;;
+  controlnet)
+    log controlnet
+    timeout 560 $py benchmarks/controlnet_step.py $W/model-sd15 /tmp/cs/art-cn /tmp/cs/cn-a /tmp/cs/cn-b \
+      --json "$out/controlnet_step.json" 2>&1 | tail -60 ;;
+  lora)
+    log lora
+    timeout 560 $py benchmarks/lora_switch.py "$out/lora_switch.json" --work $W 2>&1 | tail -40 ;;
   compile-b1)
     log dummy; $D dummy-pipeline --arch sd15 --seed 0 --overwrite $M > "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
     log compile b1

@@ -129,6 +129,10 @@ class ArtifactReader:
         proc = Path(f"/proc/self/fd/{self._require_fd()}")
         return proc if proc.is_dir() else self.root
 
+    def lists(self, rel: str) -> bool:
+        """Whether the manifest lists the file ``rel`` (a path relative to the artifact folder)."""
+        return rel in self.manifest["files"]
+
     def read(self, rel: str) -> bytes | bytearray:
         """The bytes of the listed file ``rel``, read once through the folder descriptor, checked against the
         manifest's size and (when :attr:`check_hashes`) its digests: per chunk, on several threads, when the manifest

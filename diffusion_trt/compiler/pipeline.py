@@ -545,12 +545,26 @@ def _warn_fp16_safe_vae(config: CompileConfig, facts: Mapping[str, Any]) -> None
 
 
 def copy_tokenizers(job: CompileJob, staging: Path) -> None:
-    """Copy the tokenizer(s) and the scheduler config into the artifact as they are."""
+    """Copy the tokenizer(s) and the scheduler config into the artifact as they are, each tokenizer with its
+    ``tokenizer.json`` (:func:`ensure_tokenizer_json`)."""
     with stage("copy tokenizer and scheduler"):
-        shutil.copytree(job.folder.path / "tokenizer", staging / "tokenizer")
         shutil.copytree(job.folder.path / "scheduler", staging / "scheduler")
-        if job.facts["architecture"] == "sdxl":
-            shutil.copytree(job.folder.path / "tokenizer_2", staging / "tokenizer_2")
+        for name in ("tokenizer", "tokenizer_2") if job.facts["architecture"] == "sdxl" else ("tokenizer",):
+            shutil.copytree(job.folder.path / name, staging / name)
+            ensure_tokenizer_json(staging / name)
+
+
+def ensure_tokenizer_json(folder: Path) -> None:
+    """Write ``folder/tokenizer.json`` when the model's tokenizer folder has none (SD-1.5 repositories ship only
+    ``vocab.json`` + ``merges.txt``): the ``tokenizers`` BPE that transformers builds for ``CLIPTokenizer`` from
+    those files, which the runtime tokenizes with, without importing transformers
+    (:mod:`diffusion_trt.runtime.tokenizer`). A folder that has one keeps it (transformers >= 5 loads it)."""
+    if (folder / "tokenizer.json").is_file() or not (folder / "vocab.json").is_file():
+        return
+    from transformers import CLIPTokenizerFast
+
+    tokenizer = CLIPTokenizerFast.from_pretrained(folder, local_files_only=True)
+    (folder / "tokenizer.json").write_text(tokenizer.backend_tokenizer.to_str(), encoding="utf-8")
 
 
 def load_sources(job: CompileJob, source_sha256: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], str]:

@@ -55,6 +55,7 @@ from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_g
 from .residency import Residency
 from .schedulers import import_scheduler_class, make_scheduler, scheduler_for, short_name
 from .sdxl import SDXL_COMPONENTS
+from .tokenizer import load_tokenizer
 
 __all__ = ["OUTPUT_TYPES", "SDXL_ARGUMENTS", "EnginePipeline", "EnginePipelineOutput", "LoadOptions", "check_text",
            "save_png"]
@@ -360,13 +361,11 @@ class EnginePipeline:
         engines = _open_engines(reader, device, options, stream, residency, slots)
         together = {n: engines[n] for n in txt2img_components(manifest)} if _opens_together(manifest, residency) else {}
         with OpenTogether(together, warm=device == "cuda") as opening:  # the engines load while the rest is read
-            from transformers import CLIPTokenizer
-
-            tokenizer = _tokenizer(reader, str(manifest.get("tokenizer", "tokenizer")), "tokenizer", CLIPTokenizer)
+            tokenizer = load_tokenizer(reader, str(manifest.get("tokenizer", "tokenizer")), "tokenizer")
             tokenizer_2 = None
             if manifest.get("model", {}).get("architecture") == "sdxl":
-                tokenizer_2 = _tokenizer(reader, str(manifest.get("tokenizer_2", "tokenizer_2")), "SDXL tokenizer_2",
-                                         CLIPTokenizer)
+                tokenizer_2 = load_tokenizer(reader, str(manifest.get("tokenizer_2", "tokenizer_2")),
+                                             "SDXL tokenizer_2")
             # diffusers' import (seconds) while the engines load; the values were checked above
             import_scheduler_class(scheduler_config, options.scheduler if isinstance(options.scheduler, str) else None,
                                    class_name)
@@ -1169,20 +1168,6 @@ def _trt_engines(
                else {}),
         )
     return engines
-
-
-def _tokenizer(reader: ArtifactReader, rel: str, what: str, tokenizer_class: Any) -> Any:
-    """A tokenizer loaded from a private copy of the hashed files under ``rel``.
-
-    Raises:
-        ArtifactError: a file fails its check, or the tokenizer cannot be built from them.
-    """
-    with reader.private_copy(rel) as folder:
-        try:
-            return tokenizer_class.from_pretrained(folder, local_files_only=True)
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            raise ArtifactError(f"cannot load the {what} from {reader.root / rel} ({e}); recompile the artifact"
-                                ) from None
 
 
 def _opens_together(manifest: Mapping[str, Any], residency: Residency | None) -> bool:

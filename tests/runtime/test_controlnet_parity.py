@@ -266,3 +266,5 @@ def test_controlnet_benchmark_runs_on_the_tiny_arch(controlnet_artifact: Path, t
     assert measured[("ours", 0)]["step_cost_vs_0"] == 1.0 and "e2e_speedup_vs_diffusers_eager" in measured[("ours", 2)]
     skipped = [r for r in out["results"] if r.get("status") == "skipped"]
     assert {r["system"] for r in skipped} == {"diffusers_cuda_graph"}
+    parity = {r["controlnets"]: r["max_abs_vs_diffusers_eager"] for r in out["results"] if r["system"] == "parity"}
+    assert set(parity) == {0, 1, 2} and max(parity.values()) <= 1e-5  # CPU fp32: the parity tests' bound
