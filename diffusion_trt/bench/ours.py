@@ -77,9 +77,9 @@ def _stage_inputs(pipe: Any, seed: int, chunk: int, height: int, width: int
 
 
 def stage_memory(pipe: Any, cfg: BenchConfig, batch: int, height: int, width: int) -> dict[str, float | None]:
-    """Peak device MiB per stage of one untimed call (:class:`~diffusion_trt.runtime.memory_meter.StageMemoryMeter`);
-    ``None`` values off CUDA."""
-    from ..runtime.memory_meter import StageMemoryMeter
+    """Peak device MiB per stage of one untimed call
+    (:class:`~diffusion_trt.runtime.memory.memory_meter.StageMemoryMeter`); ``None`` values off CUDA."""
+    from ..runtime.memory.memory_meter import StageMemoryMeter
 
     meter = StageMemoryMeter(pipe.device)
     with meter.watch(pipe.engines):

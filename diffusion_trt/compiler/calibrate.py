@@ -178,9 +178,9 @@ def ort_unet_fn(session: Any) -> UNetFn:
 
 
 class UNetFnEngine:
-    """A :class:`~diffusion_trt.runtime.engine.Engine` over a :data:`UNetFn` (a torch module or an ORT session), so the
-    runtime's own loop (:func:`~diffusion_trt.runtime.denoise.denoise_latents`) can denoise with it, and the recorder
-    of what that loop feeds the UNet at the captured steps.
+    """A :class:`~diffusion_trt.runtime.engines.engine.Engine` over a :data:`UNetFn` (a torch module or an ORT
+    session), so the runtime's own loop (:func:`~diffusion_trt.runtime.denoise.denoise_latents`) can denoise with
+    it, and the recorder of what that loop feeds the UNet at the captured steps.
 
     Each prompt of a group gets its own feeds, in prompt order: with CFG the loop's UNet batch is
     ``[negative x g; positive x g]``, so prompt ``j``'s rows are ``j`` and ``g + j`` (``[negative; positive]``, the
@@ -197,7 +197,7 @@ class UNetFnEngine:
 
     def __init__(self, unet_fn: UNetFn, channels: int, wanted: set[int], group: int, *, keep_outputs: bool = False,
                  on_capture: Callable[[], None] | None = None) -> None:
-        from ..runtime.engine import EngineSpec, TensorInfo
+        from ..runtime.engines.engine import EngineSpec, TensorInfo
 
         def info(name: str, shape: tuple[int | str, ...]) -> TensorInfo:  # no profile bound: any batch or size
             return TensorInfo(name, "float32", shape, tuple(1 for _ in shape), tuple(2**31 - 1 for _ in shape))

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from .denoise import EmbeddingCache, Generator, encode_prompt_embeds, prepare_latents
-from .engine import Engine
+from .engines.engine import Engine
 
 
 class AddedInputs(Protocol):

@@ -59,7 +59,7 @@ from tqdm.auto import tqdm
 
 from ..errors import RuntimeInputError
 from .cuda import HostBuffers, HostImageSink, images_float, images_uint8, nvtx_range, to_pil
-from .engine import Engine
+from .engines.engine import Engine
 from .prompt_encoding import PromptReader, TokenChunks, apply_weights, pad_chunks, warn_truncated
 
 if TYPE_CHECKING:

@@ -40,7 +40,7 @@ from ..config import MAX_IMAGE_SIZE
 from ..errors import RuntimeInputError
 from .conditioning import PreparedLatents, TextToImage
 from .denoise import Generator, _run_rows
-from .engine import Engine
+from .engines.engine import Engine
 
 if TYPE_CHECKING:
     from .geometry import LatentGeometry

@@ -29,9 +29,9 @@ from ..errors import RuntimeInputError
 from .batching import plan_chunks
 from .conditioning import Conditioning, TextToImage
 from .denoise import Generator, StepCallback
-from .engine import Engine
+from .engines.engine import Engine
 from .geometry import LatentGeometry
-from .host_memory import check_host_memory
+from .memory.host_memory import check_host_memory
 from .prompt_syntax import SYNTAXES
 
 OUTPUT_TYPES: tuple[str, ...] = ("pil", "np", "pt", "latent")
@@ -167,7 +167,7 @@ class Request:
         Raises:
             RuntimeInputError: the first argument the engines cannot honour; the message names the value and the fix.
                 A batch whose latents and output images need more host memory than is available is refused here
-                (:func:`~.host_memory.check_host_memory`), before anything is drawn.
+                (:func:`~.memory.host_memory.check_host_memory`), before anything is drawn.
         """
         skip = _check_clip_skip(spec, engines, clip_skip)
         embeds = _check_prompt_embeds(spec, engines, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)

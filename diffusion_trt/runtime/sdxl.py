@@ -37,7 +37,7 @@ from ..errors import RuntimeInputError
 from .conditioning import TextToImage
 from .cuda import nvtx_range
 from .denoise import EmbeddingCache, tokenize
-from .engine import Engine
+from .engines.engine import Engine
 from .prompt_encoding import PromptReader
 from .request import per_prompt
 

@@ -27,8 +27,8 @@ from typing import Any, Protocol, Self, runtime_checkable
 import numpy as np
 import torch
 
-from ..config import IMAGE_ALIGNMENT
-from ..errors import ArtifactError, RuntimeInputError
+from ...config import IMAGE_ALIGNMENT
+from ...errors import ArtifactError, RuntimeInputError
 
 logger = logging.getLogger(__name__)
 

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import SEAL_KEY, umask_mode
-from ..errors import ArtifactError, RuntimeInputError
-from ..trt_compat import pack_framed, printable, read_cache_file, unpack_framed
+from ...artifacts import SEAL_KEY, umask_mode
+from ...errors import ArtifactError, RuntimeInputError
+from ...trt_compat import pack_framed, printable, read_cache_file, unpack_framed
 
 logger = logging.getLogger(__name__)
 
