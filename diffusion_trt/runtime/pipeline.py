@@ -42,12 +42,12 @@ from . import denoise
 from .call_guard import CallGuard, one_call_at_a_time
 from .controlnet import DEFAULT_CONTROL_SCALE, ControlPlan, control_components, control_plan
 from .cuda import HostBuffers
-from .denoise import EmbeddingCache, Generator, StepCallback
 from .determinism import compile_time_note, deterministic_torch
 from .engines.buckets import SizeBuckets, bucket_engines, parse_size_buckets
 from .engines.engine import Engine
 from .geometry import LatentGeometry
 from .image_inputs import ImageRequest
+from .latents import Generator, StepCallback
 from .loading import OpenTogether
 from .lora_slots import apply_loras, load_slots, lora_list
 from .memory.residency import Residency
@@ -55,6 +55,7 @@ from .png import save_png
 from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text
 from .schedulers import import_scheduler_class, make_scheduler, scheduler_for, short_name
 from .sdxl import SDXL_COMPONENTS
+from .text_embeddings import EmbeddingCache
 
 __all__ = ["OUTPUT_TYPES", "SDXL_ARGUMENTS", "EnginePipeline", "EnginePipelineOutput", "LoadOptions", "check_text",
            "save_png"]
@@ -211,7 +212,7 @@ class EnginePipeline:
         #: SDXL: negative_prompt=None gives zero negative embeddings (model_index.json force_zeros_for_empty_prompt)
         self.request_spec = RequestSpec(self.profile, self.geometry, self.architecture,
                                         bool(model.get("force_zeros_for_empty_prompt", True)))
-        #: negative-prompt embeddings, per (text, engine): most requests share "" (see denoise.EmbeddingCache)
+        #: negative-prompt embeddings, per (text, engine): most requests share "" (see text_embeddings.EmbeddingCache)
         self.embedding_cache = EmbeddingCache(maxsize=8)
         #: the LoRA :meth:`load_lora` refitted (``{"file", "sha256", "scale"}``), ``None`` = the compiled weights
         self.lora: dict[str, Any] | None = None
