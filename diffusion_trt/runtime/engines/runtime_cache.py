@@ -25,7 +25,7 @@ Anyone who can write the cache folder can put anything at the file's path, so th
 over :data:`MAX_RUNTIME_CACHE_BYTES` is not read, the header is bounded and parsed without recursion errors; each
 is a miss with a ``warning`` (one more JIT compilation), never an error.
 
-Pure Python: no ``tensorrt`` import (``runtime/trt_engine.py`` passes the bytes in and out).
+Pure Python: no ``tensorrt`` import (``runtime/engines/trt_engine.py`` passes the bytes in and out).
 """
 
 from __future__ import annotations
