@@ -20,7 +20,7 @@ What is MEASURED, and how (no estimates in this script's figures):
   engine, after opening it (= its weights, plus ORT's session state) and after three runs at the artifact's shape
   (= its activations: ORT's arena growth, cuDNN workspaces, CUDA-graph pools, our IO buffers); recorded as memory
   facts, which the budgeted run then plans with;
-* per stage (``runs``): :class:`~diffusion_trt.runtime.memory_meter.StageMemoryMeter` around one untimed call
+* per stage (``runs``): :class:`~diffusion_trt.runtime.memory.memory_meter.StageMemoryMeter` around one untimed call
   (device used sampled after every engine open and run and every 2 ms; the first call, so it is also the warm-up)
   and e2e wall time (median of the next 2), for the unbounded pipeline and the budgeted one, each in a fresh process;
 * ORT's own accounting: onnxruntime's Python API has no allocator statistics (``AllocatorGetStats`` is C API
@@ -181,7 +181,7 @@ def _engine(artifact: str, entry: dict[str, Any], name: str, extra: dict[str, st
     """An OrtEngine on DEVICE with the pipeline's provider options (and ``extra``) and its stream."""
     import torch
 
-    from diffusion_trt.runtime.ort_engine import OrtEngine
+    from diffusion_trt.runtime.engines.ort_engine import OrtEngine
     from diffusion_trt.runtime.pipeline import cuda_layout_options
 
     stream = torch.cuda.Stream() if DEVICE == "cuda" else None
@@ -233,7 +233,7 @@ def child_facts(artifact: str) -> dict[str, Any]:
     import torch
 
     from diffusion_trt.artifacts import read_manifest
-    from diffusion_trt.runtime.memory import facts_path, record_memory_facts
+    from diffusion_trt.runtime.memory.plan import facts_path, record_memory_facts
     from diffusion_trt.runtime.pipeline import txt2img_components
 
     manifest = read_manifest(artifact)
@@ -292,7 +292,7 @@ def child_e2e(artifact: str, budget: str, steps: int) -> dict[str, Any]:
     import torch
 
     from diffusion_trt.runtime import EnginePipeline
-    from diffusion_trt.runtime.memory_meter import StageMemoryMeter
+    from diffusion_trt.runtime.memory.memory_meter import StageMemoryMeter
 
     _cuda_init()
     base = _device_used()
@@ -337,8 +337,8 @@ def child_vae(artifact: str, model: str, size: int) -> dict[str, Any]:
     from diffusers import AutoencoderKL
 
     from diffusion_trt.artifacts import read_manifest
-    from diffusion_trt.runtime.memory_meter import StageMemoryMeter
-    from diffusion_trt.runtime.vae_tiling import TiledVaeDecoder, tiled_decode
+    from diffusion_trt.runtime.memory.memory_meter import StageMemoryMeter
+    from diffusion_trt.runtime.memory.vae_tiling import TiledVaeDecoder, tiled_decode
 
     manifest = read_manifest(artifact)
     entry = manifest["components"]["vae_decoder"]

@@ -6,7 +6,7 @@ every session creation.
 1. ``save``: one CUDA session of the component at ORT_ENABLE_ALL with ``SessionOptions.optimized_model_filepath``
    (weights to an external file), as a compile step would make it on the same GPU and ORT version (ORT documents
    that an offline-optimised model above the basic level is tied to the EP and hardware it was made on).
-2. Per variant, ``--repeat`` fresh processes: an :class:`~diffusion_trt.runtime.ort_engine.OrtEngine` on the CUDA
+2. Per variant, ``--repeat`` fresh processes: an :class:`~diffusion_trt.runtime.engines.ort_engine.OrtEngine` on CUDA
    EP, CUDA graph on, cuDNN HEURISTIC (``run``'s default), timing session creation, the first run (which captures the
    graph), and the warm run (median of 50, CUDA events): ``original`` = the artifact's graph at "all" (today),
    ``offline-disable`` / ``offline-basic`` = the saved graph at "disable" / "basic".
@@ -47,7 +47,7 @@ def measure(model: str, spec_json: str, level: str, runs: int) -> dict[str, floa
     """One variant in this process: session creation, first run, warm run median (ms)."""
     import torch
 
-    from diffusion_trt.runtime.ort_engine import OrtEngine
+    from diffusion_trt.runtime.engines.ort_engine import OrtEngine
 
     spec = json.loads(spec_json)
     stream = torch.cuda.Stream()

@@ -3,9 +3,9 @@
     python benchmarks/profile_kernels.py ARTIFACT_DIR [--component unet --component vae_decoder]
         [--options prefer_nhwc=1] [--iters 5] [--top 25] [--json out.json]
 
-Runs the component at its opt shape through :class:`diffusion_trt.runtime.ort_engine.OrtEngine` (CUDA, IO binding)
-under ``torch.profiler`` with CUDA activity on: CUPTI records the kernels of every library in the process, ONNX
-Runtime's and cuDNN's/cuBLAS's included, with their GPU durations. Reports per run: the summed kernel time, the
+Runs the component at its opt shape through :class:`~diffusion_trt.runtime.engines.ort_engine.OrtEngine` (CUDA,
+IO binding) under ``torch.profiler`` with CUDA activity on: CUPTI records the kernels of every library in the process,
+ONNX Runtime's and cuDNN's/cuBLAS's included, with their GPU durations. Reports per run: the summed kernel time, the
 kernel count, the time by category (conv, gemm, attention, normalization, transpose, elementwise, copy, other;
 matched on the kernel name, see :data:`CATEGORIES`) and the top kernels.
 
@@ -47,7 +47,7 @@ def profile_component(art: Path, comp: str, options: dict[str, str], iters: int,
     from torch.profiler import ProfilerActivity, profile
 
     from diffusion_trt import artifacts
-    from diffusion_trt.runtime.ort_engine import OrtEngine
+    from diffusion_trt.runtime.engines.ort_engine import OrtEngine
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from components import feeds_for  # the same inputs as the timing benchmark

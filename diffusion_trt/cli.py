@@ -211,7 +211,7 @@ def _vram_budget(ctx: click.Context, param: click.Parameter, value: str | None) 
     if value is None:
         return None
     from .errors import RuntimeInputError
-    from .runtime.memory import parse_size
+    from .runtime.memory.plan import parse_size
 
     try:
         parse_size(value)
@@ -1163,7 +1163,7 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
 
     from .artifact_values import printable_tree
     from .artifacts import leftover_warnings, read_manifest
-    from .runtime.residency import memory_summary
+    from .runtime.memory.residency import memory_summary
     from .summary import artifact_summary, format_summary
 
     manifest = read_manifest(artifact_dir)
@@ -1239,7 +1239,7 @@ def _parse_devices(devices: str | None, device: str | None) -> list[int]:
 
 def _check_engine_options(options: dict[str, Any]) -> dict[str, Any]:
     """The ``_runtime_options`` values, checked before anything loads (a bad --size-buckets list exits 2)."""
-    from .runtime.buckets import parse_size_buckets
+    from .runtime.engines.buckets import parse_size_buckets
 
     options = dict(options)
     options["cudnn_conv_algo_search"] = str(options.get("cudnn_conv_algo_search") or "AUTO").upper()
@@ -1349,7 +1349,7 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
     import json
 
     from .bench import DEFAULT_PROMPT, BenchConfig, format_table, plot_result, run_bench
-    from .runtime.buckets import parse_sizes
+    from .runtime.engines.buckets import parse_sizes
 
     engine_options = _check_engine_options(engine_options)
 

@@ -146,7 +146,7 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def format_memory(m: dict[str, Any]) -> list[str]:
-    """Lines for the ``memory`` part of the summary (``runtime.residency.memory_summary``)."""
+    """Lines for the ``memory`` part of the summary (``runtime.memory.residency.memory_summary``)."""
     mib = 2**20
     lines = [f"memory     per engine at opt {m['shapes']['opt']} / max {m['shapes']['max']} (batch x height x width); "
              f"facts: {m['facts']}"]

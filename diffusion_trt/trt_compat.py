@@ -1,6 +1,6 @@
 """TensorRT compatibility rules, as pure functions over versions, compute capabilities and bytes.
 
-Shared by the builder (``compiler/build_trt.py``) and the runtime (``runtime/trt_engine.py``); neither
+Shared by the builder (``compiler/build_trt.py``) and the runtime (``runtime/engines/trt_engine.py``); neither
 ``tensorrt`` nor ``torch`` is imported at module level, so every rule here is unit-tested on a machine
 without a GPU. Callers read the facts (``tensorrt.__version__``, the GPU's compute capability) and pass
 them in.
@@ -90,7 +90,7 @@ class TrtLibrary:
     """What differs between full TensorRT and TensorRT for RTX: the one table the build and engine code read.
 
     Both libraries share the Python API (``Builder``, ``OnnxParser``, ``Runtime``, ``ICudaEngine``); the build
-    stage (``compiler/build_trt.py``) and the engine (``runtime/trt_engine.py``) take a :class:`TrtLibrary` and
+    stage (``compiler/build_trt.py``) and the engine (``runtime/engines/trt_engine.py``) take a :class:`TrtLibrary` and
     branch on its fields, never on the backend name.
 
     Attributes:

@@ -70,7 +70,7 @@ def test_frozen() -> None:
 
 
 def test_the_trt_engine_takes_the_typed_facts(tmp_path: Path) -> None:
-    from diffusion_trt.runtime.trt_engine import TrtEngine
+    from diffusion_trt.runtime.engines.trt_engine import TrtEngine
     from tests.runtime.test_trt_engine import UNET_ENTRY
 
     engine = TrtEngine(tmp_path / "model.plan", UNET_ENTRY, name="unet", build=BuildFacts.from_json(FACTS),

@@ -30,7 +30,7 @@ from diffusion_trt import artifacts
 from diffusion_trt.cli import main
 from diffusion_trt.errors import ArtifactError, RuntimeInputError
 from diffusion_trt.runtime import EnginePipeline
-from diffusion_trt.runtime import ort_engine as ort_engine_module
+from diffusion_trt.runtime.engines import ort_engine as ort_engine_module
 from diffusion_trt.verify import verify_artifact
 
 

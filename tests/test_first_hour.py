@@ -46,7 +46,7 @@ def test_negative_prompt_truncation_is_named(caplog: pytest.LogCaptureFixture, t
     import torch
     from transformers import CLIPTokenizer
 
-    from diffusion_trt.runtime.denoise import tokenize
+    from diffusion_trt.runtime.text_embeddings import tokenize
 
     tok = CLIPTokenizer.from_pretrained(tiny_pipeline_dir / "tokenizer", local_files_only=True)
     long = "word " * 100

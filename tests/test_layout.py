@@ -12,6 +12,10 @@ LoRA state-dict conversions), ``diffusers.image_processor`` and ``diffusers.load
 key conversion: functions on dicts); ``from diffusers import X`` only for a scheduler (``X`` ends in "Scheduler")
 or ``VaeImageProcessor``. From transformers only tokenizers (``from transformers import X`` with ``X`` ending in
 "Tokenizer"/"TokenizerFast", or a ``transformers.models.*.tokenization_*`` module). Never peft.
+
+Inside the runtime no import circle: counting every import (module level, inside functions and under
+``TYPE_CHECKING``), no runtime module reaches itself again (the loop ``denoise`` imports the request and the modes;
+they import the prompt and latent helpers of ``text_embeddings`` and ``latents``, not the loop).
 """
 
 from __future__ import annotations
@@ -128,6 +132,44 @@ def test_runtime_imports_no_model_class() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def import_graph(part: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same ``part`` it imports (every import; ``from . import x`` counts as ``x``)."""
+    modules = {_module_name(path): path for path in _sources(part)}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for _, target, names in imports(path):
+            targets |= {t for t in (target, *(f"{target}.{n}" for n in names)) if t in modules and t != name}
+        graph[name] = targets
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: its strongly connected components of more than one module, sorted."""
+    reach = {m: _reachable(graph, m) for m in graph}
+    circles = {tuple(sorted(m2 for m2 in reach[m] if m in reach[m2])) for m in graph if m in reach[m]}
+    return sorted(list(c) for c in circles)
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = list(graph[start])
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph.get(m, ()))
+    return seen
+
+
+def test_runtime_has_no_import_circle() -> None:
+    graph = import_graph("runtime")
+    assert "diffusion_trt.runtime.denoise" in graph["diffusion_trt.runtime.pipeline"]  # the graph is read
+    circles = import_circles(graph)
+    assert not circles, "\n".join(" <-> ".join(m.removeprefix("diffusion_trt.runtime.") for m in c) for c in circles)
+
+
 def test_the_rules_catch_what_they_forbid(tmp_path: Path) -> None:
     """The checks above are not vacuous: each forbidden import is reported."""
     assert _runtime_problem("diffusers", ["UNet2DConditionModel"])
@@ -142,6 +184,8 @@ def test_the_rules_catch_what_they_forbid(tmp_path: Path) -> None:
         "x.py:1 (runtime) imports diffusion_trt.compiler", "x.py:2 (runtime) imports diffusion_trt.cli",
         "x.py:4 (runtime) imports diffusion_trt.passes.base",
     ]
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
     assert "runtime" not in ALLOWED["passes"] and "compiler" not in ALLOWED["passes"]
     assert not any("cli" in allowed for allowed in ALLOWED.values())
 

@@ -19,7 +19,7 @@ import torch
 
 from diffusion_trt import trt_compat
 from diffusion_trt.errors import ArtifactError
-from diffusion_trt.runtime.trt_engine import TrtEngine
+from diffusion_trt.runtime.engines.trt_engine import TrtEngine
 
 #: y[B,4] = x + x; the manifest entry of a component with that I/O
 ENTRY: dict[str, Any] = {

@@ -28,7 +28,8 @@ What is measured, per (system, batch size):
   anything else on the device; process-wide, so later systems include what earlier ones left cached);
 * peak memory per stage (ours, ours_vram_budget): ``stage_memory_mb`` {"text", "unet", "vae"}: the device's used
   memory (``cudaMemGetInfo``) sampled after every engine open and run and every 2 ms in a thread during one extra,
-  untimed call (:class:`~diffusion_trt.runtime.memory_meter.StageMemoryMeter`); whole device, CUDA context included.
+  untimed call (:class:`~diffusion_trt.runtime.memory.memory_meter.StageMemoryMeter`);
+  whole device, CUDA context included.
 
 NVTX ranges (``bench <system> b=<n> <what>``, and the runtime's own ``text_encoder``/``unet``/``scheduler``/
 ``vae_decode`` ranges) make every stage visible in Nsight Systems.

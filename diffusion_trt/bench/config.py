@@ -58,8 +58,8 @@ class BenchConfig:
     size_buckets: str | None = None
 
     def __post_init__(self) -> None:
-        from ..runtime.buckets import parse_size_buckets
-        from ..runtime.ort_engine import CONV_ALGO_SEARCH
+        from ..runtime.engines.buckets import parse_size_buckets
+        from ..runtime.engines.ort_engine import CONV_ALGO_SEARCH
 
         if self.cudnn_conv_algo_search not in CONV_ALGO_SEARCH:
             raise RuntimeInputError(

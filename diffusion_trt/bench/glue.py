@@ -21,7 +21,7 @@ class _DtypeOnly:
 
 
 class _Spec:
-    """The part of an :class:`~diffusion_trt.runtime.engine.EngineSpec` the loop reads: the sample's dtype."""
+    """The part of an :class:`~diffusion_trt.runtime.engines.engine.EngineSpec` the loop reads: the sample's dtype."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self._info = _DtypeOnly(dtype)

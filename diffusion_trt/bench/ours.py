@@ -23,7 +23,7 @@ from .result import Run, finish_e2e
 
 def bench_ours(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: int, width: int) -> Run:
     """Stages and end to end of one :class:`EnginePipeline` at ``batch`` images per call."""
-    from ..runtime import denoise
+    from ..runtime import text_embeddings
     from ..runtime.batching import plan_chunks
 
     run = Run("ours", batch, height=height, width=width)
@@ -35,8 +35,8 @@ def bench_ours(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: in
     n, warm = cfg.stage_iters, max(1, cfg.warmup)
     with nvtx(f"bench ours b={batch} stages", device):
         time_stage(run, clock, "text_encoder",
-                   lambda: denoise.encode_prompt(te, pipe.tokenizer, [cfg.prompt], [cfg.negative_prompt], 1,
-                                                 text_dtype), n, warm)
+                   lambda: text_embeddings.encode_prompt(te, pipe.tokenizer, [cfg.prompt], [cfg.negative_prompt], 1,
+                                                         text_dtype), n, warm)
         time_stage(run, clock, "unet_step", lambda: unet.run(feeds), n, warm)
         time_stage(run, clock, "vae_decode", lambda: vae.run({"latent_sample": z}), n, warm)
         run.stages_ms["scheduler_glue"] = glue_ms(
@@ -77,9 +77,9 @@ def _stage_inputs(pipe: Any, seed: int, chunk: int, height: int, width: int
 
 
 def stage_memory(pipe: Any, cfg: BenchConfig, batch: int, height: int, width: int) -> dict[str, float | None]:
-    """Peak device MiB per stage of one untimed call (:class:`~diffusion_trt.runtime.memory_meter.StageMemoryMeter`);
-    ``None`` values off CUDA."""
-    from ..runtime.memory_meter import StageMemoryMeter
+    """Peak device MiB per stage of one untimed call
+    (:class:`~diffusion_trt.runtime.memory.memory_meter.StageMemoryMeter`); ``None`` values off CUDA."""
+    from ..runtime.memory.memory_meter import StageMemoryMeter
 
     meter = StageMemoryMeter(pipe.device)
     with meter.watch(pipe.engines):

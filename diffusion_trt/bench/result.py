@@ -14,7 +14,7 @@ from .clock import spread
 
 SCHEMA = "diffusion-trt/bench/1"
 SYSTEMS: tuple[str, ...] = ("ours", "ours_multi_gpu", "ours_vram_budget", "diffusers_eager", "diffusers_cuda_graph")
-#: Stages of the per-stage peak memory (``stage_memory_mb``), see :mod:`diffusion_trt.runtime.memory_meter`.
+#: Stages of the per-stage peak memory (``stage_memory_mb``), see :mod:`diffusion_trt.runtime.memory.memory_meter`.
 MEMORY_STAGES: tuple[str, ...] = ("text", "unet", "vae")
 STAGES: tuple[str, ...] = ("text_encoder", "unet_step", "vae_decode", "scheduler_glue")
 

@@ -7,7 +7,7 @@
                       captured after the last step: latents / scaling_factor              -> VAE decoder feeds
 
 Which pipeline runs: the fp32 **torch** modules the compiler has already loaded (text encoder, UNet, VAE)
-driven by the runtime's own loop, :func:`diffusion_trt.runtime.denoise.denoise_latents` (with its ``tokenize``,
+driven by the runtime's own loop, :func:`diffusion_trt.runtime.denoise.denoise_latents` (with ``tokenize``,
 ``prepare_latents`` and ``step_kwargs``, diffusers' scheduler from the model folder), i.e. diffusers'
 ``StableDiffusionPipeline`` step for step. The UNet reaches that loop through :class:`UNetFnEngine`, an engine
 adapter that also records the UNet's inputs at the captured steps. This is the one import the layout allows in
@@ -178,9 +178,9 @@ def ort_unet_fn(session: Any) -> UNetFn:
 
 
 class UNetFnEngine:
-    """A :class:`~diffusion_trt.runtime.engine.Engine` over a :data:`UNetFn` (a torch module or an ORT session), so the
-    runtime's own loop (:func:`~diffusion_trt.runtime.denoise.denoise_latents`) can denoise with it, and the recorder
-    of what that loop feeds the UNet at the captured steps.
+    """A :class:`~diffusion_trt.runtime.engines.engine.Engine` over a :data:`UNetFn` (a torch module or an ORT
+    session), so the runtime's own loop (:func:`~diffusion_trt.runtime.denoise.denoise_latents`) can denoise with
+    it, and the recorder of what that loop feeds the UNet at the captured steps.
 
     Each prompt of a group gets its own feeds, in prompt order: with CFG the loop's UNet batch is
     ``[negative x g; positive x g]``, so prompt ``j``'s rows are ``j`` and ``g + j`` (``[negative; positive]``, the
@@ -197,7 +197,7 @@ class UNetFnEngine:
 
     def __init__(self, unet_fn: UNetFn, channels: int, wanted: set[int], group: int, *, keep_outputs: bool = False,
                  on_capture: Callable[[], None] | None = None) -> None:
-        from ..runtime.engine import EngineSpec, TensorInfo
+        from ..runtime.engines.engine import EngineSpec, TensorInfo
 
         def info(name: str, shape: tuple[int | str, ...]) -> TensorInfo:  # no profile bound: any batch or size
             return TensorInfo(name, "float32", shape, tuple(1 for _ in shape), tuple(2**31 - 1 for _ in shape))
@@ -265,7 +265,7 @@ class Generation:
         self.vae_scale_factor = vae_scale_factor
 
     def _embeddings(self, prompt: str, do_cfg: bool) -> torch.Tensor:
-        from ..runtime.denoise import tokenize
+        from ..runtime.text_embeddings import tokenize
 
         ids = tokenize(self.tokenizer, ["", prompt] if do_cfg else [prompt], torch.device("cpu"))
         with torch.no_grad():
@@ -342,7 +342,8 @@ class Generation:
     ) -> tuple[torch.Tensor, UNetFnEngine, int]:
         """The prompts ``group`` (prompt ``first + j`` seeded ``seed + first + j``) denoised together by the
         runtime's loop; returns (final latents [g, C, h, w], the UNet adapter with its captured feeds, UNet calls)."""
-        from ..runtime.denoise import denoise_latents, host_timesteps, prepare_latents, step_kwargs
+        from ..runtime.denoise import denoise_latents, host_timesteps, step_kwargs
+        from ..runtime.latents import prepare_latents
         from ..runtime.schedulers import make_scheduler
 
         do_cfg = settings.guidance_scale > 1.0

@@ -12,13 +12,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .denoise import EmbeddingCache
-    from .engine import Engine, EngineSpec
-    from .ort_engine import OrtEngine
+    from .engines.engine import Engine, EngineSpec
+    from .engines.ort_engine import OrtEngine
     from .parallel import DataParallelPipeline, parse_devices
     from .pipeline import EnginePipeline, EnginePipelineOutput
     from .png import read_png_parameters, save_png
     from .schedulers import SCHEDULERS, scheduler_names
+    from .text_embeddings import EmbeddingCache
 
 __all__ = [
     "SCHEDULERS",
@@ -36,12 +36,12 @@ __all__ = [
 ]
 
 _WHERE = {
-    "Engine": "engine",
-    "EngineSpec": "engine",
-    "OrtEngine": "ort_engine",
+    "Engine": "engines.engine",
+    "EngineSpec": "engines.engine",
+    "OrtEngine": "engines.ort_engine",
     "DataParallelPipeline": "parallel",
     "parse_devices": "parallel",
-    "EmbeddingCache": "denoise",
+    "EmbeddingCache": "text_embeddings",
     "EnginePipeline": "pipeline",
     "EnginePipelineOutput": "pipeline",
     "read_png_parameters": "png",

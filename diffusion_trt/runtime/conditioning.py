@@ -22,8 +22,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .denoise import EmbeddingCache, Generator, encode_prompt_embeds, prepare_latents
-from .engine import Engine
+from .engines.engine import Engine
+from .latents import Generator, prepare_latents
+from .text_embeddings import EmbeddingCache, encode_prompt_embeds
 
 
 class AddedInputs(Protocol):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import RuntimeInputError
-from .engine import Engine
+from .engines.engine import Engine
 from .image_inputs import image_rows_and_size
 
 logger = logging.getLogger(__name__)

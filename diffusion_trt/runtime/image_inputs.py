@@ -39,8 +39,8 @@ import torch
 from ..config import MAX_IMAGE_SIZE
 from ..errors import RuntimeInputError
 from .conditioning import PreparedLatents, TextToImage
-from .denoise import Generator, _run_rows
-from .engine import Engine
+from .engines.engine import Engine, run_rows
+from .latents import Generator
 
 if TYPE_CHECKING:
     from .geometry import LatentGeometry
@@ -364,7 +364,7 @@ def encode_image_latents(
 
     device = vae_encoder.device
     info = vae_encoder.spec.input("sample")
-    params = _run_rows(vae_encoder, "sample", images.to(device=device, dtype=info.torch_dtype), "latent_parameters")
+    params = run_rows(vae_encoder, "sample", images.to(device=device, dtype=info.torch_dtype), "latent_parameters")
     mean, logvar = params.to(dtype).chunk(2, dim=1)
     std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
     if isinstance(generator, list):

@@ -13,7 +13,7 @@ a capturing one, inside one ``run``), so the first image replays from its first 
 ``cudaStreamCaptureModeGlobal``: a ``cudaMalloc`` or copy from any other thread during the capture breaks it
 ("operation not permitted when stream is capturing", seen on the H200 when the warm-ups ran unguarded). So each
 warm-up, and every CUDA session creation (which allocates and copies weights), holds
-:data:`~.ort_engine.CAPTURE_LOCK`: reading and hashing still overlap everything, the GPU steps take turns.
+:data:`~.engines.ort_engine.CAPTURE_LOCK`: reading and hashing still overlap everything, the GPU steps take turns.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from types import TracebackType
 
 import torch
 
-from .engine import Engine
+from .engines.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def warm_up(engine: Engine) -> bool:
     """
     if engine.device.type != "cuda" or not is_static(engine):
         return False
-    from .ort_engine import CAPTURE_LOCK
+    from .engines.ort_engine import CAPTURE_LOCK
 
     with CAPTURE_LOCK:  # the feeds' allocation too: another engine may be capturing
         feeds = {info.name: torch.zeros(tuple(info.min), dtype=info.torch_dtype, device=engine.device)

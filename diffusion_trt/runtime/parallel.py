@@ -34,7 +34,7 @@ import torch
 
 from ..errors import RuntimeInputError
 from .batching import per_image, split_across
-from .host_memory import check_host_memory
+from .memory.host_memory import check_host_memory
 from .pipeline import EnginePipeline, EnginePipelineOutput
 from .request import negative_list, prompt_list
 
@@ -128,7 +128,7 @@ class DataParallelPipeline:
         self._threads = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diffusion-trt-device{k}")
                          for k in range(len(self.pipes))]
         self._closed = False
-        # size-bucket engines (runtime/buckets.py) capture lazily: warm their default size up one device at a time too
+        # size-bucket engines (engines/buckets.py) capture lazily: warm their default size up one device at a time too
         uses_graphs = any(getattr(e, "cuda_graph", False) or hasattr(e, "specialised_shapes")
                           for p in self.pipes for e in p.engines.values())
         if warm_up if warm_up is not None else uses_graphs:

@@ -39,22 +39,23 @@ from ..artifacts import safe_join
 from ..config import ShapeProfile
 from ..errors import ArtifactError, LoraError, RuntimeInputError
 from . import denoise
-from .buckets import SizeBuckets, bucket_engines, parse_size_buckets
 from .call_guard import CallGuard, one_call_at_a_time
 from .controlnet import DEFAULT_CONTROL_SCALE, ControlPlan, control_components, control_plan
 from .cuda import HostBuffers
-from .denoise import EmbeddingCache, Generator, StepCallback
 from .determinism import compile_time_note, deterministic_torch
-from .engine import Engine
+from .engines.buckets import SizeBuckets, bucket_engines, parse_size_buckets
+from .engines.engine import Engine
 from .geometry import LatentGeometry
 from .image_inputs import ImageRequest
+from .latents import Generator, StepCallback
 from .loading import OpenTogether
 from .lora_slots import apply_loras, load_slots, lora_list
+from .memory.residency import Residency
 from .png import save_png
 from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text
-from .residency import Residency
 from .schedulers import import_scheduler_class, make_scheduler, scheduler_for, short_name
 from .sdxl import SDXL_COMPONENTS
+from .text_embeddings import EmbeddingCache
 from .tokenizer import load_tokenizer
 
 __all__ = ["OUTPUT_TYPES", "SDXL_ARGUMENTS", "EnginePipeline", "EnginePipelineOutput", "LoadOptions", "check_text",
@@ -148,7 +149,7 @@ class EnginePipeline:
 
     Attributes:
         residency: with a VRAM budget (``from_artifacts(vram_budget=...)``), the plan in force and the engines it
-            opens per stage (:class:`~diffusion_trt.runtime.residency.Residency`); ``None`` = all resident.
+            opens per stage (:class:`~diffusion_trt.runtime.memory.residency.Residency`); ``None`` = all resident.
         request_spec: what a call may ask (profile, :class:`~.geometry.LatentGeometry`, architecture).
 
     Raises:
@@ -212,7 +213,7 @@ class EnginePipeline:
         #: SDXL: negative_prompt=None gives zero negative embeddings (model_index.json force_zeros_for_empty_prompt)
         self.request_spec = RequestSpec(self.profile, self.geometry, self.architecture,
                                         bool(model.get("force_zeros_for_empty_prompt", True)))
-        #: negative-prompt embeddings, per (text, engine): most requests share "" (see denoise.EmbeddingCache)
+        #: negative-prompt embeddings, per (text, engine): most requests share "" (see text_embeddings.EmbeddingCache)
         self.embedding_cache = EmbeddingCache(maxsize=8)
         #: the LoRA :meth:`load_lora` refitted (``{"file", "sha256", "scale"}``), ``None`` = the compiled weights
         self.lora: dict[str, Any] | None = None
@@ -345,7 +346,7 @@ class EnginePipeline:
         _check_device_id(device, options.device_id)
         residency = None
         if options.vram_budget is not None:  # refused here, before anything opens
-            from .residency import plan_for_request
+            from .memory.residency import plan_for_request
 
             residency = plan_for_request(options.vram_budget, manifest, root, txt2img_components(manifest),
                                          options.vram_request, options.memory_facts)
@@ -813,8 +814,8 @@ class LoadOptions:
         scheduler: short scheduler name ("euler_a", "dpm++"...); ``None`` = the model's own.
         device_id: CUDA device ordinal.
         cudnn_conv_algo_search, intra_op_num_threads, io_binding, provider_options: passed to
-            :class:`~diffusion_trt.runtime.ort_engine.OrtEngine` (ignored for TensorRT artifacts, which run on
-            CUDA only, through :class:`~diffusion_trt.runtime.trt_engine.TrtEngine`).
+            :class:`~diffusion_trt.runtime.engines.ort_engine.OrtEngine` (ignored for TensorRT artifacts, which run on
+            CUDA only, through :class:`~diffusion_trt.runtime.engines.trt_engine.TrtEngine`).
         cuda_graph: replay each engine as a CUDA graph (ORT: ``enable_cuda_graph`` with engine-owned input
             buffers; TensorRT: captured enqueues). ``None`` = on for CUDA artifacts with a static profile
             (ORT) and for every TensorRT artifact; ``True`` where it cannot work falls back to eager runs
@@ -822,23 +823,24 @@ class LoadOptions:
         runtime_cache_dir: TensorRT-RTX: the folder of this artifact's runtime-cache files (kernels compiled for
             this GPU on first load, read on later loads); ``None`` =
             ``$XDG_CACHE_HOME/diffusion-trt/runtime-cache/<manifest_sha256[:16]>`` (see
-            :mod:`~diffusion_trt.runtime.runtime_cache`). Never inside the (sealed) artifact folder.
+            :mod:`~diffusion_trt.runtime.engines.runtime_cache`). Never inside the (sealed) artifact folder.
         vram_budget: device memory the pipeline may use: bytes or a size string ("8GB", "8GiB", "7.5G",
             "8000MB"); the engines are then opened per stage or kept resident as the plan of
-            :mod:`~diffusion_trt.runtime.residency` decides, ORT arenas are capped to it and large images are
+            :mod:`~diffusion_trt.runtime.memory.residency` decides, ORT arenas are capped to it and large images are
             decoded in VAE tiles. ``None`` = no budget (every engine resident, as before).
         vram_request: (height, width, batch) the budget is checked against now; default the artifact's default
             size, batch 1. Every call is checked again for its own size and batch.
-        memory_facts: a measured memory facts file (:func:`~diffusion_trt.runtime.memory.load_memory_facts`);
+        memory_facts: a measured memory facts file (:func:`~diffusion_trt.runtime.memory.plan.load_memory_facts`);
             default the one recorded for this artifact, if any, else estimates.
         deterministic: ORT's ``use_deterministic_compute`` on every session and torch's deterministic algorithms
             in the loop (see :mod:`~diffusion_trt.runtime.determinism` for what it cannot fix).
         size_buckets: ORT artifacts with a dynamic profile: serve the UNet and the VAE decoder from static
-            sessions specialised per shape (see :mod:`~diffusion_trt.runtime.buckets`): ``"auto"`` (any size, up
+            sessions specialised per shape (see :mod:`~diffusion_trt.runtime.engines.buckets`): ``"auto"`` (any size, up
             to 4 shapes), a list of sizes (``"512x512,768x768"`` or ``[(512, 512)]``; opened now at the opt
             batch), or ``None`` (off). Ignored, with a warning, for static and TensorRT artifacts.
         graph_optimization_level: ONNX Runtime artifacts: the graph optimisation each session makes when it is created
-            ("disable", "basic", "extended", "all"; see :data:`~diffusion_trt.runtime.ort_engine.OPTIMIZATION_LEVELS`).
+            ("disable", "basic", "extended", "all"; see
+            :data:`~diffusion_trt.runtime.engines.ort_engine.OPTIMIZATION_LEVELS`).
     """
 
     device: str | None = None
@@ -864,7 +866,7 @@ class LoadOptions:
         Raises:
             RuntimeInputError: naming the option, the value and what it takes.
         """
-        from .ort_engine import CONV_ALGO_SEARCH
+        from .engines.ort_engine import CONV_ALGO_SEARCH
 
         search = self.cudnn_conv_algo_search
         if not isinstance(search, str) or search.upper() not in CONV_ALGO_SEARCH:
@@ -877,7 +879,7 @@ class LoadOptions:
                                     "default) or None")
         if not isinstance(self.deterministic, bool):
             raise RuntimeInputError(f"deterministic={self.deterministic!r} must be True or False")
-        from .ort_engine import OPTIMIZATION_LEVELS
+        from .engines.ort_engine import OPTIMIZATION_LEVELS
 
         if self.graph_optimization_level not in OPTIMIZATION_LEVELS:
             raise RuntimeInputError(f"graph_optimization_level={self.graph_optimization_level!r} is unknown; use one "
@@ -1096,7 +1098,7 @@ def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stre
                  derived: Mapping[str, tuple[str, int]], cuda_graph: bool,
                  residency: Residency | None, weight_slots: Mapping[str, Any]) -> dict[str, Engine]:
     """The ONNX Runtime engines of a verified artifact, with the CUDA provider options of each component."""
-    from .ort_engine import OrtEngine
+    from .engines.ort_engine import OrtEngine
 
     root, manifest = reader.root, reader.manifest
     engines: dict[str, Engine] = {}
@@ -1138,8 +1140,8 @@ def _trt_engines(
     """The TensorRT engines of a verified artifact (full TensorRT or TensorRT-RTX, by ``manifest["backend"]``),
     sharing one activation allocation (they run in sequence); ``weight_streaming``: per component, bytes of
     streamable weights kept on the device (a VRAM budget's plan)."""
-    from .runtime_cache import runtime_cache_path
-    from .trt_engine import SharedActivationMemory, TrtEngine
+    from .engines.runtime_cache import runtime_cache_path
+    from .engines.trt_engine import SharedActivationMemory, TrtEngine
 
     root, manifest = reader.root, reader.manifest
     backend = str(manifest["backend"])

@@ -28,10 +28,10 @@ from ..config import ShapeProfile
 from ..errors import RuntimeInputError
 from .batching import plan_chunks
 from .conditioning import Conditioning, TextToImage
-from .denoise import Generator, StepCallback
-from .engine import Engine
+from .engines.engine import Engine
 from .geometry import LatentGeometry
-from .host_memory import check_host_memory
+from .latents import Generator, StepCallback
+from .memory.host_memory import check_host_memory
 from .prompt_syntax import SYNTAXES
 
 OUTPUT_TYPES: tuple[str, ...] = ("pil", "np", "pt", "latent")
@@ -167,7 +167,7 @@ class Request:
         Raises:
             RuntimeInputError: the first argument the engines cannot honour; the message names the value and the fix.
                 A batch whose latents and output images need more host memory than is available is refused here
-                (:func:`~.host_memory.check_host_memory`), before anything is drawn.
+                (:func:`~.memory.host_memory.check_host_memory`), before anything is drawn.
         """
         skip = _check_clip_skip(spec, engines, clip_skip)
         embeds = _check_prompt_embeds(spec, engines, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)
@@ -211,7 +211,8 @@ class Request:
 
             conditioning = sdxl_conditioning(
                 prompts, negatives, negative_prompt, height, width, engines["text_encoder_2"], tokenizer_2,
-                zero_negative=negative_prompt is None and spec.force_zeros_for_empty_prompt, **sdxl)
+                zero_negative=negative_prompt is None and spec.force_zeros_for_empty_prompt,
+                **_second_texts(sdxl, len(prompts)))
         given = {"prompt": prompt if isinstance(prompt, str) or embeds is not None else list(prompts),
                  "negative_prompt": negative_prompt if negative_prompt is None or isinstance(negative_prompt, str)
                  else list(negatives),
@@ -227,6 +228,13 @@ class Request:
 SDXL_ARGUMENTS: tuple[str, ...] = ("prompt_2", "negative_prompt_2", "original_size", "crops_coords_top_left",
                                    "target_size", "negative_original_size", "negative_crops_coords_top_left",
                                    "negative_target_size")
+
+
+def _second_texts(sdxl: Mapping[str, Any], n: int) -> dict[str, Any]:
+    """The SDXL arguments with ``prompt_2`` and ``negative_prompt_2``, where given, as checked lists of ``n`` texts
+    (:func:`per_prompt`; raises its :class:`RuntimeInputError`)."""
+    texts = {k: per_prompt(k, sdxl[k], n) for k in ("prompt_2", "negative_prompt_2") if sdxl.get(k) is not None}
+    return {**sdxl, **texts}
 
 
 def _sdxl_given(spec: RequestSpec, sdxl: Mapping[str, Any], has_image: bool) -> dict[str, Any]:

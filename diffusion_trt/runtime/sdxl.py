@@ -36,10 +36,9 @@ import torch
 from ..errors import RuntimeInputError
 from .conditioning import TextToImage
 from .cuda import nvtx_range
-from .denoise import EmbeddingCache, tokenize
-from .engine import Engine
+from .engines.engine import Engine
 from .prompt_encoding import PromptReader
-from .request import per_prompt
+from .text_embeddings import EmbeddingCache, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +88,8 @@ def sdxl_conditioning(
     tokenizer_2: Any,
     *,
     zero_negative: bool,
-    prompt_2: Any = None,
-    negative_prompt_2: Any = None,
+    prompt_2: Sequence[str] | None = None,
+    negative_prompt_2: Sequence[str] | None = None,
     original_size: Any = None,
     crops_coords_top_left: Any = (0, 0),
     target_size: Any = None,
@@ -106,16 +105,15 @@ def sdxl_conditioning(
         height, width: the output size in pixels (the default original and target sizes).
         zero_negative: negative embeddings are zeros (``negative_prompt is None`` and the model's
             ``force_zeros_for_empty_prompt``).
-        prompt_2 ... negative_target_size: as :meth:`~.pipeline.EnginePipeline.__call__`.
+        prompt_2, negative_prompt_2: the P checked second-encoder texts (the request checks them, see
+            :func:`~.request.per_prompt`), or ``None``: the prompts / negative prompts.
+        original_size ... negative_target_size: as :meth:`~.pipeline.EnginePipeline.__call__`.
 
     Raises:
-        RuntimeInputError: ``prompt_2`` / ``negative_prompt_2`` of another length than the prompts, or a size or
-            crop that is not a pair of integers.
+        RuntimeInputError: a size or crop that is not a pair of integers.
     """
-    n = len(prompts)
-    prompts_2 = list(prompts) if prompt_2 is None else per_prompt("prompt_2", prompt_2, n)
-    negatives_2 = list(negatives) if negative_prompt_2 is None else per_prompt("negative_prompt_2", negative_prompt_2,
-                                                                                n)
+    prompts_2 = list(prompts) if prompt_2 is None else list(prompt_2)
+    negatives_2 = list(negatives) if negative_prompt_2 is None else list(negative_prompt_2)
     time_ids = add_time_ids(original_size or (height, width), crops_coords_top_left, target_size or (height, width))
     negative_time_ids = time_ids
     if negative_original_size is not None and negative_target_size is not None:

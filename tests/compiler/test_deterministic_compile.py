@@ -1,6 +1,6 @@
 """compile --deterministic (issue 19): ORT CUDA artifacts keep GroupNorm unfused, and the runtime says when an
 artifact lacks it. Checked here on the CPU (the graphs and the manifest); that the unfused norms are run-to-run
-identical on a GPU was measured on an H200 (benchmarks/norm_probe.py, benchmarks/gpu_session6.sh)."""
+identical on a GPU was measured on an H200 (benchmarks/norm_probe.py, benchmarks/gpu_determinism.sh)."""
 
 from __future__ import annotations
 

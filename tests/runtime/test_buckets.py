@@ -1,4 +1,4 @@
-"""Size buckets (runtime/buckets.py): static sessions specialised per shape for a dynamic-profile ORT artifact.
+"""Size buckets (runtime/engines/buckets.py): static sessions specialised per shape for a dynamic-profile ORT artifact.
 
 The toy artifact (hand-built graphs) checks selection, preloading, fallback, limits and that nothing is written; the
 compiled tiny pipeline checks that ORT really folds the shape arithmetic and that the images are the dynamic ones.
@@ -19,9 +19,9 @@ import torch
 from diffusion_trt.artifacts import read_manifest
 from diffusion_trt.errors import RuntimeInputError
 from diffusion_trt.runtime import EnginePipeline
-from diffusion_trt.runtime.buckets import BucketedEngine, SizeBuckets, parse_size_buckets, static_spec
-from diffusion_trt.runtime.engine import EngineSpec
-from diffusion_trt.runtime.ort_engine import OrtEngine
+from diffusion_trt.runtime.engines.buckets import BucketedEngine, SizeBuckets, parse_size_buckets, static_spec
+from diffusion_trt.runtime.engines.engine import EngineSpec
+from diffusion_trt.runtime.engines.ort_engine import OrtEngine
 
 FAST: dict[str, Any] = {"prompt": "a cat", "num_inference_steps": 2, "progress": False, "output_type": "np",
                         "seed": 3}

@@ -17,8 +17,8 @@ from transformers import CLIPTextModel, CLIPTokenizer
 from diffusion_trt.cli import main
 from diffusion_trt.errors import RuntimeInputError
 from diffusion_trt.runtime import EnginePipeline
-from diffusion_trt.runtime.denoise import encode_prompt_embeds
 from diffusion_trt.runtime.prompt_encoding import PromptReader
+from diffusion_trt.runtime.text_embeddings import encode_prompt_embeds
 
 
 @pytest.fixture(scope="module")

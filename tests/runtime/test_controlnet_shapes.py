@@ -9,7 +9,7 @@ import pytest
 from diffusion_trt.compiler.components import symbol_ranges
 from diffusion_trt.config import Range, ShapeProfile
 from diffusion_trt.errors import ArtifactError
-from diffusion_trt.runtime.engine import EngineSpec
+from diffusion_trt.runtime.engines.engine import EngineSpec
 
 
 def _t(name: str, shape: list[object]) -> dict[str, object]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from diffusion_trt.runtime import EnginePipeline
-from diffusion_trt.runtime.ort_engine import OrtEngine
+from diffusion_trt.runtime.engines.ort_engine import OrtEngine
 from tests.runtime.test_engine import ADD_SPEC, add_model, expected, feeds
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from diffusion_trt.runtime import EnginePipeline, denoise
-from diffusion_trt.runtime.ort_engine import OrtEngine
+from diffusion_trt.runtime.engines.ort_engine import OrtEngine
 from tests.runtime.test_engine import add_model, expected, feeds
 from tests.runtime.test_runtime_fast_paths import STATIC_SPEC
 

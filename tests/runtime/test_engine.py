@@ -13,8 +13,8 @@ import torch
 from onnx import helper
 
 from diffusion_trt.errors import ArtifactError, RuntimeInputError
-from diffusion_trt.runtime.engine import Engine, EngineSpec
-from diffusion_trt.runtime.ort_engine import OrtEngine, resolve_conv_algo_search
+from diffusion_trt.runtime.engines.engine import Engine, EngineSpec
+from diffusion_trt.runtime.engines.ort_engine import OrtEngine, resolve_conv_algo_search
 from tests.graphs import const, make_model, tensor_info
 
 
@@ -258,7 +258,7 @@ def test_constructor_rejects_bad_options(add_path: Path) -> None:
 def test_auto_conv_algo_search_follows_the_profile(add_path: Path) -> None:
     """AUTO (the default): EXHAUSTIVE for a static profile, HEURISTIC for a dynamic one, and a size-bucket variant
     (static spec) of a dynamic engine keeps the dynamic engine's choice; an explicit choice is kept as given."""
-    from diffusion_trt.runtime.buckets import static_spec
+    from diffusion_trt.runtime.engines.buckets import static_spec
 
     dynamic = OrtEngine(add_path, ADD_SPEC, device="cuda")
     static = static_spec(dynamic.spec, {"B2": 2, "h": 8, "w": 8})

@@ -19,8 +19,8 @@ from transformers import CLIPTextModel, CLIPTokenizer
 from diffusion_trt.cli import main
 from diffusion_trt.compiler.components import component_specs
 from diffusion_trt.runtime import EnginePipeline
-from diffusion_trt.runtime.denoise import encode_prompt_embeds
 from diffusion_trt.runtime.prompt_encoding import PromptReader
+from diffusion_trt.runtime.text_embeddings import encode_prompt_embeds
 
 from .prompt_reference import reference_states
 
@@ -103,7 +103,7 @@ def test_weights_keep_the_chunk_mean(pipe: EnginePipeline) -> None:
 
 def test_cached_negatives_of_different_lengths(pipe: EnginePipeline) -> None:
     """Negatives from the cache, of 1 and 2 chunks, padded again without a text-encoder run of their own."""
-    from diffusion_trt.runtime.denoise import EmbeddingCache
+    from diffusion_trt.runtime.text_embeddings import EmbeddingCache
 
     engines, cache = pipe.loop_engines(), EmbeddingCache()
     reader = PromptReader(engines.tokenizer, "a1111", 3)

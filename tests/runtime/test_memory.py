@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from diffusion_trt.errors import RuntimeInputError
-from diffusion_trt.runtime.memory import (
+from diffusion_trt.runtime.memory.plan import (
     EngineMemory,
     GiB,
     MiB,
@@ -117,7 +117,7 @@ class _FakeTrtEngine:
 
 def test_tensorrt_memory_facts_and_weight_streaming_budget() -> None:
     from diffusion_trt.errors import ArtifactError
-    from diffusion_trt.runtime.trt_memory import apply_weight_streaming, engine_memory_facts
+    from diffusion_trt.runtime.engines.trt_memory import apply_weight_streaming, engine_memory_facts
 
     engine = _FakeTrtEngine()
     apply_weight_streaming(engine, 2 * GiB, "unet")  # more than streamable: clamped to all of it

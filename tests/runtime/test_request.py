@@ -84,7 +84,7 @@ def test_build_refuses_with_the_value_and_the_fix(kwargs: dict, message: str) ->
 def test_build_refuses_a_batch_the_host_memory_cannot_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     """The latents are drawn for the whole call at once (parity with diffusers): a huge batch is refused here, with
     the bytes needed and available, not deep inside randn_tensor."""
-    from diffusion_trt.runtime import host_memory
+    from diffusion_trt.runtime.memory import host_memory
 
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 10 * 2**20)
     # per image at 64x48: latents 4 x 8 x 6 float32 = 768 B; 'pil' images 64 x 48 x 3 uint8, buffer + PIL copy
@@ -105,7 +105,7 @@ def test_build_refuses_a_batch_the_host_memory_cannot_hold(monkeypatch: pytest.M
 
 
 def test_available_host_bytes_reads_meminfo_and_the_cgroup_limit(tmp_path: Path) -> None:
-    from diffusion_trt.runtime import host_memory
+    from diffusion_trt.runtime.memory import host_memory
 
     available = host_memory.available_host_bytes()
     assert available is None or available > 0

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from diffusion_trt.cli import main
 from diffusion_trt.errors import RuntimeInputError
 from diffusion_trt.runtime import EnginePipeline
-from diffusion_trt.runtime.memory import GiB, MiB, facts_path, load_memory_facts, record_memory_facts
+from diffusion_trt.runtime.memory.plan import GiB, MiB, facts_path, load_memory_facts, record_memory_facts
 
 KW = {"num_inference_steps": 2, "seed": 0, "output_type": "np", "progress": False}
 
@@ -170,7 +170,7 @@ def test_inspect_shows_memory_per_engine_with_its_sources(tiny_artifact: Path, n
 def test_stage_memory_meter_off_cuda_reads_nothing() -> None:
     import torch
 
-    from diffusion_trt.runtime.memory_meter import StageMemoryMeter
+    from diffusion_trt.runtime.memory.memory_meter import StageMemoryMeter
 
     meter = StageMemoryMeter(torch.device("cpu"))
     engines: dict[str, object] = {"unet": object(), "vae_encoder": object()}

@@ -18,7 +18,7 @@ import pytest
 
 from diffusion_trt import trt_compat
 from diffusion_trt.compiler import build_trt
-from diffusion_trt.runtime import runtime_cache as rc
+from diffusion_trt.runtime.engines import runtime_cache as rc
 
 KEY = rc.RuntimeCacheKey("tensorrt-rtx", "1.7.1.116", "8.9", "NVIDIA GeForce RTX 4090")
 WHERE = "engine 'unet'"
@@ -39,7 +39,7 @@ def _load(path: Path, caplog: pytest.LogCaptureFixture) -> tuple[bytes | None, s
         except BaseException as e:  # noqa: BLE001 - reported by the assertion below
             out["error"] = e
 
-    with caplog.at_level(logging.INFO, logger="diffusion_trt.runtime.runtime_cache"):
+    with caplog.at_level(logging.INFO, logger="diffusion_trt.runtime.engines.runtime_cache"):
         thread = threading.Thread(target=target, daemon=True)
         thread.start()
         thread.join(20)
@@ -139,7 +139,7 @@ def test_an_oversized_cache_is_not_saved(tmp_path: Path, caplog: pytest.LogCaptu
     """What would not be read back is not written (a warning, as for a full disk)."""
     monkeypatch.setattr(rc, "MAX_RUNTIME_CACHE_BYTES", 1000)
     path = tmp_path / "unet.runtime-cache"
-    with caplog.at_level(logging.WARNING, logger="diffusion_trt.runtime.runtime_cache"):
+    with caplog.at_level(logging.WARNING, logger="diffusion_trt.runtime.engines.runtime_cache"):
         assert not rc.save_runtime_cache(path, KEY, b"k" * 1000, WHERE)
     assert "more than a cache file may hold (1000); not saved" in caplog.text and not path.exists()
     assert rc.save_runtime_cache(path, KEY, b"k" * 100, WHERE) and rc.load_runtime_cache(path, KEY, WHERE) == b"k" * 100

@@ -13,9 +13,9 @@ import torch
 
 from diffusion_trt.runtime import EnginePipeline
 from diffusion_trt.runtime.cuda import HostBuffers, images_float, images_uint8
-from diffusion_trt.runtime.denoise import EmbeddingCache
-from diffusion_trt.runtime.engine import EngineSpec
-from diffusion_trt.runtime.ort_engine import OrtEngine, cuda_graph_refusal
+from diffusion_trt.runtime.engines.engine import EngineSpec
+from diffusion_trt.runtime.engines.ort_engine import OrtEngine, cuda_graph_refusal
+from diffusion_trt.runtime.text_embeddings import EmbeddingCache
 from tests.runtime.test_engine import ADD_SPEC, _tensor, add_model, expected, feeds
 
 #: ADD_SPEC pinned to one shape: what a static artifact's manifest says

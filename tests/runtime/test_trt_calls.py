@@ -35,9 +35,9 @@ from diffusion_trt.compiler import build_trt
 from diffusion_trt.compiler.build_trt import TrtBuildConfig
 from diffusion_trt.config import CompileConfig
 from diffusion_trt.errors import ArtifactError, RuntimeInputError
-from diffusion_trt.runtime import runtime_cache as rc
-from diffusion_trt.runtime.trt_engine import SharedActivationMemory, TrtEngine
-from diffusion_trt.runtime.trt_memory import engine_memory_facts
+from diffusion_trt.runtime.engines import runtime_cache as rc
+from diffusion_trt.runtime.engines.trt_engine import SharedActivationMemory, TrtEngine
+from diffusion_trt.runtime.engines.trt_memory import engine_memory_facts
 from tests.graphs import make_model, tensor_info
 
 VERSION = "1.7.1.116"
@@ -365,7 +365,7 @@ def test_2_no_runtime_cache_from_the_library_is_a_warning_and_the_file_is_left_a
     assert rc.save_runtime_cache(cache, key, b"kernels of an earlier run", "engine 'unet'")
     before = cache.read_bytes()
     engine = FakeEngine(trt, no_cache=True)
-    with caplog.at_level(logging.WARNING, logger="diffusion_trt.runtime.trt_engine"):
+    with caplog.at_level(logging.WARNING, logger="diffusion_trt.runtime.engines.trt_engine"):
         with _on_fake(trt, tmp_path, monkeypatch, engine, runtime_cache=cache) as eng:
             assert eng.is_open and len(engine.contexts) == 2
             eng.run({"x": torch.ones(2, 4)})

@@ -25,8 +25,8 @@ from diffusion_trt.compiler.build_trt import TrtBuildConfig, profiles_from_input
 from diffusion_trt.compiler.components import component_specs, tensor_manifest
 from diffusion_trt.config import Range, ShapeProfile
 from diffusion_trt.errors import ArtifactError, RuntimeInputError
-from diffusion_trt.runtime.engine import Engine, EngineSpec
-from diffusion_trt.runtime.trt_engine import (
+from diffusion_trt.runtime.engines.engine import Engine, EngineSpec
+from diffusion_trt.runtime.engines.trt_engine import (
     RuntimeProfile,
     SharedActivationMemory,
     TrtEngine,
@@ -292,7 +292,7 @@ def _feeds(b: int, h: int, w: int, device: str, seed: int = 0) -> dict[str, torc
 def test_parity_with_the_ort_cpu_engine_through_warmup_capture_replay_and_shape_change(
     add_plan: tuple[Path, dict[str, Any]],
 ) -> None:
-    from diffusion_trt.runtime.ort_engine import OrtEngine
+    from diffusion_trt.runtime.engines.ort_engine import OrtEngine
 
     root, entry = add_plan
     with (
@@ -397,13 +397,13 @@ def test_tensorrt_is_imported_lazily() -> None:
     import sys
 
     import diffusion_trt.compiler.build_trt as build_trt
-    import diffusion_trt.runtime.trt_engine as trt_engine
+    import diffusion_trt.runtime.engines.trt_engine as trt_engine
 
     for module in (build_trt, trt_engine, trt_compat):
         tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
         top = {m for stmt in tree.body if isinstance(stmt, ast.Import | ast.ImportFrom) for m in _imports(stmt)}
         assert not any(m.split(".")[0] in ("tensorrt", "tensorrt_rtx_bindings") for m in top), module.__name__
-    code = ("import sys, diffusion_trt.compiler.build_trt, diffusion_trt.runtime.trt_engine; "
+    code = ("import sys, diffusion_trt.compiler.build_trt, diffusion_trt.runtime.engines.trt_engine; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt', 'tensorrt_rtx_bindings')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"

@@ -26,8 +26,8 @@ from click.testing import CliRunner
 from diffusion_trt import artifacts, trt_compat
 from diffusion_trt.cli import main
 from diffusion_trt.errors import ArtifactError, RuntimeInputError
-from diffusion_trt.runtime import runtime_cache as rc
-from diffusion_trt.runtime.trt_engine import RuntimeProfile, TrtEngine, rtx_cuda_graph_strategy
+from diffusion_trt.runtime.engines import runtime_cache as rc
+from diffusion_trt.runtime.engines.trt_engine import RuntimeProfile, TrtEngine, rtx_cuda_graph_strategy
 from diffusion_trt.trt_compat import TrtHost, check_host
 from diffusion_trt.verify import verify_artifact
 from tests.runtime.test_trt_engine import ADD_ENTRY, UNET_ENTRY, _add_model, _feeds
@@ -115,7 +115,7 @@ def test_a_corrupt_or_foreign_runtime_cache_is_ignored_with_a_warning(
 ) -> None:
     path = tmp_path / "unet.runtime-cache"
     path.write_bytes(damage(rc.pack_runtime_cache(KEY, b"kernels" * 100)))
-    with caplog.at_level(logging.WARNING, logger="diffusion_trt.runtime.runtime_cache"):
+    with caplog.at_level(logging.WARNING, logger="diffusion_trt.runtime.engines.runtime_cache"):
         assert rc.load_runtime_cache(path, KEY, "engine 'unet'") is None
     assert f"engine 'unet': ignoring the runtime cache {path}: " in caplog.text and reason in caplog.text
     assert "replaced on close" in caplog.text
@@ -126,7 +126,7 @@ def test_an_unwritable_runtime_cache_folder_is_a_warning_not_an_error(
 ) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("a file where the folder should be")
-    with caplog.at_level(logging.WARNING, logger="diffusion_trt.runtime.runtime_cache"):
+    with caplog.at_level(logging.WARNING, logger="diffusion_trt.runtime.engines.runtime_cache"):
         assert not rc.save_runtime_cache(blocker / "unet.runtime-cache", KEY, b"k", "engine 'unet'")
     assert "could not save the runtime cache" in caplog.text
 
@@ -348,7 +348,7 @@ def test_a_real_rtx_plan_from_the_build_stage_is_refused_on_9_0_before_deseriali
 
 @pytest.mark.tensorrt_rtx_gpu
 def test_rtx_engine_matches_ort_and_reuses_its_runtime_cache(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from diffusion_trt.runtime.ort_engine import OrtEngine
+    from diffusion_trt.runtime.engines.ort_engine import OrtEngine
 
     entry = build_rtx_plan(tmp_path, "current")
     cache = tmp_path / "rc" / entry["build"]["runtime_cache"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffusion_trt.runtime.vae_tiling import TiledVaeDecoder, axis_tiles, tiled_decode
+from diffusion_trt.runtime.memory.vae_tiling import TiledVaeDecoder, axis_tiles, tiled_decode
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def test_engine_tiled_decode_matches_diffusers_and_reports_seams(tiny_artifact: 
     the seams against the untiled engine decode are measured and reported."""
     import json
 
-    from diffusion_trt.runtime.ort_engine import OrtEngine
+    from diffusion_trt.runtime.engines.ort_engine import OrtEngine
 
     manifest = json.loads((tiny_artifact / "manifest.json").read_text())
     entry = manifest["components"]["vae_decoder"]

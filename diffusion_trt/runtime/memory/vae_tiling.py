@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from .engine import Engine, EngineProxy
+from ..engines.engine import Engine, EngineProxy
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,8 @@ def fits(engine: Engine, input_name: str, z_shape: Sequence[int], tiles_h: AxisT
 
 
 class TiledVaeDecoder(EngineProxy):
-    """An :class:`~.engine.Engine` over a VAE decoder engine that decodes latents larger than ``tile`` in tiles.
+    """An :class:`~..engines.engine.Engine` over a VAE decoder engine that decodes latents larger than ``tile`` in
+    tiles.
 
     ``run({"latent_sample": z})`` returns ``{"sample": image}`` like the engine; latents no larger than one tile
     (both sides <= ``tile``) go to the engine whole, as diffusers does. The layout is "diffusers" when every tile

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One nvidia-h200-x2 run for issues 3, 5 and 8 (third session): GPU 1 runs the SDXL job (benchmarks/gpu_sdxl.sh)
-# while GPU 0 runs the gpu-marked tests, compiles sd15 static fp16 512x512 artifacts (the default; packed Q/K/V with
-# `--pass-option pack_qkv=true` for the A/B; batch 4), times each component over ORT attention backends
-# (sdpa_kernel bits: 8 cuDNN flash, 4|32|64 = 100 TensorRT fused/flash/cross kernels, 16 unfused) next to diffusers
-# eager and ORT's own optimizer (numpy-1 child, NP1=folder), profiles the kernels, runs `bench` at batch 1 and 4,
-# then, once SDXL is done, `bench` at batch 8 over both GPUs with CUDA graphs.
-#   NP1=/tmp/np1 bash benchmarks/gpu_session3.sh RESULTS_DIR
+# Packed vs unpacked Q/K/V across ORT attention backends, on one nvidia-h200-x2 (issues 3, 5 and 8; first run in the
+# third session): GPU 1 runs the SDXL job (benchmarks/gpu_sdxl.sh) while GPU 0 runs the gpu-marked tests, compiles sd15
+# static fp16 512x512 artifacts (the default; packed Q/K/V with `--pass-option pack_qkv=true` for the A/B; batch 4),
+# times each component over ORT attention backends (sdpa_kernel bits: 8 cuDNN flash, 4|32|64 = 100 TensorRT
+# fused/flash/cross kernels, 16 unfused) next to diffusers eager and ORT's own optimizer (numpy-1 child, NP1=folder),
+# profiles the kernels, runs `bench` at batch 1 and 4, then, once SDXL is done, `bench` at batch 8 over both GPUs with
+# CUDA graphs.
+#   NP1=/tmp/np1 bash benchmarks/gpu_attention_qkv.sh RESULTS_DIR   (or: bash benchmarks/gpu_run.sh OUT attention-qkv)
 set -u
 res=${1:-/tmp/results}; mkdir -p "$res"
 export PYTHONUNBUFFERED=1

@@ -1,4 +1,4 @@
-"""ONNX Runtime implementation of the :class:`~diffusion_trt.runtime.engine.Engine` protocol.
+"""ONNX Runtime implementation of the :class:`~diffusion_trt.runtime.engines.engine.Engine` protocol.
 
 Two execution paths:
 
@@ -45,8 +45,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ..artifact_reader import OnnxBytes
-from ..errors import ArtifactError, RuntimeInputError
+from ...artifact_reader import OnnxBytes
+from ...errors import ArtifactError, RuntimeInputError
 from .engine import EngineBase, EngineSpec, _fmt_shape
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 #: Held while an engine runs its warm-up/capture calls in CUDA-graph mode (its buffers' allocations included) and
 #: while a CUDA session is created: ORT captures in ``cudaStreamCaptureModeGlobal``, where a ``cudaMalloc`` or copy
 #: from any other thread breaks the capture ("operation not permitted when stream is capturing"), and session
-#: creation allocates and copies the weights. Reentrant: :func:`~.loading.warm_up` holds it around a run.
+#: creation allocates and copies the weights. Reentrant: :func:`~..loading.warm_up` holds it around a run.
 CAPTURE_LOCK = threading.RLock()
 #: Calls before ORT replays a graph: one regular run (arena allocations), then the capturing run.
 _GRAPH_CAPTURE_RUNS = 2
@@ -152,7 +152,7 @@ class OrtEngine(EngineBase):
             file by name, so what was hashed is what runs. ``None`` = ONNX Runtime opens ``path`` itself.
         free_dimensions: fix symbolic dims of the graph (``{"B2": 2, "h": 64, "w": 64}``) through
             ``SessionOptions.add_free_dimension_override_by_name``: ORT's optimiser then folds the shape arithmetic
-            (see :mod:`~diffusion_trt.runtime.buckets`); ``spec`` should then be static at those values.
+            (see :mod:`~diffusion_trt.runtime.engines.buckets`); ``spec`` should then be static at those values.
         deterministic: ``SessionOptions.use_deterministic_compute`` (ORT's kernels that have a deterministic
             variant use it; see :mod:`~diffusion_trt.runtime.determinism` for what stays non-deterministic).
         graph_optimization_level: ONNX Runtime's optimisation at session creation, one of
@@ -246,7 +246,7 @@ class OrtEngine(EngineBase):
         self, spec: EngineSpec, *, free_dimensions: Mapping[str, int] | None = None, cuda_graph: bool | None = None
     ) -> OrtEngine:
         """A new, unopened engine of the same file and settings with another ``spec`` (and ``free_dimensions``,
-        ``cuda_graph``: ``None`` keeps this engine's request); used by :mod:`~diffusion_trt.runtime.buckets`."""
+        ``cuda_graph``: ``None`` keeps this engine's request); used by :mod:`~diffusion_trt.runtime.engines.buckets`."""
         return OrtEngine(
             self.path,
             spec,

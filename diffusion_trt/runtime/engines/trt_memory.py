@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..errors import ArtifactError
-from ..trt_compat import assign
+from ...errors import ArtifactError
+from ...trt_compat import assign
 
 logger = logging.getLogger(__name__)
 

@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from ..config import ShapeProfile
-from ..errors import RuntimeInputError
+from ...config import ShapeProfile
+from ...errors import RuntimeInputError
+from ..geometry import LatentGeometry
 from .engine import EngineBase, EngineSpec, TensorInfo
-from .geometry import LatentGeometry
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ The memory model (bytes, per stage s = text, unet, vae; "open(s)" = the resident
     peak(s) = overhead + sum(weights of open(s)) + activations(s)
     activations(s) = sum(activations of open(s))   ONNX Runtime: each session keeps its own arena after a run
                    = max(activations of all engines) TensorRT: one activation buffer shared by every engine
-                                                     (runtime/trt_engine.py SharedActivationMemory; it never shrinks)
+                                                     (engines/trt_engine.py SharedActivationMemory; it never shrinks)
 
 ``overhead`` is what the process holds before any engine opens: the CUDA context, cuDNN/cuBLAS handles and
 their workspaces, the latents and embeddings. :data:`DEFAULT_OVERHEAD_BYTES` is an ESTIMATE, not a measurement of
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import RuntimeInputError
+from ...errors import RuntimeInputError
 
 logger = logging.getLogger(__name__)
 

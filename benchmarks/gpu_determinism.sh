@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Sixth session, on the H200 (issue 19, determinism), one call after the wheels are installed:
-#   bash benchmarks/gpu_session6.sh "$OUT"
+# Determinism on one nvidia-h200 (issue 19; first run in the sixth session), one call after the wheels are installed:
+#   bash benchmarks/gpu_determinism.sh "$OUT"   (or: bash benchmarks/gpu_run.sh OUT determinism)
 # 1. benchmarks/norm_probe.py: one GroupNorm site fused vs unfused, run-to-run identity and time;
 # 2. the tiny pipeline compiled for ORT CUDA fp16 without and with --deterministic: two identical calls each
 #    (same seed, deterministic=True at run time), max abs difference of the images, and the UNet step time.

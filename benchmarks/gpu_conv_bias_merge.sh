@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The second nvidia-h200 run of the third session (issues 3 and 5): the gpu-marked pass tests (CUDA parity of the
-# new rewrites), sd15 static fp16 512x512 batch-1 artifacts with and without merge_conv_biases (A/B in one
-# process), component timings next to diffusers eager, a kernel profile of the UNet, `bench` at batch 1 (PNDM with
-# the diffusers baselines, DDIM without), and last ORT's own optimizer (numpy-1 child process, NP1=folder).
-#   NP1=/tmp/np1 bash benchmarks/gpu_session3b.sh RESULTS_DIR
+# merge_conv_biases on vs off, on one nvidia-h200 (issues 3 and 5; first run in the third session): the gpu-marked
+# pass tests (CUDA parity of the new rewrites), sd15 static fp16 512x512 batch-1 artifacts with and without
+# merge_conv_biases (A/B in one process), component timings next to diffusers eager, a kernel profile of the UNet,
+# `bench` at batch 1 (PNDM with the diffusers baselines, DDIM without), and last ORT's own optimizer (numpy-1 child
+# process, NP1=folder).
+#   NP1=/tmp/np1 bash benchmarks/gpu_conv_bias_merge.sh RESULTS_DIR  (or: bash benchmarks/gpu_run.sh OUT conv-bias-merge)
 set -u
 res=${1:-/tmp/results}; mkdir -p "$res"
 export PYTHONUNBUFFERED=1

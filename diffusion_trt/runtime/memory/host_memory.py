@@ -3,7 +3,7 @@
 A request's initial latents are drawn in one go, [B, C, h, w] with the caller's generator (what keeps the images
 equal to one diffusers call; runtime/batching.py), and its "pil" / "np" images land in one host buffer [B, H, W, 3]
 that is then copied out to the caller. A batch too large for the host is refused up front by
-:func:`check_host_memory` (called by :meth:`~.request.Request.build`), not deep inside ``randn_tensor`` after the
+:func:`check_host_memory` (called by :meth:`~..request.Request.build`), not deep inside ``randn_tensor`` after the
 engines loaded.
 
 The figure is a lower bound: only those allocations are counted (not the text embeddings, nor "pt" / "latent"
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import RuntimeInputError
-from .memory import fmt_bytes
+from ...errors import RuntimeInputError
+from .plan import fmt_bytes
 
 #: Bytes per pixel of the host output images: the buffer (uint8 "pil", float32 "np") and the caller's copy of it
 #: (the PIL images, or ``host.copy()``: the buffer is reused by the next call); none for "pt" / "latent".

@@ -27,8 +27,8 @@ from typing import Any, Protocol, Self, runtime_checkable
 import numpy as np
 import torch
 
-from ..config import IMAGE_ALIGNMENT
-from ..errors import ArtifactError, RuntimeInputError
+from ...config import IMAGE_ALIGNMENT
+from ...errors import ArtifactError, RuntimeInputError
 
 logger = logging.getLogger(__name__)
 
@@ -432,3 +432,22 @@ class EngineBase:
             RuntimeInputError: naming the tensor, its shape and the allowed range.
         """
         return self._spec.validate(feeds, self._device)
+
+
+def run_rows(engine: Engine, input_name: str, x: torch.Tensor, output_name: str) -> torch.Tensor:
+    """Run a row-independent engine on ``x`` [N, ...], padding or chunking N to the engine's batch range.
+
+    Returns a fresh tensor (never an engine buffer).
+    """
+    info = engine.spec.input(input_name)
+    lo, hi = info.min[0], info.max[0]
+    n = x.shape[0]
+    outs: list[torch.Tensor] = []
+    for start in range(0, n, hi):
+        chunk = x[start : start + hi]
+        rows = chunk.shape[0]
+        if rows < lo:  # e.g. one prompt without CFG on an engine built for batch >= 2
+            chunk = torch.cat([chunk, chunk[-1:].expand(lo - rows, *chunk.shape[1:])])
+        # clone: the engine overwrites its output buffer on the next chunk (and the next call)
+        outs.append(engine.run({input_name: chunk})[output_name][:rows].clone())
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The fifth session's GPU run on one nvidia-h200, in two back-to-back invocations (/tmp survives between them
-# only while the host is warm):
-#   PHASE=A bash benchmarks/gpu_session5.sh "$OUT"   # builds, batch-4 throughput (issue 19), CFG-8 kernel sweep,
-#                                                      # tiled 1024x1024 VAE decode (issue 18)
-#   PHASE=B bash benchmarks/gpu_session5.sh "$OUT"   # SDXL 1024 unbounded vs --vram-budget 8GB, SD-1.5 4GB with the
-#                                                      # estimates alone, batch-1 static regression check
+# Batch throughput and VRAM budgets on one nvidia-h200 (first run in the fifth session), in two back-to-back
+# invocations (/tmp survives between them only while the host is warm):
+#   PHASE=A bash benchmarks/gpu_throughput_budget.sh "$OUT"  # builds, batch-4 throughput (issue 19), CFG-8 kernel
+#                                                            # sweep, tiled 1024x1024 VAE decode (issue 18)
+#   PHASE=B bash benchmarks/gpu_throughput_budget.sh "$OUT"  # SDXL 1024 unbounded vs --vram-budget 8GB, SD-1.5 4GB
+#                                                            # with the estimates alone, batch-1 static regression
+# (or: bash benchmarks/gpu_run.sh OUT throughput vram-budget)
 # SD-1.5 / SDXL architectures with seeded random weights, fp16, ORT CUDA. Every step is bounded (benchmarks/gpu_lib.sh)
 # and recorded in steps.jsonl; a failed step costs only itself. Expects onnxruntime-gpu + diffusers importable
 # (shared/gpu-wheels install.sh; PYTHONPATH=/tmp/site:$PWD).
@@ -16,7 +17,7 @@ py=python3; nsteps=50
 export res py nsteps
 # shellcheck source=benchmarks/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
-exec > >(tee -a "$res/gpu_session5_${PHASE:-A}.log") 2>&1
+exec > >(tee -a "$res/gpu_throughput_budget_${PHASE:-A}.log") 2>&1
 cli=("$py" -m diffusion_trt.cli)
 static() { echo "--height $1 --width $1 --min-height $1 --max-height $1 --min-width $1 --max-width $1 --batch-size $2 --min-batch-size $2 --max-batch-size $2"; }
 

@@ -1,4 +1,4 @@
-"""Running a pipeline inside a VRAM budget: the facts of an artifact's engines, the plan (:mod:`.memory`), and the
+"""Running a pipeline inside a VRAM budget: the facts of an artifact's engines, the plan (:mod:`.plan`), and the
 engines opened per stage and released.
 
 ``EnginePipeline.from_artifacts(..., vram_budget="8GB")`` builds a :class:`VramBudget` from the manifest, plans for
@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from ..artifacts import safe_join
-from .engine import Engine, EngineProxy
-from .geometry import LatentGeometry
-from .memory import (
+from ...artifacts import safe_join
+from ..engines.engine import Engine, EngineProxy
+from ..geometry import LatentGeometry
+from .plan import (
     DEFAULT_OVERHEAD_BYTES,
     STAGES,
     EngineMemory,
@@ -63,8 +63,8 @@ class VramBudget:
     Attributes:
         budget: bytes; manifest: the artifact's manifest; root: its folder.
         components: the text-to-image components planned for.
-        facts: recorded measurements (:func:`~.memory.load_memory_facts`; ``{}`` = none: estimates only).
-        overhead: non-engine bytes per stage (recorded, else :data:`~.memory.DEFAULT_OVERHEAD_BYTES`, estimated).
+        facts: recorded measurements (:func:`~.plan.load_memory_facts`; ``{}`` = none: estimates only).
+        overhead: non-engine bytes per stage (recorded, else :data:`~.plan.DEFAULT_OVERHEAD_BYTES`, estimated).
         tile: VAE tile size in latent pixels (the profile's opt latent size: 64 for a 512x512 SD artifact).
     """
 
@@ -173,7 +173,8 @@ def plan_for_request(
 
 
 class StagedEngine(EngineProxy):
-    """An :class:`~.engine.Engine` proxy that opens its engine on first ``run`` and closes it on :meth:`release`.
+    """An :class:`~..engines.engine.Engine` proxy that opens its engine on first ``run`` and closes it on
+    :meth:`release`.
 
     Args:
         engine: the engine (closed); stage: "text", "unet" or "vae"; manager: the :class:`Residency` that
@@ -352,8 +353,8 @@ def memory_summary(root: Path, manifest: Mapping[str, Any]) -> dict[str, Any]:
         ``{"facts": str, "overhead_bytes": int, "shapes": {"opt": "BxHxW", "max": "BxHxW"},
         "components": {name: {"opt": EngineMemory.to_json(), "max": ...}}}``.
     """
-    from .memory import facts_path
-    from .sdxl import SDXL_COMPONENTS
+    from ..sdxl import SDXL_COMPONENTS
+    from .plan import facts_path
 
     comps = SDXL_COMPONENTS if manifest.get("model", {}).get("architecture") == "sdxl" else \
         ("text_encoder", "unet", "vae_decoder")

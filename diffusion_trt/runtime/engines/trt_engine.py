@@ -1,4 +1,4 @@
-"""TensorRT implementation of the :class:`~diffusion_trt.runtime.engine.Engine` protocol.
+"""TensorRT implementation of the :class:`~diffusion_trt.runtime.engines.engine.Engine` protocol.
 
 One engine = one serialized plan (``unet/model.plan``) with several optimization profiles (see
 ``compiler/build_trt.py``: the artifact's dynamic range, extra ranges, a static fast path at the opt shape).
@@ -39,7 +39,7 @@ What happens, in order:
      and is used from a later call on. EAGER would stall the call at every new image size for the compilation;
      NONE would never specialise.
    * one ``IRuntimeCache`` per engine, shared by its contexts, loaded from and saved (atomically, on
-     :meth:`TrtEngine.close`) to the file ``runtime_cache`` names (:mod:`~diffusion_trt.runtime.runtime_cache`):
+     :meth:`TrtEngine.close`) to the file ``runtime_cache`` names (:mod:`~diffusion_trt.runtime.engines.runtime_cache`):
      the first load compiles the kernels for this GPU, later loads read them. A corrupt, foreign, oversized or
      not-regular file is ignored with a warning; so is a ``create_runtime_cache`` that returns ``None`` (then
      kernels are not cached).
@@ -79,10 +79,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import trt_compat
-from ..artifact_facts import BuildFacts
-from ..artifacts import verify_files
-from ..errors import ArtifactError, DiffusionTrtError, RuntimeInputError
+from ... import trt_compat
+from ...artifact_facts import BuildFacts
+from ...artifacts import verify_files
+from ...errors import ArtifactError, DiffusionTrtError, RuntimeInputError
 from . import runtime_cache
 from .engine import EngineBase, EngineSpec
 
@@ -339,7 +339,8 @@ class TrtEngine(EngineBase):
         backend: the manifest's backend, "tensorrt" or "tensorrt-rtx": which library loads the plan
             (:func:`~diffusion_trt.trt_compat.library`).
         runtime_cache: TensorRT-RTX: the runtime-cache file to load on enter and save on close
-            (:func:`~diffusion_trt.runtime.runtime_cache.runtime_cache_path`); ``None`` = kernels kept in memory only.
+            (:func:`~diffusion_trt.runtime.engines.runtime_cache.runtime_cache_path`); ``None`` = kernels kept in memory
+            only.
             Ignored for full TensorRT.
         weight_streaming_budget: bytes of streamable weights to keep on the device
             (``engine.weight_streaming_budget_v2``; plans built with weight streaming only); ``None`` = all.
@@ -413,7 +414,7 @@ class TrtEngine(EngineBase):
         self._cache_key: runtime_cache.RuntimeCacheKey | None = None
         self._cache_loaded: bytes | None = None
         self._weight_streaming_budget = weight_streaming_budget
-        #: memory facts read at load (see runtime/trt_memory.py); ``{}`` until opened
+        #: memory facts read at load (see runtime/engines/trt_memory.py); ``{}`` until opened
         self.memory_facts: dict[str, Any] = {}
 
     # -- Engine protocol -------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ Anyone who can write the cache folder can put anything at the file's path, so th
 over :data:`MAX_RUNTIME_CACHE_BYTES` is not read, the header is bounded and parsed without recursion errors; each
 is a miss with a ``warning`` (one more JIT compilation), never an error.
 
-Pure Python: no ``tensorrt`` import (``runtime/trt_engine.py`` passes the bytes in and out).
+Pure Python: no ``tensorrt`` import (``runtime/engines/trt_engine.py`` passes the bytes in and out).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import SEAL_KEY, umask_mode
-from ..errors import ArtifactError, RuntimeInputError
-from ..trt_compat import pack_framed, printable, read_cache_file, unpack_framed
+from ...artifacts import SEAL_KEY, umask_mode
+from ...errors import ArtifactError, RuntimeInputError
+from ...trt_compat import pack_framed, printable, read_cache_file, unpack_framed
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,7 @@
+"""Memory: the VRAM budget's sizes, facts and residency plan (:mod:`.plan`), the engines opened per stage within it
+(:mod:`.residency`), the tiled VAE decode (:mod:`.vae_tiling`), the per-stage device meter (:mod:`.memory_meter`)
+and the host-memory check of a request (:mod:`.host_memory`).
+
+Nothing is imported here: import the module you need (``from diffusion_trt.runtime.memory.plan import
+parse_size``).
+"""
