@@ -51,7 +51,7 @@ from .image_inputs import ImageRequest
 from .loading import OpenTogether
 from .lora_slots import apply_loras, load_slots, lora_list
 from .png import save_png
-from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text
+from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text, manifest_profile
 from .residency import Residency
 from .schedulers import import_scheduler_class, make_scheduler, scheduler_for, short_name
 from .sdxl import SDXL_COMPONENTS
@@ -180,7 +180,7 @@ class EnginePipeline:
         if missing:
             raise ArtifactError(f"EnginePipeline needs the engine(s) {', '.join(missing)}; recompile with them")
         self.manifest = dict(manifest)
-        self.profile = _profile(self.manifest)
+        self.profile = manifest_profile(self.manifest)
         model = self.manifest.get("model", {})
         #: "sd" (SD 1.x/2.x) or "sdxl": which loop runs (manifest ``model.architecture``)
         self.architecture = str(model.get("architecture", "sd"))
@@ -209,8 +209,7 @@ class EnginePipeline:
                                          if n in engines}
         self.device: torch.device = unet.device
         #: SDXL: negative_prompt=None gives zero negative embeddings (model_index.json force_zeros_for_empty_prompt)
-        self.request_spec = RequestSpec(self.profile, self.geometry, self.architecture,
-                                        bool(model.get("force_zeros_for_empty_prompt", True)))
+        self.request_spec = RequestSpec.from_manifest(self.manifest, channels)
         #: negative-prompt embeddings, per (text, engine): most requests share "" (see denoise.EmbeddingCache)
         self.embedding_cache = EmbeddingCache(maxsize=8)
         #: the LoRA :meth:`load_lora` refitted (``{"file", "sha256", "scale"}``), ``None`` = the compiled weights
@@ -985,20 +984,6 @@ def _scheduler_class_name(manifest: Mapping[str, Any], scheduler_config: Mapping
     named = sched.get("class_name") if isinstance(sched, Mapping) else None
     own = scheduler_config.get("_class_name") if isinstance(scheduler_config, Mapping) else None
     return str(named or own or "")
-
-
-def _profile(manifest: Mapping[str, Any]) -> ShapeProfile:
-    """The manifest's shape profile.
-
-    Raises:
-        ArtifactError: a malformed profile.
-    """
-    try:
-        return ShapeProfile.from_json(manifest["profile"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ArtifactError(
-            f"manifest profile {manifest.get('profile')!r} is malformed ({e}); recompile the artifact"
-        ) from e
 
 
 def _check_tokenizers(model: Mapping[str, Any], architecture: str, tokenizer: Any, tokenizer_2: Any) -> None:
