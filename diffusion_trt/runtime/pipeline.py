@@ -46,6 +46,7 @@ from .cuda import HostBuffers
 from .denoise import EmbeddingCache, Generator, StepCallback
 from .determinism import compile_time_note, deterministic_torch
 from .engine import Engine
+from .generation_args import GENERATION_ARGS
 from .geometry import LatentGeometry
 from .image_inputs import ImageRequest
 from .loading import OpenTogether
@@ -591,18 +592,18 @@ class EnginePipeline:
         self,
         prompt: str | Sequence[str] | None = None,
         negative_prompt: str | Sequence[str] | None = None,
-        num_inference_steps: int = 50,
+        num_inference_steps: int = GENERATION_ARGS["num_inference_steps"].default,
         guidance_scale: float | None = None,
         generator: Generator = None,
         seed: int | None = None,
         height: int | None = None,
         width: int | None = None,
-        num_images_per_prompt: int = 1,
+        num_images_per_prompt: int = GENERATION_ARGS["num_images_per_prompt"].default,
         latents: torch.Tensor | None = None,
         output_type: str = "pil",
         progress: bool = True,
         callback: StepCallback | None = None,
-        eta: float = 0.0,
+        eta: float = GENERATION_ARGS["eta"].default,
         image: Any = None,
         strength: float | None = None,
         mask_image: Any = None,
