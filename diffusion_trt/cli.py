@@ -1072,6 +1072,8 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
     if vram_budget is not None and len(device_list) >= 2:
         raise click.UsageError("--vram-budget plans one device; drop --devices or give one device")
     budget = {} if vram_budget is None else {"vram_budget": vram_budget, "vram_request": (height, width, batch_size)}
+    _check_before_load(artifact_dir, prompt, num_inference_steps=steps, guidance_scale=guidance, seed=seed,
+                       height=height, width=width, num_images_per_prompt=batch_size, image_given=image is not None)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     # log lines (a truncated prompt...) go through tqdm.write: they never cut the step bar on a terminal
@@ -1110,6 +1112,25 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         paths.append(path)
     for path in paths:
         click.echo(f"image: {path}")
+
+
+def _check_before_load(artifact_dir: Path, prompt: str, **arguments: Any) -> None:
+    """Refuse a ``run`` the artifact cannot honour (its size, batch, guidance...; :func:`~.runtime.request.
+    check_before_load`) from its manifest, before the engines load (15-18 s for SD); an artifact whose manifest cannot
+    be read is left to the load, which says why.
+
+    Raises:
+        RuntimeInputError: as :meth:`~.runtime.pipeline.EnginePipeline.__call__`.
+    """
+    from .artifacts import read_manifest
+    from .errors import ArtifactError
+    from .runtime.request import RequestSpec, check_before_load
+
+    try:
+        spec = RequestSpec.from_manifest(read_manifest(artifact_dir))
+    except ArtifactError:
+        return
+    check_before_load(spec, prompt, **arguments)
 
 
 def _control_arguments(artifact_dir: Path, controlnets: tuple[str, ...], control_images: tuple[Path, ...],

@@ -221,12 +221,8 @@ class Request:
                                                  default_w if width is None else width, spec.profile)
         if output_type not in OUTPUT_TYPES:
             raise RuntimeInputError(f"output_type={output_type!r} is unknown; use one of {', '.join(OUTPUT_TYPES)}")
-        shape = spec.geometry.latent_shape(batch, height, width)
-        # the count first: a batch of 10**8 is refused before anything is planned for it
-        check_host_memory(f"batch = {len(prompts)} prompt(s) x num_images_per_prompt={n_per} = {batch} images",
-                          shape, _latent_dtype(spec, engines), height, width, output_type)
-        chunks = _chunks(spec, len(prompts), n_per)
-        _check_unet_batch(spec, chunks, guidance)
+        shape, chunks = _check_batch(spec, len(prompts), n_per, height, width, guidance, output_type,
+                                     _latent_dtype(spec, engines))
         if callback is not None and not callable(callback):
             raise RuntimeInputError(f"callback={callback!r} is not callable; pass a function (step, timestep, "
                                     "latents) or None")
@@ -401,6 +397,47 @@ def _chunks(spec: RequestSpec, prompts: int, n_per: int) -> tuple[range, ...]:
             f"ask for more images or recompile with --min-batch-size {batch}"
         )
     return tuple(plan_chunks(batch, b.min, b.max))
+
+
+def check_before_load(spec: RequestSpec, prompt: Any, *, num_inference_steps: Any, guidance_scale: Any, seed: Any,
+                      height: Any, width: Any, num_images_per_prompt: Any, output_type: str = "pil",
+                      image_given: bool = False) -> None:
+    """The checks of :meth:`Request.build` that need no engine, against what the artifact allows (``spec``, e.g.
+    :meth:`RequestSpec.from_manifest`): a caller runs them before loading (seconds to minutes) to refuse a call the
+    loaded pipeline would refuse anyway. With ``image_given`` the size is the image's: checked when it is read.
+
+    Raises:
+        RuntimeInputError: as :meth:`Request.build`, for steps, guidance, seed, the size (inside the profile, a
+            multiple of the VAE factor), an inpainting UNet without an image, and the batch (host memory first, then
+            the profile's batch range, then the UNet's rows with or without CFG).
+    """
+    prompts = prompt_list("prompt", prompt)
+    check_arg("num_inference_steps", num_inference_steps)
+    n_per = check_arg("num_images_per_prompt", num_images_per_prompt)
+    guidance = check_arg("guidance_scale", spec.default_guidance_scale if guidance_scale is None else guidance_scale)
+    if seed is not None:
+        check_arg("seed", seed)
+    if image_given:
+        return
+    _check_text_to_image(spec, None)
+    default_h, default_w = spec.default_size
+    height, width = spec.geometry.check_size(default_h if height is None else height,
+                                             default_w if width is None else width, spec.profile)
+    _check_batch(spec, len(prompts), n_per, height, width, guidance, output_type, _latent_dtype(spec, {}))
+
+
+def _check_batch(spec: RequestSpec, prompts: int, n_per: int, height: int, width: int, guidance: float,
+                 output_type: str, latent_dtype: torch.dtype) -> tuple[tuple[int, int, int, int], tuple[range, ...]]:
+    """(latent shape, chunks) of a batch of ``prompts`` x ``n_per`` images: refused first when its latents and images
+    cannot fit in host memory (so a batch of 10**8 is refused before anything is planned for it), then when the
+    profile's batch range or the UNet's rows cannot run it."""
+    batch = prompts * n_per
+    shape = spec.geometry.latent_shape(batch, height, width)
+    check_host_memory(f"batch = {prompts} prompt(s) x num_images_per_prompt={n_per} = {batch} images",
+                      shape, latent_dtype, height, width, output_type)
+    chunks = _chunks(spec, prompts, n_per)
+    _check_unet_batch(spec, chunks, guidance)
+    return shape, chunks
 
 
 def _check_unet_batch(spec: RequestSpec, chunks: Sequence[range], guidance: float) -> None:
