@@ -713,10 +713,10 @@ class EnginePipeline:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
         if controlnet is not None and control_image is None and image is not None and mask_image is None:
             control_image, image = image, None  # diffusers' StableDiffusionControlNetPipeline(image=control image)
-        request = Request.build(
-            self.request_spec, {**self._lazy, **self.engines}, prompt, negative_prompt, num_inference_steps,
+        request = self.build_request(
+            prompt, negative_prompt, num_inference_steps,
             guidance_scale, generator, seed, height, width, num_images_per_prompt, latents, output_type, progress,
-            callback, eta, image, strength, mask_image, tokenizer_2=self.tokenizer_2, prompt_2=prompt_2,
+            callback, eta, image, strength, mask_image, prompt_2=prompt_2,
             negative_prompt_2=negative_prompt_2, original_size=original_size,
             crops_coords_top_left=crops_coords_top_left, target_size=target_size,
             negative_original_size=negative_original_size,
@@ -724,6 +724,36 @@ class EnginePipeline:
             prompt_syntax=prompt_syntax, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
             clip_skip=clip_skip,
         )
+        return self._run(request, control_image, controlnet, controlnet_conditioning_scale, control_guidance_start,
+                         control_guidance_end, guess_mode)
+
+    def build_request(self, *args: Any, **kwargs: Any) -> Request:
+        """:meth:`~.request.Request.build` on this pipeline's spec and engines: the arguments of :meth:`__call__`
+        (without the ControlNet ones), checked; nothing runs.
+
+        Raises:
+            RuntimeInputError: as :meth:`__call__`.
+        """
+        return Request.build(self.request_spec, {**self._lazy, **self.engines}, *args, tokenizer_2=self.tokenizer_2,
+                             **kwargs)
+
+    @one_call_at_a_time("a call")
+    def run_request(self, request: Request, **control: Any) -> EnginePipelineOutput:
+        """Run a built ``request`` (:meth:`build_request`, or a share of one: :class:`~.parallel.DataParallelPipeline`)
+        with the ControlNet arguments of :meth:`__call__`, as :meth:`__call__` runs it.
+
+        Raises:
+            RuntimeInputError: a ControlNet argument the engines cannot honour. RuntimeError: closed.
+        """
+        if self._closed:
+            raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
+        return self._run(request, **control)
+
+    def _run(self, request: Request, control_image: Any = None, controlnet: str | Sequence[str] | None = None,
+             controlnet_conditioning_scale: float | Sequence[float] | None = None,
+             control_guidance_start: float | Sequence[float] = 0.0, control_guidance_end: float | Sequence[float] = 1.0,
+             guess_mode: bool = False) -> EnginePipelineOutput:
+        """The second half of :meth:`__call__`: the ControlNet plan, the engines opened on first use, the loop."""
         if controlnet_conditioning_scale is None:  # the default of diffusers' ControlNet pipeline of the mode (SDXL's
             # conditioning says "sdxl": its text-to-image default)
             controlnet_conditioning_scale = DEFAULT_CONTROL_SCALE.get(getattr(request.conditioning, "mode", "txt2img"),
