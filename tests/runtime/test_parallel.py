@@ -126,3 +126,17 @@ def test_cuda_default_provider_options() -> None:
     assert cuda_layout_options("text_encoder", "cuda") == {"sdpa_kernel": "8"}
     assert cuda_layout_options("unet", "cuda") == {"sdpa_kernel": "8", "prefer_nhwc": "1"}
     assert cuda_layout_options("vae_decoder", "cuda") == {"sdpa_kernel": "8", "prefer_nhwc": "1", "fuse_conv_bias": "1"}
+
+
+def test_data_parallel_sdxl_shares_run_on_each_device_s_second_encoder(tiny_sdxl_artifact: Path) -> None:
+    """SDXL: each share's conditioning runs on its own pipeline's text_encoder_2, one prompt_2 per image; the images
+    are those of one pipeline."""
+    pipes = [EnginePipeline.from_artifacts(tiny_sdxl_artifact, verify=False) for _ in range(3)]
+    one = pipes.pop()
+    with one, DataParallelPipeline(pipes, warm_up=False) as multi:
+        call = {"num_inference_steps": 2, "num_images_per_prompt": 2, "seed": 3, "output_type": "np",
+                "prompt_2": ["ink", "oil"]}
+        got = multi(["a cat", "a dog"], **call)
+        want = one(["a cat", "a dog"], progress=False, **call)
+        np.testing.assert_array_equal(got.images, want.images)
+        assert got.parameters["device_shares"] == [2, 2] and got.parameters["guidance_scale"] == 5.0
