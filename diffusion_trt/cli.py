@@ -23,6 +23,7 @@ import click
 from .artifact_values import printable  # re and json: light
 from .compiler.dummy import ARCHS  # a tuple of names: dummy.py imports torch/diffusers only when called
 from .errors import DiffusionTrtError
+from .runtime.generation_args import GENERATION_ARGS, MAX_SEED  # a table: numpy only
 from .runtime.schedulers import scheduler_names  # a table of names: diffusers is imported only when one is built
 
 logger = logging.getLogger("diffusion_trt")
@@ -32,7 +33,12 @@ SCHEDULER_HELP = (f"Scheduler, one of {', '.join(scheduler_names())} (lms needs 
                   "pip install 'diffusion-trt[schedulers]')")
 
 #: Seeds: what torch.Generator.manual_seed takes without overflow (as the runtime checks).
-SEED = click.IntRange(0, 2**63 - 1)
+SEED = click.IntRange(0, MAX_SEED)
+
+
+def _run_default(name: str) -> Any:
+    """``run``'s default of generation argument ``name`` (runtime/generation_args.py: the CLI's and serve's)."""
+    return GENERATION_ARGS[name].default_for(front=True)
 
 
 class _CliFormatter(logging.Formatter):
@@ -942,13 +948,17 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
 @click.option("--clip-skip", type=click.IntRange(min=0), default=None,
               help="Text states from N layers before the last, then the final layer norm (diffusers' clip_skip; "
                    "1 = A1111's 'Clip skip 2'); up to the artifact's compile --max-clip-skip [default: the last].")
-@click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True, help="Denoising steps.")
+@click.option("--steps", type=click.IntRange(min=1), default=_run_default("num_inference_steps"), show_default=True,
+              help="Denoising steps.")
 @click.option("--guidance", type=float, default=None,
-              help="Classifier-free guidance scale; <= 1 disables CFG [default: 7.5; 5.0 for SDXL, as diffusers].")
-@click.option("--seed", type=SEED, default=0, show_default=True)
+              help="Classifier-free guidance scale; <= 1 disables CFG [default: "
+                   f"{GENERATION_ARGS['guidance_scale'].default_for('sd')}; "
+                   f"{GENERATION_ARGS['guidance_scale'].default_for('sdxl')} for SDXL, as diffusers].")
+@click.option("--seed", type=SEED, default=_run_default("seed"), show_default=True)
 @click.option("--height", type=int, default=None, help="[default: the artifact's opt height]")
 @click.option("--width", type=int, default=None, help="[default: the artifact's opt width]")
-@click.option("--batch-size", type=int, default=1, show_default=True, help="Images for the prompt.")
+@click.option("--batch-size", type=int, default=_run_default("num_images_per_prompt"), show_default=True,
+              help="Images for the prompt.")
 @click.option("--scheduler", default=None, help=f"{SCHEDULER_HELP} [default: the model's].")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
 @click.option("--snap", is_flag=True, help="Snap --height/--width to the nearest size the artifact allows (logged).")
@@ -1062,6 +1072,8 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
     if vram_budget is not None and len(device_list) >= 2:
         raise click.UsageError("--vram-budget plans one device; drop --devices or give one device")
     budget = {} if vram_budget is None else {"vram_budget": vram_budget, "vram_request": (height, width, batch_size)}
+    _check_before_load(artifact_dir, prompt, num_inference_steps=steps, guidance_scale=guidance, seed=seed,
+                       height=height, width=width, num_images_per_prompt=batch_size, image_given=image is not None)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     # log lines (a truncated prompt...) go through tqdm.write: they never cut the step bar on a terminal
@@ -1100,6 +1112,25 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         paths.append(path)
     for path in paths:
         click.echo(f"image: {path}")
+
+
+def _check_before_load(artifact_dir: Path, prompt: str, **arguments: Any) -> None:
+    """Refuse a ``run`` the artifact cannot honour (its size, batch, guidance...; :func:`~.runtime.request.
+    check_before_load`) from its manifest, before the engines load (15-18 s for SD); an artifact whose manifest cannot
+    be read is left to the load, which says why.
+
+    Raises:
+        RuntimeInputError: as :meth:`~.runtime.pipeline.EnginePipeline.__call__`.
+    """
+    from .artifacts import read_manifest
+    from .errors import ArtifactError
+    from .runtime.request import RequestSpec, check_before_load
+
+    try:
+        spec = RequestSpec.from_manifest(read_manifest(artifact_dir))
+    except ArtifactError:
+        return
+    check_before_load(spec, prompt, **arguments)
 
 
 def _control_arguments(artifact_dir: Path, controlnets: tuple[str, ...], control_images: tuple[Path, ...],

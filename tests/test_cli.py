@@ -93,6 +93,36 @@ def test_run_batch_beyond_host_memory_is_refused_up_front(tiny_artifact: Path, t
 
 
 @pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--height", "60"], r"height=60 is not a positive multiple of 8; use 56 or 64 "
+                             r"\(engine profile allows 32\.\.128\)"),
+        (["--width", "256"], r"width=256 is outside the engine profile 32\.\.128; .* --min-width/--max-width"),
+        (["--guidance", "nan"], r"guidance_scale=nan must be a finite number >= 0; use e\.g\. 7\.5 .*"),
+        (["--batch-size", "0"], r"num_images_per_prompt=0 must be an integer >= 1; use 1 or more"),
+        (["--batch-size", "100000000"], r"batch = 1 prompt\(s\) x num_images_per_prompt=100000000 = 100000000 "
+                                        r"images at 64x64 \(WxH\) needs at least .* is available; .*"),
+    ],
+    ids=["height-60", "width-256", "guidance-nan", "batch-0", "batch-10**8"],
+)
+def test_run_refuses_what_the_artifact_cannot_honour_before_any_engine_opens(
+        tiny_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], line: str) -> None:
+    """The request is checked against the manifest's facts before the load (it was refused after 15-18 s of it): one
+    error line, exit 2, and no ONNX Runtime session was ever made."""
+    import onnxruntime as ort
+
+    from diffusion_trt.runtime import EnginePipeline
+
+    opened: list[str] = []
+    monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: opened.append("session") or pytest.fail("opened"))
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: opened.append("load") or pytest.fail("load"))
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "-o", tmp_path / "o.png", *args)
+    assert code == 2, out
+    assert len(out.splitlines()) == 1 and re.fullmatch(f"error: {line}", out.strip()), out
+    assert opened == [] and not (tmp_path / "o.png").exists()
+
+
+@pytest.mark.parametrize(
     ("args", "message"),
     [
         (["run", "ART"], "error: Missing option '-p' / '--prompt'."),

@@ -290,6 +290,24 @@ def test_parse_request_defaults() -> None:
                       "height": 64, "width": 64}
 
 
+def test_sdxl_requests_default_to_sdxl_guidance(tiny_artifact: Path) -> None:
+    """serve and export-triton hand parse_request the defaults of the artifact's pipeline kind (they gave SDXL 7.5):
+    5.0 for SDXL, as diffusers' StableDiffusionXLPipeline and EnginePipeline; SD stays 7.5."""
+    from diffusion_trt.artifacts import read_manifest
+    from diffusion_trt.runtime.generation_args import serve_defaults
+    from diffusion_trt.serve.triton_repo import PIPELINE_ENGINES, pipeline_facts, request_facts
+
+    sd = read_manifest(tiny_artifact)
+    sdxl = {**sd, "model": {**sd["model"], "architecture": "sdxl"}}
+    models = {c: c for c in PIPELINE_ENGINES}
+    for facts in (request_facts(sdxl, {"max_steps": 100}), pipeline_facts(sdxl, models)):
+        assert parse_request({"prompt": _b("a cat")}, facts)["guidance_scale"] == 5.0
+    for facts in (request_facts(sd), pipeline_facts(sd, models)):
+        assert parse_request({"prompt": _b("a cat")}, facts)["guidance_scale"] == 7.5
+    # model.py's own fallback (a pipeline.json without defaults) is the SD table's, copied: it imports nothing of ours
+    assert triton_model.DEFAULTS == serve_defaults("sd")
+
+
 def test_bls_loop_gives_the_images_of_engine_pipeline(repo: Path, tiny_artifact: Path) -> None:
     """model.py's loop, with ORT sessions on the repository's model files in place of BLS calls."""
     import onnxruntime as ort

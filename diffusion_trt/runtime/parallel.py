@@ -5,13 +5,14 @@
     with DataParallelPipeline.from_artifacts("artifacts/sd15-fp16", devices=parse_devices("0,1")) as pipe:
         out = pipe("a lighthouse at dusk", num_images_per_prompt=8, seed=1)   # 4 images per GPU
 
-A request's B images are split into contiguous, balanced shares (:func:`~.batching.split_across`, each share
-runnable by the profile), one thread per device runs its share, and the results are concatenated in image
-order. Seeds: the latents of all B images are drawn once, on the CPU, exactly as one :class:`EnginePipeline`
-call would draw them, and sliced per device, so deterministic schedulers (pndm, ddim, euler, dpm++...) give
-the same images on 1 or N devices. Schedulers that draw noise in ``step`` (euler_a, ddpm, dpm++_sde...) get,
-with one seed, one generator per device seeded from the request's generator (deterministic for a given seed
-and device count); pass a list of B generators to make them device-count independent.
+A request is checked once, into one :class:`~.request.Request` (:meth:`EnginePipeline.build_request` on the first
+device), and its B images are split into contiguous, balanced shares (:func:`~.batching.split_across`, each share
+runnable by the profile; :func:`share_request`, nothing rebuilt), one thread per device runs its share, and the
+results are concatenated in image order. Seeds: the latents of all B images are drawn once, on the CPU, exactly as
+one :class:`EnginePipeline` call would draw them, and sliced per device, so deterministic schedulers (pndm, ddim,
+euler, dpm++...) give the same images on 1 or N devices. Schedulers that draw noise in ``step`` (euler_a, ddpm,
+dpm++_sde...) get, with one seed, one generator per device seeded from the request's generator (deterministic for a
+given seed and device count); pass a list of B generators to make them device-count independent.
 
 Threads: ONNX Runtime and torch release the GIL while the GPUs work, and each device has its own CUDA stream.
 ORT captures CUDA graphs in ``cudaStreamCaptureModeGlobal``, during which *no* thread may allocate CUDA
@@ -22,6 +23,7 @@ before any parallel work (the constructor calls it when a pipeline uses CUDA gra
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -33,14 +35,18 @@ import numpy as np
 import torch
 
 from ..errors import RuntimeInputError
-from .batching import per_image, split_across
-from .memory.host_memory import check_host_memory
+from .batching import per_image, plan_chunks, split_across
+from .conditioning import TextToImage
 from .pipeline import EnginePipeline, EnginePipelineOutput
-from .request import negative_list, prompt_list
+from .request import Request
+from .sdxl import SdxlConditioning
 
 logger = logging.getLogger(__name__)
 
 _MAX_SEED = 2**63 - 1
+#: The ControlNet arguments of EnginePipeline.__call__: each device plans its share's ControlNets itself.
+CONTROL_ARGUMENTS: tuple[str, ...] = ("control_image", "controlnet", "controlnet_conditioning_scale",
+                                      "control_guidance_start", "control_guidance_end", "guess_mode")
 
 
 def parse_devices(value: str | Sequence[int] | None, available: int | None = None) -> list[int]:
@@ -220,62 +226,38 @@ class DataParallelPipeline:
             raise RuntimeInputError(
                 "image-to-image and inpainting run on one device: use EnginePipeline (CLI: drop --devices)"
             )
+        control = {k: kwargs.pop(k) for k in CONTROL_ARGUMENTS if k in kwargs}
         first = self.pipes[0]
-        prompts = prompt_list("prompt", prompt)
-        negatives = negative_list(negative_prompt, len(prompts))
-        if (
-            isinstance(num_images_per_prompt, bool)
-            or not isinstance(num_images_per_prompt, int)
-            or (num_images_per_prompt < 1)
-        ):
-            raise RuntimeInputError(f"num_images_per_prompt={num_images_per_prompt!r} must be an integer >= 1")
-        batch = len(prompts) * num_images_per_prompt
-        image_prompts = per_image(prompts, num_images_per_prompt)
-        image_negatives = per_image(negatives, num_images_per_prompt)
+        # one request, checked once, then split: each device runs its share of the images
+        request = first.build_request(prompt, negative_prompt, generator=generator, seed=seed,
+                                      num_images_per_prompt=num_images_per_prompt, latents=latents,
+                                      output_type=output_type, height=height, width=width,
+                                      **{"progress": False, **kwargs})
         b = first.profile.batch
-        shares = split_across(batch, len(self.pipes), b.min, b.max)
-
-        height = first.default_height if height is None else height
-        width = first.default_width if width is None else width
-        gens, seed = first._generator(generator, seed, batch)
+        shares = split_across(request.batch, len(self.pipes), b.min, b.max)
+        gens = request.generator
         if latents is None:
-            latents = _request_latents(first, batch, int(height), int(width), gens, output_type)
-        per_image_gens = isinstance(gens, list) and len(gens) == batch and batch > 1
+            latents = _request_latents(first, request)
+        per_image_gens = isinstance(gens, list) and len(gens) == request.batch and request.batch > 1
         step_gens = _step_generators(gens, len(shares), per_image_gens)
 
         def work(k: int) -> EnginePipelineOutput:
             rows = shares[k]
             pipe = self.pipes[k]
             g = gens[rows.start : rows.stop] if per_image_gens else step_gens[k]  # type: ignore[index]
+            share = share_request(request, rows, g, latents[rows.start : rows.stop], pipe)
             with torch.cuda.device(pipe.device) if pipe.device.type == "cuda" else contextlib.nullcontext():
-                return pipe(
-                    image_prompts[rows.start : rows.stop],
-                    # None stays None: SDXL's force_zeros_for_empty_prompt tells None from "" (SD: the same)
-                    negative_prompt=None if negative_prompt is None else image_negatives[rows.start : rows.stop],
-                    num_images_per_prompt=1,
-                    generator=g,
-                    latents=latents[rows.start : rows.stop],
-                    output_type=output_type,
-                    height=height,
-                    width=width,
-                    **{"progress": False, **kwargs},
-                )
+                return pipe.run_request(share, **control)
 
         futures = [self._threads[k].submit(work, k) for k in range(len(shares))]
         results = [f.result() for f in futures]
         images = merge_outputs([r.images for r in results], output_type, self.devices[0])
         parameters = {
-            **results[0].parameters,
-            "prompt": prompt if isinstance(prompt, str) else list(prompts),
-            "negative_prompt": negative_prompt
-            if negative_prompt is None or isinstance(negative_prompt, str)
-            else list(negatives),
-            "num_images_per_prompt": num_images_per_prompt,
-            "seed": seed,
+            **first._parameters(request),  # the whole request's (each share's are its own images')
             "devices": [str(d) for d in self.devices[: len(shares)]],
             "device_shares": [len(r) for r in shares],
         }
-        return EnginePipelineOutput(images=images, seed=seed, parameters=parameters)
+        return EnginePipelineOutput(images=images, seed=request.seed, parameters=parameters)
 
     def close(self) -> None:
         """Close every pipeline and the thread pool (idempotent)."""
@@ -298,16 +280,51 @@ class DataParallelPipeline:
         return f"DataParallelPipeline(devices={[str(d) for d in self.devices]}, {self.pipes[0]!r})"
 
 
-def _request_latents(pipe: EnginePipeline, batch: int, height: int, width: int, generator: Any,
-                     output_type: str) -> torch.Tensor:
+def _request_latents(pipe: EnginePipeline, request: Request) -> torch.Tensor:
     """The noise of all B images [B, C, h, w], drawn as one :class:`EnginePipeline` call draws it (CPU generator,
-    the UNet's sample dtype); refused first when it and the images do not fit in host memory (as Request.build)."""
+    the UNet's sample dtype; :meth:`Request.build` checked that it fits in host memory)."""
     from diffusers.utils.torch_utils import randn_tensor
 
-    shape = pipe.geometry.latent_shape(batch, height, width)
     dtype = pipe.engines["unet"].spec.input("sample").torch_dtype
-    check_host_memory(f"batch = {batch} images", shape, dtype, height, width, output_type)
-    return randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=dtype)
+    return randn_tensor(request.latent_shape, generator=request.generator, device=torch.device("cpu"), dtype=dtype)
+
+
+def share_request(request: Request, rows: range, generator: Any, latents: torch.Tensor,
+                  pipe: EnginePipeline) -> Request:
+    """The images ``rows`` of ``request`` as a request of their own for ``pipe`` (one device): one prompt per image
+    (prompt-major, as the whole), their ``latents`` and ``generator``, engine-sized chunks of the share, and the
+    conditioning on ``pipe``'s engines (SDXL: its ``text_encoder_2``). Nothing is checked again.
+
+    Raises:
+        RuntimeInputError: a conditioning that runs on one device only (image-to-image, inpainting).
+    """
+    n = request.num_images_per_prompt
+    sl = slice(rows.start, rows.stop)
+
+    def images(embeds: torch.Tensor | None) -> torch.Tensor | None:
+        return None if embeds is None else embeds.repeat_interleave(n, dim=0)[sl]
+
+    b = pipe.profile.batch
+    return dataclasses.replace(
+        request, prompts=tuple(per_image(request.prompts, n)[sl]),
+        negative_prompts=tuple(per_image(request.negative_prompts, n)[sl]), num_images_per_prompt=1,
+        latent_shape=(len(rows), *request.latent_shape[1:]), generator=generator, latents=latents,
+        chunks=tuple(plan_chunks(len(rows), b.min, b.max)), conditioning=_share_conditioning(request, sl, pipe),
+        prompt_embeds=images(request.prompt_embeds), negative_prompt_embeds=images(request.negative_prompt_embeds))
+
+
+def _share_conditioning(request: Request, sl: slice, pipe: EnginePipeline) -> Any:
+    """The request's conditioning for images ``sl`` on ``pipe``: text-to-image as it is; SDXL with one second-encoder
+    text per image and ``pipe``'s ``text_encoder_2``."""
+    cond = request.conditioning
+    if isinstance(cond, SdxlConditioning):
+        n = request.num_images_per_prompt
+        return dataclasses.replace(cond, text_encoder_2=pipe.engines["text_encoder_2"],
+                                   prompts_2=per_image(cond.prompts_2, n)[sl],
+                                   negative_prompts_2=per_image(cond.negative_prompts_2, n)[sl])
+    if type(cond) is not TextToImage:
+        raise RuntimeInputError(f"{cond.mode} runs on one device: use EnginePipeline (CLI: drop --devices)")
+    return cond
 
 
 def _step_generators(gens: Any, devices: int, per_image_gens: bool) -> list[Any]:

@@ -45,6 +45,7 @@ from .cuda import HostBuffers
 from .determinism import compile_time_note, deterministic_torch
 from .engines.buckets import SizeBuckets, bucket_engines, parse_size_buckets
 from .engines.engine import Engine
+from .generation_args import GENERATION_ARGS
 from .geometry import LatentGeometry
 from .image_inputs import ImageRequest
 from .latents import Generator, StepCallback
@@ -52,7 +53,7 @@ from .loading import OpenTogether
 from .lora_slots import apply_loras, load_slots, lora_list
 from .memory.residency import Residency
 from .png import save_png
-from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text
+from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text, manifest_profile
 from .schedulers import import_scheduler_class, make_scheduler, scheduler_for, short_name
 from .sdxl import SDXL_COMPONENTS
 from .text_embeddings import EmbeddingCache
@@ -182,7 +183,7 @@ class EnginePipeline:
         if missing:
             raise ArtifactError(f"EnginePipeline needs the engine(s) {', '.join(missing)}; recompile with them")
         self.manifest = dict(manifest)
-        self.profile = _profile(self.manifest)
+        self.profile = manifest_profile(self.manifest)
         model = self.manifest.get("model", {})
         #: "sd" (SD 1.x/2.x) or "sdxl": which loop runs (manifest ``model.architecture``)
         self.architecture = str(model.get("architecture", "sd"))
@@ -211,8 +212,7 @@ class EnginePipeline:
                                          if n in engines}
         self.device: torch.device = unet.device
         #: SDXL: negative_prompt=None gives zero negative embeddings (model_index.json force_zeros_for_empty_prompt)
-        self.request_spec = RequestSpec(self.profile, self.geometry, self.architecture,
-                                        bool(model.get("force_zeros_for_empty_prompt", True)))
+        self.request_spec = RequestSpec.from_manifest(self.manifest, channels)
         #: negative-prompt embeddings, per (text, engine): most requests share "" (see text_embeddings.EmbeddingCache)
         self.embedding_cache = EmbeddingCache(maxsize=8)
         #: the LoRA :meth:`load_lora` refitted (``{"file", "sha256", "scale"}``), ``None`` = the compiled weights
@@ -592,18 +592,18 @@ class EnginePipeline:
         self,
         prompt: str | Sequence[str] | None = None,
         negative_prompt: str | Sequence[str] | None = None,
-        num_inference_steps: int = 50,
+        num_inference_steps: int = GENERATION_ARGS["num_inference_steps"].default,
         guidance_scale: float | None = None,
         generator: Generator = None,
         seed: int | None = None,
         height: int | None = None,
         width: int | None = None,
-        num_images_per_prompt: int = 1,
+        num_images_per_prompt: int = GENERATION_ARGS["num_images_per_prompt"].default,
         latents: torch.Tensor | None = None,
         output_type: str = "pil",
         progress: bool = True,
         callback: StepCallback | None = None,
-        eta: float = 0.0,
+        eta: float = GENERATION_ARGS["eta"].default,
         image: Any = None,
         strength: float | None = None,
         mask_image: Any = None,
@@ -713,10 +713,10 @@ class EnginePipeline:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
         if controlnet is not None and control_image is None and image is not None and mask_image is None:
             control_image, image = image, None  # diffusers' StableDiffusionControlNetPipeline(image=control image)
-        request = Request.build(
-            self.request_spec, {**self._lazy, **self.engines}, prompt, negative_prompt, num_inference_steps,
+        request = self.build_request(
+            prompt, negative_prompt, num_inference_steps,
             guidance_scale, generator, seed, height, width, num_images_per_prompt, latents, output_type, progress,
-            callback, eta, image, strength, mask_image, tokenizer_2=self.tokenizer_2, prompt_2=prompt_2,
+            callback, eta, image, strength, mask_image, prompt_2=prompt_2,
             negative_prompt_2=negative_prompt_2, original_size=original_size,
             crops_coords_top_left=crops_coords_top_left, target_size=target_size,
             negative_original_size=negative_original_size,
@@ -724,6 +724,36 @@ class EnginePipeline:
             prompt_syntax=prompt_syntax, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
             clip_skip=clip_skip,
         )
+        return self._run(request, control_image, controlnet, controlnet_conditioning_scale, control_guidance_start,
+                         control_guidance_end, guess_mode)
+
+    def build_request(self, *args: Any, **kwargs: Any) -> Request:
+        """:meth:`~.request.Request.build` on this pipeline's spec and engines: the arguments of :meth:`__call__`
+        (without the ControlNet ones), checked; nothing runs.
+
+        Raises:
+            RuntimeInputError: as :meth:`__call__`.
+        """
+        return Request.build(self.request_spec, {**self._lazy, **self.engines}, *args, tokenizer_2=self.tokenizer_2,
+                             **kwargs)
+
+    @one_call_at_a_time("a call")
+    def run_request(self, request: Request, **control: Any) -> EnginePipelineOutput:
+        """Run a built ``request`` (:meth:`build_request`, or a share of one: :class:`~.parallel.DataParallelPipeline`)
+        with the ControlNet arguments of :meth:`__call__`, as :meth:`__call__` runs it.
+
+        Raises:
+            RuntimeInputError: a ControlNet argument the engines cannot honour. RuntimeError: closed.
+        """
+        if self._closed:
+            raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
+        return self._run(request, **control)
+
+    def _run(self, request: Request, control_image: Any = None, controlnet: str | Sequence[str] | None = None,
+             controlnet_conditioning_scale: float | Sequence[float] | None = None,
+             control_guidance_start: float | Sequence[float] = 0.0, control_guidance_end: float | Sequence[float] = 1.0,
+             guess_mode: bool = False) -> EnginePipelineOutput:
+        """The second half of :meth:`__call__`: the ControlNet plan, the engines opened on first use, the loop."""
         if controlnet_conditioning_scale is None:  # the default of diffusers' ControlNet pipeline of the mode (SDXL's
             # conditioning says "sdxl": its text-to-image default)
             controlnet_conditioning_scale = DEFAULT_CONTROL_SCALE.get(getattr(request.conditioning, "mode", "txt2img"),
@@ -986,20 +1016,6 @@ def _scheduler_class_name(manifest: Mapping[str, Any], scheduler_config: Mapping
     named = sched.get("class_name") if isinstance(sched, Mapping) else None
     own = scheduler_config.get("_class_name") if isinstance(scheduler_config, Mapping) else None
     return str(named or own or "")
-
-
-def _profile(manifest: Mapping[str, Any]) -> ShapeProfile:
-    """The manifest's shape profile.
-
-    Raises:
-        ArtifactError: a malformed profile.
-    """
-    try:
-        return ShapeProfile.from_json(manifest["profile"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ArtifactError(
-            f"manifest profile {manifest.get('profile')!r} is malformed ({e}); recompile the artifact"
-        ) from e
 
 
 def _check_tokenizers(model: Mapping[str, Any], architecture: str, tokenizer: Any, tokenizer_2: Any) -> None:

@@ -16,7 +16,6 @@ Shapes: P prompts, N images per prompt, B = P x N images; latents [B, C, H / f, 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,17 +24,18 @@ import numpy as np
 import torch
 
 from ..config import ShapeProfile
-from ..errors import RuntimeInputError
+from ..errors import ArtifactError, RuntimeInputError
 from .batching import plan_chunks
 from .conditioning import Conditioning, TextToImage
-from .engines.engine import Engine
+from .engines.engine import Engine, EngineSpec
+from .generation_args import GENERATION_ARGS, MAX_SEED, check_arg, default_guidance_scale
 from .geometry import LatentGeometry
 from .latents import Generator, StepCallback
 from .memory.host_memory import check_host_memory
 from .prompt_syntax import SYNTAXES
 
 OUTPUT_TYPES: tuple[str, ...] = ("pil", "np", "pt", "latent")
-_MAX_SEED = 2**63 - 1
+_MAX_SEED = MAX_SEED
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,37 @@ class RequestSpec:
         geometry: pixels <-> latents.
         architecture: "sd" (SD 1.x/2.x) or "sdxl".
         force_zeros_for_empty_prompt: SDXL: ``negative_prompt=None`` gives zero negative embeddings.
+        latent_dtype: the UNet's ``sample`` dtype, the latents' (what the host-memory check counts when no UNet
+            engine is at hand); ``None`` = float32.
+        unet_batch: (min, max) rows of the UNet's ``sample`` (its ``B2``: 2 per image with CFG, 1 without); ``None``
+            = not checked (the engine's own check refuses it when it runs).
     """
 
     profile: ShapeProfile
     geometry: LatentGeometry
     architecture: str = "sd"
     force_zeros_for_empty_prompt: bool = True
+    latent_dtype: torch.dtype | None = None
+    unet_batch: tuple[int, int] | None = None
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping[str, Any], unet_in_channels: int | None = None) -> RequestSpec:
+        """What the artifact of ``manifest`` (schema-checked) allows, read from it alone: no engine needs to be open,
+        so a call can be checked before anything loads (the CLI's ``run``). ``unet_in_channels``: the UNet engine's,
+        when the manifest's model entry lacks them (else its ``sample`` entry's).
+
+        Raises:
+            ArtifactError: a malformed profile or UNet entry.
+        """
+        model = manifest.get("model", {})
+        unet = manifest.get("components", {}).get("unet")
+        sample = EngineSpec.from_manifest("unet", unet).input("sample") if unet is not None else None
+        if unet_in_channels is None and sample is not None and isinstance(sample.shape[1], int):
+            unet_in_channels = sample.shape[1]
+        return cls(manifest_profile(manifest), LatentGeometry.from_manifest(manifest, unet_in_channels),
+                   str(model.get("architecture", "sd")), bool(model.get("force_zeros_for_empty_prompt", True)),
+                   None if sample is None else sample.torch_dtype,
+                   None if sample is None else (sample.min[0], sample.max[0]))
 
     @property
     def default_size(self) -> tuple[int, int]:
@@ -61,8 +86,9 @@ class RequestSpec:
 
     @property
     def default_guidance_scale(self) -> float:
-        """diffusers' default of the artifact's pipeline class: 7.5 (SD 1.x/2.x), 5.0 (SDXL)."""
-        return 5.0 if self.architecture == "sdxl" else 7.5
+        """diffusers' default of the artifact's pipeline class: 7.5 (SD 1.x/2.x), 5.0 (SDXL)
+        (:data:`~.generation_args.GENERATION_ARGS`)."""
+        return default_guidance_scale(self.architecture)
 
 
 @dataclass(frozen=True)
@@ -132,18 +158,18 @@ class Request:
         engines: Mapping[str, Engine],
         prompt: Any,
         negative_prompt: Any = None,
-        num_inference_steps: Any = 50,
+        num_inference_steps: Any = GENERATION_ARGS["num_inference_steps"].default,
         guidance_scale: Any = None,
         generator: Generator = None,
         seed: Any = None,
         height: Any = None,
         width: Any = None,
-        num_images_per_prompt: Any = 1,
+        num_images_per_prompt: Any = GENERATION_ARGS["num_images_per_prompt"].default,
         latents: Any = None,
         output_type: str = "pil",
         progress: bool = True,
         callback: StepCallback | None = None,
-        eta: Any = 0.0,
+        eta: Any = GENERATION_ARGS["eta"].default,
         image: Any = None,
         strength: Any = None,
         mask_image: Any = None,
@@ -175,12 +201,12 @@ class Request:
         if prompt_syntax not in SYNTAXES:
             raise RuntimeInputError(f"prompt_syntax={prompt_syntax!r} is unknown; use one of {', '.join(SYNTAXES)}")
         negatives = negative_list(negative_prompt, len(prompts))
-        steps = positive_int("num_inference_steps", num_inference_steps, "use e.g. 30 or 50")
-        n_per = positive_int("num_images_per_prompt", num_images_per_prompt, "use 1 or more")
+        steps = check_arg("num_inference_steps", num_inference_steps)
+        n_per = check_arg("num_images_per_prompt", num_images_per_prompt)
         if guidance_scale is None:
             guidance_scale = spec.default_guidance_scale
-        guidance = non_negative_float("guidance_scale", guidance_scale, "use e.g. 7.5 (values <= 1 disable CFG)")
-        eta = non_negative_float("eta", eta, "use 0.0 (deterministic DDIM) .. 1.0")
+        guidance = check_arg("guidance_scale", guidance_scale)
+        eta = check_arg("eta", eta)
         sdxl_given = _sdxl_given(spec, sdxl, image is not None or mask_image is not None)
         batch = len(prompts) * n_per
         conditioning: Conditioning = TextToImage()
@@ -193,19 +219,17 @@ class Request:
         default_h, default_w = spec.default_size
         height, width = spec.geometry.check_size(default_h if height is None else height,
                                                  default_w if width is None else width, spec.profile)
-        chunks = _chunks(spec, len(prompts), n_per)
         if output_type not in OUTPUT_TYPES:
             raise RuntimeInputError(f"output_type={output_type!r} is unknown; use one of {', '.join(OUTPUT_TYPES)}")
+        shape, chunks = _check_batch(spec, len(prompts), n_per, height, width, guidance, output_type,
+                                     _latent_dtype(spec, engines))
         if callback is not None and not callable(callback):
             raise RuntimeInputError(f"callback={callback!r} is not callable; pass a function (step, timestep, "
                                     "latents) or None")
         if not isinstance(progress, bool):  # "no" would show the bar: any non-empty string is true
             raise RuntimeInputError(f"progress={progress!r} must be True or False")
         generator, seed = check_generator(generator, seed, batch)
-        shape = spec.geometry.latent_shape(batch, height, width)
         _check_latents(latents, shape, height, width, spec.geometry.scale_factor)
-        check_host_memory(f"batch = {len(prompts)} prompt(s) x num_images_per_prompt={n_per} = {batch} images",
-                          shape, _latent_dtype(engines), height, width, output_type)
         if spec.architecture == "sdxl":
             from .sdxl import sdxl_conditioning
 
@@ -222,6 +246,20 @@ class Request:
         return cls(tuple(prompts), tuple(negatives), n_per, steps, guidance, eta, height, width, shape, generator,
                    seed, latents, output_type, chunks, conditioning, progress, callback, given, prompt_syntax,
                    embeds, negative_prompt_embeds, skip)
+
+
+def manifest_profile(manifest: Mapping[str, Any]) -> ShapeProfile:
+    """The manifest's shape profile.
+
+    Raises:
+        ArtifactError: a malformed profile.
+    """
+    try:
+        return ShapeProfile.from_json(manifest["profile"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ArtifactError(
+            f"manifest profile {manifest.get('profile')!r} is malformed ({e}); recompile the artifact"
+        ) from e
 
 
 #: Arguments of :meth:`~.pipeline.EnginePipeline.__call__` that only SDXL artifacts take (diffusers' SDXL arguments).
@@ -369,10 +407,71 @@ def _chunks(spec: RequestSpec, prompts: int, n_per: int) -> tuple[range, ...]:
     return tuple(plan_chunks(batch, b.min, b.max))
 
 
-def _latent_dtype(engines: Mapping[str, Engine]) -> torch.dtype:
-    """The dtype the latents are drawn in: the UNet's ``sample`` input (float32 without a UNet engine)."""
+def check_before_load(spec: RequestSpec, prompt: Any, *, num_inference_steps: Any, guidance_scale: Any, seed: Any,
+                      height: Any, width: Any, num_images_per_prompt: Any, output_type: str = "pil",
+                      image_given: bool = False) -> None:
+    """The checks of :meth:`Request.build` that need no engine, against what the artifact allows (``spec``, e.g.
+    :meth:`RequestSpec.from_manifest`): a caller runs them before loading (seconds to minutes) to refuse a call the
+    loaded pipeline would refuse anyway. With ``image_given`` the size is the image's: checked when it is read.
+
+    Raises:
+        RuntimeInputError: as :meth:`Request.build`, for steps, guidance, seed, the size (inside the profile, a
+            multiple of the VAE factor), an inpainting UNet without an image, and the batch (host memory first, then
+            the profile's batch range, then the UNet's rows with or without CFG).
+    """
+    prompts = prompt_list("prompt", prompt)
+    check_arg("num_inference_steps", num_inference_steps)
+    n_per = check_arg("num_images_per_prompt", num_images_per_prompt)
+    guidance = check_arg("guidance_scale", spec.default_guidance_scale if guidance_scale is None else guidance_scale)
+    if seed is not None:
+        check_arg("seed", seed)
+    if image_given:
+        return
+    _check_text_to_image(spec, None)
+    default_h, default_w = spec.default_size
+    height, width = spec.geometry.check_size(default_h if height is None else height,
+                                             default_w if width is None else width, spec.profile)
+    _check_batch(spec, len(prompts), n_per, height, width, guidance, output_type, _latent_dtype(spec, {}))
+
+
+def _check_batch(spec: RequestSpec, prompts: int, n_per: int, height: int, width: int, guidance: float,
+                 output_type: str, latent_dtype: torch.dtype) -> tuple[tuple[int, int, int, int], tuple[range, ...]]:
+    """(latent shape, chunks) of a batch of ``prompts`` x ``n_per`` images: refused first when its latents and images
+    cannot fit in host memory (so a batch of 10**8 is refused before anything is planned for it), then when the
+    profile's batch range or the UNet's rows cannot run it."""
+    batch = prompts * n_per
+    shape = spec.geometry.latent_shape(batch, height, width)
+    check_host_memory(f"batch = {prompts} prompt(s) x num_images_per_prompt={n_per} = {batch} images",
+                      shape, latent_dtype, height, width, output_type)
+    chunks = _chunks(spec, prompts, n_per)
+    _check_unet_batch(spec, chunks, guidance)
+    return shape, chunks
+
+
+def _check_unet_batch(spec: RequestSpec, chunks: Sequence[range], guidance: float) -> None:
+    """Refuse chunks whose UNet rows (2 per image with CFG, 1 without) the UNet was not built for: a static profile's
+    UNet takes the CFG batch only, so ``guidance_scale <= 1`` cannot run on it."""
+    if spec.unet_batch is None:
+        return
+    lo, hi = spec.unet_batch
+    cfg = guidance > 1.0
+    for rows in sorted({(2 if cfg else 1) * len(c) for c in chunks}):
+        if not lo <= rows <= hi:
+            how = "with" if cfg else "without"
+            raise RuntimeInputError(
+                f"guidance_scale={guidance:g} runs the UNet {how} classifier-free guidance ({rows} rows for "
+                f"{rows // (2 if cfg else 1)} image(s)), but this artifact's UNet takes {lo}..{hi} rows (a static "
+                f"profile is built for the CFG batch only); use guidance_scale {'<= 1' if cfg else '> 1, e.g. 7.5'}"
+                ", or recompile with a batch range (--min-batch-size/--max-batch-size)"
+            )
+
+
+def _latent_dtype(spec: RequestSpec, engines: Mapping[str, Engine]) -> torch.dtype:
+    """The dtype the latents are drawn in: the UNet's ``sample`` input (the spec's, float32 without either)."""
     unet = engines.get("unet")
-    return unet.spec.input("sample").torch_dtype if unet is not None else torch.float32
+    if unet is not None:
+        return unet.spec.input("sample").torch_dtype
+    return spec.latent_dtype if spec.latent_dtype is not None else torch.float32
 
 
 def _check_latents(latents: Any, shape: tuple[int, ...], height: int, width: int, f: int) -> None:
@@ -411,8 +510,8 @@ def check_generator(generator: Generator, seed: Any, batch: int) -> tuple[Genera
         return generator, None
     if seed is None:
         seed = int(torch.randint(0, _MAX_SEED, (1,)).item())
-    elif isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed <= _MAX_SEED:
-        raise RuntimeInputError(f"seed={seed!r} must be an integer in 0..{_MAX_SEED}")
+    else:
+        seed = check_arg("seed", seed)
     return torch.Generator(device="cpu").manual_seed(int(seed)), int(seed)
 
 
@@ -481,15 +580,3 @@ def negative_list(negative: Any, n: int) -> list[str]:
         )
     return negatives
 
-
-def positive_int(name: str, value: Any, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise RuntimeInputError(f"{name}={value!r} must be an integer >= 1; {fix}")
-    return int(value)
-
-
-def non_negative_float(name: str, value: Any, fix: str) -> float:
-    number = not isinstance(value, bool) and isinstance(value, int | float | np.number)
-    if not number or not math.isfinite(value) or value < 0:
-        raise RuntimeInputError(f"{name}={value!r} must be a finite number >= 0; {fix}")
-    return float(value)

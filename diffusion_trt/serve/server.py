@@ -50,6 +50,7 @@ from .front_process import FrontProcess, FrontSettings, FrontStartError
 from .http_front import FrontLimits, free_loopback_port
 from .pytriton_proxy import StatusError
 from .triton_model import RequestError, parse_request
+from .triton_repo import request_facts
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +259,7 @@ def bind_pipeline(triton: Any, pipe: Any, config: ServeConfig) -> MicroBatcher:
 
     from .loras import FIELD, LoraLibrary
 
-    facts = {"model": pipe.manifest["model"], "profile": pipe.manifest["profile"], "limits": config.limits()}
+    facts = request_facts(pipe.manifest, config.limits())  # the artifact's defaults (SDXL: guidance 5.0)
     library = LoraLibrary(config.lora_dir) if config.lora_dir is not None else None
     if library is not None and not any(e.get("refit_map") for e in pipe.manifest["components"].values()):
         raise LoraError("serve --lora-dir: this artifact was compiled without --refittable, so it cannot take a LoRA "

@@ -40,6 +40,9 @@ DEFAULT_LIMITS: dict[str, float] = {
     "max_steps": 150,
     "max_guidance": 50.0,
 }
+#: The SD 1.x/2.x defaults of a request whose ``config`` has none: a copy (this file imports nothing from diffusion-trt)
+#: of ``runtime.generation_args.serve_defaults("sd")``, which tests/test_triton_export.py holds it to; ``serve`` and
+#: ``export-triton`` write the artifact's own defaults into ``config["defaults"]`` (SDXL: guidance 5.0).
 DEFAULTS: dict[str, Any] = {"negative_prompt": "", "seed": 0, "steps": 30, "guidance_scale": 7.5}
 #: Request tensors: name -> (numpy dtype kind(s) accepted, Triton type name for messages).
 FIELDS: dict[str, tuple[str, str]] = {

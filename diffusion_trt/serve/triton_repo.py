@@ -165,22 +165,34 @@ def pipeline_config(name: str, *, instances: int = 1, max_queue: int = 64, queue
     ]) + "\n"
 
 
+def request_facts(manifest: Mapping[str, Any], limits: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """What :func:`~.triton_model.parse_request` checks a request against (its ``config``): the model facts, the
+    profile, the bounds (``limits`` over :data:`~.triton_model.DEFAULT_LIMITS`) and the defaults of the artifact's
+    pipeline kind (:func:`~diffusion_trt.runtime.generation_args.serve_defaults`: SDXL's guidance is 5.0)."""
+    from ..runtime.generation_args import serve_defaults
+
+    return {
+        "model": manifest["model"],
+        "profile": manifest["profile"],
+        "limits": {**triton_model.DEFAULT_LIMITS, **(limits or {})},
+        "defaults": serve_defaults(str(manifest["model"].get("architecture", "sd"))),
+    }
+
+
 def pipeline_facts(manifest: Mapping[str, Any], models: Mapping[str, str],
                    limits: Mapping[str, float] | None = None) -> dict[str, Any]:
-    """``pipeline.json`` for the pipeline model: model facts, profile, engine model names and tensor dtypes."""
+    """``pipeline.json`` for the pipeline model: model facts, profile, engine model names and tensor dtypes, and
+    the request bounds and defaults (:func:`request_facts`)."""
     return {
         "artifact": manifest.get("name"),
         "manifest_sha256": manifest.get(artifacts.SEAL_KEY),
-        "model": manifest["model"],
-        "profile": manifest["profile"],
+        **request_facts(manifest, limits),
         "models": dict(models),
         "dtypes": {
             c: {t["name"]: t["dtype"] for t in [*manifest["components"][c]["inputs"],
                                                   *manifest["components"][c]["outputs"]]}
             for c in PIPELINE_ENGINES
         },
-        "limits": {**triton_model.DEFAULT_LIMITS, **(limits or {})},
-        "defaults": triton_model.DEFAULTS,
     }
 
 

@@ -68,6 +68,33 @@ def test_data_parallel_equals_one_pipeline(toy_artifact: Path, toy_pipe: EngineP
     assert all(not p.engines["unet"].is_open for p in pipes)  # type: ignore[attr-defined]
 
 
+def test_one_request_is_built_and_split_not_rebuilt_per_device(toy_artifact: Path, toy_pipe: EnginePipeline,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call is checked once (one Request.build, on the first device's spec) and each device runs its share of
+    that request; a bad argument is refused before any device runs."""
+    from diffusion_trt.runtime import request as request_module
+
+    built: list[int] = []
+    real = request_module.Request.build.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type, *args: object, **kwargs: object) -> object:
+        built.append(1)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(request_module.Request, "build", classmethod(counting))
+    pipes = [EnginePipeline.from_artifacts(toy_artifact, verify=False) for _ in range(2)]
+    with DataParallelPipeline(pipes, warm_up=False) as multi:
+        call = {"num_inference_steps": 2, "num_images_per_prompt": 3, "seed": 9, "output_type": "np"}
+        got = multi(["a cat", "a dog"], negative_prompt="blurry", guidance_scale=6.0, **call)
+        assert len(built) == 1 and got.parameters["device_shares"] == [3, 3]
+        want = toy_pipe(["a cat", "a dog"], negative_prompt="blurry", guidance_scale=6.0, progress=False, **call)
+        np.testing.assert_array_equal(got.images, want.images)
+        assert {k: v for k, v in got.parameters.items() if k not in ("devices", "device_shares")} == want.parameters
+        with pytest.raises(RuntimeInputError, match="num_inference_steps=0 must be an integer >= 1"):
+            multi("a cat", num_inference_steps=0, seed=1)
+        assert len(built) == 3  # toy_pipe's call, then the refused one: checked once, not per device
+
+
 def test_each_pipeline_always_runs_on_its_own_thread(toy_artifact: Path) -> None:
     """ONNX Runtime's CUDA provider keeps per-thread state (the captured CUDA graph among it): warm-up and every
     later call of one pipeline must run on the same thread, and two pipelines on different threads."""
@@ -99,3 +126,17 @@ def test_cuda_default_provider_options() -> None:
     assert cuda_layout_options("text_encoder", "cuda") == {"sdpa_kernel": "8"}
     assert cuda_layout_options("unet", "cuda") == {"sdpa_kernel": "8", "prefer_nhwc": "1"}
     assert cuda_layout_options("vae_decoder", "cuda") == {"sdpa_kernel": "8", "prefer_nhwc": "1", "fuse_conv_bias": "1"}
+
+
+def test_data_parallel_sdxl_shares_run_on_each_device_s_second_encoder(tiny_sdxl_artifact: Path) -> None:
+    """SDXL: each share's conditioning runs on its own pipeline's text_encoder_2, one prompt_2 per image; the images
+    are those of one pipeline."""
+    pipes = [EnginePipeline.from_artifacts(tiny_sdxl_artifact, verify=False) for _ in range(3)]
+    one = pipes.pop()
+    with one, DataParallelPipeline(pipes, warm_up=False) as multi:
+        call = {"num_inference_steps": 2, "num_images_per_prompt": 2, "seed": 3, "output_type": "np",
+                "prompt_2": ["ink", "oil"]}
+        got = multi(["a cat", "a dog"], **call)
+        want = one(["a cat", "a dog"], progress=False, **call)
+        np.testing.assert_array_equal(got.images, want.images)
+        assert got.parameters["device_shares"] == [2, 2] and got.parameters["guidance_scale"] == 5.0

@@ -182,3 +182,36 @@ def test_the_loop_runs_a_built_request_as_the_pipeline_does(tiny_artifact: Path)
                                 output_type="np", progress=False)
         got = denoise.generate(request, pipe.loop_engines(request.output_type), pipe.scheduler)
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_huge_batch_is_refused_before_any_chunk_is_planned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """10**8 images: the host-memory bound is checked first (it planned 5 * 10**7 chunks, 6.6 s and 3.3 GB, before)."""
+    from diffusion_trt.runtime import host_memory, request
+
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 10 * 2**20)
+    monkeypatch.setattr(request, "plan_chunks", lambda *a: pytest.fail(f"chunks planned for {a}"))
+    with pytest.raises(RuntimeInputError, match=r"= 100000000 images at 48x64 \(WxH\) needs at least .* available"):
+        Request.build(SPEC, {}, "a fox", num_images_per_prompt=10**8, seed=0)
+
+
+def test_guidance_is_checked_against_a_unet_built_for_the_cfg_batch_only() -> None:
+    """A static profile's UNet takes 2 x batch rows: guidance <= 1 (batch rows) is refused in the request, not by the
+    UNet engine mid-loop."""
+    static = ShapeProfile(batch=Range(2, 2, 2), height=Range(64, 64, 64), width=Range(64, 64, 64))
+    spec = RequestSpec(static, LatentGeometry(), unet_batch=(4, 4))
+    assert Request.build(spec, {}, ["a", "b"], seed=0).guidance_scale == 7.5
+    refused = r"guidance_scale=1 runs the UNet without classifier-free guidance \(2 rows for 2 image\(s\)\), but this "
+    with pytest.raises(RuntimeInputError, match=refused + r"artifact's UNet takes 4..4 rows"):
+        Request.build(spec, {}, ["a", "b"], guidance_scale=1.0, seed=0)
+
+
+def test_request_spec_from_the_manifest_alone(toy_artifact: Path) -> None:
+    """What a call may ask is read from the manifest, no engine open: the pipeline's spec is the same value."""
+    from diffusion_trt.artifacts import read_manifest
+    from diffusion_trt.runtime import EnginePipeline
+
+    spec = RequestSpec.from_manifest(read_manifest(toy_artifact))
+    assert spec.architecture == "sd" and spec.latent_dtype == torch.float32 and spec.default_guidance_scale == 7.5
+    assert spec.unet_batch == (spec.profile.batch.min, 2 * spec.profile.batch.max)
+    with EnginePipeline.from_artifacts(toy_artifact, verify=False) as pipe:
+        assert pipe.request_spec == spec
