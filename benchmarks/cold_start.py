@@ -65,7 +65,7 @@ def phases(art: str, cudnn: str) -> dict:
     t = time.perf_counter()
     torch.zeros(1, device=device)
     out: dict = {"cuda_init_s": time.perf_counter() - t}
-    from diffusion_trt.artifact_reader import ArtifactReader
+    from diffusion_trt.artifact.reader import ArtifactReader
     from diffusion_trt.runtime.ort_engine import OrtEngine
     from diffusion_trt.runtime.pipeline import cuda_layout_options
 

@@ -232,7 +232,7 @@ def child_facts(artifact: str) -> dict[str, Any]:
     """Each engine alone: weights = used after open - before; activations = used after 3 runs - after open."""
     import torch
 
-    from diffusion_trt.artifacts import read_manifest
+    from diffusion_trt.artifact.folder import read_manifest
     from diffusion_trt.runtime.memory import facts_path, record_memory_facts
     from diffusion_trt.runtime.pipeline import txt2img_components
 
@@ -336,7 +336,7 @@ def child_vae(artifact: str, model: str, size: int) -> dict[str, Any]:
     import torch
     from diffusers import AutoencoderKL
 
-    from diffusion_trt.artifacts import read_manifest
+    from diffusion_trt.artifact.folder import read_manifest
     from diffusion_trt.runtime.memory_meter import StageMemoryMeter
     from diffusion_trt.runtime.vae_tiling import TiledVaeDecoder, tiled_decode
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from .artifact_values import printable  # re and json: light
+from .artifact.values import printable  # re and json: light
 from .compiler.dummy import ARCHS  # a tuple of names: dummy.py imports torch/diffusers only when called
 from .errors import DiffusionTrtError
 from .runtime.schedulers import scheduler_names  # a table of names: diffusers is imported only when one is built
@@ -222,7 +222,7 @@ def _vram_budget(ctx: click.Context, param: click.Parameter, value: str | None) 
 
 def _sha256_hex(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """``--expect-sha256``: 64 hex digits, or a usage error (exit 2) before the artifact is read."""
-    from .artifacts import sha256_hex_problem
+    from .artifact.folder import sha256_hex_problem
 
     problem = None if value is None else sha256_hex_problem(value)
     if problem is not None:
@@ -702,7 +702,7 @@ def _read_image(path: Path, flag: str, mode: str, max_hw: tuple[int, int] | None
 def _profile_max_hw(artifact_dir: Path) -> tuple[int, int] | None:
     """The largest (height, width) of the artifact's profile (manifest.json), to refuse a too-large image before it is
     decoded; ``None`` when the manifest has no readable profile (the pipeline's checks refuse such an artifact)."""
-    from .artifacts import read_manifest
+    from .artifact.folder import read_manifest
 
     try:
         profile = read_manifest(artifact_dir)["profile"]
@@ -838,7 +838,7 @@ def _refuse_existing_outputs(out: Path, count: int) -> None:
 
 
 def _print_pass_table(path: Path) -> None:
-    from .artifacts import read_manifest
+    from .artifact.folder import read_manifest
 
     manifest = read_manifest(path)
     click.echo("pass counts (non-zero):", err=True)
@@ -1053,7 +1053,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
     if not overwrite:
         _refuse_existing_outputs(out, batch_size)
     if snap and (height is not None or width is not None):
-        from .artifacts import read_manifest
+        from .artifact.folder import read_manifest
 
         profile = read_manifest(artifact_dir).get("profile", {})
         height = _snap("height", height, *(profile.get("height", [None, None, None])[::2]))
@@ -1161,10 +1161,10 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
     """
     import json
 
-    from .artifact_values import printable_tree
-    from .artifacts import leftover_warnings, read_manifest
+    from .artifact.folder import leftover_warnings, read_manifest
+    from .artifact.summary import artifact_summary, format_summary
+    from .artifact.values import printable_tree
     from .runtime.residency import memory_summary
-    from .summary import artifact_summary, format_summary
 
     manifest = read_manifest(artifact_dir)
     summary = artifact_summary(artifact_dir, manifest)
@@ -1204,8 +1204,8 @@ def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: 
       diffusion-trt verify artifacts/sd15-trt --tensorrt 10.8.0.43 --compute-capability 9.0
       diffusion-trt verify artifacts/tiny --source models/tiny
     """
+    from .artifact.verify import verify_artifact
     from .trt_compat import TrtHost
-    from .verify import verify_artifact
 
     if (trt_version is None) != (compute_capability is None):
         raise click.UsageError("--tensorrt and --compute-capability go together")
@@ -1252,7 +1252,7 @@ def _one_shot_search(options: dict[str, Any], artifact_dir: Path, device: str | 
     no reason for the "no effect" warning an explicit ``--cudnn-algo-search`` gets elsewhere."""
     from click.core import ParameterSource
 
-    from . import artifacts
+    from .artifact import folder as artifacts
 
     if click.get_current_context().get_parameter_source("cudnn_conv_algo_search") is not ParameterSource.DEFAULT:
         return options

@@ -106,7 +106,7 @@ def test_baseline_on_other_weights_is_flagged(tiny_artifact: Path, tiny_pipeline
     """The diffusers baselines must run the artifact's weights: another folder (or a merged LoRA) is said so."""
     import shutil
 
-    from diffusion_trt.artifacts import load_verified
+    from diffusion_trt.artifact.folder import load_verified
     from diffusion_trt.bench import baseline_mismatch as _baseline_mismatch
 
     manifest = load_verified(tiny_artifact)
@@ -125,7 +125,7 @@ def test_baseline_folder_of_the_same_architecture_passes(tiny_artifact: Path, ti
     of the same architecture (SD-2.1 for SD-1.5) are baseline_mismatch's note, not an error."""
     import shutil
 
-    from diffusion_trt.artifacts import read_manifest
+    from diffusion_trt.artifact.folder import read_manifest
     from diffusion_trt.bench import architecture_mismatch
 
     manifest = read_manifest(tiny_artifact)

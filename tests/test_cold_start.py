@@ -15,8 +15,9 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from diffusion_trt import artifacts, digests
-from diffusion_trt.artifact_reader import ArtifactReader
+from diffusion_trt.artifact import digests
+from diffusion_trt.artifact import folder as artifacts
+from diffusion_trt.artifact.reader import ArtifactReader
 from diffusion_trt.cli import ALGO_SEARCH_DEFAULT, main
 from diffusion_trt.errors import ArtifactError, RuntimeInputError
 from diffusion_trt.passes import _ort

@@ -1,9 +1,9 @@
 """The import directions of README.md's Layout section, read from the source with ``ast`` and checked at run time.
 
-Parts (``diffusion_trt/<part>``): the shared base (errors, config, trt_compat, artifact_values, artifacts,
-artifact_reader, lora), passes, runtime, compiler, optimize, bench, serve, verify, summary, cli. Each may import
-the parts :data:`ALLOWED` lists and no other; nothing imports ``cli``. Every import counts, also those inside
-functions (lazy imports are the rule here).
+Parts (``diffusion_trt/<part>``): the shared base (errors, config, trt_compat, lora, data and the ``artifact``
+package: folder, manifest, reader, values, facts, digests, verify, summary), passes, runtime, compiler, optimize,
+bench, serve, cli. Each may import the parts :data:`ALLOWED` lists and no other; nothing imports ``cli``. Every
+import counts, also those inside functions (lazy imports are the rule here).
 
 The runtime's rule on diffusers and transformers (a serving host loads no model class, STYLE.md 21): from diffusers
 it may import the top-level package (scheduler classes are looked up on it by name, ``runtime/schedulers.py``
@@ -25,8 +25,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "diffusion_trt"
-SHARED = frozenset({"errors", "config", "trt_compat", "artifact_values", "artifacts", "artifact_facts",
-                    "artifact_reader", "digests", "lora", "data"})
+SHARED = frozenset({"errors", "config", "trt_compat", "artifact", "lora", "data"})
 #: part -> the parts it may import (besides itself).
 ALLOWED: dict[str, frozenset[str]] = {
     **{p: SHARED for p in SHARED},
@@ -36,10 +35,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "optimize": SHARED | {"passes"},
     "bench": SHARED | {"runtime"},
     "serve": SHARED | {"runtime"},
-    "verify": SHARED,
-    "summary": SHARED,
     "__init__": SHARED | {"runtime"},
-    "cli": SHARED | {"passes", "runtime", "compiler", "optimize", "bench", "serve", "verify", "summary"},
+    "cli": SHARED | {"passes", "runtime", "compiler", "optimize", "bench", "serve"},
 }
 DIFFUSERS_MODULES = ("diffusers.schedulers", "diffusers.utils", "diffusers.image_processor",
                      "diffusers.loaders.lora_conversion_utils")
@@ -146,7 +143,7 @@ def test_the_rules_catch_what_they_forbid(tmp_path: Path) -> None:
     assert not any("cli" in allowed for allowed in ALLOWED.values())
 
 
-@pytest.mark.parametrize("part", ["runtime", "passes"])
+@pytest.mark.parametrize("part", ["runtime", "passes", "artifact"])
 def test_import_directions_hold_at_run_time(part: str) -> None:
     """Importing every module of ``part`` in a fresh interpreter loads none of the parts it may not import, and
     (runtime) no diffusers/transformers model module or peft."""

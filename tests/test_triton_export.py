@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from diffusion_trt import artifacts
+from diffusion_trt.artifact import folder as artifacts
 from diffusion_trt.cli import main
 from diffusion_trt.serve import triton_model
 from diffusion_trt.serve.triton_model import RequestError, parse_request

@@ -148,7 +148,7 @@ def baseline_mismatch(model_dir: Path, manifest: Mapping[str, Any]) -> str | Non
     """Why the diffusers baselines would not run the artifact's weights, or None: ``model_dir`` hashes differently
     from the manifest's ``source.sha256`` (another model, or the folder changed since compile), or LoRAs were merged
     into the artifact (the baseline runs the base weights)."""
-    from ..artifacts import folder_hash
+    from ..artifact.folder import folder_hash
 
     source = manifest.get("source", {})
     if source.get("sha256") and folder_hash(model_dir) != source["sha256"]:
@@ -171,7 +171,7 @@ def folder_kind(model_dir: Path) -> dict[str, Any]:
     Raises:
         ModelFolderError: model_index.json or unet/config.json is not a JSON object (naming it).
     """
-    from ..artifacts import read_json_object
+    from ..artifact.folder import read_json_object
 
     index = read_json_object(model_dir / "model_index.json")
     unet_config = model_dir / "unet" / "config.json"

@@ -48,7 +48,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
         ModelFolderError: ``model_dir`` was given for the diffusers baseline but holds no model_index.json, or the
             baseline's folder is of another architecture than the artifact (before anything is timed).
     """
-    from ..artifacts import read_manifest
+    from ..artifact.folder import read_manifest
 
     say = progress or (lambda _msg: None)
     manifest = read_manifest(cfg.artifact)
@@ -86,7 +86,7 @@ def _check(cfg: BenchConfig, manifest: Mapping[str, Any]) -> tuple[str, torch.de
     Raises:
         RuntimeInputError: an SDXL or inpainting artifact; ``devices`` off CUDA.
     """
-    from ..artifacts import is_inpainting
+    from ..artifact.folder import is_inpainting
 
     model = manifest.get("model", {})
     if model.get("architecture", "sd") != "sd":

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import artifacts
+from ..artifact import folder as artifacts
 from ..config import CompileConfig
 from ..errors import RuntimeInputError
 from .controlnet import PREFIX, UNET_CONTROLNET

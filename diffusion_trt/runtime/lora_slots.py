@@ -149,7 +149,7 @@ class WeightSlots(Mapping[str, torch.Tensor]):
 
 def load_slots(reader: Any, device: str, device_id: int = 0) -> dict[str, WeightSlots]:
     """The :class:`WeightSlots` of every component with ``weight_inputs`` in the manifest (read through ``reader``,
-    an :class:`~diffusion_trt.artifact_reader.ArtifactReader`: hashed bytes); empty for any other artifact."""
+    an :class:`~diffusion_trt.artifact.reader.ArtifactReader`: hashed bytes); empty for any other artifact."""
     import json
 
     from safetensors.torch import load as load_safetensors

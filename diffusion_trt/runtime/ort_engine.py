@@ -45,7 +45,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ..artifact_reader import OnnxBytes
+from ..artifact.reader import OnnxBytes
 from ..errors import ArtifactError, RuntimeInputError
 from .engine import EngineBase, EngineSpec, _fmt_shape
 
@@ -147,7 +147,7 @@ class OrtEngine(EngineBase):
             with one WARNING when the engine is not static-shaped, not on CUDA, or ORT refuses.
             :attr:`cuda_graph` says whether it is in use, :attr:`cuda_graph_reason` why not.
         source: called on each session creation for the model's bytes and its external-data files
-            (:class:`~diffusion_trt.artifact_reader.OnnxBytes`, e.g. ``ArtifactReader.onnx``): ONNX Runtime then
+            (:class:`~diffusion_trt.artifact.reader.OnnxBytes`, e.g. ``ArtifactReader.onnx``): ONNX Runtime then
             builds the session from those bytes (``add_external_initializers_from_files_in_memory``) and opens no
             file by name, so what was hashed is what runs. ``None`` = ONNX Runtime opens ``path`` itself.
         free_dimensions: fix symbolic dims of the graph (``{"B2": 2, "h": 64, "w": 64}``) through

@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
-from .. import artifacts, trt_compat
-from ..artifact_reader import ArtifactReader, ArtifactReplacedError
-from ..artifact_values import check_scheduler_config
-from ..artifacts import safe_join
+from .. import trt_compat
+from ..artifact import folder as artifacts
+from ..artifact.folder import safe_join
+from ..artifact.reader import ArtifactReader, ArtifactReplacedError
+from ..artifact.values import check_scheduler_config
 from ..config import ShapeProfile
 from ..errors import ArtifactError, LoraError, RuntimeInputError
 from . import denoise
@@ -154,7 +155,7 @@ class EnginePipeline:
         ArtifactError: a required engine (SDXL: also ``text_encoder_2``) or ``tokenizer_2`` is missing, or a
             tokenizer disagrees with the manifest.
             Also: a scheduler config whose values are of the wrong type or out of range
-            (:func:`~diffusion_trt.artifact_values.scheduler_config_problems`).
+            (:func:`~diffusion_trt.artifact.values.scheduler_config_problems`).
         RuntimeInputError: unknown scheduler name.
     """
 
@@ -275,7 +276,7 @@ class EnginePipeline:
     ) -> EnginePipeline:
         """Load a compiled artifact folder and open its engines.
 
-        Every file is read once through one descriptor of the folder (:class:`~diffusion_trt.artifact_reader.
+        Every file is read once through one descriptor of the folder (:class:`~diffusion_trt.artifact.reader.
         ArtifactReader`) and the loaders get the bytes that were hashed, so a file swapped meanwhile is never run
         and a folder exchanged meanwhile (``compile --overwrite``) is never mixed with the old one; when the old
         folder is deleted in the middle, the load starts again once, on the new one.

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..artifacts import safe_join
+from ..artifact.folder import safe_join
 from .engine import Engine, EngineProxy
 from .geometry import LatentGeometry
 from .memory import (

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import SEAL_KEY, umask_mode
+from ..artifact.folder import SEAL_KEY, umask_mode
 from ..errors import ArtifactError, RuntimeInputError
 from ..trt_compat import pack_framed, printable, read_cache_file, unpack_framed
 

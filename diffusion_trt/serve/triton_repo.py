@@ -46,7 +46,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePath
 from typing import Any
 
-from .. import artifacts
+from ..artifact import folder as artifacts
 from ..errors import ArtifactError, OutputPathError, RuntimeInputError
 from . import triton_model
 

@@ -23,13 +23,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from diffusion_trt import artifacts, trt_compat
+from diffusion_trt import trt_compat
+from diffusion_trt.artifact import folder as artifacts
+from diffusion_trt.artifact.verify import verify_artifact
 from diffusion_trt.cli import main
 from diffusion_trt.errors import ArtifactError, RuntimeInputError
 from diffusion_trt.runtime import runtime_cache as rc
 from diffusion_trt.runtime.trt_engine import RuntimeProfile, TrtEngine, rtx_cuda_graph_strategy
 from diffusion_trt.trt_compat import TrtHost, check_host
-from diffusion_trt.verify import verify_artifact
 from tests.runtime.test_trt_engine import ADD_ENTRY, UNET_ENTRY, _add_model, _feeds
 
 RTX = trt_compat.library("tensorrt-rtx")
