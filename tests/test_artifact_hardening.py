@@ -257,7 +257,7 @@ def test_a_folder_exchanged_while_loading_gives_one_whole_artifact(art: Path,
     with _load(art) as pipe:
         # the engines open side by side (runtime/loading.py): the exchange came after the first of them opened
         assert set(opened) == {"text_encoder", "unet", "vae_decoder"}
-        assert pipe.manifest["manifest_sha256"] == seal
+        assert pipe.manifest.seal == seal
         np.testing.assert_array_equal(_unet_output(pipe), original)  # the folder that was opened, not its successor
 
 
@@ -272,7 +272,7 @@ def test_a_folder_replaced_and_deleted_while_loading_is_loaded_again(art: Path,
     # theirs (runtime/loading.py): that read fails for sure, whatever the engine threads had read already
     _exchange_on_first_read(monkeypatch, "tokenizer/", art, other, then=lambda: shutil.rmtree(other))
     with _load(art) as pipe:
-        assert pipe.manifest["manifest_sha256"] == new_seal
+        assert pipe.manifest.seal == new_seal
         np.testing.assert_array_equal(_unet_output(pipe), new_output)
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..errors import ArtifactError
 from . import digests, folder
+from .manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +65,18 @@ class ArtifactReader:
 
     Attributes:
         root: the folder's path as given (for messages only: nothing is opened by it after :meth:`open`).
-        manifest: the schema-valid, sealed manifest read through the descriptor.
+        manifest: the schema-valid, sealed manifest read through the descriptor, typed (parsed once, after the schema
+            check: :class:`~diffusion_trt.artifact.manifest.Manifest`).
         check_hashes: whether :meth:`read` compares each file's sha256 with the manifest (sizes always).
         loaded: artifact path -> sha256 of every file read so far (when hashes are checked).
     """
 
-    def __init__(self, root: Path, fd: int, manifest: dict[str, Any], check_hashes: bool) -> None:
+    manifest: Manifest
+
+    def __init__(self, root: Path, fd: int, check_hashes: bool) -> None:
         self.root = root
         self._fd: int | None = fd
-        self.manifest = manifest
+        self._json: dict[str, Any] = {}  # the manifest's JSON: read inside this package only
         self.check_hashes = check_hashes
         self.loaded: dict[str, str] = {}
 
@@ -104,18 +108,19 @@ class ArtifactReader:
             ) from None
         except OSError as e:
             raise ArtifactError(f"cannot open the artifact folder {root} ({e.strerror}); check the path") from None
-        reader = cls(root, fd, {}, check_hashes)  # owns fd from here: close it through the reader, once
+        reader = cls(root, fd, check_hashes)  # owns fd from here: close it through the reader, once
         try:
-            reader.manifest = reader._read_manifest(expect_sha256)
+            reader._json = reader._read_manifest(expect_sha256)
+            reader.manifest = Manifest.from_json(reader._json)
             pinned = reader.pinned_root
             problems = [p.replace(str(pinned), str(root)) for p in
-                        folder.folder_problems(pinned, reader.manifest, check_hashes=False, parse_onnx=False)]
+                        folder.folder_problems(pinned, reader._json, check_hashes=False, parse_onnx=False)]
             if problems:
                 raise ArtifactError(f"artifact {root} failed verification:\n  " + "\n  ".join(problems))
         except BaseException:
             reader.close()  # not os.close(fd): the reader's __del__ would close the number again, by then reused
             raise
-        extra = folder.unlisted_files(reader.pinned_root, reader.manifest)
+        extra = folder.unlisted_files(reader.pinned_root, reader._json)
         if extra:
             logger.warning("artifact %s holds files its manifest does not list: %s", root, ", ".join(extra[:10]))
         return reader
@@ -143,7 +148,7 @@ class ArtifactReader:
             ArtifactError: ``rel`` is not listed, leaves the folder, is not a regular file, or differs from the
                 manifest; :class:`ArtifactReplacedError` when the folder was deleted meanwhile.
         """
-        entry = self.manifest["files"].get(rel)
+        entry = self._json["files"].get(rel)
         if entry is None:
             raise ArtifactError(f"{rel} is not listed in the manifest of {self.root}, so it cannot be checked; "
                                 "recompile the artifact")
@@ -189,7 +194,7 @@ class ArtifactReader:
         del model
         pinned = self.pinned_root
         problems = [p.replace(str(pinned), str(self.root)) for p in
-                    folder.external_location_problems(pinned, rel, locations, self.manifest["files"])]
+                    folder.external_location_problems(pinned, rel, locations, self._json["files"])]
         if problems:
             raise ArtifactError(f"artifact {self.root} failed verification:\n  " + "\n  ".join(problems))
         external = {loc: self.read(str(folder.external_data_target(rel, loc))) for loc in locations}
@@ -203,7 +208,7 @@ class ArtifactReader:
         that take a folder, like a tokenizer); removed on exit."""
         prefix = rel_dir.rstrip("/") + "/"
         with tempfile.TemporaryDirectory(prefix="diffusion-trt-") as tmp:
-            for rel in self.manifest["files"]:
+            for rel in self._json["files"]:
                 if rel.startswith(prefix):
                     dest = Path(tmp).joinpath(*PurePosixPath(rel[len(prefix):]).parts)
                     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -258,9 +258,9 @@ def bind_pipeline(triton: Any, pipe: Any, config: ServeConfig) -> MicroBatcher:
 
     from .loras import FIELD, LoraLibrary
 
-    facts = {"model": pipe.manifest["model"], "profile": pipe.manifest["profile"], "limits": config.limits()}
+    facts = {"model": pipe.manifest.model_json, "profile": pipe.manifest.profile_json, "limits": config.limits()}
     library = LoraLibrary(config.lora_dir) if config.lora_dir is not None else None
-    if library is not None and not any(e.get("refit_map") for e in pipe.manifest["components"].values()):
+    if library is not None and not any(e.refit_map for e in pipe.manifest.components.values()):
         raise LoraError("serve --lora-dir: this artifact was compiled without --refittable, so it cannot take a LoRA "
                         "per request; recompile with `diffusion-trt compile MODEL --refittable`")
     cap = int(pipe.profile.batch.max)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from diffusion_trt.artifact.manifest import Manifest
 from diffusion_trt.config import Range, ShapeProfile
 from diffusion_trt.errors import RuntimeInputError
 from diffusion_trt.runtime.conditioning import Conditioning, PreparedLatents, TextToImage
@@ -24,12 +25,12 @@ SPEC = RequestSpec(PROFILE, LatentGeometry())
 def test_geometry_reads_the_manifest_once() -> None:
     manifest = {"model": {"vae_scale_factor": 8, "vae_scaling_factor": 0.13025, "unet_in_channels": 9,
                           "latent_channels": 4}}
-    geo = LatentGeometry.from_manifest(manifest)
+    geo = LatentGeometry.from_manifest(Manifest.from_json(manifest))
     assert (geo.scale_factor, geo.scaling_factor, geo.channels, geo.unet_in_channels) == (8, 0.13025, 4, 9)
     assert geo.latent_shape(3, 64, 48) == (3, 4, 8, 6)
     assert geo.derived_dims == {"H": ("h", 8), "W": ("w", 8)}
     # without the model entry: SD's VAE, and the UNet engine's channels
-    assert LatentGeometry.from_manifest({}, unet_in_channels=9) == LatentGeometry(8, 0.18215, 4, 9)
+    assert LatentGeometry.from_manifest(Manifest.from_json({}), unet_in_channels=9) == LatentGeometry(8, 0.18215, 4, 9)
 
 
 def test_geometry_checks_requested_and_image_sizes() -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from diffusion_trt.artifact.manifest import Manifest
 from diffusion_trt.cli import main
 from diffusion_trt.errors import RuntimeInputError
 from diffusion_trt.runtime import EnginePipeline
@@ -77,7 +78,7 @@ def test_measured_vae_facts_make_the_plan_tile_the_vae(tiny_artifact: Path, refe
                                                       no_recorded_facts: Path) -> None:
     """Recorded (measured) figures replace the estimates; a VAE that needs 2 GiB at 128x128 but 0.5 GiB per
     64x64 tile gets decoded in tiles under a budget between the two."""
-    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    manifest = Manifest.read(tiny_artifact)
     path = record_memory_facts(facts_path(manifest), manifest, "a test", {
         "vae_decoder": {"weights_bytes": 1 * MiB, "activations": [
             {"rows": 1, "height": 128, "width": 128, "bytes": 2 * GiB},
