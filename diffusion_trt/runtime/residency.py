@@ -2,7 +2,8 @@
 engines opened per stage and released.
 
 ``EnginePipeline.from_artifacts(..., vram_budget="8GB")`` builds a :class:`VramBudget` from the manifest, plans for
-the request size it is given (``vram_request``; default the artifact's default size, batch 1) and refuses there,
+the request size it is given (``vram_request``; default the size a call without sizes gets, the profile's opt size,
+batch 1) and refuses there,
 before any engine opens, a budget no plan meets. Each call re-plans for its own size and batch (figures are cached;
 a request the budget cannot meet is refused before anything runs) and switches plans where needed.
 
@@ -156,17 +157,17 @@ def plan_for_request(
     request: tuple[int | None, int | None, int] | None = None,
     facts_file: str | Path | None = None,
 ) -> Residency:
-    """The budget's plan for ``request`` = (height, width, batch); ``None`` sizes = the artifact's default size
-    (``request=None``: that size, batch 1).
+    """The budget's plan for ``request`` = (height, width, batch); ``None`` sizes = the size a call without sizes gets
+    (the profile's opt size: :attr:`~diffusion_trt.artifact.manifest.Profile.opt_size`; ``request=None``: that size,
+    batch 1), so a budget accepted here is not refused by the first call.
 
     Raises:
         RuntimeInputError: a malformed budget, a facts file of another artifact, or a budget no plan meets.
     """
     budget = VramBudget.from_manifest(vram_budget, manifest, root, components, facts_file)
     height, width, batch = request if request is not None else (None, None, 1)
-    model, prof = manifest.model, manifest.profile
-    height = int(height or (model.default_height if model.default_height is not None else prof.height.opt))
-    width = int(width or (model.default_width if model.default_width is not None else prof.width.opt))
+    opt_height, opt_width = manifest.profile.opt_size
+    height, width = int(height or opt_height), int(width or opt_width)
     plan = budget.plan(height, width, batch)
     logger.info("vram budget: %s for %s", plan.describe(), request_shape(height, width, batch))
     return Residency(budget, plan)
