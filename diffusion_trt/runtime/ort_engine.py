@@ -81,8 +81,7 @@ def resolve_conv_algo_search(requested: str, spec: EngineSpec) -> str:
     """
     if requested != "AUTO":
         return requested
-    static = all(info.min == info.max for info in spec.inputs)
-    return "EXHAUSTIVE" if static else "HEURISTIC"
+    return "EXHAUSTIVE" if spec.is_static else "HEURISTIC"
 
 #: ONNX Runtime type strings (``NodeArg.type``) -> manifest dtype names.
 _ORT_TYPES: dict[str, str] = {
@@ -109,7 +108,7 @@ def cuda_graph_refusal(spec: EngineSpec, device: str) -> str | None:
         A one-line reason naming the offending input / device and the fix, or ``None``.
     """
     for info in spec.inputs:
-        if info.min != info.max:
+        if not info.is_static:
             return (
                 f"input {info.name!r} has a dynamic profile {_fmt_shape(info.min)}..{_fmt_shape(info.max)} and a "
                 "CUDA graph replays one shape; compile a static artifact (min == opt == max) to use CUDA graphs"
