@@ -254,6 +254,11 @@ class Manifest:
         return copy.deepcopy(dict(self._json))
 
     @property
+    def config_json(self) -> dict[str, Any]:
+        """A copy of the ``CompileConfig`` JSON that made the artifact (``config``; ``{}`` when absent)."""
+        return copy.deepcopy(dict(self._json.get("config") or {}))
+
+    @property
     def model_json(self) -> dict[str, Any]:
         """A copy of the manifest's ``model`` as written (every key, also those :class:`ModelFacts` does not name),
         for the facts a server publishes."""
