@@ -96,6 +96,45 @@ def test_parts_import_only_the_parts_below_them() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def manifest_key_reads(path: Path) -> list[str]:
+    """``"line: source"`` of every read of a manifest key by string in ``path``: a ``x["key"]`` load or ``x.get("key")``
+    whose chain (through subscripts and ``.get`` calls) starts at an expression naming ``manifest`` (issue 23: outside
+    ``artifact/`` the typed :class:`~diffusion_trt.artifact.manifest.Manifest` is read, and only the compiler, which
+    writes and amends manifests, keeps the JSON)."""
+    src = path.read_text(encoding="utf-8")
+    found = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            base, key = node.value, node.slice
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and node.args:
+            base, key = node.func.value, node.args[0]
+        else:
+            continue
+        if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+            continue
+        while True:  # to the root of x["a"].get("b")["c"]
+            if isinstance(base, ast.Subscript):
+                base = base.value
+            elif isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) and base.func.attr == "get":
+                base = base.func.value
+            else:
+                break
+        if not isinstance(base, ast.Call) and "manifest" in (ast.get_source_segment(src, base) or "").lower():
+            found.append(f"{node.lineno}: {ast.get_source_segment(src, node)}")
+    return found
+
+
+def test_only_artifact_and_the_compiler_read_manifest_keys(tmp_path: Path) -> None:
+    wrong = [f"{path.relative_to(PACKAGE.parent)}:{r}" for path in _sources()
+             if _part(_module_name(path)) not in ("artifact", "compiler") for r in manifest_key_reads(path)]
+    assert not wrong, "\n".join(wrong)
+    (tmp_path / "x.py").write_text("m = manifest['model']['architecture']\nb = reader.manifest.get('backend')\n"
+                                   "ok = manifest.model.architecture\nt = tensor_manifest(t)['opt']\n")
+    assert sorted(manifest_key_reads(tmp_path / "x.py")) == [
+        "1: manifest['model']", "1: manifest['model']['architecture']", "2: reader.manifest.get('backend')"]
+
+
 def _runtime_problem(module: str, names: list[str]) -> str | None:
     """Why the runtime may not import ``names`` from ``module``, or None (see the module docstring)."""
     top = module.split(".")[0]

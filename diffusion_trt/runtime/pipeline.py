@@ -831,8 +831,9 @@ class LoadOptions:
             "8000MB"); the engines are then opened per stage or kept resident as the plan of
             :mod:`~diffusion_trt.runtime.residency` decides, ORT arenas are capped to it and large images are
             decoded in VAE tiles. ``None`` = no budget (every engine resident, as before).
-        vram_request: (height, width, batch) the budget is checked against now; default the artifact's default
-            size, batch 1. Every call is checked again for its own size and batch.
+        vram_request: (height, width, batch) the budget is checked against now; ``None`` sizes (default) = the
+            size a call without sizes gets (the profile's opt size), batch 1. Every call is checked again for its own
+            size and batch.
         memory_facts: a measured memory facts file (:func:`~diffusion_trt.runtime.memory.load_memory_facts`);
             default the one recorded for this artifact, if any, else estimates.
         deterministic: ORT's ``use_deterministic_compute`` on every session and torch's deterministic algorithms
