@@ -36,7 +36,7 @@ def options_for(component: str, variant: str) -> dict[str, str]:
 
 
 def time_variants(art: Path, component: str, variants: list[str]) -> dict[str, Any]:
-    from diffusion_trt import artifacts
+    from diffusion_trt.artifact import folder as artifacts
     from diffusion_trt.runtime.engines.ort_engine import OrtEngine
 
     entry = artifacts.load_verified(art, check_hashes=False)["components"][component]

@@ -28,7 +28,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from diffusion_trt.artifacts import sha256_file  # noqa: E402
+from diffusion_trt.artifact.folder import sha256_file  # noqa: E402
 from diffusion_trt.compiler.cache import _FICLONE, clone_or_copy  # noqa: E402
 
 

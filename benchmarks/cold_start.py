@@ -65,7 +65,7 @@ def phases(art: str, cudnn: str) -> dict:
     t = time.perf_counter()
     torch.zeros(1, device=device)
     out: dict = {"cuda_init_s": time.perf_counter() - t}
-    from diffusion_trt.artifact_reader import ArtifactReader
+    from diffusion_trt.artifact.reader import ArtifactReader
     from diffusion_trt.runtime.engines.ort_engine import OrtEngine
     from diffusion_trt.runtime.pipeline import cuda_layout_options
 
@@ -75,14 +75,14 @@ def phases(art: str, cudnn: str) -> dict:
     manifest = reader.manifest
     stream = torch.cuda.Stream() if device == "cuda" else None
     for name in ("text_encoder", "unet", "vae_decoder"):
-        entry = manifest["components"][name]
+        entry = manifest.components[name]
         row: dict = {}
         t = time.perf_counter()
-        data = reader.onnx(entry["onnx"])
+        data = reader.onnx(entry.onnx)
         row["read_hash_s"] = time.perf_counter() - t
         row["bytes"] = len(data.model) + sum(len(b) for b in data.external.values())
         row["read_hash_gb_per_s"] = row["bytes"] / row["read_hash_s"] / 1e9
-        engine = OrtEngine(art + "/" + entry["onnx"], entry, name=name, device=device, stream=stream,
+        engine = OrtEngine(art + "/" + entry.onnx, entry.spec, name=name, device=device, stream=stream,
                            cudnn_conv_algo_search=cudnn, provider_options=cuda_layout_options(name, device),
                            cuda_graph=device == "cuda", source=lambda d=data: d)
         t = time.perf_counter()

@@ -80,7 +80,7 @@ def feeds_for(entry: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def time_artifact(art: Path, variants: list[str], iters: int) -> dict[str, Any]:
-    from diffusion_trt import artifacts
+    from diffusion_trt.artifact import folder as artifacts
     from diffusion_trt.runtime.engines.ort_engine import OrtEngine
 
     manifest = artifacts.load_verified(art, check_hashes=False)

@@ -67,7 +67,7 @@ def max_diff_over_runs(fn: Any, runs: int) -> dict[str, Any]:
 
 
 def components(art: Path, modes: list[str], runs: int) -> dict[str, Any]:
-    from diffusion_trt import artifacts
+    from diffusion_trt.artifact import folder as artifacts
     from diffusion_trt.runtime.engines.ort_engine import OrtEngine
     from diffusion_trt.runtime.pipeline import cuda_layout_options
 

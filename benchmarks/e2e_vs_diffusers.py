@@ -69,8 +69,8 @@ def main() -> None:
     pipe.__enter__()
     results["ours_load_s"] = time.perf_counter() - t0
     manifest = pipe.manifest
-    precision = manifest["precision"]
-    h, w = manifest["model"]["default_height"], manifest["model"]["default_width"]
+    precision = manifest.precision
+    h, w = manifest.model.default_height, manifest.model.default_width
     results.update(precision=precision, height=h, width=w)
     dtype = torch.float16 if precision == "fp16" else torch.float32
 
@@ -84,11 +84,11 @@ def main() -> None:
     results["ours_e2e_s"] = statistics.median(e2e)
 
     unet = pipe.engines["unet"]
-    lat = (2, manifest["model"]["unet_in_channels"], h // 8, w // 8)
+    lat = (2, manifest.model.unet_in_channels, h // 8, w // 8)
     feeds = {
         "sample": torch.randn(lat, device=dev, dtype=dtype),
         "timestep": torch.full((2,), 500.0, device=dev, dtype=torch.float32),
-        "encoder_hidden_states": torch.randn(2, 77, manifest["model"]["text_hidden_size"], device=dev, dtype=dtype),
+        "encoder_hidden_states": torch.randn(2, 77, manifest.model.text_hidden_size, device=dev, dtype=dtype),
     }
     results["ours_unet_step_ms"] = 1e3 * statistics.median(timed(lambda: unet.run(feeds), dev, 5, args.unet_iters))
     pipe.__exit__(None, None, None)  # frees the sessions before diffusers loads

@@ -232,22 +232,22 @@ def child_facts(artifact: str) -> dict[str, Any]:
     """Each engine alone: weights = used after open - before; activations = used after 3 runs - after open."""
     import torch
 
-    from diffusion_trt.artifacts import read_manifest
+    from diffusion_trt.artifact.manifest import Manifest
     from diffusion_trt.runtime.memory.plan import facts_path, record_memory_facts
     from diffusion_trt.runtime.pipeline import txt2img_components
 
-    manifest = read_manifest(artifact)
+    manifest = Manifest.read(artifact)
     _cuda_init()
     if DEVICE == "cuda":
         a = torch.randn(256, 256, device="cuda", dtype=torch.float16)
         (a @ a).sum().item()  # cuBLAS loaded
         torch.nn.functional.conv2d(a[None, None], a[None, None, :3, :3]).sum().item()  # cuDNN loaded
     overhead = _device_used()
-    scale = int(manifest.get("model", {}).get("vae_scale_factor", 8))
+    scale = manifest.model.vae_scale_factor
     out: dict[str, Any] = {"overhead_bytes": overhead, "gpu": _gpu(), "engines": {}}
     record: dict[str, Any] = {}
     for name in txt2img_components(manifest):
-        entry = manifest["components"][name]
+        entry = manifest.components[name].spec
         try:
             _sync()
             used0 = _device_used()
@@ -336,12 +336,12 @@ def child_vae(artifact: str, model: str, size: int) -> dict[str, Any]:
     import torch
     from diffusers import AutoencoderKL
 
-    from diffusion_trt.artifacts import read_manifest
+    from diffusion_trt.artifact.manifest import Manifest
     from diffusion_trt.runtime.memory.memory_meter import StageMemoryMeter
     from diffusion_trt.runtime.memory.vae_tiling import TiledVaeDecoder, tiled_decode
 
-    manifest = read_manifest(artifact)
-    entry = manifest["components"]["vae_decoder"]
+    manifest = Manifest.read(artifact)
+    entry = manifest.components["vae_decoder"].spec
     _cuda_init()
     z = torch.randn(1, 4, size // 8, size // 8, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     out: dict[str, Any] = {"size": size, "gpu": _gpu()}

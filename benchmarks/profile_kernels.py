@@ -46,7 +46,7 @@ def category(name: str) -> str:
 def profile_component(art: Path, comp: str, options: dict[str, str], iters: int, top: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
-    from diffusion_trt import artifacts
+    from diffusion_trt.artifact import folder as artifacts
     from diffusion_trt.runtime.engines.ort_engine import OrtEngine
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))

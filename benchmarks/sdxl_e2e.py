@@ -117,12 +117,12 @@ def main() -> None:
     pipe = EnginePipeline.from_artifacts(args.artifact_dir, device=dev)
     results["ours_load_s"] = round(time.perf_counter() - t0, 2)
     manifest = pipe.manifest
-    if manifest["model"].get("architecture") != "sdxl":
+    if not manifest.model.is_sdxl:
         raise SystemExit(f"{args.artifact_dir} is not an SDXL artifact (model.architecture="
-                         f"{manifest['model'].get('architecture')!r})")
-    h, w = manifest["model"]["default_height"], manifest["model"]["default_width"]
-    results.update(height=h, width=w, precision=manifest["precision"],
-                   component_precision={k: v["precision"] for k, v in manifest["components"].items()})
+                         f"{manifest.model.architecture!r})")
+    h, w = manifest.model.default_height, manifest.model.default_width
+    results.update(height=h, width=w, precision=manifest.precision,
+                   component_precision={k: v.precision for k, v in manifest.components.items()})
 
     def ours(finite: FiniteSteps, steps: int = args.steps) -> np.ndarray:
         return pipe(args.prompt, num_inference_steps=steps, guidance_scale=args.guidance, seed=args.seed,

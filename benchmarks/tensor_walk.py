@@ -1,5 +1,5 @@
 """The cost of finding every tensor of a big ONNX model (issue 24 item 1): the parse next to the generic protobuf
-walk (:func:`diffusion_trt.artifacts.onnx_model_tensors`), on one UNet-sized proto.
+walk (:func:`diffusion_trt.artifact.folder.onnx_model_tensors`), on one UNet-sized proto.
 
     PYTHONPATH=. python benchmarks/tensor_walk.py [--gb 1.0] [--initializers 700] [--nodes 5000] [--json out.json]
 
@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from diffusion_trt import artifacts
+from diffusion_trt.artifact import folder as artifacts
 
 
 def _model(gb: float, initializers: int, nodes: int) -> bytes:

@@ -20,7 +20,8 @@ from typing import Any
 
 import click
 
-from .artifact_values import printable  # re and json: light
+from .artifact.manifest import Manifest  # dataclasses: light
+from .artifact.values import printable  # re and json: light
 from .compiler.dummy import ARCHS  # a tuple of names: dummy.py imports torch/diffusers only when called
 from .errors import DiffusionTrtError
 from .runtime.generation_args import GENERATION_ARGS, MAX_SEED  # a table: numpy only
@@ -228,7 +229,7 @@ def _vram_budget(ctx: click.Context, param: click.Parameter, value: str | None) 
 
 def _sha256_hex(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """``--expect-sha256``: 64 hex digits, or a usage error (exit 2) before the artifact is read."""
-    from .artifacts import sha256_hex_problem
+    from .artifact.folder import sha256_hex_problem
 
     problem = None if value is None else sha256_hex_problem(value)
     if problem is not None:
@@ -705,16 +706,26 @@ def _read_image(path: Path, flag: str, mode: str, max_hw: tuple[int, int] | None
         raise click.BadParameter(str(e), param_hint=flag) from None
 
 
-def _profile_max_hw(artifact_dir: Path) -> tuple[int, int] | None:
-    """The largest (height, width) of the artifact's profile (manifest.json), to refuse a too-large image before it is
-    decoded; ``None`` when the manifest has no readable profile (the pipeline's checks refuse such an artifact)."""
-    from .artifacts import read_manifest
+def _profile_max_hw(manifest: Manifest) -> tuple[int, int]:
+    """The largest (height, width) of the artifact's profile, to refuse a too-large image before it is decoded."""
+    return manifest.profile.height.max, manifest.profile.width.max
 
+
+def _read_manifest(artifact_dir: Path) -> tuple[Manifest | None, DiffusionTrtError | None]:
+    """``run``'s one read of the artifact's typed manifest (schema and seal checked), or the reason it failed: raised
+    only where a fact is needed before loading (``from_artifacts`` says what is wrong with the artifact otherwise)."""
     try:
-        profile = read_manifest(artifact_dir)["profile"]
-        return int(profile["height"][2]), int(profile["width"][2])
-    except (KeyError, TypeError, ValueError, IndexError):
-        return None
+        return Manifest.read(artifact_dir), None
+    except DiffusionTrtError as e:
+        return None, e
+
+
+def _needed(read: tuple[Manifest | None, DiffusionTrtError | None]) -> Manifest:
+    """The manifest :func:`_read_manifest` read, or its failure raised."""
+    manifest, problem = read
+    if manifest is None:
+        raise problem  # type: ignore[misc]
+    return manifest
 
 
 def _check_writable_file(path: Path, flag: str, suffix: str | None) -> None:
@@ -844,17 +855,11 @@ def _refuse_existing_outputs(out: Path, count: int) -> None:
 
 
 def _print_pass_table(path: Path) -> None:
-    from .artifacts import read_manifest
+    from .artifact.summary import pass_table
 
-    manifest = read_manifest(path)
     click.echo("pass counts (non-zero):", err=True)
-    for name, entry in manifest["components"].items():
-        parts = []
-        for rec in entry.get("passes", []):
-            counts = ", ".join(f"{k}={v}" for k, v in rec.get("counts", {}).items() if v)
-            if counts:
-                parts.append(f"{rec['name']}({counts})")
-        click.echo(f"  {name:<13} {'; '.join(parts) or 'no change'}", err=True)
+    for line in pass_table(Manifest.read(path)):
+        click.echo(f"  {line}", err=True)
 
 
 @main.command("optimize")
@@ -1044,16 +1049,17 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         from .runtime.schedulers import resolve_scheduler
 
         resolve_scheduler(scheduler)
-    engine_options = _one_shot_search(_check_engine_options(engine_options), artifact_dir, device)
+    read = _read_manifest(artifact_dir)
+    engine_options = _one_shot_search(_check_engine_options(engine_options), read[0], device)
     lora_specs = [parse_lora_arg(x) for x in loras]
     for path, scale in lora_specs:  # a missing / pickled / malformed file fails before the engines load
         check_lora_file(path, scale)
     if lora_specs and len(_parse_devices(devices, device)) >= 2:
         raise click.UsageError("--lora runs on one device; drop --devices (or give one device)")
-    max_hw = _profile_max_hw(artifact_dir) if image_path is not None else None
+    max_hw = _profile_max_hw(_needed(read)) if image_path is not None else None
     image = _read_image(image_path, "--image", "RGB", max_hw) if image_path is not None else None
     mode = "inpaint" if mask_path is not None else "img2img" if image_path is not None else "txt2img"
-    control = _control_arguments(artifact_dir, controlnets, control_images, control_preprocess,
+    control = _control_arguments(read, controlnets, control_images, control_preprocess,
                                  control_guidance_start, control_guidance_end, guess_mode, mode)
     if control and devices is not None:
         raise click.UsageError("--controlnet runs on one device; drop --devices (or use --device cuda)")
@@ -1063,16 +1069,14 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
     if not overwrite:
         _refuse_existing_outputs(out, batch_size)
     if snap and (height is not None or width is not None):
-        from .artifacts import read_manifest
-
-        profile = read_manifest(artifact_dir).get("profile", {})
-        height = _snap("height", height, *(profile.get("height", [None, None, None])[::2]))
-        width = _snap("width", width, *(profile.get("width", [None, None, None])[::2]))
+        profile = _needed(read).profile
+        height = _snap("height", height, profile.height.min, profile.height.max)
+        width = _snap("width", width, profile.width.min, profile.width.max)
     device_list = _parse_devices(devices, device)
     if vram_budget is not None and len(device_list) >= 2:
         raise click.UsageError("--vram-budget plans one device; drop --devices or give one device")
     budget = {} if vram_budget is None else {"vram_budget": vram_budget, "vram_request": (height, width, batch_size)}
-    _check_before_load(artifact_dir, prompt, num_inference_steps=steps, guidance_scale=guidance, seed=seed,
+    _check_before_load(read, prompt, num_inference_steps=steps, guidance_scale=guidance, seed=seed,
                        height=height, width=width, num_images_per_prompt=batch_size, image_given=image is not None)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -1114,7 +1118,8 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         click.echo(f"image: {path}")
 
 
-def _check_before_load(artifact_dir: Path, prompt: str, **arguments: Any) -> None:
+def _check_before_load(read: tuple[Manifest | None, DiffusionTrtError | None], prompt: str, **arguments: Any
+                       ) -> None:
     """Refuse a ``run`` the artifact cannot honour (its size, batch, guidance...; :func:`~.runtime.request.
     check_before_load`) from its manifest, before the engines load (15-18 s for SD); an artifact whose manifest cannot
     be read is left to the load, which says why.
@@ -1122,19 +1127,15 @@ def _check_before_load(artifact_dir: Path, prompt: str, **arguments: Any) -> Non
     Raises:
         RuntimeInputError: as :meth:`~.runtime.pipeline.EnginePipeline.__call__`.
     """
-    from .artifacts import read_manifest
-    from .errors import ArtifactError
     from .runtime.request import RequestSpec, check_before_load
 
-    try:
-        spec = RequestSpec.from_manifest(read_manifest(artifact_dir))
-    except ArtifactError:
-        return
-    check_before_load(spec, prompt, **arguments)
+    if read[0] is not None:
+        check_before_load(RequestSpec.from_manifest(read[0]), prompt, **arguments)
 
 
-def _control_arguments(artifact_dir: Path, controlnets: tuple[str, ...], control_images: tuple[Path, ...],
-                       preprocess: str, start: float, end: float, guess_mode: bool, mode: str) -> dict[str, Any]:
+def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], controlnets: tuple[str, ...],
+                       control_images: tuple[Path, ...], preprocess: str, start: float, end: float, guess_mode: bool,
+                       mode: str) -> dict[str, Any]:
     """run's ControlNet options as EnginePipeline keywords ({} without --controlnet); a --controlnet without a scale
     gets the default of diffusers' ControlNet pipeline of ``mode`` (1.0 txt2img, 0.8 img2img, 0.5 inpaint).
 
@@ -1163,7 +1164,7 @@ def _control_arguments(artifact_dir: Path, controlnets: tuple[str, ...], control
                                    f"{name}:0.8")
         names.append(name)
         scales.append(number)
-    max_hw = _profile_max_hw(artifact_dir)
+    max_hw = _profile_max_hw(_needed(read))
     images = [_read_image(p, "--control-image", "RGB", max_hw) for p in control_images]
     if preprocess == "canny":
         from .runtime.control_preprocess import canny
@@ -1192,13 +1193,13 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
     """
     import json
 
-    from .artifact_values import printable_tree
-    from .artifacts import leftover_warnings, read_manifest
+    from .artifact.folder import leftover_warnings
+    from .artifact.summary import artifact_summary, format_summary
+    from .artifact.values import printable_tree
     from .runtime.memory.residency import memory_summary
-    from .summary import artifact_summary, format_summary
 
-    manifest = read_manifest(artifact_dir)
-    summary = artifact_summary(artifact_dir, manifest)
+    manifest = Manifest.read(artifact_dir)
+    summary = artifact_summary(artifact_dir, manifest.to_json())
     summary["memory"] = memory_summary(artifact_dir, manifest)
     for line in leftover_warnings(artifact_dir):
         click.echo(f"warning: {printable(line)}", err=True)
@@ -1235,8 +1236,8 @@ def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: 
       diffusion-trt verify artifacts/sd15-trt --tensorrt 10.8.0.43 --compute-capability 9.0
       diffusion-trt verify artifacts/tiny --source models/tiny
     """
+    from .artifact.verify import verify_artifact
     from .trt_compat import TrtHost
-    from .verify import verify_artifact
 
     if (trt_version is None) != (compute_capability is None):
         raise click.UsageError("--tensorrt and --compute-capability go together")
@@ -1278,20 +1279,19 @@ def _check_engine_options(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def _one_shot_search(options: dict[str, Any], artifact_dir: Path, device: str | None) -> dict[str, Any]:
+def _one_shot_search(options: dict[str, Any], manifest: Manifest | None, device: str | None) -> dict[str, Any]:
     """``run``'s default HEURISTIC search where it acts (an ONNX Runtime artifact on CUDA), else AUTO: a default is
-    no reason for the "no effect" warning an explicit ``--cudnn-algo-search`` gets elsewhere."""
+    no reason for the "no effect" warning an explicit ``--cudnn-algo-search`` gets elsewhere. ``manifest``: the one
+    ``run`` read (``None``: unreadable; ``from_artifacts`` says what is wrong with the artifact)."""
     from click.core import ParameterSource
 
-    from . import artifacts
+    from .artifact.manifest import Backend
 
     if click.get_current_context().get_parameter_source("cudnn_conv_algo_search") is not ParameterSource.DEFAULT:
         return options
-    try:
-        manifest = artifacts.read_manifest(artifact_dir)
-    except DiffusionTrtError:
-        return options  # from_artifacts says what is wrong with the artifact
-    if manifest.get("backend") != "ort" or (device or manifest.get("device")) != "cuda":
+    if manifest is None:
+        return options
+    if manifest.backend is not Backend.ORT or (device or manifest.device) != "cuda":
         options["cudnn_conv_algo_search"] = "AUTO"
     return options
 

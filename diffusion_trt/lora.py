@@ -83,7 +83,7 @@ def check_lora_file(path: str | Path, scale: Any = 1.0) -> LoraFile:
         LoraError: missing, a folder, not ``.safetensors`` (pickled LoRAs run code when loaded), not a valid
             safetensors file, or no tensor with ``lora`` in its name; a bad ``scale``.
     """
-    from .artifacts import sha256_file
+    from .artifact.folder import sha256_file
 
     scale = check_scale(scale)
     p = Path(path)

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 import onnx.external_data_helper
 
-from .artifacts import external_data_target, onnx_model_tensors
+from .artifact.folder import external_data_target, onnx_model_tensors
 from .errors import ModelFileError, PassError
 from .passes import PassContext, PassRecord, _ort, pipeline_for
 from .passes.base import MIN_OPSET, default_domain_opset
@@ -109,7 +109,7 @@ def load_model(path: Path) -> onnx.ModelProto:
     """Load an ONNX file with its external data, which must lie beside it (in its folder or below).
 
     The model is parsed once without its weights; every tensor that claims external data, wherever the protobuf
-    holds it (:func:`~diffusion_trt.artifacts.onnx_model_tensors`: functions, their attribute defaults,
+    holds it (:func:`~diffusion_trt.artifact.folder.onnx_model_tensors`: functions, their attribute defaults,
     ``training_info`` and subgraphs included), must name a regular file inside the model's folder, which is then read
     into the tensor. A location that is empty, absolute, has ``..`` or leads out through a symbolic link is refused
     before any file is opened: no tensor is left for ONNX Runtime to resolve against the working directory.

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .artifact_values import parse_json
+from .artifact.values import parse_json
 from .errors import ArtifactError, BuildError
 
 logger = logging.getLogger(__name__)
@@ -479,7 +479,7 @@ def unpack_framed(data: bytes, magic: bytes, fmt: int, what: str,
     """The payload of a file written by :func:`pack_framed`, if its header holds ``key``.
 
     The file is untrusted (a user's cache folder): a header longer than :data:`MAX_FRAME_HEADER_BYTES` is not parsed,
-    and the header is parsed by :func:`~diffusion_trt.artifact_values.parse_json` (bounded nesting and integers, no
+    and the header is parsed by :func:`~diffusion_trt.artifact.values.parse_json` (bounded nesting and integers, no
     NaN), so no content raises.
 
     Returns:

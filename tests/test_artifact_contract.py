@@ -16,11 +16,11 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from diffusion_trt import artifacts
+from diffusion_trt.artifact import folder as artifacts
+from diffusion_trt.artifact.verify import verify_artifact
 from diffusion_trt.cli import main
 from diffusion_trt.errors import ArtifactError
 from diffusion_trt.trt_compat import TrtHost
-from diffusion_trt.verify import verify_artifact
 
 
 def _invoke(*args: object) -> tuple[int, str]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from diffusion_trt.artifact_facts import BUILD_FACT_KEYS, FACTS_VERSION, BuildFacts
+from diffusion_trt.artifact.facts import BUILD_FACT_KEYS, FACTS_VERSION, BuildFacts
 from diffusion_trt.errors import ArtifactError
 
 #: a tensorrt-rtx component's build facts, as build_trt.engine_from_onnx writes them (key order included)

@@ -26,12 +26,12 @@ import torch
 from click.testing import CliRunner, Result
 from onnx import TensorProto, helper
 
-from diffusion_trt import artifacts
+from diffusion_trt.artifact import folder as artifacts
+from diffusion_trt.artifact.verify import verify_artifact
 from diffusion_trt.cli import main
 from diffusion_trt.errors import ArtifactError, RuntimeInputError
 from diffusion_trt.runtime import EnginePipeline
 from diffusion_trt.runtime.engines import ort_engine as ort_engine_module
-from diffusion_trt.verify import verify_artifact
 
 
 def _run_cli(*args: object) -> Result:
@@ -228,7 +228,7 @@ def _exchange_after_first_engine(monkeypatch: pytest.MonkeyPatch, a: Path, b: Pa
 def _exchange_on_first_read(monkeypatch: pytest.MonkeyPatch, prefix: str, a: Path, b: Path,
                             then: Callable[[], None] = lambda: None) -> None:
     """Exchange folders ``a`` and ``b`` (and run ``then``) just before the first read of a file under ``prefix``."""
-    from diffusion_trt.artifact_reader import ArtifactReader
+    from diffusion_trt.artifact.reader import ArtifactReader
 
     real_read = ArtifactReader._read_file
     done: list[bool] = []
@@ -257,7 +257,7 @@ def test_a_folder_exchanged_while_loading_gives_one_whole_artifact(art: Path,
     with _load(art) as pipe:
         # the engines open side by side (runtime/loading.py): the exchange came after the first of them opened
         assert set(opened) == {"text_encoder", "unet", "vae_decoder"}
-        assert pipe.manifest["manifest_sha256"] == seal
+        assert pipe.manifest.seal == seal
         np.testing.assert_array_equal(_unet_output(pipe), original)  # the folder that was opened, not its successor
 
 
@@ -272,7 +272,7 @@ def test_a_folder_replaced_and_deleted_while_loading_is_loaded_again(art: Path,
     # theirs (runtime/loading.py): that read fails for sure, whatever the engine threads had read already
     _exchange_on_first_read(monkeypatch, "tokenizer/", art, other, then=lambda: shutil.rmtree(other))
     with _load(art) as pipe:
-        assert pipe.manifest["manifest_sha256"] == new_seal
+        assert pipe.manifest.seal == new_seal
         np.testing.assert_array_equal(_unet_output(pipe), new_output)
 
 
@@ -355,7 +355,7 @@ def test_the_api_builds_only_the_allowed_scheduler_classes(tiny_artifact: Path, 
     with pytest.raises(ArtifactError, match=f"scheduler class '{class_name}' is not one the runtime runs; use one of "
                                             "PNDMScheduler, DDIMScheduler"):
         make_scheduler(config, None, class_name=class_name)
-    from diffusion_trt.artifact_values import scheduler_classes
+    from diffusion_trt.artifact.values import scheduler_classes
 
     assert set(scheduler_classes()) == {cls for cls, _ in SCHEDULERS.values()}  # the schema's list is the table's
 
@@ -464,7 +464,7 @@ def test_a_symlink_loop_inside_the_folder_is_one_error_line(art: Path, tmp_path:
 
 HOLD = """
 import sys, time
-from diffusion_trt import artifacts
+from diffusion_trt.artifact import folder as artifacts
 with artifacts.artifact_lock(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(float(sys.argv[2]))
@@ -555,7 +555,7 @@ def test_a_refused_folder_does_not_close_a_descriptor_it_no_longer_owns(tmp_path
     import gc
     import os
 
-    from diffusion_trt.artifact_reader import ArtifactReader
+    from diffusion_trt.artifact.reader import ArtifactReader
     from diffusion_trt.errors import ArtifactError
 
     (tmp_path / "art").mkdir()

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from diffusion_trt import artifacts
+from diffusion_trt.artifact import folder as artifacts
+from diffusion_trt.artifact.verify import verify_artifact
 from diffusion_trt.errors import ArtifactError
-from diffusion_trt.verify import verify_artifact
 
 HOLD = """
 import sys, time
-from diffusion_trt import artifacts
+from diffusion_trt.artifact import folder as artifacts
 with artifacts.artifact_lock(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(float(sys.argv[2]))

@@ -106,16 +106,18 @@ def test_baseline_on_other_weights_is_flagged(tiny_artifact: Path, tiny_pipeline
     """The diffusers baselines must run the artifact's weights: another folder (or a merged LoRA) is said so."""
     import shutil
 
-    from diffusion_trt.artifacts import load_verified
+    from diffusion_trt.artifact.folder import load_verified
+    from diffusion_trt.artifact.manifest import Manifest
     from diffusion_trt.bench import baseline_mismatch as _baseline_mismatch
 
-    manifest = load_verified(tiny_artifact)
+    raw = load_verified(tiny_artifact)
+    manifest = Manifest.from_json(raw)
     assert _baseline_mismatch(tiny_pipeline_dir, manifest) is None
     other = tmp_path / "other"
     shutil.copytree(tiny_pipeline_dir, other)
     (other / "scheduler" / "scheduler_config.json").write_text('{"_class_name": "DDIMScheduler"}')
     assert "is not the folder the artifact was compiled from" in _baseline_mismatch(other, manifest)
-    with_lora = {**manifest, "loras": [{"name": "ink.safetensors", "sha256": "0" * 64, "scale": 1.0}]}
+    with_lora = Manifest.from_json({**raw, "loras": [{"name": "ink.safetensors", "sha256": "0" * 64, "scale": 1.0}]})
     assert "LoRAs merged in" in _baseline_mismatch(tiny_pipeline_dir, with_lora)
 
 
@@ -125,10 +127,10 @@ def test_baseline_folder_of_the_same_architecture_passes(tiny_artifact: Path, ti
     of the same architecture (SD-2.1 for SD-1.5) are baseline_mismatch's note, not an error."""
     import shutil
 
-    from diffusion_trt.artifacts import read_manifest
+    from diffusion_trt.artifact.manifest import Manifest
     from diffusion_trt.bench import architecture_mismatch
 
-    manifest = read_manifest(tiny_artifact)
+    manifest = Manifest.read(tiny_artifact)
     assert architecture_mismatch(tiny_pipeline_dir, manifest) is None
     assert architecture_mismatch(tiny_sd21_dir, manifest) is None
     no_unet = tmp_path / "no-unet"

@@ -422,7 +422,7 @@ def test_output_path_errors_are_one_line(tiny_pipeline_dir: Path, tmp_path: Path
     import errno
     import os
 
-    from diffusion_trt import artifacts
+    from diffusion_trt.artifact import folder as artifacts
 
     a_file = tmp_path / "somefile.txt"
     a_file.write_text("x")
@@ -446,7 +446,7 @@ def test_read_only_file_system_is_said_once(tiny_pipeline_dir: Path, tmp_path: P
     import errno
     import os
 
-    from diffusion_trt import artifacts
+    from diffusion_trt.artifact import folder as artifacts
 
     def read_only(*args: object, **kwargs: object) -> None:
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "ro"))
@@ -496,7 +496,7 @@ def test_bench_model_dir_of_another_architecture(tiny_artifact: Path, tiny_sdxl_
 
 
 def _source_path(artifact: Path) -> str:
-    from diffusion_trt.artifacts import read_manifest
+    from diffusion_trt.artifact.folder import read_manifest
 
     return str(read_manifest(artifact)["source"]["path"])
 

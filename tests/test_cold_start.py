@@ -15,8 +15,9 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from diffusion_trt import artifacts, digests
-from diffusion_trt.artifact_reader import ArtifactReader
+from diffusion_trt.artifact import digests
+from diffusion_trt.artifact import folder as artifacts
+from diffusion_trt.artifact.reader import ArtifactReader
 from diffusion_trt.cli import ALGO_SEARCH_DEFAULT, main
 from diffusion_trt.errors import ArtifactError, RuntimeInputError
 from diffusion_trt.passes import _ort
@@ -93,7 +94,7 @@ def test_a_chunked_artifact_loads_the_same_weights(tiny_artifact: Path, chunked:
         np.testing.assert_array_equal(_unet_output(pipe), expected)
     with ArtifactReader.open(chunked) as reader:
         data = reader.onnx("unet/model.onnx")
-        assert reader.loaded["unet/model.onnx.data"] == reader.manifest["files"]["unet/model.onnx.data"]["sha256"]
+        assert reader.loaded["unet/model.onnx.data"] == reader.manifest.files["unet/model.onnx.data"].sha256
         assert isinstance(data.external["model.onnx.data"], bytearray)  # private memory, never a mapping
 
 

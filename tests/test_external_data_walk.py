@@ -22,8 +22,8 @@ import pytest
 from click.testing import CliRunner
 from onnx import AttributeProto, GraphProto, TensorProto, helper
 
-from diffusion_trt import artifacts
-from diffusion_trt.artifact_reader import ArtifactReader
+from diffusion_trt.artifact import folder as artifacts
+from diffusion_trt.artifact.reader import ArtifactReader
 from diffusion_trt.cli import main
 from diffusion_trt.errors import ArtifactError, ModelFileError
 from diffusion_trt.optimize import load_model

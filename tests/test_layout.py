@@ -1,9 +1,9 @@
 """The import directions of README.md's Layout section, read from the source with ``ast`` and checked at run time.
 
-Parts (``diffusion_trt/<part>``): the shared base (errors, config, trt_compat, artifact_values, artifacts,
-artifact_reader, lora), passes, runtime, compiler, optimize, bench, serve, verify, summary, cli. Each may import
-the parts :data:`ALLOWED` lists and no other; nothing imports ``cli``. Every import counts, also those inside
-functions (lazy imports are the rule here).
+Parts (``diffusion_trt/<part>``): the shared base (errors, config, trt_compat, lora, data and the ``artifact``
+package: folder, manifest, reader, values, facts, digests, verify, summary), passes, runtime, compiler, optimize,
+bench, serve, cli. Each may import the parts :data:`ALLOWED` lists and no other; nothing imports ``cli``. Every
+import counts, also those inside functions (lazy imports are the rule here).
 
 The runtime's rule on diffusers and transformers (a serving host loads no model class, STYLE.md 21): from diffusers
 it may import the top-level package (scheduler classes are looked up on it by name, ``runtime/schedulers.py``
@@ -29,8 +29,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "diffusion_trt"
-SHARED = frozenset({"errors", "config", "trt_compat", "artifact_values", "artifacts", "artifact_facts",
-                    "artifact_reader", "digests", "lora", "data"})
+SHARED = frozenset({"errors", "config", "trt_compat", "artifact", "lora", "data"})
 #: part -> the parts it may import (besides itself).
 ALLOWED: dict[str, frozenset[str]] = {
     **{p: SHARED for p in SHARED},
@@ -40,10 +39,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "optimize": SHARED | {"passes"},
     "bench": SHARED | {"runtime"},
     "serve": SHARED | {"runtime"},
-    "verify": SHARED,
-    "summary": SHARED,
     "__init__": SHARED | {"runtime"},
-    "cli": SHARED | {"passes", "runtime", "compiler", "optimize", "bench", "serve", "verify", "summary"},
+    "cli": SHARED | {"passes", "runtime", "compiler", "optimize", "bench", "serve"},
 }
 DIFFUSERS_MODULES = ("diffusers.schedulers", "diffusers.utils", "diffusers.image_processor",
                      "diffusers.loaders.lora_conversion_utils")
@@ -101,6 +98,45 @@ def part_violations(path: Path, module: str | None = None) -> list[str]:
 def test_parts_import_only_the_parts_below_them() -> None:
     wrong = [line for path in _sources() for line in part_violations(path)]
     assert not wrong, "\n".join(wrong)
+
+
+def manifest_key_reads(path: Path) -> list[str]:
+    """``"line: source"`` of every read of a manifest key by string in ``path``: a ``x["key"]`` load or ``x.get("key")``
+    whose chain (through subscripts and ``.get`` calls) starts at an expression naming ``manifest`` (issue 23: outside
+    ``artifact/`` the typed :class:`~diffusion_trt.artifact.manifest.Manifest` is read, and only the compiler, which
+    writes and amends manifests, keeps the JSON)."""
+    src = path.read_text(encoding="utf-8")
+    found = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            base, key = node.value, node.slice
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and node.args:
+            base, key = node.func.value, node.args[0]
+        else:
+            continue
+        if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+            continue
+        while True:  # to the root of x["a"].get("b")["c"]
+            if isinstance(base, ast.Subscript):
+                base = base.value
+            elif isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) and base.func.attr == "get":
+                base = base.func.value
+            else:
+                break
+        if not isinstance(base, ast.Call) and "manifest" in (ast.get_source_segment(src, base) or "").lower():
+            found.append(f"{node.lineno}: {ast.get_source_segment(src, node)}")
+    return found
+
+
+def test_only_artifact_and_the_compiler_read_manifest_keys(tmp_path: Path) -> None:
+    wrong = [f"{path.relative_to(PACKAGE.parent)}:{r}" for path in _sources()
+             if _part(_module_name(path)) not in ("artifact", "compiler") for r in manifest_key_reads(path)]
+    assert not wrong, "\n".join(wrong)
+    (tmp_path / "x.py").write_text("m = manifest['model']['architecture']\nb = reader.manifest.get('backend')\n"
+                                   "ok = manifest.model.architecture\nt = tensor_manifest(t)['opt']\n")
+    assert sorted(manifest_key_reads(tmp_path / "x.py")) == [
+        "1: manifest['model']", "1: manifest['model']['architecture']", "2: reader.manifest.get('backend')"]
 
 
 def _runtime_problem(module: str, names: list[str]) -> str | None:
@@ -190,7 +226,7 @@ def test_the_rules_catch_what_they_forbid(tmp_path: Path) -> None:
     assert not any("cli" in allowed for allowed in ALLOWED.values())
 
 
-@pytest.mark.parametrize("part", ["runtime", "passes"])
+@pytest.mark.parametrize("part", ["runtime", "passes", "artifact"])
 def test_import_directions_hold_at_run_time(part: str) -> None:
     """Importing every module of ``part`` in a fresh interpreter loads none of the parts it may not import, and
     (runtime) no diffusers/transformers model module or peft."""

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from diffusion_trt import artifacts
-from diffusion_trt.artifact_reader import ArtifactReader
-from diffusion_trt.artifact_values import printable
+from diffusion_trt.artifact import folder as artifacts
+from diffusion_trt.artifact.reader import ArtifactReader
+from diffusion_trt.artifact.values import printable
 from diffusion_trt.cli import main
 from diffusion_trt.errors import ArtifactError
 

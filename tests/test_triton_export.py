@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from diffusion_trt import artifacts
+from diffusion_trt.artifact import folder as artifacts
 from diffusion_trt.cli import main
 from diffusion_trt.serve import triton_model
 from diffusion_trt.serve.triton_model import RequestError, parse_request
@@ -293,12 +293,14 @@ def test_parse_request_defaults() -> None:
 def test_sdxl_requests_default_to_sdxl_guidance(tiny_artifact: Path) -> None:
     """serve and export-triton hand parse_request the defaults of the artifact's pipeline kind (they gave SDXL 7.5):
     5.0 for SDXL, as diffusers' StableDiffusionXLPipeline and EnginePipeline; SD stays 7.5."""
-    from diffusion_trt.artifacts import read_manifest
+    from diffusion_trt.artifact.folder import read_manifest
+    from diffusion_trt.artifact.manifest import Manifest
     from diffusion_trt.runtime.generation_args import serve_defaults
     from diffusion_trt.serve.triton_repo import PIPELINE_ENGINES, pipeline_facts, request_facts
 
-    sd = read_manifest(tiny_artifact)
-    sdxl = {**sd, "model": {**sd["model"], "architecture": "sdxl"}}
+    raw = read_manifest(tiny_artifact)
+    sd = Manifest.from_json(raw)
+    sdxl = Manifest.from_json({**raw, "model": {**raw["model"], "architecture": "sdxl"}})
     models = {c: c for c in PIPELINE_ENGINES}
     for facts in (request_facts(sdxl, {"max_steps": 100}), pipeline_facts(sdxl, models)):
         assert parse_request({"prompt": _b("a cat")}, facts)["guidance_scale"] == 5.0

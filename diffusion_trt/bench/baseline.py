@@ -7,12 +7,13 @@ SDPA) and ``diffusers_cuda_graph`` (the same with the UNet call captured once pe
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..artifact.manifest import Manifest
 from .clock import Clock, nvtx, time_stage
 from .config import BenchConfig, call_kwargs
 from .glue import glue_ms
@@ -144,17 +145,16 @@ def is_pipeline_folder(path: str | Path) -> bool:
     return (Path(path) / "model_index.json").is_file()
 
 
-def baseline_mismatch(model_dir: Path, manifest: Mapping[str, Any]) -> str | None:
+def baseline_mismatch(model_dir: Path, manifest: Manifest) -> str | None:
     """Why the diffusers baselines would not run the artifact's weights, or None: ``model_dir`` hashes differently
     from the manifest's ``source.sha256`` (another model, or the folder changed since compile), or LoRAs were merged
     into the artifact (the baseline runs the base weights)."""
-    from ..artifacts import folder_hash
+    from ..artifact.folder import folder_hash
 
-    source = manifest.get("source", {})
-    if source.get("sha256") and folder_hash(model_dir) != source["sha256"]:
+    if manifest.source_sha256 and folder_hash(model_dir) != manifest.source_sha256:
         return (f"{model_dir} is not the folder the artifact was compiled from (its sha256 differs from the "
-                f"manifest's source {source.get('path')}): the figures compare different weights")
-    if manifest.get("loras"):
+                f"manifest's source {manifest.source_path}): the figures compare different weights")
+    if manifest.loras:
         return "the artifact has LoRAs merged in; the diffusers baselines run the base weights without them"
     return None
 
@@ -171,7 +171,7 @@ def folder_kind(model_dir: Path) -> dict[str, Any]:
     Raises:
         ModelFolderError: model_index.json or unet/config.json is not a JSON object (naming it).
     """
-    from ..artifacts import read_json_object
+    from ..artifact.folder import read_json_object
 
     index = read_json_object(model_dir / "model_index.json")
     unet_config = model_dir / "unet" / "config.json"
@@ -185,7 +185,7 @@ def folder_kind(model_dir: Path) -> dict[str, Any]:
     }
 
 
-def architecture_mismatch(model_dir: Path, manifest: Mapping[str, Any]) -> tuple[str, str] | None:
+def architecture_mismatch(model_dir: Path, manifest: Manifest) -> tuple[str, str] | None:
     """Why the diffusers baseline cannot run ``model_dir`` next to the artifact, or None: the folder is of another
     architecture (SDXL for an SD artifact), its UNet takes other inputs (an inpainting UNet's 9 channels) or it lacks
     a component the baseline loads. Else the two sides, e.g. ("a StableDiffusionXLPipeline folder (architecture
@@ -195,22 +195,22 @@ def architecture_mismatch(model_dir: Path, manifest: Mapping[str, Any]) -> tuple
         ModelFolderError: the folder's model_index.json or unet/config.json is not a JSON object.
     """
     folder = folder_kind(model_dir)
-    model = manifest.get("model", {})
-    arch, channels = model.get("architecture", "sd"), int(model.get("unet_in_channels", 4))
+    model = manifest.model
+    arch, channels = model.architecture, int(model.unet_in_channels or 4)
     theirs = folder["unet_in_channels"]
     if not folder["missing"] and folder["architecture"] == arch and theirs in (None, channels):
         return None
     lacks = f", no {', '.join(folder['missing'])}" if folder["missing"] else ""
     return (f"a {folder['pipeline_class']} folder (architecture {folder['architecture']}, UNet in_channels "
             f"{'unknown' if theirs is None else theirs}{lacks})",
-            f"a {manifest.get('pipeline_class', 'pipeline')} (architecture {arch}, UNet in_channels {channels})")
+            f"a {manifest.pipeline_class or 'pipeline'} (architecture {arch}, UNet in_channels {channels})")
 
 
 def diffusers_runs(
     cfg: BenchConfig,
     clock: Clock,
     model_dir: Path | None,
-    manifest: Mapping[str, Any],
+    manifest: Manifest,
     scheduler_template: Any,
     sizes: Sequence[tuple[int, int]],
     notes: list[str],
@@ -243,14 +243,14 @@ def diffusers_runs(
         free_memory()
 
 
-def _load_diffusers(model_dir: Path, manifest: Mapping[str, Any], device: torch.device, scheduler_template: Any,
+def _load_diffusers(model_dir: Path, manifest: Manifest, device: torch.device, scheduler_template: Any,
                     notes: list[str], say: Callable[[str], None]) -> Any:
     """``StableDiffusionPipeline`` from ``model_dir`` in the artifact's precision, with our scheduler's class and
     config; a note names its dtype, attention processors and scheduler."""
     from diffusers import StableDiffusionPipeline
 
     # the artifact's precision (fp16 on CUDA for the SD figures); fp32 on the CPU, which has no fp16 kernels
-    dtype = torch.float16 if device.type == "cuda" and manifest.get("precision") == "fp16" else torch.float32
+    dtype = torch.float16 if device.type == "cuda" and manifest.precision == "fp16" else torch.float32
     say(f"loading diffusers from {model_dir} ({dtype})")
     dpipe = StableDiffusionPipeline.from_pretrained(
         model_dir, torch_dtype=dtype, safety_checker=None, requires_safety_checker=False, local_files_only=True

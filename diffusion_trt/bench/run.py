@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import platform
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..artifact.manifest import Manifest
 from ..errors import ModelFolderError, RuntimeInputError
 from .baseline import architecture_mismatch, diffusers_runs, is_pipeline_folder
 from .clock import Clock
@@ -48,10 +49,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
         ModelFolderError: ``model_dir`` was given for the diffusers baseline but holds no model_index.json, or the
             baseline's folder is of another architecture than the artifact (before anything is timed).
     """
-    from ..artifacts import read_manifest
-
     say = progress or (lambda _msg: None)
-    manifest = read_manifest(cfg.artifact)
+    manifest = Manifest.read(cfg.artifact)
     device_kind, device = _check(cfg, manifest)
     clock = Clock(device)
     model_dir = _model_dir(cfg, manifest)
@@ -80,26 +79,24 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     }
 
 
-def _check(cfg: BenchConfig, manifest: Mapping[str, Any]) -> tuple[str, torch.device]:
+def _check(cfg: BenchConfig, manifest: Manifest) -> tuple[str, torch.device]:
     """The device kind and device to bench on, after refusing what bench cannot time.
 
     Raises:
         RuntimeInputError: an SDXL or inpainting artifact; ``devices`` off CUDA.
     """
-    from ..artifacts import is_inpainting
-
-    model = manifest.get("model", {})
-    if model.get("architecture", "sd") != "sd":
+    model = manifest.model
+    if model.architecture != "sd":
         raise RuntimeInputError(
-            f"{cfg.artifact} is an {model['architecture']} artifact; bench times SD 1.x/2.x artifacts "
+            f"{cfg.artifact} is an {model.architecture} artifact; bench times SD 1.x/2.x artifacts "
             "(its per-stage timings run the SD prompt encoding): use benchmarks/sdxl_e2e.py for SDXL"
         )
-    if is_inpainting(model):
+    if model.is_inpainting:
         raise RuntimeInputError(
-            f"{cfg.artifact} is an inpainting artifact (UNet with {model['unet_in_channels']} input channels); bench "
+            f"{cfg.artifact} is an inpainting artifact (UNet with {model.unet_in_channels} input channels); bench "
             "times text-to-image: bench the text-to-image checkpoint it was fine-tuned from"
         )
-    device_kind = cfg.device or manifest.get("device", "cpu")
+    device_kind = cfg.device or manifest.device
     if cfg.devices and device_kind != "cuda":
         raise RuntimeInputError(
             f"--devices needs device 'cuda', not {device_kind!r}; drop --devices or use --device cuda"
@@ -108,14 +105,14 @@ def _check(cfg: BenchConfig, manifest: Mapping[str, Any]) -> tuple[str, torch.de
     return device_kind, torch.device("cuda", device_id) if device_kind == "cuda" else torch.device("cpu")
 
 
-def _model_dir(cfg: BenchConfig, manifest: Mapping[str, Any]) -> Path | None:
+def _model_dir(cfg: BenchConfig, manifest: Manifest) -> Path | None:
     """The diffusers folder of the baseline: ``cfg.model_dir``, else the manifest's source.
 
     Raises:
         ModelFolderError: ``cfg.model_dir`` given for the diffusers baseline without a model_index.json; the folder
             (given or the manifest's) is of another architecture than the artifact (see :func:`_refuse_other_kind`).
     """
-    source = manifest.get("source", {}).get("path")
+    source = manifest.source_path
     if cfg.baseline == "diffusers" and cfg.model_dir is not None and not is_pipeline_folder(cfg.model_dir):
         raise ModelFolderError(
             f"--model-dir {cfg.model_dir} has no model_index.json; pass the diffusers pipeline folder the artifact "
@@ -127,7 +124,7 @@ def _model_dir(cfg: BenchConfig, manifest: Mapping[str, Any]) -> Path | None:
     return model_dir
 
 
-def _refuse_other_kind(cfg: BenchConfig, model_dir: Path, manifest: Mapping[str, Any]) -> None:
+def _refuse_other_kind(cfg: BenchConfig, model_dir: Path, manifest: Manifest) -> None:
     """Refuse, before any timing, a baseline folder diffusers' ``StableDiffusionPipeline`` cannot run next to the
     artifact (an SDXL or inpainting folder for an SD text-to-image artifact: it crashed after ours was measured).
 
@@ -138,7 +135,7 @@ def _refuse_other_kind(cfg: BenchConfig, model_dir: Path, manifest: Mapping[str,
     if mismatch is None:
         return
     what = f"--model-dir {model_dir}" if cfg.model_dir is not None else f"the artifact's source folder {model_dir}"
-    source = manifest.get("source", {}).get("path")
+    source = manifest.source_path
     raise ModelFolderError(
         f"{what} is {mismatch[0]}; the artifact {cfg.artifact} is {mismatch[1]}: the diffusers baseline cannot run "
         f"that folder next to it; pass the folder the artifact was compiled from ({source or 'its source'}) or "
@@ -270,16 +267,16 @@ def _env(device: torch.device) -> dict[str, Any]:
     }
 
 
-def _config_json(cfg: BenchConfig, manifest: Mapping[str, Any], model_dir: Path | None, ours: _Ours
+def _config_json(cfg: BenchConfig, manifest: Manifest, model_dir: Path | None, ours: _Ours
                  ) -> dict[str, Any]:
     """The result's ``config``: the bench settings and what the artifact resolved them to."""
     height, width = ours.sizes[0]
     return {
         "artifact": str(cfg.artifact),
         "model_dir": str(model_dir) if model_dir else None,
-        "backend": str(manifest.get("backend")),
-        "precision": str(manifest.get("precision")),
-        "profile": manifest.get("profile", {}),
+        "backend": manifest.backend.value,
+        "precision": manifest.precision,
+        "profile": manifest.profile_json,
         "steps": cfg.steps,
         "height": int(height),
         "width": int(width),

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..artifact_values import _validator_class, json_path
+from ..artifact.values import _validator_class, json_path
 
 SCHEMA_RESOURCE = ("diffusion_trt.data", "bench_result.schema.json")
 

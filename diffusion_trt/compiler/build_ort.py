@@ -21,8 +21,8 @@ logger = logging.getLogger(__name__)
 #: A model with at least this many bytes of weights keeps them in ``model.onnx.data`` beside it. Protobuf refuses
 #: messages over 2 GiB, but the reason for a low threshold is loading (issue 28): the loader then parses a graph of a
 #: few MB instead of a 1.7 GB protobuf (the SD-1.5 fp16 UNet), verifies the weights on several threads by chunk
-#: (:mod:`~diffusion_trt.digests`) and hands them to ONNX Runtime from memory without another copy. The tiny test
-#: models stay inline.
+#: (:mod:`~diffusion_trt.artifact.digests`) and hands them to ONNX Runtime from memory without another copy. The
+#: tiny test models stay inline.
 EXTERNAL_DATA_THRESHOLD_BYTES = 64 << 20
 EXTERNAL_DATA_NAME = "model.onnx.data"
 

@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import artifacts, trt_compat
-from ..artifact_facts import BuildFacts
+from .. import trt_compat
+from ..artifact import folder as artifacts
+from ..artifact.facts import BuildFacts
 from ..config import ShapeProfile
 from ..errors import BuildError, RuntimeInputError
 from .components import symbol_ranges
@@ -698,7 +699,7 @@ def engine_from_onnx(
             compute capability); ``None`` = no persistent cache. Not used by TensorRT-RTX.
 
     Returns:
-        The manifest's ``build`` facts, :meth:`BuildFacts.to_json <diffusion_trt.artifact_facts.BuildFacts.to_json>`
+        The manifest's ``build`` facts, :meth:`BuildFacts.to_json <diffusion_trt.artifact.facts.BuildFacts.to_json>`
         (the library and its version, the build GPU and the targets, precision and flags, profiles in TensorRT
         order, the plan's name, sha256 and size, the timing / runtime cache, the config).
 

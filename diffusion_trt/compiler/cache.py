@@ -55,7 +55,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .. import artifacts
+from ..artifact import folder as artifacts
 from ..config import QUANTIZED_PRECISIONS, CompileConfig
 from ..errors import ArtifactError
 
@@ -343,7 +343,7 @@ class CompileCache:
 
         Raises:
             UnprovenEntry: the MAC is missing or does not match.
-            ArtifactError: as :func:`~diffusion_trt.artifacts.read_manifest`.
+            ArtifactError: as :func:`~diffusion_trt.artifact.folder.read_manifest`.
             CacheUnusable: as :meth:`secret`.
         """
         manifest = artifacts.read_manifest(cached)
@@ -437,7 +437,7 @@ class CompileCache:
         :func:`clone_or_copy`) with a resealed manifest whose ``cache`` says it came from the cache.
 
         Raises:
-            OutputPathError: as :func:`~diffusion_trt.artifacts.staging_dir`.
+            OutputPathError: as :func:`~diffusion_trt.artifact.folder.staging_dir`.
             UnprovenEntry: the entry's manifest was replaced since :meth:`lookup` proved it.
         """
         t0 = time.perf_counter()

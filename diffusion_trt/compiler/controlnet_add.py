@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import artifacts
+from ..artifact import folder as artifacts
+from ..artifact.manifest import Manifest
 from ..config import CompileConfig
 from ..errors import RuntimeInputError
 from .controlnet import PREFIX, UNET_CONTROLNET
@@ -47,8 +48,9 @@ def add_controlnets(artifact: str | Path, model_dir: str | Path, controlnets: Se
     from .pipeline import compile_pipeline
 
     root = Path(artifact)
-    manifest = artifacts.read_manifest(root)
-    comps = manifest["components"]
+    manifest = artifacts.read_manifest(root)  # the JSON: _merge amends it
+    facts = Manifest.from_json(manifest)
+    comps = facts.components
     if UNET_CONTROLNET not in comps:
         raise RuntimeInputError(f"{root} has no {UNET_CONTROLNET} (the UNet with ControlNet residual inputs); "
                                 "compile it once with --controlnet [NAME=]FOLDER, then add more with add-controlnet")
@@ -56,11 +58,11 @@ def add_controlnets(artifact: str | Path, model_dir: str | Path, controlnets: Se
     if taken and not replace:
         raise RuntimeInputError(f"{root} has the ControlNet(s) {', '.join(taken)} already; pass --replace to swap, "
                                 "or choose another NAME=")
-    source = manifest["source"]["sha256"]
+    source = facts.source_sha256
     if artifacts.folder_hash(model_dir) != source:
         raise RuntimeInputError(f"{model_dir} is not the model {root} was compiled from (source sha256 differs); pass "
-                                f"that folder ({manifest['source'].get('path')})")
-    config = CompileConfig.from_json(manifest["config"])
+                                f"that folder ({facts.source_path})")
+    config = CompileConfig.from_json(facts.config_json)
     config = dataclasses.replace(config, controlnets=tuple(controlnets),
                                  components=tuple(PREFIX + n for n, _ in controlnets))
     with tempfile.TemporaryDirectory(prefix=".add-controlnet-", dir=root.parent) as scratch:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .. import artifacts
+from ..artifact import folder as artifacts
 from ..errors import ExportError, ModelFolderError
 from .components import ComponentSpec, symbol_ranges
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import artifacts
+from ..artifact import folder as artifacts
 from ..config import CompileConfig
 from ..errors import ModelFolderError, OutputPathError
 from . import export, hub, pipeline

@@ -29,8 +29,8 @@ from typing import Any
 
 import onnx
 
-from .. import artifacts
-from ..artifact_values import scheduler_config_problems
+from ..artifact import folder as artifacts
+from ..artifact.values import scheduler_config_problems
 from ..config import IMAGE_ALIGNMENT, QUANTIZED_PRECISIONS, TRT_BACKENDS, CompileConfig, ShapeProfile
 from ..errors import (
     BuildError,
@@ -149,7 +149,7 @@ def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
     Raises:
         ExportError: a VAE that does not downsample by 8, or SDXL components that do not fit together.
         ModelFolderError: a scheduler config the runtime cannot run (a class outside its allow-list, a value that
-            class does not accept: :func:`~diffusion_trt.artifact_values.scheduler_config_problems`).
+            class does not accept: :func:`~diffusion_trt.artifact.values.scheduler_config_problems`).
     """
     unet = folder.config("unet")
     vae = folder.config("vae")
@@ -361,7 +361,7 @@ def compile_pipeline(
         overwrite: replace an existing artifact (atomically, only once the new one is complete).
         progress: show a progress bar (stderr) over components and stages.
         lock_timeout: seconds to wait while another compile writes ``out_dir`` (0 = fail at once); see
-            :func:`~diffusion_trt.artifacts.staging_dir`.
+            :func:`~diffusion_trt.artifact.folder.staging_dir`.
         source_sha256: ``artifacts.folder_hash(model_dir)`` when the caller has it already (compile_model hashes
             the folder for the compile cache's key); ``None`` = hash it here.
 
@@ -569,7 +569,7 @@ def ensure_tokenizer_json(folder: Path) -> None:
 
 def load_sources(job: CompileJob, source_sha256: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
     """The fp32 torch modules (LoRAs merged), the LoRA records and the model folder's hash (``source_sha256`` when
-    given: the caller's :func:`~diffusion_trt.artifacts.folder_hash` of the same folder)."""
+    given: the caller's :func:`~diffusion_trt.artifact.folder.folder_hash` of the same folder)."""
     with stage("load models"):
         # always fp32 (ComponentPlan.export_dtype): fp16 is made by the convert_fp16 pass (fp32 islands, Casts
         # at the borders) for every backend; TensorRT networks are built strongly typed from those types
@@ -740,7 +740,7 @@ def seal(job: CompileJob, staging: Path, components: dict[str, Any], lora_record
 
 def manifest_for(job: CompileJob, staging: Path, components: dict[str, Any], lora_records: list[dict[str, Any]],
                  source_hash: str, compile_seconds: float) -> dict[str, Any]:
-    """The manifest of the artifact in ``staging`` (schema :data:`~diffusion_trt.artifacts.SCHEMA_VERSION`)."""
+    """The manifest of the artifact in ``staging`` (schema :data:`~diffusion_trt.artifact.folder.SCHEMA_VERSION`)."""
     config, facts = job.config, job.facts
     sched_cfg = json.loads((staging / "scheduler" / "scheduler_config.json").read_text())
     files = {

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..artifact_values import parse_json
+from ..artifact.values import parse_json
 from ..errors import ArtifactError, ModelFolderError
 
 logger = logging.getLogger(__name__)

@@ -32,10 +32,11 @@ differed by 0 (0.00195 without it); it costs 0.068 vs 0.044 ms per norm at the S
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator
 
 import torch
+
+from ..artifact.manifest import Backend, Manifest
 
 
 @contextlib.contextmanager
@@ -61,12 +62,12 @@ def deterministic_torch(enabled: bool) -> Iterator[None]:
         torch.backends.cudnn.benchmark = before[3]
 
 
-def compile_time_note(manifest: Mapping[str, Any], device: str) -> str | None:
+def compile_time_note(manifest: Manifest, device: str) -> str | None:
     """Why ``deterministic=True`` cannot make this artifact's calls identical, or ``None``.
 
     Args:
-        manifest: the artifact's manifest (its ``backend``, ``device``, ``config.deterministic`` and
-            ``config.pass_options``).
+        manifest: the artifact's manifest (its ``backend``, ``device`` and ``deterministic``: ``config.deterministic``
+            or ``config.pass_options.fuse_group_norm_deterministic``).
         device: the device the engines run on, "cpu" or "cuda".
 
     Returns:
@@ -74,9 +75,7 @@ def compile_time_note(manifest: Mapping[str, Any], device: str) -> str | None:
         ``--pass-option fuse_group_norm_deterministic=true``) and run on CUDA: its fused GroupNorm / SkipGroupNorm
         kernels sum with atomicAdd; ``None`` otherwise (an artifact compiled for the CPU has no fused GroupNorm).
     """
-    config = manifest.get("config", {})
-    unfused = config.get("deterministic") or (config.get("pass_options") or {}).get("fuse_group_norm_deterministic")
-    if device != "cuda" or manifest.get("backend") != "ort" or manifest.get("device") != "cuda" or unfused is True:
+    if device != "cuda" or manifest.backend is not Backend.ORT or manifest.device != "cuda" or manifest.deterministic:
         return None
     return ("deterministic: this artifact was compiled without --deterministic, so its fused GroupNorm kernels (ORT "
             "contrib, atomicAdd sums) may still change the last bits of an image from call to call; recompile with "

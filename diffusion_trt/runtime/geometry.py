@@ -7,12 +7,12 @@ dims, the size buckets and the VRAM planner all read it from here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..artifact.manifest import Manifest
 from ..config import IMAGE_ALIGNMENT, ShapeProfile, check_image_size
 from ..errors import RuntimeInputError
 
@@ -35,15 +35,16 @@ class LatentGeometry:
     unet_in_channels: int = 4
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping[str, Any], unet_in_channels: int | None = None) -> LatentGeometry:
+    def from_manifest(cls, manifest: Manifest, unet_in_channels: int | None = None) -> LatentGeometry:
         """The geometry of an artifact; ``unet_in_channels`` (the UNet engine's ``sample`` channels) when the
         manifest does not record it."""
-        model = manifest.get("model", {})
-        unet = int(model.get("unet_in_channels", unet_in_channels if unet_in_channels is not None else 4))
+        model = manifest.model
+        fallback = unet_in_channels if unet_in_channels is not None else 4
+        unet = int(model.unet_in_channels if model.unet_in_channels is not None else fallback)
         return cls(
-            scale_factor=int(model.get("vae_scale_factor", IMAGE_ALIGNMENT)),
-            scaling_factor=float(model.get("vae_scaling_factor", 0.18215)),
-            channels=int(model.get("latent_channels", min(unet, 4))),
+            scale_factor=int(model.vae_scale_factor),
+            scaling_factor=float(model.vae_scaling_factor if model.vae_scaling_factor is not None else 0.18215),
+            channels=int(model.latent_channels if model.latent_channels is not None else min(unet, 4)),
             unet_in_channels=unet,
         )
 

@@ -31,11 +31,6 @@ from .engines.engine import Engine
 logger = logging.getLogger(__name__)
 
 
-def is_static(engine: Engine) -> bool:
-    """Every input of ``engine`` has one shape (profile min == max)."""
-    return all(info.min == info.max for info in engine.spec.inputs)
-
-
 def warm_up(engine: Engine) -> bool:
     """Run an open CUDA ``engine`` once on zeros at its (static) input shapes and wait for the GPU.
 
@@ -43,7 +38,7 @@ def warm_up(engine: Engine) -> bool:
         Whether it ran: only CUDA engines with a static profile are warmed (a dynamic one would be warmed at a shape
         the calls may never use).
     """
-    if engine.device.type != "cuda" or not is_static(engine):
+    if engine.device.type != "cuda" or not engine.spec.is_static:
         return False
     from .engines.ort_engine import CAPTURE_LOCK
 

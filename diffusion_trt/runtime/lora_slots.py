@@ -149,17 +149,17 @@ class WeightSlots(Mapping[str, torch.Tensor]):
 
 def load_slots(reader: Any, device: str, device_id: int = 0) -> dict[str, WeightSlots]:
     """The :class:`WeightSlots` of every component with ``weight_inputs`` in the manifest (read through ``reader``,
-    an :class:`~diffusion_trt.artifact_reader.ArtifactReader`: hashed bytes); empty for any other artifact."""
+    an :class:`~diffusion_trt.artifact.reader.ArtifactReader`: hashed bytes); empty for any other artifact."""
     import json
 
     from safetensors.torch import load as load_safetensors
 
     dev = torch.device("cuda", device_id) if device == "cuda" else torch.device("cpu")
     out = {}
-    for name, entry in reader.manifest["components"].items():
-        if "weight_inputs" in entry:
-            rmap = json.loads(reader.read(str(entry["refit_map"])))
-            out[name] = WeightSlots(name, rmap, load_safetensors(reader.read(str(entry["weight_inputs"]))), dev)
+    for name, entry in reader.manifest.components.items():
+        if entry.weight_inputs is not None:
+            rmap = json.loads(reader.read(str(entry.refit_map)))
+            out[name] = WeightSlots(name, rmap, load_safetensors(reader.read(entry.weight_inputs)), dev)
     return out
 
 

@@ -32,11 +32,12 @@ from typing import Any
 
 import torch
 
-from .. import artifacts, trt_compat
-from ..artifact_reader import ArtifactReader, ArtifactReplacedError
-from ..artifact_values import check_scheduler_config
-from ..artifacts import safe_join
-from ..config import ShapeProfile
+from .. import trt_compat
+from ..artifact import folder as artifacts
+from ..artifact.folder import safe_join
+from ..artifact.manifest import Backend, Manifest, ModelFacts
+from ..artifact.reader import ArtifactReader, ArtifactReplacedError
+from ..artifact.values import check_scheduler_config
 from ..errors import ArtifactError, LoraError, RuntimeInputError
 from . import denoise
 from .call_guard import CallGuard, one_call_at_a_time
@@ -137,7 +138,8 @@ class EnginePipeline:
     calls (they then run one after the other), or load one pipeline per thread (see :mod:`~.call_guard`).
 
     Args:
-        manifest: the artifact's manifest (``profile``, ``model``, ``scheduler`` and ``components`` are read).
+        manifest: the artifact's manifest, typed (:class:`~diffusion_trt.artifact.manifest.Manifest`; its JSON is
+            parsed into one).
         engines: at least ``text_encoder``, ``unet``, ``vae_decoder``; the pipeline enters them now (allocating)
             and exits them on :meth:`close`. A ``vae_encoder`` (image-to-image, inpainting) is entered on first use.
         tokenizer: a ``CLIPTokenizer``.
@@ -157,7 +159,7 @@ class EnginePipeline:
         ArtifactError: a required engine (SDXL: also ``text_encoder_2``) or ``tokenizer_2`` is missing, or a
             tokenizer disagrees with the manifest.
             Also: a scheduler config whose values are of the wrong type or out of range
-            (:func:`~diffusion_trt.artifact_values.scheduler_config_problems`).
+            (:func:`~diffusion_trt.artifact.values.scheduler_config_problems`).
         RuntimeInputError: unknown scheduler name.
     """
 
@@ -165,7 +167,7 @@ class EnginePipeline:
 
     def __init__(
         self,
-        manifest: Mapping[str, Any],
+        manifest: Manifest | Mapping[str, Any],
         engines: Mapping[str, Engine],
         tokenizer: Any,
         scheduler_config: Mapping[str, Any],
@@ -178,15 +180,16 @@ class EnginePipeline:
         self._closed = True  # until the engines are open
         self._call_guard = CallGuard()  # one call at a time (see "Threads" above)
         self.root = Path(root) if root is not None else None
+        manifest = manifest if isinstance(manifest, Manifest) else Manifest.from_json(manifest)
         required = txt2img_components(manifest)
         missing = [c for c in required if c not in engines]
         if missing:
             raise ArtifactError(f"EnginePipeline needs the engine(s) {', '.join(missing)}; recompile with them")
-        self.manifest = dict(manifest)
+        self.manifest = manifest
         self.profile = manifest_profile(self.manifest)
-        model = self.manifest.get("model", {})
+        model = self.manifest.model
         #: "sd" (SD 1.x/2.x) or "sdxl": which loop runs (manifest ``model.architecture``)
-        self.architecture = str(model.get("architecture", "sd"))
+        self.architecture = model.architecture
         self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
         _check_tokenizers(model, self.architecture, tokenizer, tokenizer_2)
         self._default_scheduler_class = _scheduler_class_name(self.manifest, scheduler_config)
@@ -277,7 +280,7 @@ class EnginePipeline:
     ) -> EnginePipeline:
         """Load a compiled artifact folder and open its engines.
 
-        Every file is read once through one descriptor of the folder (:class:`~diffusion_trt.artifact_reader.
+        Every file is read once through one descriptor of the folder (:class:`~diffusion_trt.artifact.reader.
         ArtifactReader`) and the loaders get the bytes that were hashed, so a file swapped meanwhile is never run
         and a folder exchanged meanwhile (``compile --overwrite``) is never mixed with the old one; when the old
         folder is deleted in the middle, the load starts again once, on the new one.
@@ -350,8 +353,7 @@ class EnginePipeline:
 
             residency = plan_for_request(options.vram_budget, manifest, root, txt2img_components(manifest),
                                          options.vram_request, options.memory_facts)
-        sched = manifest.get("scheduler", {})
-        scheduler_config = reader.json(str(sched.get("config", "scheduler/scheduler_config.json")))
+        scheduler_config = reader.json(manifest.scheduler_config)
         class_name = _scheduler_class_name(manifest, scheduler_config)  # refused here, before any engine opens
         scheduler_for(check_scheduler_config(scheduler_config, class_name=class_name), options.scheduler, class_name)
         stream: torch.cuda.Stream | None = None
@@ -362,11 +364,10 @@ class EnginePipeline:
         engines = _open_engines(reader, device, options, stream, residency, slots)
         together = {n: engines[n] for n in txt2img_components(manifest)} if _opens_together(manifest, residency) else {}
         with OpenTogether(together, warm=device == "cuda") as opening:  # the engines load while the rest is read
-            tokenizer = load_tokenizer(reader, str(manifest.get("tokenizer", "tokenizer")), "tokenizer")
+            tokenizer = load_tokenizer(reader, manifest.tokenizer, "tokenizer")
             tokenizer_2 = None
-            if manifest.get("model", {}).get("architecture") == "sdxl":
-                tokenizer_2 = load_tokenizer(reader, str(manifest.get("tokenizer_2", "tokenizer_2")),
-                                             "SDXL tokenizer_2")
+            if manifest.model.is_sdxl:
+                tokenizer_2 = load_tokenizer(reader, manifest.tokenizer_2, "SDXL tokenizer_2")
             # diffusers' import (seconds) while the engines load; the values were checked above
             import_scheduler_class(scheduler_config, options.scheduler if isinstance(options.scheduler, str) else None,
                                    class_name)
@@ -376,8 +377,8 @@ class EnginePipeline:
         pipe.residency = residency
         pipe._weight_slots = slots
         pipe.deterministic = bool(options.deterministic)
-        logger.info("loaded %s (%s, %s, %s; profile %s; scheduler %s)", root, manifest.get("backend"),
-                    manifest.get("precision"), device, manifest["profile"], pipe.scheduler_name)
+        logger.info("loaded %s (%s, %s, %s; profile %s; scheduler %s)", root, manifest.backend,
+                    manifest.precision, device, manifest.profile_json, pipe.scheduler_name)
         return pipe
 
     # -- scheduler --------------------------------------------------------------------------------------
@@ -462,14 +463,14 @@ class EnginePipeline:
             return self._load_lora_inputs(path, scale)
         specs = lora_list(path, scale)
         lora = check_lora_file(*specs[0])
-        for rec in self.manifest.get("loras", []):
-            if rec.get("sha256") == lora.sha256:
+        for rec in self.manifest.loras:
+            if rec.sha256 == lora.sha256:
                 raise LoraError(
                     f"LoRA {lora.path.name} is merged into this artifact already (compile --lora, scale "
-                    f"{rec.get('scale')}); loading it again would apply it twice. Use an artifact compiled without it"
+                    f"{rec.scale}); loading it again would apply it twice. Use an artifact compiled without it"
                 )
-        backend = self.manifest.get("backend")
-        if backend != "tensorrt":
+        backend = self.manifest.backend
+        if backend is not Backend.TENSORRT:
             raise LoraError(
                 f"LoRA {lora.path.name}: this {backend!r} artifact was compiled without --refittable (its weights are "
                 f"constants of the ONNX Runtime sessions); recompile with `diffusion-trt compile MODEL --refittable`, "
@@ -478,22 +479,22 @@ class EnginePipeline:
             )
         if len(specs) > 1:
             raise LoraError("several LoRAs at once: ONNX Runtime --refittable artifacts only; TensorRT refit takes one")
-        comps = {c: e for c, e in self.manifest["components"].items() if e.get("refit_map") and c in self.engines}
+        comps = {c: e for c, e in self.manifest.components.items() if e.refit_map and c in self.engines}
         if not comps:
             raise LoraError(
                 "this TensorRT artifact was built without --refittable (its engines cannot be refitted); recompile "
                 "with `diffusion-trt compile MODEL --backend tensorrt --refittable`, or merge the LoRA with --lora"
             )
         root = self.root or Path(".")
-        maps = {c: json.loads(safe_join(root, str(e["refit_map"])).read_text(encoding="utf-8"))
+        maps = {c: json.loads(safe_join(root, str(e.refit_map)).read_text(encoding="utf-8"))
                 for c, e in comps.items()}
-        source = model_dir if model_dir is not None else self.manifest.get("source", {}).get("path")
+        source = model_dir if model_dir is not None else self.manifest.source_path
         if not source:
             raise LoraError("the manifest names no source model folder; pass model_dir= the diffusers folder")
         weights = refit_weights(maps, Path(source), lora, self._lora_weights, trust_pickle=trust_pickle)
         for comp, values in weights.items():
             if values:
-                onnx_path = safe_join(root, str(comps[comp]["onnx"]))
+                onnx_path = safe_join(root, str(comps[comp].onnx))
                 self.engines[comp].refit(  # type: ignore[attr-defined]
                     values, fill_missing=lambda names, p=onnx_path: onnx_initializers(p, names)
                 )
@@ -510,12 +511,12 @@ class EnginePipeline:
         from ..lora import check_lora_file
 
         files = [check_lora_file(p, s) for p, s in lora_list(path, scale)]
-        merged = {rec.get("sha256"): rec for rec in self.manifest.get("loras", [])}
+        merged = {rec.sha256: rec for rec in self.manifest.loras}
         for lora in files:
             if lora.sha256 in merged:
                 raise LoraError(
                     f"LoRA {lora.path.name} is merged into this artifact already (compile --lora, scale "
-                    f"{merged[lora.sha256].get('scale')}); loading it again would apply it twice"
+                    f"{merged[lora.sha256].scale}); loading it again would apply it twice"
                 )
         changed = apply_loras(self._weight_slots, files)
         self.embedding_cache.clear()  # the text encoder may have changed
@@ -581,8 +582,8 @@ class EnginePipeline:
     def __repr__(self) -> str:
         m = self.manifest
         return (
-            f"EnginePipeline({str(self.root or '')!r}, backend={m.get('backend')}, precision={m.get('precision')}, "
-            f"device={self.device}, scheduler={self.scheduler_name}, profile={m.get('profile')})"
+            f"EnginePipeline({str(self.root or '')!r}, backend={m.backend}, precision={m.precision}, "
+            f"device={self.device}, scheduler={self.scheduler_name}, profile={m.profile_json})"
         )
 
     # -- the call ---------------------------------------------------------------------------------------
@@ -821,8 +822,8 @@ class EnginePipeline:
             "width": request.width,
             "num_images_per_prompt": request.num_images_per_prompt,
             "eta": request.eta,
-            "backend": self.manifest.get("backend"),
-            "precision": self.manifest.get("precision"),
+            "backend": self.manifest.backend.value,
+            "precision": self.manifest.precision,
             "device": str(self.device),
         }
         if isinstance(request.conditioning, ImageRequest):
@@ -858,8 +859,9 @@ class LoadOptions:
             "8000MB"); the engines are then opened per stage or kept resident as the plan of
             :mod:`~diffusion_trt.runtime.memory.residency` decides, ORT arenas are capped to it and large images are
             decoded in VAE tiles. ``None`` = no budget (every engine resident, as before).
-        vram_request: (height, width, batch) the budget is checked against now; default the artifact's default
-            size, batch 1. Every call is checked again for its own size and batch.
+        vram_request: (height, width, batch) the budget is checked against now; ``None`` sizes (default) = the
+            size a call without sizes gets (the profile's opt size), batch 1. Every call is checked again for its own
+            size and batch.
         memory_facts: a measured memory facts file (:func:`~diffusion_trt.runtime.memory.plan.load_memory_facts`);
             default the one recorded for this artifact, if any, else estimates.
         deterministic: ORT's ``use_deterministic_compute`` on every session and torch's deterministic algorithms
@@ -1010,22 +1012,21 @@ def _check_device_id(device: str, device_id: int) -> None:
                                 f"{count - 1}")
 
 
-def _scheduler_class_name(manifest: Mapping[str, Any], scheduler_config: Mapping[str, Any]) -> str:
+def _scheduler_class_name(manifest: Manifest, scheduler_config: Mapping[str, Any]) -> str:
     """The artifact's scheduler class: the manifest's ``scheduler.class_name``, else the config's ``_class_name``."""
-    sched = manifest.get("scheduler")
-    named = sched.get("class_name") if isinstance(sched, Mapping) else None
+    named = manifest.scheduler_class
     own = scheduler_config.get("_class_name") if isinstance(scheduler_config, Mapping) else None
     return str(named or own or "")
 
 
-def _check_tokenizers(model: Mapping[str, Any], architecture: str, tokenizer: Any, tokenizer_2: Any) -> None:
+def _check_tokenizers(model: ModelFacts, architecture: str, tokenizer: Any, tokenizer_2: Any) -> None:
     """Refuse tokenizers that are not the ones the artifact was compiled with (and an SDXL one without its second).
 
     Raises:
         ArtifactError: a ``model_max_length`` other than the manifest's ``text_max_length``; SDXL without
             ``tokenizer_2``.
     """
-    text_len = model.get("text_max_length")
+    text_len = model.text_max_length
     if text_len is not None and tokenizer.model_max_length != text_len:
         raise ArtifactError(
             f"tokenizer model_max_length={tokenizer.model_max_length} but the manifest says text_max_length="
@@ -1043,21 +1044,21 @@ def _check_tokenizers(model: Mapping[str, Any], architecture: str, tokenizer: An
         )
 
 
-def _check_device(root: Path, manifest: Mapping[str, Any], device: str | None) -> str:
+def _check_device(root: Path, manifest: Manifest, device: str | None) -> str:
     """The device the artifact runs on: ``device``, or the one it was compiled for.
 
     Raises:
         ArtifactError: an unknown backend, a TensorRT artifact off CUDA, an fp16 artifact on the CPU.
         RuntimeInputError: a device other than "cpu" / "cuda".
     """
-    backend = manifest.get("backend")
+    backend = manifest.backend
     is_trt = backend in trt_compat.LIBRARIES  # any TensorRT library: full TensorRT or TensorRT-RTX
-    if backend != "ort" and not is_trt:
+    if backend is not Backend.ORT and not is_trt:
         raise ArtifactError(
             f"artifact {root} was compiled for backend={backend!r}; this runtime runs 'ort', "
             f"{', '.join(repr(b) for b in trt_compat.LIBRARIES)} artifacts: recompile with --backend ort"
         )
-    compiled_for = manifest.get("device", "cpu")
+    compiled_for = manifest.device
     device = device or compiled_for
     if device not in ("cpu", "cuda"):
         raise RuntimeInputError(f"device={device!r} is not supported; use 'cpu' or 'cuda'")
@@ -1066,7 +1067,7 @@ def _check_device(root: Path, manifest: Mapping[str, Any], device: str | None) -
             f"artifact {root} was compiled for backend={backend!r}, whose engines run on CUDA only, but "
             f"device={device!r}; use device='cuda' on a GPU host, or recompile with --backend ort to run on the CPU"
         )
-    if device == "cpu" and manifest.get("precision") == "fp16":
+    if device == "cpu" and manifest.precision == "fp16":
         raise ArtifactError(
             f"artifact {root} is fp16, which ONNX Runtime cannot run on CPU; use device='cuda' or recompile "
             "with --precision fp32 --device cpu"
@@ -1082,13 +1083,13 @@ def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, str
                   residency: Residency | None, weight_slots: Mapping[str, Any] | None = None) -> dict[str, Engine]:
     """The artifact's engines (unopened), as ``options`` and the VRAM plan ``residency`` say."""
     manifest = reader.manifest
-    backend = str(manifest["backend"])
-    is_trt = backend in trt_compat.LIBRARIES
+    backend = manifest.backend
+    is_trt = backend.is_tensorrt
     derived = LatentGeometry.from_manifest(manifest).derived_dims
     buckets = parse_size_buckets(options.size_buckets)
     cuda_graph = options.cuda_graph
     if cuda_graph is None:
-        cuda_graph = device == "cuda" and (is_trt or ShapeProfile.from_json(manifest["profile"]).is_static())
+        cuda_graph = device == "cuda" and (is_trt or manifest.profile.is_static)
     if options.runtime_cache_dir is not None and not (is_trt and trt_compat.LIBRARIES[backend].runtime_config):
         logger.warning("runtime_cache_dir: no effect on a %r artifact (TensorRT-RTX caches its kernels)", backend)
     if options.cudnn_conv_algo_search != "AUTO" and (is_trt or device != "cuda"):
@@ -1119,12 +1120,12 @@ def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stre
     root, manifest = reader.root, reader.manifest
     engines: dict[str, Engine] = {}
     for name in _components_to_open(manifest):
-        entry = manifest["components"][name]
-        if "onnx" not in entry:
+        entry = manifest.components[name]
+        if entry.onnx is None:
             raise ArtifactError(f"manifest component {name!r} has no 'onnx' path; recompile the artifact")
         engines[name] = OrtEngine(
-            safe_join(root, str(entry["onnx"])),
-            entry,
+            safe_join(root, entry.onnx),
+            entry.spec,
             name=name,
             device=device,
             device_id=options.device_id,
@@ -1136,7 +1137,7 @@ def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stre
                               **(residency.provider_options(name, device) if residency else {})},
             derived=derived,
             cuda_graph=cuda_graph,
-            source=functools.partial(reader.onnx, str(entry["onnx"])),
+            source=functools.partial(reader.onnx, entry.onnx),
             deterministic=options.deterministic,
             graph_optimization_level=options.graph_optimization_level,
             weight_inputs=weight_slots.get(name),
@@ -1160,17 +1161,17 @@ def _trt_engines(
     from .engines.trt_engine import SharedActivationMemory, TrtEngine
 
     root, manifest = reader.root, reader.manifest
-    backend = str(manifest["backend"])
+    backend = manifest.backend
     cached = trt_compat.LIBRARIES[backend].runtime_config
     shared = SharedActivationMemory(torch.device("cuda", device_id))
     engines: dict[str, Engine] = {}
     for name in _components_to_open(manifest):
-        entry = manifest["components"][name]
-        if "plan" not in entry:
+        entry = manifest.components[name]
+        if entry.plan is None:
             raise ArtifactError(f"manifest component {name!r} has no 'plan' path; recompile the artifact")
         engines[name] = TrtEngine(
-            safe_join(root, str(entry["plan"])),
-            entry,
+            safe_join(root, entry.plan),
+            entry.spec,
             name=name,
             device_id=device_id,
             stream=stream,
@@ -1178,9 +1179,9 @@ def _trt_engines(
             verify=False,  # the reader checks the bytes it hands over (or was told not to)
             derived=derived,
             cuda_graphs=cuda_graphs,
-            source=functools.partial(reader.read, str(entry["plan"])),
-            backend=backend,
-            runtime_cache=runtime_cache_path(root, manifest, entry.get("build") or {}, runtime_cache_dir)
+            source=functools.partial(reader.read, entry.plan),
+            backend=backend.value,
+            runtime_cache=runtime_cache_path(root, manifest, entry.build, runtime_cache_dir)
             if cached else None,
             **({"weight_streaming_budget": weight_streaming[name]} if weight_streaming and name in weight_streaming
                else {}),
@@ -1188,26 +1189,26 @@ def _trt_engines(
     return engines
 
 
-def _opens_together(manifest: Mapping[str, Any], residency: Residency | None) -> bool:
+def _opens_together(manifest: Manifest, residency: Residency | None) -> bool:
     """Whether ``from_artifacts`` opens the text-to-image engines side by side (:mod:`~.loading`): ONNX Runtime
     artifacts without a VRAM budget (a budget opens engines per stage; TensorRT engines share one activation
     allocation and are opened in turn)."""
-    return manifest.get("backend") == "ort" and residency is None
+    return manifest.backend is Backend.ORT and residency is None
 
 
-def txt2img_components(manifest: Mapping[str, Any]) -> tuple[str, ...]:
+def txt2img_components(manifest: Manifest) -> tuple[str, ...]:
     """The components the text-to-image loop opens: :data:`TXT2IMG_COMPONENTS`, with ``text_encoder_2`` for an SDXL
     artifact (``model.architecture == "sdxl"``; absent = "sd")."""
-    return SDXL_COMPONENTS if manifest.get("model", {}).get("architecture") == "sdxl" else TXT2IMG_COMPONENTS
+    return SDXL_COMPONENTS if manifest.model.is_sdxl else TXT2IMG_COMPONENTS
 
 
-def _components_to_open(manifest: Mapping[str, Any]) -> tuple[str, ...]:
+def _components_to_open(manifest: Manifest) -> tuple[str, ...]:
     """The text-to-image components, then the lazily opened ones the artifact has.
 
     Raises:
         ArtifactError: a partial artifact (``compile --components``) that lacks a text-to-image component.
     """
-    have = manifest.get("components", {})
+    have = manifest.components
     missing = [c for c in txt2img_components(manifest) if c not in have]
     if missing:
         raise ArtifactError(

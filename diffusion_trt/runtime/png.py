@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import umask_mode
+from ..artifact.folder import umask_mode
 from ..errors import RuntimeInputError
 
 logger = logging.getLogger(__name__)

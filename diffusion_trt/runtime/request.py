@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..artifact.manifest import Manifest
 from ..config import ShapeProfile
 from ..errors import ArtifactError, RuntimeInputError
 from .batching import plan_chunks
@@ -61,21 +62,21 @@ class RequestSpec:
     unet_batch: tuple[int, int] | None = None
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping[str, Any], unet_in_channels: int | None = None) -> RequestSpec:
-        """What the artifact of ``manifest`` (schema-checked) allows, read from it alone: no engine needs to be open,
-        so a call can be checked before anything loads (the CLI's ``run``). ``unet_in_channels``: the UNet engine's,
-        when the manifest's model entry lacks them (else its ``sample`` entry's).
+    def from_manifest(cls, manifest: Manifest, unet_in_channels: int | None = None) -> RequestSpec:
+        """What the artifact of ``manifest`` allows, read from it alone: no engine needs to be open, so a call can be
+        checked before anything loads (the CLI's ``run``). ``unet_in_channels``: the UNet engine's, when the
+        manifest's model entry lacks them (else its ``sample`` entry's).
 
         Raises:
             ArtifactError: a malformed profile or UNet entry.
         """
-        model = manifest.get("model", {})
-        unet = manifest.get("components", {}).get("unet")
-        sample = EngineSpec.from_manifest("unet", unet).input("sample") if unet is not None else None
+        model = manifest.model
+        unet = manifest.component("unet")
+        sample = EngineSpec.from_manifest("unet", unet.spec).input("sample") if unet is not None else None
         if unet_in_channels is None and sample is not None and isinstance(sample.shape[1], int):
             unet_in_channels = sample.shape[1]
         return cls(manifest_profile(manifest), LatentGeometry.from_manifest(manifest, unet_in_channels),
-                   str(model.get("architecture", "sd")), bool(model.get("force_zeros_for_empty_prompt", True)),
+                   model.architecture, model.force_zeros_for_empty_prompt,
                    None if sample is None else sample.torch_dtype,
                    None if sample is None else (sample.min[0], sample.max[0]))
 
@@ -248,17 +249,17 @@ class Request:
                    embeds, negative_prompt_embeds, skip)
 
 
-def manifest_profile(manifest: Mapping[str, Any]) -> ShapeProfile:
+def manifest_profile(manifest: Manifest) -> ShapeProfile:
     """The manifest's shape profile.
 
     Raises:
         ArtifactError: a malformed profile.
     """
     try:
-        return ShapeProfile.from_json(manifest["profile"])
+        return ShapeProfile.from_json(manifest.profile_json)
     except (KeyError, TypeError, ValueError) as e:
         raise ArtifactError(
-            f"manifest profile {manifest.get('profile')!r} is malformed ({e}); recompile the artifact"
+            f"manifest profile {manifest.profile_json!r} is malformed ({e}); recompile the artifact"
         ) from e
 
 

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ..artifact_values import scheduler_config_problems
+from ..artifact.values import scheduler_config_problems
 from ..errors import ArtifactError, DiffusionTrtError, MissingPackageError, RuntimeInputError
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def _scheduler_class(class_name: str) -> type[Any]:
 def scheduler_for(config: Mapping[str, Any], name: str | None = None, class_name: str | None = None
                   ) -> tuple[str, dict[str, Any]]:
     """(class name, overrides) that :func:`make_scheduler` builds, checked against the allow-list and the values that
-    class accepts (:func:`~diffusion_trt.artifact_values.scheduler_config_problems`), before anything loads. Imports
+    class accepts (:func:`~diffusion_trt.artifact.values.scheduler_config_problems`), before anything loads. Imports
     no diffusers.
 
     Raises:

@@ -113,7 +113,7 @@ def load_tokenizer(reader: Any, rel: str, what: str) -> Any:
     ``CLIPTokenizer`` loaded from a private copy of the folder (artifacts of before ``tokenizer.json``).
 
     Args:
-        reader: the open :class:`~diffusion_trt.artifact_reader.ArtifactReader`.
+        reader: the open :class:`~diffusion_trt.artifact.reader.ArtifactReader`.
         what: the tokenizer's name in messages ("tokenizer", "SDXL tokenizer_2").
 
     Raises:

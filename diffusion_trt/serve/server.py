@@ -261,7 +261,7 @@ def bind_pipeline(triton: Any, pipe: Any, config: ServeConfig) -> MicroBatcher:
 
     facts = request_facts(pipe.manifest, config.limits())  # the artifact's defaults (SDXL: guidance 5.0)
     library = LoraLibrary(config.lora_dir) if config.lora_dir is not None else None
-    if library is not None and not any(e.get("refit_map") for e in pipe.manifest["components"].values()):
+    if library is not None and not any(e.refit_map for e in pipe.manifest.components.values()):
         raise LoraError("serve --lora-dir: this artifact was compiled without --refittable, so it cannot take a LoRA "
                         "per request; recompile with `diffusion-trt compile MODEL --refittable`")
     cap = int(pipe.profile.batch.max)

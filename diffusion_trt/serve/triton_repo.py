@@ -46,7 +46,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePath
 from typing import Any
 
-from .. import artifacts
+from ..artifact import folder as artifacts
+from ..artifact.manifest import Backend, Manifest
 from ..errors import ArtifactError, OutputPathError, RuntimeInputError
 from . import triton_model
 
@@ -165,34 +166,30 @@ def pipeline_config(name: str, *, instances: int = 1, max_queue: int = 64, queue
     ]) + "\n"
 
 
-def request_facts(manifest: Mapping[str, Any], limits: Mapping[str, float] | None = None) -> dict[str, Any]:
+def request_facts(manifest: Manifest, limits: Mapping[str, float] | None = None) -> dict[str, Any]:
     """What :func:`~.triton_model.parse_request` checks a request against (its ``config``): the model facts, the
     profile, the bounds (``limits`` over :data:`~.triton_model.DEFAULT_LIMITS`) and the defaults of the artifact's
     pipeline kind (:func:`~diffusion_trt.runtime.generation_args.serve_defaults`: SDXL's guidance is 5.0)."""
     from ..runtime.generation_args import serve_defaults
 
     return {
-        "model": manifest["model"],
-        "profile": manifest["profile"],
+        "model": manifest.model_json,
+        "profile": manifest.profile_json,
         "limits": {**triton_model.DEFAULT_LIMITS, **(limits or {})},
-        "defaults": serve_defaults(str(manifest["model"].get("architecture", "sd"))),
+        "defaults": serve_defaults(manifest.model.architecture),
     }
 
 
-def pipeline_facts(manifest: Mapping[str, Any], models: Mapping[str, str],
+def pipeline_facts(manifest: Manifest, models: Mapping[str, str],
                    limits: Mapping[str, float] | None = None) -> dict[str, Any]:
     """``pipeline.json`` for the pipeline model: model facts, profile, engine model names and tensor dtypes, and
     the request bounds and defaults (:func:`request_facts`)."""
     return {
-        "artifact": manifest.get("name"),
-        "manifest_sha256": manifest.get(artifacts.SEAL_KEY),
+        "artifact": manifest.name,
+        "manifest_sha256": manifest.seal,
         **request_facts(manifest, limits),
         "models": dict(models),
-        "dtypes": {
-            c: {t["name"]: t["dtype"] for t in [*manifest["components"][c]["inputs"],
-                                                  *manifest["components"][c]["outputs"]]}
-            for c in PIPELINE_ENGINES
-        },
+        "dtypes": {c: manifest.components[c].dtypes for c in PIPELINE_ENGINES},
     }
 
 
@@ -218,46 +215,46 @@ def _refuse_overlap(root: Path, repo: Path, folders: Iterable[Path]) -> None:
                               "(e.g. model_repository)")
 
 
-def _write_engine_models(root: Path, manifest: Mapping[str, Any], folders: Mapping[str, Path], names: Mapping[str, str],
+def _write_engine_models(root: Path, manifest: Manifest, folders: Mapping[str, Path], names: Mapping[str, str],
                          instances: int, max_queue_delay_us: int) -> None:
     """One model folder per engine (``folders[names[component]]``): ``1/`` with the engine file(s) and a config."""
-    backend, device = manifest["backend"], manifest["device"]
-    for component, entry in manifest["components"].items():
+    backend, device = manifest.backend, manifest.device
+    for component, entry in manifest.components.items():
         folder = folders[names[component]]
-        engine_rel = entry["plan"] if backend == "tensorrt" else entry["onnx"]
+        engine_rel = str(entry.plan if backend is Backend.TENSORRT else entry.onnx)
         version = folder / "1"
         _place(artifacts.safe_join(root, engine_rel), version / PurePath(engine_rel).name)
-        if backend == "ort":  # external data sits beside the model under the name the model refers to
-            for rel in entry.get("files", []):
+        if backend is Backend.ORT:  # external data sits beside the model under the name the model refers to
+            for rel in entry.files:
                 if rel != engine_rel and not rel.endswith(".plan"):
                     _place(artifacts.safe_join(root, rel), version / PurePath(rel).name)
-        text = engine_config(names[component], entry, backend, device, instances=instances,
+        text = engine_config(names[component], entry.spec, backend, device, instances=instances,
                              max_queue_delay_us=max_queue_delay_us)
         (folder / "config.pbtxt").write_text(text, encoding="utf-8")
 
 
-def _write_pipeline_model(root: Path, manifest: Mapping[str, Any], folder: Path, names: Mapping[str, str],
+def _write_pipeline_model(root: Path, manifest: Manifest, folder: Path, names: Mapping[str, str],
                           max_queue: int, queue_timeout_s: float) -> None:
     """The BLS pipeline model in ``folder``: ``1/`` with model.py, tokenizer/, scheduler_config.json, pipeline.json."""
     version = folder / "1"
     version.mkdir(parents=True)
     shutil.copy2(Path(triton_model.__file__), version / "model.py")
-    shutil.copytree(artifacts.safe_join(root, manifest["tokenizer"]), version / "tokenizer")
-    shutil.copy2(artifacts.safe_join(root, manifest["scheduler"]["config"]), version / "scheduler_config.json")
+    shutil.copytree(artifacts.safe_join(root, manifest.tokenizer), version / "tokenizer")
+    shutil.copy2(artifacts.safe_join(root, manifest.scheduler_config), version / "scheduler_config.json")
     facts = pipeline_facts(manifest, {c: names[c] for c in PIPELINE_ENGINES})
     (version / "pipeline.json").write_text(json.dumps(facts, indent=2) + "\n", encoding="utf-8")
     text = pipeline_config(folder.name, max_queue=max_queue, queue_timeout_s=queue_timeout_s)
     (folder / "config.pbtxt").write_text(text, encoding="utf-8")
 
 
-def _refuse_backend(root: Path, manifest: Mapping[str, Any]) -> None:
+def _refuse_backend(root: Path, manifest: Manifest) -> None:
     """Refuse an artifact whose engines no Triton backend loads (see the module docstring).
 
     Raises:
         RuntimeInputError: a TensorRT-RTX artifact, or any backend without a Triton platform (exit 2).
     """
-    backend = manifest["backend"]
-    if backend == "tensorrt-rtx":
+    backend = manifest.backend
+    if backend is Backend.TENSORRT_RTX:
         raise RuntimeInputError(
             f"{root} is a TensorRT-RTX artifact: Triton's TensorRT backend loads plans with TensorRT (libnvinfer), "
             "and a TensorRT-RTX plan needs the TensorRT-RTX runtime, which no Triton backend has; serve it with "
@@ -347,23 +344,23 @@ def export_triton_repository(
     """
     root = Path(artifact_dir)
     repo = Path(repo_dir)
-    manifest = artifacts.load_verified(root)
+    manifest = Manifest.from_json(artifacts.load_verified(root))
     _refuse_backend(root, manifest)
-    if manifest.get("model", {}).get("architecture", "sd") != "sd":  # a usage error (exit 2), not a damaged artifact
+    if manifest.model.architecture != "sd":  # a usage error (exit 2), not a damaged artifact
         raise RuntimeInputError(
-            f"{root} is an {manifest['model']['architecture']} artifact; the Triton pipeline model runs the SD 1.x/2.x "
+            f"{root} is an {manifest.model.architecture} artifact; the Triton pipeline model runs the SD 1.x/2.x "
             "loop only: run SDXL artifacts with EnginePipeline (Python) or diffusion-trt run"
         )
-    model = manifest.get("model", {})
-    if artifacts.is_inpainting(model):
+    model = manifest.model
+    if model.is_inpainting:
         raise RuntimeInputError(
-            f"{root} is an inpainting artifact (UNet with {model['unet_in_channels']} input channels); the Triton "
+            f"{root} is an inpainting artifact (UNet with {model.unet_in_channels} input channels); the Triton "
             "pipeline model runs text-to-image only: serve it with EnginePipeline (Python) or diffusion-trt run"
         )
     if prefix and not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):  # a model name is one folder of the repository
         raise RuntimeInputError(f"prefix={prefix!r} would make model names Triton cannot load; use letters, digits, "
                                 "'_', '.' or '-' (e.g. sd15_ink_)")
-    names = {c: f"{prefix}{c}" for c in manifest["components"]}
+    names = {c: f"{prefix}{c}" for c in manifest.components}
     pipeline_name = f"{prefix}pipeline"
     folders = {n: repo / n for n in [*names.values(), pipeline_name]}
     _refuse_overlap(root, repo, folders.values())

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper
 
 from diffusion_trt import trt_compat
-from diffusion_trt.artifact_facts import BuildFacts
-from diffusion_trt.artifacts import sha256_file
+from diffusion_trt.artifact.facts import BuildFacts
+from diffusion_trt.artifact.folder import sha256_file
 from diffusion_trt.cli import main
 from diffusion_trt.compiler import build_trt
 from diffusion_trt.compiler.build_trt import TrtBuildConfig

@@ -354,7 +354,7 @@ def test_build_writes_a_plan_and_the_manifest_facts(tmp_path: Path) -> None:
     )
     import tensorrt as trt
 
-    from diffusion_trt.artifacts import sha256_file
+    from diffusion_trt.artifact.folder import sha256_file
 
     assert facts["tensorrt"] == trt.__version__
     cc = ".".join(map(str, torch.cuda.get_device_capability()))

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from diffusion_trt import artifacts
+from diffusion_trt.artifact import folder as artifacts
+from diffusion_trt.artifact.verify import verify_artifact
 from diffusion_trt.cli import main
 from diffusion_trt.compiler.cache import CompileCache, cache_key, default_cache_dir
 from diffusion_trt.compiler.frontend import compile_model
 from diffusion_trt.config import CompileConfig
-from diffusion_trt.verify import verify_artifact
 
 #: No VAE encoder: a little faster, and every cache path is the same as for the whole pipeline.
 FAST = CompileConfig(components=("text_encoder", "unet", "vae_decoder"))

@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from diffusion_trt import artifacts
+from diffusion_trt.artifact import folder as artifacts
 from diffusion_trt.compiler import export
 from diffusion_trt.compiler.pipeline import compile_pipeline
 from diffusion_trt.config import CompileConfig

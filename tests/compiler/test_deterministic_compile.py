@@ -13,6 +13,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
+from diffusion_trt.artifact.manifest import Manifest
 from diffusion_trt.cli import main
 from diffusion_trt.compiler.pipeline import compile_pipeline, deterministic_pass_options
 from diffusion_trt.config import CompileConfig
@@ -43,8 +44,8 @@ def test_ort_cuda_artifact_keeps_group_norm_unfused(tiny_pipeline_dir: Path, tmp
     assert counts["skipped_for_target"] == _norm_counts(fused, "vae_decoder")["GroupNorm"]  # each site it fuses
     manifest = json.loads((plain / "manifest.json").read_text())
     assert manifest["config"]["deterministic"] is True
-    assert compile_time_note(manifest, "cuda") is None
-    note = compile_time_note(json.loads((fused / "manifest.json").read_text()), "cuda")
+    assert compile_time_note(Manifest.from_json(manifest), "cuda") is None
+    note = compile_time_note(Manifest.from_json(json.loads((fused / "manifest.json").read_text())), "cuda")
     assert note is not None and "recompile with `diffusion-trt compile ... --deterministic`" in note
 
 
@@ -56,14 +57,14 @@ def test_other_targets_are_unchanged_and_say_so(caplog: pytest.LogCaptureFixture
         "fuse_group_norm_deterministic": True}
     assert deterministic_pass_options(CompileConfig(device="cuda")) == {}
     # the CPU provider's kernels are not the ones at stake, nor a TensorRT engine's: no warning for them
-    assert compile_time_note({"backend": "ort", "config": {}}, "cpu") is None
-    assert compile_time_note({"backend": "tensorrt-rtx", "config": {}}, "cuda") is None
+    assert compile_time_note(Manifest.from_json({"backend": "ort", "config": {}}), "cpu") is None
+    assert compile_time_note(Manifest.from_json({"backend": "tensorrt-rtx", "config": {}}), "cuda") is None
     # no fused GroupNorm to warn about: compiled for the CPU (run on CUDA), or unfused through the pass option
-    assert compile_time_note({"backend": "ort", "device": "cpu", "config": {}}, "cuda") is None
+    assert compile_time_note(Manifest.from_json({"backend": "ort", "device": "cpu", "config": {}}), "cuda") is None
     unfused = {"pass_options": {"fuse_group_norm_deterministic": True}}
     by_option = {"backend": "ort", "device": "cuda", "config": unfused}
-    assert compile_time_note(by_option, "cuda") is None
-    assert compile_time_note({"backend": "ort", "device": "cuda", "config": {}}, "cuda") is not None
+    assert compile_time_note(Manifest.from_json(by_option), "cuda") is None
+    assert compile_time_note(Manifest.from_json({"backend": "ort", "device": "cuda", "config": {}}), "cuda") is not None
 
 
 def test_cli_flag_reaches_the_manifest(tiny_pipeline_dir: Path, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from diffusion_trt import artifacts
+from diffusion_trt.artifact import folder as artifacts
 from diffusion_trt.cli import main
 from diffusion_trt.compiler.frontend import compile_model
 from diffusion_trt.compiler.hub import is_model_id

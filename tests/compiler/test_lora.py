@@ -20,7 +20,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from diffusion_trt import artifacts
+from diffusion_trt.artifact import folder as artifacts
 from diffusion_trt.cli import main
 from diffusion_trt.compiler.pipeline import compile_pipeline
 from diffusion_trt.config import CompileConfig

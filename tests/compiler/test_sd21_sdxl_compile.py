@@ -15,7 +15,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from diffusion_trt.artifacts import read_manifest
+from diffusion_trt.artifact.folder import read_manifest
 from diffusion_trt.compiler import export
 from diffusion_trt.compiler.dummy import _CONFIGS, ARCHS, write_dummy_pipeline
 from diffusion_trt.compiler.pipeline import compile_pipeline, component_precision, model_facts, pass_options, specs_for
@@ -174,7 +174,7 @@ def test_manifest_records_the_architecture(tiny_sd21_artifact: Path, tiny_sdxl_a
         ("text_embeds", ["B2", 24]), ("penultimate_hidden_state", ["B2", 77, 48])]
     assert [(t["name"], t["dtype"]) for t in sdxl["components"]["unet"]["inputs"]][3:] == [
         ("text_embeds", "float32"), ("time_ids", "float32")]
-    from diffusion_trt.verify import verify_artifact
+    from diffusion_trt.artifact.verify import verify_artifact
 
     assert verify_artifact(tiny_sdxl_artifact).ok
 

@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from diffusion_trt import artifacts
+from diffusion_trt.artifact import folder as artifacts
 from diffusion_trt.cli import main
 from diffusion_trt.compiler.dummy import write_dummy_pipeline
 from diffusion_trt.compiler.single_file import folder_from_single_file, inspect_checkpoint

@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from diffusion_trt.artifacts import read_manifest
+from diffusion_trt.artifact.folder import read_manifest
 from diffusion_trt.errors import RuntimeInputError
 from diffusion_trt.runtime import EnginePipeline
 from diffusion_trt.runtime.engines.buckets import BucketedEngine, SizeBuckets, parse_size_buckets, static_spec

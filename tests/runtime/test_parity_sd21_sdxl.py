@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffusion_trt.artifacts import read_manifest
+from diffusion_trt.artifact.folder import read_manifest
 from diffusion_trt.errors import RuntimeInputError
 from diffusion_trt.runtime import EnginePipeline
 

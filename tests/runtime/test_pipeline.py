@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from diffusion_trt import artifacts
+from diffusion_trt.artifact import folder as artifacts
 from diffusion_trt.errors import ArtifactError, RuntimeInputError
 from diffusion_trt.runtime import EnginePipeline, save_png
 from diffusion_trt.runtime.png import read_png_parameters

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from diffusion_trt.artifact.manifest import Manifest
 from diffusion_trt.config import Range, ShapeProfile
 from diffusion_trt.errors import RuntimeInputError
 from diffusion_trt.runtime.conditioning import Conditioning, PreparedLatents, TextToImage
@@ -24,12 +25,12 @@ SPEC = RequestSpec(PROFILE, LatentGeometry())
 def test_geometry_reads_the_manifest_once() -> None:
     manifest = {"model": {"vae_scale_factor": 8, "vae_scaling_factor": 0.13025, "unet_in_channels": 9,
                           "latent_channels": 4}}
-    geo = LatentGeometry.from_manifest(manifest)
+    geo = LatentGeometry.from_manifest(Manifest.from_json(manifest))
     assert (geo.scale_factor, geo.scaling_factor, geo.channels, geo.unet_in_channels) == (8, 0.13025, 4, 9)
     assert geo.latent_shape(3, 64, 48) == (3, 4, 8, 6)
     assert geo.derived_dims == {"H": ("h", 8), "W": ("w", 8)}
     # without the model entry: SD's VAE, and the UNet engine's channels
-    assert LatentGeometry.from_manifest({}, unet_in_channels=9) == LatentGeometry(8, 0.18215, 4, 9)
+    assert LatentGeometry.from_manifest(Manifest.from_json({}), unet_in_channels=9) == LatentGeometry(8, 0.18215, 4, 9)
 
 
 def test_geometry_checks_requested_and_image_sizes() -> None:
@@ -186,7 +187,8 @@ def test_the_loop_runs_a_built_request_as_the_pipeline_does(tiny_artifact: Path)
 
 def test_a_huge_batch_is_refused_before_any_chunk_is_planned(monkeypatch: pytest.MonkeyPatch) -> None:
     """10**8 images: the host-memory bound is checked first (it planned 5 * 10**7 chunks, 6.6 s and 3.3 GB, before)."""
-    from diffusion_trt.runtime import host_memory, request
+    from diffusion_trt.runtime import request
+    from diffusion_trt.runtime.memory import host_memory
 
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 10 * 2**20)
     monkeypatch.setattr(request, "plan_chunks", lambda *a: pytest.fail(f"chunks planned for {a}"))
@@ -207,10 +209,10 @@ def test_guidance_is_checked_against_a_unet_built_for_the_cfg_batch_only() -> No
 
 def test_request_spec_from_the_manifest_alone(toy_artifact: Path) -> None:
     """What a call may ask is read from the manifest, no engine open: the pipeline's spec is the same value."""
-    from diffusion_trt.artifacts import read_manifest
+    from diffusion_trt.artifact.manifest import Manifest
     from diffusion_trt.runtime import EnginePipeline
 
-    spec = RequestSpec.from_manifest(read_manifest(toy_artifact))
+    spec = RequestSpec.from_manifest(Manifest.read(toy_artifact))
     assert spec.architecture == "sd" and spec.latent_dtype == torch.float32 and spec.default_guidance_scale == 7.5
     assert spec.unet_batch == (spec.profile.batch.min, 2 * spec.profile.batch.max)
     with EnginePipeline.from_artifacts(toy_artifact, verify=False) as pipe:

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from diffusion_trt.artifact.folder import write_manifest
+from diffusion_trt.artifact.manifest import Manifest
 from diffusion_trt.cli import main
 from diffusion_trt.errors import RuntimeInputError
 from diffusion_trt.runtime import EnginePipeline
@@ -73,11 +76,27 @@ def test_a_budget_below_every_plan_is_refused_before_loading_and_per_call(tiny_a
         assert not any(s.is_open for s in pipe.residency.staged.values())
 
 
+def test_the_load_time_check_plans_for_the_size_a_call_gets(tiny_artifact: Path, tmp_path: Path,
+                                                          no_recorded_facts: Path) -> None:
+    """Without ``vram_request`` the budget is checked at load for the size a call without sizes gets, the profile's opt
+    size (issue 23): it was the model's default size, so with an opt size above it a budget accepted at load was
+    refused by the first call."""
+    art = tmp_path / "opt-128"
+    shutil.copytree(tiny_artifact, art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["profile"]["height"][1] = manifest["profile"]["width"][1] = 128  # the model's default stays 64x64
+    write_manifest(art, manifest)
+    with pytest.raises(RuntimeInputError, match=r"at 128x128, batch 1"):
+        EnginePipeline.from_artifacts(art, vram_budget=1)
+    with EnginePipeline.from_artifacts(art, vram_budget=_smallest(art)) as pipe:  # the least the load accepts
+        assert pipe("a cat", **KW).images.shape[1:3] == (128, 128)  # and the first call runs inside it
+
+
 def test_measured_vae_facts_make_the_plan_tile_the_vae(tiny_artifact: Path, reference: dict[int, np.ndarray],
                                                       no_recorded_facts: Path) -> None:
     """Recorded (measured) figures replace the estimates; a VAE that needs 2 GiB at 128x128 but 0.5 GiB per
     64x64 tile gets decoded in tiles under a budget between the two."""
-    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    manifest = Manifest.read(tiny_artifact)
     path = record_memory_facts(facts_path(manifest), manifest, "a test", {
         "vae_decoder": {"weights_bytes": 1 * MiB, "activations": [
             {"rows": 1, "height": 128, "width": 128, "bytes": 2 * GiB},

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from diffusion_trt.artifact_reader import ArtifactReader
+from diffusion_trt.artifact.reader import ArtifactReader
 from diffusion_trt.compiler.dummy import write_clip_tokenizer
 from diffusion_trt.compiler.pipeline import ensure_tokenizer_json
 from diffusion_trt.errors import ArtifactError

@@ -19,8 +19,9 @@ import pytest
 import torch
 from onnx import helper
 
-from diffusion_trt import artifacts, trt_compat
-from diffusion_trt.artifacts import sha256_file
+from diffusion_trt import trt_compat
+from diffusion_trt.artifact import folder as artifacts
+from diffusion_trt.artifact.folder import sha256_file
 from diffusion_trt.compiler.build_trt import TrtBuildConfig, profiles_from_inputs
 from diffusion_trt.compiler.components import component_specs, tensor_manifest
 from diffusion_trt.config import Range, ShapeProfile

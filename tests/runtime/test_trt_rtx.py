@@ -23,13 +23,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from diffusion_trt import artifacts, trt_compat
+from diffusion_trt import trt_compat
+from diffusion_trt.artifact import folder as artifacts
+from diffusion_trt.artifact.manifest import Manifest
+from diffusion_trt.artifact.verify import verify_artifact
 from diffusion_trt.cli import main
 from diffusion_trt.errors import ArtifactError, RuntimeInputError
 from diffusion_trt.runtime.engines import runtime_cache as rc
 from diffusion_trt.runtime.engines.trt_engine import RuntimeProfile, TrtEngine, rtx_cuda_graph_strategy
 from diffusion_trt.trt_compat import TrtHost, check_host
-from diffusion_trt.verify import verify_artifact
 from tests.runtime.test_trt_engine import ADD_ENTRY, UNET_ENTRY, _add_model, _feeds
 
 RTX = trt_compat.library("tensorrt-rtx")
@@ -56,7 +58,7 @@ H200 = TrtHost("", "9.0", "NVIDIA H200")
 
 
 def test_runtime_cache_defaults_to_the_user_cache_keyed_by_the_manifest_seal(tmp_path: Path) -> None:
-    manifest = {"manifest_sha256": SEAL}
+    manifest = Manifest.from_json({"manifest_sha256": SEAL})
     env = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
     path = rc.runtime_cache_path(tmp_path / "art", manifest, RTX_BUILD, env=env)
     assert path == tmp_path / "xdg" / "diffusion-trt" / "runtime-cache" / SEAL[:16] / "unet.runtime-cache"
@@ -69,7 +71,7 @@ def test_runtime_cache_defaults_to_the_user_cache_keyed_by_the_manifest_seal(tmp
 def test_runtime_cache_dir_argument_is_used_as_is_but_never_inside_the_sealed_artifact(tmp_path: Path) -> None:
     art = tmp_path / "art"
     (art / "unet").mkdir(parents=True)
-    manifest = {"manifest_sha256": SEAL}
+    manifest = Manifest.from_json({"manifest_sha256": SEAL})
     assert rc.runtime_cache_path(art, manifest, RTX_BUILD, tmp_path / "rc") == tmp_path / "rc" / "unet.runtime-cache"
     for inside in (art, art / "unet", art / "new" / "cache"):
         with pytest.raises(RuntimeInputError, match=r"inside the artifact .* sealed .*art\.runtime-cache"):
@@ -77,10 +79,11 @@ def test_runtime_cache_dir_argument_is_used_as_is_but_never_inside_the_sealed_ar
 
 
 def test_runtime_cache_names_are_plain_file_names(tmp_path: Path) -> None:
-    assert rc.runtime_cache_path(tmp_path, {"manifest_sha256": SEAL}, {"tensorrt": VERSION}) is None
+    assert rc.runtime_cache_path(tmp_path, Manifest.from_json({"manifest_sha256": SEAL}), {"tensorrt": VERSION}) is None
     for bad in ("../unet.cache", "a/b", "", "..", 7):
         with pytest.raises(ArtifactError, match="not a plain file name"):
-            rc.runtime_cache_path(tmp_path, {"manifest_sha256": SEAL}, {**RTX_BUILD, "runtime_cache": bad})
+            rc.runtime_cache_path(tmp_path, Manifest.from_json({"manifest_sha256": SEAL}),
+                                  {**RTX_BUILD, "runtime_cache": bad})
 
 
 # --- the runtime cache file --------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from diffusion_trt import artifacts
+from diffusion_trt.artifact import folder as artifacts
 from diffusion_trt.compiler.components import component_specs, tensor_manifest
 from diffusion_trt.compiler.dummy import SD15_SCHEDULER_CONFIG
 from diffusion_trt.config import Range, ShapeProfile

@@ -33,7 +33,7 @@ def find_cache(location: str | Path | None, component: str) -> Path | None:
 
 def _load_cache(meta_path: Path, key: str, settings: Mapping[str, Any]) -> tuple[Path | None, str]:
     """(ranges file, reason) when the cache at ``meta_path`` matches ``key``; (None, why not) otherwise."""
-    from ...artifacts import sha256_file
+    from ...artifact.folder import sha256_file
 
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
@@ -59,7 +59,7 @@ def write_cache(cache_out: Path, component: str, key: str, settings: Mapping[str
     """
     import shutil
 
-    from ...artifacts import sha256_file, write_json_atomic
+    from ...artifact.folder import sha256_file, write_json_atomic
 
     cache_out.mkdir(parents=True, exist_ok=True)
     ranges_dst = cache_out / f"{component}.ranges.json"

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ...artifact.manifest import Manifest
 from ...config import ShapeProfile
 from ...errors import RuntimeInputError
 from ..geometry import LatentGeometry
@@ -321,7 +322,7 @@ def preload_symbols(component: str, spec: EngineSpec, buckets: SizeBuckets, prof
 def bucket_engines(
     engines: Mapping[str, Any],
     buckets: SizeBuckets | None,
-    manifest: Mapping[str, Any],
+    manifest: Manifest,
     device: str,
     cuda_graph: bool | None,
 ) -> dict[str, Any]:
@@ -336,7 +337,7 @@ def bucket_engines(
     out = dict(engines)
     if buckets is None:
         return out
-    profile = ShapeProfile.from_json(manifest["profile"])
+    profile = ShapeProfile.from_json(manifest.profile_json)
     scale = LatentGeometry.from_manifest(manifest).scale_factor
     buckets.check(profile, scale)
     if profile.is_static():

@@ -83,6 +83,11 @@ class TensorInfo:
         return TORCH_DTYPES[self.dtype]
 
     @property
+    def is_static(self) -> bool:
+        """One shape only: the profile's min == max."""
+        return self.min == self.max
+
+    @property
     def numpy_dtype(self) -> np.dtype[Any]:
         return NUMPY_DTYPES[self.dtype]
 
@@ -131,6 +136,12 @@ class EngineSpec:
     inputs: tuple[TensorInfo, ...]
     outputs: tuple[TensorInfo, ...]
     derived: Mapping[str, tuple[str, int]]
+
+    @property
+    def is_static(self) -> bool:
+        """Every input has one shape (profile min == max): the engine runs one shape, so it can be warmed up, take a
+        CUDA graph, and search cuDNN's algorithms exhaustively once."""
+        return all(info.is_static for info in self.inputs)
 
     @classmethod
     def from_manifest(

@@ -45,7 +45,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ...artifact_reader import OnnxBytes
+from ...artifact.reader import OnnxBytes
 from ...errors import ArtifactError, RuntimeInputError
 from .engine import EngineBase, EngineSpec, _fmt_shape
 
@@ -81,8 +81,7 @@ def resolve_conv_algo_search(requested: str, spec: EngineSpec) -> str:
     """
     if requested != "AUTO":
         return requested
-    static = all(info.min == info.max for info in spec.inputs)
-    return "EXHAUSTIVE" if static else "HEURISTIC"
+    return "EXHAUSTIVE" if spec.is_static else "HEURISTIC"
 
 #: ONNX Runtime type strings (``NodeArg.type``) -> manifest dtype names.
 _ORT_TYPES: dict[str, str] = {
@@ -109,7 +108,7 @@ def cuda_graph_refusal(spec: EngineSpec, device: str) -> str | None:
         A one-line reason naming the offending input / device and the fix, or ``None``.
     """
     for info in spec.inputs:
-        if info.min != info.max:
+        if not info.is_static:
             return (
                 f"input {info.name!r} has a dynamic profile {_fmt_shape(info.min)}..{_fmt_shape(info.max)} and a "
                 "CUDA graph replays one shape; compile a static artifact (min == opt == max) to use CUDA graphs"
@@ -147,7 +146,7 @@ class OrtEngine(EngineBase):
             with one WARNING when the engine is not static-shaped, not on CUDA, or ORT refuses.
             :attr:`cuda_graph` says whether it is in use, :attr:`cuda_graph_reason` why not.
         source: called on each session creation for the model's bytes and its external-data files
-            (:class:`~diffusion_trt.artifact_reader.OnnxBytes`, e.g. ``ArtifactReader.onnx``): ONNX Runtime then
+            (:class:`~diffusion_trt.artifact.reader.OnnxBytes`, e.g. ``ArtifactReader.onnx``): ONNX Runtime then
             builds the session from those bytes (``add_external_initializers_from_files_in_memory``) and opens no
             file by name, so what was hashed is what runs. ``None`` = ONNX Runtime opens ``path`` itself.
         free_dimensions: fix symbolic dims of the graph (``{"B2": 2, "h": 64, "w": 64}``) through

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...artifacts import SEAL_KEY, umask_mode
+from ...artifact.folder import SEAL_KEY, umask_mode
+from ...artifact.manifest import Manifest
 from ...errors import ArtifactError, RuntimeInputError
 from ...trt_compat import pack_framed, printable, read_cache_file, unpack_framed
 
@@ -90,7 +91,7 @@ def default_runtime_cache_root(env: Mapping[str, str] | None = None) -> Path:
 
 def runtime_cache_path(
     root: str | os.PathLike[str],
-    manifest: Mapping[str, Any],
+    manifest: Manifest,
     build: Mapping[str, Any],
     cache_dir: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
@@ -130,7 +131,7 @@ def runtime_cache_path(
                 f"its manifest does not list); use a folder beside it, e.g. {Path(root).resolve()}.runtime-cache"
             )
     else:
-        seal = manifest.get(SEAL_KEY)
+        seal = manifest.seal
         if not isinstance(seal, str) or len(seal) < 16:
             raise ArtifactError(f"the manifest of {root} has no {SEAL_KEY}; recompile the artifact")
         folder = default_runtime_cache_root(env) / seal[:16]

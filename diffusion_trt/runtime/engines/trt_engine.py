@@ -80,8 +80,8 @@ import numpy as np
 import torch
 
 from ... import trt_compat
-from ...artifact_facts import BuildFacts
-from ...artifacts import verify_files
+from ...artifact.facts import BuildFacts
+from ...artifact.folder import verify_files
 from ...errors import ArtifactError, DiffusionTrtError, RuntimeInputError
 from . import runtime_cache
 from .engine import EngineBase, EngineSpec
@@ -326,7 +326,7 @@ class TrtEngine(EngineBase):
         spec: the manifest's component entry (with ``inputs``, ``outputs`` and ``build``) or a parsed
             :class:`EngineSpec` (then pass ``build``).
         name: component name for messages; default the spec's name or the folder name.
-        build: the build facts (:class:`~diffusion_trt.artifact_facts.BuildFacts`, or its JSON: ``tensorrt``,
+        build: the build facts (:class:`~diffusion_trt.artifact.facts.BuildFacts`, or its JSON: ``tensorrt``,
             ``compute_capability``, ``plan_sha256``...); default ``spec["build"]``.
         device_id: CUDA device ordinal.
         stream: the ``torch.cuda.Stream`` to enqueue on; ``None`` = a stream of the engine's own (never the

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ...artifact.manifest import Manifest
 from ...errors import RuntimeInputError
 
 logger = logging.getLogger(__name__)
@@ -421,15 +422,15 @@ def estimated_activations(component: str, rows: int, height: int, width: int, fp
     return per * rows * height * width * scale
 
 
-def facts_path(manifest: Mapping[str, Any]) -> Path:
+def facts_path(manifest: Manifest) -> Path:
     """Where measured memory facts of an artifact are recorded: ``$DIFFUSION_TRT_CACHE`` (default
     ``~/.cache/diffusion-trt``) ``/memory/<manifest_sha256>.json`` (keyed by the sealed manifest, so facts never
     outlive the artifact they were measured on; the artifact folder itself stays as compiled)."""
     root = Path(os.environ.get("DIFFUSION_TRT_CACHE", "~/.cache/diffusion-trt")).expanduser()
-    return root / "memory" / f"{manifest.get('manifest_sha256', 'unsealed')}.json"
+    return root / "memory" / f"{manifest.seal or 'unsealed'}.json"
 
 
-def load_memory_facts(path: str | os.PathLike[str] | None, manifest: Mapping[str, Any]) -> dict[str, Any]:
+def load_memory_facts(path: str | os.PathLike[str] | None, manifest: Manifest) -> dict[str, Any]:
     """Recorded measurements for this artifact (``{}`` when none): ``path``, or :func:`facts_path`.
 
     Format (``schema`` :data:`FACTS_SCHEMA`)::
@@ -453,17 +454,17 @@ def load_memory_facts(path: str | os.PathLike[str] | None, manifest: Mapping[str
         data = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise RuntimeInputError(f"memory facts file {p} is unreadable ({e}); record it again") from e
-    if data.get("schema") != FACTS_SCHEMA or data.get("manifest_sha256") != manifest.get("manifest_sha256"):
+    if data.get("schema") != FACTS_SCHEMA or data.get("manifest_sha256") != manifest.seal:
         if path is not None:
             raise RuntimeInputError(
                 f"memory facts file {p} is for artifact manifest {data.get('manifest_sha256')!r}, not this one "
-                f"({manifest.get('manifest_sha256')!r}); record facts for this artifact"
+                f"({manifest.seal!r}); record facts for this artifact"
             )
         return {}
     return data
 
 
-def record_memory_facts(path: str | os.PathLike[str], manifest: Mapping[str, Any], device: str,
+def record_memory_facts(path: str | os.PathLike[str], manifest: Manifest, device: str,
                         engines: Mapping[str, Mapping[str, Any]], overhead: int | None = None) -> Path:
     """Merge measured figures into the facts file at ``path`` (see :func:`load_memory_facts` for the format):
     ``engines`` = ``{name: {"weights_bytes": int|None, "activations": [{"rows", "height", "width", "bytes"}]}}``.
@@ -475,7 +476,7 @@ def record_memory_facts(path: str | os.PathLike[str], manifest: Mapping[str, Any
             old = json.loads(p.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             old = {}
-    if old.get("manifest_sha256") != manifest.get("manifest_sha256"):
+    if old.get("manifest_sha256") != manifest.seal:
         old = {}
     merged: dict[str, Any] = dict(old.get("engines", {}))
     for name, rec in engines.items():
@@ -487,7 +488,7 @@ def record_memory_facts(path: str | os.PathLike[str], manifest: Mapping[str, Any
             acts[(a["rows"], a["height"], a["width"])] = {k: int(a[k]) for k in ("rows", "height", "width", "bytes")}
         entry["activations"] = sorted(acts.values(), key=lambda a: (a["rows"], a["height"], a["width"]))
         merged[name] = entry
-    data = {"schema": FACTS_SCHEMA, "manifest_sha256": manifest.get("manifest_sha256"), "device": device,
+    data = {"schema": FACTS_SCHEMA, "manifest_sha256": manifest.seal, "device": device,
             "overhead_bytes": overhead if overhead is not None else old.get("overhead_bytes"), "engines": merged}
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(data, indent=2), encoding="utf-8")

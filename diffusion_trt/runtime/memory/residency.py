@@ -2,7 +2,8 @@
 engines opened per stage and released.
 
 ``EnginePipeline.from_artifacts(..., vram_budget="8GB")`` builds a :class:`VramBudget` from the manifest, plans for
-the request size it is given (``vram_request``; default the artifact's default size, batch 1) and refuses there,
+the request size it is given (``vram_request``; default the size a call without sizes gets, the profile's opt size,
+batch 1) and refuses there,
 before any engine opens, a budget no plan meets. Each call re-plans for its own size and batch (figures are cached;
 a request the budget cannot meet is refused before anything runs) and switches plans where needed.
 
@@ -29,7 +30,8 @@ from typing import Any
 
 import torch
 
-from ...artifacts import safe_join
+from ...artifact.folder import safe_join
+from ...artifact.manifest import Backend, Component, Manifest
 from ..engines.engine import Engine, EngineProxy
 from ..geometry import LatentGeometry
 from .plan import (
@@ -69,7 +71,7 @@ class VramBudget:
     """
 
     budget: int
-    manifest: Mapping[str, Any]
+    manifest: Manifest
     root: Path
     components: tuple[str, ...]
     facts: Mapping[str, Any] = field(default_factory=dict)
@@ -78,43 +80,42 @@ class VramBudget:
     _cache: dict[tuple[int, int, int], ResidencyPlan] = field(default_factory=dict)
 
     @classmethod
-    def from_manifest(cls, budget: str | int, manifest: Mapping[str, Any], root: Path, components: tuple[str, ...],
+    def from_manifest(cls, budget: str | int, manifest: Manifest, root: Path, components: tuple[str, ...],
                       facts_file: str | Path | None = None) -> VramBudget:
         """Raises: RuntimeInputError: a malformed budget (the accepted forms are named) or facts file."""
         size = parse_size(budget)
         facts = load_memory_facts(facts_file, manifest)
         scale = LatentGeometry.from_manifest(manifest).scale_factor
-        prof = manifest.get("profile", {})
-        tile = min(int(prof.get("height", [0, 512])[1]), int(prof.get("width", [0, 512])[1])) // scale
+        tile = min(manifest.profile.opt_size) // scale
         overhead = int(facts.get("overhead_bytes") or DEFAULT_OVERHEAD_BYTES)
         return cls(size, manifest, root, components, facts, overhead, max(tile, 1))
 
     @property
-    def backend(self) -> str:
-        return str(self.manifest.get("backend"))
+    def backend(self) -> Backend:
+        return self.manifest.backend
 
     def engine_memory(self, height: int, width: int, batch: int) -> dict[str, EngineMemory]:
         """Each component's facts at ``height`` x ``width``, ``batch`` images (CFG assumed: 2x UNet rows)."""
         tile_px = self.tile * LatentGeometry.from_manifest(self.manifest).scale_factor
         tiled = height > tile_px or width > tile_px
-        batch = min(batch, int(self.manifest.get("profile", {}).get("batch", [1, 1, batch])[2]))  # one chunk at a time
+        batch = min(batch, self.manifest.profile.batch.max)  # one chunk at a time
         out: dict[str, EngineMemory] = {}
         for name in self.components:
-            entry = self.manifest["components"][name]
-            fp32 = entry.get("precision", self.manifest.get("precision")) == "fp32"
+            entry = self.manifest.components[name]
+            fp32 = entry.precision == "fp32"
             rows = engine_rows(name, batch, cfg=True)
             tile = (min(height, tile_px), min(width, tile_px)) if tiled and name == "vae_decoder" else None
-            if "plan" in entry:  # TensorRT: weights ~ plan bytes until the engine is read (device_memory_size)
+            if entry.plan is not None:  # TensorRT: weights ~ plan bytes until the engine is read (device_memory_size)
                 out[name] = self._trt_memory(name, entry, rows, height, width, fp32, tile)
             else:
-                out[name] = ort_engine_memory(name, safe_join(self.root, str(entry["onnx"])), rows=rows,
+                out[name] = ort_engine_memory(name, safe_join(self.root, str(entry.onnx)), rows=rows,
                                               height=height, width=width, fp32=fp32, facts=self.facts, tile=tile)
         return out
 
-    def _trt_memory(self, name: str, entry: Mapping[str, Any], rows: int, height: int, width: int, fp32: bool,
+    def _trt_memory(self, name: str, entry: Component, rows: int, height: int, width: int, fp32: bool,
                     tile: tuple[int, int] | None) -> EngineMemory:
         rec = (self.facts.get("engines") or {}).get(name, {})
-        size = int(self.manifest.get("files", {}).get(str(entry["plan"]), {}).get("size", 0))
+        size = self.manifest.file_size(str(entry.plan))
         weights = int(rec.get("weights_bytes") or size)
         wsrc = "measured" if rec.get("weights_bytes") else "estimated: plan file bytes"
         acts = rec.get("activations") or []
@@ -135,7 +136,7 @@ class VramBudget:
         key = (int(height), int(width), int(batch))
         if key not in self._cache:
             self._cache[key] = plan_residency(
-                self.engine_memory(*key), self.budget, shared_activations=self.backend in ("tensorrt", "tensorrt-rtx"),
+                self.engine_memory(*key), self.budget, shared_activations=self.backend.is_tensorrt,
                 overhead=self.overhead, what=request_shape(*key),
                 overhead_source=f"measured on {self.facts.get('device')}" if self.facts.get("overhead_bytes")
                 else "estimated",
@@ -150,23 +151,23 @@ class VramBudget:
 
 def plan_for_request(
     vram_budget: str | int,
-    manifest: Mapping[str, Any],
+    manifest: Manifest,
     root: Path,
     components: tuple[str, ...],
     request: tuple[int | None, int | None, int] | None = None,
     facts_file: str | Path | None = None,
 ) -> Residency:
-    """The budget's plan for ``request`` = (height, width, batch); ``None`` sizes = the artifact's default size
-    (``request=None``: that size, batch 1).
+    """The budget's plan for ``request`` = (height, width, batch); ``None`` sizes = the size a call without sizes gets
+    (the profile's opt size: :attr:`~diffusion_trt.artifact.manifest.Profile.opt_size`; ``request=None``: that size,
+    batch 1), so a budget accepted here is not refused by the first call.
 
     Raises:
         RuntimeInputError: a malformed budget, a facts file of another artifact, or a budget no plan meets.
     """
     budget = VramBudget.from_manifest(vram_budget, manifest, root, components, facts_file)
     height, width, batch = request if request is not None else (None, None, 1)
-    model, prof = manifest.get("model", {}), manifest.get("profile", {})
-    height = int(height or model.get("default_height", prof.get("height", [0, 512])[1]))
-    width = int(width or model.get("default_width", prof.get("width", [0, 512])[1]))
+    opt_height, opt_width = manifest.profile.opt_size
+    height, width = int(height or opt_height), int(width or opt_width)
     plan = budget.plan(height, width, batch)
     logger.info("vram budget: %s for %s", plan.describe(), request_shape(height, width, batch))
     return Residency(budget, plan)
@@ -340,7 +341,7 @@ class _Switch(EngineProxy):
         return self._current().run(feeds)
 
 
-def memory_summary(root: Path, manifest: Mapping[str, Any]) -> dict[str, Any]:
+def memory_summary(root: Path, manifest: Manifest) -> dict[str, Any]:
     """``inspect``'s memory facts: each text-to-image engine's weights and activations at the profile's opt and
     max shapes (batch, height, width; CFG rows for the UNet and text encoders), with their sources.
 
@@ -356,12 +357,11 @@ def memory_summary(root: Path, manifest: Mapping[str, Any]) -> dict[str, Any]:
     from ..sdxl import SDXL_COMPONENTS
     from .plan import facts_path
 
-    comps = SDXL_COMPONENTS if manifest.get("model", {}).get("architecture") == "sdxl" else \
-        ("text_encoder", "unet", "vae_decoder")
-    budget = VramBudget.from_manifest(1, manifest, Path(root), tuple(c for c in comps if c in manifest["components"]))
-    prof = manifest.get("profile", {})
-    shapes = {k: (int(prof["height"][i]), int(prof["width"][i]), int(prof["batch"][i])) for k, i in
-              (("opt", 1), ("max", 2))}
+    comps = SDXL_COMPONENTS if manifest.model.is_sdxl else ("text_encoder", "unet", "vae_decoder")
+    budget = VramBudget.from_manifest(1, manifest, Path(root), tuple(c for c in comps if c in manifest.components))
+    prof = manifest.profile
+    shapes = {"opt": (prof.height.opt, prof.width.opt, prof.batch.opt),
+              "max": (prof.height.max, prof.width.max, prof.batch.max)}
     out: dict[str, Any] = {}
     for key, (h, w, b) in shapes.items():
         for name, mem in budget.engine_memory(h, w, b).items():

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .manifest import Manifest
 
 #: Manifest keys the summary presents itself; any other top-level key is listed under "other".
 _KNOWN = {
@@ -40,6 +43,20 @@ def _nonzero_passes(passes: list[dict[str, Any]]) -> dict[str, dict[str, float]]
         if counts:
             out.setdefault(str(rec.get("name")), {}).update(counts)
     return out
+
+
+def pass_table(manifest: Manifest) -> list[str]:
+    """``compile``'s closing table: one line per component, its passes that changed something with their non-zero
+    counts (``unet          fuse_gelu(Gelu=16); ...``), or ``no change``."""
+    lines = []
+    for name, component in manifest.components.items():
+        parts = []
+        for rec in component.spec.get("passes", []):
+            counts = ", ".join(f"{k}={v}" for k, v in rec.get("counts", {}).items() if v)
+            if counts:
+                parts.append(f"{rec['name']}({counts})")
+        lines.append(f"{name:<13} {'; '.join(parts) or 'no change'}")
+    return lines
 
 
 def _tensor(t: dict[str, Any]) -> dict[str, Any]:

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import artifacts, trt_compat
-from .artifact_values import parse_json, scheduler_config_problems
-from .errors import ArtifactError, DiffusionTrtError
+from .. import trt_compat
+from ..errors import ArtifactError, DiffusionTrtError
+from . import folder
+from .values import parse_json, scheduler_config_problems
 
 logger = logging.getLogger(__name__)
 
@@ -59,31 +60,31 @@ class VerifyReport:
 def load_manifest_json(root: Path) -> tuple[dict[str, Any] | None, list[str]]:
     """Read ``manifest.json`` without raising: ``(manifest or None, problems)``; schema and seal checked.
 
-    Untrusted bytes: larger than :data:`~diffusion_trt.artifacts.MAX_MANIFEST_BYTES`, not UTF-8, not JSON, nested
-    too deep, a huge integer, a lone surrogate... are one problem line each (:func:`~diffusion_trt.artifacts.
-    read_manifest_bytes`, :func:`~diffusion_trt.artifact_values.parse_json`), never a traceback.
+    Untrusted bytes: larger than :data:`~diffusion_trt.artifact.folder.MAX_MANIFEST_BYTES`, not UTF-8, not JSON, nested
+    too deep, a huge integer, a lone surrogate... are one problem line each (:func:`~diffusion_trt.artifact.folder.
+    read_manifest_bytes`, :func:`~diffusion_trt.artifact.values.parse_json`), never a traceback.
     """
-    path = root / artifacts.MANIFEST_NAME
+    path = root / folder.MANIFEST_NAME
     if not root.is_dir():
         return None, [f"{root}: artifact folder does not exist"]
     if not path.is_file():
         return None, [f"{path}: missing; the folder is not a compiled artifact (run `diffusion-trt compile`)"]
     try:
-        manifest = artifacts.parse_manifest(artifacts.read_manifest_bytes(path), path)
+        manifest = folder.parse_manifest(folder.read_manifest_bytes(path), path)
     except ArtifactError as e:
         return None, [str(e)]
-    return manifest, artifacts.manifest_problems(manifest)
+    return manifest, folder.manifest_problems(manifest)
 
 
 def scheduler_problems(root: Path, manifest: dict[str, Any]) -> list[str]:
     """The shipped scheduler config is readable JSON whose values the runtime can use with the artifact's scheduler
-    class (:func:`~diffusion_trt.artifact_values.scheduler_config_problems`); one line per problem."""
+    class (:func:`~diffusion_trt.artifact.values.scheduler_config_problems`); one line per problem."""
     sched = manifest.get("scheduler")
     rel = sched.get("config") if isinstance(sched, dict) else None
     if not isinstance(rel, str):
         return []  # the schema problems say so
     try:
-        path = artifacts.safe_join(root, rel)
+        path = folder.safe_join(root, rel)
         if not path.is_file():
             return []  # verify_files reports a missing listed file
         config = parse_json(path.read_bytes(), rel)
@@ -113,13 +114,13 @@ def integrity_problems(root: str | os.PathLike[str], check_hashes: bool = True) 
         for e in files.values()
     ):
         return manifest, problems, 0  # the schema problems already say what is wrong
-    problems += artifacts.verify_files(root, manifest, check_hashes=check_hashes)
+    problems += folder.verify_files(root, manifest, check_hashes=check_hashes)
     if isinstance(manifest.get("components"), dict) and all(
         isinstance(e, dict) for e in manifest["components"].values()
     ):
-        problems += artifacts.component_file_problems(root, manifest)
-    problems += artifacts.link_problems(root)
-    for rel in artifacts.unlisted_files(root, manifest):
+        problems += folder.component_file_problems(root, manifest)
+    problems += folder.link_problems(root)
+    for rel in folder.unlisted_files(root, manifest):
         problems.append(f"{rel}: not listed in the manifest (added after compile?); remove it or recompile")
     problems += scheduler_problems(root, manifest)
     for key, rel in (("tokenizer", manifest.get("tokenizer")), ("tokenizer_2", manifest.get("tokenizer_2")),
@@ -127,7 +128,7 @@ def integrity_problems(root: str | os.PathLike[str], check_hashes: bool = True) 
             "config") if isinstance(manifest.get("scheduler"), dict) else None)):
         if isinstance(rel, str):
             try:
-                artifacts.safe_join(root, rel)
+                folder.safe_join(root, rel)
             except ArtifactError as e:
                 problems.append(f"{key}: {e}")
     return manifest, list(dict.fromkeys(problems)), len(files)
@@ -214,7 +215,7 @@ def _this_trt_host(lib: trt_compat.TrtLibrary, problems: list[str]) -> trt_compa
 
 def source_problems(manifest: dict[str, Any], source: str | os.PathLike[str]) -> list[str]:
     """Whether ``source`` holds the weights the artifact was compiled from: a diffusers folder's
-    :func:`~diffusion_trt.artifacts.folder_hash` against ``source.sha256``, or a single ``.safetensors`` file's
+    :func:`~diffusion_trt.artifact.folder.folder_hash` against ``source.sha256``, or a single ``.safetensors`` file's
     sha256 against ``source.single_file.sha256``. Merged LoRAs are not part of the source (the manifest lists them)."""
     src = Path(source)
     recorded = manifest.get("source", {})
@@ -223,9 +224,9 @@ def source_problems(manifest: dict[str, Any], source: str | os.PathLike[str]) ->
         if want is None:
             return [f"--source {src} is a file, but the artifact was compiled from a diffusers folder "
                     f"({recorded.get('path', 'unknown')}); pass that folder"]
-        got, what = artifacts.sha256_file(src), "file"
+        got, what = folder.sha256_file(src), "file"
     elif src.is_dir():
-        want, got, what = recorded.get("sha256"), artifacts.folder_hash(src), "folder"
+        want, got, what = recorded.get("sha256"), folder.folder_hash(src), "folder"
         if recorded.get("single_file"):
             return [f"--source {src} is a folder, but the artifact was compiled from the single file "
                     f"{recorded.get('path')}; pass that file"]
@@ -262,9 +263,9 @@ def verify_artifact(
     """
     manifest, problems, checked = integrity_problems(root, check_hashes=check_hashes)
     if manifest is not None:
-        problems += artifacts.pin_problems(manifest, expect_sha256)
-    report = VerifyReport(problems=problems, checked_files=checked, warnings=artifacts.leftover_warnings(root))
-    schema_ok = manifest is not None and not artifacts.manifest_problems(manifest)
+        problems += folder.pin_problems(manifest, expect_sha256)
+    report = VerifyReport(problems=problems, checked_files=checked, warnings=folder.leftover_warnings(root))
+    schema_ok = manifest is not None and not folder.manifest_problems(manifest)
     if source is not None and schema_ok and manifest is not None:
         report.problems += source_problems(manifest, source)
     if check_host and schema_ok and manifest is not None:

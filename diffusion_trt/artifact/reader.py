@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from . import artifacts, digests
-from .errors import ArtifactError
+from ..errors import ArtifactError
+from . import digests, folder
+from .manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
-#: The most bytes ``manifest.json`` may have: one cap for every reader (:data:`artifacts.MAX_MANIFEST_BYTES`).
-MAX_MANIFEST_BYTES = artifacts.MAX_MANIFEST_BYTES
+#: The most bytes ``manifest.json`` may have: one cap for every reader (:data:`folder.MAX_MANIFEST_BYTES`).
+MAX_MANIFEST_BYTES = folder.MAX_MANIFEST_BYTES
 
 
 class ArtifactReplacedError(ArtifactError):
@@ -64,15 +65,18 @@ class ArtifactReader:
 
     Attributes:
         root: the folder's path as given (for messages only: nothing is opened by it after :meth:`open`).
-        manifest: the schema-valid, sealed manifest read through the descriptor.
+        manifest: the schema-valid, sealed manifest read through the descriptor, typed (parsed once, after the schema
+            check: :class:`~diffusion_trt.artifact.manifest.Manifest`).
         check_hashes: whether :meth:`read` compares each file's sha256 with the manifest (sizes always).
         loaded: artifact path -> sha256 of every file read so far (when hashes are checked).
     """
 
-    def __init__(self, root: Path, fd: int, manifest: dict[str, Any], check_hashes: bool) -> None:
+    manifest: Manifest
+
+    def __init__(self, root: Path, fd: int, check_hashes: bool) -> None:
         self.root = root
         self._fd: int | None = fd
-        self.manifest = manifest
+        self._json: dict[str, Any] = {}  # the manifest's JSON: read inside this package only
         self.check_hashes = check_hashes
         self.loaded: dict[str, str] = {}
 
@@ -80,7 +84,7 @@ class ArtifactReader:
     def open(cls, root: str | os.PathLike[str], *, check_hashes: bool = True,
              expect_sha256: str | None = None) -> ArtifactReader:
         """Open ``root`` and read its manifest; check the schema, the seal and (given) the pinned digest, and what
-        loading needs of the files (:func:`~diffusion_trt.artifacts.folder_problems` without hashes: every file
+        loading needs of the files (:func:`~diffusion_trt.artifact.folder.folder_problems` without hashes: every file
         present at its size, every component file listed, no link leading out). Hashes and ONNX external data are
         checked by :meth:`read` / :meth:`onnx` on the bytes they return.
 
@@ -104,18 +108,19 @@ class ArtifactReader:
             ) from None
         except OSError as e:
             raise ArtifactError(f"cannot open the artifact folder {root} ({e.strerror}); check the path") from None
-        reader = cls(root, fd, {}, check_hashes)  # owns fd from here: close it through the reader, once
+        reader = cls(root, fd, check_hashes)  # owns fd from here: close it through the reader, once
         try:
-            reader.manifest = reader._read_manifest(expect_sha256)
+            reader._json = reader._read_manifest(expect_sha256)
+            reader.manifest = Manifest.from_json(reader._json)
             pinned = reader.pinned_root
             problems = [p.replace(str(pinned), str(root)) for p in
-                        artifacts.folder_problems(pinned, reader.manifest, check_hashes=False, parse_onnx=False)]
+                        folder.folder_problems(pinned, reader._json, check_hashes=False, parse_onnx=False)]
             if problems:
                 raise ArtifactError(f"artifact {root} failed verification:\n  " + "\n  ".join(problems))
         except BaseException:
             reader.close()  # not os.close(fd): the reader's __del__ would close the number again, by then reused
             raise
-        extra = artifacts.unlisted_files(reader.pinned_root, reader.manifest)
+        extra = folder.unlisted_files(reader.pinned_root, reader._json)
         if extra:
             logger.warning("artifact %s holds files its manifest does not list: %s", root, ", ".join(extra[:10]))
         return reader
@@ -131,22 +136,23 @@ class ArtifactReader:
 
     def lists(self, rel: str) -> bool:
         """Whether the manifest lists the file ``rel`` (a path relative to the artifact folder)."""
-        return rel in self.manifest["files"]
+        return rel in self._json["files"]
 
     def read(self, rel: str) -> bytes | bytearray:
         """The bytes of the listed file ``rel``, read once through the folder descriptor, checked against the
         manifest's size and (when :attr:`check_hashes`) its digests: per chunk, on several threads, when the manifest
-        lists chunk digests (:mod:`~diffusion_trt.digests`), else one sha256 of the whole file.
+        lists chunk digests (:mod:`~diffusion_trt.artifact.digests`), else one sha256 of the whole file.
 
         Returns:
-            ``bytes`` for small files; a private ``bytearray`` for files of :data:`~diffusion_trt.digests.CHUNK_BYTES`
-            or more (read in parallel; never a mapping of the file, so later writes to it cannot reach these bytes).
+            ``bytes`` for small files; a private ``bytearray`` for files of
+            :data:`~diffusion_trt.artifact.digests.CHUNK_BYTES` or more (read in parallel; never a mapping of the
+            file, so later writes to it cannot reach these bytes).
 
         Raises:
             ArtifactError: ``rel`` is not listed, leaves the folder, is not a regular file, or differs from the
                 manifest; :class:`ArtifactReplacedError` when the folder was deleted meanwhile.
         """
-        entry = self.manifest["files"].get(rel)
+        entry = self._json["files"].get(rel)
         if entry is None:
             raise ArtifactError(f"{rel} is not listed in the manifest of {self.root}, so it cannot be checked; "
                                 "recompile the artifact")
@@ -167,8 +173,8 @@ class ArtifactReader:
         )
 
     def json(self, rel: str) -> Any:
-        """:meth:`read` ``rel`` and parse it as untrusted JSON (:func:`~diffusion_trt.artifact_values.parse_json`)."""
-        from .artifact_values import parse_json
+        """:meth:`read` ``rel`` and parse it as untrusted JSON (:func:`~diffusion_trt.artifact.values.parse_json`)."""
+        from .values import parse_json
 
         return parse_json(self.read(rel), f"{self.root}/{rel}")
 
@@ -188,14 +194,14 @@ class ArtifactReader:
         except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and friends
             raise ArtifactError(f"{self.root}/{rel} is not a readable ONNX model ({type(e).__name__}: {e}); "
                                 "recompile") from None
-        locations = artifacts.external_data_locations(model)
+        locations = folder.external_data_locations(model)
         del model
         pinned = self.pinned_root
         problems = [p.replace(str(pinned), str(self.root)) for p in
-                    artifacts.external_location_problems(pinned, rel, locations, self.manifest["files"])]
+                    folder.external_location_problems(pinned, rel, locations, self._json["files"])]
         if problems:
             raise ArtifactError(f"artifact {self.root} failed verification:\n  " + "\n  ".join(problems))
-        external = {loc: self.read(str(artifacts.external_data_target(rel, loc))) for loc in locations}
+        external = {loc: self.read(str(folder.external_data_target(rel, loc))) for loc in locations}
         # ONNX Runtime takes a model only as ``bytes``; a large one (weights inline: artifacts of before the
         # external-data threshold of build_ort) costs one copy here
         return OnnxBytes(rel, bytes(data) if isinstance(data, bytearray) else data, external)
@@ -206,7 +212,7 @@ class ArtifactReader:
         that take a folder, like a tokenizer); removed on exit."""
         prefix = rel_dir.rstrip("/") + "/"
         with tempfile.TemporaryDirectory(prefix="diffusion-trt-") as tmp:
-            for rel in self.manifest["files"]:
+            for rel in self._json["files"]:
                 if rel.startswith(prefix):
                     dest = Path(tmp).joinpath(*PurePosixPath(rel[len(prefix):]).parts)
                     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -237,9 +243,9 @@ class ArtifactReader:
         return self._fd
 
     def _read_manifest(self, expect_sha256: str | None) -> dict[str, Any]:
-        where = self.root / artifacts.MANIFEST_NAME
+        where = self.root / folder.MANIFEST_NAME
         try:
-            data = self._read_file(artifacts.MANIFEST_NAME, None, limit=MAX_MANIFEST_BYTES)
+            data = self._read_file(folder.MANIFEST_NAME, None, limit=MAX_MANIFEST_BYTES)
         except ArtifactReplacedError:
             raise
         except ArtifactError as e:
@@ -248,8 +254,8 @@ class ArtifactReader:
                     f"{where} is missing; {self.root} is not a compiled artifact (run `diffusion-trt compile`)"
                 ) from None
             raise
-        manifest = artifacts.parse_manifest(data, where)
-        problems = artifacts.manifest_problems(manifest) + artifacts.pin_problems(manifest, expect_sha256)
+        manifest = folder.parse_manifest(data, where)
+        problems = folder.manifest_problems(manifest) + folder.pin_problems(manifest, expect_sha256)
         if problems:
             raise ArtifactError(
                 f"{where} is not a valid artifact manifest (run `diffusion-trt verify {self.root}`):\n  "
@@ -261,10 +267,10 @@ class ArtifactReader:
                    chunks: dict[str, Any] | None = None) -> bytes | bytearray:
         """Open ``rel`` relative to the folder descriptor (non-blocking: a FIFO must not hang us), check that it is a
         regular file inside the folder of ``size`` bytes, and read it whole: in parallel chunks at
-        :data:`~diffusion_trt.digests.CHUNK_BYTES` or more, each checked against ``chunks`` (the manifest's chunk
-        digests) when given."""
+        :data:`~diffusion_trt.artifact.digests.CHUNK_BYTES` or more, each checked against ``chunks`` (the manifest's
+        chunk digests) when given."""
         fd = self._require_fd()
-        artifacts.safe_join(self.pinned_root, rel)  # lexical checks and links (raises ArtifactError)
+        folder.safe_join(self.pinned_root, rel)  # lexical checks and links (raises ArtifactError)
         try:
             f = os.open(rel, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=fd)
         except FileNotFoundError:

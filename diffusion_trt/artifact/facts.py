@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ArtifactError
+from ..errors import ArtifactError
 
 #: The layout of :class:`BuildFacts`; a change to its keys or their meaning raises it.
 FACTS_VERSION = 1

@@ -54,8 +54,8 @@ from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from .artifact_values import parse_json, schema_problems
-from .errors import ArtifactError, ModelFolderError, OutputPathError
+from ..errors import ArtifactError, ModelFolderError, OutputPathError
+from .values import parse_json, schema_problems
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ REQUIRED_COMPONENTS: tuple[str, ...] = ("text_encoder", "unet", "vae_decoder")
 
 _HASH_CHUNK = 1 << 20
 #: The most bytes ``manifest.json`` may have (real ones are tens of kB); every reader of it
-#: (:func:`read_manifest_bytes`, :class:`~diffusion_trt.artifact_reader.ArtifactReader`) refuses a larger one unread.
+#: (:func:`read_manifest_bytes`, :class:`~diffusion_trt.artifact.reader.ArtifactReader`) refuses a larger one unread.
 MAX_MANIFEST_BYTES = 64 << 20
 
 #: The manifest key that seals the rest of the manifest (see :func:`manifest_digest`).
@@ -120,7 +120,7 @@ def read_json_object(path: Path) -> dict[str, Any]:
 
 def file_entry(root: Path, rel: str) -> dict[str, Any]:
     """``{"sha256": ..., "size": bytes}`` for ``root / rel``, with per-chunk digests for large files (the loader
-    verifies those on several threads: :mod:`~diffusion_trt.digests`)."""
+    verifies those on several threads: :mod:`~diffusion_trt.artifact.digests`)."""
     from .digests import file_entry as entry_of
 
     return entry_of(root / rel)
@@ -798,7 +798,7 @@ def parse_manifest(data: bytes, path: str | os.PathLike[str]) -> dict[str, Any]:
     """The manifest object of ``manifest.json``'s bytes, of this :data:`SCHEMA_VERSION` (not yet schema-checked).
 
     Raises:
-        ArtifactError: not UTF-8 / JSON / an object (:func:`~diffusion_trt.artifact_values.parse_json`), or another
+        ArtifactError: not UTF-8 / JSON / an object (:func:`~diffusion_trt.artifact.values.parse_json`), or another
             schema version.
     """
     manifest = parse_json(data, str(path))

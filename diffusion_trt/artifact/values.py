@@ -26,7 +26,7 @@ import re
 from collections.abc import Collection
 from typing import Any
 
-from .errors import ArtifactError
+from ..errors import ArtifactError
 
 #: Deepest nesting of objects/arrays accepted in an artifact's JSON (the real manifests nest 6 deep).
 MAX_JSON_DEPTH = 32
