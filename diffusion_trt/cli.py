@@ -456,6 +456,9 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
 @click.option("--max-clip-skip", type=int, default=2, show_default=True,
               help="SD 1.x/2.x: the text encoder also serves run --clip-skip 1..N (one extra output; 0..11, at most "
                    "its layers less one; 0 = the text encoder of before).")
+@click.option("--max-embedding-vectors", type=int, default=128, show_default=True,
+              help="SD 1.x/2.x: the text encoder takes up to N textual-inversion vectors (run --embedding; 0..1024; "
+                   "0 = the text encoder of before, which refuses embeddings).")
 @click.option("--max-prompt-chunks", type=int, default=3, show_default=True,
               help="Long prompts: the UNet takes up to N chunks of 75 tokens (1..8; 1 = 77 tokens, the artifact of "
                    "before). A static profile and SDXL keep 1.")

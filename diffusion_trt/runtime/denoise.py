@@ -59,6 +59,7 @@ from tqdm.auto import tqdm
 
 from ..errors import RuntimeInputError
 from .cuda import HostBuffers, HostImageSink, images_float, images_uint8, nvtx_range, to_pil
+from .embeddings import EmbeddingTable, engine_feed
 from .engine import Engine
 from .prompt_encoding import PromptReader, TokenChunks, apply_weights, pad_chunks, warn_truncated
 
@@ -76,8 +77,10 @@ StepCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 Generator = torch.Generator | list[torch.Generator] | None
 
 
-def _run_rows(engine: Engine, input_name: str, x: torch.Tensor, output_name: str) -> torch.Tensor:
-    """Run a row-independent engine on ``x`` [N, ...], padding or chunking N to the engine's batch range.
+def _run_rows(engine: Engine, input_name: str, x: torch.Tensor, output_name: str,
+              shared: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Run a row-independent engine on ``x`` [N, ...], padding or chunking N to the engine's batch range;
+    ``shared``: inputs fed as they are to every run (the text encoder's ``embedding_vectors``).
 
     Returns a fresh tensor (never an engine buffer).
     """
@@ -91,7 +94,7 @@ def _run_rows(engine: Engine, input_name: str, x: torch.Tensor, output_name: str
         if rows < lo:  # e.g. one prompt without CFG on an engine built for batch >= 2
             chunk = torch.cat([chunk, chunk[-1:].expand(lo - rows, *chunk.shape[1:])])
         # clone: the engine overwrites its output buffer on the next chunk (and the next call)
-        outs.append(engine.run({input_name: chunk})[output_name][:rows].clone())
+        outs.append(engine.run({input_name: chunk, **(shared or {})})[output_name][:rows].clone())
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -224,7 +227,8 @@ def _encode_chunks(text_encoder: Engine, reader: PromptReader, chunks: Mapping[s
         return {}, None
     ids = torch.cat([c.ids for c in chunks.values()] + ([reader.empty_chunk()] if with_empty else []))
     with nvtx_range("text_encoder", text_encoder.device):
-        states = _run_rows(text_encoder, "input_ids", ids.to(text_encoder.device), reader.output)
+        states = _run_rows(text_encoder, "input_ids", ids.to(text_encoder.device), reader.output,
+                           engine_feed(text_encoder, reader.embeddings))
     states = reader.states({reader.output: states})
     rows: dict[str, torch.Tensor] = {}
     start = 0
@@ -456,6 +460,7 @@ class LoopEngines:
         tokenizer: the ``CLIPTokenizer`` of ``text_encoder``.
         scaling_factor: ``vae.config.scaling_factor``: latents are decoded as ``latents / scaling_factor``.
         embedding_cache: negative-prompt embeddings cache, or ``None``.
+        embeddings: the textual-inversion embeddings loaded (:mod:`.embeddings`), or ``None``.
         host_buffers: where "pil"/"np" results land (pinned on CUDA, reused across calls); ``None`` = fresh.
         copy_stream: CUDA side stream for the device->host copies (overlap the next chunk); ``None`` = the
             current stream.
@@ -467,6 +472,7 @@ class LoopEngines:
     tokenizer: Any
     scaling_factor: float
     embedding_cache: EmbeddingCache | None = None
+    embeddings: EmbeddingTable | None = None
     host_buffers: HostBuffers | None = None
     copy_stream: Any = None
 
@@ -551,7 +557,8 @@ def prompt_reader(engines: LoopEngines, request: Request) -> PromptReader:
     UNet's ``encoder_hidden_states`` profile allows (77 * ``compile --max-prompt-chunks``)."""
     length = int(engines.tokenizer.model_max_length)
     seq_max = engines.unet.spec.input("encoder_hidden_states").max[1]
-    return PromptReader(engines.tokenizer, request.prompt_syntax, max(1, int(seq_max) // length), request.clip_skip)
+    return PromptReader(engines.tokenizer, request.prompt_syntax, max(1, int(seq_max) // length), request.clip_skip,
+                        engines.embeddings)
 
 
 def given_embeddings(request: Request, engines: LoopEngines, reader: PromptReader, dtype: torch.dtype
