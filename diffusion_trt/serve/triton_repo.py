@@ -179,6 +179,9 @@ def pipeline_facts(manifest: Mapping[str, Any], models: Mapping[str, str],
                                                   *manifest["components"][c]["outputs"]]}
             for c in PIPELINE_ENGINES
         },
+        # the text encoder's textual-inversion rows [N, D] (fed zeros: the BLS loop takes no embeddings); absent before
+        "embedding_vectors": next((list(t["shape"]) for t in manifest["components"]["text_encoder"]["inputs"]
+                                   if t["name"] == "embedding_vectors"), None),
         "limits": {**triton_model.DEFAULT_LIMITS, **(limits or {})},
         "defaults": triton_model.DEFAULTS,
     }
