@@ -170,6 +170,8 @@ class EmbeddingTable:
                                     f"this artifact's text encoder takes {self.hidden} (an embedding made for "
                                     "another model family)")
         clash = next((e for e in self.embeddings if e.name.lower() == embedding.name.lower()), None)
+        if clash is not None and clash.source.resolve() == embedding.source.resolve():
+            raise RuntimeInputError(f"embedding file {embedding.source} is given twice; give it once")
         if clash is not None:
             raise RuntimeInputError(f"embedding name {embedding.name!r} ({embedding.source}) is taken by "
                                     f"{clash.source}; rename one of the files (the name is the file stem)")
