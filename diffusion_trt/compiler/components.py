@@ -99,9 +99,11 @@ def component_specs(
             makes its sequence axis the symbol ``S`` (``CompileConfig.max_prompt_chunks``).
         clip_skip: SD 1.x/2.x: C > 0 adds the text encoder output ``clip_skip_states`` [B2, C, S, D], row c-1 the
             final-layer-normed ``hidden_states[-(c + 1)]`` (diffusers' ``clip_skip=c``; CompileConfig.max_clip_skip).
-        embedding_vectors: SD 1.x/2.x: N > 0 adds the text encoder input ``embedding_vectors`` [N, text_hidden]:
-            textual-inversion vectors that the token ids -N..-1 look up (row id + N; ids >= 0 read the model's own
-            token table), see :mod:`diffusion_trt.runtime.embeddings` (CompileConfig.max_embedding_vectors).
+        embedding_vectors: SD 1.x/2.x: N > 0 adds the text encoder input ``embedding_vectors`` [B2, N, text_hidden]:
+            each text row's textual-inversion vectors, that its token ids -N..-1 look up (row id + N; ids >= 0 read
+            the model's own token table), see :mod:`diffusion_trt.runtime.embeddings`
+            (CompileConfig.max_embedding_vectors). Batched like ``input_ids``: every input shares the batch symbol
+            (Triton's dynamic batching, one profile dimension).
 
     SDXL, as diffusers' ``StableDiffusionXLPipeline.encode_prompt``: each text encoder runs with
     ``output_hidden_states=True`` and gives ``hidden_states[-2]`` (the penultimate layer, before the final layer
@@ -116,7 +118,7 @@ def component_specs(
     context: int | str = text_len if prompt_chunks == 1 else "S"
     symbols = () if prompt_chunks == 1 else (("S", (text_len, text_len, text_len * prompt_chunks)),)
     skipped = (TensorSpec("clip_skip_states", "float", ("B2", clip_skip, text_len, text_hidden)),) if clip_skip else ()
-    vectors = ((TensorSpec("embedding_vectors", "float", (embedding_vectors, text_hidden)),)
+    vectors = ((TensorSpec("embedding_vectors", "float", ("B2", embedding_vectors, text_hidden)),)
                if embedding_vectors else ())
     return {
         "text_encoder": ComponentSpec(

@@ -167,12 +167,13 @@ def _artifact_as_source(root: Path) -> str:
 
 
 class _TextEncoder(torch.nn.Module):
-    """(input_ids[B2,S] int64[, embedding_vectors[N,D]]) -> last_hidden_state[B2,S,D]; with ``clip_skip`` C > 0 also
+    """(input_ids[B2,S] int64[, embedding_vectors[B2,N,D]]) -> last_hidden_state[B2,S,D]; with ``clip_skip`` C > 0 also
     clip_skip_states[B2,C,S,D], row c-1 = ``final_layer_norm(hidden_states[-(c + 1)])``: diffusers' ``clip_skip=c``
     (``StableDiffusionPipeline.encode_prompt``), for c = 1..C, from the one engine.
 
-    With ``embedding_vectors`` (``vectors`` N > 0) a token id in -N..-1 reads row ``id + N`` of that input instead of
-    the token table (textual inversion, :class:`_TokenRows`); ids >= 0 are looked up as before, bit for bit.
+    With ``embedding_vectors`` (``vectors`` N > 0) a token id in -N..-1 reads row ``id + N`` of its text row's
+    vectors instead of the token table (textual inversion, :class:`_TokenRows`); ids >= 0 are looked up as before,
+    bit for bit.
     """
 
     def __init__(self, text_encoder: torch.nn.Module, clip_skip: int = 0, vectors: int = 0) -> None:
@@ -205,8 +206,9 @@ class _TextEncoder(torch.nn.Module):
 
 
 class _TokenRows(torch.nn.Module):
-    """A token-embedding lookup that reads ids -N..-1 from ``vectors`` [N, D] (row id + N) and ids >= 0 from the
-    model's ``table``: two Gathers and a Where, nothing the size of the vocabulary copied per run."""
+    """A token-embedding lookup that reads ids -N..-1 of text row b from ``vectors[b]`` [N, D] (row id + N) and ids
+    >= 0 from the model's ``table``: a Gather, a GatherElements and a Where, nothing the size of the vocabulary
+    copied per run."""
 
     def __init__(self, table: torch.nn.Embedding, vectors: torch.Tensor) -> None:
         super().__init__()
@@ -214,9 +216,10 @@ class _TokenRows(torch.nn.Module):
         self.vectors = vectors
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        n = self.vectors.shape[0]
+        n = self.vectors.shape[1]
         base = self.table(input_ids.clamp(min=0))
-        extra = torch.nn.functional.embedding((input_ids + n).clamp(min=0, max=n - 1), self.vectors)
+        rows = (input_ids + n).clamp(min=0, max=n - 1).unsqueeze(-1).expand(-1, -1, self.vectors.shape[2])
+        extra = torch.gather(self.vectors, 1, rows)  # [B2, S, D]: extra[b, s] = vectors[b, rows[b, s]]
         return torch.where((input_ids < 0).unsqueeze(-1), extra.to(base.dtype), base)
 
 
@@ -431,7 +434,7 @@ def onnx_from_component(
     """
 
     clip_skip = next((int(t.shape[1]) for t in spec.outputs if t.name == "clip_skip_states"), 0)
-    vectors = next((int(t.shape[0]) for t in spec.inputs if t.name == "embedding_vectors"), 0)
+    vectors = next((int(t.shape[1]) for t in spec.inputs if t.name == "embedding_vectors"), 0)
     module = _wrap(component, models, architecture, clip_skip, vectors)
     args = sample_inputs(spec, precision, {**profile_ranges, **dict(spec.symbols)}, device)
     dynamic_axes = {t.name: t.dynamic_axes() for t in (*spec.inputs, *spec.outputs)}

@@ -80,7 +80,8 @@ Generator = torch.Generator | list[torch.Generator] | None
 def _run_rows(engine: Engine, input_name: str, x: torch.Tensor, output_name: str,
               shared: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Run a row-independent engine on ``x`` [N, ...], padding or chunking N to the engine's batch range;
-    ``shared``: inputs fed as they are to every run (the text encoder's ``embedding_vectors``).
+    ``shared``: inputs every row gets alike, expanded to the run's rows (the text encoder's ``embedding_vectors``
+    [N, D] -> [rows, N, D]).
 
     Returns a fresh tensor (never an engine buffer).
     """
@@ -94,7 +95,9 @@ def _run_rows(engine: Engine, input_name: str, x: torch.Tensor, output_name: str
         if rows < lo:  # e.g. one prompt without CFG on an engine built for batch >= 2
             chunk = torch.cat([chunk, chunk[-1:].expand(lo - rows, *chunk.shape[1:])])
         # clone: the engine overwrites its output buffer on the next chunk (and the next call)
-        outs.append(engine.run({input_name: chunk, **(shared or {})})[output_name][:rows].clone())
+        feeds = {input_name: chunk} | {k: v.expand(chunk.shape[0], *v.shape).contiguous()
+                                        for k, v in (shared or {}).items()}
+        outs.append(engine.run(feeds)[output_name][:rows].clone())
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

@@ -10,10 +10,10 @@ Its name is the file's stem (A1111's rule): ``easynegative.safetensors`` is writ
 matched as a whole word, case-insensitively (CLIP lowercases prompts). The tokenizer is not touched: each segment
 text is split on the names first, the text pieces tokenized as before, and every name replaced by its n token ids.
 
-The text-encoder engine gets them through its ``embedding_vectors`` input [N, D] (``compile
---max-embedding-vectors``, see ``compiler/export.py``): embedding vectors are rows of that input, in load order, and
-the token id of row r is ``r - N`` (negative; ids >= 0 are the model's own tokens and read its own table exactly as
-before). An artifact without that input refuses embeddings.
+The text-encoder engine gets them through its ``embedding_vectors`` input [B2, N, D] (``compile
+--max-embedding-vectors``, see ``compiler/export.py``; every text row gets the same [N, D] here): embedding vectors
+are rows of it, in load order, and the token id of row r is ``r - N`` (negative; ids >= 0 are the model's own tokens
+and read its own table exactly as before). An artifact without that input refuses embeddings.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ class EmbeddingTable:
         spec = next((t for t in text_encoder.spec.inputs if t.name == INPUT), None)
         if spec is None:
             return None
-        return cls(int(spec.shape[0]), int(spec.shape[1]))
+        return cls(int(spec.shape[1]), int(spec.shape[2]))
 
     @property
     def used(self) -> int:
@@ -218,12 +218,13 @@ class EmbeddingTable:
 
 
 def engine_feed(text_encoder: Any, table: EmbeddingTable | None) -> dict[str, torch.Tensor]:
-    """The extra inputs of a text-encoder run: ``{"embedding_vectors": [N, D]}`` when the engine takes them (zeros
-    without embeddings: ids >= 0 never read them), ``{}`` for an engine of before."""
+    """The per-row inputs of a text-encoder run besides ``input_ids``: ``{"embedding_vectors": [N, D]}`` (every
+    row's; the caller expands it to the rows) when the engine takes them (zeros without embeddings: ids >= 0 never
+    read them), ``{}`` for an engine of before."""
     spec = next((t for t in text_encoder.spec.inputs if t.name == INPUT), None)
     if spec is None:
         return {}
-    table = table if table is not None else EmbeddingTable(int(spec.shape[0]), int(spec.shape[1]))
+    table = table if table is not None else EmbeddingTable(int(spec.shape[1]), int(spec.shape[2]))
     return {INPUT: table.vectors(spec.torch_dtype, text_encoder.device)}
 
 

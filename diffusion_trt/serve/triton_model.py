@@ -178,7 +178,7 @@ def text_to_image(params: Mapping[str, Any], config: Mapping[str, Any], tokenize
                     return_tensors="np").input_ids.astype(np.int64)
     feeds = {"input_ids": ids}
     if config.get("embedding_vectors"):  # textual-inversion rows: unused (no id < 0), zeros
-        feeds["embedding_vectors"] = np.zeros(config["embedding_vectors"],
+        feeds["embedding_vectors"] = np.zeros([len(texts), *config["embedding_vectors"]],
                                               _np_dtype(dtypes["text_encoder"]["embedding_vectors"]))
     embeds = infer(names["text_encoder"], feeds, "last_hidden_state")
     embeds = embeds.astype(_np_dtype(dtypes["unet"]["encoder_hidden_states"]))

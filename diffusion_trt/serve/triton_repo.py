@@ -179,8 +179,8 @@ def pipeline_facts(manifest: Mapping[str, Any], models: Mapping[str, str],
                                                   *manifest["components"][c]["outputs"]]}
             for c in PIPELINE_ENGINES
         },
-        # the text encoder's textual-inversion rows [N, D] (fed zeros: the BLS loop takes no embeddings); absent before
-        "embedding_vectors": next((list(t["shape"]) for t in manifest["components"]["text_encoder"]["inputs"]
+        # the text encoder's textual-inversion rows [N, D] per text (fed zeros: the BLS loop takes none); absent before
+        "embedding_vectors": next((list(t["shape"][1:]) for t in manifest["components"]["text_encoder"]["inputs"]
                                    if t["name"] == "embedding_vectors"), None),
         "limits": {**triton_model.DEFAULT_LIMITS, **(limits or {})},
         "defaults": triton_model.DEFAULTS,

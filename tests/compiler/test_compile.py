@@ -31,7 +31,7 @@ def _inputs(component: str, b: int, h: int, w: int, hidden: int) -> dict[str, to
     g = torch.Generator().manual_seed(1)
     if component == "text_encoder":  # ids -128..-1 read the rows of embedding_vectors (textual inversion)
         return {"input_ids": torch.randint(-128, 49408, (b, 77), generator=g),
-                "embedding_vectors": torch.randn(128, hidden, generator=g)}
+                "embedding_vectors": torch.randn(b, 128, hidden, generator=g)}
     if component == "unet":
         return {
             "sample": torch.randn(b, 4, h, w, generator=g),

@@ -22,15 +22,18 @@ def text_encoder(tiny_pipeline_dir: Path) -> torch.nn.Module:
 def test_negative_ids_read_the_vectors_as_a_grown_table_would(text_encoder: torch.nn.Module) -> None:
     g = torch.Generator().manual_seed(0)
     n, vocab = 6, text_encoder.get_input_embeddings().num_embeddings
-    vectors = torch.randn(n, 32, generator=g)
+    vectors = torch.randn(3, n, 32, generator=g)  # each text row its own vectors
     ids = torch.randint(0, vocab, (3, 77), generator=g)
     ids[:, 3:7] = torch.tensor([-6, -1, -3, -6])
     got_last, got_skip = export._TextEncoder(text_encoder, clip_skip=1, vectors=n)(ids, vectors)
-    grown = copy.deepcopy(text_encoder)  # diffusers' way: the new tokens are rows V..V+n-1 of a larger table
-    grown.resize_token_embeddings(vocab + n)
-    grown.get_input_embeddings().weight[vocab:] = vectors
-    want_last, want_skip = export._TextEncoder(grown, clip_skip=1)(torch.where(ids < 0, ids + n + vocab, ids))
-    assert (got_last - want_last).abs().max() <= 1e-6 and (got_skip - want_skip).abs().max() <= 1e-6
+    for row in range(3):  # diffusers' way: the new tokens are rows V..V+n-1 of a larger table
+        grown = copy.deepcopy(text_encoder)
+        grown.resize_token_embeddings(vocab + n)
+        grown.get_input_embeddings().weight[vocab:] = vectors[row]
+        ids_row = torch.where(ids[row : row + 1] < 0, ids[row : row + 1] + n + vocab, ids[row : row + 1])
+        want_last, want_skip = export._TextEncoder(grown, clip_skip=1)(ids_row)
+        assert (got_last[row] - want_last[0]).abs().max() <= 1e-6
+        assert (got_skip[row] - want_skip[0]).abs().max() <= 1e-6
     plain = export._TextEncoder(text_encoder, clip_skip=1)(ids.clamp(min=0))[0]
     assert (plain - got_last).abs().max() > 1e-3  # the vectors are read, not the table's row 0
 
@@ -38,7 +41,7 @@ def test_negative_ids_read_the_vectors_as_a_grown_table_would(text_encoder: torc
 @torch.no_grad()
 def test_ids_of_the_vocabulary_give_the_states_of_before_bit_for_bit(text_encoder: torch.nn.Module) -> None:
     ids = torch.randint(0, 1000, (2, 77), generator=torch.Generator().manual_seed(1))
-    vectors = torch.randn(4, 32)
+    vectors = torch.randn(2, 4, 32)
     with_vectors = export._TextEncoder(text_encoder, vectors=4)(ids, vectors)
     assert torch.equal(with_vectors, export._TextEncoder(text_encoder)(ids))
     assert text_encoder.get_input_embeddings().__class__ is torch.nn.Embedding  # the wrapper put the table back
@@ -47,6 +50,6 @@ def test_ids_of_the_vocabulary_give_the_states_of_before_bit_for_bit(text_encode
 def test_the_input_is_in_the_sd_table_only() -> None:
     sd = component_specs(text_hidden=32, text_len=77, unet_in=4, unet_out=4, latent=4, embedding_vectors=16)
     assert [(t.name, t.shape) for t in sd["text_encoder"].inputs] == [("input_ids", ("B2", 77)),
-                                                                       ("embedding_vectors", (16, 32))]
+                                                                       ("embedding_vectors", ("B2", 16, 32))]
     none = component_specs(text_hidden=32, text_len=77, unet_in=4, unet_out=4, latent=4)
     assert [t.name for t in none["text_encoder"].inputs] == ["input_ids"]

@@ -115,12 +115,14 @@ def test_nothing_changes_without_an_embedding(pipe: EnginePipeline, old_artifact
     finally:
         pipe.unload_textual_inversion()
     # the speed path: the UNet is the same engine, the text encoder's batch profile is as before and the new input
-    # is one static shape (no profile dimension, so static artifacts stay one shape / one CUDA graph)
+    # follows it (batch B2 like input_ids, the rest fixed: a static artifact stays one shape / one CUDA graph)
     new_text = pipe.engines["text_encoder"].spec
     assert pipe.engines["unet"].spec.inputs == old_unet.inputs
     assert new_text.input("input_ids") == old_text.input("input_ids")
     vectors = new_text.input("embedding_vectors")
-    assert vectors.shape == (128, HIDDEN) and vectors.min == vectors.max == (128, HIDDEN)
+    ids = new_text.input("input_ids")
+    assert vectors.shape == ("B2", 128, HIDDEN) and vectors.min == (ids.min[0], 128, HIDDEN)
+    assert vectors.max == (ids.max[0], 128, HIDDEN)
 
 
 def test_names_are_split_as_words_before_tokenizing(tiny_pipeline_dir: Path, files: dict[str, Path]) -> None:
