@@ -222,3 +222,11 @@ def test_compile_refuses_a_bad_max_embedding_vectors(tiny_pipeline_dir: Path, tm
     result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"),
                                        "--max-embedding-vectors", "2000"])
     assert result.exit_code == 2 and "max_embedding_vectors=2000 must be in 0..1024" in result.output
+
+
+def test_sdxl_artifact_refuses_embeddings(tiny_sdxl_artifact: Path, files: dict[str, Path]) -> None:
+    with EnginePipeline.from_artifacts(tiny_sdxl_artifact) as sdxl:
+        assert [t.name for t in sdxl.engines["text_encoder"].spec.inputs] == ["input_ids"]
+        with pytest.raises(RuntimeInputError, match="not supported for SDXL artifacts yet"):
+            sdxl.load_textual_inversion(files["cattoy"])
+        assert sdxl.embeddings is None
