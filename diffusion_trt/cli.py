@@ -463,6 +463,9 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
 @click.option("--max-clip-skip", type=int, default=2, show_default=True,
               help="SD 1.x/2.x: the text encoder also serves run --clip-skip 1..N (one extra output; 0..11, at most "
                    "its layers less one; 0 = the text encoder of before).")
+@click.option("--max-embedding-vectors", type=int, default=128, show_default=True,
+              help="SD 1.x/2.x: the text encoder takes up to N textual-inversion vectors (run --embedding; 0..1024; "
+                   "0 = the text encoder of before, which refuses embeddings).")
 @click.option("--max-prompt-chunks", type=int, default=3, show_default=True,
               help="Long prompts: the UNet takes up to N chunks of 75 tokens (1..8; 1 = 77 tokens, the artifact of "
                    "before). A static profile and SDXL keep 1.")
@@ -953,6 +956,9 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
 @click.option("--clip-skip", type=click.IntRange(min=0), default=None,
               help="Text states from N layers before the last, then the final layer norm (diffusers' clip_skip; "
                    "1 = A1111's 'Clip skip 2'); up to the artifact's compile --max-clip-skip [default: the last].")
+@click.option("--embedding", "embeddings", multiple=True, type=click.Path(path_type=Path), metavar="FILE",
+              help="A textual-inversion embedding (.safetensors; .pt through torch's weights-only loader), written "
+                   "by its file name in the prompts, e.g. -n 'easynegative, lowres'; repeatable.")
 @click.option("--steps", type=click.IntRange(min=1), default=_run_default("num_inference_steps"), show_default=True,
               help="Denoising steps.")
 @click.option("--guidance", type=float, default=None,
@@ -1006,7 +1012,7 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
 @_runtime_options("run")
 @_handle_errors
 def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt_syntax: str, clip_skip: int | None,
-            steps: int,
+            embeddings: tuple[Path, ...], steps: int,
             guidance: float | None, seed: int,
             height: int | None, width: int | None, batch_size: int, scheduler: str | None, device: str | None,
             snap: bool, devices: str | None, cuda_graph: bool | None, runtime_cache: Path | None, out: Path,
@@ -1028,6 +1034,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
       diffusion-trt run artifacts/tiny-refittable -p "a fox" --lora ink.safetensors:0.8 --lora detail.safetensors
       diffusion-trt run artifacts/tiny -p "(ink wash:1.3) mountains, [fog] BREAK a red sun" -n "(blurry)"
       diffusion-trt run artifacts/tiny -p "a guohua landscape" --clip-skip 1
+      diffusion-trt run artifacts/tiny -p "a fox" -n "easynegative, lowres" --embedding easynegative.safetensors
       diffusion-trt run artifacts/tiny-cn -p "an ink painting" --controlnet canny:0.8 --control-image edges.png
     """
     from .lora import check_lora_file, parse_lora_arg
@@ -1056,6 +1063,13 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         check_lora_file(path, scale)
     if lora_specs and len(_parse_devices(devices, device)) >= 2:
         raise click.UsageError("--lora runs on one device; drop --devices (or give one device)")
+    if embeddings:
+        from .runtime.embeddings import read_embedding
+
+        for path in embeddings:  # a missing / pickled / malformed file fails before the engines load
+            read_embedding(path)
+        if len(_parse_devices(devices, device)) >= 2:
+            raise click.UsageError("--embedding runs on one device; drop --devices (or give one device)")
     max_hw = _profile_max_hw(_needed(read)) if image_path is not None else None
     image = _read_image(image_path, "--image", "RGB", max_hw) if image_path is not None else None
     mode = "inpaint" if mask_path is not None else "img2img" if image_path is not None else "txt2img"
@@ -1086,6 +1100,8 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
                            **budget, **engine_options) as pipe:
         if lora_specs:
             pipe.load_lora(lora_specs)
+        if embeddings:
+            pipe.load_textual_inversion(list(embeddings))
         result = pipe(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -1104,6 +1120,8 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         params = {**result.parameters, "artifact": str(artifact_dir)}
         if lora_specs:
             params["loras"] = [[Path(p).name, s] for p, s in lora_specs]
+        if embeddings:
+            params["embeddings"] = [p.name for p in embeddings]
         if control:
             params.update(controlnet=list(control["controlnet"]), control_image=[str(p) for p in control_images],
                           controlnet_conditioning_scale=control["controlnet_conditioning_scale"])

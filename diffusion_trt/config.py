@@ -35,6 +35,8 @@ MAX_BATCH_SIZE = 64
 MAX_PROMPT_CHUNKS = 8
 #: The most text-encoder layers ``--max-clip-skip`` may skip (SD's CLIP has 12 / 23 layers).
 MAX_CLIP_SKIP = 11
+#: The most textual-inversion rows a text encoder takes (``CompileConfig.max_embedding_vectors``).
+MAX_EMBEDDING_VECTORS = 1024
 #: Opsets compile exports: 17 (LayerNormalization) up to the newest that torch.onnx's TorchScript exporter
 #: (``dynamo=False``, compiler/export.py) writes.
 MIN_OPSET, MAX_OPSET = 17, 20
@@ -285,6 +287,10 @@ class CompileConfig:
         max_clip_skip: SD 1.x/2.x: the text encoder also gives the states that ``clip_skip`` = 1..this take (one
             extra output of the one engine, ``clip_skip_states``; at most its layers less one); 0 = none (the
             text encoder of before). SDXL: none yet.
+        max_embedding_vectors: SD 1.x/2.x: rows of the text encoder's ``embedding_vectors`` input, the most
+            textual-inversion vectors one pipeline loads at once (``run --embedding``; EasyNegative has 8,
+            ng_deepnegative_v1_75t 75); 0 = no such input (the text encoder of before, which refuses embeddings).
+            Costs nothing per run but a [N, D] input. SDXL: none yet.
         controlnets: ``(name, folder)`` pairs: each diffusers ControlNetModel folder becomes the component
             ``controlnet_<name>``, and the UNet is compiled a second time with the residual inputs as
             ``unet_controlnet`` (see :mod:`diffusion_trt.compiler.controlnet`). Saved in the manifest only when
@@ -320,6 +326,7 @@ class CompileConfig:
     deterministic: bool = False
     max_prompt_chunks: int = 3
     max_clip_skip: int = 2
+    max_embedding_vectors: int = 128
     controlnets: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -330,6 +337,9 @@ class CompileConfig:
         if not 0 <= self.max_clip_skip <= MAX_CLIP_SKIP:
             raise RuntimeInputError(f"max_clip_skip={self.max_clip_skip} must be in 0..{MAX_CLIP_SKIP} (layers skipped "
                                     "from the end of the text encoder); use e.g. 2")
+        if not 0 <= self.max_embedding_vectors <= MAX_EMBEDDING_VECTORS:
+            raise RuntimeInputError(f"max_embedding_vectors={self.max_embedding_vectors} must be in "
+                                    f"0..{MAX_EMBEDDING_VECTORS} (textual-inversion rows); use e.g. 128")
         if self.compute_capabilities is not None:
             object.__setattr__(self, "compute_capabilities", tuple(str(c) for c in self.compute_capabilities))
         if self.refittable and self.backend == "tensorrt-rtx":
@@ -462,10 +472,10 @@ class CompileConfig:
             RuntimeInputError: naming the field, the value and the type it takes.
         """
         for name in ("opset", "min_batch_size", "batch_size", *_SIZE_FIELDS, "max_batch_size", "max_prompt_chunks",
-                     "max_clip_skip"):
+                     "max_clip_skip", "max_embedding_vectors"):
             value = getattr(self, name)
             if (value is not None or name in ("opset", "batch_size", "min_batch_size", "max_prompt_chunks",
-                                                   "max_clip_skip")) and \
+                                                   "max_clip_skip", "max_embedding_vectors")) and \
                     (isinstance(value, bool) or not isinstance(value, int)):
                 raise RuntimeInputError(f"{name}={value!r} must be an integer")
         for name in ("components", "compute_capabilities"):

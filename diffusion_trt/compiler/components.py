@@ -82,6 +82,7 @@ def component_specs(
     time_ids: int = 6,
     prompt_chunks: int = 1,
     clip_skip: int = 0,
+    embedding_vectors: int = 0,
 ) -> dict[str, ComponentSpec]:
     """The component table, sized from the model's configs: SD 1.x/2.x, or SDXL when ``text_hidden_2`` is given.
 
@@ -98,6 +99,11 @@ def component_specs(
             makes its sequence axis the symbol ``S`` (``CompileConfig.max_prompt_chunks``).
         clip_skip: SD 1.x/2.x: C > 0 adds the text encoder output ``clip_skip_states`` [B2, C, S, D], row c-1 the
             final-layer-normed ``hidden_states[-(c + 1)]`` (diffusers' ``clip_skip=c``; CompileConfig.max_clip_skip).
+        embedding_vectors: SD 1.x/2.x: N > 0 adds the text encoder input ``embedding_vectors`` [B2, N, text_hidden]:
+            each text row's textual-inversion vectors, that its token ids -N..-1 look up (row id + N; ids >= 0 read
+            the model's own token table), see :mod:`diffusion_trt.runtime.embeddings`
+            (CompileConfig.max_embedding_vectors). Batched like ``input_ids``: every input shares the batch symbol
+            (Triton's dynamic batching, one profile dimension).
 
     SDXL, as diffusers' ``StableDiffusionXLPipeline.encode_prompt``: each text encoder runs with
     ``output_hidden_states=True`` and gives ``hidden_states[-2]`` (the penultimate layer, before the final layer
@@ -112,10 +118,12 @@ def component_specs(
     context: int | str = text_len if prompt_chunks == 1 else "S"
     symbols = () if prompt_chunks == 1 else (("S", (text_len, text_len, text_len * prompt_chunks)),)
     skipped = (TensorSpec("clip_skip_states", "float", ("B2", clip_skip, text_len, text_hidden)),) if clip_skip else ()
+    vectors = ((TensorSpec("embedding_vectors", "float", ("B2", embedding_vectors, text_hidden)),)
+               if embedding_vectors else ())
     return {
         "text_encoder": ComponentSpec(
             "text_encoder",
-            inputs=(TensorSpec("input_ids", "int64", ("B2", text_len)),),
+            inputs=(TensorSpec("input_ids", "int64", ("B2", text_len)), *vectors),
             outputs=(TensorSpec("last_hidden_state", "float", ("B2", text_len, text_hidden)), *skipped),
         ),
         "unet": ComponentSpec(

@@ -167,24 +167,60 @@ def _artifact_as_source(root: Path) -> str:
 
 
 class _TextEncoder(torch.nn.Module):
-    """(input_ids[B2,S] int64) -> last_hidden_state[B2,S,D]; with ``clip_skip`` C > 0 also
+    """(input_ids[B2,S] int64[, embedding_vectors[B2,N,D]]) -> last_hidden_state[B2,S,D]; with ``clip_skip`` C > 0 also
     clip_skip_states[B2,C,S,D], row c-1 = ``final_layer_norm(hidden_states[-(c + 1)])``: diffusers' ``clip_skip=c``
-    (``StableDiffusionPipeline.encode_prompt``), for c = 1..C, from the one engine."""
+    (``StableDiffusionPipeline.encode_prompt``), for c = 1..C, from the one engine.
 
-    def __init__(self, text_encoder: torch.nn.Module, clip_skip: int = 0) -> None:
+    With ``embedding_vectors`` (``vectors`` N > 0) a token id in -N..-1 reads row ``id + N`` of its text row's
+    vectors instead of the token table (textual inversion, :class:`_TokenRows`); ids >= 0 are looked up as before,
+    bit for bit.
+    """
+
+    def __init__(self, text_encoder: torch.nn.Module, clip_skip: int = 0, vectors: int = 0) -> None:
         super().__init__()
         self.text_encoder = text_encoder
         self.clip_skip = clip_skip
         # transformers 5's CLIPTextModel holds the final layer norm itself; 4.x under .text_model
         inner = getattr(text_encoder, "text_model", text_encoder)
         self.final_layer_norm = inner.final_layer_norm
+        self.embeddings = inner.embeddings
+        self.vectors = vectors
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, embedding_vectors: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not self.vectors:
+            return self._encode(input_ids)
+        table = self.embeddings.token_embedding
+        self.embeddings.token_embedding = _TokenRows(table, embedding_vectors)
+        try:
+            return self._encode(input_ids)
+        finally:
+            self.embeddings.token_embedding = table
+
+    def _encode(self, input_ids: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if not self.clip_skip:
             return self.text_encoder(input_ids, return_dict=False)[0]
         out = self.text_encoder(input_ids, output_hidden_states=True)
         skipped = [self.final_layer_norm(out.hidden_states[-(c + 1)]) for c in range(1, self.clip_skip + 1)]
         return out.last_hidden_state, torch.stack(skipped, dim=1)
+
+
+class _TokenRows(torch.nn.Module):
+    """A token-embedding lookup that reads ids -N..-1 of text row b from ``vectors[b]`` [N, D] (row id + N) and ids
+    >= 0 from the model's ``table``: a Gather, a GatherElements and a Where, nothing the size of the vocabulary
+    copied per run."""
+
+    def __init__(self, table: torch.nn.Embedding, vectors: torch.Tensor) -> None:
+        super().__init__()
+        self.table = table
+        self.vectors = vectors
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        n = self.vectors.shape[1]
+        base = self.table(input_ids.clamp(min=0))
+        rows = (input_ids + n).clamp(min=0, max=n - 1).unsqueeze(-1).expand(-1, -1, self.vectors.shape[2])
+        extra = torch.gather(self.vectors, 1, rows)  # [B2, S, D]: extra[b, s] = vectors[b, rows[b, s]]
+        return torch.where((input_ids < 0).unsqueeze(-1), extra.to(base.dtype), base)
 
 
 class _TextEncoderPenultimate(torch.nn.Module):
@@ -270,7 +306,8 @@ class _VaeEncoder(torch.nn.Module):
         return h
 
 
-def _wrap(component: str, models: dict[str, Any], architecture: str = "sd", clip_skip: int = 0) -> torch.nn.Module:
+def _wrap(component: str, models: dict[str, Any], architecture: str = "sd", clip_skip: int = 0, vectors: int = 0
+          ) -> torch.nn.Module:
     if architecture == "sdxl":
         if component == "text_encoder":
             return _TextEncoderPenultimate(models["text_encoder"])
@@ -284,7 +321,7 @@ def _wrap(component: str, models: dict[str, Any], architecture: str = "sd", clip
     if wrapped is not None:
         return wrapped
     if component == "text_encoder":
-        return _TextEncoder(models["text_encoder"], clip_skip)
+        return _TextEncoder(models["text_encoder"], clip_skip, vectors)
     if component == "unet":
         return _UNet(models["unet"])
     if component == "vae_decoder":
@@ -397,7 +434,8 @@ def onnx_from_component(
     """
 
     clip_skip = next((int(t.shape[1]) for t in spec.outputs if t.name == "clip_skip_states"), 0)
-    module = _wrap(component, models, architecture, clip_skip)
+    vectors = next((int(t.shape[1]) for t in spec.inputs if t.name == "embedding_vectors"), 0)
+    module = _wrap(component, models, architecture, clip_skip, vectors)
     args = sample_inputs(spec, precision, {**profile_ranges, **dict(spec.symbols)}, device)
     dynamic_axes = {t.name: t.dynamic_axes() for t in (*spec.inputs, *spec.outputs)}
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -190,10 +190,12 @@ def model_facts(folder: export.ModelFolder) -> dict[str, Any]:
     return facts
 
 
-def specs_for(facts: Mapping[str, Any], prompt_chunks: int = 1, clip_skip: int = 0) -> dict[str, ComponentSpec]:
+def specs_for(facts: Mapping[str, Any], prompt_chunks: int = 1, clip_skip: int = 0, embedding_vectors: int = 0
+              ) -> dict[str, ComponentSpec]:
     """The component table (:func:`~.components.component_specs`) of a model, from :func:`model_facts`, its UNet
     taking up to ``prompt_chunks`` 77-token chunks and its text encoder giving the states of ``clip_skip`` skipped
-    layers (SD 1.x/2.x; see :func:`prompt_chunks_for`, :func:`clip_skip_for`)."""
+    layers and taking ``embedding_vectors`` textual-inversion rows (SD 1.x/2.x; see :func:`prompt_chunks_for`,
+    :func:`clip_skip_for`; SDXL: no embedding rows yet)."""
     sdxl: dict[str, Any] = {}
     if facts.get("architecture") == "sdxl":
         sdxl = {"text_hidden_2": facts["text_encoder_2_hidden_size"], "text_embeds": facts["text_embeds_size"],
@@ -206,6 +208,7 @@ def specs_for(facts: Mapping[str, Any], prompt_chunks: int = 1, clip_skip: int =
         latent=facts["latent_channels"],
         prompt_chunks=prompt_chunks,
         clip_skip=clip_skip,
+        embedding_vectors=0 if sdxl else embedding_vectors,
         **sdxl,
     )
 
@@ -481,7 +484,8 @@ def prepare(model_dir: str | Path, out: Path, config: CompileConfig) -> CompileJ
         check_quantizable(config, facts)
         profile: ShapeProfile = config.resolve_profile(facts["default_height"])
         _warn_fp16_safe_vae(config, facts)
-    specs = specs_for(facts, prompt_chunks_for(config, profile, facts), clip_skip_for(config, facts))
+    specs = specs_for(facts, prompt_chunks_for(config, profile, facts), clip_skip_for(config, facts),
+                      config.max_embedding_vectors)
     sources, control_specs = _controlnet_specs(config, folder, specs)
     specs.update(control_specs)
     names = component_names(config.components, facts)

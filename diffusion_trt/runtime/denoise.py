@@ -58,6 +58,7 @@ from tqdm.auto import tqdm
 
 from ..errors import RuntimeInputError
 from .cuda import HostBuffers, HostImageSink, images_float, images_uint8, nvtx_range, to_pil
+from .embeddings import EmbeddingTable
 from .engines.engine import Engine
 from .latents import Generator, StepCallback
 from .prompt_encoding import PromptReader
@@ -244,6 +245,7 @@ class LoopEngines:
         tokenizer: the ``CLIPTokenizer`` of ``text_encoder``.
         scaling_factor: ``vae.config.scaling_factor``: latents are decoded as ``latents / scaling_factor``.
         embedding_cache: negative-prompt embeddings cache, or ``None``.
+        embeddings: the textual-inversion embeddings loaded (:mod:`.embeddings`), or ``None``.
         host_buffers: where "pil"/"np" results land (pinned on CUDA, reused across calls); ``None`` = fresh.
         copy_stream: CUDA side stream for the device->host copies (overlap the next chunk); ``None`` = the
             current stream.
@@ -255,6 +257,7 @@ class LoopEngines:
     tokenizer: Any
     scaling_factor: float
     embedding_cache: EmbeddingCache | None = None
+    embeddings: EmbeddingTable | None = None
     host_buffers: HostBuffers | None = None
     copy_stream: Any = None
 
@@ -339,7 +342,8 @@ def prompt_reader(engines: LoopEngines, request: Request) -> PromptReader:
     UNet's ``encoder_hidden_states`` profile allows (77 * ``compile --max-prompt-chunks``)."""
     length = int(engines.tokenizer.model_max_length)
     seq_max = engines.unet.spec.input("encoder_hidden_states").max[1]
-    return PromptReader(engines.tokenizer, request.prompt_syntax, max(1, int(seq_max) // length), request.clip_skip)
+    return PromptReader(engines.tokenizer, request.prompt_syntax, max(1, int(seq_max) // length), request.clip_skip,
+                        engines.embeddings)
 
 
 def given_embeddings(request: Request, engines: LoopEngines, reader: PromptReader, dtype: torch.dtype

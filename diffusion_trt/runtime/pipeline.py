@@ -44,6 +44,7 @@ from .call_guard import CallGuard, one_call_at_a_time
 from .controlnet import DEFAULT_CONTROL_SCALE, ControlPlan, control_components, control_plan
 from .cuda import HostBuffers
 from .determinism import compile_time_note, deterministic_torch
+from .embeddings import EmbeddingTable, load_embeddings
 from .engines.buckets import SizeBuckets, bucket_engines, parse_size_buckets
 from .engines.engine import Engine
 from .generation_args import GENERATION_ARGS
@@ -218,6 +219,8 @@ class EnginePipeline:
         self.request_spec = RequestSpec.from_manifest(self.manifest, channels)
         #: negative-prompt embeddings, per (text, engine): most requests share "" (see text_embeddings.EmbeddingCache)
         self.embedding_cache = EmbeddingCache(maxsize=8)
+        #: the textual-inversion embeddings :meth:`load_textual_inversion` loaded; ``None`` = none
+        self.embeddings: EmbeddingTable | None = None
         #: the LoRA :meth:`load_lora` refitted (``{"file", "sha256", "scale"}``), ``None`` = the compiled weights
         self.lora: dict[str, Any] | None = None
         self._lora_weights: dict[str, dict[str, Any]] = {}  # what the last refit changed, per component
@@ -544,6 +547,37 @@ class EnginePipeline:
         self.embedding_cache.clear()
         self.lora = None
 
+    @one_call_at_a_time("load_textual_inversion()")
+    def load_textual_inversion(self, pretrained_model_name_or_path: str | Path | Sequence[str | Path],
+                               token: str | Sequence[str | None] | None = None) -> list[str]:
+        """Load textual-inversion embeddings, used by name in later prompts (diffusers' ``load_textual_inversion``
+        on local files; A1111's naming: the file stem unless ``token`` is given). See :mod:`~.embeddings` for the
+        file forms (``.safetensors``; ``.pt``/``.bin`` through torch's weights-only loader only).
+
+        Args:
+            pretrained_model_name_or_path: one embedding file or a list of them.
+            token: the name in prompts, or one per file; ``None`` = each file's stem.
+
+        Returns:
+            The names of every embedding loaded so far, in load order.
+
+        Raises:
+            RuntimeInputError: an artifact whose text encoder takes no embeddings (compiled before, SDXL), a missing
+                or refused file, a vector size that is not the text encoder's, a name taken, or the artifact's
+                ``--max-embedding-vectors`` rows full. Nothing is loaded then.
+            PipelineBusyError: a call of this pipeline is running.
+        """
+        self.embeddings = load_embeddings(self.embeddings, self.engines["text_encoder"], pretrained_model_name_or_path,
+                                          token, self.root or "this artifact", self.architecture == "sdxl")
+        self.embedding_cache.clear()  # a cached negative prompt may name an embedding now
+        return [e.name for e in self.embeddings.embeddings]
+
+    @one_call_at_a_time("unload_textual_inversion()")
+    def unload_textual_inversion(self) -> None:
+        """Forget every loaded embedding (their names are plain text again); a no-op without any."""
+        self.embeddings = None
+        self.embedding_cache.clear()
+
     # -- lifecycle --------------------------------------------------------------------------------------
 
     @one_call_at_a_time("engine()")
@@ -805,7 +839,7 @@ class EnginePipeline:
             text_encoder=self.engines["text_encoder"], unet=self.engines["unet"],
             vae_decoder=None if output_type == "latent" else self.engines["vae_decoder"], tokenizer=self.tokenizer,
             scaling_factor=self.geometry.scaling_factor, embedding_cache=self.embedding_cache,
-            host_buffers=self._host_buffers, copy_stream=self._copy_stream,
+            embeddings=self.embeddings, host_buffers=self._host_buffers, copy_stream=self._copy_stream,
         )
 
     def _parameters(self, request: Request) -> dict[str, Any]:

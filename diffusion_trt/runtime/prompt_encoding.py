@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .embeddings import EmbeddingTable
 from .prompt_syntax import ParsedPrompt, parse_prompt
 
 logger = logging.getLogger(__name__)
@@ -73,12 +74,15 @@ class PromptReader:
         clip_skip: 0 = the text encoder's last hidden state; c >= 1 = diffusers' ``clip_skip=c``: the
             final-layer-normed ``hidden_states[-(c + 1)]`` (the engine's ``clip_skip_states`` row c-1). A1111's
             "Clip skip 2" is c = 1.
+        embeddings: the loaded textual-inversion embeddings (their names become their token ids, see
+            :mod:`.embeddings`); ``None`` = none.
     """
 
     tokenizer: Any
     syntax: str = "a1111"
     max_chunks: int = 1
     clip_skip: int = 0
+    embeddings: EmbeddingTable | None = None
 
     def states(self, outputs: dict[str, Any]) -> Any:
         """The states this reader takes from the text encoder's ``outputs`` (see :attr:`clip_skip`)."""
@@ -108,8 +112,7 @@ class PromptReader:
         tok, body = self.tokenizer, self.length - 2
         parts: list[list[tuple[int, float]]] = []
         for part in self.parse(text).parts:
-            tokens = [(t, seg.weight) for seg in part
-                      for t in tok(seg.text, add_special_tokens=False, truncation=False, verbose=False).input_ids]
+            tokens = [(t, seg.weight) for seg in part for t in self.token_ids(seg.text)]
             parts.extend([tokens[i:i + body] for i in range(0, len(tokens), body)] or [[]])
         truncated = len(parts) > self.max_chunks
         ids = torch.full((min(len(parts), self.max_chunks), self.length), tok.pad_token_id, dtype=torch.int64)
@@ -121,6 +124,13 @@ class PromptReader:
                 ids[row, 1 : len(tokens) + 1] = torch.tensor([t for t, _ in tokens])
                 weights[row, 1 : len(tokens) + 1] = torch.tensor([w for _, w in tokens])
         return TokenChunks(ids, weights, truncated)
+
+    def token_ids(self, text: str) -> list[int]:
+        """The token ids of one segment text, without BOS/EOS; embedding names become their (negative) ids."""
+        def tokenize(piece: str) -> list[int]:
+            return self.tokenizer(piece, add_special_tokens=False, truncation=False, verbose=False).input_ids
+
+        return self.embeddings.tokenize(text, tokenize) if self.embeddings is not None else tokenize(text)
 
     def empty_chunk(self) -> torch.Tensor:
         """[1, 77] ids of an empty chunk ``[BOS, EOS, pad...]``: what shorter texts are padded with."""

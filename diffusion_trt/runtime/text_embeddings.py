@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .cuda import nvtx_range
+from .embeddings import engine_feed
 from .engines.engine import Engine, run_rows
 from .prompt_encoding import PromptReader, TokenChunks, apply_weights, pad_chunks, warn_truncated
 
@@ -151,7 +152,8 @@ def _encode_chunks(text_encoder: Engine, reader: PromptReader, chunks: Mapping[s
         return {}, None
     ids = torch.cat([c.ids for c in chunks.values()] + ([reader.empty_chunk()] if with_empty else []))
     with nvtx_range("text_encoder", text_encoder.device):
-        states = run_rows(text_encoder, "input_ids", ids.to(text_encoder.device), reader.output)
+        states = run_rows(text_encoder, "input_ids", ids.to(text_encoder.device), reader.output,
+                          engine_feed(text_encoder, reader.embeddings))
     states = reader.states({reader.output: states})
     rows: dict[str, torch.Tensor] = {}
     start = 0

@@ -179,7 +179,11 @@ def text_to_image(params: Mapping[str, Any], config: Mapping[str, Any], tokenize
     texts = [params["negative_prompt"], params["prompt"]] if do_cfg else [params["prompt"]]
     ids = tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
                     return_tensors="np").input_ids.astype(np.int64)
-    embeds = infer(names["text_encoder"], {"input_ids": ids}, "last_hidden_state")
+    feeds = {"input_ids": ids}
+    if config.get("embedding_vectors"):  # textual-inversion rows: unused (no id < 0), zeros
+        feeds["embedding_vectors"] = np.zeros([len(texts), *config["embedding_vectors"]],
+                                              _np_dtype(dtypes["text_encoder"]["embedding_vectors"]))
+    embeds = infer(names["text_encoder"], feeds, "last_hidden_state")
     embeds = embeds.astype(_np_dtype(dtypes["unet"]["encoder_hidden_states"]))
     # 2. prepare latents (timesteps first, like diffusers)
     scheduler.set_timesteps(params["steps"], device="cpu")

@@ -190,7 +190,16 @@ def pipeline_facts(manifest: Manifest, models: Mapping[str, str],
         **request_facts(manifest, limits),
         "models": dict(models),
         "dtypes": {c: manifest.components[c].dtypes for c in PIPELINE_ENGINES},
+        "embedding_vectors": _embedding_rows(manifest),
     }
+
+
+def _embedding_rows(manifest: Manifest) -> list[int] | None:
+    """The text encoder's textual-inversion rows ``[N, D]`` per text (the BLS loop feeds zeros: it takes no
+    embeddings); ``None`` for artifacts compiled without them."""
+    text_encoder = manifest.component("text_encoder")
+    inputs = text_encoder.spec.get("inputs", []) if text_encoder is not None else []
+    return next((list(t["shape"][1:]) for t in inputs if t["name"] == "embedding_vectors"), None)
 
 
 def _place(src: Path, dst: Path) -> None:

@@ -29,8 +29,9 @@ def torch_models(tiny_pipeline_dir: Path) -> dict:
 
 def _inputs(component: str, b: int, h: int, w: int, hidden: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    if component == "text_encoder":
-        return {"input_ids": torch.randint(0, 49408, (b, 77), generator=g)}
+    if component == "text_encoder":  # ids -128..-1 read the rows of embedding_vectors (textual inversion)
+        return {"input_ids": torch.randint(-128, 49408, (b, 77), generator=g),
+                "embedding_vectors": torch.randn(b, 128, hidden, generator=g)}
     if component == "unet":
         return {
             "sample": torch.randn(b, 4, h, w, generator=g),
@@ -51,7 +52,8 @@ def test_component_matches_pytorch(tiny_artifact: Path, torch_models: dict, comp
     sess = ort.InferenceSession(str(tiny_artifact / component / "model.onnx"), providers=["CPUExecutionProvider"])
     outputs = sess.run(None, {k: v.numpy() for k, v in feeds.items()})
     with torch.no_grad():
-        wanted = export._wrap(component, torch_models)(*feeds.values())
+        wanted = export._wrap(component, torch_models, vectors=128 if component == "text_encoder" else 0)(
+            *feeds.values())
     # the text encoder also outputs clip_skip_states (compile --max-clip-skip; tests/runtime/test_clip_skip.py checks
     # them against transformers): here the outputs the plain wrapper gives
     wanted = wanted if isinstance(wanted, tuple) else (wanted,)

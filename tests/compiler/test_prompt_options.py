@@ -67,6 +67,8 @@ def test_clip_skip_is_capped_at_the_layers_less_one(caplog: pytest.LogCaptureFix
     ("max_prompt_chunks", "3", "max_prompt_chunks='3' must be an integer"),
     ("max_clip_skip", -1, "max_clip_skip=-1 must be in 0..11"),
     ("max_clip_skip", True, "max_clip_skip=True must be an integer"),
+    ("max_embedding_vectors", -1, "max_embedding_vectors=-1 must be in 0..1024"),
+    ("max_embedding_vectors", 1.5, "max_embedding_vectors=1.5 must be an integer"),
 ])
 def test_config_refuses_bad_values(field: str, value: object, message: str) -> None:
     with pytest.raises(RuntimeInputError, match=message.replace("(", r"\(").replace(".", r"\.")):

@@ -28,7 +28,7 @@ from onnx import helper
 from diffusion_trt.compiler import build_trt
 from diffusion_trt.compiler.build_trt import TrtBuildConfig
 from diffusion_trt.compiler.components import ComponentSpec, tensor_manifest
-from diffusion_trt.config import Range, ShapeProfile
+from diffusion_trt.config import CompileConfig, Range, ShapeProfile
 from diffusion_trt.errors import BuildError
 from diffusion_trt.passes import PassContext, optimize_model, pipeline_for
 from tests import graphs
@@ -111,7 +111,7 @@ def raw_exports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
                          write_dummy_pipeline(tmp_path_factory.mktemp("models") / arch, arch=arch, seed=0))
             folder = export.check_model_folder(model_dir)
             facts = model_facts(folder)
-            specs = specs_for(facts)
+            specs = specs_for(facts, embedding_vectors=CompileConfig().max_embedding_vectors)  # as compile does
             size = facts["default_height"]
             profile = ShapeProfile(batch=Range(1, 1, 1), height=Range(size, size, size), width=Range(size, size, size))
             out = tmp_path_factory.mktemp(f"rtx_{arch}")

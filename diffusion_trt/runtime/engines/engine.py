@@ -445,8 +445,11 @@ class EngineBase:
         return self._spec.validate(feeds, self._device)
 
 
-def run_rows(engine: Engine, input_name: str, x: torch.Tensor, output_name: str) -> torch.Tensor:
-    """Run a row-independent engine on ``x`` [N, ...], padding or chunking N to the engine's batch range.
+def run_rows(engine: Engine, input_name: str, x: torch.Tensor, output_name: str,
+             shared: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Run a row-independent engine on ``x`` [N, ...], padding or chunking N to the engine's batch range;
+    ``shared``: inputs every row gets alike, expanded to the run's rows (the text encoder's ``embedding_vectors``
+    [N, D] -> [rows, N, D]).
 
     Returns a fresh tensor (never an engine buffer).
     """
@@ -460,5 +463,7 @@ def run_rows(engine: Engine, input_name: str, x: torch.Tensor, output_name: str)
         if rows < lo:  # e.g. one prompt without CFG on an engine built for batch >= 2
             chunk = torch.cat([chunk, chunk[-1:].expand(lo - rows, *chunk.shape[1:])])
         # clone: the engine overwrites its output buffer on the next chunk (and the next call)
-        outs.append(engine.run({input_name: chunk})[output_name][:rows].clone())
+        feeds = {input_name: chunk} | {k: v.expand(chunk.shape[0], *v.shape).contiguous()
+                                        for k, v in (shared or {}).items()}
+        outs.append(engine.run(feeds)[output_name][:rows].clone())
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -1,0 +1,262 @@
+"""Textual-inversion embeddings the way A1111 users keep them: a file per embedding, used by its name in the prompt.
+
+A file (``.safetensors``, or ``.pt`` / ``.bin`` through torch's weights-only loader, never a full unpickle) holds
+one embedding of n >= 1 vectors of the text encoder's hidden size D, in one of the key forms diffusers'
+``load_textual_inversion`` reads: A1111's ``string_to_param`` {"*": [n, D]} (``.pt``; flattened
+``string_to_param.*`` in a ``.safetensors``) or ``emb_params`` [n, D], or diffusers' single ``{token: [D] or
+[n, D]}``. SDXL's two-encoder form (``clip_l`` / ``clip_g``) is recognised and refused (not implemented yet).
+
+Its name is the file's stem (A1111's rule): ``easynegative.safetensors`` is written ``easynegative`` in a prompt,
+matched as a whole word, case-insensitively (CLIP lowercases prompts). The tokenizer is not touched: each segment
+text is split on the names first, the text pieces tokenized as before, and every name replaced by its n token ids.
+
+The text-encoder engine gets them through its ``embedding_vectors`` input [B2, N, D] (``compile
+--max-embedding-vectors``, see ``compiler/export.py``; every text row gets the same [N, D] here): embedding vectors
+are rows of it, in load order, and the token id of row r is ``r - N`` (negative; ids >= 0 are the model's own tokens
+and read its own table exactly as before). An artifact without that input refuses embeddings.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import RuntimeInputError
+
+logger = logging.getLogger(__name__)
+
+#: The text-encoder input the embedding vectors are fed through.
+INPUT = "embedding_vectors"
+#: Files read with safetensors; the others with ``torch.load(..., weights_only=True)``.
+SAFETENSORS = (".safetensors",)
+WEIGHTS_ONLY = (".pt", ".bin")
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """One textual-inversion embedding.
+
+    Attributes:
+        name: the word that stands for it in a prompt (the file stem, or the ``token`` given at load).
+        vectors: [n, D] float32, n >= 1.
+        source: the file it was read from.
+    """
+
+    name: str
+    vectors: torch.Tensor
+    source: Path
+
+    @property
+    def count(self) -> int:
+        return int(self.vectors.shape[0])
+
+
+def read_embedding(path: str | Path, token: str | None = None) -> Embedding:
+    """The embedding in ``path`` (see the module docstring for the file forms), named ``token`` or the file stem.
+
+    Raises:
+        RuntimeInputError: no such file, an unknown suffix, a file the weights-only loader or safetensors refuses,
+            an SDXL (clip_l/clip_g) file, keys of no known form, or vectors that are not [D] / [n, D].
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise RuntimeInputError(f"embedding file {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix in SAFETENSORS:
+        state = _read_safetensors(path)
+    elif suffix in WEIGHTS_ONLY:
+        state = _read_weights_only(path)
+    else:
+        raise RuntimeInputError(f"embedding file {path} has suffix {path.suffix!r}; use a .safetensors file "
+                                "(or .pt/.bin, read with torch's weights-only loader)")
+    name = token if token is not None else path.stem
+    if not name or not name.strip() or name != name.strip():
+        raise RuntimeInputError(f"embedding name {name!r} (from {path}) must be a non-empty word without surrounding "
+                                "spaces")
+    return Embedding(name, _vectors(path, state), path)
+
+
+def _read_safetensors(path: Path) -> dict[str, Any]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise RuntimeInputError(f"embedding file {path} is not a readable safetensors file: {e}") from e
+
+
+def _read_weights_only(path: Path) -> dict[str, Any]:
+    import pickle
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeInputError(f"embedding file {path} is refused by torch's weights-only loader ({first}); it "
+                                "holds more than tensors and loading it fully would run arbitrary code: convert it "
+                                "to .safetensors where you trust it") from e
+    if not isinstance(state, Mapping):
+        raise RuntimeInputError(f"embedding file {path} holds a {type(state).__name__}, not a dict of tensors")
+    return dict(state)
+
+
+def _vectors(path: Path, state: Mapping[str, Any]) -> torch.Tensor:
+    """The [n, D] float32 vectors of a file's ``state`` (diffusers' ``_retrieve_tokens_and_embeddings`` forms)."""
+    if "clip_l" in state or "clip_g" in state:
+        raise RuntimeInputError(f"embedding file {path} is an SDXL embedding (clip_l/clip_g); SDXL embeddings are "
+                                "not supported yet, and an SD 1.x/2.x artifact takes one-encoder embeddings only")
+    params = state.get("string_to_param")
+    if isinstance(params, Mapping) and len(params) == 1:
+        value = next(iter(params.values()))
+    elif "string_to_param.*" in state:
+        value = state["string_to_param.*"]
+    elif "emb_params" in state:
+        value = state["emb_params"]
+    elif len(state) == 1:
+        value = next(iter(state.values()))
+    else:
+        keys = ", ".join(sorted(map(str, state))[:6])
+        raise RuntimeInputError(f"embedding file {path} has keys {keys}: none of the textual-inversion forms "
+                                "(string_to_param, emb_params, one {token: vectors} entry)")
+    if not isinstance(value, torch.Tensor) or value.ndim not in (1, 2) or value.numel() == 0:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise RuntimeInputError(f"embedding file {path}: the vectors are {shape}; expected [D] or [n, D]")
+    return value.detach().reshape(-1, value.shape[-1]).to(torch.float32).contiguous()
+
+
+@dataclass(frozen=True)
+class EmbeddingTable:
+    """The embeddings one pipeline has loaded, laid out as rows of the text encoder's ``embedding_vectors`` input.
+
+    Attributes:
+        rows: N, the input's rows (``compile --max-embedding-vectors``).
+        hidden: D, the text encoder's hidden size.
+        embeddings: in load order; embedding i takes the rows after those of embeddings 0..i-1.
+    """
+
+    rows: int
+    hidden: int
+    embeddings: tuple[Embedding, ...] = ()
+
+    @classmethod
+    def for_engine(cls, text_encoder: Any) -> EmbeddingTable | None:
+        """An empty table sized from ``text_encoder``'s ``embedding_vectors`` input; ``None`` if it has none."""
+        spec = next((t for t in text_encoder.spec.inputs if t.name == INPUT), None)
+        if spec is None:
+            return None
+        return cls(int(spec.shape[1]), int(spec.shape[2]))
+
+    @property
+    def used(self) -> int:
+        return sum(e.count for e in self.embeddings)
+
+    def add(self, embedding: Embedding) -> EmbeddingTable:
+        """This table with ``embedding`` appended.
+
+        Raises:
+            RuntimeInputError: its vector size is not the text encoder's, its name is taken (case-insensitive), or
+                the rows are full.
+        """
+        size = int(embedding.vectors.shape[1])
+        if size != self.hidden:
+            raise RuntimeInputError(f"embedding {embedding.name!r} ({embedding.source}) has vectors of size {size}; "
+                                    f"this artifact's text encoder takes {self.hidden} (an embedding made for "
+                                    "another model family)")
+        clash = next((e for e in self.embeddings if e.name.lower() == embedding.name.lower()), None)
+        if clash is not None and clash.source.resolve() == embedding.source.resolve():
+            raise RuntimeInputError(f"embedding file {embedding.source} is given twice; give it once")
+        if clash is not None:
+            raise RuntimeInputError(f"embedding name {embedding.name!r} ({embedding.source}) is taken by "
+                                    f"{clash.source}; rename one of the files (the name is the file stem)")
+        if self.used + embedding.count > self.rows:
+            raise RuntimeInputError(f"embedding {embedding.name!r} has {embedding.count} vectors and the loaded ones "
+                                    f"fill {self.used} of the artifact's {self.rows} rows; recompile with a larger "
+                                    "--max-embedding-vectors")
+        return EmbeddingTable(self.rows, self.hidden, (*self.embeddings, embedding))
+
+    def token_ids(self, name: str) -> list[int]:
+        """The n token ids of the embedding ``name`` (matched case-insensitively): ``row - N``, all negative."""
+        start = 0
+        for e in self.embeddings:
+            if e.name.lower() == name.lower():
+                return [start + i - self.rows for i in range(e.count)]
+            start += e.count
+        raise KeyError(name)
+
+    def tokenize(self, text: str, tokenize: Callable[[str], Sequence[int]]) -> list[int]:
+        """The token ids of ``text``: ``tokenize`` on the pieces between embedding names, each name (a whole word,
+        case-insensitive) replaced by its :meth:`token_ids`."""
+        if not self.embeddings:
+            return list(tokenize(text))
+        ids: list[int] = []
+        pieces = self._pattern().split(text)
+        for i, piece in enumerate(pieces):  # re.split with one group: text, name, text, name, ..., text
+            if i % 2:
+                ids.extend(self.token_ids(piece))
+            elif piece:
+                ids.extend(tokenize(piece))
+        return ids
+
+    def _pattern(self) -> re.Pattern[str]:
+        names = sorted((e.name for e in self.embeddings), key=len, reverse=True)  # longest first: "bad" in "bad_v2"
+        return re.compile(r"(?<!\w)(" + "|".join(map(re.escape, names)) + r")(?!\w)", re.IGNORECASE)
+
+    def vectors(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """The ``embedding_vectors`` feed [N, D] of ``dtype`` on ``device``: the embeddings' rows, then zeros."""
+        out = torch.zeros(self.rows, self.hidden, dtype=torch.float32)
+        if self.embeddings:
+            used = torch.cat([e.vectors for e in self.embeddings])
+            out[: used.shape[0]] = used
+        return out.to(device=device, dtype=dtype)
+
+
+def engine_feed(text_encoder: Any, table: EmbeddingTable | None) -> dict[str, torch.Tensor]:
+    """The per-row inputs of a text-encoder run besides ``input_ids``: ``{"embedding_vectors": [N, D]}`` (every
+    row's; the caller expands it to the rows) when the engine takes them (zeros without embeddings: ids >= 0 never
+    read them), ``{}`` for an engine of before."""
+    spec = next((t for t in text_encoder.spec.inputs if t.name == INPUT), None)
+    if spec is None:
+        return {}
+    table = table if table is not None else EmbeddingTable(int(spec.shape[1]), int(spec.shape[2]))
+    return {INPUT: table.vectors(spec.torch_dtype, text_encoder.device)}
+
+
+def refusal(artifact: str | Path, sdxl: bool) -> str:
+    """The message for ``--embedding`` on an artifact whose text encoder has no ``embedding_vectors`` input."""
+    if sdxl:
+        return ("textual-inversion embeddings are not supported for SDXL artifacts yet (the two-encoder clip_l/clip_g "
+                "form); leave --embedding out")
+    return (f"{artifact}'s text encoder takes no embedding vectors (compiled before textual inversion, or with "
+            "--max-embedding-vectors 0); recompile it (compile --max-embedding-vectors 128) to use --embedding")
+
+
+def load_embeddings(table: EmbeddingTable | None, text_encoder: Any, paths: str | Path | Sequence[str | Path],
+                    tokens: str | Sequence[str | None] | None, artifact: str | Path, sdxl: bool) -> EmbeddingTable:
+    """``table`` (``None`` = an empty one sized from ``text_encoder``) with the embeddings of ``paths`` added, all or
+    none: the arguments of diffusers' ``load_textual_inversion`` (one path or a list; ``tokens`` one name or one per
+    path, ``None`` = the file stems).
+
+    Raises:
+        RuntimeInputError: the engine takes no embeddings (:func:`refusal`), ``tokens`` do not pair with ``paths``,
+            or any file is refused (:func:`read_embedding`, :meth:`EmbeddingTable.add`).
+    """
+    if table is None:
+        table = EmbeddingTable.for_engine(text_encoder)
+        if table is None or sdxl:
+            raise RuntimeInputError(refusal(artifact, sdxl))
+    files = [paths] if isinstance(paths, str | Path) else list(paths)
+    names = [tokens] * len(files) if tokens is None or isinstance(tokens, str) else list(tokens)
+    if len(names) != len(files) or (isinstance(tokens, str) and len(files) > 1):
+        raise RuntimeInputError(f"token={tokens!r} does not pair with {len(files)} embedding file(s); give one name "
+                                "per file, or none (the file stems)")
+    for path, name in zip(files, names, strict=True):
+        table = table.add(read_embedding(path, name))
+        logger.info("embedding %r: %d vector(s) from %s", table.embeddings[-1].name, table.embeddings[-1].count, path)
+    return table
