@@ -378,7 +378,7 @@ def dummy_controlnet(out_dir: Path, arch: str, seed: int, overwrite: bool) -> No
 @main.command("add-controlnet")
 @click.argument("artifact_dir", type=click.Path(path_type=Path))
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.argument("controlnets", nargs=-1, required=True, metavar="[NAME=]FOLDER...")
+@click.argument("controlnets", nargs=-1, required=True, metavar="[NAME=]FOLDER|FILE.safetensors...")
 @click.option("--replace", is_flag=True, help="Swap a ControlNet the artifact has already.")
 @_handle_errors
 def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[str, ...], replace: bool) -> None:
@@ -473,10 +473,11 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
 @click.option("--lora", "loras", multiple=True, metavar="FILE[:SCALE]",
               help="Merge a LoRA (.safetensors, diffusers or kohya format) into the weights before export, scale "
                    "default 1; repeatable, merged in order. Recorded in the manifest.")
-@click.option("--controlnet", "controlnets", multiple=True, metavar="[NAME=]FOLDER",
-              help="Add a diffusers ControlNetModel folder as the component controlnet_NAME (NAME default: the "
-                   "folder's name), and the UNet with ControlNet residual inputs as unet_controlnet (the plain unet "
-                   "stays); repeatable.")
+@click.option("--controlnet", "controlnets", multiple=True, metavar="[NAME=]FOLDER|FILE.safetensors",
+              help="Add a diffusers ControlNetModel folder, or a single-file ControlNet (A1111/LDM layout, its config "
+                   "from FILE.yaml or a config.json beside it), as the component controlnet_NAME (NAME default: the "
+                   "folder's or file's name), and the UNet with ControlNet residual inputs as unet_controlnet (the "
+                   "plain unet stays); repeatable.")
 @click.option("--refittable", is_flag=True,
               help="LoRAs per request without a rebuild (run --lora, EnginePipeline.load_lora): TensorRT: refittable "
                    "engines; ONNX Runtime: the UNet/text-encoder Linear and Conv weights become graph inputs.")

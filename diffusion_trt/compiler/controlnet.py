@@ -29,6 +29,7 @@ import torch
 
 from ..errors import ModelFolderError, RuntimeInputError
 from .components import ComponentSpec, TensorSpec
+from .controlnet_file import is_single_file, load_single_file, single_file_config
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ _BASE_KEYS = ("block_out_channels", "layers_per_block", "down_block_types", "cro
 
 @dataclass(frozen=True)
 class ControlNetSource:
-    """One ``--controlnet``: its component name (``controlnet_<name>``), folder and parsed config.json."""
+    """One ``--controlnet``: its component name (``controlnet_<name>``), folder or single file, and its diffusers
+    config (a folder's config.json; a single file's as ``from_single_file`` builds it)."""
 
     name: str
     path: Path
@@ -55,8 +57,8 @@ class ControlNetSource:
 
 
 def parse_controlnet_arg(value: str) -> tuple[str, str]:
-    """``"NAME=FOLDER"`` or ``"FOLDER"`` -> (name, folder); the name defaults to the folder's name, lower-cased, with
-    every character outside ``[a-z0-9_]`` made ``_``.
+    """``"NAME=FOLDER"`` or ``"FOLDER"`` (or a single file) -> (name, path); the name defaults to the folder's name
+    (a file's name without its suffix), lower-cased, with every character outside ``[a-z0-9_]`` made ``_``.
 
     Raises:
         RuntimeInputError: an empty folder, or a name that is not ``[a-z0-9][a-z0-9_]*``.
@@ -64,7 +66,9 @@ def parse_controlnet_arg(value: str) -> tuple[str, str]:
     name, sep, path = value.partition("=")
     if not sep:
         path = value
-        name = re.sub(r"[^a-z0-9_]", "_", Path(value.rstrip("/")).name.lower()).lstrip("_") or "cn"
+        given = Path(value.rstrip("/"))
+        stem = given.stem if is_single_file(given) else given.name
+        name = re.sub(r"[^a-z0-9_]", "_", stem.lower()).lstrip("_") or "cn"
     if not path:
         raise RuntimeInputError(f"--controlnet {value!r} names no folder; pass NAME=FOLDER or FOLDER")
     if not _NAME.match(name):
@@ -86,14 +90,35 @@ def base_label(unet_config: Mapping[str, Any]) -> str:
 
 
 def check_controlnet(name: str, path: str | Path, unet_config: Mapping[str, Any], model: Path) -> ControlNetSource:
-    """Check a diffusers ``ControlNetModel`` folder against the model's UNet config.
+    """Check a diffusers ``ControlNetModel`` folder, or a single ``.safetensors`` file (:mod:`.controlnet_file`: its
+    config as diffusers' ``from_single_file`` builds it, loading the file once), against the model's UNet config.
 
     Raises:
         ModelFolderError: the folder, its config.json or its safetensors weights are missing; it is not a
-            ControlNet; ``global_pool_conditions`` (shuffle-style) ControlNets (not supported); or it was trained for
-            another base architecture (the message names both).
+            ControlNet; a single file diffusers cannot load offline, or a pickled one (``.pt``/``.pth``/``.ckpt``);
+            ``global_pool_conditions`` (shuffle-style) ControlNets (not supported); or it was trained for another
+            base architecture (the message names both).
     """
     folder = Path(path)
+    config = single_file_config(folder) if is_single_file(folder) else _folder_config(folder)
+    if config.get("global_pool_conditions"):
+        raise ModelFolderError(f"--controlnet {folder} pools its residuals (global_pool_conditions=true); such "
+                               "ControlNets are not supported yet")
+    differ = [k for k in _BASE_KEYS if _norm(config, k) != _norm(unet_config, k)]
+    if differ:
+        raise ModelFolderError(
+            f"--controlnet {folder} is for an {base_label(config)} base, but {model} is an {base_label(unet_config)} "
+            f"model ({differ[0]}: {_norm(config, differ[0])} vs {_norm(unet_config, differ[0])}); use a "
+            "ControlNet trained for this base model")
+    return ControlNetSource(name, folder, config)
+
+
+def _folder_config(folder: Path) -> dict[str, Any]:
+    """The config.json of a diffusers ``ControlNetModel`` folder with safetensors weights.
+
+    Raises:
+        ModelFolderError: as :func:`check_controlnet`.
+    """
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ModelFolderError(f"--controlnet {folder}: no config.json there; pass a folder written by "
@@ -108,16 +133,7 @@ def check_controlnet(name: str, path: str | Path, unet_config: Mapping[str, Any]
     if not any(folder.glob("*.safetensors")):
         raise ModelFolderError(f"--controlnet {folder} has no *.safetensors weights; re-save it with "
                                "save_pretrained(..., safe_serialization=True)")
-    if config.get("global_pool_conditions"):
-        raise ModelFolderError(f"--controlnet {folder} pools its residuals (global_pool_conditions=true); such "
-                               "ControlNets are not supported yet")
-    differ = [k for k in _BASE_KEYS if _norm(config, k) != _norm(unet_config, k)]
-    if differ:
-        raise ModelFolderError(
-            f"--controlnet {folder} is for an {base_label(config)} base, but {model} is an {base_label(unet_config)} "
-            f"model ({differ[0]}: {_norm(config, differ[0])} vs {_norm(unet_config, differ[0])}); use a "
-            "ControlNet trained for this base model")
-    return ControlNetSource(name, folder, config)
+    return config
 
 
 #: diffusers' defaults of the compared keys a config may leave out.
@@ -196,15 +212,19 @@ def controlnet_specs(unet: ComponentSpec, unet_config: Mapping[str, Any],
 
 
 def load_controlnets(sources: Sequence[ControlNetSource], device: str) -> dict[str, torch.nn.Module]:
-    """Each ControlNet (fp32, eval, on ``device``) by component name.
+    """Each ControlNet (fp32, eval, on ``device``) by component name: folders by ``from_pretrained``, single files
+    by ``from_single_file`` (:func:`~.controlnet_file.load_single_file`).
 
     Raises:
-        ModelFolderError: diffusers cannot load a folder.
+        ModelFolderError: diffusers cannot load a folder or file.
     """
     from diffusers import ControlNetModel
 
     out: dict[str, torch.nn.Module] = {}
     for src in sources:
+        if is_single_file(src.path):
+            out[src.component] = load_single_file(src.path).to(device).eval()
+            continue
         try:
             model = ControlNetModel.from_pretrained(src.path, local_files_only=True, use_safetensors=True,
                                                     torch_dtype=torch.float32)

@@ -45,7 +45,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import DiffusionTrtError, LoraError, MissingPackageError, RuntimeInputError
-from . import pytriton_proxy, triton_model
+from ..runtime.controlnet import controlnet_names
+from . import control, pytriton_proxy, triton_model
 from .front_process import FrontProcess, FrontSettings, FrontStartError
 from .http_front import FrontLimits, free_loopback_port
 from .pytriton_proxy import StatusError
@@ -107,15 +108,18 @@ class ServeConfig:
 
     def max_bytes(self) -> dict[str, int]:
         """The byte bound of each text input, checked before a request reaches this process (UTF-8: <= 4 bytes a
-        character)."""
-        return {name: 4 * self.max_prompt_chars for name in ("prompt", "negative_prompt")}
+        character; a control image's base64: :data:`.control.MAX_IMAGE_BYTES`)."""
+        return {**{name: 4 * self.max_prompt_chars for name in ("prompt", "negative_prompt")},
+                control.IMAGE_FIELD: control.MAX_IMAGE_BYTES}
 
-    def front_limits(self) -> FrontLimits:
+    def front_limits(self, control_images: bool = False) -> FrontLimits:
         """The HTTP front's bounds: a body of at most 64 KiB + 24 bytes per prompt character (two prompts, each
-        character at most 12 bytes as JSON: a ``\\uXXXX`` surrogate pair), the connection bound, and the longest a
-        request may take in Triton (its queue timeout plus an hour to compute)."""
-        return FrontLimits(max_body_bytes=65536 + 24 * self.max_prompt_chars, max_connections=self.max_connections,
-                           upstream_timeout_s=self.queue_timeout_s + 3600.0)
+        character at most 12 bytes as JSON: a ``\\uXXXX`` surrogate pair), plus one control image's base64 when the
+        artifact has ControlNets, the connection bound, and the longest a request may take in Triton (its queue
+        timeout plus an hour to compute)."""
+        extra = control.MAX_IMAGE_BYTES + 1024 if control_images else 0
+        return FrontLimits(max_body_bytes=65536 + 24 * self.max_prompt_chars + extra,
+                           max_connections=self.max_connections, upstream_timeout_s=self.queue_timeout_s + 3600.0)
 
 
 @dataclass
@@ -126,7 +130,8 @@ class _Job:
     @property
     def key(self) -> tuple[Any, ...]:
         p = self.params
-        return (p["height"], p["width"], p["steps"], p["guidance_scale"], p.get("lora"))
+        cn = p.get("control")
+        return (p["height"], p["width"], p["steps"], p["guidance_scale"], p.get("lora"), cn and cn.key)
 
 
 class MicroBatcher:
@@ -205,6 +210,7 @@ class MicroBatcher:
         p = batch[0].params
         try:
             self._use_lora(p.get("lora"))
+            cn = control.stacked([j.params["control"] for j in batch]) if p.get("control") else {}
             out = self.pipe(
                 prompt=[j.params["prompt"] for j in batch],
                 negative_prompt=[j.params["negative_prompt"] for j in batch],
@@ -215,6 +221,7 @@ class MicroBatcher:
                 width=p["width"],
                 output_type="pil",
                 progress=False,
+                **cn,
             )
             self.batches.append(len(batch))
             logger.info("ran a batch of %d request(s) at %dx%d, %d steps", len(batch), p["height"], p["width"],
@@ -260,6 +267,7 @@ def bind_pipeline(triton: Any, pipe: Any, config: ServeConfig) -> MicroBatcher:
     from .loras import FIELD, LoraLibrary
 
     facts = request_facts(pipe.manifest, config.limits())  # the artifact's defaults (SDXL: guidance 5.0)
+    controlnets = control.ControlNets(controlnet_names(list(pipe.manifest.components)))
     library = LoraLibrary(config.lora_dir) if config.lora_dir is not None else None
     if library is not None and not any(e.refit_map for e in pipe.manifest.components.values()):
         raise LoraError("serve --lora-dir: this artifact was compiled without --refittable, so it cannot take a LoRA "
@@ -275,7 +283,9 @@ def bind_pipeline(triton: Any, pipe: Any, config: ServeConfig) -> MicroBatcher:
             try:
                 data = {name: request.data.get(name) for name in request.data}
                 lora = library.resolve(data.pop(FIELD, None)) if library is not None else None
-                params = {**parse_request(data, facts), "lora": lora}
+                cn_inputs = {k: data.pop(k) for k in control.FIELDS if k in data} if controlnets.names else {}
+                params = parse_request(data, facts)
+                params.update(lora=lora, control=controlnets.resolve(cn_inputs, params["height"], params["width"]))
             except RequestError as e:  # 400 / INVALID_ARGUMENT, this line only (pytriton_proxy)
                 raise StatusError("INVALID_ARG", str(e)) from None
             futures.append(batcher.submit(params))
@@ -286,6 +296,8 @@ def bind_pipeline(triton: Any, pipe: Any, config: ServeConfig) -> MicroBatcher:
               for name, (_kinds, t) in triton_model.FIELDS.items()]
     if library is not None:
         inputs.append(Tensor(name=FIELD, dtype=bytes, shape=(1,), optional=True))
+    if controlnets.names:
+        inputs += [Tensor(name=name, dtype=bytes, shape=(1,), optional=True) for name in control.FIELDS]
     triton.bind(
         model_name=MODEL_NAME,
         infer_func=[infer] * config.instances,
@@ -305,16 +317,18 @@ def _image(future: Future[np.ndarray]) -> np.ndarray:
         raise StatusError("INVALID_ARG", str(e)) from None
 
 
-def _fronts(config: ServeConfig, http_upstream: int, grpc_upstream: int) -> FrontProcess:
+def _fronts(config: ServeConfig, http_upstream: int, grpc_upstream: int, control_images: bool = False
+            ) -> FrontProcess:
     """The HTTP front on ``config.host:config.http_port`` and the gRPC relay on ``config.grpc_port``, forwarding to
     Triton's endpoints on ``127.0.0.1:http_upstream`` / ``grpc_upstream``, in their own process (see
-    :mod:`.front_process`), started and listening.
+    :mod:`.front_process`), started and listening; ``control_images``: bodies may carry one (an artifact with
+    ControlNets).
 
     Raises:
         ServeError: a port cannot be bound, or the process did not start.
     """
     settings = FrontSettings.of(config.host, config.http_port, config.grpc_port, http_upstream, grpc_upstream,
-                                config.front_limits())
+                                config.front_limits(control_images))
     try:
         return FrontProcess(settings).__enter__()
     except FrontStartError as e:
@@ -352,7 +366,8 @@ def serve(artifact_dir: str | os.PathLike[str], config: ServeConfig | None = Non
         # Triton's own endpoints, behind the fronts (loopback only); the fronts are bound now: a port in use fails
         # before Triton starts
         upstream_port, grpc_upstream = free_loopback_port(), free_loopback_port()
-        fronts = _fronts(config, upstream_port, grpc_upstream)
+        has_control = bool(controlnet_names(list(pipe.manifest.components)))
+        fronts = _fronts(config, upstream_port, grpc_upstream, has_control)
         stack.callback(fronts.close)
         triton_config = TritonConfig(
             http_address="127.0.0.1", http_port=upstream_port,

@@ -101,6 +101,71 @@ def test_img2img_matches_diffusers_controlnet_img2img(pipe: EnginePipeline, tiny
     assert np.abs(got - want).max() <= TOL
 
 
+def _mask(size: int = 64) -> Image.Image:
+    m = np.zeros((size, size), np.uint8)
+    m[size // 4: 3 * size // 4, size // 8: 5 * size // 8] = 255
+    return Image.fromarray(m)
+
+
+def _inpaint_reference(folder: Path, controlnet: Path) -> Any:
+    cn = diffusers.ControlNetModel.from_pretrained(controlnet, local_files_only=True)
+    ref = diffusers.StableDiffusionControlNetInpaintPipeline.from_pretrained(
+        folder, controlnet=cn, local_files_only=True, safety_checker=None, requires_safety_checker=False)
+    ref.set_progress_bar_config(disable=True)
+    return ref
+
+
+@pytest.mark.parametrize("kwargs", [{"strength": 1.0}, {"strength": 0.7, "controlnet_conditioning_scale": 1.3,
+                                                         "control_guidance_end": 0.8}], ids=["full", "partial"])
+def test_inpaint_matches_diffusers_controlnet_inpaint(pipe: EnginePipeline, tiny_pipeline_dir: Path,
+                                                      controlnet_dirs: dict[str, Path], kwargs: dict[str, Any]) -> None:
+    """A 4-channel UNet with a mask (diffusers blends the image's noised latents back after every step); the
+    default scale is the inpainting pipeline's 0.5."""
+    ref = _inpaint_reference(tiny_pipeline_dir, controlnet_dirs["a"])
+    common = {"prompt": "a lake", "num_inference_steps": 5, "image": _image(8), "mask_image": _mask(),
+              "control_image": _image(9), **kwargs}
+    want = ref(generator=torch.Generator("cpu").manual_seed(4), height=64, width=64, output_type="np",
+               **common).images
+    got = pipe(controlnet="a", seed=4, output_type="np", progress=False, **common).images
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= TOL
+    plain = pipe(seed=4, output_type="np", progress=False,
+                 **{k: v for k, v in common.items() if not k.startswith("control")}).images
+    assert np.abs(got - plain).max() > 1e-3  # the ControlNet changed the image
+
+
+@pytest.fixture(scope="module")
+def inpaint_unet_case(controlnet_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the tiny 9-channel inpainting pipeline folder, its artifact with the 4-channel ControlNet "a")."""
+    from diffusion_trt.compiler.dummy import write_dummy_pipeline
+
+    root = tmp_path_factory.mktemp("cn-inpaint")
+    folder = write_dummy_pipeline(root / "model", arch="tiny-sd15-inpaint", seed=0)
+    config = CompileConfig(components=("text_encoder", "unet", "vae_decoder", "vae_encoder"),
+                           controlnets=(("a", str(controlnet_dirs["a"])),))
+    return folder, compile_pipeline(folder, root / "art", config)
+
+
+def test_inpaint_unet_matches_diffusers_controlnet_inpaint(inpaint_unet_case: tuple[Path, Path],
+                                                           controlnet_dirs: dict[str, Path]) -> None:
+    """A 9-channel inpainting UNet: the ControlNet sees the 4-channel latents, the UNet cat([latents, mask,
+    masked-image latents])."""
+    folder, artifact = inpaint_unet_case
+    ref = _inpaint_reference(folder, controlnet_dirs["a"])
+    common = {"prompt": "a lake", "num_inference_steps": 5, "image": _image(8), "mask_image": _mask(),
+              "control_image": _image(9), "controlnet_conditioning_scale": 0.9}
+    want = ref(generator=torch.Generator("cpu").manual_seed(5), height=64, width=64, output_type="np",
+               **common).images
+    with EnginePipeline.from_artifacts(artifact) as p:
+        assert p.unet_in_channels == 9
+        got = p(controlnet="a", seed=5, output_type="np", progress=False, **common).images
+        plain = p(seed=5, output_type="np", progress=False,
+                  **{k: v for k, v in common.items() if not k.startswith("control")}).images
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= TOL
+    assert np.abs(got - plain).max() > 1e-3
+
+
 def test_scale_zero_equals_no_controlnet(pipe: EnginePipeline) -> None:
     common = {"prompt": "a cat", "num_inference_steps": 4, "seed": 3, "output_type": "np", "progress": False}
     plain = pipe(**common).images

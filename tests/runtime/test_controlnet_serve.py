@@ -1,0 +1,98 @@
+"""``serve`` with ControlNets: the ``controlnet`` / ``control_image`` inputs (:mod:`diffusion_trt.serve.control`)
+parsed from base64 PNGs and run through serve's :class:`MicroBatcher` on the tiny two-ControlNet artifact, against
+``EnginePipeline`` called directly. (PyTriton is not installed here: the Triton binding itself is covered by
+tests/test_serve.py where it is.)"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffusion_trt.runtime import EnginePipeline
+from diffusion_trt.serve import control
+from diffusion_trt.serve.server import MicroBatcher, ServeConfig
+from diffusion_trt.serve.triton_model import RequestError
+from tests.runtime.test_controlnet_parity import _image, controlnet_artifact, controlnet_dirs, pipe  # noqa: F401
+
+STEPS = 3
+
+
+def _b64(image: Image.Image, fmt: str = "PNG") -> np.ndarray:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return np.array([base64.b64encode(buf.getvalue())], dtype=object)
+
+
+def _params(seed: int, cn: control.ControlRequest | None) -> dict:
+    return {"prompt": "a guohua landscape", "negative_prompt": "", "seed": seed, "steps": STEPS,
+            "guidance_scale": 7.5, "height": 64, "width": 64, "lora": None, "control": cn}
+
+
+def test_serve_control_requests_equal_engine_pipeline_and_batch_by_controlnet(pipe: EnginePipeline) -> None:  # noqa: F811
+    nets = control.ControlNets(["a", "b"])
+    asks = [("a:0.8", 1, 1), ("a:0.8", 2, 2), (None, 0, 3), ("b", 3, 4)]  # (controlnet, image seed, seed)
+    cns = [None if spec is None else nets.resolve({"controlnet": np.array([spec.encode()]),
+                                                   "control_image": _b64(_image(img))}, 64, 64)
+           for spec, img, _ in asks]
+    batcher = MicroBatcher(pipe, max_batch_size=2, max_delay_s=0.5, max_queue=8)
+    try:
+        futures = [batcher.submit(_params(seed, cn)) for (_, _, seed), cn in zip(asks, cns, strict=True)]
+        images = [f.result(timeout=600) for f in futures]
+        batches = list(batcher.batches)
+    finally:
+        batcher.close()
+    assert batches == [2, 1, 1]  # the two "a:0.8" requests ran together, each with its own image
+    for (spec, img, seed), got in zip(asks, images, strict=True):
+        kwargs = {} if spec is None else {"controlnet": spec.split(":")[0], "control_image": _image(img),
+                                          "controlnet_conditioning_scale": float(spec.partition(":")[2] or 1.0)}
+        want = np.asarray(pipe("a guohua landscape", num_inference_steps=STEPS, seed=seed, progress=False,
+                               **kwargs).images[0])
+        assert got.shape == want.shape == (64, 64, 3)
+        assert np.abs(got.astype(int) - want.astype(int)).max() <= 1  # batched rows vs one-image calls (uint8)
+    assert np.abs(images[0].astype(int) - images[2].astype(int)).max() > 2  # the ControlNet acted
+
+
+def test_the_only_controlnet_is_the_default_and_jpeg_and_data_urls_are_read() -> None:
+    nets = control.ControlNets(["canny"])
+    assert nets.resolve({}, 64, 64) is None
+    img = _image(0)
+    jpeg = _b64(img, "JPEG")
+    url = np.array([b"data:image/png;base64," + _b64(img)[0]], dtype=object)
+    got = nets.resolve({"control_image": url}, 64, 64)
+    assert got is not None and (got.name, got.scale) == ("canny", 1.0)
+    assert got.image.shape == (3, 64, 64) and got.image.dtype == np.float32
+    assert np.array_equal(got.image, np.asarray(img, dtype=np.float32).transpose(2, 0, 1) / 255.0)
+    assert nets.resolve({"controlnet": np.array([b":0.5"]), "control_image": jpeg}, 64, 64).scale == 0.5
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"controlnet": b"a"}, "controlnet='a' was sent without control_image"),
+    ({"controlnet": b"c", "control_image": "png"}, "ControlNet 'c' is not in this artifact; it has a, b"),
+    ({"controlnet": b"a:lots", "control_image": "png"}, "the scale 'lots' is not a finite number; use e.g. a:0.8"),
+    ({"controlnet": b"a:inf", "control_image": "png"}, "is not a finite number"),
+    ({"control_image": "png"}, "this server has 2 ControlNets (a, b); name the one"),
+    ({"controlnet": b"a", "control_image": "small"}, "control image for 'a' is 32x32 (WxH) but the output is 64x64"),
+    ({"controlnet": b"a", "control_image": b"!!not base64!!"}, "control_image is not base64"),
+    ({"controlnet": b"a", "control_image": base64.b64encode(b"GIF89a....")}, "control_image is not a PNG or JPEG"),
+    ({"controlnet": np.array([1], dtype=np.int32), "control_image": "png"}, "controlnet must be one BYTES value"),
+])
+def test_bad_control_inputs_are_refused_naming_the_field(fields: dict, message: str) -> None:
+    encoded = {"png": _b64(_image(0)), "small": _b64(_image(0, size=32))}
+    data = {k: v if isinstance(v, np.ndarray) else encoded.get(v) if isinstance(v, str) else
+            np.array([v], dtype=object) for k, v in fields.items()}
+    with pytest.raises(RequestError) as e:
+        control.ControlNets(["a", "b"]).resolve(data, 64, 64)
+    assert message in str(e.value), str(e.value)
+    assert str(e.value).startswith(e.value.field) and e.value.field in control.FIELDS
+
+
+def test_the_body_and_input_bounds_make_room_for_one_control_image() -> None:
+    config = ServeConfig()
+    assert config.max_bytes()["control_image"] == control.MAX_IMAGE_BYTES
+    plain, with_image = config.front_limits(), config.front_limits(control_images=True)
+    assert with_image.max_body_bytes - plain.max_body_bytes > control.MAX_IMAGE_BYTES
+
