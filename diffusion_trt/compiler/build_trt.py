@@ -606,8 +606,14 @@ def network_from_onnx(trt: Any, onnx_path: Path, strongly_typed: bool) -> tuple[
 
 def parser_errors(trt: Any, polygraphy_trt: Any, onnx_path: Path, strongly_typed: bool) -> list[ParserErrorInfo]:
     """The ONNX parser's errors on ``onnx_path``, one per node, from a second parse: ``NetworkFromOnnxPath`` logs
-    them as text and raises, and a message names each node's index, name and op."""
-    builder, network = polygraphy_trt.CreateNetwork(strongly_typed=strongly_typed)()
+    them as text and raises, and a message names each node's index, name and op. Empty when no network could be
+    made (Polygraphy's own message says why)."""
+    from polygraphy.exception import PolygraphyException
+
+    try:
+        builder, network = polygraphy_trt.CreateNetwork(strongly_typed=strongly_typed)()
+    except PolygraphyException:
+        return []
     parser = trt.OnnxParser(network, trt_compat.make_trt_logger(trt))
     parser.parse_from_file(str(onnx_path))
     errors = [ParserErrorInfo.from_trt(parser.get_error(i)) for i in range(parser.num_errors)]
