@@ -529,7 +529,7 @@ def preflight(precision: str, build: TrtBuildConfig) -> BuildTarget:
 #: The import name Polygraphy gives TensorRT-RTX (``polygraphy.mod.trt_importer``: ``tensorrt_rtx>=1.0``); the
 #: ``tensorrt-rtx-cu13-bindings`` wheel installs the same bindings as ``tensorrt_rtx_bindings``.
 POLYGRAPHY_RTX_MODULE = "tensorrt_rtx"
-_POLYGRAPHY_INSTALL = "`pip install 'diffusion-trt[rtx]'` (polygraphy>=0.53.6)"
+_POLYGRAPHY_INSTALL = "`pip install 'polygraphy>=0.53.6'` (the rtx and gpu extras have it)"
 
 
 def polygraphy_for(lib: trt_compat.TrtLibrary) -> tuple[Any, Any]:

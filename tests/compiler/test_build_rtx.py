@@ -185,7 +185,7 @@ def test_polygraphy_bound_to_tensorrt_rtx_refuses_full_tensorrt_in_the_same_proc
 
 def test_without_polygraphy_the_build_names_the_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "polygraphy", None)  # `import polygraphy` raises ImportError
-    with pytest.raises(BuildError, match=r"`import polygraphy` failed .*pip install 'diffusion-trt\[rtx\]'"):
+    with pytest.raises(BuildError, match=r"`import polygraphy` failed .*pip install 'polygraphy>=0\.53\.6'"):
         _build(tmp_path, _relu_model(tmp_path / "model.onnx"), compute_capabilities=("8.9",))
     assert not (tmp_path / "unet" / "model.plan").exists()
 
