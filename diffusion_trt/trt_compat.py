@@ -600,7 +600,8 @@ _TRT_LOGGERS: dict[str, Any] = {}
 
 def make_trt_logger(trt: Any, keep_errors: int = 20) -> Any:
     """The process's one ``trt.ILogger`` for the library ``trt`` (``tensorrt`` or ``tensorrt_rtx_bindings``), shared
-    by its builders, runtimes and refitters, forwarding to Python logging (``logging.getLogger(trt.__name__)``).
+    by its builders (Polygraphy's loaders take it as their TensorRT logger: ``build_trt.polygraphy_for``), runtimes
+    and refitters, forwarding to Python logging (``logging.getLogger(trt.__name__)``).
 
     One instance per library: TensorRT-RTX 1.7.1 warns, when a ``Runtime`` is created with another logger while a
     ``Builder`` lives, that "the current new logger is ignored" (observed). TensorRT's INFO is chatty (every

@@ -2,12 +2,16 @@
 
 ::
 
-    model.onnx ──OnnxParser.parse_from_file──► INetworkDefinition
-        ──IBuilderConfig (flags, profiles, memory pool, timing cache)──► build_serialized_network ──► model.plan
+    model.onnx ──NetworkFromOnnxPath──► INetworkDefinition
+        ──CreateConfig / CreateConfigRTX (flags, profiles, memory pool, targets) + our timing cache──►
+        EngineBytesFromNetwork ──► model.plan
 
-The stage is :func:`engine_from_onnx`; :class:`TrtBuildConfig` says how to build. ``tensorrt`` is
-imported only inside :func:`engine_from_onnx` (and :func:`_import_tensorrt`), so the config, the profile
-derivation and the timing-cache rules are usable and tested on machines without TensorRT.
+The loaders are Polygraphy's (``polygraphy.backend.trt``, bound to full TensorRT or TensorRT-RTX by
+:func:`polygraphy_for`); the stage is :func:`engine_from_onnx` and :class:`TrtBuildConfig` says how to build. What
+Polygraphy does not do stays here: the checks before any work (GPU, targets, precision per target, foreign ops,
+the manifest's inputs), the profiles from the manifest, the framed timing cache and the messages. Neither
+``tensorrt`` nor Polygraphy is imported at module level, so the config, the profile derivation and the
+timing-cache rules are usable and tested on machines without TensorRT.
 
 Precision: the product's precision names map to builder flags (:data:`PRECISION_FLAGS`). A graph that
 carries Q/DQ nodes (explicit quantization) is built as a *strongly typed* network instead: TensorRT then
@@ -28,6 +32,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -509,46 +514,112 @@ def _precision_needs(precision: str, build: TrtBuildConfig) -> tuple[str, ...]:
 
 
 def preflight(precision: str, build: TrtBuildConfig) -> BuildTarget:
-    """Fail before any export work when this machine cannot build: :func:`build_target`, then the import.
+    """Fail before any export work when this machine cannot build: :func:`build_target`, then the imports (the
+    library and Polygraphy, bound to it).
 
     Raises:
         BuildError: as :func:`engine_from_onnx` would, minutes later.
     """
     target = build_target(precision, build)
-    target.library.import_module()
+    polygraphy_for(target.library)
     return target
 
 
+# -- Polygraphy's loaders, bound to one TensorRT library ------------------------------------------------
+
+#: The import name Polygraphy gives TensorRT-RTX (``polygraphy.mod.trt_importer``: ``tensorrt_rtx>=1.0``); the
+#: ``tensorrt-rtx-cu13-bindings`` wheel installs the same bindings as ``tensorrt_rtx_bindings``.
+POLYGRAPHY_RTX_MODULE = "tensorrt_rtx"
+_POLYGRAPHY_INSTALL = "`pip install 'polygraphy>=0.53.6'` (the rtx and gpu extras have it)"
+
+
+def polygraphy_for(lib: trt_compat.TrtLibrary) -> tuple[Any, Any]:
+    """``(trt, polygraphy.backend.trt)``: the library's module and Polygraphy's TensorRT loaders bound to it.
+
+    Polygraphy picks its TensorRT module once per process, when its modules are first imported: ``tensorrt``, or
+    ``tensorrt_rtx`` when ``polygraphy.config.USE_TENSORRT_RTX`` is set (the ``POLYGRAPHY_USE_TENSORRT_RTX``
+    variable). So the flag is set from ``lib`` before that import, ``tensorrt_rtx_bindings`` is registered under
+    the name Polygraphy imports, Polygraphy's TensorRT logger is the library's one (:func:`~diffusion_trt.trt_compat.
+    make_trt_logger`: one per library, errors kept for messages) and its own messages go to Python logging
+    (logger "Polygraphy") instead of stdout.
+
+    Raises:
+        BuildError: the library or Polygraphy cannot be imported (naming the install), or Polygraphy is already bound
+            to the other library in this process (one process builds with one library: run the other build in a
+            second process).
+    """
+    rtx = lib.module != "tensorrt"
+    try:
+        from polygraphy import config as polygraphy_config
+    except ImportError as e:
+        raise BuildError(f"`import polygraphy` failed ({type(e).__name__}: {e}); the {lib.display} build runs "
+                         f"through Polygraphy's loaders: {_POLYGRAPHY_INSTALL}") from e
+    if "polygraphy.util" not in sys.modules:  # no Polygraphy module has picked its TensorRT module yet
+        polygraphy_config.USE_TENSORRT_RTX = rtx
+    if polygraphy_config.USE_TENSORRT_RTX != rtx:
+        other = "TensorRT-RTX" if polygraphy_config.USE_TENSORRT_RTX else "TensorRT"
+        raise BuildError(f"Polygraphy is bound to {other} in this process (it picks one TensorRT library per "
+                         f"process); build with {lib.display} in another process")
+    trt = lib.import_module()
+    if rtx and sys.modules.setdefault(POLYGRAPHY_RTX_MODULE, trt) is not trt:
+        raise BuildError(f"`import {POLYGRAPHY_RTX_MODULE}` is another module than {lib.module}; uninstall one of "
+                         "the two TensorRT-RTX Python packages")
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.use_python_logging_system, G_LOGGER.colors, G_LOGGER.letter = True, False, False
+    import polygraphy.backend.trt as polygraphy_trt
+    from polygraphy.backend.trt import util as polygraphy_trt_util
+
+    polygraphy_trt_util.TRT_LOGGER = trt_compat.make_trt_logger(trt)  # get_trt_logger() returns it
+    return trt, polygraphy_trt
+
+
+def _library_of(trt: Any) -> trt_compat.TrtLibrary:
+    """The :class:`~diffusion_trt.trt_compat.TrtLibrary` whose module ``trt`` is."""
+    name = str(trt.__name__).split(".")[0]
+    for lib in trt_compat.LIBRARIES.values():
+        if lib.module == name:
+            return lib
+    raise BuildError(f"{name!r} is not a TensorRT library module; use one of "
+                     f"{', '.join(lib.module for lib in trt_compat.LIBRARIES.values())}")
+
+
 def network_from_onnx(trt: Any, onnx_path: Path, strongly_typed: bool) -> tuple[Any, Any, Any]:
-    """Parse an ONNX file into a network: ``(builder, network, parser)`` (keep all three alive together).
+    """Parse an ONNX file into a network with Polygraphy's ``NetworkFromOnnxPath``: ``(builder, network, parser)``
+    (keep all three alive together).
 
     Parsed from its path so external data (``model.onnx.data``) beside it is found.
 
     Raises:
         BuildError: parser errors, one line per node (index, name, op, message).
     """
-    trt_logger = trt_compat.make_trt_logger(trt)  # the library's one logger, shared with its runtimes
-    builder = trt.Builder(trt_logger)
-    network = builder.create_network(_network_flags(trt, strongly_typed))
-    parser = trt.OnnxParser(network, trt_logger)
-    ok = parser.parse_from_file(str(onnx_path))
-    if not ok or parser.num_errors:
-        errors = [ParserErrorInfo.from_trt(parser.get_error(i)) for i in range(parser.num_errors)]
-        raise BuildError(format_parser_errors(onnx_path, errors))
-    return builder, network, parser
+    from polygraphy.exception import PolygraphyException
+
+    _, polygraphy_trt = polygraphy_for(_library_of(trt))
+    try:
+        return polygraphy_trt.NetworkFromOnnxPath(str(onnx_path), strongly_typed=strongly_typed)()
+    except PolygraphyException as e:
+        errors = parser_errors(trt, polygraphy_trt, onnx_path, strongly_typed)
+        if not errors:
+            raise BuildError(f"Polygraphy could not parse {onnx_path}: {e}") from None
+        raise BuildError(format_parser_errors(onnx_path, errors)) from None
 
 
-def _network_flags(trt: Any, strongly_typed: bool) -> int:
-    flags = 0
-    if strongly_typed:
-        flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-        if flag is None:
-            raise BuildError(
-                f"TensorRT {trt.__version__} has no strongly typed networks; the graph carries Q/DQ nodes: "
-                "install TensorRT 10+"
-            )
-        flags |= 1 << int(flag)
-    return flags
+def parser_errors(trt: Any, polygraphy_trt: Any, onnx_path: Path, strongly_typed: bool) -> list[ParserErrorInfo]:
+    """The ONNX parser's errors on ``onnx_path``, one per node, from a second parse: ``NetworkFromOnnxPath`` logs
+    them as text and raises, and a message names each node's index, name and op. Empty when no network could be
+    made (Polygraphy's own message says why)."""
+    from polygraphy.exception import PolygraphyException
+
+    try:
+        builder, network = polygraphy_trt.CreateNetwork(strongly_typed=strongly_typed)()
+    except PolygraphyException:
+        return []
+    parser = trt.OnnxParser(network, trt_compat.make_trt_logger(trt))
+    parser.parse_from_file(str(onnx_path))
+    errors = [ParserErrorInfo.from_trt(parser.get_error(i)) for i in range(parser.num_errors)]
+    del parser, network, builder
+    return errors
 
 
 def network_inputs(trt: Any, network: Any) -> dict[str, str]:
@@ -560,10 +631,12 @@ def network_inputs(trt: Any, network: Any) -> dict[str, str]:
     return out
 
 
-def config_for(trt: Any, builder: Any, target: BuildTarget, build: TrtBuildConfig, precision: str,
+def config_for(trt: Any, builder: Any, network: Any, target: BuildTarget, build: TrtBuildConfig, precision: str,
                strongly_typed: bool, profiles: Sequence[TrtProfile]) -> tuple[Any, list[str]]:
-    """The ``IBuilderConfig``: precision flags (full TensorRT, weakly typed only), refit, memory pool, optimization
-    level, compute-capability targets (TensorRT-RTX), one optimization profile each.
+    """The ``IBuilderConfig`` from Polygraphy's ``CreateConfig`` (full TensorRT: precision flags for a weakly typed
+    network) or ``CreateConfigRTX`` (TensorRT-RTX: ``compute_capabilities``): refit, weight streaming, memory pool,
+    optimization level, one optimization profile each. TF32 and the profiling verbosity keep TensorRT's defaults
+    (Polygraphy's would clear TF32 and record DETAILED layer information in the plan).
 
     Returns:
         ``(config, flags set on it)``.
@@ -571,33 +644,39 @@ def config_for(trt: Any, builder: Any, target: BuildTarget, build: TrtBuildConfi
     Raises:
         BuildError: TensorRT rejected a profile.
     """
-    config = builder.create_builder_config()
-    applied = _set_precision_flags(trt, config, target.library, build.flags_for(precision), strongly_typed)
-    if build.refittable:
-        config.set_flag(trt.BuilderFlag.REFIT)
-    if build.weight_streaming:  # strongly typed (TrtBuildConfig enforces it); TensorRT >= 10.0
-        config.set_flag(trt.BuilderFlag.WEIGHT_STREAMING)
-    if build.workspace_bytes is not None:
-        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, build.workspace_bytes)
-    if build.builder_optimization_level is not None:
-        config.builder_optimization_level = build.builder_optimization_level
+    _, polygraphy_trt = polygraphy_for(target.library)
+    applied = _precision_flags(trt, target.library, build.flags_for(precision), strongly_typed)
+    common: dict[str, Any] = {
+        "profiles": [_polygraphy_profile(polygraphy_trt, p) for p in profiles], "refittable": build.refittable,
+        "weight_streaming": build.weight_streaming, "builder_optimization_level": build.builder_optimization_level,
+        "memory_pool_limits": ({trt.MemoryPoolType.WORKSPACE: build.workspace_bytes}
+                               if build.workspace_bytes is not None else None),
+        "profiling_verbosity": trt.ProfilingVerbosity.LAYER_NAMES_ONLY,
+    }
     if target.library.compute_capability_targets:
-        config.num_compute_capabilities = len(target.compute_capabilities)
-        for i, cc in enumerate(target.compute_capabilities):
-            major, minor = trt_compat.parse_compute_capability(cc)
-            config.set_compute_capability(getattr(trt.ComputeCapability, f"SM{major}{minor}"), i)
-    for p in profiles:
-        profile = builder.create_optimization_profile()
-        for name, (lo, opt, hi) in p.shapes.items():
-            profile.set_shape(name, lo, opt, hi)
-        if config.add_optimization_profile(profile) < 0:
-            raise BuildError(f"TensorRT rejected the {p.kind} optimization profile {p.to_json()['inputs']}")
+        from polygraphy.backend.tensorrt_rtx import CreateConfigRTX
+
+        ccs = [trt_compat.parse_compute_capability(cc) for cc in target.compute_capabilities]
+        loader = CreateConfigRTX(compute_capabilities=ccs, **common)
+    else:
+        precision_flags = {"tf32": hasattr(trt.BuilderFlag, "TF32"), **dict.fromkeys(applied, True)}
+        loader = polygraphy_trt.CreateConfig(**precision_flags, **common)
+    config = loader(builder, network)
+    if config.num_optimization_profiles != len(profiles):
+        raise BuildError(f"TensorRT rejected {len(profiles) - config.num_optimization_profiles} of the optimization "
+                         f"profiles {[(p.kind, p.to_json()['inputs']) for p in profiles]}")
     return config, applied
 
 
-def _set_precision_flags(trt: Any, config: Any, lib: trt_compat.TrtLibrary, flags: Sequence[str],
-                         strongly_typed: bool) -> list[str]:
-    """Set the builder precision flags a weakly typed full-TensorRT network takes; return those set."""
+def _polygraphy_profile(polygraphy_trt: Any, profile: TrtProfile) -> Any:
+    out = polygraphy_trt.Profile()
+    for name, (lo, opt, hi) in profile.shapes.items():
+        out.add(name, lo, opt, hi)
+    return out
+
+
+def _precision_flags(trt: Any, lib: trt_compat.TrtLibrary, flags: Sequence[str], strongly_typed: bool) -> list[str]:
+    """The builder precision flags a weakly typed full-TensorRT network takes (those this TensorRT has)."""
     if not flags:
         return []
     if strongly_typed or not lib.precision_flags:
@@ -605,19 +684,19 @@ def _set_precision_flags(trt: Any, config: Any, lib: trt_compat.TrtLibrary, flag
         return []
     applied = []
     for f in flags:
-        flag = getattr(trt.BuilderFlag, f.upper(), None)
-        if flag is None:
+        if not hasattr(trt.BuilderFlag, f.upper()):
             logger.warning("TensorRT %s has no BuilderFlag.%s (networks are always strongly typed from TensorRT 11): "
                            "precision comes from the graph's own types", trt.__version__, f.upper())
             continue
-        config.set_flag(flag)
         applied.append(f)
     return applied
 
 
 def attach_timing_cache(config: Any, target: BuildTarget, version: str,
                         cache_dir: Path | None) -> tuple[trt_compat.TimingCacheKey | None, dict[str, Any]]:
-    """Load this (version, compute capability)'s timing cache into ``config`` (or a fresh one).
+    """Load this (version, compute capability)'s timing cache into ``config``, replacing the empty one Polygraphy's
+    ``CreateConfig`` set (Polygraphy's ``load_timing_cache`` reads an unframed file and does not say whether
+    TensorRT took it; the facts here do).
 
     TensorRT-RTX builds ahead of time without timing kernels (they are specialised on the user's GPU at first
     load, kept in the runtime cache), so no timing cache is used for it.
@@ -634,44 +713,46 @@ def attach_timing_cache(config: Any, target: BuildTarget, version: str,
     if cache_dir is not None:
         payload, facts = read_timing_cache(Path(cache_dir), key)
         facts["saved"] = False
+    if not payload:
+        return key, facts
     cache = None
-    if payload:
-        try:
-            cache = config.create_timing_cache(payload)
-        except Exception as e:  # noqa: BLE001 - the bindings raise various types on a corrupt blob
-            logger.debug("create_timing_cache failed: %s", e)
-        if cache is None:
-            facts["ignored"] = "TensorRT could not deserialize it"
-    if cache is not None and not config.set_timing_cache(cache, False):  # ignore_mismatch=False
-        facts["ignored"] = "TensorRT reports it was made on another device or version"
-        cache = None
-    if payload and cache is None:  # a framing mismatch was already reported by read_timing_cache
-        logger.warning("timing cache %s ignored: %s; building with a fresh cache", facts["file"], facts["ignored"])
+    try:
+        cache = config.create_timing_cache(payload)
+    except Exception as e:  # noqa: BLE001 - the bindings raise various types on a corrupt blob
+        logger.debug("create_timing_cache failed: %s", e)
     if cache is None:
+        facts["ignored"] = "TensorRT could not deserialize it"
+    elif not config.set_timing_cache(cache, False):  # ignore_mismatch=False
+        facts["ignored"] = "TensorRT reports it was made on another device or version"
         config.set_timing_cache(config.create_timing_cache(b""), False)
     else:
         facts["loaded"] = True
+    if not facts["loaded"]:  # a framing mismatch was already reported by read_timing_cache
+        logger.warning("timing cache %s ignored: %s; building with a fresh cache", facts["file"], facts["ignored"])
     return key, facts
 
 
 def engine_from_network(trt: Any, builder: Any, network: Any, config: Any, where: str) -> memoryview:
-    """``build_serialized_network``; the serialized plan as a memoryview.
+    """Polygraphy's ``EngineBytesFromNetwork`` (``build_serialized_network``); the serialized plan as a memoryview.
 
     Raises:
-        BuildError: the build failed, quoting TensorRT's last errors.
+        BuildError: the build failed, quoting the library's last errors.
     """
+    from polygraphy.exception import PolygraphyException
+
+    lib = _library_of(trt)
+    _, polygraphy_trt = polygraphy_for(lib)
     trt_logger = trt_compat.make_trt_logger(trt)
     mark = trt_logger.mark()  # quote this build's errors only
-    plan = builder.build_serialized_network(network, config)
-    if plan is None:
+    try:
+        plan = polygraphy_trt.EngineBytesFromNetwork((builder, network), config)()
+    except PolygraphyException:
         errors = trt_logger.errors_since(mark)
         last = "\n  ".join(errors[-5:]) or f"(no error logged; rerun with DEBUG logging of {trt_logger.name!r})"
-        display = next((lib.display for lib in trt_compat.LIBRARIES.values() if lib.module == trt_logger.name),
-                       "TensorRT")
         raise BuildError(
-            f"{display} failed to build {where}; its last errors:\n  {last}\nfix: raise workspace_bytes, lower "
+            f"{lib.display} failed to build {where}; its last errors:\n  {last}\nfix: raise workspace_bytes, lower "
             "builder_optimization_level, or compile with --precision fp32 to isolate a precision problem"
-        )
+        ) from None
     return memoryview(plan)
 
 
@@ -686,8 +767,8 @@ def engine_from_onnx(
 ) -> dict[str, Any]:
     """Build a TensorRT (or TensorRT-RTX) plan from an optimized ONNX file and write it to ``plan_path``.
 
-    ``network_from_onnx`` -> ``config_for`` -> ``attach_timing_cache`` -> ``engine_from_network``, each a loader of
-    its own (after Polygraphy's).
+    ``network_from_onnx`` -> ``config_for`` -> ``attach_timing_cache`` -> ``engine_from_network``: Polygraphy's
+    ``NetworkFromOnnxPath``, ``CreateConfig``/``CreateConfigRTX`` and ``EngineBytesFromNetwork``, with our checks.
 
     Args:
         onnx_path: the optimized ``model.onnx``; parsed from its path so ``model.onnx.data`` beside it is found.
@@ -704,9 +785,9 @@ def engine_from_onnx(
         order, the plan's name, sha256 and size, the timing / runtime cache, the config).
 
     Raises:
-        BuildError: no GPU where one is needed, no library, a precision a target lacks (checked first, before any
-            work), parser errors (one line per node: index, name, op, message), graph inputs that differ from the
-            manifest, or a failed build (quoting TensorRT's last errors).
+        BuildError: no GPU where one is needed, no library or no Polygraphy, a precision a target lacks (checked
+            first, before any work), parser errors (one line per node: index, name, op, message), graph inputs that
+            differ from the manifest, or a failed build (quoting TensorRT's last errors).
         RuntimeInputError: unknown precision or compute capability.
     """
     t_start = time.perf_counter()
@@ -715,12 +796,12 @@ def engine_from_onnx(
     profiles = profiles_from_inputs(inputs, build)
     ops = graph_ops(onnx_path)
     check_parsable(onnx_path, ops)  # before the parser: it may crash the process on a contrib op
-    trt = target.library.import_module()
+    trt, _ = polygraphy_for(target.library)
     has_qdq = any(domain == "" and op in QDQ_OPS for domain, op in ops)
     strongly_typed = is_strongly_typed(build, target, has_qdq)
     builder, network, _parser = network_from_onnx(trt, onnx_path, strongly_typed and target.library.precision_flags)
     check_network_inputs(onnx_path, network_inputs(trt, network), inputs)
-    config, applied = config_for(trt, builder, target, build, precision, strongly_typed, profiles)
+    config, applied = config_for(trt, builder, network, target, build, precision, strongly_typed, profiles)
     cache_key, cache_facts = attach_timing_cache(config, target, str(trt.__version__), timing_cache_dir)
     logger.info("building %s: %s %s for compute capability %s, flags %s, strongly_typed=%s, %d profile(s)",
                 onnx_path, target.library.display, trt.__version__, ",".join(target.compute_capabilities), applied,

@@ -8,6 +8,8 @@ time for named compute capabilities, so no GPU is needed. Executing a plan needs
 from __future__ import annotations
 
 import json
+import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +134,60 @@ def test_one_library_table_decides_the_differences() -> None:
     assert (full.compute_capability_targets, rtx.compute_capability_targets) == (False, True)
     assert (full.runtime_config, rtx.runtime_config) == (False, True)
     assert rtx.import_module().__name__ == "tensorrt_rtx_bindings"
+
+
+# --- through Polygraphy's loaders -------------------------------------------------------------------------
+
+
+def test_the_build_runs_through_polygraphy_bound_to_tensorrt_rtx(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                 capfd: pytest.CaptureFixture[str]) -> None:
+    """Polygraphy's CreateConfigRTX names the targets and its EngineBytesFromNetwork builds; its TensorRT logger is
+    the library's one, and it writes nothing to stdout (its messages go to Python logging)."""
+    import tensorrt_rtx_bindings as trt
+
+    with caplog.at_level(logging.INFO, logger="Polygraphy"):
+        facts = _build(tmp_path, _relu_model(tmp_path / "model.onnx"), compute_capabilities=("8.6", "8.9"))
+    from polygraphy import config as polygraphy_config  # imported after the build stage bound it
+    from polygraphy.backend.trt import util as polygraphy_trt_util
+
+    said = [r.getMessage() for r in caplog.records if r.name == "Polygraphy"]
+    assert any("Setting 2 target compute capabilities: [(8, 6), (8, 9)]" in m for m in said), said
+    assert any(m.startswith("Building engine with configuration") for m in said), said
+    assert facts["plan_bytes"] > 0 and capfd.readouterr().out == ""
+    assert polygraphy_config.USE_TENSORRT_RTX is True and sys.modules["tensorrt_rtx"] is trt
+    assert polygraphy_trt_util.get_trt_logger() is trt_compat.make_trt_logger(trt)
+
+
+def test_polygraphy_config_keeps_our_settings_and_tensorrts_defaults(tmp_path: Path) -> None:
+    """config_for hands the workspace, optimization level, targets and profiles to CreateConfigRTX; the profiling
+    verbosity stays TensorRT's (Polygraphy's own default would be DETAILED)."""
+    build = TrtBuildConfig(library=RTX, compute_capabilities=("8.0", "12.0"), workspace_bytes=1 << 28,
+                           builder_optimization_level=2)
+    target = build_trt.build_target("fp32", build)
+    trt, _ = build_trt.polygraphy_for(target.library)
+    inputs = _relu_model(tmp_path / "model.onnx")
+    builder, network, _parser = build_trt.network_from_onnx(trt, tmp_path / "model.onnx", strongly_typed=False)
+    profiles = build_trt.profiles_from_inputs(inputs, build)
+    config, flags = build_trt.config_for(trt, builder, network, target, build, "fp16", True, profiles)
+    assert flags == [] and config.num_optimization_profiles == len(profiles) == 2
+    assert config.get_memory_pool_limit(trt.MemoryPoolType.WORKSPACE) == 1 << 28
+    assert config.builder_optimization_level == 2
+    assert config.profiling_verbosity == trt.ProfilingVerbosity.LAYER_NAMES_ONLY
+    assert [config.get_compute_capability(i) for i in range(config.num_compute_capabilities)] == [
+        trt.ComputeCapability.SM80, trt.ComputeCapability.SM120]
+
+
+def test_polygraphy_bound_to_tensorrt_rtx_refuses_full_tensorrt_in_the_same_process() -> None:
+    build_trt.polygraphy_for(trt_compat.library(RTX))
+    with pytest.raises(BuildError, match=r"Polygraphy is bound to TensorRT-RTX in this process .* another process"):
+        build_trt.polygraphy_for(trt_compat.library("tensorrt"))
+
+
+def test_without_polygraphy_the_build_names_the_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "polygraphy", None)  # `import polygraphy` raises ImportError
+    with pytest.raises(BuildError, match=r"`import polygraphy` failed .*pip install 'polygraphy>=0\.53\.6'"):
+        _build(tmp_path, _relu_model(tmp_path / "model.onnx"), compute_capabilities=("8.9",))
+    assert not (tmp_path / "unet" / "model.plan").exists()
 
 
 # --- compile, end to end on the tiny pipeline -----------------------------------------------------------

@@ -196,7 +196,7 @@ def _group_norm_plan(tmp_path: Path, opset: int, scale: int) -> int:
     target = build_trt.build_target("fp32", BUILD)
     trt = target.library.import_module()
     builder, network, _parser = build_trt.network_from_onnx(trt, path, strongly_typed=False)
-    config, _ = build_trt.config_for(trt, builder, target, BUILD, "fp32", True, [])
+    config, _ = build_trt.config_for(trt, builder, network, target, BUILD, "fp32", True, [])
     return len(build_trt.engine_from_network(trt, builder, network, config, str(path)))
 
 
