@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .loras import one_text
 from .triton_model import RequestError
 
 #: The request inputs' names.
@@ -67,14 +68,15 @@ class ControlNets:
             RequestError: as the module docstring says, naming the field and the fix.
         """
         spec, encoded = data.pop(NAME_FIELD, None), data.pop(IMAGE_FIELD, None)
-        text = _text(NAME_FIELD, spec) if spec is not None else ""
+        text = one_text(NAME_FIELD, spec, "send it as text") if spec is not None else ""
         if encoded is None:
             if text:
                 raise RequestError(NAME_FIELD, f"controlnet={text!r} was sent without control_image; send the "
                                    "control image (base64 PNG/JPEG of the output size) with it")
             return None
         name, scale = self._name_and_scale(text)
-        return ControlRequest(name, scale, _image(_text(IMAGE_FIELD, encoded), name, height, width))
+        image = one_text(IMAGE_FIELD, encoded, "send it as base64 text")
+        return ControlRequest(name, scale, _image(image, name, height, width))
 
     def _name_and_scale(self, text: str) -> tuple[str, float]:
         name, sep, scale_text = text.partition(":")
@@ -95,21 +97,6 @@ class ControlNets:
             raise RequestError(NAME_FIELD, f"controlnet={text!r}: the scale {scale_text!r} is not a finite number; "
                                f"use e.g. {name}:0.8")
         return name, scale
-
-
-def _text(where: str, value: Any) -> str:
-    """The one string of a BYTES request tensor."""
-    array = np.asarray(value)
-    if array.size != 1 or array.dtype.kind not in "OSU":
-        raise RequestError(where, f"{where} must be one BYTES value (shape [1]), got {array.dtype} "
-                           f"{list(array.shape)}")
-    item = array.reshape(-1)[0]
-    if isinstance(item, bytes | np.bytes_):
-        try:
-            return bytes(item).decode("utf-8").strip()
-        except UnicodeDecodeError:
-            raise RequestError(where, f"{where} is not valid UTF-8; send it as text") from None
-    return str(item).strip()
 
 
 def _image(text: str, name: str, height: int, width: int) -> np.ndarray:

@@ -53,7 +53,7 @@ class LoraLibrary:
         """
         if value is None:
             return None
-        text = _text(value)
+        text = one_text(FIELD, value, "send the LoRA's name as UTF-8")
         if not text:
             return None
         name, _, scale_text = text.partition(":")
@@ -71,16 +71,20 @@ class LoraLibrary:
         return str(self.paths[name]), scale
 
 
-def _text(value: Any) -> str:
-    """The one UTF-8 string of a BYTES request tensor."""
+def one_text(where: str, value: Any, fix: str) -> str:
+    """The one UTF-8 string (stripped) of the BYTES request tensor ``where``.
+
+    Raises:
+        RequestError: not one BYTES value, or not UTF-8 (the message ends with ``fix``).
+    """
     array = np.asarray(value)
     if array.size != 1 or array.dtype.kind not in "OSU":
-        raise RequestError(FIELD, f"{FIELD} must be one BYTES value (shape [1]), got {array.dtype} "
+        raise RequestError(where, f"{where} must be one BYTES value (shape [1]), got {array.dtype} "
                            f"{list(array.shape)}")
     item = array.reshape(-1)[0]
     if isinstance(item, bytes | np.bytes_):
         try:
             return bytes(item).decode("utf-8").strip()
         except UnicodeDecodeError:
-            raise RequestError(FIELD, f"{FIELD} is not valid UTF-8; send the LoRA's name as UTF-8") from None
+            raise RequestError(where, f"{where} is not valid UTF-8; {fix}") from None
     return str(item).strip()
