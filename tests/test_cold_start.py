@@ -95,7 +95,12 @@ def test_a_chunked_artifact_loads_the_same_weights(tiny_artifact: Path, chunked:
     with ArtifactReader.open(chunked) as reader:
         data = reader.onnx("unet/model.onnx")
         assert reader.loaded["unet/model.onnx.data"] == reader.manifest.files["unet/model.onnx.data"].sha256
-        assert isinstance(data.external["model.onnx.data"], bytearray)  # private memory, never a mapping
+        weights = data.external["model.onnx.data"]
+        assert isinstance(weights, memoryview) and not weights.readonly  # private anonymous memory
+        before = bytes(weights[:64])
+    path = chunked / "unet" / "model.onnx.data"  # never a mapping of the file: a later write cannot reach the bytes
+    path.write_bytes(bytes(b ^ 0xFF for b in path.read_bytes()[:64]) + path.read_bytes()[64:])
+    assert bytes(weights[:64]) == before
 
 
 def test_a_byte_flipped_in_one_chunk_is_refused_before_anything_runs(chunked: Path) -> None:

@@ -54,7 +54,7 @@ class OnnxBytes:
 
     rel: str
     model: bytes
-    external: dict[str, bytes | bytearray] = field(default_factory=dict)
+    external: dict[str, bytes | memoryview] = field(default_factory=dict)
 
 
 class ArtifactReader:
@@ -138,15 +138,16 @@ class ArtifactReader:
         """Whether the manifest lists the file ``rel`` (a path relative to the artifact folder)."""
         return rel in self._json["files"]
 
-    def read(self, rel: str) -> bytes | bytearray:
+    def read(self, rel: str) -> bytes | memoryview:
         """The bytes of the listed file ``rel``, read once through the folder descriptor, checked against the
         manifest's size and (when :attr:`check_hashes`) its digests: per chunk, on several threads, when the manifest
         lists chunk digests (:mod:`~diffusion_trt.artifact.digests`), else one sha256 of the whole file.
 
         Returns:
-            ``bytes`` for small files; a private ``bytearray`` for files of
-            :data:`~diffusion_trt.artifact.digests.CHUNK_BYTES` or more (read in parallel; never a mapping of the
-            file, so later writes to it cannot reach these bytes).
+            ``bytes`` for small files; for files of :data:`~diffusion_trt.artifact.digests.CHUNK_BYTES` or more, a
+            ``memoryview`` of private anonymous memory (:func:`~diffusion_trt.artifact.digests.private_buffer`; read
+            in parallel; never a mapping of the file, so later writes to it cannot reach these bytes). Callers that
+            need ``bytes`` (protobuf, safetensors, ORT's model argument) convert with ``bytes(...)``.
 
         Raises:
             ArtifactError: ``rel`` is not listed, leaves the folder, is not a regular file, or differs from the
@@ -204,7 +205,7 @@ class ArtifactReader:
         external = {loc: self.read(str(folder.external_data_target(rel, loc))) for loc in locations}
         # ONNX Runtime takes a model only as ``bytes``; a large one (weights inline: artifacts of before the
         # external-data threshold of build_ort) costs one copy here
-        return OnnxBytes(rel, bytes(data) if isinstance(data, bytearray) else data, external)
+        return OnnxBytes(rel, data if isinstance(data, bytes) else bytes(data), external)
 
     @contextlib.contextmanager
     def private_copy(self, rel_dir: str) -> Iterator[Path]:
@@ -264,7 +265,7 @@ class ArtifactReader:
         return manifest
 
     def _read_file(self, rel: str, size: int | None, limit: int | None = None,
-                   chunks: dict[str, Any] | None = None) -> bytes | bytearray:
+                   chunks: dict[str, Any] | None = None) -> bytes | memoryview:
         """Open ``rel`` relative to the folder descriptor (non-blocking: a FIFO must not hang us), check that it is a
         regular file inside the folder of ``size`` bytes, and read it whole: in parallel chunks at
         :data:`~diffusion_trt.artifact.digests.CHUNK_BYTES` or more, each checked against ``chunks`` (the manifest's
@@ -298,7 +299,7 @@ class ArtifactReader:
             os.close(f)
         return data
 
-    def _read_whole(self, f: int, rel: str, size: int, chunks: dict[str, Any] | None) -> bytes | bytearray:
+    def _read_whole(self, f: int, rel: str, size: int, chunks: dict[str, Any] | None) -> bytes | memoryview:
         """The ``size`` bytes of the open file ``f``: one read below a chunk, else :func:`digests.read_into` (each
         chunk compared with ``chunks`` on its thread). Growth past ``size`` is refused like a short read."""
         if size < digests.CHUNK_BYTES and chunks is None:

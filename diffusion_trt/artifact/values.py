@@ -94,11 +94,11 @@ def _tree_problem(data: Any, limit: int) -> str | None:
     return None
 
 
-def parse_json(data: bytes, where: str, fix: str = "recompile the artifact") -> Any:
+def parse_json(data: bytes | memoryview, where: str, fix: str = "recompile the artifact") -> Any:
     """Parse untrusted JSON bytes.
 
     Args:
-        data: the file's bytes.
+        data: the file's bytes (any bytes-like object: the reader's large files are memoryviews).
         where: the file, for messages.
         fix: what the user should do, for messages.
 
@@ -108,7 +108,7 @@ def parse_json(data: bytes, where: str, fix: str = "recompile the artifact") -> 
             NUL in a key; one line naming the file, the cause and ``fix``.
     """
     try:
-        text = data.decode("utf-8")
+        text = (data if isinstance(data, bytes) else bytes(data)).decode("utf-8")
     except UnicodeDecodeError as e:
         raise ArtifactError(f"{where} is not UTF-8 text (byte {e.start}: {e.reason}); {fix}") from None
     try:

@@ -158,8 +158,9 @@ def load_slots(reader: Any, device: str, device_id: int = 0) -> dict[str, Weight
     out = {}
     for name, entry in reader.manifest.components.items():
         if entry.weight_inputs is not None:
-            rmap = json.loads(reader.read(str(entry.refit_map)))
-            out[name] = WeightSlots(name, rmap, load_safetensors(reader.read(entry.weight_inputs)), dev)
+            rmap = json.loads(bytes(reader.read(str(entry.refit_map))))
+            # safetensors takes bytes only: a file of CHUNK_BYTES or more arrives as a memoryview (one copy here)
+            out[name] = WeightSlots(name, rmap, load_safetensors(bytes(reader.read(entry.weight_inputs))), dev)
     return out
 
 

@@ -117,6 +117,20 @@ def test_requests_do_not_leak(refittable: Path, base_image: np.ndarray, loras: d
         assert float(np.abs(pipe(**CALL).images - base_image).max()) <= 1e-5
 
 
+def test_base_weights_of_a_chunk_or_more_load(refittable: Path, base_image: np.ndarray, loras: dict[str, Path],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """lora_base.safetensors of CHUNK_BYTES or more (an SD-1.5 UNet's: 1.7 GB) arrives from the reader as a memoryview
+    of parallel-read memory, which safetensors does not take (it failed with a TypeError on such a file): here every
+    file counts as large."""
+    from diffusion_trt.artifact import digests
+
+    monkeypatch.setattr(digests, "CHUNK_BYTES", 4096)
+    with EnginePipeline.from_artifacts(refittable) as pipe:
+        assert np.array_equal(pipe(**CALL).images, base_image)
+        pipe.load_lora(loras["peft"], 0.7)
+        assert not np.array_equal(pipe(**CALL).images, base_image)
+
+
 def _bad_loras(loras: dict[str, Path], d: Path) -> dict[str, tuple[Path, str]]:
     """name -> (file, message) for LoRAs that must be refused."""
     tensors = load_file(str(loras["peft"]))
