@@ -47,6 +47,7 @@ import torch
 from ..errors import RuntimeInputError
 
 logger = logging.getLogger(__name__)
+_USE_RUNTIME_LOOP = False  # the runtime's loop through UNetFnEngine (the old path; tests compare both)
 
 #: ``--calibration-prompts builtin``: the bundled list, ``diffusion_trt/data/calibration_prompts.txt`` (64 prompts).
 BUILTIN = "builtin"
@@ -245,6 +246,55 @@ class UNetFnEngine:
         return {"noise_pred": noise_pred}
 
 
+class PipelineUNet(torch.nn.Module):
+    """The UNet diffusers' ``StableDiffusionPipeline`` calls: it runs a :data:`UNetFn` (the fp32 torch UNet or an
+    ORT session) and records what the pipeline feeds it at the captured steps.
+
+    The pipeline calls ``unet(sample [B2, C, h, w], t, encoder_hidden_states=[B2, S, D], ...)`` with ``t`` the
+    scheduler's 0-d timestep; the :data:`UNetFn` and the recorded feeds get it as ``timestep`` [B2] float32, as the
+    runtime feeds its engines. Each prompt of a group gets its own feeds, in prompt order: with CFG the pipeline's
+    UNet batch is ``[negative x g; positive x g]``, so prompt ``j``'s rows are ``j`` and ``g + j``
+    (``[negative; positive]``, the layout of a batch-1 call).
+
+    Args:
+        unet_fn: the UNet to run (CPU tensors in, CPU tensor out).
+        config: the torch UNet's ``config`` (the pipeline reads ``in_channels``, ``sample_size``...).
+        wanted: the step indices whose UNet inputs are captured.
+        group: prompts denoised together (g).
+        keep_outputs: also record the UNet's output (before the CFG combine) at captured steps.
+        on_capture: called right after each UNet call at a captured step.
+    """
+
+    def __init__(self, unet_fn: UNetFn, config: Any, wanted: set[int], group: int, *, keep_outputs: bool = False,
+                 on_capture: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype, self.device = torch.float32, torch.device("cpu")
+        self._fn, self._wanted, self._group = unet_fn, wanted, group
+        self._keep_outputs, self._on_capture = keep_outputs, on_capture
+        self.step = 0
+        self.feeds: list[list[dict[str, np.ndarray]]] = [[] for _ in range(group)]
+        self.outputs: list[list[np.ndarray]] = [[] for _ in range(group)]
+
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                **_: Any) -> tuple[torch.Tensor]:
+        """One UNet call: ``(noise_pred [B2, C, h, w],)``; at a captured step its inputs are recorded."""
+        timestep = timestep.to(torch.float32).expand(sample.shape[0])
+        noise_pred = self._fn(sample, timestep, encoder_hidden_states)
+        if self.step in self._wanted:
+            g = self._group
+            for j in range(g):
+                rows = [j, g + j] if sample.shape[0] == 2 * g else [j]
+                self.feeds[j].append({"sample": sample[rows].numpy().copy(), "timestep": timestep[rows].numpy().copy(),
+                                      "encoder_hidden_states": encoder_hidden_states[rows].numpy().copy()})
+                if self._keep_outputs:
+                    self.outputs[j].append(noise_pred[rows].numpy().copy())
+            if self._on_capture is not None:
+                self._on_capture()
+        self.step += 1
+        return (noise_pred,)
+
+
 class Generation:
     """The fp32 text encoder, VAE, tokenizer and scheduler a loop needs, with the UNet passed per run.
 
@@ -320,7 +370,8 @@ class Generation:
         t_start = time.perf_counter()
         for first in range(0, len(prompts), batch_size):
             group = list(prompts[first:first + batch_size])
-            latents, engine, calls = self._denoise_group(
+            denoise = self._denoise_group if _USE_RUNTIME_LOOP else self._pipeline_group
+            latents, engine, calls = denoise(
                 group, first, settings, unet_fn, keep_outputs=keep_outputs, final_latents=final_latents or decode,
                 on_capture=on_capture)
             for j in range(len(group)):
@@ -371,3 +422,35 @@ class Generation:
                                 timesteps=timesteps[: last + 1], guidance_scale=settings.guidance_scale,
                                 extra=step_kwargs(scheduler, generator, 0.0))
         return final, engine, last + 1
+
+
+    def _pipeline_group(
+        self, group: Sequence[str], first: int, settings: LoopSettings, unet_fn: UNetFn | None, *,
+        keep_outputs: bool, final_latents: bool, on_capture: Callable[[], None] | None,
+    ) -> tuple[torch.Tensor, PipelineUNet, int]:
+        """The prompts ``group`` (prompt ``first + j`` seeded ``seed + first + j``) denoised together by diffusers'
+        ``StableDiffusionPipeline``; returns (final latents [g, C, h, w], the UNet recorder, UNet calls)."""
+        from diffusers import StableDiffusionPipeline
+
+        from ..runtime.schedulers import make_scheduler
+
+        wanted = set(capture_indices(settings.num_inference_steps, settings.steps))
+        unet = PipelineUNet(unet_fn or torch_unet_fn(self.models["unet"]), self.models["unet"].config, wanted,
+                            len(group), keep_outputs=keep_outputs, on_capture=on_capture)
+        pipe = StableDiffusionPipeline(
+            vae=self.models["vae"], text_encoder=self.models["text_encoder"], tokenizer=self.tokenizer, unet=unet,
+            scheduler=make_scheduler(self.scheduler_config), safety_checker=None, feature_extractor=None,
+            requires_safety_checker=False)
+        pipe.set_progress_bar_config(disable=True)
+
+        def stop_after_last_capture(pipe: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            pipe._interrupt = pipe._interrupt or i >= max(wanted)  # the pipeline's early stop: later steps skipped
+            return {}
+
+        generators = [torch.Generator(device="cpu").manual_seed(settings.seed + first + j) for j in range(len(group))]
+        latents = pipe(list(group), height=settings.height, width=settings.width,
+                       num_inference_steps=settings.num_inference_steps, guidance_scale=settings.guidance_scale,
+                       generator=generators[0] if len(generators) == 1 else generators, output_type="latent",
+                       callback_on_step_end=None if final_latents else stop_after_last_capture,
+                       return_dict=False)[0]
+        return latents, unet, unet.step

@@ -182,3 +182,30 @@ def test_histogram_calibration_holds_one_feed_at_a_time(generation: calibrate.Ge
     path, loop, _ = loop_ranges(generation, unet_graph, tmp_path / "loop" / "r.json", batch_size=2,
                                 method=CalibrationMethod.Entropy)
     assert held == [1] * loop.folded and path.is_file()
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_diffusers_pipeline_records_the_runtime_loops_feeds(generation: calibrate.Generation, batch_size: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """diffusers' StableDiffusionPipeline with the recording UNet gives the calibration data of the runtime's loop
+    (UNetFnEngine) bit for bit: UNet feeds and outputs, VAE decoder feeds, images, early stop."""
+    runs = {}
+    for old in (True, False):
+        monkeypatch.setattr(calibrate, "_USE_RUNTIME_LOOP", old)
+        calls: list[int] = []
+        torch_unet = counting(calibrate.torch_unet_fn(generation.models["unet"]), calls)
+        full = generation.run(PROMPTS, SETTINGS, torch_unet, keep_outputs=True, decode=True, batch_size=batch_size)
+        short = generation.run(PROMPTS, SETTINGS, torch_unet, batch_size=batch_size, final_latents=False)
+        runs[old] = (full, short, calls)
+    (old_full, old_short, old_calls), (new_full, new_short, new_calls) = runs[True], runs[False]
+    assert new_calls == old_calls and len(new_full.feeds["unet"]) == len(PROMPTS) * SETTINGS.steps
+    for a, b in [(old_full, new_full), (old_short, new_short)]:
+        for component in ("unet", "vae_decoder"):
+            assert len(a.feeds[component]) == len(b.feeds[component])
+            for fa, fb in zip(a.feeds[component], b.feeds[component], strict=True):
+                assert fa.keys() == fb.keys()
+                assert all(fa[k].dtype == fb[k].dtype and np.array_equal(fa[k], fb[k]) for k in fa)
+        assert len(a.noise_preds) == len(b.noise_preds) and len(a.images) == len(b.images)
+        assert all(np.array_equal(x, y) for x, y in zip(a.noise_preds, b.noise_preds, strict=True))
+        assert all(np.array_equal(x, y) for x, y in zip(a.images, b.images, strict=True))
+    assert new_short.feeds["vae_decoder"] == [] and len(new_full.images) == len(PROMPTS)
