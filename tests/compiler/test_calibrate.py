@@ -184,28 +184,49 @@ def test_histogram_calibration_holds_one_feed_at_a_time(generation: calibrate.Ge
     assert held == [1] * loop.folded and path.is_file()
 
 
+
 @pytest.mark.parametrize("batch_size", [1, 2])
-def test_diffusers_pipeline_records_the_runtime_loops_feeds(generation: calibrate.Generation, batch_size: int,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """diffusers' StableDiffusionPipeline with the recording UNet gives the calibration data of the runtime's loop
-    (UNetFnEngine) bit for bit: UNet feeds and outputs, VAE decoder feeds, images, early stop."""
-    runs = {}
-    for old in (True, False):
-        monkeypatch.setattr(calibrate, "_USE_RUNTIME_LOOP", old)
-        calls: list[int] = []
-        torch_unet = counting(calibrate.torch_unet_fn(generation.models["unet"]), calls)
-        full = generation.run(PROMPTS, SETTINGS, torch_unet, keep_outputs=True, decode=True, batch_size=batch_size)
-        short = generation.run(PROMPTS, SETTINGS, torch_unet, batch_size=batch_size, final_latents=False)
-        runs[old] = (full, short, calls)
-    (old_full, old_short, old_calls), (new_full, new_short, new_calls) = runs[True], runs[False]
-    assert new_calls == old_calls and len(new_full.feeds["unet"]) == len(PROMPTS) * SETTINGS.steps
-    for a, b in [(old_full, new_full), (old_short, new_short)]:
-        for component in ("unet", "vae_decoder"):
-            assert len(a.feeds[component]) == len(b.feeds[component])
-            for fa, fb in zip(a.feeds[component], b.feeds[component], strict=True):
-                assert fa.keys() == fb.keys()
-                assert all(fa[k].dtype == fb[k].dtype and np.array_equal(fa[k], fb[k]) for k in fa)
-        assert len(a.noise_preds) == len(b.noise_preds) and len(a.images) == len(b.images)
-        assert all(np.array_equal(x, y) for x, y in zip(a.noise_preds, b.noise_preds, strict=True))
-        assert all(np.array_equal(x, y) for x, y in zip(a.images, b.images, strict=True))
-    assert new_short.feeds["vae_decoder"] == [] and len(new_full.images) == len(PROMPTS)
+def test_recorded_feeds_are_what_the_torch_unet_gets_in_diffusers_pipeline(
+        generation: calibrate.Generation, batch_size: int) -> None:
+    """The recording UNet changes nothing: its feeds (UNet, VAE decoder) are, bit for bit, what the real torch UNet
+    receives in an unmodified ``StableDiffusionPipeline`` (a forward pre-hook) with the same prompts, seeds,
+    steps and guidance, and what the pipeline returns. (The runtime-loop path it replaced gave the same data bit for
+    bit: commit "calibrate: diffusers' StableDiffusionPipeline drives the calibration loop", its test
+    test_diffusers_pipeline_records_the_runtime_loops_feeds.)"""
+    from diffusers import StableDiffusionPipeline
+
+    from diffusion_trt.runtime.schedulers import make_scheduler
+
+    data = generation.run(PROMPTS, SETTINGS, batch_size=batch_size)
+    m = generation.models
+    pipe = StableDiffusionPipeline(vae=m["vae"], text_encoder=m["text_encoder"], tokenizer=generation.tokenizer,
+                                   unet=m["unet"], scheduler=make_scheduler(generation.scheduler_config),
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    seen: list[tuple[torch.Tensor, ...]] = []
+    hook = m["unet"].register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append((args[0].clone(), args[1].clone(), kwargs["encoder_hidden_states"])),
+        with_kwargs=True)
+    wanted = calibrate.capture_indices(SETTINGS.num_inference_steps, SETTINGS.steps)
+    feeds, vae = [], []
+    try:
+        for first in range(0, len(PROMPTS), batch_size):
+            group, g = PROMPTS[first:first + batch_size], len(PROMPTS[first:first + batch_size])
+            seen.clear()
+            gens = [torch.Generator().manual_seed(SETTINGS.seed + first + j) for j in range(g)]
+            latents = pipe(group, height=64, width=64, num_inference_steps=SETTINGS.num_inference_steps,
+                           guidance_scale=SETTINGS.guidance_scale, generator=gens, output_type="latent",
+                           return_dict=False)[0]
+            for j in range(g):
+                for i in wanted:
+                    sample, t, ehs = seen[i]
+                    feeds.append({"sample": sample[[j, g + j]], "timestep": t.float().expand(2),
+                                  "encoder_hidden_states": ehs[[j, g + j]]})
+                vae.append({"latent_sample": latents[j:j + 1] / generation.vae_scaling_factor})
+    finally:
+        hook.remove()
+    for got, want in [(data.feeds["unet"], feeds), (data.feeds["vae_decoder"], vae)]:
+        assert len(got) == len(want) > 0
+        for fa, fb in zip(got, want, strict=True):
+            assert fa.keys() == fb.keys()
+            assert all(fa[k].dtype == fb[k].numpy().dtype and np.array_equal(fa[k], fb[k].numpy()) for k in fa)
