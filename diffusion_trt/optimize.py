@@ -30,6 +30,7 @@ from .errors import ModelFileError, PassError
 from .passes import PassContext, PassRecord, _ort, pipeline_for
 from .passes.base import MIN_OPSET, default_domain_opset
 from .passes.fp16_check import Fp16Check, optimize_fp16_checked
+from .passes.onnx_files import save_onnx_file
 from .passes.options import check_pass_options
 from .passes.parity import OutputParity, worst_parity
 from .passes.parity import failures as parity_failures
@@ -270,17 +271,7 @@ def _dims_text(dims: Sequence[Any]) -> str:
 
 def save_model(model: onnx.ModelProto, path: Path) -> list[Path]:
     """Write ``model`` to ``path``; weights beside it in ``{name}.data`` when they pass ~1.8 GB. Returns the files."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = path.with_name(path.name + ".data")
-    if model.ByteSize() < EXTERNAL_DATA_THRESHOLD_BYTES:
-        onnx.save_model(model, str(path))
-        return [path]
-    if data.exists():
-        data.unlink()  # onnx appends to an existing data file
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data.name, size_threshold=1024)
-    return [path, data]
+    return save_onnx_file(model, path, external=model.ByteSize() >= EXTERNAL_DATA_THRESHOLD_BYTES)
 
 
 def optimize_file(

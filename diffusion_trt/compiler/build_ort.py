@@ -15,6 +15,7 @@ from typing import Any
 import onnx
 
 from ..errors import BuildError
+from ..passes.onnx_files import save_onnx_file
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +46,8 @@ def save_onnx(model: onnx.ModelProto, path: Path) -> list[Path]:
     Returns:
         The files written (the .onnx file first).
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if initializer_bytes(model) < EXTERNAL_DATA_THRESHOLD_BYTES:
-        onnx.save_model(model, str(path))
-        return [path]
-    onnx.save_model(
-        model,
-        str(path),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=EXTERNAL_DATA_NAME,
-        size_threshold=1024,
-    )
-    return [path, path.parent / EXTERNAL_DATA_NAME]
+    return save_onnx_file(model, path, external=initializer_bytes(model) >= EXTERNAL_DATA_THRESHOLD_BYTES,
+                          location=EXTERNAL_DATA_NAME)
 
 
 def providers_for(device: str) -> list[str]:

@@ -6,12 +6,13 @@
                       captured at K timesteps: (sample, timestep, encoder_hidden_states)  -> UNet feeds
                       captured after the last step: latents / scaling_factor              -> VAE decoder feeds
 
-Which pipeline runs: the fp32 **torch** modules the compiler has already loaded (text encoder, UNet, VAE)
-driven by the runtime's own loop, :func:`diffusion_trt.runtime.denoise.denoise_latents` (with ``tokenize``,
-``prepare_latents`` and ``step_kwargs``, diffusers' scheduler from the model folder), i.e. diffusers'
-``StableDiffusionPipeline`` step for step. The UNet reaches that loop through :class:`UNetFnEngine`, an engine
-adapter that also records the UNet's inputs at the captured steps. This is the one import the layout allows in
-that direction: ``compiler/`` may import ``runtime/`` (to reuse its loop); ``runtime/`` never imports ``compiler/``.
+Which pipeline runs: diffusers' own ``StableDiffusionPipeline`` (one call per group of prompts,
+``output_type="latent"``), built from the fp32 **torch** modules the compiler has already loaded (text encoder, VAE,
+tokenizer; the same objects, no copy) and the model folder's scheduler config. Its UNet is :class:`PipelineUNet`,
+a module that runs a :data:`UNetFn` and records the UNet's inputs at the captured steps; the early stop after the
+last captured step is the pipeline's own interrupt flag (``callback_on_step_end``). The runtime's loop feeds the UNet
+alike (the runtime parity tests, ``tests/runtime/``), and this path gave the calibration data of the earlier one (the
+runtime's loop driven through an engine adapter) bit for bit on the tiny arch.
 Why not an fp32 artifact through ``EnginePipeline``: the compile would need a second full export first; the torch
 modules are exact fp32 and already in memory. The UNet is a callable (:data:`UNetFn`), so the quality gate
 (:mod:`.quantize`) runs the very same loop with an ONNX Runtime session of the quantized graph instead, and the
@@ -177,72 +178,53 @@ def ort_unet_fn(session: Any) -> UNetFn:
     return run
 
 
-class UNetFnEngine:
-    """A :class:`~diffusion_trt.runtime.engines.engine.Engine` over a :data:`UNetFn` (a torch module or an ORT
-    session), so the runtime's own loop (:func:`~diffusion_trt.runtime.denoise.denoise_latents`) can denoise with
-    it, and the recorder of what that loop feeds the UNet at the captured steps.
+class PipelineUNet(torch.nn.Module):
+    """The UNet diffusers' ``StableDiffusionPipeline`` calls: it runs a :data:`UNetFn` (the fp32 torch UNet or an
+    ORT session) and records what the pipeline feeds it at the captured steps.
 
-    Each prompt of a group gets its own feeds, in prompt order: with CFG the loop's UNet batch is
-    ``[negative x g; positive x g]``, so prompt ``j``'s rows are ``j`` and ``g + j`` (``[negative; positive]``, the
-    layout of a batch-1 call).
+    The pipeline calls ``unet(sample [B2, C, h, w], t, encoder_hidden_states=[B2, S, D], ...)`` with ``t`` the
+    scheduler's 0-d timestep; the :data:`UNetFn` and the recorded feeds get it as ``timestep`` [B2] float32, as the
+    runtime feeds its engines. Each prompt of a group gets its own feeds, in prompt order: with CFG the pipeline's
+    UNet batch is ``[negative x g; positive x g]``, so prompt ``j``'s rows are ``j`` and ``g + j``
+    (``[negative; positive]``, the layout of a batch-1 call).
 
     Args:
         unet_fn: the UNet to run (CPU tensors in, CPU tensor out).
-        channels: the UNet's ``sample`` channels.
+        config: the torch UNet's ``config`` (the pipeline reads ``in_channels``, ``sample_size``...).
         wanted: the step indices whose UNet inputs are captured.
         group: prompts denoised together (g).
         keep_outputs: also record the UNet's output (before the CFG combine) at captured steps.
         on_capture: called right after each UNet call at a captured step.
     """
 
-    def __init__(self, unet_fn: UNetFn, channels: int, wanted: set[int], group: int, *, keep_outputs: bool = False,
+    def __init__(self, unet_fn: UNetFn, config: Any, wanted: set[int], group: int, *, keep_outputs: bool = False,
                  on_capture: Callable[[], None] | None = None) -> None:
-        from ..runtime.engines.engine import EngineSpec, TensorInfo
-
-        def info(name: str, shape: tuple[int | str, ...]) -> TensorInfo:  # no profile bound: any batch or size
-            return TensorInfo(name, "float32", shape, tuple(1 for _ in shape), tuple(2**31 - 1 for _ in shape))
-
-        self.spec = EngineSpec(
-            name="unet",
-            inputs=(info("sample", ("B2", channels, "h", "w")), info("timestep", ("B2",)),
-                    info("encoder_hidden_states", ("B2", "S", "D"))),
-            outputs=(info("noise_pred", ("B2", channels, "h", "w")),),
-            derived={},
-        )
-        self.name = "unet"
-        self.device = torch.device("cpu")
-        self.input_names, self.output_names = self.spec.input_names, self.spec.output_names
+        super().__init__()
+        self.config = config
+        self.dtype, self.device = torch.float32, torch.device("cpu")
         self._fn, self._wanted, self._group = unet_fn, wanted, group
         self._keep_outputs, self._on_capture = keep_outputs, on_capture
         self.step = 0
         self.feeds: list[list[dict[str, np.ndarray]]] = [[] for _ in range(group)]
         self.outputs: list[list[np.ndarray]] = [[] for _ in range(group)]
 
-    def __enter__(self) -> UNetFnEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def validate(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        return self.spec.validate(feeds, self.device)
-
-    def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One UNet call of the loop: ``noise_pred`` [B2, C, h, w]; at a captured step its inputs are recorded."""
-        sample, timestep, embeds = feeds["sample"], feeds["timestep"], feeds["encoder_hidden_states"]
-        noise_pred = self._fn(sample, timestep, embeds)
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                **_: Any) -> tuple[torch.Tensor]:
+        """One UNet call: ``(noise_pred [B2, C, h, w],)``; at a captured step its inputs are recorded."""
+        timestep = timestep.to(torch.float32).expand(sample.shape[0]).contiguous()
+        noise_pred = self._fn(sample, timestep, encoder_hidden_states)
         if self.step in self._wanted:
             g = self._group
             for j in range(g):
                 rows = [j, g + j] if sample.shape[0] == 2 * g else [j]
                 self.feeds[j].append({"sample": sample[rows].numpy().copy(), "timestep": timestep[rows].numpy().copy(),
-                                      "encoder_hidden_states": embeds[rows].numpy().copy()})
+                                      "encoder_hidden_states": encoder_hidden_states[rows].numpy().copy()})
                 if self._keep_outputs:
                     self.outputs[j].append(noise_pred[rows].numpy().copy())
             if self._on_capture is not None:
                 self._on_capture()
         self.step += 1
-        return {"noise_pred": noise_pred}
+        return (noise_pred,)
 
 
 class Generation:
@@ -253,23 +235,15 @@ class Generation:
         tokenizer: the model's ``CLIPTokenizer``.
         scheduler_config: contents of ``scheduler/scheduler_config.json``.
         vae_scaling_factor: ``vae.config.scaling_factor`` (0.18215 for SD 1.x).
-        vae_scale_factor: pixels per latent pixel (the manifest's ``model.vae_scale_factor``; 8 for SD).
     """
 
     def __init__(self, models: Mapping[str, Any], tokenizer: Any, scheduler_config: Mapping[str, Any],
-                 vae_scaling_factor: float, vae_scale_factor: int = 8) -> None:
+                 vae_scaling_factor: float) -> None:
         self.models = models
         self.tokenizer = tokenizer
         self.scheduler_config = dict(scheduler_config)
         self.vae_scaling_factor = vae_scaling_factor
-        self.vae_scale_factor = vae_scale_factor
 
-    def _embeddings(self, prompt: str, do_cfg: bool) -> torch.Tensor:
-        from ..runtime.text_embeddings import tokenize
-
-        ids = tokenize(self.tokenizer, ["", prompt] if do_cfg else [prompt], torch.device("cpu"))
-        with torch.no_grad():
-            return self.models["text_encoder"](ids, return_dict=False)[0].float()
 
     def decode(self, latent_sample: torch.Tensor) -> np.ndarray:
         """Images [B, 3, H, W] float32 in [0, 1] from VAE inputs (latents already divided by the scaling factor)."""
@@ -320,12 +294,12 @@ class Generation:
         t_start = time.perf_counter()
         for first in range(0, len(prompts), batch_size):
             group = list(prompts[first:first + batch_size])
-            latents, engine, calls = self._denoise_group(
+            latents, unet, calls = self._denoise_group(
                 group, first, settings, unet_fn, keep_outputs=keep_outputs, final_latents=final_latents or decode,
                 on_capture=on_capture)
             for j in range(len(group)):
-                out.feeds["unet"].extend(engine.feeds[j])
-                out.noise_preds.extend(engine.outputs[j])
+                out.feeds["unet"].extend(unet.feeds[j])
+                out.noise_preds.extend(unet.outputs[j])
                 if final_latents or decode:
                     # 4. what the VAE decoder sees
                     latent_sample = latents[j : j + 1] / self.vae_scaling_factor
@@ -336,38 +310,34 @@ class Generation:
                          first + len(group), len(prompts), calls, time.perf_counter() - t_start)
         return out
 
+
     def _denoise_group(
         self, group: Sequence[str], first: int, settings: LoopSettings, unet_fn: UNetFn | None, *,
         keep_outputs: bool, final_latents: bool, on_capture: Callable[[], None] | None,
-    ) -> tuple[torch.Tensor, UNetFnEngine, int]:
-        """The prompts ``group`` (prompt ``first + j`` seeded ``seed + first + j``) denoised together by the
-        runtime's loop; returns (final latents [g, C, h, w], the UNet adapter with its captured feeds, UNet calls)."""
-        from ..runtime.denoise import denoise_latents, host_timesteps, step_kwargs
-        from ..runtime.latents import prepare_latents
+    ) -> tuple[torch.Tensor, PipelineUNet, int]:
+        """The prompts ``group`` (prompt ``first + j`` seeded ``seed + first + j``) denoised together by diffusers'
+        ``StableDiffusionPipeline``; returns (final latents [g, C, h, w], the UNet recorder, UNet calls)."""
+        from diffusers import StableDiffusionPipeline
+
         from ..runtime.schedulers import make_scheduler
 
-        do_cfg = settings.guidance_scale > 1.0
         wanted = set(capture_indices(settings.num_inference_steps, settings.steps))
-        channels = int(self.models["unet"].config.in_channels)
-        f = self.vae_scale_factor
-        shape = (1, channels, settings.height // f, settings.width // f)
-        # 1. encode prompts: [negative; positive] per prompt, then the loop's layout [negatives; positives]
-        per_prompt = [self._embeddings(prompt, do_cfg) for prompt in group]
-        embeds = torch.cat([e[:1] for e in per_prompt] + [e[1:] for e in per_prompt]) if do_cfg else torch.cat(
-            per_prompt)
-        # 2. prepare latents: a generator per prompt, drawn as if each prompt ran alone
-        scheduler = make_scheduler(self.scheduler_config)
-        scheduler.set_timesteps(settings.num_inference_steps, device="cpu")
+        unet = PipelineUNet(unet_fn or torch_unet_fn(self.models["unet"]), self.models["unet"].config, wanted,
+                            len(group), keep_outputs=keep_outputs, on_capture=on_capture)
+        pipe = StableDiffusionPipeline(
+            vae=self.models["vae"], text_encoder=self.models["text_encoder"], tokenizer=self.tokenizer, unet=unet,
+            scheduler=make_scheduler(self.scheduler_config), safety_checker=None, feature_extractor=None,
+            requires_safety_checker=False)
+        pipe.set_progress_bar_config(disable=True)
+
+        def stop_after_last_capture(pipe: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            pipe._interrupt = pipe._interrupt or i >= max(wanted)  # the pipeline's early stop: later steps skipped
+            return {}
+
         generators = [torch.Generator(device="cpu").manual_seed(settings.seed + first + j) for j in range(len(group))]
-        latents = torch.cat([prepare_latents(scheduler, shape, torch.float32, torch.device("cpu"), g)
-                             for g in generators])
-        timesteps = host_timesteps(scheduler)
-        last = len(timesteps) - 1 if final_latents else min(max(wanted), len(timesteps) - 1)
-        # 3. denoise with the runtime's loop, the adapter capturing the UNet's inputs at the wanted steps
-        engine = UNetFnEngine(unet_fn or torch_unet_fn(self.models["unet"]), channels, wanted, len(group),
-                              keep_outputs=keep_outputs, on_capture=on_capture)
-        generator = generators[0] if len(generators) == 1 else generators
-        final = denoise_latents(unet=engine, scheduler=scheduler, prompt_embeds=embeds, latents=latents,
-                                timesteps=timesteps[: last + 1], guidance_scale=settings.guidance_scale,
-                                extra=step_kwargs(scheduler, generator, 0.0))
-        return final, engine, last + 1
+        latents = pipe(list(group), height=settings.height, width=settings.width,
+                       num_inference_steps=settings.num_inference_steps, guidance_scale=settings.guidance_scale,
+                       generator=generators[0] if len(generators) == 1 else generators, output_type="latent",
+                       callback_on_step_end=None if final_latents else stop_after_last_capture,
+                       return_dict=False)[0]
+        return latents, unet, unet.step

@@ -304,7 +304,7 @@ def _quantize_stage(folder: export.ModelFolder, models: dict[str, Any], config: 
     cpu_models = {k: (m if next(m.parameters()).device.type == "cpu" else copy.deepcopy(m).to("cpu"))
                   for k, m in models.items()}
     generation = Generation(cpu_models, tokenizer, folder.config("scheduler", "scheduler_config.json"),
-                            facts["vae_scaling_factor"], vae_scale_factor=facts["vae_scale_factor"])
+                            facts["vae_scaling_factor"])
     qbackend = "tensorrt" if config.backend in TRT_BACKENDS else config.backend  # the QDQ format both libraries read
     passes = pipeline_for(qbackend, config.device, "fp32", "unet", static=profile.is_static())
     key_facts = {"source_sha256": source_hash, "passes": [pass_name(p) for p in passes],

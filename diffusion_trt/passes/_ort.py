@@ -22,6 +22,8 @@ from onnx import TensorProto
 
 from diffusion_trt.errors import ModelFileError
 
+from .onnx_files import save_onnx_file
+
 logger = logging.getLogger(__name__)
 
 #: Models bigger than this are handed to ONNX Runtime as a file with external data (protobuf stops at 2 GiB).
@@ -103,7 +105,7 @@ def open_session(model: onnx.ModelProto, providers: Iterable[str] | None = None)
 
 def _save(model: onnx.ModelProto, folder: str) -> str:
     path = str(Path(folder) / "model.onnx")
-    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="model.data")
+    save_onnx_file(model, path, external=True, location="model.data")
     return path
 
 

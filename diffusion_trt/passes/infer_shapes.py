@@ -14,6 +14,7 @@ from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get
 
 from ._weights import constant_nbytes
 from .base import PassContext, PassResult, option
+from .onnx_files import save_onnx_file
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +118,7 @@ def _infer_in_memory(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
 def _infer_via_path(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     with tempfile.TemporaryDirectory(prefix="infer_shapes_") as tmp:
         source, target = Path(tmp) / "model.onnx", Path(tmp) / "inferred.onnx"
-        onnx.save_model(model, source, save_as_external_data=True, all_tensors_to_one_file=True,
-                        location="weights.bin", size_threshold=1024)
+        save_onnx_file(model, source, external=True, location="weights.bin")
         onnx.shape_inference.infer_shapes_path(source, target, check_type=False, strict_mode=False, data_prop=True)
         inferred = onnx.load_model(target, load_external_data=False)
     return [*inferred.graph.value_info, *inferred.graph.output]

@@ -182,3 +182,51 @@ def test_histogram_calibration_holds_one_feed_at_a_time(generation: calibrate.Ge
     path, loop, _ = loop_ranges(generation, unet_graph, tmp_path / "loop" / "r.json", batch_size=2,
                                 method=CalibrationMethod.Entropy)
     assert held == [1] * loop.folded and path.is_file()
+
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_recorded_feeds_are_what_the_torch_unet_gets_in_diffusers_pipeline(
+        generation: calibrate.Generation, batch_size: int) -> None:
+    """The recording UNet changes nothing: its feeds (UNet, VAE decoder) are, bit for bit, what the real torch UNet
+    receives in an unmodified ``StableDiffusionPipeline`` (a forward pre-hook) with the same prompts, seeds,
+    steps and guidance, and what the pipeline returns. (The runtime-loop path it replaced gave the same data bit for
+    bit: commit "calibrate: diffusers' StableDiffusionPipeline drives the calibration loop", its test
+    test_diffusers_pipeline_records_the_runtime_loops_feeds.)"""
+    from diffusers import StableDiffusionPipeline
+
+    from diffusion_trt.runtime.schedulers import make_scheduler
+
+    data = generation.run(PROMPTS, SETTINGS, batch_size=batch_size)
+    m = generation.models
+    pipe = StableDiffusionPipeline(vae=m["vae"], text_encoder=m["text_encoder"], tokenizer=generation.tokenizer,
+                                   unet=m["unet"], scheduler=make_scheduler(generation.scheduler_config),
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    seen: list[tuple[torch.Tensor, ...]] = []
+    hook = m["unet"].register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append((args[0].clone(), args[1].clone(), kwargs["encoder_hidden_states"])),
+        with_kwargs=True)
+    wanted = calibrate.capture_indices(SETTINGS.num_inference_steps, SETTINGS.steps)
+    feeds, vae = [], []
+    try:
+        for first in range(0, len(PROMPTS), batch_size):
+            group, g = PROMPTS[first:first + batch_size], len(PROMPTS[first:first + batch_size])
+            seen.clear()
+            gens = [torch.Generator().manual_seed(SETTINGS.seed + first + j) for j in range(g)]
+            latents = pipe(group, height=64, width=64, num_inference_steps=SETTINGS.num_inference_steps,
+                           guidance_scale=SETTINGS.guidance_scale, generator=gens, output_type="latent",
+                           return_dict=False)[0]
+            for j in range(g):
+                for i in wanted:
+                    sample, t, ehs = seen[i]
+                    feeds.append({"sample": sample[[j, g + j]], "timestep": t.float().expand(2),
+                                  "encoder_hidden_states": ehs[[j, g + j]]})
+                vae.append({"latent_sample": latents[j:j + 1] / generation.vae_scaling_factor})
+    finally:
+        hook.remove()
+    for got, want in [(data.feeds["unet"], feeds), (data.feeds["vae_decoder"], vae)]:
+        assert len(got) == len(want) > 0
+        for fa, fb in zip(got, want, strict=True):
+            assert fa.keys() == fb.keys()
+            assert all(fa[k].dtype == fb[k].numpy().dtype and np.array_equal(fa[k], fb[k].numpy()) for k in fa)

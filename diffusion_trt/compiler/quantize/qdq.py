@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 
 from ...errors import BuildError, RuntimeInputError
+from ...passes.onnx_files import save_onnx_file
 from .cache import _load_cache, cache_key, find_cache, write_cache
 from .calibrator import _data_reader, _quiet_ort_quantization, calibrate_ranges
 from .exclusions import QUANTIZED_OP_TYPES, name_nodes, sensitive_nodes
@@ -177,8 +178,7 @@ def _save_named(model: onnx.ModelProto, ranges_src: Path | None, tmp: Path, larg
     if ranges_src is not None:
         shutil.copyfile(ranges_src, ranges_tmp)
     named = tmp / "named.onnx"
-    onnx.save_model(model, str(named), save_as_external_data=large, all_tensors_to_one_file=True,
-                    location="named.onnx.data")
+    save_onnx_file(model, named, external=large)
     return named, ranges_tmp
 
 
