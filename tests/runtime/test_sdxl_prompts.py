@@ -1,0 +1,125 @@
+"""SDXL's long and weighted prompts (runtime/sdxl.py): both encoders per 77-token chunk, concatenated on the feature
+axis, pooled embeddings from text_encoder_2's first chunk; against an independent reference from transformers' CLIP
+models of the tiny-sdxl folder (the arithmetic of tests/runtime/prompt_reference.py on penultimate states), and end
+to end against diffusers' StableDiffusionXLPipeline given that reference as prompt_embeds/pooled_prompt_embeds."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+from diffusion_trt.runtime import EnginePipeline
+from diffusion_trt.runtime.prompt_encoding import PromptReader
+from diffusion_trt.runtime.sdxl import sdxl_conditioning
+
+from .prompt_reference import chunk_rows
+
+LONG = "a red fox in the deep snow under pine trees, " * 9  # about 100 tokens: two chunks
+Parts = Sequence[Sequence[tuple[str, float]]]
+
+
+@pytest.fixture(scope="module")
+def clips(tiny_sdxl_dir: Path) -> tuple[tuple[object, CLIPTokenizer], tuple[object, CLIPTokenizer]]:
+    one = CLIPTextModel.from_pretrained(tiny_sdxl_dir / "text_encoder", local_files_only=True).eval()
+    two = CLIPTextModelWithProjection.from_pretrained(tiny_sdxl_dir / "text_encoder_2", local_files_only=True).eval()
+    return ((one, CLIPTokenizer.from_pretrained(tiny_sdxl_dir / "tokenizer", local_files_only=True)),
+            (two, CLIPTokenizer.from_pretrained(tiny_sdxl_dir / "tokenizer_2", local_files_only=True)))
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_sdxl_artifact: Path) -> Iterator[EnginePipeline]:
+    with EnginePipeline.from_artifacts(tiny_sdxl_artifact) as p:
+        yield p
+
+
+@torch.no_grad()
+def _reference(clips, parts: Parts, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[77 chunks, D1+D2] and pooled [E]: per encoder, each chunk's hidden_states[-2], weighted and rescaled to its
+    mean, padded with the empty chunk; concatenated on the last axis; pooled text_embeds of text_encoder_2's first
+    chunk."""
+    states, pooled = [], None
+    for model, tokenizer in clips:
+        ids, w = chunk_rows(tokenizer, parts)
+        empty_ids, _ = chunk_rows(tokenizer, [[]])
+        ids = torch.cat([ids, empty_ids.expand(chunks - ids.shape[0], -1)])
+        w = torch.cat([w, torch.ones(chunks - w.shape[0], w.shape[1])])
+        out = model(ids, output_hidden_states=True)
+        z = out.hidden_states[-2].float()
+        weighted = z * w[..., None]
+        rescaled = weighted * (z.mean(dim=(1, 2), keepdim=True) / weighted.mean(dim=(1, 2), keepdim=True))
+        states.append(torch.where((w == 1).all(dim=1)[:, None, None], z, rescaled))
+        pooled = getattr(out, "text_embeds", None)
+    return torch.cat(states, dim=-1).reshape(77 * chunks, -1), pooled[0]
+
+
+def _encode(pipe: EnginePipeline, prompt: str, negative: str, max_chunks: int = 3):
+    engines = pipe.loop_engines()
+    cond = sdxl_conditioning([prompt], [negative], negative, 64, 64, pipe.engine("text_encoder_2"),
+                             pipe.tokenizer_2, zero_negative=False)
+    reader = PromptReader(engines.tokenizer, "a1111", max_chunks)
+    return cond.encode(engines.text_encoder, reader, [prompt], [negative], torch.float32)
+
+
+#: id, prompt, negative, the prompt's parts as the reference builds them, the negative's, chunks
+CASES = [
+    ("long", LONG, "", [[(LONG, 1.0)]], [[]], 2),
+    ("weighted", "a (red:1.3) fox in [snow]", "blurry", [[("a ", 1.0), ("red", 1.3), (" fox in ", 1.0),
+                                                           ("snow", 1 / 1.1)]], [[("blurry", 1.0)]], 1),
+    ("break-negative-longer", "a cat", "blurry BREAK ((dark))", [[("a cat", 1.0)]],
+     [[("blurry", 1.0)], [("dark", 1.21)]], 2),
+]
+
+
+@pytest.mark.parametrize(("prompt", "negative", "parts", "neg_parts", "chunks"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_sdxl_embeddings_match_the_reference(pipe, clips, prompt, negative, parts, neg_parts, chunks) -> None:
+    pos, neg, added = _encode(pipe, prompt, negative)
+    want, want_pooled = _reference(clips, parts, chunks)
+    want_neg, want_neg_pooled = _reference(clips, neg_parts, chunks)
+    assert pos.shape[:2] == neg.shape[:2] == (1, 77 * chunks)
+    torch.testing.assert_close(pos[0], want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(neg[0], want_neg, atol=1e-5, rtol=0)
+    torch.testing.assert_close(added.pooled[0], want_pooled, atol=1e-5, rtol=0)
+    torch.testing.assert_close(added.pooled_negative[0], want_neg_pooled, atol=1e-5, rtol=0)
+
+
+def test_one_chunk_unweighted_is_diffusers_encode_prompt(pipe, tiny_sdxl_dir: Path) -> None:
+    """One plain chunk per text: the same values as diffusers' own encode_prompt (no weights, no padding)."""
+    ref = diffusers.StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_dir, local_files_only=True,
+                                                             add_watermarker=False)
+    want = ref.encode_prompt("a red cube", do_classifier_free_guidance=True, negative_prompt="blurry")
+    pos, neg, added = _encode(pipe, "a red cube", "blurry")
+    for got, expected in ((pos, want[0]), (neg, want[1]), (added.pooled, want[2]),
+                          (added.pooled_negative, want[3])):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_long_weighted_image_matches_diffusers_given_the_reference(pipe, clips, tiny_sdxl_dir: Path) -> None:
+    prompt, negative = LONG + "BREAK (ink wash:1.3)", "blurry"
+    parts = [[(LONG, 1.0)], [("ink wash", 1.3)]]
+    want, pooled = _reference(clips, parts, 3)
+    want_neg, neg_pooled = _reference(clips, [[("blurry", 1.0)]], 3)
+    ref = diffusers.StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_dir, local_files_only=True,
+                                                             add_watermarker=False)
+    ref.set_progress_bar_config(disable=True)
+    expected = ref(prompt_embeds=want[None], pooled_prompt_embeds=pooled[None], negative_prompt_embeds=want_neg[None],
+                   negative_pooled_prompt_embeds=neg_pooled[None], num_inference_steps=4, output_type="np",
+                   generator=torch.Generator("cpu").manual_seed(7)).images
+    got = pipe(prompt, negative_prompt=negative, num_inference_steps=4, seed=7, output_type="np",
+               progress=False).images
+    assert np.abs(got - expected).max() < 1e-4
+
+
+def test_too_long_prompt_is_truncated_with_a_warning(pipe, clips, caplog: pytest.LogCaptureFixture) -> None:
+    text = LONG * 3  # about 300 tokens: more than the default artifact's 3 chunks
+    with caplog.at_level(logging.WARNING, logger="diffusion_trt"):
+        pos, _, _ = _encode(pipe, text, "")
+    assert pos.shape[1] == 77 * 3
+    assert caplog.text.count("prompt truncated to 3 chunk(s)") == 1  # one line, not one per encoder
