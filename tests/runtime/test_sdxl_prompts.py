@@ -17,7 +17,8 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokeniz
 
 from diffusion_trt.runtime import EnginePipeline
 from diffusion_trt.runtime.prompt_encoding import PromptReader
-from diffusion_trt.runtime.sdxl import sdxl_conditioning
+from diffusion_trt.runtime.sdxl import HIDDEN_OUTPUT, POOLED_OUTPUT, run_rows, sdxl_conditioning
+from diffusion_trt.runtime.text_embeddings import tokenize
 
 from .prompt_reference import chunk_rows
 
@@ -123,3 +124,28 @@ def test_too_long_prompt_is_truncated_with_a_warning(pipe, clips, caplog: pytest
         pos, _, _ = _encode(pipe, text, "")
     assert pos.shape[1] == 77 * 3
     assert caplog.text.count("prompt truncated to 3 chunk(s)") == 1  # one line, not one per encoder
+
+
+def test_one_chunk_unweighted_is_bit_equal_to_one_run_per_encoder(pipe) -> None:
+    """One plain chunk per text: exactly what one run of each encoder over the diffusers-tokenized distinct texts
+    gives (the encoding before long prompts), bit for bit."""
+    prompts, negatives = ["a red cube", "a blue sphere"], ["blurry", "blurry"]
+    pos, neg, added = _encode_many(pipe, prompts, negatives)
+    engines = pipe.loop_engines()
+    texts = ["blurry", "a red cube", "a blue sphere"]  # the distinct texts, negatives first, as encoded
+    h1 = run_rows(engines.text_encoder, tokenize(engines.tokenizer, texts, torch.device("cpu")),
+                  (HIDDEN_OUTPUT,))[HIDDEN_OUTPUT]
+    out2 = run_rows(pipe.engine("text_encoder_2"), tokenize(pipe.tokenizer_2, texts, torch.device("cpu")),
+                    (POOLED_OUTPUT, HIDDEN_OUTPUT))
+    want = torch.cat([h1, out2[HIDDEN_OUTPUT]], dim=-1)
+    assert torch.equal(pos, want[1:]) and torch.equal(neg, want[[0, 0]])
+    assert torch.equal(added.pooled, out2[POOLED_OUTPUT][1:])
+    assert torch.equal(added.pooled_negative, out2[POOLED_OUTPUT][[0, 0]])
+
+
+def _encode_many(pipe: EnginePipeline, prompts: list[str], negatives: list[str]):
+    engines = pipe.loop_engines()
+    cond = sdxl_conditioning(prompts, negatives, negatives, 64, 64, pipe.engine("text_encoder_2"), pipe.tokenizer_2,
+                             zero_negative=False)
+    return cond.encode(engines.text_encoder, PromptReader(engines.tokenizer, "a1111", 3), prompts, negatives,
+                       torch.float32)
