@@ -158,6 +158,7 @@ class SdxlConditioning(TextToImage):
         negative_prompts: Sequence[str] | None,
         dtype: torch.dtype,
         cache: EmbeddingCache | None = None,
+        min_chunks: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor | None, AddedConditioning]:
         """Per-prompt SDXL embeddings: long and weighted prompts on both encoders, each distinct text's chunks run
         once per encoder (negatives cached).
@@ -174,6 +175,7 @@ class SdxlConditioning(TextToImage):
                 (its syntax and chunk limit apply to both encoders; a tokenizer alone = A1111 syntax, one chunk).
             prompts: P prompts (for ``text_encoder``); negative_prompts: P negatives, or ``None`` (no CFG).
             dtype: the UNet's ``encoder_hidden_states`` / ``text_embeds`` dtype.
+            min_chunks: pad every text to at least this many chunks (the chunks of given ``prompt_embeds``).
 
         Returns:
             (positive [P, 77 k, D1+D2], negative [P, 77 k, D1+D2] or ``None``, the pooled ``text_embeds`` [P, E]
@@ -204,7 +206,7 @@ class SdxlConditioning(TextToImage):
                 if cache is not None:
                     cache.put((*keys[pair], "hidden"), got[pair][0].clone())
                     cache.put((*keys[pair], "pooled"), got[pair][1].clone())
-        k = max(got[p][0].shape[0] for p in [*pairs, *neg_pairs])
+        k = max(min_chunks, *(got[p][0].shape[0] for p in [*pairs, *neg_pairs]))
         if _EMPTY_PAIR not in got and any(got[p][0].shape[0] < k for p in [*pairs, *neg_pairs]):
             # every text came from the cache: "" on both encoders is exactly the empty chunk pair
             got.update(self._encode_pairs((text_encoder, self.text_encoder_2), readers, [("", "")], set(), {},
@@ -260,6 +262,36 @@ class SdxlConditioning(TextToImage):
             out[_EMPTY_PAIR] = (torch.cat([empties[0], empties[1].to(device)], dim=-1)[None].to(dtype),
                                 torch.empty(0))  # type: ignore[union-attr]
         return out
+
+    def encode_given(self, text_encoder: Engine, reader: PromptReader, embeds: Sequence[torch.Tensor | None],
+                     negative_prompts: Sequence[str] | None, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, AddedConditioning]:
+        """The caller's embeddings as diffusers' SDXL ``encode_prompt`` takes them.
+
+        Args:
+            embeds: ``prompt_embeds`` [P, 77 k, D1+D2], ``pooled_prompt_embeds`` [P, E], ``negative_prompt_embeds``
+                and ``negative_pooled_prompt_embeds`` (both ``None`` or both given), checked by the request.
+            negative_prompts: P negatives with CFG, or ``None``: without negative embeddings they are zeros
+                (:attr:`zero_negative`) or encoded as :meth:`encode` does, padded or cut to k chunks.
+
+        Returns:
+            as :meth:`encode`, in ``dtype`` on the engines' device.
+        """
+        device = text_encoder.device
+        positive, pooled, negative, pooled_negative = (None if e is None else e.to(device=device, dtype=dtype)
+                                                       for e in embeds)
+        added = AddedConditioning(pooled, None, self.time_ids.to(device), self.negative_time_ids.to(device))
+        if negative_prompts is None:
+            return positive, None, added  # type: ignore[return-value]
+        if negative is None and self.zero_negative:
+            negative, pooled_negative = torch.zeros_like(positive), torch.zeros_like(pooled)
+        elif negative is None:
+            k = positive.shape[1] // reader.length  # type: ignore[union-attr]
+            of_negatives = dataclasses.replace(self, prompts_2=self.negative_prompts_2)
+            negative, _, encoded = of_negatives.encode(text_encoder, dataclasses.replace(reader, max_chunks=k),
+                                                       negative_prompts, None, dtype, min_chunks=k)
+            pooled_negative = encoded.pooled
+        return positive, negative, dataclasses.replace(added, pooled_negative=pooled_negative)  # type: ignore
 
     def _key(self, text_encoder: Engine, pair: tuple[str, str], dtype: torch.dtype, reader: PromptReader
              ) -> tuple[Any, ...]:

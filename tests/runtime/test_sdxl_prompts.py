@@ -149,3 +149,63 @@ def _encode_many(pipe: EnginePipeline, prompts: list[str], negatives: list[str])
                              zero_negative=False)
     return cond.encode(engines.text_encoder, PromptReader(engines.tokenizer, "a1111", 3), prompts, negatives,
                        torch.float32)
+
+
+# --- prompt_embeds / pooled_prompt_embeds on SDXL (diffusers' StableDiffusionXLPipeline semantics) -----------------
+
+
+@pytest.mark.parametrize("negative", ["embeds", "zeros"])
+def test_prompt_embeds_match_diffusers(pipe, clips, tiny_sdxl_dir: Path, negative: str) -> None:
+    """The caller's (reference) embeddings of two chunks, with negative embeddings or negative_prompt=None (zeros by
+    force_zeros_for_empty_prompt in both pipelines)."""
+    want, pooled = _reference(clips, [[(LONG, 1.0)]], 2)
+    want_neg, neg_pooled = _reference(clips, [[("blurry", 1.0)]], 2)
+    given = {"prompt_embeds": want[None], "pooled_prompt_embeds": pooled[None]}
+    if negative == "embeds":
+        given |= {"negative_prompt_embeds": want_neg[None], "negative_pooled_prompt_embeds": neg_pooled[None]}
+    ref = diffusers.StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_dir, local_files_only=True,
+                                                             add_watermarker=False)
+    ref.set_progress_bar_config(disable=True)
+    expected = ref(**given, num_inference_steps=3, output_type="np",
+                   generator=torch.Generator("cpu").manual_seed(5)).images
+    got = pipe(**given, num_inference_steps=3, seed=5, output_type="np", progress=False).images
+    assert np.abs(got - expected).max() < 1e-4
+
+
+def test_prompt_embeds_encode_the_negative_prompt_to_their_chunks(pipe, clips) -> None:
+    """prompt_embeds of 2 chunks with a negative prompt as text: the negative is encoded and padded to 2 chunks,
+    as the same prompt given as text."""
+    want, pooled = _reference(clips, [[(LONG, 1.0)]], 2)
+    kwargs = {"negative_prompt": "blurry", "num_inference_steps": 2, "seed": 3, "output_type": "np",
+              "progress": False}
+    got = pipe(prompt_embeds=want[None], pooled_prompt_embeds=pooled[None], **kwargs).images
+    as_text = pipe(LONG, **kwargs).images
+    assert np.abs(got - as_text).max() < 1e-4
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"prompt_embeds": torch.zeros(1, 77, 64)}, r"prompt_embeds= needs pooled_prompt_embeds= too on SDXL"),
+    ({"pooled_prompt_embeds": torch.zeros(1, 32)}, r"pooled_prompt_embeds= needs prompt_embeds="),
+    ({"prompt_embeds": torch.zeros(1, 77, 64), "pooled_prompt_embeds": torch.zeros(2, 32)},
+     r"pooled_prompt_embeds must be a float torch.Tensor \[1, \d+\]"),
+    ({"prompt_embeds": torch.zeros(1, 77, 64), "pooled_prompt_embeds": torch.zeros(1, 32),
+      "negative_prompt_embeds": torch.zeros(1, 77, 64)},
+     r"negative_prompt_embeds= needs negative_pooled_prompt_embeds="),
+])
+def test_bad_sdxl_prompt_embeds(pipe, kwargs: dict, message: str) -> None:
+    from diffusion_trt.errors import RuntimeInputError
+
+    unet = pipe.engine("unet").spec  # the cases' last dims 64 / 32 stand for the UNet's D1+D2 / E
+    width = {64: unet.input("encoder_hidden_states").shape[2], 32: unet.input("text_embeds").shape[1]}
+    kwargs = {k: torch.zeros(*v.shape[:-1], width[v.shape[-1]]) for k, v in kwargs.items()}
+    with pytest.raises(RuntimeInputError, match=message):
+        pipe(**({} if "prompt_embeds" in kwargs else {"prompt": "a cat"}), **kwargs, num_inference_steps=1,
+             progress=False)
+
+
+def test_pooled_prompt_embeds_are_sdxl_only(tiny_artifact: Path) -> None:
+    from diffusion_trt.errors import RuntimeInputError
+
+    with EnginePipeline.from_artifacts(tiny_artifact) as sd, pytest.raises(RuntimeInputError,
+                                                                          match="SDXL artifacts only"):
+        sd("a cat", pooled_prompt_embeds=torch.zeros(1, 32), num_inference_steps=1, progress=False)
