@@ -6,7 +6,10 @@ Reproduces ``diffusers.StableDiffusionXLPipeline`` (diffusers 0.42, ``pipeline_s
   encoder gives ``hidden_states[-2]`` (the penultimate layer, no final layer norm: the engines' output
   ``penultimate_hidden_state``), concatenated on the last axis into ``prompt_embeds`` [P, 77, D1 + D2];
   ``text_encoder_2`` (``CLIPTextModelWithProjection``) also gives the pooled, projected ``text_embeds`` [P, E].
-  ``prompt_2`` (the text for the second encoder) defaults to ``prompt``.
+  ``prompt_2`` (the text for the second encoder) defaults to ``prompt``. Long and weighted prompts go beyond
+  diffusers as A1111's SDXL conditioner does (:meth:`SdxlConditioning.encode`): 77-token chunks on both encoders
+  (:mod:`.prompt_encoding`), concatenated per chunk, pooled ``text_embeds`` of the first chunk; one unweighted
+  chunk is diffusers' encoding exactly. ``prompt_embeds`` needs ``pooled_prompt_embeds`` (as diffusers).
 * negative prompt: with ``negative_prompt=None`` and the model's ``force_zeros_for_empty_prompt`` (true for
   SDXL base), the negative embeddings and pooled embeddings are **zeros**; otherwise the negative prompt ("" by
   default; ``negative_prompt_2`` defaults to it) is encoded like the prompt.
