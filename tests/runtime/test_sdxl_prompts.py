@@ -209,3 +209,20 @@ def test_pooled_prompt_embeds_are_sdxl_only(tiny_artifact: Path) -> None:
     with EnginePipeline.from_artifacts(tiny_artifact) as sd, pytest.raises(RuntimeInputError,
                                                                           match="SDXL artifacts only"):
         sd("a cat", pooled_prompt_embeds=torch.zeros(1, 32), num_inference_steps=1, progress=False)
+
+
+def test_data_parallel_splits_the_pooled_prompt_embeds(tiny_sdxl_artifact: Path, clips) -> None:
+    """Each device's share gets its images' rows of prompt_embeds and pooled_prompt_embeds alike."""
+    from diffusion_trt.runtime.parallel import DataParallelPipeline
+
+    rows = [_reference(clips, [[(text, 1.0)]], 1) for text in ("a cat", "a dog")]
+    embeds = {"prompt_embeds": torch.stack([r[0] for r in rows]),
+              "pooled_prompt_embeds": torch.stack([r[1] for r in rows])}
+    pipes = [EnginePipeline.from_artifacts(tiny_sdxl_artifact, verify=False) for _ in range(3)]
+    one = pipes.pop()
+    with one, DataParallelPipeline(pipes, warm_up=False) as multi:
+        call = {"num_inference_steps": 2, "num_images_per_prompt": 2, "seed": 3, "output_type": "np", **embeds}
+        got = multi(None, **call)
+        want = one(None, progress=False, **call)
+    assert got.parameters["device_shares"] == [2, 2]
+    np.testing.assert_array_equal(got.images, want.images)
