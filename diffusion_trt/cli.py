@@ -468,7 +468,7 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
                    "0 = the text encoder of before, which refuses embeddings).")
 @click.option("--max-prompt-chunks", type=int, default=3, show_default=True,
               help="Long prompts: the UNet takes up to N chunks of 75 tokens (1..8; 1 = 77 tokens, the artifact of "
-                   "before). A static profile and SDXL keep 1.")
+                   "before). A static profile keeps 1.")
 @click.option("--trust-pickle", is_flag=True, help="Allow .bin/.ckpt weights (unpickling runs arbitrary code).")
 @click.option("--lora", "loras", multiple=True, metavar="FILE[:SCALE]",
               help="Merge a LoRA (.safetensors, diffusers or kohya format) into the weights before export, scale "

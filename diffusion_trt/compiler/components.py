@@ -95,7 +95,7 @@ def component_specs(
         text_hidden_2: SDXL: hidden size of ``text_encoder_2`` (1280); ``None`` = an SD 1.x/2.x table.
         text_embeds: SDXL: ``text_encoder_2.config.projection_dim`` (1280), the pooled ``text_embeds`` width.
         time_ids: SDXL: the number of ``time_ids`` per row (6: original size, crop top-left, target size).
-        prompt_chunks: SD 1.x/2.x: the UNet's ``encoder_hidden_states`` takes 77 * k tokens for k up to this; > 1
+        prompt_chunks: the UNet's ``encoder_hidden_states`` takes 77 * k tokens for k up to this; > 1
             makes its sequence axis the symbol ``S`` (``CompileConfig.max_prompt_chunks``).
         clip_skip: SD 1.x/2.x: C > 0 adds the text encoder output ``clip_skip_states`` [B2, C, S, D], row c-1 the
             final-layer-normed ``hidden_states[-(c + 1)]`` (diffusers' ``clip_skip=c``; CompileConfig.max_clip_skip).
@@ -114,9 +114,8 @@ def component_specs(
     """
     if text_hidden_2 is not None:
         return _sdxl_specs(text_hidden, text_len, unet_in, unet_out, latent, text_hidden_2,
-                           text_embeds if text_embeds is not None else text_hidden_2, time_ids)
-    context: int | str = text_len if prompt_chunks == 1 else "S"
-    symbols = () if prompt_chunks == 1 else (("S", (text_len, text_len, text_len * prompt_chunks)),)
+                           text_embeds if text_embeds is not None else text_hidden_2, time_ids, prompt_chunks)
+    context, symbols = _context(text_len, prompt_chunks)
     skipped = (TensorSpec("clip_skip_states", "float", ("B2", clip_skip, text_len, text_hidden)),) if clip_skip else ()
     vectors = ((TensorSpec("embedding_vectors", "float", ("B2", embedding_vectors, text_hidden)),)
                if embedding_vectors else ())
@@ -140,6 +139,13 @@ def component_specs(
     }
 
 
+def _context(text_len: int, prompt_chunks: int) -> tuple[int | str, tuple[tuple[str, tuple[int, int, int]], ...]]:
+    """The UNet's context length (77, or the symbol ``S`` for k > 1 chunks) and its :attr:`ComponentSpec.symbols`."""
+    if prompt_chunks == 1:
+        return text_len, ()
+    return "S", (("S", (text_len, text_len, text_len * prompt_chunks)),)
+
+
 def _vae_specs(latent: int) -> dict[str, ComponentSpec]:
     return {
         "vae_decoder": ComponentSpec(
@@ -156,8 +162,9 @@ def _vae_specs(latent: int) -> dict[str, ComponentSpec]:
 
 
 def _sdxl_specs(text_hidden: int, text_len: int, unet_in: int, unet_out: int, latent: int, text_hidden_2: int,
-                text_embeds: int, time_ids: int) -> dict[str, ComponentSpec]:
+                text_embeds: int, time_ids: int, prompt_chunks: int = 1) -> dict[str, ComponentSpec]:
     """SDXL's table (see :func:`component_specs`)."""
+    context, symbols = _context(text_len, prompt_chunks)
     return {
         "text_encoder": ComponentSpec(
             "text_encoder",
@@ -177,11 +184,12 @@ def _sdxl_specs(text_hidden: int, text_len: int, unet_in: int, unet_out: int, la
             inputs=(
                 TensorSpec("sample", "float", ("B2", unet_in, "h", "w")),
                 TensorSpec("timestep", "float32", ("B2",)),
-                TensorSpec("encoder_hidden_states", "float", ("B2", text_len, text_hidden + text_hidden_2)),
+                TensorSpec("encoder_hidden_states", "float", ("B2", context, text_hidden + text_hidden_2)),
                 TensorSpec("text_embeds", "float", ("B2", text_embeds)),
                 TensorSpec("time_ids", "float32", ("B2", time_ids)),
             ),
             outputs=(TensorSpec("noise_pred", "float", ("B2", unet_out, "h", "w")),),
+            symbols=symbols,
         ),
         **_vae_specs(latent),
     }

@@ -234,10 +234,9 @@ def _level_for(config: CompileConfig, field: str) -> int:
 
 def prompt_chunks_for(config: CompileConfig, profile: ShapeProfile, facts: Mapping[str, Any]) -> int:
     """The prompt chunks the UNet is built for: ``config.max_prompt_chunks``, but 1 for a static profile (one fixed
-    shape, one CUDA graph) and for SDXL (two-encoder chunking not implemented), logged when more were asked."""
+    shape, one CUDA graph), logged when more were asked. SDXL chunks both encoders alike (:mod:`~..runtime.sdxl`)."""
     k = config.max_prompt_chunks
-    why = ("a static profile is one fixed shape" if profile.is_static()
-           else "SDXL prompts are one chunk for now" if facts.get("architecture") == "sdxl" else None)
+    why = "a static profile is one fixed shape" if profile.is_static() else None
     if why is None or k == 1:
         return k
     logger.log(_level_for(config, "max_prompt_chunks"), "max_prompt_chunks=%d: the UNet takes 77 tokens only (%s); "

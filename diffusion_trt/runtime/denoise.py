@@ -298,7 +298,12 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any, control: Co
     # 2. encode prompt: one text-encoder run over the distinct texts, then one row per image
     n = request.num_images_per_prompt
     reader = prompt_reader(engines, request)
-    if request.prompt_embeds is not None:
+    if request.pooled_prompt_embeds is not None:  # SDXL's prompt_embeds
+        positive, negative, added = cond.encode_given(  # type: ignore[attr-defined]
+            engines.text_encoder, reader, (request.prompt_embeds, request.pooled_prompt_embeds,
+                                           request.negative_prompt_embeds, request.negative_pooled_prompt_embeds),
+            request.negative_prompts if request.do_cfg else None, text_dtype)
+    elif request.prompt_embeds is not None:
         (positive, negative), added = given_embeddings(request, engines, reader, text_dtype), None
     else:
         positive, negative, added = cond.encode(engines.text_encoder, reader, request.prompts,

@@ -310,7 +310,9 @@ def share_request(request: Request, rows: range, generator: Any, latents: torch.
         negative_prompts=tuple(per_image(request.negative_prompts, n)[sl]), num_images_per_prompt=1,
         latent_shape=(len(rows), *request.latent_shape[1:]), generator=generator, latents=latents,
         chunks=tuple(plan_chunks(len(rows), b.min, b.max)), conditioning=_share_conditioning(request, sl, pipe),
-        prompt_embeds=images(request.prompt_embeds), negative_prompt_embeds=images(request.negative_prompt_embeds))
+        prompt_embeds=images(request.prompt_embeds), negative_prompt_embeds=images(request.negative_prompt_embeds),
+        pooled_prompt_embeds=images(request.pooled_prompt_embeds),
+        negative_pooled_prompt_embeds=images(request.negative_pooled_prompt_embeds))
 
 
 def _share_conditioning(request: Request, sl: slice, pipe: EnginePipeline) -> Any:

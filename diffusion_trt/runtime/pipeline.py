@@ -653,6 +653,8 @@ class EnginePipeline:
         prompt_syntax: str = "a1111",
         prompt_embeds: torch.Tensor | None = None,
         negative_prompt_embeds: torch.Tensor | None = None,
+        pooled_prompt_embeds: torch.Tensor | None = None,
+        negative_pooled_prompt_embeds: torch.Tensor | None = None,
         clip_skip: int | None = None,
         control_image: Any = None,
         controlnet: str | Sequence[str] | None = None,
@@ -712,14 +714,18 @@ class EnginePipeline:
                 escapes ``\\(``, and ``BREAK``; "plain": the text as it is
                 (:mod:`~diffusion_trt.runtime.prompt_syntax`).
                 Either way a prompt longer than 75 tokens is encoded in 75-token chunks, as many as the artifact
-                allows (``compile --max-prompt-chunks``; :mod:`~diffusion_trt.runtime.prompt_encoding`). SD 1.x/2.x
-                only: SDXL artifacts read prompts as before (one chunk, no weights).
+                allows (``compile --max-prompt-chunks``; :mod:`~diffusion_trt.runtime.prompt_encoding`); SDXL
+                chunks and weights both encoders alike, pooled embeddings from the first chunk
+                (:mod:`~diffusion_trt.runtime.sdxl`).
             prompt_embeds: instead of ``prompt``, as diffusers: text embeddings [P, 77 k, D] (any float dtype and
                 device; e.g. compel's), k chunks within the artifact's range (``compile --max-prompt-chunks``), D the
-                UNet's cross-attention width. Repeated ``num_images_per_prompt`` times. SD 1.x/2.x artifacts only.
+                UNet's cross-attention width (SDXL: D1 + D2). Repeated ``num_images_per_prompt`` times.
             negative_prompt_embeds: with ``prompt_embeds``, instead of ``negative_prompt``: the same shape. Without
                 it, CFG encodes ``negative_prompt`` ("" by default) cut or padded to k chunks (diffusers pads its
-                tokens to ``prompt_embeds.shape[1]``).
+                tokens to ``prompt_embeds.shape[1]``); on SDXL with ``negative_prompt=None`` the negative embeddings
+                are zeros (``force_zeros_for_empty_prompt``), as diffusers.
+            pooled_prompt_embeds, negative_pooled_prompt_embeds: SDXL, required with ``prompt_embeds`` /
+                ``negative_prompt_embeds`` (as diffusers): the pooled ``text_embeds`` [P, E] of ``text_encoder_2``.
             clip_skip: diffusers' ``clip_skip``: the text states ``final_layer_norm(hidden_states[-(clip_skip + 1)])``
                 (1 = the penultimate layer, A1111's "Clip skip 2"), for prompts and negative prompts alike (diffusers'
                 ``encode_prompt`` gives the negative prompt the last layer); ``None``/0 = the last layer. Up to
@@ -757,6 +763,7 @@ class EnginePipeline:
             negative_original_size=negative_original_size,
             negative_crops_coords_top_left=negative_crops_coords_top_left, negative_target_size=negative_target_size,
             prompt_syntax=prompt_syntax, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
+            pooled_prompt_embeds=pooled_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
             clip_skip=clip_skip,
         )
         return self._run(request, control_image, controlnet, controlnet_conditioning_scale, control_guidance_start,

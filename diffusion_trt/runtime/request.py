@@ -116,6 +116,8 @@ class Request:
         prompt_syntax: how prompts are read: "a1111" (weights, ``BREAK``; :mod:`.prompt_syntax`) or "plain".
         prompt_embeds, negative_prompt_embeds: the caller's text embeddings [P, 77 k, D] (then ``prompts`` are P
             empty placeholders), or ``None``.
+        pooled_prompt_embeds, negative_pooled_prompt_embeds: SDXL: the caller's pooled ``text_embeds`` [P, E] with
+            ``prompt_embeds`` / ``negative_prompt_embeds`` (diffusers' ``pooled_prompt_embeds``), or ``None``.
         clip_skip: 0 (the last layer) or diffusers' ``clip_skip`` (:class:`~.prompt_encoding.PromptReader`).
     """
 
@@ -141,6 +143,8 @@ class Request:
     prompt_embeds: torch.Tensor | None = None
     negative_prompt_embeds: torch.Tensor | None = None
     clip_skip: int = 0
+    pooled_prompt_embeds: torch.Tensor | None = None
+    negative_pooled_prompt_embeds: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -178,6 +182,8 @@ class Request:
         prompt_syntax: Any = "a1111",
         prompt_embeds: Any = None,
         negative_prompt_embeds: Any = None,
+        pooled_prompt_embeds: Any = None,
+        negative_pooled_prompt_embeds: Any = None,
         clip_skip: Any = None,
         **sdxl: Any,
     ) -> Request:
@@ -198,6 +204,8 @@ class Request:
         """
         skip = _check_clip_skip(spec, engines, clip_skip)
         embeds = _check_prompt_embeds(spec, engines, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)
+        pooled = _check_pooled(spec, engines, embeds, negative_prompt_embeds, pooled_prompt_embeds,
+                               negative_pooled_prompt_embeds)
         prompts = prompt_list("prompt", prompt) if embeds is None else [""] * embeds.shape[0]
         if prompt_syntax not in SYNTAXES:
             raise RuntimeInputError(f"prompt_syntax={prompt_syntax!r} is unknown; use one of {', '.join(SYNTAXES)}")
@@ -246,7 +254,7 @@ class Request:
                  **({"prompt_syntax": prompt_syntax} if prompt_syntax != "a1111" else {})}
         return cls(tuple(prompts), tuple(negatives), n_per, steps, guidance, eta, height, width, shape, generator,
                    seed, latents, output_type, chunks, conditioning, progress, callback, given, prompt_syntax,
-                   embeds, negative_prompt_embeds, skip)
+                   embeds, negative_prompt_embeds, skip, *pooled)
 
 
 def manifest_profile(manifest: Manifest) -> ShapeProfile:
@@ -326,7 +334,7 @@ def _check_prompt_embeds(spec: RequestSpec, engines: Mapping[str, Engine], promp
     Raises:
         RuntimeInputError: both or neither of prompt / prompt_embeds; both negative_prompt and
             negative_prompt_embeds; negative_prompt_embeds without prompt_embeds; not a float tensor [P, 77 k, D] the
-            UNet takes; the two of different shapes; an SDXL artifact (its pooled embeddings are not taken yet).
+            UNet takes; the two of different shapes.
     """
     if prompt is not None and prompt_embeds is not None:
         raise RuntimeInputError("pass either prompt= or prompt_embeds=, not both (as diffusers)")
@@ -339,9 +347,6 @@ def _check_prompt_embeds(spec: RequestSpec, engines: Mapping[str, Engine], promp
             raise RuntimeInputError("negative_prompt_embeds= needs prompt_embeds= (their shapes must match); encode "
                                     "the prompt yourself too, or pass negative_prompt= as text")
         return None
-    if spec.architecture == "sdxl":
-        raise RuntimeInputError("prompt_embeds= is not supported for SDXL artifacts yet (it also needs "
-                                "pooled_prompt_embeds=); pass prompt= as text")
     _check_embeds("prompt_embeds", prompt_embeds, engines["unet"].spec.input("encoder_hidden_states"))
     if negative_prompt_embeds is not None:
         _check_embeds("negative_prompt_embeds", negative_prompt_embeds,
@@ -352,6 +357,38 @@ def _check_prompt_embeds(spec: RequestSpec, engines: Mapping[str, Engine], promp
                 f"{tuple(prompt_embeds.shape)}; they must match (as diffusers): pad the shorter to as many 77-token "
                 "chunks")
     return prompt_embeds
+
+
+def _check_pooled(spec: RequestSpec, engines: Mapping[str, Engine], embeds: torch.Tensor | None, negative: Any,
+                  pooled: Any, negative_pooled: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """SDXL's ``pooled_prompt_embeds`` / ``negative_pooled_prompt_embeds``, checked as diffusers' ``check_inputs``
+    (each required with its ``*prompt_embeds``) and against the UNet's ``text_embeds`` width.
+
+    Raises:
+        RuntimeInputError: given for an SD artifact or without their ``*prompt_embeds``; missing with them on
+            SDXL; not a float tensor [P, E] with P the prompt embeddings' rows.
+    """
+    if spec.architecture != "sdxl":
+        if pooled is not None or negative_pooled is not None:
+            raise RuntimeInputError("pooled_prompt_embeds= / negative_pooled_prompt_embeds= apply to SDXL artifacts "
+                                    f"only; this one is model.architecture={spec.architecture!r}")
+        return None, None
+    for name, value, owner in (("pooled_prompt_embeds", pooled, embeds),
+                               ("negative_pooled_prompt_embeds", negative_pooled, negative)):
+        if owner is None and value is not None:
+            raise RuntimeInputError(f"{name}= needs {name.replace('pooled_', '')}=; pass both or neither")
+        if owner is not None and value is None:
+            raise RuntimeInputError(f"{name.replace('pooled_', '')}= needs {name}= too on SDXL (as diffusers: the "
+                                    "pooled text_embeds of text_encoder_2)")
+        if value is not None:
+            width = int(engines["unet"].spec.input("text_embeds").shape[1])
+            rows = int(embeds.shape[0])  # type: ignore[union-attr]
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point() or tuple(value.shape) != (
+                    rows, width):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise RuntimeInputError(f"{name} must be a float torch.Tensor [{rows}, {width}] (prompts, "
+                                        f"text_embeds width); got {got}")
+    return pooled, negative_pooled
 
 
 def _check_embeds(name: str, value: Any, unet_context: Any) -> None:

@@ -6,7 +6,10 @@ Reproduces ``diffusers.StableDiffusionXLPipeline`` (diffusers 0.42, ``pipeline_s
   encoder gives ``hidden_states[-2]`` (the penultimate layer, no final layer norm: the engines' output
   ``penultimate_hidden_state``), concatenated on the last axis into ``prompt_embeds`` [P, 77, D1 + D2];
   ``text_encoder_2`` (``CLIPTextModelWithProjection``) also gives the pooled, projected ``text_embeds`` [P, E].
-  ``prompt_2`` (the text for the second encoder) defaults to ``prompt``.
+  ``prompt_2`` (the text for the second encoder) defaults to ``prompt``. Long and weighted prompts go beyond
+  diffusers as A1111's SDXL conditioner does (:meth:`SdxlConditioning.encode`): 77-token chunks on both encoders
+  (:mod:`.prompt_encoding`), concatenated per chunk, pooled ``text_embeds`` of the first chunk; one unweighted
+  chunk is diffusers' encoding exactly. ``prompt_embeds`` needs ``pooled_prompt_embeds`` (as diffusers).
 * negative prompt: with ``negative_prompt=None`` and the model's ``force_zeros_for_empty_prompt`` (true for
   SDXL base), the negative embeddings and pooled embeddings are **zeros**; otherwise the negative prompt ("" by
   default; ``negative_prompt_2`` defaults to it) is encoded like the prompt.
@@ -26,6 +29,7 @@ Shapes: P prompts; ``text_embeds`` [B2, E]; ``time_ids`` [B2, 6] float32 (the UN
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,8 +41,8 @@ from ..errors import RuntimeInputError
 from .conditioning import TextToImage
 from .cuda import nvtx_range
 from .engines.engine import Engine
-from .prompt_encoding import PromptReader
-from .text_embeddings import EmbeddingCache, tokenize
+from .prompt_encoding import PromptReader, TokenChunks, apply_weights, pad_chunks, warn_truncated
+from .text_embeddings import EmbeddingCache
 
 logger = logging.getLogger(__name__)
 
@@ -157,31 +161,40 @@ class SdxlConditioning(TextToImage):
         negative_prompts: Sequence[str] | None,
         dtype: torch.dtype,
         cache: EmbeddingCache | None = None,
+        min_chunks: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor | None, AddedConditioning]:
-        """Per-prompt SDXL embeddings, each distinct text run once per encoder (negatives cached).
+        """Per-prompt SDXL embeddings: long and weighted prompts on both encoders, each distinct text's chunks run
+        once per encoder (negatives cached).
+
+        As :mod:`.prompt_encoding` for SD, per encoder (A1111's SDXL conditioner): each text is read into 77-token
+        chunks by the reader's syntax (``text_encoder_2`` with ``tokenizer_2``), each encoder's penultimate states
+        weighted chunk by chunk; the two are concatenated per chunk on the feature axis ([77 k, D1 + D2]; an
+        encoder with fewer chunks of a pair is padded with its empty chunk's states), and the pooled ``text_embeds``
+        is ``text_encoder_2``'s of the text's first chunk. Every text is padded to the request's largest k with the
+        empty chunk pair. One unweighted chunk is exactly diffusers' ``encode_prompt``.
 
         Args:
             tokenizer: ``text_encoder``'s ``CLIPTokenizer``, or a :class:`~.prompt_encoding.PromptReader` holding it
-                (SDXL reads prompts as one 77-token chunk without weights: its syntax and chunk limit are not used).
+                (its syntax and chunk limit apply to both encoders; a tokenizer alone = A1111 syntax, one chunk).
             prompts: P prompts (for ``text_encoder``); negative_prompts: P negatives, or ``None`` (no CFG).
             dtype: the UNet's ``encoder_hidden_states`` / ``text_embeds`` dtype.
+            min_chunks: pad every text to at least this many chunks (the chunks of given ``prompt_embeds``).
 
         Returns:
-            (positive [P, 77, D1+D2], negative [P, 77, D1+D2] or ``None``, the pooled ``text_embeds`` and time ids),
-            fresh tensors on the engines' device.
+            (positive [P, 77 k, D1+D2], negative [P, 77 k, D1+D2] or ``None``, the pooled ``text_embeds`` [P, E]
+            and time ids), fresh tensors on the engines' device.
         """
-        tokenizer = tokenizer.tokenizer if isinstance(tokenizer, PromptReader) else tokenizer
+        reader = tokenizer if isinstance(tokenizer, PromptReader) else PromptReader(tokenizer)
+        readers = (reader, dataclasses.replace(reader, tokenizer=self.tokenizer_2))
         device = text_encoder.device
         # host->device copies of pageable memory synchronise the stream: made before any engine work is queued
         time_ids, negative_time_ids = self.time_ids.to(device), self.negative_time_ids.to(device)
-        rows_2 = list(self.prompts_2)
-        negatives = None if negative_prompts is None else list(negative_prompts)
-        negatives_2 = None if negative_prompts is None else list(self.negative_prompts_2)
-        encode_negatives = negatives is not None and not self.zero_negative
-        pairs = list(zip(prompts, rows_2, strict=True))
-        neg_pairs = list(zip(negatives, negatives_2, strict=True)) if encode_negatives else []  # type: ignore[arg-type]
+        encode_negatives = negative_prompts is not None and not self.zero_negative
+        pairs = list(zip(prompts, self.prompts_2, strict=True))
+        neg_pairs = (list(zip(negative_prompts, self.negative_prompts_2, strict=True))  # type: ignore[arg-type]
+                     if encode_negatives else [])
+        keys = {p: self._key(text_encoder, p, dtype, reader) for p in neg_pairs}
         got: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        keys = {p: self._key(text_encoder, p, dtype) for p in neg_pairs}
         if cache is not None:
             for pair, key in keys.items():
                 hidden, pooled = cache.get((*key, "hidden")), cache.get((*key, "pooled"))
@@ -190,39 +203,132 @@ class SdxlConditioning(TextToImage):
         todo = [p for p in dict.fromkeys([*neg_pairs, *pairs]) if p not in got]
         if todo:
             with nvtx_range("text_encoders", device):
-                texts_1 = list(dict.fromkeys(p[0] for p in todo))
-                texts_2 = list(dict.fromkeys(p[1] for p in todo))
-                neg_1 = {p[0] for p in neg_pairs} - {p[0] for p in pairs}
-                neg_2 = {p[1] for p in neg_pairs} - {p[1] for p in pairs}
-                ids_1 = tokenize(tokenizer, texts_1, device, neg_1)
-                h1 = run_rows(text_encoder, ids_1, (HIDDEN_OUTPUT,))[HIDDEN_OUTPUT]
-                out2 = run_rows(self.text_encoder_2,
-                                tokenize(self.tokenizer_2, texts_2, self.text_encoder_2.device, neg_2),
-                                (POOLED_OUTPUT, HIDDEN_OUTPUT))
-            h2, pooled_2 = out2[HIDDEN_OUTPUT].to(device), out2[POOLED_OUTPUT].to(device)
-            index_1 = {t: i for i, t in enumerate(texts_1)}
-            index_2 = {t: i for i, t in enumerate(texts_2)}
-            for pair in todo:
-                i, j = index_1[pair[0]], index_2[pair[1]]
-                hidden = torch.cat([h1[i], h2[j]], dim=-1).to(dtype)
-                got[pair] = (hidden, pooled_2[j].to(dtype))
-                if cache is not None and pair in keys:
+                got.update(self._encode_pairs((text_encoder, self.text_encoder_2), readers, todo,
+                                              {p for p in neg_pairs if p not in pairs}, got, dtype))
+            for pair in keys.keys() & set(todo):
+                if cache is not None:
                     cache.put((*keys[pair], "hidden"), got[pair][0].clone())
                     cache.put((*keys[pair], "pooled"), got[pair][1].clone())
-        positive = torch.stack([got[p][0] for p in pairs])
+        k = max(min_chunks, *(got[p][0].shape[0] for p in [*pairs, *neg_pairs]))
+        if _EMPTY_PAIR not in got and any(got[p][0].shape[0] < k for p in [*pairs, *neg_pairs]):
+            # every text came from the cache: "" on both encoders is exactly the empty chunk pair
+            got.update(self._encode_pairs((text_encoder, self.text_encoder_2), readers, [("", "")], set(), {},
+                                          dtype))
+            got[_EMPTY_PAIR] = got[("", "")]
+        empty = got.get(_EMPTY_PAIR, (None,))[0]
+        positive = torch.stack([pad_chunks(got[p][0], k, _first(empty)) for p in pairs])
         pooled = torch.stack([got[p][1] for p in pairs])
         negative = pooled_negative = None
-        if negatives is not None:
+        if negative_prompts is not None:
             if self.zero_negative:
                 negative, pooled_negative = torch.zeros_like(positive), torch.zeros_like(pooled)
             else:
-                negative = torch.stack([got[p][0] for p in neg_pairs])
+                negative = torch.stack([pad_chunks(got[p][0], k, _first(empty)) for p in neg_pairs])
                 pooled_negative = torch.stack([got[p][1] for p in neg_pairs])
         added = AddedConditioning(pooled, pooled_negative, time_ids, negative_time_ids)
         return positive, negative, added
 
-    def _key(self, text_encoder: Engine, pair: tuple[str, str], dtype: torch.dtype) -> tuple[Any, ...]:
-        return ("sdxl", id(text_encoder), id(self.text_encoder_2), *pair, dtype)
+    @staticmethod
+    def _encode_pairs(engines: tuple[Engine, Engine], readers: tuple[PromptReader, PromptReader],
+                      todo: Sequence[tuple[str, str]], negatives: set[tuple[str, str]],
+                      cached: Mapping[tuple[str, str], tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype,
+                      ) -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]:
+        """Each pair of ``todo``: (hidden [k, 77, D1+D2] in ``dtype``, pooled [E]); one run per encoder over the
+        chunks of its distinct texts, with the empty chunk pair (under :data:`_EMPTY_PAIR`) when a text is padded."""
+        texts = [list(dict.fromkeys(p[i] for p in todo)) for i in (0, 1)]
+        chunks = [{t: r.chunks(t) for t in ts} for r, ts in zip(readers, texts, strict=True)]
+        neg_texts = [{p[i] for p in negatives} - {p[i] for p in todo if p not in negatives} for i in (0, 1)]
+        warn_truncated(texts[0], list(chunks[0].values()), neg_texts[0], readers[0])
+        rest = [t for t in texts[1] if t not in chunks[0]]
+        warn_truncated(rest, [chunks[1][t] for t in rest], neg_texts[1], readers[1])
+        counts = [(chunks[0][a].chunks, chunks[1][b].chunks) for a, b in todo]
+        counts += [(h.shape[0], h.shape[0]) for h, _ in cached.values()]
+        k = max(max(c) for c in counts)
+        with_empty = any(c1 != c2 or max(c1, c2) < k for c1, c2 in counts)
+        states, pooled, empties = [], None, []
+        for i, (engine, reader) in enumerate(zip(engines, readers, strict=True)):
+            names = (POOLED_OUTPUT, HIDDEN_OUTPUT) if i else (HIDDEN_OUTPUT,)
+            rows, empty, first = _encode_texts(engine, reader, chunks[i], with_empty, names)
+            states.append(rows)
+            empties.append(empty)
+            pooled = first if i else pooled
+        device = engines[0].device
+        out: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        for a, b in todo:
+            h1, h2 = states[0][a], states[1][b].to(device)
+            kp = max(h1.shape[0], h2.shape[0])
+            if h1.shape[0] != h2.shape[0]:
+                h1 = pad_chunks(h1, kp, empties[0]).reshape(kp, *h1.shape[1:])  # type: ignore[arg-type]
+                h2 = pad_chunks(h2, kp, empties[1].to(device)).reshape(kp, *h2.shape[1:])  # type: ignore[union-attr]
+            out[(a, b)] = (torch.cat([h1, h2], dim=-1).to(dtype), pooled[b].to(device=device, dtype=dtype))
+        if with_empty:
+            out[_EMPTY_PAIR] = (torch.cat([empties[0], empties[1].to(device)], dim=-1)[None].to(dtype),
+                                torch.empty(0))  # type: ignore[union-attr]
+        return out
+
+    def encode_given(self, text_encoder: Engine, reader: PromptReader, embeds: Sequence[torch.Tensor | None],
+                     negative_prompts: Sequence[str] | None, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, AddedConditioning]:
+        """The caller's embeddings as diffusers' SDXL ``encode_prompt`` takes them.
+
+        Args:
+            embeds: ``prompt_embeds`` [P, 77 k, D1+D2], ``pooled_prompt_embeds`` [P, E], ``negative_prompt_embeds``
+                and ``negative_pooled_prompt_embeds`` (both ``None`` or both given), checked by the request.
+            negative_prompts: P negatives with CFG, or ``None``: without negative embeddings they are zeros
+                (:attr:`zero_negative`) or encoded as :meth:`encode` does, padded or cut to k chunks.
+
+        Returns:
+            as :meth:`encode`, in ``dtype`` on the engines' device.
+        """
+        device = text_encoder.device
+        positive, pooled, negative, pooled_negative = (None if e is None else e.to(device=device, dtype=dtype)
+                                                       for e in embeds)
+        added = AddedConditioning(pooled, None, self.time_ids.to(device), self.negative_time_ids.to(device))
+        if negative_prompts is None:
+            return positive, None, added  # type: ignore[return-value]
+        if negative is None and self.zero_negative:
+            negative, pooled_negative = torch.zeros_like(positive), torch.zeros_like(pooled)
+        elif negative is None:
+            k = positive.shape[1] // reader.length  # type: ignore[union-attr]
+            of_negatives = dataclasses.replace(self, prompts_2=self.negative_prompts_2)
+            negative, _, encoded = of_negatives.encode(text_encoder, dataclasses.replace(reader, max_chunks=k),
+                                                       negative_prompts, None, dtype, min_chunks=k)
+            pooled_negative = encoded.pooled
+        return positive, negative, dataclasses.replace(added, pooled_negative=pooled_negative)  # type: ignore
+
+    def _key(self, text_encoder: Engine, pair: tuple[str, str], dtype: torch.dtype, reader: PromptReader
+             ) -> tuple[Any, ...]:
+        return ("sdxl", id(text_encoder), id(self.text_encoder_2), *pair, dtype, reader.syntax, reader.max_chunks)
+
+
+#: Where :meth:`SdxlConditioning._encode_pairs` returns the empty chunk pair's states (not a pair of texts: texts
+#: are strings).
+_EMPTY_PAIR: tuple[Any, Any] = (None, None)
+
+
+def _first(empty: torch.Tensor | None) -> torch.Tensor:
+    """The empty chunk pair [77, D1+D2] from its [1, 77, D1+D2] entry (a placeholder when no text is padded)."""
+    return empty[0] if empty is not None else torch.empty(0)
+
+
+def _encode_texts(engine: Engine, reader: PromptReader, chunks: Mapping[str, TokenChunks], with_empty: bool,
+                  names: Sequence[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, dict[str, torch.Tensor]]:
+    """One encoder run over every text's chunks (and an empty chunk when ``with_empty``): each text's weighted
+    penultimate states [k_i, 77, D] (float32 where weighted, the engine's dtype otherwise), the empty chunk's
+    [77, D] (or ``None``) and, when ``names`` has :data:`POOLED_OUTPUT`, each text's first-chunk pooled [E]."""
+    ids = torch.cat([c.ids for c in chunks.values()] + ([reader.empty_chunk()] if with_empty else []))
+    out = run_rows(engine, ids.to(engine.device), names)
+    hidden = out[HIDDEN_OUTPUT]
+    rows: dict[str, torch.Tensor] = {}
+    pooled: dict[str, torch.Tensor] = {}
+    start = 0
+    for text, c in chunks.items():
+        z = hidden[start : start + c.chunks]
+        rows[text] = apply_weights(z, c.weights) if c.weighted else z
+        if POOLED_OUTPUT in out:
+            pooled[text] = out[POOLED_OUTPUT][start]
+        start += c.chunks
+    return rows, hidden[-1] if with_empty else None, pooled
 
 
 @dataclass(frozen=True)

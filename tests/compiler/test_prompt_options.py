@@ -13,6 +13,7 @@ from diffusion_trt.config import CompileConfig, ShapeProfile
 from diffusion_trt.errors import RuntimeInputError
 
 SD = {"architecture": "sd", "text_encoder_layers": 12}
+SDXL = {"architecture": "sdxl", "text_encoder_layers": 12}
 SIZES = {"text_hidden": 32, "text_len": 77, "unet_in": 4, "unet_out": 4, "latent": 4}
 
 
@@ -22,17 +23,25 @@ def _profile(static: bool) -> ShapeProfile:
     return config.resolve_profile(64)
 
 
-def test_dynamic_profile_takes_the_chunks_asked(caplog: pytest.LogCaptureFixture) -> None:
-    assert prompt_chunks_for(CompileConfig(), _profile(False), SD) == 3
-    assert prompt_chunks_for(CompileConfig(max_prompt_chunks=5), _profile(False), SD) == 5
+@pytest.mark.parametrize("facts", [SD, SDXL])
+def test_dynamic_profile_takes_the_chunks_asked(caplog: pytest.LogCaptureFixture, facts: dict) -> None:
+    assert prompt_chunks_for(CompileConfig(), _profile(False), facts) == 3
+    assert prompt_chunks_for(CompileConfig(max_prompt_chunks=5), _profile(False), facts) == 5
 
 
-@pytest.mark.parametrize(("static", "facts"), [(True, SD), (False, {"architecture": "sdxl"})])
-def test_static_profile_and_sdxl_keep_77_tokens(caplog: pytest.LogCaptureFixture, static: bool, facts: dict) -> None:
+def test_sdxl_unet_context_is_77_k_with_chunks() -> None:
+    unet = component_specs(**SIZES, text_hidden_2=48, text_embeds=40, prompt_chunks=3)["unet"]
+    context = tensor_manifest(unet.inputs[2], "fp32", _profile(False), unet.symbols)
+    assert (context["name"], context["min"][1:], context["max"][1:]) == ("encoder_hidden_states", [77, 80], [231, 80])
+    assert component_specs(**SIZES, text_hidden_2=48, text_embeds=40)["unet"].inputs[2].shape[1] == 77
+
+
+@pytest.mark.parametrize("facts", [SD, SDXL])
+def test_static_profile_keeps_77_tokens(caplog: pytest.LogCaptureFixture, facts: dict) -> None:
     with caplog.at_level(logging.INFO, logger="diffusion_trt"):
-        assert prompt_chunks_for(CompileConfig(), _profile(static), facts) == 1
+        assert prompt_chunks_for(CompileConfig(), _profile(True), facts) == 1
         assert "77 tokens" not in caplog.text  # the default: said at DEBUG (INFO lines reach the CLI's output)
-        assert prompt_chunks_for(CompileConfig(max_prompt_chunks=4), _profile(static), facts) == 1
+        assert prompt_chunks_for(CompileConfig(max_prompt_chunks=4), _profile(True), facts) == 1
     assert "max_prompt_chunks=4: the UNet takes 77 tokens only" in caplog.text
 
 

@@ -116,8 +116,8 @@ SDXL_CASES: list[tuple[str, type | None, str | None, dict[str, Any], bool]] = [
      {"prompt": "a house", "prompt_2": "in the snow", "negative_prompt": "x", "negative_prompt_2": "y",
       "height": 48, "width": 80, "guidance_scale": 7.0, "original_size": (512, 300), "crops_coords_top_left": (8, 16),
       "target_size": (48, 80), "negative_original_size": (128, 128), "negative_target_size": (48, 80)}, False),
-    ("euler_a-long-prompt", diffusers.EulerAncestralDiscreteScheduler, "euler_a", {"prompt": "a long prompt " * 30},
-     False),  # draws noise from the generator every step; the prompt is truncated to 77 tokens by both tokenizers
+    ("euler_a-full-chunk", diffusers.EulerAncestralDiscreteScheduler, "euler_a", {"prompt": "a long prompt " * 25},
+     False),  # draws noise every step; 75 tokens: one full chunk (longer ones: tests/runtime/test_sdxl_prompts.py)
     # five images: above the profile's max batch 4, so the request runs in two chunks (a deterministic scheduler:
     # see runtime/batching.py for why chunked requests of noise-drawing schedulers differ from one diffusers call)
     ("euler-chunked", None, None, {"prompt": "a cat", "num_images_per_prompt": 5}, False),
