@@ -40,7 +40,7 @@ import torch
 from ..errors import RuntimeInputError
 from .conditioning import TextToImage
 from .cuda import nvtx_range
-from .engines.engine import Engine
+from .engines.engine import Engine, run_rows_outputs
 from .prompt_encoding import PromptReader, TokenChunks, apply_weights, pad_chunks, warn_truncated
 from .text_embeddings import EmbeddingCache
 
@@ -317,7 +317,7 @@ def _encode_texts(engine: Engine, reader: PromptReader, chunks: Mapping[str, Tok
     penultimate states [k_i, 77, D] (float32 where weighted, the engine's dtype otherwise), the empty chunk's
     [77, D] (or ``None``) and, when ``names`` has :data:`POOLED_OUTPUT`, each text's first-chunk pooled [E]."""
     ids = torch.cat([c.ids for c in chunks.values()] + ([reader.empty_chunk()] if with_empty else []))
-    out = run_rows(engine, ids.to(engine.device), names)
+    out = run_rows_outputs(engine, "input_ids", ids.to(engine.device), names)
     hidden = out[HIDDEN_OUTPUT]
     rows: dict[str, torch.Tensor] = {}
     pooled: dict[str, torch.Tensor] = {}
@@ -363,19 +363,3 @@ class AddedConditioning:
             "text_embeds": embeds.to(unet.spec.input("text_embeds").torch_dtype).contiguous(),
             "time_ids": ids.to(unet.spec.input("time_ids").torch_dtype).contiguous(),
         }
-
-
-def run_rows(engine: Engine, ids: torch.Tensor, output_names: Sequence[str]) -> Mapping[str, torch.Tensor]:
-    """Run a text encoder on ``ids`` [N, 77], padding or chunking N to its batch range; fresh output tensors."""
-    info = engine.spec.input("input_ids")
-    lo, hi = info.min[0], info.max[0]
-    parts: dict[str, list[torch.Tensor]] = {name: [] for name in output_names}
-    for start in range(0, ids.shape[0], hi):
-        chunk = ids[start : start + hi]
-        rows = chunk.shape[0]
-        if rows < lo:  # e.g. one prompt without CFG on an engine built for batch >= 2
-            chunk = torch.cat([chunk, chunk[-1:].expand(lo - rows, *chunk.shape[1:])])
-        out = engine.run({"input_ids": chunk})
-        for name in output_names:  # clone: the engine overwrites its output buffers on its next run
-            parts[name].append(out[name][:rows].clone())
-    return {name: p[0] if len(p) == 1 else torch.cat(p) for name, p in parts.items()}

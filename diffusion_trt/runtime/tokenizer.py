@@ -63,11 +63,6 @@ class ClipTokenizer:
                                 "recompile the artifact")
         return int(token_id)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The ids of ``text``, ``[BOS] ids [EOS]`` with ``add_special_tokens`` (never truncated)."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
-        return [self.bos_token_id, *ids, self.eos_token_id] if add_special_tokens else list(ids)
-
     def __call__(self, text: str | Sequence[str], *, add_special_tokens: bool = True, truncation: bool = False,
                  padding: bool | str = False, max_length: int | None = None, return_tensors: str | None = None,
                  verbose: bool = True) -> Encoding:

@@ -16,8 +16,9 @@ import torch
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from diffusion_trt.runtime import EnginePipeline
+from diffusion_trt.runtime.engines.engine import run_rows_outputs
 from diffusion_trt.runtime.prompt_encoding import PromptReader
-from diffusion_trt.runtime.sdxl import HIDDEN_OUTPUT, POOLED_OUTPUT, run_rows, sdxl_conditioning
+from diffusion_trt.runtime.sdxl import HIDDEN_OUTPUT, POOLED_OUTPUT, sdxl_conditioning
 from diffusion_trt.runtime.text_embeddings import tokenize
 
 from .prompt_reference import chunk_rows
@@ -133,10 +134,10 @@ def test_one_chunk_unweighted_is_bit_equal_to_one_run_per_encoder(pipe) -> None:
     pos, neg, added = _encode_many(pipe, prompts, negatives)
     engines = pipe.loop_engines()
     texts = ["blurry", "a red cube", "a blue sphere"]  # the distinct texts, negatives first, as encoded
-    h1 = run_rows(engines.text_encoder, tokenize(engines.tokenizer, texts, torch.device("cpu")),
-                  (HIDDEN_OUTPUT,))[HIDDEN_OUTPUT]
-    out2 = run_rows(pipe.engine("text_encoder_2"), tokenize(pipe.tokenizer_2, texts, torch.device("cpu")),
-                    (POOLED_OUTPUT, HIDDEN_OUTPUT))
+    h1 = run_rows_outputs(engines.text_encoder, "input_ids", tokenize(engines.tokenizer, texts, torch.device("cpu")),
+                          (HIDDEN_OUTPUT,))[HIDDEN_OUTPUT]
+    out2 = run_rows_outputs(pipe.engine("text_encoder_2"), "input_ids",
+                            tokenize(pipe.tokenizer_2, texts, torch.device("cpu")), (POOLED_OUTPUT, HIDDEN_OUTPUT))
     want = torch.cat([h1, out2[HIDDEN_OUTPUT]], dim=-1)
     assert torch.equal(pos, want[1:]) and torch.equal(neg, want[[0, 0]])
     assert torch.equal(added.pooled, out2[POOLED_OUTPUT][1:])

@@ -19,7 +19,7 @@ has one value across all inputs, so a bad call fails with a message instead of a
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
@@ -447,23 +447,29 @@ class EngineBase:
 
 def run_rows(engine: Engine, input_name: str, x: torch.Tensor, output_name: str,
              shared: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """:func:`run_rows_outputs` for one output: a fresh tensor (never an engine buffer)."""
+    return run_rows_outputs(engine, input_name, x, (output_name,), shared)[output_name]
+
+
+def run_rows_outputs(engine: Engine, input_name: str, x: torch.Tensor, output_names: Sequence[str],
+                     shared: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Run a row-independent engine on ``x`` [N, ...], padding or chunking N to the engine's batch range;
     ``shared``: inputs every row gets alike, expanded to the run's rows (the text encoder's ``embedding_vectors``
     [N, D] -> [rows, N, D]).
 
-    Returns a fresh tensor (never an engine buffer).
+    Returns each of ``output_names`` as a fresh tensor [N, ...] (never an engine buffer).
     """
     info = engine.spec.input(input_name)
     lo, hi = info.min[0], info.max[0]
-    n = x.shape[0]
-    outs: list[torch.Tensor] = []
-    for start in range(0, n, hi):
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in output_names}
+    for start in range(0, x.shape[0], hi):
         chunk = x[start : start + hi]
         rows = chunk.shape[0]
         if rows < lo:  # e.g. one prompt without CFG on an engine built for batch >= 2
             chunk = torch.cat([chunk, chunk[-1:].expand(lo - rows, *chunk.shape[1:])])
-        # clone: the engine overwrites its output buffer on the next chunk (and the next call)
         feeds = {input_name: chunk} | {k: v.expand(chunk.shape[0], *v.shape).contiguous()
                                         for k, v in (shared or {}).items()}
-        outs.append(engine.run(feeds)[output_name][:rows].clone())
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+        out = engine.run(feeds)
+        for name in output_names:  # clone: the engine overwrites its output buffers on its next run
+            parts[name].append(out[name][:rows].clone())
+    return {name: p[0] if len(p) == 1 else torch.cat(p) for name, p in parts.items()}
