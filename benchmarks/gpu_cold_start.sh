@@ -6,11 +6,12 @@
 #   bash benchmarks/gpu_cold_start.sh cold OUT         cold_start.py all (ours, diffusers one-shot, phases, levels,
 #                                                       profile; BEFORE=DIR: that tree's package too); bench b1
 #   bash benchmarks/gpu_cold_start.sh compile-b4 OUT   static 512 b4 compile with its memory profile; bench b4
-# Eighth session (the models and four static 512 b1 compiles side by side, then the measurements on a quiet host):
-#   bash benchmarks/gpu_cold_start.sh prep OUT         sd15 pipeline, ControlNets a/b, rank-64 LoRAs a/b; starts the
+# Four artifacts at once, then the measurements on a quiet host:
+#   bash benchmarks/gpu_cold_start.sh prep OUT         sd15 pipeline, ControlNets a/b, rank-64 LoRAs a/b, then the
 #                                                       compiles base, refit (--refittable), merged (--lora a), cn
-#                                                       (--controlnet a,b) in the background
-#   bash benchmarks/gpu_cold_start.sh wait OUT         waits (<= 570 s) for them; their log tails
+#                                                       (--controlnet a,b) side by side, waited for (~8 min on the
+#                                                       H200: one device call; a process left in the background
+#                                                       does not outlive the call)
 #   bash benchmarks/gpu_cold_start.sh cold-base OUT    cold_start.py all on base (BEFORE=DIR: that tree too), bench b1
 #   bash benchmarks/gpu_cold_start.sh offline OUT      ort_offline_optimization.py on base's UNet
 #   bash benchmarks/gpu_cold_start.sh controlnet OUT   controlnet_step.py (0/1/2 ControlNets, ours vs diffusers)
@@ -41,19 +42,14 @@ for i, k in enumerate('ab'): ls.make_lora(Path('$W/model-sd15'), Path('$W/lora_%
     ls -la $W
     log compiles
     base="$common $(static 512 1)"
-    nohup $D compile $W/model-sd15 -o $W/art-base $base > /tmp/cs/c-base.log 2>&1 &
-    nohup $D compile $W/model-sd15 -o $W/art-refit $base --refittable > /tmp/cs/c-refit.log 2>&1 &
-    nohup $D compile $W/model-sd15 -o $W/art-merged $base --lora $W/lora_a_r64.safetensors > /tmp/cs/c-merged.log 2>&1 &
-    nohup $D compile $W/model-sd15 -o /tmp/cs/art-cn $base --controlnet a=/tmp/cs/cn-a --controlnet b=/tmp/cs/cn-b \
+    $D compile $W/model-sd15 -o $W/art-base $base > /tmp/cs/c-base.log 2>&1 &
+    $D compile $W/model-sd15 -o $W/art-refit $base --refittable > /tmp/cs/c-refit.log 2>&1 &
+    $D compile $W/model-sd15 -o $W/art-merged $base --lora $W/lora_a_r64.safetensors > /tmp/cs/c-merged.log 2>&1 &
+    $D compile $W/model-sd15 -o /tmp/cs/art-cn $base --controlnet a=/tmp/cs/cn-a --controlnet b=/tmp/cs/cn-b \
       > /tmp/cs/c-cn.log 2>&1 &
-    sleep 5; log started; free -g | head -2 ;;
-  wait)
-    for i in $(seq 1 57); do
-      pgrep -f "diffusion_trt.cli compile" > /dev/null || break
-      sleep 10
-    done
-    log done waiting; pgrep -af "diffusion_trt.cli compile" | cut -c1-120
-    for f in /tmp/cs/c-*.log; do echo "--- $f"; grep -v -E "it/s|stage/s" "$f" | tail -6; done
+    wait
+    log compiled
+    for f in /tmp/cs/c-*.log; do echo "--- $f"; grep -v -E "it/s|stage/s" "$f" | tail -3; done
     ls $W/art-*/manifest.json /tmp/cs/art-cn/manifest.json ;;
   cold-base)
     log cold start
