@@ -306,6 +306,16 @@ class _VaeEncoder(torch.nn.Module):
         return h
 
 
+def module_keys(component: str) -> tuple[str, ...]:
+    """The keys of :func:`load_models`' dict (and of the loaded ControlNets) that exporting ``component`` reads:
+    ``unet`` and ``unet_controlnet`` read ``"unet"``, both VAE halves ``"vae"``, a ControlNet its own name."""
+    if component in ("vae_decoder", "vae_encoder"):
+        return ("vae",)
+    if component == "unet_controlnet":
+        return ("unet",)
+    return (component,)
+
+
 def _wrap(component: str, models: dict[str, Any], architecture: str = "sd", clip_skip: int = 0, vectors: int = 0
           ) -> torch.nn.Module:
     if architecture == "sdxl":

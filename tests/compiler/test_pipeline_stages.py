@@ -35,3 +35,29 @@ def test_a_stage_names_itself_and_keeps_or_picks_the_error_class() -> None:
             with stage(name, "unet"):
                 raise ValueError("bad")
         assert isinstance(e.value.__cause__, ValueError)
+
+
+def test_each_torch_module_is_released_after_the_last_component_that_exports_it(
+        tiny_pipeline_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffusion_trt.compiler import pipeline
+    from diffusion_trt.config import CompileConfig
+
+    seen: dict[str, list[str]] = {}
+    export_component = pipeline.export_component
+
+    def spy(job, plan, models, staging):  # type: ignore[no-untyped-def]
+        seen[plan.name] = sorted(models)  # the modules still loaded when this component is exported
+        return export_component(job, plan, models, staging)
+
+    monkeypatch.setattr(pipeline, "export_component", spy)
+    pipeline.compile_pipeline(tiny_pipeline_dir, tmp_path / "art",
+                              CompileConfig(components=("text_encoder", "unet", "vae_encoder", "vae_decoder")))
+    assert seen == {"text_encoder": ["text_encoder", "unet", "vae"], "unet": ["unet", "vae"],
+                    "vae_encoder": ["vae"], "vae_decoder": ["vae"]}
+
+
+def test_the_module_keys_follow_the_export_wrappers() -> None:
+    assert export.module_keys("unet_controlnet") == ("unet",)
+    assert export.module_keys("vae_encoder") == export.module_keys("vae_decoder") == ("vae",)
+    assert export.module_keys("controlnet_canny") == ("controlnet_canny",)
+    assert export.module_keys("text_encoder_2") == ("text_encoder_2",)
