@@ -7,11 +7,17 @@
 #                                                       profile; BEFORE=DIR: that tree's package too); bench b1
 #   bash benchmarks/gpu_cold_start.sh compile-b4 OUT   static 512 b4 compile with its memory profile; bench b4
 # Four artifacts at once, then the measurements on a quiet host:
-#   bash benchmarks/gpu_cold_start.sh prep OUT         sd15 pipeline, ControlNets a/b, rank-64 LoRAs a/b, then the
-#                                                       compiles base, refit (--refittable), merged (--lora a), cn
-#                                                       (--controlnet a,b) side by side, waited for (~8 min on the
-#                                                       H200: one device call; a process left in the background
-#                                                       does not outlive the call)
+#   bash benchmarks/gpu_cold_start.sh prep OUT         models, then compiles (below) in one call
+#   bash benchmarks/gpu_cold_start.sh models OUT       sd15 pipeline, ControlNets a/b, rank-64 LoRAs a/b
+#   bash benchmarks/gpu_cold_start.sh compiles OUT     compiles base (its peak RSS per stage: compile_memory.py),
+#                                                       refit (--refittable), merged (--lora a), cn (--controlnet
+#                                                       a,b) side by side, waited for (~6 min on the H200: a process
+#                                                       left in the background does not outlive the device call)
+#   bash benchmarks/gpu_cold_start.sh bytecode OUT     compile $SITE's bytecode (pip does at install; the wheel
+#                                                       installer here uses --no-compile), then `import diffusers`'
+#                                                       -X importtime, twice, in fresh processes
+#   bash benchmarks/gpu_cold_start.sh readhash OUT     read_hash_throughput.py --sweep on base's UNet weights
+#   bash benchmarks/gpu_cold_start.sh compile-b4 OUT   (with W's model) static 512 b4 compile, its memory, bench b4
 #   bash benchmarks/gpu_cold_start.sh cold-base OUT    cold_start.py all on base (BEFORE=DIR: that tree too), bench b1
 #   bash benchmarks/gpu_cold_start.sh offline OUT      ort_offline_optimization.py on base's UNet
 #   bash benchmarks/gpu_cold_start.sh controlnet OUT   controlnet_step.py (0/1/2 ControlNets, ours vs diffusers)
@@ -28,8 +34,7 @@ log() { echo "=== $(date +%T) $*"; }
 static() { echo "--height $1 --width $1 --min-height $1 --max-height $1 --min-width $1 --max-width $1 --batch-size $2 --min-batch-size $2 --max-batch-size $2"; }
 common="--device cuda --precision fp16 --no-cache --overwrite --components text_encoder,unet,vae_decoder"
 W=/tmp/lora-switch
-case $phase in
-  prep)
+models() {
     mkdir -p $W /tmp/cs
     log dummy; $D dummy-pipeline --arch sd15 --seed 0 --overwrite $W/model-sd15 > "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
     $D dummy-controlnet --arch sd15 --seed 0 --overwrite /tmp/cs/cn-a >> "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
@@ -40,9 +45,12 @@ import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import l
 for i, k in enumerate('ab'): ls.make_lora(Path('$W/model-sd15'), Path('$W/lora_%s_r64.safetensors' % k), 64, seed=i + 1)
 " 2>&1 | tail -3
     ls -la $W
+}
+compiles() {
     log compiles
     base="$common $(static 512 1)"
-    $D compile $W/model-sd15 -o $W/art-base $base > /tmp/cs/c-base.log 2>&1 &
+    $py benchmarks/compile_memory.py --json "$out/compile_memory_b1.json" -- compile $W/model-sd15 -o $W/art-base \
+      $base > /tmp/cs/c-base.log 2>&1 &
     $D compile $W/model-sd15 -o $W/art-refit $base --refittable > /tmp/cs/c-refit.log 2>&1 &
     $D compile $W/model-sd15 -o $W/art-merged $base --lora $W/lora_a_r64.safetensors > /tmp/cs/c-merged.log 2>&1 &
     $D compile $W/model-sd15 -o /tmp/cs/art-cn $base --controlnet a=/tmp/cs/cn-a --controlnet b=/tmp/cs/cn-b \
@@ -50,7 +58,23 @@ for i, k in enumerate('ab'): ls.make_lora(Path('$W/model-sd15'), Path('$W/lora_%
     wait
     log compiled
     for f in /tmp/cs/c-*.log; do echo "--- $f"; grep -v -E "it/s|stage/s" "$f" | tail -3; done
-    ls $W/art-*/manifest.json /tmp/cs/art-cn/manifest.json ;;
+    ls $W/art-*/manifest.json /tmp/cs/art-cn/manifest.json
+}
+case $phase in
+  prep) models; compiles ;;
+  models) models ;;
+  compiles) compiles ;;
+  bytecode)
+    log bytecode; $py -m compileall -q -j 0 "$SITE" > /dev/null 2>&1; echo "compileall rc $?"
+    for i in 1 2; do
+      log "import diffusers $i"
+      $py -X importtime -c "import diffusers; diffusers.PNDMScheduler" 2> "$out/importtime_diffusers_$i.txt"
+      sort -t'|' -k2 -n -r "$out/importtime_diffusers_$i.txt" | head -12
+    done ;;
+  readhash)
+    log readhash
+    $py benchmarks/read_hash_throughput.py $W/art-base/unet/model.onnx.data --repeat 2 --sweep \
+      --json "$out/read_hash.json" 2>&1 | tail -14 ;;
   cold-base)
     log cold start
     $py benchmarks/cold_start.py all $W/art-base --model-dir $W/model-sd15 --repeat 2 ${BEFORE:+--code-before "$BEFORE"} \
@@ -63,11 +87,11 @@ for i, k in enumerate('ab'): ls.make_lora(Path('$W/model-sd15'), Path('$W/lora_%
     timeout 400 $py benchmarks/ort_offline_optimization.py $W/art-base --json "$out/ort_offline.json" 2>&1 | tail -12 ;;
   controlnet)
     log controlnet
-    timeout 560 $py benchmarks/controlnet_step.py $W/model-sd15 /tmp/cs/art-cn /tmp/cs/cn-a /tmp/cs/cn-b \
+    timeout ${CN_TIMEOUT:-400} $py benchmarks/controlnet_step.py $W/model-sd15 /tmp/cs/art-cn /tmp/cs/cn-a /tmp/cs/cn-b --warmup 1 \
       --json "$out/controlnet_step.json" 2>&1 | tail -60 ;;
   lora)
     log lora
-    timeout 560 $py benchmarks/lora_switch.py "$out/lora_switch.json" --work $W 2>&1 | tail -40 ;;
+    timeout ${LORA_TIMEOUT:-300} $py benchmarks/lora_switch.py "$out/lora_switch.json" --work $W 2>&1 | tail -40 ;;
   compile-b1)
     log dummy; $D dummy-pipeline --arch sd15 --seed 0 --overwrite $M > "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
     log compile b1
@@ -85,6 +109,7 @@ for i, k in enumerate('ab'): ls.make_lora(Path('$W/model-sd15'), Path('$W/lora_%
       | grep -v -E "it/s|stage/s" | tail -25 ;;
   compile-b4)
     log compile b4
+    [ -d $M ] || M=$W/model-sd15
     $py benchmarks/compile_memory.py --json "$out/compile_memory_b4.json" -- compile $M -o /tmp/cs/art_b4 \
       $common $(static 512 4) 2>&1 \
       | grep -v -E "it/s|stage/s" | tail -40

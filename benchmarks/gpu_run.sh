@@ -30,7 +30,7 @@ describe() {  # what phase $1 measures (and its script)
     vram-budget) echo "gpu_throughput_budget.sh PHASE=B: SDXL 1024 vs --vram-budget 8GB, SD-1.5 4GB from estimates" ;;
     vram) echo "gpu_vram.sh STEP ARCH [BUDGET] [WHAT]: engine memory facts, per-stage peaks, tiled VAE (vram:build:sd15)" ;;
     determinism) echo "gpu_determinism.sh: GroupNorm fused vs unfused probe, --deterministic compile run-to-run identity" ;;
-    cold-start) echo "gpu_cold_start.sh compile-b1|cold|compile-b4|prep|cold-base|offline|controlnet|lora: compile peak RSS, cold start, bench, ORT offline optimisation, ControlNet and LoRA costs (cold-start:cold)" ;;
+    cold-start) echo "gpu_cold_start.sh compile-b1|cold|compile-b4|prep|models|compiles|bytecode|readhash|cold-base|offline|controlnet|lora: compile peak RSS, cold start, import and read+hash times, bench, ORT offline optimisation, ControlNet and LoRA costs (cold-start:cold)" ;;
     *) return 1 ;;
   esac
 }
