@@ -53,13 +53,13 @@ compiles() {
       $base > /tmp/cs/c-base.log 2>&1 &
     $D compile $W/model-sd15 -o $W/art-refit $base --refittable > /tmp/cs/c-refit.log 2>&1 &
     $D compile $W/model-sd15 -o $W/art-merged $base --lora $W/lora_a_r64.safetensors > /tmp/cs/c-merged.log 2>&1 &
-    $D compile $W/model-sd15 -o /tmp/cs/art-cn $base --controlnet a=/tmp/cs/cn-a --controlnet b=/tmp/cs/cn-b \
-      > /tmp/cs/c-cn.log 2>&1 &
+    [ -n "${NO_CN:-}" ] || $D compile $W/model-sd15 -o /tmp/cs/art-cn $base --controlnet a=/tmp/cs/cn-a \
+      --controlnet b=/tmp/cs/cn-b > /tmp/cs/c-cn.log 2>&1 &
     wait
     log compiled
     for f in /tmp/cs/c-*.log; do echo "--- $f"; grep -v -E "it/s|stage/s" "$f" | tail -3; done
     ls $W/art-*/manifest.json /tmp/cs/art-cn/manifest.json
-}
+}  # NO_CN=1: without the ControlNet artifact
 case $phase in
   prep) models; compiles ;;
   models) models ;;
