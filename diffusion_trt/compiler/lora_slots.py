@@ -11,12 +11,6 @@ are not copied.
 Why inputs and not initializers that are *also* graph inputs (ONNX's overridable initializers): ONNX Runtime's IO
 binding refuses them (``bind_input``: "Failed to find NodeArg with name: W in the def list"), and IO binding is the
 CUDA path.
-
-A 1x1 Conv whose weight became an input is rewritten as a MatMul over the channels (:func:`pointwise_convs_as_matmul`):
-on the H200 (onnxruntime-gpu 1.31.1, CUDA EP at ORT_ENABLE_ALL, whose layout transformation runs Convs in NHWC) the
-SD-1.5 UNet's first such Conv failed at its first run with "Input channels C is not equal to kernel channels * group.
-C: 320 kernel channels: 1" (2026-12-02; its 3x3 Convs with input weights ran), i.e. the NHWC kernel read the
-[O, C, 1, 1] weight input as [O, kH, kW, C]. The MatMul form has no layout, so no provider can misread it.
 """
 
 from __future__ import annotations
@@ -58,67 +52,7 @@ def expose_weights(model: onnx.ModelProto, rmap: dict[str, Any]) -> dict[str, np
     for name, arr in values.items():
         elem = helper.np_dtype_to_tensor_dtype(arr.dtype)
         model.graph.input.append(helper.make_tensor_value_info(name, elem, list(arr.shape)))
-    pointwise_convs_as_matmul(model, {n: a.shape for n, a in values.items()})
     return values
-
-
-def _is_pointwise(node: onnx.NodeProto, shape: tuple[int, ...]) -> bool:
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    neutral = {"strides": [1, 1], "dilations": [1, 1], "pads": [0, 0, 0, 0], "group": 1, "kernel_shape": [1, 1]}
-    return (len(shape) == 4 and tuple(shape[2:]) == (1, 1) and attrs.get("auto_pad", b"NOTSET") in (b"NOTSET", b"VALID")
-            and all(list(v) == neutral[k] if isinstance(v, list) else v == neutral[k]
-                    for k, v in attrs.items() if k in neutral))
-
-
-def pointwise_convs_as_matmul(model: onnx.ModelProto, weight_inputs: dict[str, tuple[int, ...]]) -> int:
-    """Rewrite, in place, every 1x1 Conv (stride 1, no padding, one group) whose weight is one of ``weight_inputs``
-    (graph input name -> its [O, C, 1, 1] shape) as ``Reshape(MatMul(W[O, C], X[N, C, H*W])) (+ bias [O, 1, 1])``:
-    the same arithmetic (a sum over C per pixel), read from the same bound [O, C, 1, 1] input (see the module
-    docstring for why). Returns the number of Convs rewritten."""
-    graph, nodes, done, biases = model.graph, [], 0, set()
-    inits = {i.name: i for i in graph.initializer}
-    for node in graph.node:
-        shape = weight_inputs.get(node.input[1]) if node.op_type == "Conv" and len(node.input) > 1 else None
-        if shape is None or not _is_pointwise(node, shape):
-            nodes.append(node)
-            continue
-        nodes += _matmul_nodes(graph, inits, node, shape, f"{node.name or node.output[0]}_pointwise")
-        biases.update(node.input[2:3])
-        done += 1
-    del graph.node[:]
-    graph.node.extend(nodes)
-    used = {name for n in nodes for name in n.input}
-    unused = [i for i in graph.initializer if i.name in biases and i.name not in used]  # now held reshaped
-    for init in unused:
-        graph.initializer.remove(init)
-    return done
-
-
-def _matmul_nodes(graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto], conv: onnx.NodeProto,
-                  shape: tuple[int, ...], p: str) -> list[onnx.NodeProto]:
-    """The nodes replacing one pointwise Conv (``p``: the prefix of every new name)."""
-    def const(name: str, values: list[int]) -> str:
-        graph.initializer.append(numpy_helper.from_array(np.asarray(values, dtype=np.int64), f"{p}_{name}"))
-        return f"{p}_{name}"
-
-    x, w, y = conv.input[0], conv.input[1], conv.output[0]
-    out = [helper.make_node("Reshape", [w, const("w_shape", [shape[0], shape[1]])], [f"{p}_w"]),
-           helper.make_node("Reshape", [x, const("x_shape", [0, 0, -1])], [f"{p}_x"]),
-           helper.make_node("MatMul", [f"{p}_w", f"{p}_x"], [f"{p}_y"]),
-           helper.make_node("Shape", [x], [f"{p}_xs"]),
-           helper.make_node("Slice", [f"{p}_xs", const("s0", [2]), const("s1", [4])], [f"{p}_hw"]),
-           helper.make_node("Slice", [f"{p}_xs", const("n0", [0]), const("n1", [1])], [f"{p}_n"]),
-           helper.make_node("Concat", [f"{p}_n", const("o", [shape[0]]), f"{p}_hw"], [f"{p}_ys"], axis=0)]
-    bias = conv.input[2] if len(conv.input) > 2 and conv.input[2] else None
-    if bias is None:
-        return [*out, helper.make_node("Reshape", [f"{p}_y", f"{p}_ys"], [y])]
-    if bias in inits:  # the usual case: a constant bias, reshaped once here
-        b = numpy_helper.to_array(inits[bias]).reshape(-1, 1, 1)
-        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(b), f"{p}_b"))
-    else:
-        out.append(helper.make_node("Reshape", [bias, const("b_shape", [-1, 1, 1])], [f"{p}_b"]))
-    return [*out, helper.make_node("Reshape", [f"{p}_y", f"{p}_ys"], [f"{p}_y4"]),
-            helper.make_node("Add", [f"{p}_y4", f"{p}_b"], [y])]
 
 
 def write_weight_inputs(name: str, model: onnx.ModelProto, rmap: dict[str, Any], staging: Path) -> dict[str, str]:
