@@ -187,13 +187,19 @@ def test_inspect_shows_memory_per_engine_with_its_sources(tiny_artifact: Path, n
 
 
 def test_stage_memory_meter_off_cuda_reads_nothing() -> None:
+    """The meter is a hook of the stage context (no engine wrapped): inside ``watch`` it follows the stages the loop
+    enters, after it the stages no longer tell it; off CUDA it reads nothing."""
     import torch
 
     from diffusion_trt.runtime.memory.memory_meter import StageMemoryMeter
+    from diffusion_trt.runtime.memory.stages import Stages
 
-    meter = StageMemoryMeter(torch.device("cpu"))
-    engines: dict[str, object] = {"unet": object(), "vae_encoder": object()}
-    before = dict(engines)
-    with meter.watch(engines):
-        assert engines["unet"] is not before["unet"] and engines["vae_encoder"] is before["vae_encoder"]
-    assert engines == before and meter.peaks_mib() == {"text": None, "unet": None, "vae": None}
+    meter, stages = StageMemoryMeter(torch.device("cpu")), Stages()
+    with meter.watch(stages):
+        assert stages.hooks == [meter]
+        with stages.stage("unet"):
+            assert meter.stage == "unet"
+    assert stages.hooks == []
+    with stages.stage("vae"):
+        assert meter.stage == "unet"
+    assert meter.peaks_mib() == {"text": None, "unet": None, "vae": None}
