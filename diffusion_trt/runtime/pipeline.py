@@ -852,8 +852,9 @@ class EnginePipeline:
         return images
 
     def loop_engines(self, output_type: str = "pil") -> denoise.LoopEngines:
-        """What :func:`.denoise.generate` runs on: this pipeline's engines (no VAE decoder for "latent"), tokenizer and
-        reusable buffers. With :attr:`request_spec`, the loop can be driven directly::
+        """What :func:`.denoise.generate` runs on: this pipeline's engines (no VAE decoder for "latent"), tokenizer,
+        reusable buffers and stage context (:attr:`stages`: a VRAM budget opens engines per stage there). With
+        :attr:`request_spec`, the loop can be driven directly::
 
             request = Request.build(pipe.request_spec, pipe.engines, "a fox", num_inference_steps=30, seed=1)
             images = denoise.generate(request, pipe.loop_engines(request.output_type), pipe.scheduler)

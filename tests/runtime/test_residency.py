@@ -92,6 +92,7 @@ def test_the_loop_enters_each_stage_and_per_stage_opens_only_its_engines(tiny_ar
         res = pipe.residency
         assert res is not None and res.plan.name == "per_stage" and pipe.stages is res
         assert all(type(pipe.engines[n]) is OrtEngine for n in ("text_encoder", "unet", "vae_decoder"))
+        assert res.tiled is not None and res.tiled.engine is pipe.engines["vae_decoder"]  # one layer when tiling
         recorder = _Recorder(pipe)
         res.hooks.append(recorder)
         images = pipe("a cat", num_images_per_prompt=5, **KW).images

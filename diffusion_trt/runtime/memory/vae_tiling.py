@@ -23,6 +23,9 @@ latent pixels after a 64 tile) fall outside a static 512x512 engine. So there ar
 Memory: the engine only ever runs at the tile shape, so its activations are those of one tile (an ORT arena grows
 to the largest shape it ran); the decoded tiles (about (1/(1-f))^2 = 1.8x the image) are kept until blended, as
 diffusers keeps them.
+
+Who tiles: under a VRAM budget whose plan tiles, the "vae" stage the loop enters hands it a :class:`TiledVaeDecoder`
+over the VAE decoder engine (:class:`~.stages.Stage`), which it runs instead of the engine.
 """
 
 from __future__ import annotations
