@@ -20,6 +20,7 @@ Settings fixed when an engine is created stay with it when a later call switches
 engine reads (and, with ``verify``, hashes) its file again through the artifact reader, and ORT re-optimises the
 graph: that is most of what a per-stage plan costs per request (``bench --vram-budget`` measures it).
 """
+
 from __future__ import annotations
 
 import logging
