@@ -305,7 +305,7 @@ def child_e2e(artifact: str, budget: str, steps: int) -> dict[str, Any]:
           "progress": False}
     with pipe:
         meter = StageMemoryMeter(pipe.device)
-        with meter.watch(pipe.engines):
+        with meter.watch(pipe.stages):
             pipe(**kw, seed=0)
         samples = []
         for i in range(2):

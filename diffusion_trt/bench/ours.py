@@ -82,7 +82,7 @@ def stage_memory(pipe: Any, cfg: BenchConfig, batch: int, height: int, width: in
     from ..runtime.memory.memory_meter import StageMemoryMeter
 
     meter = StageMemoryMeter(pipe.device)
-    with meter.watch(pipe.engines):
+    with meter.watch(pipe.stages):
         pipe(**call_kwargs(cfg, height, width, batch), generator=torch.Generator().manual_seed(cfg.seed),
              progress=False)
     return meter.peaks_mib()

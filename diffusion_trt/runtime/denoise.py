@@ -20,7 +20,10 @@ Beyond diffusers:
 * a request larger than the engines' batch profile runs in chunks (:mod:`.batching`): the latents of the
   whole request are drawn once and sliced, so the noise of an image does not depend on the chunking;
 * images leave the GPU as uint8 (or float32 for "np") in one asynchronous copy per chunk into a pinned
-  host buffer reused across calls (:mod:`.cuda`).
+  host buffer reused across calls (:mod:`.cuda`);
+* each stage runs inside ``with engines.stages.stage(...)`` ("text", then "unet" and "vae" per chunk,
+  :mod:`.memory.stages`): under a VRAM budget that is where engines open and others are released, and where the
+  "vae" stage picks the whole or the tiled decode from the plan; the engines run unwrapped.
 
 Host syncs. Everything stays on the engines' device; the loop reads nothing back (no ``.item()``, no
 ``.cpu()``) and hands the scheduler the timestep as a **CPU** tensor (taken once, before anything is queued),
@@ -45,11 +48,12 @@ latents ``[B, 4, H/8, W/8]``; text embeddings ``[B2, 77, D]``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -61,12 +65,14 @@ from .cuda import HostBuffers, HostImageSink, images_float, images_uint8, nvtx_r
 from .embeddings import EmbeddingTable
 from .engines.engine import Engine
 from .latents import Generator, StepCallback
+from .memory.stages import Stages
 from .prompt_encoding import PromptReader
 from .text_embeddings import EmbeddingCache, encode_prompt_embeds
 
 if TYPE_CHECKING:
     from .conditioning import ChunkConditioning
     from .controlnet import ChunkControl, ControlPlan
+    from .memory.vae_tiling import TiledVaeDecoder
     from .request import Request
 
 logger = logging.getLogger(__name__)
@@ -82,13 +88,16 @@ def step_kwargs(scheduler: Any, generator: Generator, eta: float) -> dict[str, A
     return kwargs
 
 
-def decode_latents(vae_decoder: Engine, latents: torch.Tensor, scaling_factor: float) -> torch.Tensor:
-    """Images [B, 3, H, W] in about [-1, 1] from latents [B, 4, h, w].
+def decode_latents(vae_decoder: Engine, latents: torch.Tensor, scaling_factor: float,
+                   tiled: TiledVaeDecoder | None = None) -> torch.Tensor:
+    """Images [B, 3, H, W] in about [-1, 1] from latents [B, 4, h, w]; ``tiled``: decode tile by tile with it (the
+    "vae" stage's choice, :class:`~.memory.stages.Stage`), ``None`` = whole.
 
-    **Returns the engine's output buffer** (overwritten by its next run); :func:`postprocess` copies.
+    **May return the engine's output buffer** (overwritten by its next run); :func:`postprocess` copies.
     """
     dtype = vae_decoder.spec.input("latent_sample").torch_dtype
-    return vae_decoder.run({"latent_sample": (latents / scaling_factor).to(dtype)})["sample"]
+    decoder = tiled if tiled is not None else vae_decoder
+    return decoder.run({"latent_sample": (latents / scaling_factor).to(dtype)})["sample"]
 
 
 def _nonfinite_flag(x: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor:
@@ -249,6 +258,8 @@ class LoopEngines:
         host_buffers: where "pil"/"np" results land (pinned on CUDA, reused across calls); ``None`` = fresh.
         copy_stream: CUDA side stream for the device->host copies (overlap the next chunk); ``None`` = the
             current stream.
+        stages: the stage context the loop enters around each stage's engine runs (:mod:`.memory.stages`; a VRAM
+            budget's :class:`~.memory.residency.Residency` opens and releases engines there); default: all open.
     """
 
     text_encoder: Engine
@@ -260,6 +271,7 @@ class LoopEngines:
     embeddings: EmbeddingTable | None = None
     host_buffers: HostBuffers | None = None
     copy_stream: Any = None
+    stages: Stages = field(default_factory=Stages)
 
 
 def generate(request: Request, engines: LoopEngines, scheduler: Any, control: ControlPlan | None = None) -> Any:
@@ -297,18 +309,8 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any, control: Co
                             request.latents)
     # 2. encode prompt: one text-encoder run over the distinct texts, then one row per image
     n = request.num_images_per_prompt
-    reader = prompt_reader(engines, request)
-    if request.pooled_prompt_embeds is not None:  # SDXL's prompt_embeds
-        positive, negative, added = cond.encode_given(  # type: ignore[attr-defined]
-            engines.text_encoder, reader, (request.prompt_embeds, request.pooled_prompt_embeds,
-                                           request.negative_prompt_embeds, request.negative_pooled_prompt_embeds),
-            request.negative_prompts if request.do_cfg else None, text_dtype)
-    elif request.prompt_embeds is not None:
-        (positive, negative), added = given_embeddings(request, engines, reader, text_dtype), None
-    else:
-        positive, negative, added = cond.encode(engines.text_encoder, reader, request.prompts,
-                                                request.negative_prompts if request.do_cfg else None, text_dtype,
-                                                engines.embedding_cache)
+    with engines.stages.stage("text") if encodes_text(request) else contextlib.nullcontext():
+        positive, negative, added = encode(request, engines, text_dtype)
     positive = positive.repeat_interleave(n, dim=0)
     negative = negative.repeat_interleave(n, dim=0) if negative is not None else None
     added = added.repeat_interleave(n) if added is not None else None
@@ -325,7 +327,7 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any, control: Co
             embeds = positive[rows.start : rows.stop]
             if negative is not None:
                 embeds = torch.cat([negative[rows.start : rows.stop], embeds])
-            with nvtx_range(f"denoise chunk {k}", device):
+            with nvtx_range(f"denoise chunk {k}", device), engines.stages.stage("unet", (unet.name,)):
                 final = denoise_latents(
                     unet=unet, scheduler=sched, prompt_embeds=embeds, latents=prepared.latents[rows.start : rows.stop],
                     timesteps=timesteps, timestep_values=timestep_values, guidance_scale=request.guidance_scale,
@@ -340,6 +342,33 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any, control: Co
         return parts[0] if len(parts) == 1 else torch.cat(parts)
     host = sink.finish().numpy()
     return to_pil(host) if request.output_type == "pil" else host.copy()  # the host buffer is reused by the next call
+
+
+def encodes_text(request: Request) -> bool:
+    """Whether step 2 runs a text encoder (so the loop enters the "text" stage): always for prompts; with given
+    ``prompt_embeds`` only to encode the negative prompts of CFG (no ``negative_prompt_embeds``, and not SDXL's zero
+    negatives)."""
+    if request.prompt_embeds is None:
+        return True
+    zero_negative = bool(getattr(request.conditioning, "zero_negative", False))
+    return request.do_cfg and request.negative_prompt_embeds is None and not zero_negative
+
+
+def encode(request: Request, engines: LoopEngines, dtype: torch.dtype) -> tuple[Any, Any, Any]:
+    """2. encode prompt, once per prompt: (positive [P, S, D], negative [P, S, D] or ``None``, the mode's added UNet
+    inputs or ``None``) in ``dtype`` on the engines' device, from the prompts or the caller's embeddings."""
+    cond = request.conditioning
+    reader = prompt_reader(engines, request)
+    negatives = request.negative_prompts if request.do_cfg else None
+    if request.pooled_prompt_embeds is not None:  # SDXL's prompt_embeds
+        return cond.encode_given(  # type: ignore[attr-defined,no-any-return]
+            engines.text_encoder, reader, (request.prompt_embeds, request.pooled_prompt_embeds,
+                                           request.negative_prompt_embeds, request.negative_pooled_prompt_embeds),
+            negatives, dtype)
+    if request.prompt_embeds is not None:
+        positive, negative = given_embeddings(request, engines, reader, dtype)
+        return positive, negative, None
+    return cond.encode(engines.text_encoder, reader, request.prompts, negatives, dtype, engines.embedding_cache)
 
 
 def prompt_reader(engines: LoopEngines, request: Request) -> PromptReader:
@@ -433,8 +462,8 @@ def _finish_chunk(final: torch.Tensor, rows: range, output_type: str, engines: L
         parts.append(final)
         return _nonfinite_flag(final, nonfinite)
     assert engines.vae_decoder is not None
-    with nvtx_range("vae_decode", device):
-        image = decode_latents(engines.vae_decoder, final, engines.scaling_factor)
+    with nvtx_range("vae_decode", device), engines.stages.stage("vae") as stage:  # the plan's choice: whole or tiled
+        image = decode_latents(engines.vae_decoder, final, engines.scaling_factor, stage.tiled_vae)
         nonfinite = _nonfinite_flag(image, nonfinite)
     with nvtx_range("postprocess", device):
         if sink is None:  # "pt": a fresh tensor, the VAE buffer is overwritten by the next chunk

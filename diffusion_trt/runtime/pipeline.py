@@ -54,6 +54,7 @@ from .latents import Generator, StepCallback
 from .loading import OpenTogether
 from .lora_slots import apply_loras, load_slots, lora_list
 from .memory.residency import Residency
+from .memory.stages import Stages
 from .png import save_png
 from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text, manifest_profile
 from .schedulers import import_scheduler_class, make_scheduler, scheduler_for, short_name
@@ -157,10 +158,15 @@ class EnginePipeline:
         stream: CUDA: the stream the engines were built with; each call runs on it.
         root: the artifact folder, for messages.
         tokenizer_2: SDXL artifacts (``model.architecture == "sdxl"``): the second ``CLIPTokenizer``.
+        residency: a VRAM budget's stage context (:class:`~diffusion_trt.runtime.memory.residency.Residency`, made
+            by ``from_artifacts(vram_budget=...)``): the pipeline then enters it instead of the text-to-image engines
+            (it opens the resident ones now, the others per stage); ``None`` = every engine open now.
 
     Attributes:
-        residency: with a VRAM budget (``from_artifacts(vram_budget=...)``), the plan in force and the engines it
-            opens per stage (:class:`~diffusion_trt.runtime.memory.residency.Residency`); ``None`` = all resident.
+        residency: with a VRAM budget, the plan in force and the engines it opens per stage; ``None`` = all resident.
+        stages: the stage context the loop enters (:mod:`~diffusion_trt.runtime.memory.stages`): ``residency``, or
+            one that opens nothing (all resident); a :class:`~diffusion_trt.runtime.memory.memory_meter.
+            StageMemoryMeter` watches it.
         request_spec: what a call may ask (profile, :class:`~.geometry.LatentGeometry`, architecture).
 
     Raises:
@@ -184,6 +190,7 @@ class EnginePipeline:
         stream: torch.cuda.Stream | None = None,
         root: str | os.PathLike[str] | None = None,
         tokenizer_2: Any = None,
+        residency: Residency | None = None,
     ) -> None:
         self._closed = True  # until the engines are open
         self._call_guard = CallGuard()  # one call at a time (see "Threads" above)
@@ -209,9 +216,15 @@ class EnginePipeline:
         self._stream = stream
         self._stack = contextlib.ExitStack()
         self.engines: dict[str, Engine] = {}
+        self.residency = residency
+        self.stages: Stages = residency if residency is not None else Stages()
         try:
-            for name in required:
-                self.engines[name] = self._stack.enter_context(engines[name])
+            if residency is None:
+                for name in required:
+                    self.engines[name] = self._stack.enter_context(engines[name])
+            else:  # the resident engines open now, the others when the loop enters their stage
+                self.engines = {name: engines[name] for name in required}
+                self._stack.enter_context(residency.bind(self.engines))
             unet = self.engines["unet"]
             channels = unet.spec.input("sample").shape[1]  # read only when the manifest lacks unet_in_channels
             self.geometry = LatentGeometry.from_manifest(self.manifest, channels)  # type: ignore[arg-type]
@@ -383,8 +396,7 @@ class EnginePipeline:
                                    class_name)
             opening.wait()
             pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=options.scheduler, stream=stream,
-                       root=root, tokenizer_2=tokenizer_2)
-        pipe.residency = residency
+                       root=root, tokenizer_2=tokenizer_2, residency=residency)
         pipe._weight_slots = slots
         pipe.deterministic = bool(options.deterministic)
         logger.info("loaded %s (%s, %s, %s; profile %s; scheduler %s)", root, manifest.backend,
@@ -589,7 +601,11 @@ class EnginePipeline:
 
     @one_call_at_a_time("engine()")
     def engine(self, name: str) -> Engine | None:
-        """The open engine ``name``; a lazily opened one (the VAE encoder) is entered now. ``None`` if absent."""
+        """The open engine ``name``; a lazily opened one (the VAE encoder) is entered now, and so is one a VRAM budget
+        opens per stage (other stages' per-stage engines are released first; the next call's end releases it).
+        ``None`` if absent."""
+        if name in self.engines:
+            self.stages.open_component(name)
         return self._engine(name)
 
     def _engine(self, name: str) -> Engine | None:
@@ -843,8 +859,9 @@ class EnginePipeline:
         return images
 
     def loop_engines(self, output_type: str = "pil") -> denoise.LoopEngines:
-        """What :func:`.denoise.generate` runs on: this pipeline's engines (no VAE decoder for "latent"), tokenizer and
-        reusable buffers. With :attr:`request_spec`, the loop can be driven directly::
+        """What :func:`.denoise.generate` runs on: this pipeline's engines (no VAE decoder for "latent"), tokenizer,
+        reusable buffers and stage context (:attr:`stages`: a VRAM budget opens engines per stage there). With
+        :attr:`request_spec`, the loop can be driven directly::
 
             request = Request.build(pipe.request_spec, pipe.engines, "a fox", num_inference_steps=30, seed=1)
             images = denoise.generate(request, pipe.loop_engines(request.output_type), pipe.scheduler)
@@ -854,6 +871,7 @@ class EnginePipeline:
             vae_decoder=None if output_type == "latent" else self.engines["vae_decoder"], tokenizer=self.tokenizer,
             scaling_factor=self.geometry.scaling_factor, embedding_cache=self.embedding_cache,
             embeddings=self.embeddings, host_buffers=self._host_buffers, copy_stream=self._copy_stream,
+            stages=self.stages,
         )
 
     def _parameters(self, request: Request) -> dict[str, Any]:
@@ -1129,7 +1147,8 @@ def _check_device(root: Path, manifest: Manifest, device: str | None) -> str:
 
 def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, stream: torch.cuda.Stream | None,
                   residency: Residency | None, weight_slots: Mapping[str, Any] | None = None) -> dict[str, Engine]:
-    """The artifact's engines (unopened), as ``options`` and the VRAM plan ``residency`` say."""
+    """The artifact's engines (unopened, plain engines), as ``options`` and the VRAM plan ``residency`` say (ORT
+    arena caps, TensorRT weight-streaming budgets)."""
     manifest = reader.manifest
     backend = manifest.backend
     is_trt = backend.is_tensorrt
@@ -1156,7 +1175,7 @@ def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, str
         engines = _ort_engines(reader, device, options, stream, derived, bool(cuda_graph), residency,
                                weight_slots or {})
         engines = bucket_engines(engines, buckets, manifest, device, options.cuda_graph)
-    return residency.wrap(engines) if residency is not None else engines
+    return engines
 
 
 def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stream: torch.cuda.Stream | None,

@@ -35,10 +35,27 @@ def no_recorded_facts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache"
 
 
-def _smallest(tiny_artifact: Path) -> int:
+def _smallest(tiny_artifact: Path, request: tuple[int, int, int] | None = None) -> int:
     with pytest.raises(RuntimeInputError) as e:
-        EnginePipeline.from_artifacts(tiny_artifact, vram_budget=1)
+        EnginePipeline.from_artifacts(tiny_artifact, vram_budget=1, vram_request=request)
     return int(str(e.value).split("--vram-budget ")[1].split("MiB")[0]) * MiB
+
+
+class _Recorder:
+    """A stage hook recording, when each stage's engines are open, which planned engines are open."""
+
+    def __init__(self, pipe: EnginePipeline) -> None:
+        self.pipe, self.events = pipe, []
+
+    def stage_entered(self, stage: str) -> None:
+        pass
+
+    def stage_opened(self, stage: str) -> None:
+        res = self.pipe.residency
+        self.events.append((stage, sorted(n for n, s in res.staged.items() if s.is_open)))
+
+    def stage_left(self, stage: str) -> None:
+        pass
 
 
 def test_a_roomy_budget_keeps_every_engine_resident(tiny_artifact: Path, reference: dict[int, np.ndarray],
@@ -62,6 +79,70 @@ def test_the_smallest_budget_runs_per_stage_with_the_same_images(tiny_artifact: 
             np.testing.assert_array_equal(pipe("a cat", **KW).images, reference[64])
             assert not any(s.is_open for s in res.staged.values())  # released after every call
         assert {n: s.opens for n, s in res.staged.items()} == {"text_encoder": 2, "unet": 2, "vae_decoder": 2}
+
+
+def test_the_loop_enters_each_stage_and_per_stage_opens_only_its_engines(tiny_artifact: Path,
+                                                                         no_recorded_facts: Path) -> None:
+    """The loop enters "text", then "unet" and "vae" per chunk (5 images in chunks of 4 + 1): under per_stage only
+    the stage's engine is open there, the others were released; the engines are the real ones, no proxy."""
+    from diffusion_trt.runtime.engines.ort_engine import OrtEngine
+
+    with EnginePipeline.from_artifacts(tiny_artifact, vram_budget=_smallest(tiny_artifact, (64, 64, 4)),
+                                       vram_request=(64, 64, 4)) as pipe:
+        res = pipe.residency
+        assert res is not None and res.plan.name == "per_stage" and pipe.stages is res
+        assert all(type(pipe.engines[n]) is OrtEngine for n in ("text_encoder", "unet", "vae_decoder"))
+        assert res.tiled is not None and res.tiled.engine is pipe.engines["vae_decoder"]  # one layer when tiling
+        recorder = _Recorder(pipe)
+        res.hooks.append(recorder)
+        images = pipe("a cat", num_images_per_prompt=5, **KW).images
+    assert images.shape[0] == 5
+    assert recorder.events == [("text", ["text_encoder"]), ("unet", ["unet"]), ("vae", ["vae_decoder"]),
+                               ("unet", ["unet"]), ("vae", ["vae_decoder"])]
+    assert {n: s.opens for n, s in res.staged.items()} == {"text_encoder": 1, "unet": 2, "vae_decoder": 2}
+
+
+def test_all_resident_keeps_every_engine_open_in_every_stage(tiny_artifact: Path, no_recorded_facts: Path) -> None:
+    with EnginePipeline.from_artifacts(tiny_artifact, vram_budget="16GB") as pipe:
+        recorder = _Recorder(pipe)
+        pipe.stages.hooks.append(recorder)
+        pipe("a cat", **KW)
+    every = ["text_encoder", "unet", "vae_decoder"]
+    assert recorder.events == [("text", every), ("unet", every), ("vae", every)]
+
+
+def test_given_embeddings_without_cfg_do_not_open_the_text_encoder(tiny_artifact: Path,
+                                                                   reference: dict[int, np.ndarray],
+                                                                   no_recorded_facts: Path) -> None:
+    """With ``prompt_embeds`` and no CFG the loop encodes nothing, so it does not enter the "text" stage: a per-stage
+    text encoder stays closed (as when it was opened on its first run)."""
+    import torch
+
+    with EnginePipeline.from_artifacts(tiny_artifact, vram_budget=_smallest(tiny_artifact)) as pipe:
+        width = int(pipe.engines["unet"].spec.input("encoder_hidden_states").shape[2])
+        e = torch.randn(1, 77, width, generator=torch.Generator().manual_seed(3))
+        out = pipe(prompt_embeds=e, guidance_scale=1.0, **KW).images
+        assert {n: s.opens for n, s in pipe.residency.staged.items()} == {"text_encoder": 0, "unet": 1,
+                                                                          "vae_decoder": 1}
+    assert out.shape == reference[64].shape and np.isfinite(out).all()
+
+
+def test_engine_under_a_per_stage_budget_opens_it_until_the_next_call_ends(tiny_artifact: Path,
+                                                                          no_recorded_facts: Path) -> None:
+    """``pipe.engine(name)`` returns an open engine also when the budget opens it per stage (the other stages'
+    engines are released first); the next call's end releases it with the others."""
+    import torch
+
+    with EnginePipeline.from_artifacts(tiny_artifact, vram_budget=_smallest(tiny_artifact)) as pipe:
+        staged = pipe.residency.staged
+        vae = pipe.engine("vae_decoder")
+        assert vae is pipe.engines["vae_decoder"] and staged["vae_decoder"].is_open
+        out = vae.run({"latent_sample": torch.zeros(1, 4, 8, 8)})["sample"]
+        assert tuple(out.shape) == (1, 3, 64, 64)
+        pipe.engine("unet")
+        assert staged["unet"].is_open and not staged["vae_decoder"].is_open  # another stage's: released
+        pipe("a cat", **KW)
+        assert not any(s.is_open for s in staged.values())
 
 
 def test_a_budget_below_every_plan_is_refused_before_loading_and_per_call(tiny_artifact: Path,
@@ -187,13 +268,19 @@ def test_inspect_shows_memory_per_engine_with_its_sources(tiny_artifact: Path, n
 
 
 def test_stage_memory_meter_off_cuda_reads_nothing() -> None:
+    """The meter is a hook of the stage context (no engine wrapped): inside ``watch`` it follows the stages the loop
+    enters, after it the stages no longer tell it; off CUDA it reads nothing."""
     import torch
 
     from diffusion_trt.runtime.memory.memory_meter import StageMemoryMeter
+    from diffusion_trt.runtime.memory.stages import Stages
 
-    meter = StageMemoryMeter(torch.device("cpu"))
-    engines: dict[str, object] = {"unet": object(), "vae_encoder": object()}
-    before = dict(engines)
-    with meter.watch(engines):
-        assert engines["unet"] is not before["unet"] and engines["vae_encoder"] is before["vae_encoder"]
-    assert engines == before and meter.peaks_mib() == {"text": None, "unet": None, "vae": None}
+    meter, stages = StageMemoryMeter(torch.device("cpu")), Stages()
+    with meter.watch(stages):
+        assert stages.hooks == [meter]
+        with stages.stage("unet"):
+            assert meter.stage == "unet"
+    assert stages.hooks == []
+    with stages.stage("vae"):
+        assert meter.stage == "unet"
+    assert meter.peaks_mib() == {"text": None, "unet": None, "vae": None}

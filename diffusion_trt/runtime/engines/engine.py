@@ -6,7 +6,9 @@ torch tensors::
     with OrtEngine(path, manifest["components"]["unet"], device="cuda") as unet:
         out = unet.run({"sample": x, "timestep": t, "encoder_hidden_states": e})["noise_pred"]
 
-Engines are context managers: ``__enter__`` allocates (session, device buffers), ``__exit__`` frees.
+Engines are context managers: ``__enter__`` allocates (session, device buffers), ``__exit__`` frees. The loop runs
+them unwrapped: which engines are open when (a VRAM budget's residency) is the stage context the loop enters
+(:mod:`~diffusion_trt.runtime.memory.stages`), not a proxy around the engine.
 **Outputs may alias buffers owned by the engine and overwritten by its next ``run``**: copy (``.clone()``)
 anything that must outlive the next call.
 
@@ -349,39 +351,6 @@ class Engine(Protocol):
     def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Validate then run; return output name -> tensor on :attr:`device` (may alias engine buffers)."""
         ...
-
-
-class EngineProxy:
-    """Base of the engine wrappers (per-stage opening, tiled VAE decode): the protocol's read-only properties
-    delegate to the wrapped engine; subclasses add ``run``, ``is_open`` and the with-block."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-
-    @property
-    def inner(self) -> Engine:
-        """The wrapped engine."""
-        return self._engine
-
-    @property
-    def name(self) -> str:
-        return self._engine.name
-
-    @property
-    def spec(self) -> EngineSpec:
-        return self._engine.spec
-
-    @property
-    def device(self) -> torch.device:
-        return self._engine.device
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return self._engine.input_names
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return self._engine.output_names
 
 
 class EngineBase:

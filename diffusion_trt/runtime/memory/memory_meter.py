@@ -3,29 +3,29 @@
 ``torch.cuda.max_memory_allocated`` sees only torch's caching allocator, not ONNX Runtime's arena nor TensorRT's
 weights, so the figures here come from the driver: ``torch.cuda.mem_get_info`` (``cudaMemGetInfo``: the device's
 used memory, every process and allocator included), or NVML (``pynvml``, when installed: this process's own
-usage). They are read
+usage). The meter is a hook of the stage context the loop enters (:class:`~.stages.StageHook`; no engine is
+wrapped): figures are read
 
-* after every engine open and every engine run of the stage (ORT's arena keeps what a run allocated, TensorRT's
-  activation buffer is persistent, torch caches what it freed: the used figure after a run is the run's peak for
-  these), and
+* when a stage is entered (after the other stages' engines were released: the end of the previous stage), after
+  its engines open, and when the loop leaves it (ORT's arena keeps what a run allocated, TensorRT's activation
+  buffer is persistent, torch caches what it freed: the used figure after the stage's last run is its runs' peak
+  for these), and
 * by a background thread every ``interval_s`` while the stage runs (transient allocations freed before a run
   returns; off with ``interval_s=None``).
 
 Each figure is the peak in bytes of device memory in use during the stage. ``baseline`` is what was in use when
 the meter started (the CUDA context, other processes); ``above_baseline`` subtracts it.
 """
-
 from __future__ import annotations
 
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 
-from .residency import stage_of
+from .stages import Stages
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +39,11 @@ def device_used(device: torch.device) -> int:
 
 
 class StageMemoryMeter:
-    """Peak device bytes per stage ("load", "text", "unet", "vae") of whatever runs inside :meth:`watch`.
+    """Peak device bytes per stage ("load", "text", "unet", "vae") of the stages entered inside :meth:`watch`.
 
     Args:
         device: the CUDA device (off CUDA everything reads 0 and ``source`` says so).
-        interval_s: background sampling period, seconds; ``None`` = only after opens and runs.
+        interval_s: background sampling period, seconds; ``None`` = only as stages are entered, opened and left.
 
     Attributes:
         peaks: stage -> peak bytes in use on the device; baseline: bytes in use at start.
@@ -75,14 +75,25 @@ class StageMemoryMeter:
         while not self._stop.wait(self.interval_s):
             self.sample()
 
+    def stage_entered(self, stage: str) -> None:
+        """:class:`~.stages.StageHook`: switch to ``stage``, closing the previous one with a reading."""
+        if self.stage != stage:
+            self.sample()  # the end of the previous stage
+            self.stage = stage
+
+    def stage_opened(self, stage: str) -> None:
+        """:class:`~.stages.StageHook`: the stage's engines are open."""
+        self.sample()
+
+    def stage_left(self, stage: str) -> None:
+        """:class:`~.stages.StageHook`: the stage's last engine run returned."""
+        self.sample()
+
     @contextlib.contextmanager
-    def watch(self, engines: dict[str, Any]) -> Iterator[StageMemoryMeter]:
-        """Meter every stage engine in ``engines`` (a pipeline's ``engines`` dict, replaced in place and restored)."""
-        originals = dict(engines)
-        for name, engine in originals.items():
-            stage = stage_of(name)
-            if stage is not None:
-                engines[name] = _Metered(engine, stage, self)
+    def watch(self, stages: Stages) -> Iterator[StageMemoryMeter]:
+        """Meter every stage the loop enters on ``stages`` (a pipeline's :attr:`~..pipeline.EnginePipeline.stages`)
+        while the block runs: the meter is one of its hooks until the block ends."""
+        stages.hooks.append(self)
         if self.interval_s is not None and self.device.type == "cuda":
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="stage-memory-meter", daemon=True)
@@ -94,8 +105,7 @@ class StageMemoryMeter:
                 self._stop.set()
                 self._thread.join()
                 self._thread = None
-            engines.clear()
-            engines.update(originals)
+            stages.hooks.remove(self)
 
     def peaks_mib(self, above_baseline: bool = False) -> dict[str, float | None]:
         """Peak MiB per stage ("text", "unet", "vae"); ``None`` off CUDA or for a stage that did not run."""
@@ -103,29 +113,3 @@ class StageMemoryMeter:
             return dict.fromkeys(("text", "unet", "vae"))
         base = self.baseline if above_baseline else 0
         return {s: ((self.peaks[s] - base) / 2**20 if s in self.peaks else None) for s in ("text", "unet", "vae")}
-
-
-class _Metered:
-    """An engine proxy that sets the meter's stage before each run and samples after it."""
-
-    def __init__(self, engine: Any, stage: str, meter: StageMemoryMeter) -> None:
-        self._engine, self._stage, self._meter = engine, stage, meter
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def _enter_stage(self) -> None:
-        if self._meter.stage != self._stage:
-            self._meter.sample()  # the end of the previous stage
-            self._meter.stage = self._stage
-
-    def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        acquire = getattr(self._engine, "acquire", None)
-        if acquire is not None:  # a per-stage engine: switch stages after the others are released, before it opens
-            acquire(self._enter_stage)
-        else:
-            self._enter_stage()
-        self._meter.sample()
-        out = self._engine.run(feeds)
-        self._meter.sample()
-        return out

@@ -1,5 +1,5 @@
 """Running a pipeline inside a VRAM budget: the facts of an artifact's engines, the plan (:mod:`.plan`), and the
-engines opened per stage and released.
+stage context (:class:`Residency`) that opens engines per stage and releases them.
 
 ``EnginePipeline.from_artifacts(..., vram_budget="8GB")`` builds a :class:`VramBudget` from the manifest, plans for
 the request size it is given (``vram_request``; default the size a call without sizes gets, the profile's opt size,
@@ -7,10 +7,13 @@ batch 1) and refuses there,
 before any engine opens, a budget no plan meets. Each call re-plans for its own size and batch (figures are cached;
 a request the budget cannot meet is refused before anything runs) and switches plans where needed.
 
-Per-stage engines are wrapped in :class:`StagedEngine`: entering the pipeline does not open them; their first
-``run`` opens them, after releasing every open per-stage engine of another stage (one stage's engines at a time:
+The loop enters each stage (``with stages.stage("unet", ("unet",)):``, :mod:`.stages`); under a budget that is a
+:class:`Residency`: entering the pipeline opens the resident engines only; entering a stage opens that stage's
+per-stage engines, after releasing every open per-stage engine of another stage (one stage's engines at a time:
 text encoder(s) -> UNet -> VAE); the pipeline releases them all at the end of each call. A request larger than the
-engines' batch runs chunk after chunk, so the UNet and the VAE alternate: each chunk then reopens them.
+engines' batch runs chunk after chunk, so the UNet and the VAE alternate: each chunk then reopens them. The "vae"
+stage decodes in tiles (:mod:`.vae_tiling`) when the plan in force says so. The engines stay plain engines: an
+:class:`EngineSlot` only keeps their books (open or not, opens, seconds spent opening).
 
 Settings fixed when an engine is created stay with it when a later call switches plans: an ORT session's arena cap
 (``gpu_mem_limit``, from the plan at load) and a TensorRT engine's weight-streaming budget. Reopening a per-stage
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -32,11 +35,10 @@ import torch
 
 from ...artifact.folder import safe_join
 from ...artifact.manifest import Backend, Component, Manifest
-from ..engines.engine import Engine, EngineProxy
+from ..engines.engine import Engine
 from ..geometry import LatentGeometry
 from .plan import (
     DEFAULT_OVERHEAD_BYTES,
-    STAGES,
     EngineMemory,
     ResidencyPlan,
     engine_rows,
@@ -48,14 +50,10 @@ from .plan import (
     plan_residency,
     request_shape,
 )
+from .stages import Stage, Stages, stage_of
 from .vae_tiling import TiledVaeDecoder
 
 logger = logging.getLogger(__name__)
-
-
-def stage_of(component: str) -> str | None:
-    """"text", "unet" or "vae" for a text-to-image component; ``None`` for others (the VAE encoder)."""
-    return next((s for s, comps in STAGES if component in comps), None)
 
 
 @dataclass
@@ -173,86 +171,72 @@ def plan_for_request(
     return Residency(budget, plan)
 
 
-class StagedEngine(EngineProxy):
-    """An :class:`~..engines.engine.Engine` proxy that opens its engine on first ``run`` and closes it on
-    :meth:`release`.
+class EngineSlot:
+    """One planned component's engine under a budget: its stage, whether it is open, and what opening it cost.
+    Bookkeeping only: the loop runs the engine itself, not through this.
 
-    Args:
-        engine: the engine (closed); stage: "text", "unet" or "vae"; manager: the :class:`Residency` that
-            releases other stages' engines before this one opens.
-
-    Not thread-safe (as the engines).
+    Attributes:
+        engine: the engine (plain: ``OrtEngine``, ``TrtEngine``, a size-bucket engine); stage: "text", "unet" or
+            "vae"; opens: how often it was opened; open_seconds: the time those opens took.
     """
 
-    def __init__(self, engine: Engine, stage: str, manager: Residency) -> None:
-        super().__init__(engine)
+    def __init__(self, engine: Engine, stage: str) -> None:
+        self.engine = engine
         self.stage = stage
-        self._manager = manager
-        self._open = False
         self.opens = 0
         self.open_seconds = 0.0
+        self._open = False
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
 
     @property
     def is_open(self) -> bool:
         return self._open
 
-    def __enter__(self) -> StagedEngine:
-        if self.name in self._manager.plan.resident:
-            self.acquire()  # resident: open with the pipeline; per-stage: opened by the first run
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.release()
-
-    def validate(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        return self._engine.validate(feeds)
-
-    def acquire(self, on_released: Callable[[], None] | None = None) -> None:
-        """Open the engine (releasing the other stages' per-stage engines first); no-op when open.
-
-        ``on_released`` is called between the release and the open (a memory meter switches stages there)."""
+    def open(self) -> None:
+        """Enter the engine (its session or context and device memory); no-op when open."""
         if self._open:
-            if on_released is not None:
-                on_released()
             return
-        self._manager.entering(self)
-        if on_released is not None:
-            on_released()
         t0 = time.perf_counter()
-        self._engine.__enter__()
+        self.engine.__enter__()
         self.open_seconds += time.perf_counter() - t0
         self.opens += 1
         self._open = True
         logger.debug("%s: opened for the %s stage (%.2f s)", self.name, self.stage, time.perf_counter() - t0)
 
-    def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        self.acquire()
-        return self._engine.run(feeds)
-
     def release(self) -> None:
-        """Close the engine (its session / context and its device memory); idempotent."""
+        """Exit the engine (its session / context and its device memory); idempotent."""
         if self._open:
             self._open = False
-            device = self._engine.device
+            device = self.engine.device
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # queued kernels may still use its buffers
-            self._engine.__exit__(None, None, None)
+            self.engine.__exit__(None, None, None)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # our IO buffers of it go back to the driver, not to torch's cache
 
 
-class Residency:
-    """The plan in force and the per-stage engines it opens and releases.
+class Residency(Stages):
+    """The plan in force, as the stage context the loop enters (:class:`~.stages.Stages`): entering a stage opens the
+    planned engines the loop names, after releasing the other stages' per-stage engines (only when one of them is
+    about to open); resident engines open with the pipeline and stay. Its "vae" stage gives the loop the tiled
+    decoder when the plan tiles.
+
+    Lifecycle: :meth:`bind` the pipeline's (unopened) engines, enter it with the pipeline (opens the resident ones),
+    :meth:`begin` / :meth:`end` around each call, exit it when the pipeline closes (releases every engine).
 
     Attributes:
-        budget: the :class:`VramBudget`; plan: the plan in force; staged: per-stage engine proxies by name.
+        budget: the :class:`VramBudget`; plan: the plan in force; staged: each planned component's
+            :class:`EngineSlot`; tiled: the tiled VAE decoder over the VAE decoder engine (used when the plan tiles).
     """
 
     def __init__(self, budget: VramBudget, plan: ResidencyPlan) -> None:
+        super().__init__()
         self.budget = budget
         self.plan = plan
-        self.staged: dict[str, StagedEngine] = {}
+        self.staged: dict[str, EngineSlot] = {}
         self.tiled: TiledVaeDecoder | None = None
 
     def provider_options(self, component: str, device: str) -> dict[str, str]:
@@ -268,30 +252,61 @@ class Residency:
             out[name] = max(0, kept - (e.weights - e.streamable))
         return out
 
-    def wrap(self, engines: Mapping[str, Engine]) -> dict[str, Engine]:
-        """Every planned component as a :class:`StagedEngine` (resident ones are opened on the first call and kept);
-        the VAE decoder under a :class:`TiledVaeDecoder` when the plan tiles. Others are returned as they are."""
-        out: dict[str, Engine] = dict(engines)
+    def bind(self, engines: Mapping[str, Engine]) -> Residency:
+        """Take the pipeline's unopened engines: a slot for each planned component (:func:`~.stages.stage_of`), and
+        the tiled decoder over the VAE decoder; others (VAE encoder, ControlNets) are not planned. Returns ``self``."""
         for name, engine in engines.items():
             stage = stage_of(name)
-            if stage is None:
-                continue
-            staged = StagedEngine(engine, stage, self)
-            self.staged[name] = staged
-            out[name] = staged  # type: ignore[assignment]
-        if "vae_decoder" in out:
+            if stage is not None:
+                self.staged[name] = EngineSlot(engine, stage)
+        if "vae_decoder" in engines:
             scale = LatentGeometry.from_manifest(self.budget.manifest).scale_factor
-            self.tiled = TiledVaeDecoder(out["vae_decoder"], self.budget.tile, scale)
-            out["vae_decoder"] = _Switch(self.tiled, out["vae_decoder"], self)  # type: ignore[assignment]
-        return out
+            self.tiled = TiledVaeDecoder(engines["vae_decoder"], self.budget.tile, scale)
+        return self
 
-    def entering(self, engine: StagedEngine) -> None:
-        """Before ``engine`` opens: release the per-stage engines of other stages."""
+    def __enter__(self) -> Residency:
+        """Open the resident engines (the per-stage ones open when the loop enters their stage)."""
+        try:
+            for slot in self.staged.values():
+                if slot.name in self.plan.resident:
+                    slot.open()
+        except BaseException:
+            self.release_all()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release_all()
+
+    def _open(self, stage: str, components: tuple[str, ...]) -> None:
+        closed = [self.staged[c] for c in components if c in self.staged and not self.staged[c].is_open]
+        if closed:
+            self._release_others(stage, closed[0].name)
+        for hook in self.hooks:
+            hook.stage_entered(stage)
+        for slot in closed:
+            slot.open()
+        for hook in self.hooks:
+            hook.stage_opened(stage)
+
+    def _stage(self, name: str) -> Stage:
+        return Stage(name, tiled_vae=self.tiled if name == "vae" and self.plan.vae_tiled else None)
+
+    def _release_others(self, stage: str, opening: str) -> None:
+        """Before an engine of ``stage`` opens: release the per-stage engines of other stages."""
         for other in self.staged.values():
-            if other is not engine and other.is_open and other.stage != engine.stage \
-                    and other.name not in self.plan.resident:
-                logger.debug("releasing %s (%s stage) before %s opens", other.name, other.stage, engine.name)
+            if other.is_open and other.stage != stage and other.name not in self.plan.resident:
+                logger.debug("releasing %s (%s stage) before %s opens", other.name, other.stage, opening)
                 other.release()
+
+    def open_component(self, component: str) -> None:
+        """Open a planned ``component`` outside a call (``EnginePipeline.engine``), releasing the other stages'
+        per-stage engines first; it stays open until the next call ends. Others: nothing to do."""
+        slot = self.staged.get(component)
+        if slot is not None and not slot.is_open:
+            self._release_others(slot.stage, component)
+            slot.open()
 
     def begin(self, height: int, width: int, batch: int) -> ResidencyPlan:
         """Plan the request (raises RuntimeInputError when the budget cannot meet it); switch plans if needed."""
@@ -311,34 +326,6 @@ class Residency:
     def release_all(self) -> None:
         for s in self.staged.values():
             s.release()
-
-
-class _Switch(EngineProxy):
-    """The VAE decoder as the plan wants it: tiled (:class:`TiledVaeDecoder`) or whole."""
-
-    def __init__(self, tiled: TiledVaeDecoder, whole: Engine, residency: Residency) -> None:
-        super().__init__(whole)
-        self._tiled, self._whole, self._residency = tiled, whole, residency
-
-    def _current(self) -> Any:
-        return self._tiled if self._residency.plan.vae_tiled else self._whole
-
-    def __enter__(self) -> _Switch:
-        self._whole.__enter__()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._whole.__exit__(exc_type, exc, tb)
-
-    def validate(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        return self._whole.validate(feeds)
-
-    def acquire(self, on_released: Callable[[], None] | None = None) -> None:
-        self._whole.acquire(on_released)  # type: ignore[attr-defined]
-
-    def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        return self._current().run(feeds)
 
 
 def memory_summary(root: Path, manifest: Manifest) -> dict[str, Any]:

@@ -23,6 +23,9 @@ latent pixels after a 64 tile) fall outside a static 512x512 engine. So there ar
 Memory: the engine only ever runs at the tile shape, so its activations are those of one tile (an ORT arena grows
 to the largest shape it ran); the decoded tiles (about (1/(1-f))^2 = 1.8x the image) are kept until blended, as
 diffusers keeps them.
+
+Who tiles: under a VRAM budget whose plan tiles, the "vae" stage the loop enters hands it a :class:`TiledVaeDecoder`
+over the VAE decoder engine (:class:`~.stages.Stage`), which it runs instead of the engine.
 """
 
 from __future__ import annotations
@@ -30,12 +33,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Literal
 
 import torch
 
-from ..engines.engine import Engine, EngineProxy
+from ..engines.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -169,9 +171,9 @@ def fits(engine: Engine, input_name: str, z_shape: Sequence[int], tiles_h: AxisT
     ) and info.min[0] <= z_shape[0] <= info.max[0]
 
 
-class TiledVaeDecoder(EngineProxy):
-    """An :class:`~..engines.engine.Engine` over a VAE decoder engine that decodes latents larger than ``tile`` in
-    tiles.
+class TiledVaeDecoder:
+    """A VAE decoder engine run tile by tile: what the "vae" stage of a plan that tiles hands the loop
+    (:class:`~.stages.Stage`), in place of the engine. Not an engine (no with-block): it runs an open ``engine``.
 
     ``run({"latent_sample": z})`` returns ``{"sample": image}`` like the engine; latents no larger than one tile
     (both sides <= ``tile``) go to the engine whole, as diffusers does. The layout is "diffusers" when every tile
@@ -182,26 +184,22 @@ class TiledVaeDecoder(EngineProxy):
         tile: tile size in latent pixels, inside the engine's profile (e.g. the profile's opt latent size).
         scale: the VAE scale factor; overlap: diffusers' ``tile_overlap_factor``.
 
-    The returned image is a fresh tensor (not the engine's buffer). Entering / exiting enters / exits the engine.
+    Attributes:
+        last_layout: the layout of the last tiled run; ``None`` before one.
+
+    The returned image is a fresh tensor (not the engine's buffer).
     """
 
     def __init__(self, engine: Engine, tile: int, scale: int = 8, overlap: float = DEFAULT_OVERLAP) -> None:
-        super().__init__(engine)
+        self.engine = engine
         self.tile = int(tile)
         self.scale = int(scale)
         self.overlap = float(overlap)
         self.last_layout: Layout | None = None
 
-    def __enter__(self) -> TiledVaeDecoder:
-        self._engine.__enter__()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._engine.__exit__(exc_type, exc, tb)
-
-    def validate(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        return self._engine.validate(feeds)
+    @property
+    def name(self) -> str:
+        return self.engine.name
 
     def layout_for(self, z_shape: Sequence[int]) -> Layout | None:
         """The layout for latents of ``z_shape``; ``None`` = one tile (decoded whole)."""
@@ -210,7 +208,7 @@ class TiledVaeDecoder(EngineProxy):
         for layout in ("diffusers", "full_tiles"):
             rows = axis_tiles(z_shape[2], self.tile, self.scale, self.overlap, layout)  # type: ignore[arg-type]
             cols = axis_tiles(z_shape[3], self.tile, self.scale, self.overlap, layout)  # type: ignore[arg-type]
-            if fits(self._engine, "latent_sample", z_shape, rows, cols):
+            if fits(self.engine, "latent_sample", z_shape, rows, cols):
                 return layout  # type: ignore[return-value]
         return "full_tiles"  # the engine refuses a bad tile with its own message
 
@@ -219,14 +217,14 @@ class TiledVaeDecoder(EngineProxy):
         z = feeds["latent_sample"]
         layout = self.layout_for(tuple(z.shape))
         if layout is None:
-            return {"sample": self._engine.run({"latent_sample": z})["sample"].clone()}
+            return {"sample": self.engine.run({"latent_sample": z})["sample"].clone()}
         if layout != self.last_layout:
             logger.info("%s: tiled decode of %s latents in %d-pixel tiles (%s layout)", self.name, tuple(z.shape),
                         self.tile, layout)
         self.last_layout = layout
 
         def decode(t: torch.Tensor) -> torch.Tensor:
-            return self._engine.run({"latent_sample": t.contiguous()})["sample"].clone()
+            return self.engine.run({"latent_sample": t.contiguous()})["sample"].clone()
 
         return {"sample": tiled_decode(decode, z, tile=self.tile, scale=self.scale, overlap=self.overlap,
                                        layout=layout)}
