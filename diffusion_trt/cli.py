@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from .artifact.manifest import Manifest  # dataclasses: light
+from .artifact.manifest import Backend, Manifest  # dataclasses: light
 from .artifact.values import printable  # re and json: light
 from .compiler.dummy import ARCHS  # a tuple of names: dummy.py imports torch/diffusers only when called
 from .errors import DiffusionTrtError
@@ -211,6 +211,11 @@ def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(143)
 
     return wrapper
+
+
+def _backend(ctx: click.Context, param: click.Parameter, value: str) -> Backend:
+    """``--backend``: the :class:`Backend` of the value ``click.Choice`` accepted (an unknown one: exit 2 there)."""
+    return Backend(value)
 
 
 def _vram_budget(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -410,7 +415,8 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
 @click.option("--variant", default=None, help="With a model id: the weights variant to read, e.g. fp16.")
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Artifact folder [default: artifacts/<model folder name>].")
-@click.option("--backend", type=click.Choice(["ort", "tensorrt", "tensorrt-rtx"]), default="ort", show_default=True,
+@click.option("--backend", type=click.Choice([b.value for b in Backend]), default=Backend.ORT.value, callback=_backend,
+              show_default=True,
               help="ort: ONNX Runtime; tensorrt: full TensorRT (built on the GPU it runs on); tensorrt-rtx: TensorRT "
                    "for RTX (built on any machine, even without a GPU, for --compute-capability).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
@@ -559,7 +565,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     options["controlnets"] = tuple(parse_controlnet_arg(x) for x in options["controlnets"])
     options["pass_options"] = _parse_pass_options(options["pass_options"])
     if options["device"] is None:
-        options["device"] = "cuda" if options["backend"] in ("tensorrt", "tensorrt-rtx") else "cpu"
+        options["device"] = "cuda" if options["backend"].is_tensorrt else "cpu"
     if options["components"] is None:
         del options["components"]
     else:
@@ -650,10 +656,10 @@ def _warn_unused_compile_options(options: dict[str, Any]) -> None:
     if unused:
         logger.warning("%s: no effect with --precision %s (calibration and quantization options apply to int8/fp8)",
                        " ".join(unused), precision)
-    if backend != "tensorrt" and _given(("timing_cache",)):
+    if backend is not Backend.TENSORRT and _given(("timing_cache",)):
         logger.warning("--timing-cache: no effect with --backend %s (it caches full TensorRT's kernel timings; "
                        "TensorRT-RTX times no kernels at build)", backend)
-    if backend == "tensorrt-rtx" and _given(("target_compute_capability",)):
+    if backend is Backend.TENSORRT_RTX and _given(("target_compute_capability",)):
         logger.warning("--target-compute-capability: no effect with --backend tensorrt-rtx (the plans are built for "
                        "--compute-capability)")
 

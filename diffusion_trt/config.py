@@ -5,20 +5,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .artifact.manifest import Backend  # the one backend type (manifest, CompileConfig); importable from here too
 from .errors import RuntimeInputError
 
-Backend = Literal["ort", "tensorrt", "tensorrt-rtx"]
 Device = Literal["cpu", "cuda"]
 Precision = Literal["fp32", "fp16", "int8", "fp8"]
 
-BACKENDS: tuple[str, ...] = ("ort", "tensorrt", "tensorrt-rtx")
-#: The backends that build TensorRT plans (full TensorRT, TensorRT for RTX; trt_compat.LIBRARIES says how they differ).
-TRT_BACKENDS: tuple[str, ...] = ("tensorrt", "tensorrt-rtx")
+#: ``--backend`` values, in the order messages list them (``Backend.is_tensorrt``: the two that build TensorRT plans;
+#: trt_compat.LIBRARIES says how they differ).
+BACKENDS: tuple[str, ...] = tuple(b.value for b in Backend)
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int8", "fp8")
 #: Precisions made by calibration + QDQ insertion (compiler/calibrate.py, compiler/quantize/).
@@ -242,8 +243,10 @@ class CompileConfig:
     """What ``diffusion-trt compile`` was asked to do.
 
     Attributes:
-        backend: "ort" (ONNX Runtime), "tensorrt" (full TensorRT, built on the GPU it runs on) or "tensorrt-rtx"
-            (TensorRT for RTX: built on any machine, GPU or not, for :attr:`compute_capabilities`).
+        backend: a :class:`~diffusion_trt.artifact.manifest.Backend`: ``ORT`` (ONNX Runtime), ``TENSORRT`` (full
+            TensorRT, built on the GPU it runs on) or ``TENSORRT_RTX`` (TensorRT for RTX: built on any machine, GPU or
+            not, for :attr:`compute_capabilities`). The strings "ort", "tensorrt" and "tensorrt-rtx" are accepted
+            and parsed into it once, here (another value: ``RuntimeInputError``); ``to_json`` writes the string.
         device: "cpu" or "cuda": where the engines will run (and where export runs when it has a GPU).
         precision: "fp32" or "fp16" weights and activations. fp16 requires ``device="cuda"`` for ORT.
         opset: ONNX opset of the exported graphs, :data:`MIN_OPSET`..:data:`MAX_OPSET` (17: LayerNormalization).
@@ -300,7 +303,7 @@ class CompileConfig:
             ``{"fuse_attention_emit": "none"}``); for experiments and A/B timings (``--pass-option``).
     """
 
-    backend: str = "ort"
+    backend: Backend = Backend.ORT
     device: str = "cpu"
     precision: str = "fp32"
     opset: int = 17
@@ -330,6 +333,8 @@ class CompileConfig:
     controlnets: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        with contextlib.suppress(ValueError):  # a value that is no Backend is refused below, where it always was
+            object.__setattr__(self, "backend", Backend(self.backend))
         self._check_types()
         if not 1 <= self.max_prompt_chunks <= MAX_PROMPT_CHUNKS:
             raise RuntimeInputError(f"max_prompt_chunks={self.max_prompt_chunks} must be in 1..{MAX_PROMPT_CHUNKS} "
@@ -342,7 +347,7 @@ class CompileConfig:
                                     f"0..{MAX_EMBEDDING_VECTORS} (textual-inversion rows); use e.g. 128")
         if self.compute_capabilities is not None:
             object.__setattr__(self, "compute_capabilities", tuple(str(c) for c in self.compute_capabilities))
-        if self.refittable and self.backend == "tensorrt-rtx":
+        if self.refittable and self.backend is Backend.TENSORRT_RTX:
             from .trt_compat import rtx_refit_refusal
 
             raise RuntimeInputError(rtx_refit_refusal("backend"))
@@ -356,7 +361,9 @@ class CompileConfig:
                 f"refittable=True with precision={self.precision!r}: refitting quantized (QDQ) weights is not "
                 "supported; use --precision fp16, or merge the LoRA at compile time with --lora FILE[:SCALE]"
             )
-        for name, allowed in (("backend", BACKENDS), ("device", DEVICES), ("precision", PRECISIONS)):
+        if not isinstance(self.backend, Backend):
+            raise RuntimeInputError(f"backend={self.backend!r} is not supported; use one of {', '.join(BACKENDS)}")
+        for name, allowed in (("device", DEVICES), ("precision", PRECISIONS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise RuntimeInputError(f"{name}={value!r} is not supported; use one of {', '.join(allowed)}")
@@ -375,7 +382,7 @@ class CompileConfig:
                 "precision='fp16' with device='cpu' is not supported: ONNX Runtime's CPU provider has "
                 "no fp16 kernels for most UNet ops; use --precision fp32 or --device cuda"
             )
-        if self.backend in TRT_BACKENDS and self.device != "cuda":
+        if self.backend.is_tensorrt and self.device != "cuda":
             raise RuntimeInputError(f"backend={self.backend!r} runs on CUDA only, not device={self.device!r}; "
                                     "use --device cuda or --backend ort")
         self._check_rtx()
@@ -383,10 +390,10 @@ class CompileConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise RuntimeInputError(f"{name}={value} must be >= 1")
-        if self.precision == "int8" and self.backend == "ort" and self.device != "cpu":
+        if self.precision == "int8" and self.backend is Backend.ORT and self.device != "cpu":
             raise RuntimeInputError("precision='int8' with --backend ort runs on the CPU provider only; use "
                                     "--device cpu, or --backend tensorrt for int8 on CUDA")
-        if self.precision == "fp8" and self.backend not in TRT_BACKENDS:
+        if self.precision == "fp8" and not self.backend.is_tensorrt:
             raise RuntimeInputError("precision='fp8' is for TensorRT only (ONNX Runtime has no fp8 kernels for these "
                                     "ops); use --backend tensorrt-rtx (or tensorrt) --device cuda, or --precision int8")
 
@@ -394,13 +401,13 @@ class CompileConfig:
         """TensorRT-RTX rules: compute-capability targets it has, no int8 QDQ, fp8 only for targets >= 8.9."""
         from .trt_compat import resolve_rtx_targets
 
-        if self.compute_capabilities is not None and self.backend != "tensorrt-rtx":
+        if self.compute_capabilities is not None and self.backend is not Backend.TENSORRT_RTX:
             raise RuntimeInputError(
                 f"compute_capabilities={list(self.compute_capabilities)} are TensorRT-RTX build targets, but "
                 f"backend={self.backend!r} builds for the GPU it runs on; use --backend tensorrt-rtx or drop "
                 "--compute-capability"
             )
-        if self.backend != "tensorrt-rtx":
+        if self.backend is not Backend.TENSORRT_RTX:
             return
         if self.precision == "int8":
             raise RuntimeInputError(
@@ -454,6 +461,7 @@ class CompileConfig:
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
+        data["backend"] = self.backend.value  # the plain string: manifest.json reads as before the enum
         data["components"] = list(self.components)
         data["quantize"] = self.quantize.to_json()
         data["loras"] = [[str(p), float(s)] for p, s in self.loras]

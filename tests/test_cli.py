@@ -132,12 +132,14 @@ def test_run_refuses_what_the_artifact_cannot_honour_before_any_engine_opens(
         (["verify", "ART", "--tensorrt", "10.8.0.43"], "error: --tensorrt and --compute-capability go together"),
         (["nope"], "error: No such command 'nope'."),
         (["--bogus", "run"], "error: No such option '--bogus'"),
+        (["compile", "ART", "--backend", "onnx"],
+         "error: Invalid value for '--backend': 'onnx' is not one of 'ort', 'tensorrt', 'tensorrt-rtx'."),
     ],
 )
 def test_click_usage_errors_are_one_error_line(tiny_artifact: Path, args: list[str], message: str) -> None:
     """click's three lines (Usage / Try / Error) become one ``error:`` line and where the help is; exit 2."""
     code, out = _invoke(*[a.replace("ART", str(tiny_artifact)) for a in args])
-    command = " run" if args[0] == "run" else " verify" if args[0] == "verify" else ""
+    command = f" {args[0]}" if args[0] in ("run", "verify", "compile") else ""
     assert code == 2, out
     assert out.splitlines()[0].startswith(message) and out.splitlines()[1:] == [f"try 'main{command} --help'"], out
 

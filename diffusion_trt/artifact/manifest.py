@@ -265,6 +265,11 @@ class Manifest:
         return copy.deepcopy(dict(self._json.get("model") or {}))
 
     @property
+    def compile_seconds(self) -> float | None:
+        """Seconds the compile (or the compile cache's copy) took, as the manifest writes it; ``None`` when absent."""
+        return self._json.get("compile_seconds")
+
+    @property
     def profile_json(self) -> dict[str, list[int]]:
         """The profile as the manifest writes it (``{"batch": [min, opt, max], ...}``), for messages and logs."""
         return self.profile.to_json()

@@ -44,6 +44,7 @@ from typing import Any
 from .. import trt_compat
 from ..artifact import folder as artifacts
 from ..artifact.facts import BuildFacts
+from ..artifact.manifest import Backend
 from ..config import ShapeProfile
 from ..errors import BuildError, RuntimeInputError
 from .components import symbol_ranges
@@ -117,7 +118,7 @@ class TrtBuildConfig:
                                         "BuilderFlag.WEIGHT_STREAMING); drop strongly_typed=False")
             object.__setattr__(self, "strongly_typed", True)
         trt_compat.library(self.library)  # a backend that is not a TensorRT library fails here
-        if self.refittable and self.library == "tensorrt-rtx":  # CompileConfig's refusal, for callers of this level
+        if self.refittable and self.library == Backend.TENSORRT_RTX:  # CompileConfig's refusal, for callers here
             raise RuntimeInputError(trt_compat.rtx_refit_refusal("library"))
         if self.compute_capabilities is not None:
             object.__setattr__(self, "compute_capabilities", tuple(str(c) for c in self.compute_capabilities))

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from ..artifact import folder as artifacts
+from ..artifact.manifest import Manifest
 from ..config import QUANTIZED_PRECISIONS, CompileConfig
 from ..errors import ArtifactError
 
@@ -441,9 +442,10 @@ class CompileCache:
             UnprovenEntry: the entry's manifest was replaced since :meth:`lookup` proved it.
         """
         t0 = time.perf_counter()
-        manifest = self.proven_manifest(cached, key)  # the manifest lookup proved, not one swapped in since
+        manifest = self.proven_manifest(cached, key)  # the manifest lookup proved, not one swapped in since: amended
+        facts = Manifest.from_json(manifest)  # its facts, read typed
         with artifacts.staging_dir(out, overwrite=overwrite, lock_timeout=lock_timeout) as stage:
-            for rel in manifest["files"]:
+            for rel in facts.files:
                 clone_or_copy(artifacts.safe_join(cached, rel), stage / rel)
             manifest["name"] = out.name
             manifest["source"] = {**manifest["source"], "path": source_path}
@@ -451,8 +453,8 @@ class CompileCache:
                 "hit": True,
                 "key": key,
                 "reused_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-                "original_compile_seconds": manifest.get("compile_seconds"),
-                "reused": sorted(manifest["components"]),  # every engine and file came from the cache
+                "original_compile_seconds": facts.compile_seconds,
+                "reused": sorted(facts.components),  # every engine and file came from the cache
             }
             manifest["compile_seconds"] = round(time.perf_counter() - t0, 3)
             artifacts.write_manifest(stage, manifest)

@@ -18,7 +18,6 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from ..artifact import folder as artifacts
 from ..artifact.manifest import Manifest
@@ -48,8 +47,7 @@ def add_controlnets(artifact: str | Path, model_dir: str | Path, controlnets: Se
     from .pipeline import compile_pipeline
 
     root = Path(artifact)
-    manifest = artifacts.read_manifest(root)  # the JSON: _merge amends it
-    facts = Manifest.from_json(manifest)
+    facts = Manifest.read(root)  # _merge amends a copy of its JSON (Manifest.to_json)
     comps = facts.components
     if UNET_CONTROLNET not in comps:
         raise RuntimeInputError(f"{root} has no {UNET_CONTROLNET} (the UNet with ControlNet residual inputs); "
@@ -62,38 +60,36 @@ def add_controlnets(artifact: str | Path, model_dir: str | Path, controlnets: Se
     if artifacts.folder_hash(model_dir) != source:
         raise RuntimeInputError(f"{model_dir} is not the model {root} was compiled from (source sha256 differs); pass "
                                 f"that folder ({facts.source_path})")
-    config = CompileConfig.from_json(facts.config_json)
-    config = dataclasses.replace(config, controlnets=tuple(controlnets),
+    compiled = CompileConfig.from_json(facts.config_json)
+    config = dataclasses.replace(compiled, controlnets=tuple(controlnets),
                                  components=tuple(PREFIX + n for n, _ in controlnets))
     with tempfile.TemporaryDirectory(prefix=".add-controlnet-", dir=root.parent) as scratch:
         built = compile_pipeline(model_dir, Path(scratch) / "cn", config, progress=progress, source_sha256=source)
-        added = artifacts.read_manifest(built)
+        added = Manifest.read(built)
         with artifacts.staging_dir(root, overwrite=True) as staging:
             shutil.rmtree(staging)
             shutil.copytree(root, staging, symlinks=False)
-            _merge(staging, manifest, built, added, controlnets)
+            _merge(staging, facts, built, added, [*compiled.controlnets], controlnets)
     logger.info("added %s to %s", ", ".join(PREFIX + n for n, _ in controlnets), root)
     return root
 
 
-def _merge(staging: Path, manifest: dict[str, Any], built: Path, added: dict[str, Any],
+def _merge(staging: Path, facts: Manifest, built: Path, added: Manifest, compiled: Sequence[tuple[str, str]],
            controlnets: Sequence[tuple[str, str]]) -> None:
     """Put the scratch artifact ``built``'s ControlNet components (files, entries) and ``config.controlnets`` into
-    the copy ``staging`` of the artifact, and reseal it."""
-    new = {k: v for k, v in manifest.items() if k not in (artifacts.SEAL_KEY, "cache")}
-    new["components"] = dict(manifest["components"])
-    new["files"] = dict(manifest["files"])
-    for name, entry in added["components"].items():
-        old = new["components"].get(name)
+    the copy ``staging`` of the artifact ``facts`` (its ControlNets so far: ``compiled``), and reseal it."""
+    new = {k: v for k, v in facts.to_json().items() if k not in (artifacts.SEAL_KEY, "cache")}  # the amended copy
+    for name, component in added.components.items():
+        old = facts.component(name)
         if old is not None:  # a swap, in place: the previous files go
-            for rel in old.get("files", []):
+            for rel in old.files:
                 new["files"].pop(rel, None)
             shutil.rmtree(staging / name, ignore_errors=True)
         shutil.copytree(built / name, staging / name)
-        new["components"][name] = entry
-        for rel in entry["files"]:
+        new["components"][name] = dict(component.spec)
+        for rel in component.files:
             new["files"][rel] = artifacts.file_entry(staging, rel)
     names = {n for n, _ in controlnets}
-    kept = [c for c in manifest["config"].get("controlnets", []) if c[0] not in names]
-    new["config"] = {**manifest["config"], "controlnets": [*kept, *([n, str(p)] for n, p in controlnets)]}
+    kept = [[n, p] for n, p in compiled if n not in names]
+    new["config"] = {**facts.config_json, "controlnets": [*kept, *([n, str(p)] for n, p in controlnets)]}
     artifacts.write_manifest(staging, new)

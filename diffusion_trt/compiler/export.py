@@ -151,16 +151,17 @@ def check_model_folder(path: str | Path, trust_pickle: bool = False) -> ModelFol
 
 def _artifact_as_source(root: Path) -> str:
     """The message for a compiled artifact passed as the model folder (naming its source and merged LoRAs)."""
-    try:
-        manifest = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        manifest = {}
-    source = manifest.get("source", {}).get("path")
-    loras = manifest.get("loras") or []
+    from ..artifact.manifest import Manifest
+
+    try:  # not schema-checked: a message, not a load (Manifest.from_json gives absent keys their defaults)
+        manifest = Manifest.from_json(json.loads((root / "manifest.json").read_text(encoding="utf-8")))
+        source, loras = manifest.source_path, manifest.loras
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # unreadable, or no manifest: no facts to name
+        source, loras = None, ()
     msg = (f"{root} is a compiled artifact (it has manifest.json), not a diffusers pipeline folder; compile from "
            f"the model folder it was made from{f' ({source})' if source else ''}")
     if loras:
-        merged = ", ".join(f"{r.get('file')} (scale {r.get('scale')})" for r in loras)
+        merged = ", ".join(f"{r.file} (scale {r.scale})" for r in loras)
         msg += (f". Its weights have the LoRA(s) {merged} merged already: pass them again with --lora to rebuild "
                 "the same model, never on top of these weights")
     return msg

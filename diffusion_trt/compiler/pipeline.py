@@ -31,7 +31,7 @@ import onnx
 
 from ..artifact import folder as artifacts
 from ..artifact.values import scheduler_config_problems
-from ..config import IMAGE_ALIGNMENT, QUANTIZED_PRECISIONS, TRT_BACKENDS, CompileConfig, ShapeProfile
+from ..config import IMAGE_ALIGNMENT, QUANTIZED_PRECISIONS, Backend, CompileConfig, ShapeProfile
 from ..errors import (
     BuildError,
     DiffusionTrtError,
@@ -281,7 +281,7 @@ def deterministic_pass_options(config: CompileConfig) -> dict[str, Any]:
     """The pass options of ``config.deterministic``: ORT CUDA leaves GroupNorm unfused (see CompileConfig)."""
     if not config.deterministic:
         return {}
-    if (config.backend, config.device) != ("ort", "cuda"):
+    if config.backend is not Backend.ORT or config.device != "cuda":
         logger.warning("--deterministic: no effect with --backend %s --device %s (it leaves ORT CUDA's GroupNorm "
                        "unfused)", config.backend, config.device)
         return {}
@@ -304,7 +304,7 @@ def _quantize_stage(folder: export.ModelFolder, models: dict[str, Any], config: 
                   for k, m in models.items()}
     generation = Generation(cpu_models, tokenizer, folder.config("scheduler", "scheduler_config.json"),
                             facts["vae_scaling_factor"])
-    qbackend = "tensorrt" if config.backend in TRT_BACKENDS else config.backend  # the QDQ format both libraries read
+    qbackend = Backend.TENSORRT if config.backend.is_tensorrt else config.backend  # the QDQ format both libraries read
     passes = pipeline_for(qbackend, config.device, "fp32", "unet", static=profile.is_static())
     key_facts = {"source_sha256": source_hash, "passes": [pass_name(p) for p in passes],
                  "device": config.device, "onnxruntime": tool_versions().get("onnxruntime", "")}
@@ -454,10 +454,10 @@ def preflight(config: CompileConfig) -> None:
     if config.deterministic and config.pass_options.get("fuse_group_norm_deterministic", True) is False:
         raise RuntimeInputError(  # the manifest would say deterministic while the GroupNorms are fused
             "--deterministic with --pass-option fuse_group_norm_deterministic=false contradict each other; drop one")
-    if quantized_components(config) and config.backend != "tensorrt-rtx":  # TensorRT-RTX: CompileConfig checked it
+    if quantized_components(config) and config.backend is not Backend.TENSORRT_RTX:  # RTX: CompileConfig checked it
         with stage("quantization preflight"):  # fp8: the target GPU's compute capability, before any work
             quantize.check_fp8_target(config.precision, config.quantize.target_compute_capability)
-    if config.backend in TRT_BACKENDS:
+    if config.backend.is_tensorrt:
         from . import build_trt
 
         with stage("TensorRT preflight"):  # no GPU / library / a precision a target lacks: before any work
@@ -646,7 +646,7 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
     if refit:
         entry.update(write_refit_map(name, model, models[name], staging))
         release_modules(models, done_with)
-        if job.config.backend == "ort":  # the mapped weights become graph inputs (see lora_slots.py)
+        if job.config.backend is Backend.ORT:  # the mapped weights become graph inputs (see lora_slots.py)
             rmap = json.loads((staging / entry["refit_map"]).read_text())
             entry.update(lora_slots.write_weight_inputs(name, model, rmap, staging))
     bar.update()
@@ -785,7 +785,7 @@ def manifest_for(job: CompileJob, staging: Path, components: dict[str, Any], lor
         "created_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "pipeline_class": job.folder.pipeline_class,
         "source": {"path": str(job.folder.path.resolve()), "sha256": source_hash},
-        "backend": config.backend,
+        "backend": config.backend.value,
         "device": config.device,
         "precision": config.precision,
         "profile": job.profile.to_json(),

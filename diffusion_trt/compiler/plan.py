@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import QUANTIZED_PRECISIONS, TRT_BACKENDS, CompileConfig
+from ..config import QUANTIZED_PRECISIONS, Backend, CompileConfig
 
 #: The components that run the VAE's weights (diffusers' SDXL pipelines upcast the VAE for both).
 VAE_COMPONENTS: tuple[str, ...] = ("vae_decoder", "vae_encoder")
@@ -59,7 +59,7 @@ class ComponentPlan:
         pass_backend, pass_precision: the pass pipeline (``passes.pipeline_for(pass_backend, device,
             pass_precision, name)``): both TensorRT libraries run the "tensorrt" pipelines (ops TensorRT's ONNX
             parser maps); quantized components run the fp32 one.
-        engine: "ort", "tensorrt" or "tensorrt-rtx": which build stage makes the engine.
+        engine: the :class:`~diffusion_trt.artifact.manifest.Backend` whose build stage makes the engine.
         strongly_typed: TensorRT: build the network strongly typed (types from the graph). Always for
             TensorRT-RTX, and for fp16 (made by ``convert_fp16``) and QDQ graphs on full TensorRT.
         compute_capabilities: TensorRT-RTX targets ("8.6", ..., or "current"); ``None`` = its portable set.
@@ -69,16 +69,16 @@ class ComponentPlan:
     precision: str
     precision_note: str
     quantized: bool
-    pass_backend: str
+    pass_backend: Backend
     pass_precision: str
-    engine: str
+    engine: Backend
     strongly_typed: bool | None = None
     compute_capabilities: tuple[str, ...] | None = None
     export_dtype: str = "fp32"
 
     def trt_build_config(self, refittable: bool) -> Any:
         """The :class:`~diffusion_trt.compiler.build_trt.TrtBuildConfig` of a TensorRT engine (``None`` for ORT)."""
-        if self.engine not in TRT_BACKENDS:
+        if not self.engine.is_tensorrt:
             return None
         from .build_trt import TrtBuildConfig
 
@@ -91,8 +91,8 @@ class ComponentPlan:
             "precision_note": self.precision_note,
             "quantized": self.quantized,
             "export_dtype": self.export_dtype,
-            "passes": {"backend": self.pass_backend, "precision": self.pass_precision},
-            "engine": self.engine,
+            "passes": {"backend": str(self.pass_backend), "precision": self.pass_precision},  # str: the plain value
+            "engine": str(self.engine),
             "strongly_typed": self.strongly_typed,
             "compute_capabilities": list(self.compute_capabilities) if self.compute_capabilities else None,
         }
@@ -107,19 +107,20 @@ def plan_components(config: CompileConfig, facts: Mapping[str, Any], names: Sequ
         requested = config.precision if name in quantized else other
         precision, note = component_precision(name, requested, facts, config.fp16_safe_vae)
         is_quantized = name in quantized
-        trt = config.backend in TRT_BACKENDS
+        trt = config.backend.is_tensorrt
+        rtx = config.backend is Backend.TENSORRT_RTX
         strongly_typed = None
-        if config.backend == "tensorrt-rtx" or (trt and precision == "fp16"):
+        if rtx or (trt and precision == "fp16"):
             strongly_typed = True  # fp16 types come from convert_fp16; QDQ graphs are detected (None = auto)
         plans[name] = ComponentPlan(
             name=name,
             precision=precision,
             precision_note=note,
             quantized=is_quantized,
-            pass_backend="tensorrt" if trt else config.backend,
+            pass_backend=Backend.TENSORRT if trt else config.backend,
             pass_precision="fp32" if is_quantized else precision,
             engine=config.backend,
             strongly_typed=strongly_typed,
-            compute_capabilities=config.compute_capabilities if config.backend == "tensorrt-rtx" else None,
+            compute_capabilities=config.compute_capabilities if rtx else None,
         )
     return plans

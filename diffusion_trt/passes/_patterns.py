@@ -14,6 +14,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import helper
 
+from ..artifact.manifest import Backend
 from ._match import const_value, in_onnx_domain, is_const, is_graph_output, single_consumer
 
 #: Target names used by the emitters.
@@ -25,7 +26,7 @@ CONST_RTOL = 1e-5
 
 #: The backends whose graphs go through a TensorRT ONNX parser: full TensorRT and TensorRT for RTX share one
 #: parser's op set, so they share the emitters (and the pass pipelines).
-TENSORRT_BACKENDS: tuple[str, ...] = ("tensorrt", "tensorrt-rtx")
+TENSORRT_BACKENDS: tuple[str, ...] = tuple(b.value for b in Backend if b.is_tensorrt)
 
 
 def target_of(backend: str, device: str) -> str:
@@ -37,7 +38,7 @@ def target_of(backend: str, device: str) -> str:
     """
     if backend in TENSORRT_BACKENDS:
         return TENSORRT
-    if backend == "ort" and device in ("cuda", "cpu"):
+    if backend == Backend.ORT and device in ("cuda", "cpu"):
         return ORT_CUDA if device == "cuda" else ORT_CPU
     raise ValueError(f"backend={backend!r}, device={device!r} has no fusion emitter; use ort (cpu|cuda), "
                      f"tensorrt or tensorrt-rtx")

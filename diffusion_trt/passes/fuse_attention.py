@@ -9,6 +9,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import helper
 
+from ..artifact.manifest import Backend
 from ._match import const_value, find_each, in_onnx_domain, is_graph_output
 from ._patterns import import_domain, producer
 from .base import PassContext, PassResult, option
@@ -23,10 +24,10 @@ _SHAPE_ARITH_OPS = frozenset(
 )
 #: What each (backend, device) gets by default; override with ctx.options["fuse_attention_emit"].
 _DEFAULT_EMIT: dict[tuple[str, str], str] = {
-    ("ort", "cuda"): "mha",
-    ("ort", "cpu"): "mha",
-    ("tensorrt", "cuda"): "trt",
-    ("tensorrt-rtx", "cuda"): "trt",
+    (Backend.ORT, "cuda"): "mha",
+    (Backend.ORT, "cpu"): "mha",
+    (Backend.TENSORRT, "cuda"): "trt",
+    (Backend.TENSORRT_RTX, "cuda"): "trt",
 }
 EMITS: tuple[str, ...] = ("mha", "trt", "none")
 

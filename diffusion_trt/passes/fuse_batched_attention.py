@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
+from ..artifact.manifest import Backend
 from ._match import find_each, in_onnx_domain
 from ._patterns import Namer, consumer, escape_problem, import_domain, producer, rank, scalar
 from .base import PassContext, PassResult
@@ -56,7 +57,7 @@ def fuse_batched_attention(graph: gs.Graph, ctx: PassContext) -> PassResult:
     that did not match, reasons at DEBUG), ``skipped_for_target``.
     """
     emit = ctx.options_for(FuseAttentionOptions).emit
-    emit = ("trt" if ctx.backend == "tensorrt" else "mha") if emit is None else emit
+    emit = ("trt" if ctx.backend == Backend.TENSORRT else "mha") if emit is None else emit
     found = find_each(graph, NAME, match=lambda node: _candidate(graph, node))
     counts = {"Attention": 0, "Transpose": 0, "rejected": found.rejected, "skipped_for_target": 0}
     if emit != "mha":

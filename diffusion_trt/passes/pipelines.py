@@ -56,6 +56,7 @@ Ordering rules (keep them next to the tuples they constrain):
 
 from __future__ import annotations
 
+from ..artifact.manifest import Backend
 from .align_shapes import align_shapes
 from .base import Pass
 from .cancel_transposes import cancel_transposes
@@ -79,8 +80,9 @@ from .merge_conv_biases import merge_conv_biases
 from .pack_qkv import pack_qkv
 from .specialize_shapes import specialize_shapes
 
-#: The backends a pipeline exists for (same values as diffusion_trt.config.BACKENDS; passes/ may not import it).
-BACKENDS: tuple[str, ...] = ("ort", "tensorrt", "tensorrt-rtx")
+#: The backends a pipeline exists for: every :class:`~diffusion_trt.artifact.manifest.Backend`'s value (the passes
+#: take the plain strings, as ``optimize`` and the compiler's ``ComponentPlan.pass_backend`` give them).
+BACKENDS: tuple[str, ...] = tuple(b.value for b in Backend)
 
 #: Clean-up every pipeline starts with.
 BASE: tuple[Pass, ...] = (
@@ -117,13 +119,13 @@ TENSORRT_FP32: tuple[Pass, ...] = (*BASE, *FUSIONS, *TENSORRT_LAYOUT, check_onnx
 TENSORRT_FP16: tuple[Pass, ...] = (*BASE, *FUSIONS, *TENSORRT_LAYOUT, convert_fp16, check_onnx_domain)
 
 PIPELINES: dict[tuple[str, str, str], tuple[Pass, ...]] = {
-    ("ort", "cpu", "fp32"): (*BASE, *FUSIONS),
-    ("ort", "cuda", "fp32"): (*BASE, *FUSIONS, *ORT_CUDA_LAYOUT),
-    ("ort", "cuda", "fp16"): (*BASE, *FUSIONS, *ORT_CUDA_LAYOUT, convert_fp16),  # convert_fp16 last
-    ("tensorrt", "cuda", "fp32"): TENSORRT_FP32,
-    ("tensorrt", "cuda", "fp16"): TENSORRT_FP16,
-    ("tensorrt-rtx", "cuda", "fp32"): TENSORRT_FP32,
-    ("tensorrt-rtx", "cuda", "fp16"): TENSORRT_FP16,
+    (Backend.ORT, "cpu", "fp32"): (*BASE, *FUSIONS),
+    (Backend.ORT, "cuda", "fp32"): (*BASE, *FUSIONS, *ORT_CUDA_LAYOUT),
+    (Backend.ORT, "cuda", "fp16"): (*BASE, *FUSIONS, *ORT_CUDA_LAYOUT, convert_fp16),  # convert_fp16 last
+    (Backend.TENSORRT, "cuda", "fp32"): TENSORRT_FP32,
+    (Backend.TENSORRT, "cuda", "fp16"): TENSORRT_FP16,
+    (Backend.TENSORRT_RTX, "cuda", "fp32"): TENSORRT_FP32,
+    (Backend.TENSORRT_RTX, "cuda", "fp16"): TENSORRT_FP16,
 }
 
 

@@ -20,6 +20,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
+from ...artifact.manifest import Backend
 from ...errors import RuntimeInputError
 from .exclusions import DEFAULT_EXCLUDE, QUANTIZED_OP_TYPES
 
@@ -33,7 +34,7 @@ def onnx_precision_types(precision: str, backend: str) -> tuple[Any, Any, bool]:
     if precision == "fp8":
         return QuantType.QFLOAT8E4M3FN, QuantType.QFLOAT8E4M3FN, True
     if precision == "int8":
-        if backend == "tensorrt":
+        if backend == Backend.TENSORRT:
             return QuantType.QInt8, QuantType.QInt8, True
         return QuantType.QUInt8, QuantType.QInt8, False
     raise RuntimeInputError(f"precision={precision!r} is not a quantized precision; use int8 or fp8")
@@ -74,7 +75,8 @@ class QuantizeSpec:
 
     Attributes:
         precision: "int8" or "fp8".
-        backend: "ort" or "tensorrt" (chooses the activation type, see the module docstring).
+        backend: ``Backend.ORT`` or ``Backend.TENSORRT`` (or their values; chooses the activation type, see the
+            module docstring).
         method: "minmax", "entropy" or "percentile" (int8); fp8 always uses ORT's "distribution".
         per_channel: per-output-channel weight scales.
         exclude: exclusion categories and/or node names (module docstring).
@@ -90,7 +92,7 @@ class QuantizeSpec:
 
     def settings(self) -> dict[str, Any]:
         act, weight, sym = onnx_precision_types(self.precision, self.backend)
-        return {"precision": self.precision, "backend": self.backend, "method": self._method_name(),
+        return {"precision": self.precision, "backend": str(self.backend), "method": self._method_name(),
                 "per_channel": self.per_channel, "activation_type": act.name, "weight_type": weight.name,
                 "symmetric_activations": sym, "smooth_quant_alpha": self.smooth_quant_alpha,
                 "op_types": list(QUANTIZED_OP_TYPES)}
