@@ -25,9 +25,12 @@ from typing import Any
 #: Bytes per hashed slice: large enough that the per-slice overhead vanishes, small enough that a 1.7 GB UNet
 #: spreads over 26 slices (every core of a 16-core host busy).
 CHUNK_BYTES = 64 << 20
-#: Threads that read and hash at most (sha256 on one core runs at ~1 GB/s; 8 reach the 4 GB/s of issue 28).
-MAX_WORKERS = 8
-#: Buffers from this size on ask the kernel for transparent huge pages (:func:`private_buffer`).
+#: Threads that read and hash at most. H200 host (16 cores), the SD-1.5 UNet's 1.72 GB from the page cache,
+#: 2026-12-02 (``benchmarks/read_hash_throughput.py --sweep``, ``h200-2026-12-02-s9-read-hash.json``): 1 / 2 / 4 / 8 /
+#: 16 threads read + hash at 0.97 / 1.84 / 3.47 / 5.73 / 8.17 GB/s (sha256 alone: 1.41 GB/s per core).
+MAX_WORKERS = 16
+#: Buffers from this size on ask the kernel for transparent huge pages (:func:`private_buffer`): on the H200 host the
+#: UNet's read + hash on 8 threads went 4.70 GB/s (4 KiB pages) -> 5.42-5.90 GB/s (same file, same run).
 HUGE_PAGE_MIN_BYTES = 32 << 20
 
 

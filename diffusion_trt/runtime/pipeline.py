@@ -75,8 +75,16 @@ LAZY_COMPONENTS: tuple[str, ...] = ("vae_encoder",)
 
 #: Components whose convolutions run faster in NHWC on CUDA (ORT's ``prefer_nhwc`` lets its layout transformer
 #: put Conv and the NHWC GroupNorm kernel in one layout); the text encoder (no Conv) gets slower, so it is left
-#: out. Figures: benchmarks/results/README.md, "Figures behind code defaults".
-NHWC_COMPONENTS: frozenset[str] = frozenset({"unet", "vae_decoder", "vae_encoder"})
+#: out. Figures: benchmarks/results/README.md, "Figures behind code defaults". The ControlNet engines
+#: (``controlnet_<name>``, :func:`runs_nhwc`) and the residual-input UNet are the same layers: until 2026-12-02 they
+#: were left NCHW, and on the H200 ``unet_controlnet`` took ~10.5 ms a step against the plain UNet's 6.9 ms, the
+#: NCHW UNet's 10.2 ms (``h200-2026-12-02-s9-controlnet-step.json``, ``-ort-offline-nchw.json``).
+NHWC_COMPONENTS: frozenset[str] = frozenset({"unet", "unet_controlnet", "vae_decoder", "vae_encoder"})
+
+
+def runs_nhwc(component: str) -> bool:
+    """Whether ``component`` gets ``prefer_nhwc`` on CUDA: :data:`NHWC_COMPONENTS` and every ControlNet engine."""
+    return component in NHWC_COMPONENTS or component.startswith("controlnet_")
 
 
 #: ORT's attention backend for every CUDA engine: ``sdpa_kernel`` bit 8 = cuDNN flash attention (ORT's
@@ -96,7 +104,7 @@ FUSED_CONV_BIAS_COMPONENTS: frozenset[str] = frozenset({"vae_decoder", "vae_enco
 
 def cuda_layout_options(component: str, device: str, weight_inputs: bool = False) -> dict[str, str]:
     """Default CUDA provider options of one component (overridden by the caller's ``provider_options``):
-    :data:`CUDA_ATTENTION_OPTIONS` for every component, ``prefer_nhwc=1`` for :data:`NHWC_COMPONENTS` unless the
+    :data:`CUDA_ATTENTION_OPTIONS` for every component, ``prefer_nhwc=1`` where :func:`runs_nhwc` unless the
     engine binds its weights as inputs (``weight_inputs``: an ORT ``--refittable`` artifact), ``fuse_conv_bias=1``
     for :data:`FUSED_CONV_BIAS_COMPONENTS`; nothing on the CPU.
 
@@ -108,7 +116,7 @@ def cuda_layout_options(component: str, device: str, weight_inputs: bool = False
     if device != "cuda":
         return {}
     options = dict(CUDA_ATTENTION_OPTIONS)
-    if component in NHWC_COMPONENTS and not weight_inputs:
+    if runs_nhwc(component) and not weight_inputs:
         options["prefer_nhwc"] = "1"
     if component in FUSED_CONV_BIAS_COMPONENTS:
         options["fuse_conv_bias"] = "1"

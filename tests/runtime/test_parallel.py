@@ -128,6 +128,9 @@ def test_cuda_default_provider_options() -> None:
     assert cuda_layout_options("vae_decoder", "cuda") == {"sdpa_kernel": "8", "prefer_nhwc": "1", "fuse_conv_bias": "1"}
     # weights bound as inputs (--refittable): NCHW, since ORT's NHWC Conv misread them on the H200
     assert cuda_layout_options("unet", "cuda", weight_inputs=True) == {"sdpa_kernel": "8"}
+    # the ControlNets and the residual-input UNet are UNet layers: NHWC too
+    for name in ("unet_controlnet", "controlnet_canny"):
+        assert cuda_layout_options(name, "cuda") == {"sdpa_kernel": "8", "prefer_nhwc": "1"}
 
 
 def test_data_parallel_sdxl_shares_run_on_each_device_s_second_encoder(tiny_sdxl_artifact: Path) -> None:
