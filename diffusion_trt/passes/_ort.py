@@ -9,9 +9,10 @@ machine).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,14 @@ from onnx import TensorProto
 
 from diffusion_trt.errors import ModelFileError
 
-from .onnx_files import save_onnx_file
-
 logger = logging.getLogger(__name__)
 
 #: Models bigger than this are handed to ONNX Runtime as a file with external data (protobuf stops at 2 GiB).
 INLINE_LIMIT_BYTES = 1_800_000_000
+#: Initializers of this size or more go to the data file of :func:`weights_on_disk` (onnx's own default threshold).
+EXTERNAL_MIN_BYTES = 1024
+#: The data file's name in :func:`weights_on_disk`'s folder.
+WEIGHTS_FILE = "weights.data"
 
 #: Intermediate tensors exposed per session when every activation is read (bounds the memory of one run).
 EXPOSE_PER_RUN = 256
@@ -80,7 +83,16 @@ def available_providers() -> list[str]:
 def open_session(model: onnx.ModelProto, providers: Iterable[str] | None = None) -> Session | str:
     """A session for ``model`` on the first provider (CPU, then CUDA) that can run every op of it, or the reason
     none can: ``"CPUExecutionProvider: ...NOT_IMPLEMENTED... GroupNorm...; CUDAExecutionProvider: not in this
-    onnxruntime"``. Graph optimizations are off: what runs is the graph as written."""
+    onnxruntime"``. Graph optimizations are off: what runs is the graph as written. ``model`` is not changed (a big
+    one goes to ONNX Runtime as a file: :func:`weights_on_disk`)."""
+    if model.ByteSize() < INLINE_LIMIT_BYTES:
+        return _session(model.SerializeToString(), providers)
+    with weights_on_disk(model) as (light, folder):
+        return _session(_save_light(light, folder, "model.onnx"), providers)
+
+
+def _session(source: Any, providers: Iterable[str] | None) -> Session | str:
+    """:func:`open_session` on serialized bytes or a path."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -88,25 +100,71 @@ def open_session(model: onnx.ModelProto, providers: Iterable[str] | None = None)
     options.log_severity_level = 4  # failures are reported by the caller, with the fix
     have = set(ort.get_available_providers())
     reasons: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="dtrt-ort-") as tmp:
-        source: Any = model.SerializeToString() if model.ByteSize() < INLINE_LIMIT_BYTES else _save(model, tmp)
-        for provider in providers or ("CPUExecutionProvider", "CUDAExecutionProvider"):
-            if provider not in have:
-                reasons.append(f"{provider}: not in this onnxruntime ({ort.__version__})")
-                continue
-            try:
-                session = ort.InferenceSession(source, options, providers=[provider])
-            except Exception as err:  # noqa: BLE001 - ORT raises its own classes (Fail, NotImplemented...)
-                reasons.append(f"{provider}: {_first_line(err)}")
-                continue
-            return Session(session, provider)
+    for provider in providers or ("CPUExecutionProvider", "CUDAExecutionProvider"):
+        if provider not in have:
+            reasons.append(f"{provider}: not in this onnxruntime ({ort.__version__})")
+            continue
+        try:
+            session = ort.InferenceSession(source, options, providers=[provider])
+        except Exception as err:  # noqa: BLE001 - ORT raises its own classes (Fail, NotImplemented...)
+            reasons.append(f"{provider}: {_first_line(err)}")
+            continue
+        return Session(session, provider)
     return "; ".join(reasons)
 
 
-def _save(model: onnx.ModelProto, folder: str) -> str:
-    path = str(Path(folder) / "model.onnx")
-    save_onnx_file(model, path, external=True, location="model.data")
-    return path
+@contextlib.contextmanager
+def weights_on_disk(model: onnx.ModelProto) -> Iterator[tuple[onnx.ModelProto, Path]]:
+    """``(light, folder)``: a copy of ``model`` whose initializers of :data:`EXTERNAL_MIN_BYTES` or more are
+    references into one data file (:data:`WEIGHTS_FILE`) in a temporary ``folder``, written once; ``model`` is not
+    changed. A graph saved into ``folder`` from ``light`` (or a variant of it: extra outputs) loads with those
+    weights, so sessions of several variants of one big graph cost one write of the weights and no copy of them in
+    memory.
+
+    Why: the fp16 range check opens one session per group of exposed tensors; each used to copy the whole proto and
+    write its weights again (3.4 GB each for the fp32 SD-1.5 UNet), and that copy was the UNet passes' peak (12.2 GB
+    of a b1 compile on the H200 host, 2026-12-02)."""
+    with tempfile.TemporaryDirectory(prefix="dtrt-ort-") as tmp:
+        folder = Path(tmp)
+        light = _light_copy(model)
+        with open(folder / WEIGHTS_FILE, "wb") as data:
+            for init in model.graph.initializer:
+                light.graph.initializer.append(_external_or_copy(init, data))
+        yield light, folder
+
+
+def _light_copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` without its initializers (the rest is small: nodes, value infos, opsets)."""
+    light = onnx.ModelProto(ir_version=model.ir_version, producer_name=model.producer_name)
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    graph, out = model.graph, light.graph
+    out.name = graph.name
+    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
+        getattr(out, field).extend(getattr(graph, field))
+    return light
+
+
+def _external_or_copy(init: TensorProto, data: Any) -> TensorProto:
+    """A reference to ``init``'s bytes appended to the open file ``data``, or a copy of a small or non-raw tensor."""
+    if init.data_location == TensorProto.EXTERNAL or not init.HasField("raw_data"):
+        return init  # appended by copy: a tensor in typed fields, or one that already points elsewhere
+    raw = init.raw_data
+    if len(raw) < EXTERNAL_MIN_BYTES:
+        return init
+    ref = TensorProto(name=init.name, dims=init.dims, data_type=init.data_type, data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", WEIGHTS_FILE), ("offset", str(data.tell())), ("length", str(len(raw)))):
+        entry = ref.external_data.add()
+        entry.key, entry.value = key, value
+    data.write(raw)
+    return ref
+
+
+def _save_light(light: onnx.ModelProto, folder: Path, name: str) -> str:
+    """Save a graph whose weights are in ``folder``'s data file (:func:`weights_on_disk`); returns its path."""
+    path = folder / name
+    path.write_bytes(light.SerializeToString())
+    return str(path)
 
 
 def _first_line(err: BaseException) -> str:
@@ -186,15 +244,23 @@ def activation_peaks(model: onnx.ModelProto, feed_list: Sequence[Mapping[str, np
     provider = ""
     if not produced:
         return peaks, provider
-    for chunk in exposure_groups(produced, {name: size for name, (_elem, size) in tensors.items()}):
-        session = open_session(with_outputs(model, chunk, types), providers)
-        if isinstance(session, str):
-            return session
-        provider = session.provider
-        providers = [provider]  # the first chunk decided where the graph runs
-        for feeds in feed_list:
-            for name, value in session.run(feeds, chunk).items():
-                peaks[name] = max(peaks.get(name, 0.0), peak(value))
+    groups = exposure_groups(produced, {name: size for name, (_elem, size) in tensors.items()},
+                             EXPOSE_BYTES_PER_RUN, EXPOSE_PER_RUN)
+    with contextlib.ExitStack() as stack:
+        big = model.ByteSize() >= INLINE_LIMIT_BYTES
+        light, folder = stack.enter_context(weights_on_disk(model)) if big else (model, None)
+        for i, chunk in enumerate(groups):
+            probe = with_outputs(light, chunk, types)  # big: a copy without the weights
+            source = _save_light(probe, folder, f"probe{i}.onnx") if folder else probe.SerializeToString()
+            session = _session(source, providers)
+            if isinstance(session, str):
+                return session
+            provider = session.provider
+            providers = [provider]  # the first chunk decided where the graph runs
+            for feeds in feed_list:
+                for name, value in session.run(feeds, chunk).items():
+                    peaks[name] = max(peaks.get(name, 0.0), peak(value))
+            del session
     return peaks, provider
 
 

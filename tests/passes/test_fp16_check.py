@@ -75,3 +75,31 @@ def test_a_graph_above_the_size_limit_is_converted_unchecked_with_a_warning(capl
     assert "block: fp16 range check skipped" in caplog.text and "convert_fp16_range_check_max_bytes" in caplog.text
     peaks, _ = activation_peaks(fp16, _feeds(model))
     assert not np.isfinite(peaks["h"])  # what skipping costs: the overflow is not caught
+
+
+def test_a_graph_over_the_inline_limit_runs_from_one_weight_file_and_is_not_changed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The big-graph path (weights written once, every exposure group a light graph beside them) gives the peaks and
+    outputs of the in-memory path and leaves the caller's proto as it was."""
+    from diffusion_trt.passes import _ort
+
+    model = graphs.overflow_model(gain=5e4)
+    model, _ = optimize_model(model, (infer_shapes,), _ctx())
+    feeds = _feeds(model)
+    small_peaks, _ = activation_peaks(model, feeds)
+    small_out = open_session(model).run(feeds[0])
+    before = model.SerializeToString()
+    monkeypatch.setattr(_ort, "INLINE_LIMIT_BYTES", 0)
+    monkeypatch.setattr(_ort, "EXTERNAL_MIN_BYTES", 1)  # every weight of this tiny graph goes to the file
+    monkeypatch.setattr(_ort, "EXPOSE_PER_RUN", 1)  # one session per tensor: several light graphs, one weight file
+    groups: list[int] = []
+    monkeypatch.setattr(_ort, "_session", lambda source, providers, real=_ort._session: (
+        groups.append(1), real(source, providers))[1])
+    big_peaks, _ = activation_peaks(model, feeds)
+    assert len(groups) == len(big_peaks) > 1  # one light graph per tensor, all reading the one weight file
+    big_out = open_session(model).run(feeds[0])
+    assert big_peaks == small_peaks
+    assert big_out.keys() == small_out.keys()
+    for name in small_out:
+        np.testing.assert_array_equal(big_out[name], small_out[name])
+    assert model.SerializeToString() == before
