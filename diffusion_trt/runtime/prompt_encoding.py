@@ -73,7 +73,7 @@ class PromptReader:
         max_chunks: the most chunks a text may have (>= 1); more are dropped with a warning.
         clip_skip: 0 = the text encoder's last hidden state; c >= 1 = diffusers' ``clip_skip=c``: the
             final-layer-normed ``hidden_states[-(c + 1)]`` (the engine's ``clip_skip_states`` row c-1). A1111's
-            "Clip skip 2" is c = 1.
+            "Clip skip 2" is c = 1. SDXL reads its own outputs (:mod:`.sdxl`: ``hidden_states[-(c + 2)]``).
         embeddings: the loaded textual-inversion embeddings (their names become their token ids, see
             :mod:`.embeddings`); ``None`` = none.
     """
