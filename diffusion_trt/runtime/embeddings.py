@@ -7,7 +7,11 @@ one embedding of n >= 1 vectors of the text encoder's hidden size D, in one of t
 [n, D]}``. SDXL's two-encoder form holds ``clip_l`` [n, 768] (for ``text_encoder``) and ``clip_g`` [n, 1280] (for
 ``text_encoder_2``): each encoder gets its own :class:`EmbeddingTable`, as diffusers' ``load_textual_inversion``
 called once per encoder with ``state_dict["clip_l"]`` / ``state_dict["clip_g"]``. An SDXL artifact takes that form
-only, an SD 1.x/2.x artifact the others only.
+only, an SD 1.x/2.x artifact the others only. One difference kept on purpose: SDXL's ``text_encoder_2`` config has
+transformers' legacy ``eos_token_id=2``, with which ``CLIPTextModelWithProjection`` pools at ``input_ids.argmax()``,
+i.e. on the first token diffusers added for an embedding (ids above the vocabulary) when a prompt names one; here the
+embedding ids are negative, so the pooled ``text_embeds`` come from the EOS as for every other prompt (A1111's
+result, which keeps the prompt's own token ids).
 
 Its name is the file's stem (A1111's rule): ``easynegative.safetensors`` is written ``easynegative`` in a prompt,
 matched as a whole word, case-insensitively (CLIP lowercases prompts). The tokenizer is not touched: each segment
