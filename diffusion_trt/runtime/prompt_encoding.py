@@ -24,12 +24,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .embeddings import EmbeddingTable
 from .prompt_syntax import ParsedPrompt, parse_prompt
+
+if TYPE_CHECKING:  # annotations only: export-triton copies this file and prompt_syntax.py alone (serve/triton_model.py)
+    from .embeddings import EmbeddingTable
 
 logger = logging.getLogger(__name__)
 
