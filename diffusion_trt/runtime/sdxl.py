@@ -261,7 +261,7 @@ class SdxlConditioning(TextToImage):
         with_empty = any(c1 != c2 or max(c1, c2) < k for c1, c2 in counts)
         states, pooled, empties = [], None, []
         for i, (engine, reader) in enumerate(zip(engines, readers, strict=True)):
-            rows, empty, first = _encode_texts(engine, reader, chunks[i], with_empty, pooled=i == 1)
+            rows, empty, first = _encode_texts(engine, reader, chunks[i], with_empty, with_pooled=i == 1)
             states.append(rows)
             empties.append(empty)
             pooled = first if i else pooled
@@ -326,15 +326,15 @@ def _first(empty: torch.Tensor | None) -> torch.Tensor:
 
 
 def _encode_texts(engine: Engine, reader: PromptReader, chunks: Mapping[str, TokenChunks], with_empty: bool,
-                  pooled: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, dict[str, torch.Tensor]]:
+                  with_pooled: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, dict[str, torch.Tensor]]:
     """One encoder run over every text's chunks (and an empty chunk when ``with_empty``), the reader's embedding
     vectors fed: each text's weighted states [k_i, 77, D] (penultimate, or ``reader.clip_skip`` layers before it;
     float32 where weighted, the engine's dtype otherwise), the empty chunk's [77, D] (or ``None``) and, with
-    ``pooled``, each text's first-chunk :data:`POOLED_OUTPUT` [E]."""
+    ``with_pooled``, each text's first-chunk :data:`POOLED_OUTPUT` [E]."""
     ids = torch.cat([c.ids for c in chunks.values()] + ([reader.empty_chunk()] if with_empty else []))
     name = SKIP_OUTPUT if reader.clip_skip else HIDDEN_OUTPUT
-    out = run_rows_outputs(engine, "input_ids", ids.to(engine.device), (POOLED_OUTPUT, name) if pooled else (name,),
-                           engine_feed(engine, reader.embeddings))
+    names = (POOLED_OUTPUT, name) if with_pooled else (name,)
+    out = run_rows_outputs(engine, "input_ids", ids.to(engine.device), names, engine_feed(engine, reader.embeddings))
     hidden = out[name][:, reader.clip_skip - 1] if reader.clip_skip else out[name]
     rows: dict[str, torch.Tensor] = {}
     pooled: dict[str, torch.Tensor] = {}
