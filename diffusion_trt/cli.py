@@ -959,8 +959,9 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
                    "1 = A1111's 'Clip skip 2'; SDXL: N layers before its penultimate one, no layer norm); up to "
                    "the artifact's compile --max-clip-skip [default: the last].")
 @click.option("--embedding", "embeddings", multiple=True, type=click.Path(path_type=Path), metavar="FILE",
-              help="A textual-inversion embedding (.safetensors; .pt through torch's weights-only loader), written "
-                   "by its file name in the prompts, e.g. -n 'easynegative, lowres'; repeatable.")
+              help="A textual-inversion embedding (.safetensors; .pt through torch's weights-only loader; SDXL: "
+                   "the clip_l/clip_g form), written by its file name in the prompts, e.g. -n 'easynegative, "
+                   "lowres'; repeatable.")
 @click.option("--steps", type=click.IntRange(min=1), default=_run_default("num_inference_steps"), show_default=True,
               help="Denoising steps.")
 @click.option("--guidance", type=float, default=None,

@@ -132,7 +132,7 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], config: Mapping[str, 
         if len(text) > limits["max_prompt_chars"]:
             raise RequestError(
                 name, f"{name} has {len(text)} characters; at most {int(limits['max_prompt_chars'])} are accepted "
-                "(CLIP reads 77 tokens anyway)"
+                "(the engines read at most the UNet's --max-prompt-chunks x 75 CLIP tokens anyway)"
             )
         out[name] = text
     seed = values.get("seed", defaults["seed"])
