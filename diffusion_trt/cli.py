@@ -467,10 +467,10 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
 @click.option("--max-batch-size", type=int, default=None, help="[default: max(4, batch-size)]")
 @click.option("--opset", type=int, default=17, show_default=True)
 @click.option("--max-clip-skip", type=int, default=2, show_default=True,
-              help="SD 1.x/2.x: the text encoder also serves run --clip-skip 1..N (one extra output; 0..11, at most "
-                   "its layers less one; 0 = the text encoder of before).")
+              help="The text encoder (SDXL: both) also serves run --clip-skip 1..N (one extra output; 0..11, at "
+                   "most its layers less one; 0 = the text encoder of before).")
 @click.option("--max-embedding-vectors", type=int, default=128, show_default=True,
-              help="SD 1.x/2.x: the text encoder takes up to N textual-inversion vectors (run --embedding; 0..1024; "
+              help="The text encoder (SDXL: both) takes up to N textual-inversion vectors (run --embedding; 0..1024; "
                    "0 = the text encoder of before, which refuses embeddings).")
 @click.option("--max-prompt-chunks", type=int, default=3, show_default=True,
               help="Long prompts: the UNet takes up to N chunks of 75 tokens (1..8; 1 = 77 tokens, the artifact of "
@@ -962,10 +962,12 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
                    "compile --max-prompt-chunks).")
 @click.option("--clip-skip", type=click.IntRange(min=0), default=None,
               help="Text states from N layers before the last, then the final layer norm (diffusers' clip_skip; "
-                   "1 = A1111's 'Clip skip 2'); up to the artifact's compile --max-clip-skip [default: the last].")
+                   "1 = A1111's 'Clip skip 2'; SDXL: N layers before its penultimate one, no layer norm); up to "
+                   "the artifact's compile --max-clip-skip [default: the last].")
 @click.option("--embedding", "embeddings", multiple=True, type=click.Path(path_type=Path), metavar="FILE",
-              help="A textual-inversion embedding (.safetensors; .pt through torch's weights-only loader), written "
-                   "by its file name in the prompts, e.g. -n 'easynegative, lowres'; repeatable.")
+              help="A textual-inversion embedding (.safetensors; .pt through torch's weights-only loader; SDXL: "
+                   "the clip_l/clip_g form), written by its file name in the prompts, e.g. -n 'easynegative, "
+                   "lowres'; repeatable.")
 @click.option("--steps", type=click.IntRange(min=1), default=_run_default("num_inference_steps"), show_default=True,
               help="Denoising steps.")
 @click.option("--guidance", type=float, default=None,
@@ -1071,10 +1073,11 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
     if lora_specs and len(_parse_devices(devices, device)) >= 2:
         raise click.UsageError("--lora runs on one device; drop --devices (or give one device)")
     if embeddings:
-        from .runtime.embeddings import read_embedding
+        from .runtime.embeddings import check_embedding_file
 
+        sdxl = read[0].model.is_sdxl if read[0] is not None else None
         for path in embeddings:  # a missing / pickled / malformed file fails before the engines load
-            read_embedding(path)
+            check_embedding_file(path, sdxl)
         if len(_parse_devices(devices, device)) >= 2:
             raise click.UsageError("--embedding runs on one device; drop --devices (or give one device)")
     max_hw = _profile_max_hw(_needed(read)) if image_path is not None else None

@@ -287,13 +287,13 @@ class CompileConfig:
             (size, k) its own static CUDA-graph session, so one-chunk prompts run as before. A static profile and
             SDXL models keep 77 (logged): a static profile is one fixed shape (one CUDA graph), and SDXL's
             two-encoder chunking is not implemented yet.
-        max_clip_skip: SD 1.x/2.x: the text encoder also gives the states that ``clip_skip`` = 1..this take (one
+        max_clip_skip: the text encoder also gives the states that ``clip_skip`` = 1..this take (one
             extra output of the one engine, ``clip_skip_states``; at most its layers less one); 0 = none (the
-            text encoder of before). SDXL: none yet.
-        max_embedding_vectors: SD 1.x/2.x: rows of the text encoder's ``embedding_vectors`` input, the most
+            text encoder of before). SDXL: both text encoders, at most the smaller one's layers less one.
+        max_embedding_vectors: rows of the text encoder's ``embedding_vectors`` input, the most
             textual-inversion vectors one pipeline loads at once (``run --embedding``; EasyNegative has 8,
             ng_deepnegative_v1_75t 75); 0 = no such input (the text encoder of before, which refuses embeddings).
-            Costs nothing per run but a [N, D] input. SDXL: none yet.
+            Costs nothing per run but a [N, D] input. SDXL: both text encoders (the clip_l / clip_g vectors).
         controlnets: ``(name, folder)`` pairs: each diffusers ControlNetModel folder becomes the component
             ``controlnet_<name>``, and the UNet is compiled a second time with the residual inputs as
             ``unet_controlnet`` (see :mod:`diffusion_trt.compiler.controlnet`). Saved in the manifest only when

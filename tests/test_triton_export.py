@@ -341,6 +341,77 @@ def test_bls_loop_gives_the_images_of_engine_pipeline(repo: Path, tiny_artifact:
     assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (diff.max(), (diff > 0).mean())
 
 
+LONG = "an ink painting of misty mountains above a quiet lake, pine trees on the shore, a small boat, " * 4
+
+
+def test_prompt_modules_are_the_runtimes_copied_beside_model_py(repo: Path) -> None:
+    from diffusion_trt.runtime import prompt_encoding, prompt_syntax
+
+    prompts = repo / "pipeline" / "1" / triton_model.PROMPT_MODULES
+    for module in (prompt_syntax, prompt_encoding):
+        path = Path(module.__file__)
+        assert (prompts / path.name).read_bytes() == path.read_bytes()
+    config = json.loads((repo / "pipeline" / "1" / "pipeline.json").read_text())
+    assert config["max_prompt_chunks"] == 3 and config["text_encoder_rows"] == [1, 8]  # compile's defaults
+
+
+def test_bls_loop_reads_long_weighted_prompts_as_engine_pipeline(repo: Path, tiny_artifact: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt of two 75-token chunks with weights and BREAK, and a one-chunk negative: the same chunks, weights and
+    padding as EnginePipeline (the runtime's modules, loaded from the repository's copies), the UNet fed 2 x 77."""
+    import sys
+
+    import onnxruntime as ort
+
+    from diffusion_trt.runtime import EnginePipeline
+
+    for name in [m for m in sys.modules if m.startswith("_diffusion_trt_prompts")]:
+        monkeypatch.delitem(sys.modules, name)  # load them afresh, from the copies
+    module = _load_model_py(repo)
+    config, tokenizer, scheduler = module.load_pipeline_assets(repo / "pipeline" / "1")
+    sessions = {n: ort.InferenceSession(str(repo / n / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+                for n in ("text_encoder", "unet", "vae_decoder")}
+    contexts: list[tuple[int, ...]] = []
+
+    def infer(model: str, inputs: Mapping[str, np.ndarray], output: str) -> np.ndarray:
+        if model == "unet":
+            contexts.append(inputs["encoder_hidden_states"].shape)
+        return sessions[model].run([output], dict(inputs))[0]
+
+    prompt, negative = LONG + "BREAK (red seal:1.3), [fog]", "(blurry)"
+    params = {"prompt": prompt, "negative_prompt": negative, "seed": 5, "steps": 3, "guidance_scale": 6.0,
+              "height": 64, "width": 64}
+    image = module.text_to_image(params, config, tokenizer, type(scheduler).from_config(scheduler.config), infer)
+    loaded = sys.modules["_diffusion_trt_prompts.prompt_encoding"].__file__
+    assert Path(loaded).parent == repo / "pipeline" / "1" / triton_model.PROMPT_MODULES
+    assert set(contexts) == {(2, 3 * 77, 32)}  # LONG is two chunks, BREAK starts a third
+    with EnginePipeline.from_artifacts(tiny_artifact) as pipe:
+        expected = pipe(prompt, negative_prompt=negative, num_inference_steps=3, guidance_scale=6.0, seed=5,
+                        height=64, width=64, progress=False).images[0]
+        plain = pipe(prompt, negative_prompt=negative, num_inference_steps=3, guidance_scale=6.0, seed=5,
+                     height=64, width=64, progress=False, prompt_syntax="plain").images[0]
+    diff = np.abs(image.astype(int) - np.asarray(expected).astype(int))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01, (diff.max(), (diff > 0).mean())
+    assert np.abs(image.astype(int) - np.asarray(plain).astype(int)).max() > 1  # the weights count
+
+
+@pytest.mark.parametrize(("rows", "limits", "calls"), [(7, [1, 3], [3, 3, 1]), (1, [2, 8], [2])],
+                         ids=["split-to-the-max", "padded-to-the-min"])
+def test_text_encoder_rows_follow_its_batch_range(rows: int, limits: list[int], calls: list[int]) -> None:
+    seen: list[int] = []
+
+    def infer(model: str, inputs: Mapping[str, np.ndarray], output: str) -> np.ndarray:
+        seen.append(len(inputs["input_ids"]))
+        assert inputs["embedding_vectors"].shape == (len(inputs["input_ids"]), 4, 8)
+        return inputs["input_ids"][:, :, None].astype(np.float32).repeat(8, axis=2)
+
+    ids = np.arange(rows * 77, dtype=np.int64).reshape(rows, 77)
+    config = {"text_encoder_rows": limits, "embedding_vectors": [4, 8], "models": {"text_encoder": "te"},
+              "dtypes": {"text_encoder": {"embedding_vectors": "float32"}}}
+    out = triton_model._text_encoder_rows(ids, config, infer)
+    assert seen == calls and np.array_equal(out[..., 0], ids.astype(np.float32))
+
+
 def test_a_prefix_that_makes_bad_model_names_is_refused(tiny_artifact: Path, tmp_path: Path) -> None:
     code, text = _invoke("export-triton", tiny_artifact, tmp_path / "repo", "--prefix", "bad name/")
     assert code == 2 and "would make model names Triton cannot load" in text

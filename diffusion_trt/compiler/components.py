@@ -97,13 +97,15 @@ def component_specs(
         time_ids: SDXL: the number of ``time_ids`` per row (6: original size, crop top-left, target size).
         prompt_chunks: the UNet's ``encoder_hidden_states`` takes 77 * k tokens for k up to this; > 1
             makes its sequence axis the symbol ``S`` (``CompileConfig.max_prompt_chunks``).
-        clip_skip: SD 1.x/2.x: C > 0 adds the text encoder output ``clip_skip_states`` [B2, C, S, D], row c-1 the
-            final-layer-normed ``hidden_states[-(c + 1)]`` (diffusers' ``clip_skip=c``; CompileConfig.max_clip_skip).
-        embedding_vectors: SD 1.x/2.x: N > 0 adds the text encoder input ``embedding_vectors`` [B2, N, text_hidden]:
-            each text row's textual-inversion vectors, that its token ids -N..-1 look up (row id + N; ids >= 0 read
-            the model's own token table), see :mod:`diffusion_trt.runtime.embeddings`
-            (CompileConfig.max_embedding_vectors). Batched like ``input_ids``: every input shares the batch symbol
-            (Triton's dynamic batching, one profile dimension).
+        clip_skip: C > 0 adds the text encoder output ``clip_skip_states`` [B2, C, S, D] (diffusers' ``clip_skip=c``
+            for c = 1..C; CompileConfig.max_clip_skip): SD 1.x/2.x, row c-1 the final-layer-normed
+            ``hidden_states[-(c + 1)]``; SDXL, on both text encoders, row c-1 ``hidden_states[-(c + 2)]`` without
+            the final layer norm (``StableDiffusionXLPipeline.encode_prompt``).
+        embedding_vectors: N > 0 adds the text encoder input ``embedding_vectors`` [B2, N, text_hidden] (SDXL: to
+            both text encoders, ``text_encoder_2``'s [B2, N, text_hidden_2]): each text row's textual-inversion
+            vectors, that its token ids -N..-1 look up (row id + N; ids >= 0 read the model's own token table), see
+            :mod:`diffusion_trt.runtime.embeddings` (CompileConfig.max_embedding_vectors). Batched like
+            ``input_ids``: every input shares the batch symbol (Triton's dynamic batching, one profile dimension).
 
     SDXL, as diffusers' ``StableDiffusionXLPipeline.encode_prompt``: each text encoder runs with
     ``output_hidden_states=True`` and gives ``hidden_states[-2]`` (the penultimate layer, before the final layer
@@ -114,16 +116,16 @@ def component_specs(
     """
     if text_hidden_2 is not None:
         return _sdxl_specs(text_hidden, text_len, unet_in, unet_out, latent, text_hidden_2,
-                           text_embeds if text_embeds is not None else text_hidden_2, time_ids, prompt_chunks)
+                           text_embeds if text_embeds is not None else text_hidden_2, time_ids, prompt_chunks,
+                           clip_skip, embedding_vectors)
     context, symbols = _context(text_len, prompt_chunks)
-    skipped = (TensorSpec("clip_skip_states", "float", ("B2", clip_skip, text_len, text_hidden)),) if clip_skip else ()
-    vectors = ((TensorSpec("embedding_vectors", "float", ("B2", embedding_vectors, text_hidden)),)
-               if embedding_vectors else ())
     return {
         "text_encoder": ComponentSpec(
             "text_encoder",
-            inputs=(TensorSpec("input_ids", "int64", ("B2", text_len)), *vectors),
-            outputs=(TensorSpec("last_hidden_state", "float", ("B2", text_len, text_hidden)), *skipped),
+            inputs=(TensorSpec("input_ids", "int64", ("B2", text_len)),
+                    *_vectors_input(embedding_vectors, text_hidden)),
+            outputs=(TensorSpec("last_hidden_state", "float", ("B2", text_len, text_hidden)),
+                     *_skipped_output(clip_skip, text_len, text_hidden)),
         ),
         "unet": ComponentSpec(
             "unet",
@@ -146,6 +148,16 @@ def _context(text_len: int, prompt_chunks: int) -> tuple[int | str, tuple[tuple[
     return "S", (("S", (text_len, text_len, text_len * prompt_chunks)),)
 
 
+def _skipped_output(clip_skip: int, text_len: int, hidden: int) -> tuple[TensorSpec, ...]:
+    """The text encoder's ``clip_skip_states`` [B2, C, S, D] output, none for C = 0."""
+    return (TensorSpec("clip_skip_states", "float", ("B2", clip_skip, text_len, hidden)),) if clip_skip else ()
+
+
+def _vectors_input(rows: int, hidden: int) -> tuple[TensorSpec, ...]:
+    """The text encoder's ``embedding_vectors`` [B2, N, D] input, none for N = 0."""
+    return (TensorSpec("embedding_vectors", "float", ("B2", rows, hidden)),) if rows else ()
+
+
 def _vae_specs(latent: int) -> dict[str, ComponentSpec]:
     return {
         "vae_decoder": ComponentSpec(
@@ -162,21 +174,26 @@ def _vae_specs(latent: int) -> dict[str, ComponentSpec]:
 
 
 def _sdxl_specs(text_hidden: int, text_len: int, unet_in: int, unet_out: int, latent: int, text_hidden_2: int,
-                text_embeds: int, time_ids: int, prompt_chunks: int = 1) -> dict[str, ComponentSpec]:
+                text_embeds: int, time_ids: int, prompt_chunks: int = 1, clip_skip: int = 0,
+                embedding_vectors: int = 0) -> dict[str, ComponentSpec]:
     """SDXL's table (see :func:`component_specs`)."""
     context, symbols = _context(text_len, prompt_chunks)
     return {
         "text_encoder": ComponentSpec(
             "text_encoder",
-            inputs=(TensorSpec("input_ids", "int64", ("B2", text_len)),),
-            outputs=(TensorSpec("penultimate_hidden_state", "float", ("B2", text_len, text_hidden)),),
+            inputs=(TensorSpec("input_ids", "int64", ("B2", text_len)),
+                    *_vectors_input(embedding_vectors, text_hidden)),
+            outputs=(TensorSpec("penultimate_hidden_state", "float", ("B2", text_len, text_hidden)),
+                     *_skipped_output(clip_skip, text_len, text_hidden)),
         ),
         "text_encoder_2": ComponentSpec(
             "text_encoder_2",
-            inputs=(TensorSpec("input_ids", "int64", ("B2", text_len)),),
+            inputs=(TensorSpec("input_ids", "int64", ("B2", text_len)),
+                    *_vectors_input(embedding_vectors, text_hidden_2)),
             outputs=(
                 TensorSpec("text_embeds", "float", ("B2", text_embeds)),
                 TensorSpec("penultimate_hidden_state", "float", ("B2", text_len, text_hidden_2)),
+                *_skipped_output(clip_skip, text_len, text_hidden_2),
             ),
         ),
         "unet": ComponentSpec(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,34 +226,64 @@ class _TokenRows(torch.nn.Module):
 
 
 class _TextEncoderPenultimate(torch.nn.Module):
-    """SDXL: (input_ids[B2,S] int64) -> penultimate_hidden_state[B2,S,D] = ``hidden_states[-2]``.
+    """SDXL: (input_ids[B2,S] int64[, embedding_vectors[B2,N,D]]) -> penultimate_hidden_state[B2,S,D] =
+    ``hidden_states[-2]``; with ``clip_skip`` C > 0 also clip_skip_states[B2,C,S,D], row c-1 = ``hidden_states[-(c +
+    2)]``.
 
-    As diffusers' ``StableDiffusionXLPipeline.encode_prompt`` (``clip_skip=None``): the output of the last-but-one
-    encoder layer, without the final layer norm. The last layer is dead code in the export and is dropped.
+    As diffusers' ``StableDiffusionXLPipeline.encode_prompt``: ``clip_skip=None`` takes the output of the
+    last-but-one encoder layer, ``clip_skip=c`` the one c layers before it, both without the final layer norm. The
+    last layer is dead code in the export and is dropped. ``embedding_vectors`` as :class:`_TextEncoder`'s.
     """
 
-    def __init__(self, text_encoder: torch.nn.Module) -> None:
+    def __init__(self, text_encoder: torch.nn.Module, clip_skip: int = 0, vectors: int = 0) -> None:
         super().__init__()
         self.text_encoder = text_encoder
+        self.clip_skip = clip_skip
+        self.vectors = vectors
+        self.embeddings = getattr(text_encoder, "text_model", text_encoder).embeddings
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.text_encoder(input_ids, output_hidden_states=True).hidden_states[-2]
+    def forward(self, input_ids: torch.Tensor, embedding_vectors: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        out = _run_with_rows(self.text_encoder, self.embeddings, input_ids, embedding_vectors if self.vectors else None)
+        return _penultimate_outputs(out.hidden_states, self.clip_skip)
 
 
-class _TextEncoderWithProjection(torch.nn.Module):
-    """SDXL ``text_encoder_2``: (input_ids[B2,S]) -> (text_embeds[B2,P], penultimate_hidden_state[B2,S,D]).
+class _TextEncoderWithProjection(_TextEncoderPenultimate):
+    """SDXL ``text_encoder_2``: (input_ids[B2,S][, embedding_vectors[B2,N,D]]) -> (text_embeds[B2,P],
+    penultimate_hidden_state[B2,S,D][, clip_skip_states[B2,C,S,D]]), the states as :class:`_TextEncoderPenultimate`.
 
     ``text_embeds`` is ``CLIPTextModelWithProjection``'s output 0: the final-layer-normed state at the EOS token
-    times the text projection (diffusers' ``pooled_prompt_embeds``).
+    times the text projection (diffusers' ``pooled_prompt_embeds``, whatever the clip skip).
     """
 
-    def __init__(self, text_encoder: torch.nn.Module) -> None:
-        super().__init__()
-        self.text_encoder = text_encoder
+    def forward(self, input_ids: torch.Tensor, embedding_vectors: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, ...]:
+        out = _run_with_rows(self.text_encoder, self.embeddings, input_ids, embedding_vectors if self.vectors else None)
+        states = _penultimate_outputs(out.hidden_states, self.clip_skip)
+        return (out.text_embeds, *(states if isinstance(states, tuple) else (states,)))
 
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.text_encoder(input_ids, output_hidden_states=True)
-        return out.text_embeds, out.hidden_states[-2]
+
+def _run_with_rows(text_encoder: torch.nn.Module, embeddings: torch.nn.Module, input_ids: torch.Tensor,
+                   vectors: torch.Tensor | None) -> Any:
+    """``text_encoder(input_ids, output_hidden_states=True)``, its token lookup reading ids < 0 from ``vectors``
+    (:class:`_TokenRows`) when given."""
+    if vectors is None:
+        return text_encoder(input_ids, output_hidden_states=True)
+    table = embeddings.token_embedding
+    embeddings.token_embedding = _TokenRows(table, vectors)
+    try:
+        return text_encoder(input_ids, output_hidden_states=True)
+    finally:
+        embeddings.token_embedding = table
+
+
+def _penultimate_outputs(hidden_states: Sequence[torch.Tensor], clip_skip: int
+                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """SDXL's ``hidden_states[-2]``, and with ``clip_skip`` C > 0 the stack of ``hidden_states[-(c + 2)]``, c = 1..C,
+    on axis 1."""
+    if not clip_skip:
+        return hidden_states[-2]
+    return hidden_states[-2], torch.stack([hidden_states[-(c + 2)] for c in range(1, clip_skip + 1)], dim=1)
 
 
 class _UNetXL(torch.nn.Module):
@@ -321,9 +352,9 @@ def _wrap(component: str, models: dict[str, Any], architecture: str = "sd", clip
           ) -> torch.nn.Module:
     if architecture == "sdxl":
         if component == "text_encoder":
-            return _TextEncoderPenultimate(models["text_encoder"])
+            return _TextEncoderPenultimate(models["text_encoder"], clip_skip, vectors)
         if component == "text_encoder_2":
-            return _TextEncoderWithProjection(models["text_encoder_2"])
+            return _TextEncoderWithProjection(models["text_encoder_2"], clip_skip, vectors)
         if component == "unet":
             return _UNetXL(models["unet"])
     from . import controlnet

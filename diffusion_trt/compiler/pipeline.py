@@ -126,6 +126,7 @@ def _sdxl_facts(folder: export.ModelFolder, unet: dict[str, Any], vae: dict[str,
     index = json.loads((folder.path / "model_index.json").read_text(encoding="utf-8"))
     facts: dict[str, Any] = {
         "text_encoder_2_hidden_size": hidden_2,
+        "text_encoder_2_layers": int(te2.get("num_hidden_layers", 32)),
         "text_embeds_size": pooled,
         "time_ids_size": SDXL_TIME_IDS,
         "force_zeros_for_empty_prompt": bool(index.get("force_zeros_for_empty_prompt", True)),
@@ -194,8 +195,8 @@ def specs_for(facts: Mapping[str, Any], prompt_chunks: int = 1, clip_skip: int =
               ) -> dict[str, ComponentSpec]:
     """The component table (:func:`~.components.component_specs`) of a model, from :func:`model_facts`, its UNet
     taking up to ``prompt_chunks`` 77-token chunks and its text encoder giving the states of ``clip_skip`` skipped
-    layers and taking ``embedding_vectors`` textual-inversion rows (SD 1.x/2.x; see :func:`prompt_chunks_for`,
-    :func:`clip_skip_for`; SDXL: no embedding rows yet)."""
+    layers and taking ``embedding_vectors`` textual-inversion rows (SDXL: both text encoders; see
+    :func:`prompt_chunks_for`, :func:`clip_skip_for`)."""
     sdxl: dict[str, Any] = {}
     if facts.get("architecture") == "sdxl":
         sdxl = {"text_hidden_2": facts["text_encoder_2_hidden_size"], "text_embeds": facts["text_embeds_size"],
@@ -208,18 +209,20 @@ def specs_for(facts: Mapping[str, Any], prompt_chunks: int = 1, clip_skip: int =
         latent=facts["latent_channels"],
         prompt_chunks=prompt_chunks,
         clip_skip=clip_skip,
-        embedding_vectors=0 if sdxl else embedding_vectors,
+        embedding_vectors=embedding_vectors,
         **sdxl,
     )
 
 
 def clip_skip_for(config: CompileConfig, facts: Mapping[str, Any]) -> int:
     """The clip skips the text encoder serves: ``config.max_clip_skip``, at most its layers less one (logged when
-    fewer), 0 for SDXL (whose clip skip is not implemented)."""
+    fewer). SDXL: at most the smaller of its two encoders' layers less one (both serve the same clip skips; c reads
+    ``hidden_states[-(c + 2)]``, down to ``hidden_states[0]``, the token embeddings, as diffusers allows)."""
     k = config.max_clip_skip
+    layers = int(facts.get("text_encoder_layers", k + 1))
     if facts.get("architecture") == "sdxl":
-        return 0
-    most = max(0, int(facts.get("text_encoder_layers", k + 1)) - 1)
+        layers = min(layers, int(facts.get("text_encoder_2_layers", layers)))
+    most = max(0, layers - 1)
     if k > most:  # said at INFO only when asked for: the default (2) exceeds what a tiny test model has
         logger.log(_level_for(config, "max_clip_skip"), "max_clip_skip=%d: the text encoder has %d layers; clip skip "
                    "goes up to %d", k, most + 1, most)

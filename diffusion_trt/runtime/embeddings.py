@@ -4,16 +4,24 @@ A file (``.safetensors``, or ``.pt`` / ``.bin`` through torch's weights-only loa
 one embedding of n >= 1 vectors of the text encoder's hidden size D, in one of the key forms diffusers'
 ``load_textual_inversion`` reads: A1111's ``string_to_param`` {"*": [n, D]} (``.pt``; flattened
 ``string_to_param.*`` in a ``.safetensors``) or ``emb_params`` [n, D], or diffusers' single ``{token: [D] or
-[n, D]}``. SDXL's two-encoder form (``clip_l`` / ``clip_g``) is recognised and refused (not implemented yet).
+[n, D]}``. SDXL's two-encoder form holds ``clip_l`` [n, 768] (for ``text_encoder``) and ``clip_g`` [n, 1280] (for
+``text_encoder_2``): each encoder gets its own :class:`EmbeddingTable`, as diffusers' ``load_textual_inversion``
+called once per encoder with ``state_dict["clip_l"]`` / ``state_dict["clip_g"]``. An SDXL artifact takes that form
+only, an SD 1.x/2.x artifact the others only. One difference kept on purpose: SDXL's ``text_encoder_2`` config has
+transformers' legacy ``eos_token_id=2``, with which ``CLIPTextModelWithProjection`` pools at ``input_ids.argmax()``,
+i.e. on the first token diffusers added for an embedding (ids above the vocabulary) when a prompt names one; here the
+embedding ids are negative, so the pooled ``text_embeds`` come from the EOS as for every other prompt (A1111's
+result, which keeps the prompt's own token ids).
 
 Its name is the file's stem (A1111's rule): ``easynegative.safetensors`` is written ``easynegative`` in a prompt,
 matched as a whole word, case-insensitively (CLIP lowercases prompts). The tokenizer is not touched: each segment
 text is split on the names first, the text pieces tokenized as before, and every name replaced by its n token ids.
 
 The text-encoder engine gets them through its ``embedding_vectors`` input [B2, N, D] (``compile
---max-embedding-vectors``, see ``compiler/export.py``; every text row gets the same [N, D] here): embedding vectors
-are rows of it, in load order, and the token id of row r is ``r - N`` (negative; ids >= 0 are the model's own tokens
-and read its own table exactly as before). An artifact without that input refuses embeddings.
+--max-embedding-vectors``, see ``compiler/export.py``; every text row gets the same [N, D] here; SDXL: each of the
+two text encoders has its own): embedding vectors are rows of it, in load order, and the token id of row r is
+``r - N`` (negative; ids >= 0 are the model's own tokens and read its own table exactly as before). An artifact
+without that input refuses embeddings.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ INPUT = "embedding_vectors"
 #: Files read with safetensors; the others with ``torch.load(..., weights_only=True)``.
 SAFETENSORS = (".safetensors",)
 WEIGHTS_ONLY = (".pt", ".bin")
+#: SDXL's two-encoder form: the key of each text encoder's vectors, in encoder order.
+SDXL_KEYS = ("clip_l", "clip_g")
 
 
 @dataclass(frozen=True)
@@ -58,11 +68,26 @@ class Embedding:
 
 
 def read_embedding(path: str | Path, token: str | None = None) -> Embedding:
-    """The embedding in ``path`` (see the module docstring for the file forms), named ``token`` or the file stem.
+    """The one-encoder (SD 1.x/2.x) embedding in ``path`` (see the module docstring for the file forms), named
+    ``token`` or the file stem.
+
+    Raises:
+        RuntimeInputError: as :func:`read_embeddings`, or an SDXL (clip_l/clip_g) file.
+    """
+    found = read_embeddings(path, token)
+    if len(found) != 1:
+        raise RuntimeInputError(_wrong_family(path, sdxl=False))
+    return found[0]
+
+
+def read_embeddings(path: str | Path, token: str | None = None) -> tuple[Embedding, ...]:
+    """The embedding in ``path``, named ``token`` or the file stem: one :class:`Embedding` for the one-encoder forms,
+    two for SDXL's (``clip_l`` for ``text_encoder``, then ``clip_g`` for ``text_encoder_2``; module docstring).
 
     Raises:
         RuntimeInputError: no such file, an unknown suffix, a file the weights-only loader or safetensors refuses,
-            an SDXL (clip_l/clip_g) file, keys of no known form, or vectors that are not [D] / [n, D].
+            keys of no known form (an SDXL file with only one of clip_l/clip_g), or vectors that are not [D] /
+            [n, D].
     """
     path = Path(path)
     if not path.is_file():
@@ -79,7 +104,9 @@ def read_embedding(path: str | Path, token: str | None = None) -> Embedding:
     if not name or not name.strip() or name != name.strip():
         raise RuntimeInputError(f"embedding name {name!r} (from {path}) must be a non-empty word without surrounding "
                                 "spaces")
-    return Embedding(name, _vectors(path, state), path)
+    if any(key in state for key in SDXL_KEYS):
+        return tuple(Embedding(name, _sdxl_vectors(path, state, key), path) for key in SDXL_KEYS)
+    return (Embedding(name, _vectors(path, state), path),)
 
 
 def _read_safetensors(path: Path) -> dict[str, Any]:
@@ -109,9 +136,6 @@ def _read_weights_only(path: Path) -> dict[str, Any]:
 
 def _vectors(path: Path, state: Mapping[str, Any]) -> torch.Tensor:
     """The [n, D] float32 vectors of a file's ``state`` (diffusers' ``_retrieve_tokens_and_embeddings`` forms)."""
-    if "clip_l" in state or "clip_g" in state:
-        raise RuntimeInputError(f"embedding file {path} is an SDXL embedding (clip_l/clip_g); SDXL embeddings are "
-                                "not supported yet, and an SD 1.x/2.x artifact takes one-encoder embeddings only")
     params = state.get("string_to_param")
     if isinstance(params, Mapping) and len(params) == 1:
         value = next(iter(params.values()))
@@ -125,9 +149,23 @@ def _vectors(path: Path, state: Mapping[str, Any]) -> torch.Tensor:
         keys = ", ".join(sorted(map(str, state))[:6])
         raise RuntimeInputError(f"embedding file {path} has keys {keys}: none of the textual-inversion forms "
                                 "(string_to_param, emb_params, one {token: vectors} entry)")
+    return _checked(path, value, "the vectors")
+
+
+def _sdxl_vectors(path: Path, state: Mapping[str, Any], key: str) -> torch.Tensor:
+    """SDXL's ``state[key]`` (``clip_l`` or ``clip_g``) as [n, D] float32."""
+    if key not in state:
+        have = next(k for k in SDXL_KEYS if k in state)
+        raise RuntimeInputError(f"embedding file {path} has {have} but no {key}: an SDXL embedding holds both "
+                                f"({' and '.join(SDXL_KEYS)}, one per text encoder)")
+    return _checked(path, state[key], key)
+
+
+def _checked(path: Path, value: Any, what: str) -> torch.Tensor:
+    """``value`` as [n, D] float32 vectors (a [D] vector is n = 1); refused unless a non-empty [D] / [n, D] tensor."""
     if not isinstance(value, torch.Tensor) or value.ndim not in (1, 2) or value.numel() == 0:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise RuntimeInputError(f"embedding file {path}: the vectors are {shape}; expected [D] or [n, D]")
+        raise RuntimeInputError(f"embedding file {path}: {what} are {shape}; expected [D] or [n, D]")
     return value.detach().reshape(-1, value.shape[-1]).to(torch.float32).contiguous()
 
 
@@ -139,19 +177,21 @@ class EmbeddingTable:
         rows: N, the input's rows (``compile --max-embedding-vectors``).
         hidden: D, the text encoder's hidden size.
         embeddings: in load order; embedding i takes the rows after those of embeddings 0..i-1.
+        encoder: the text encoder it feeds, in messages ("text encoder"; SDXL "text_encoder (clip_l)"...).
     """
 
     rows: int
     hidden: int
     embeddings: tuple[Embedding, ...] = ()
+    encoder: str = "text encoder"
 
     @classmethod
-    def for_engine(cls, text_encoder: Any) -> EmbeddingTable | None:
+    def for_engine(cls, text_encoder: Any, encoder: str = "text encoder") -> EmbeddingTable | None:
         """An empty table sized from ``text_encoder``'s ``embedding_vectors`` input; ``None`` if it has none."""
         spec = next((t for t in text_encoder.spec.inputs if t.name == INPUT), None)
         if spec is None:
             return None
-        return cls(int(spec.shape[1]), int(spec.shape[2]))
+        return cls(int(spec.shape[1]), int(spec.shape[2]), encoder=encoder)
 
     @property
     def used(self) -> int:
@@ -167,7 +207,7 @@ class EmbeddingTable:
         size = int(embedding.vectors.shape[1])
         if size != self.hidden:
             raise RuntimeInputError(f"embedding {embedding.name!r} ({embedding.source}) has vectors of size {size}; "
-                                    f"this artifact's text encoder takes {self.hidden} (an embedding made for "
+                                    f"this artifact's {self.encoder} takes {self.hidden} (an embedding made for "
                                     "another model family)")
         clash = next((e for e in self.embeddings if e.name.lower() == embedding.name.lower()), None)
         if clash is not None and clash.source.resolve() == embedding.source.resolve():
@@ -179,7 +219,7 @@ class EmbeddingTable:
             raise RuntimeInputError(f"embedding {embedding.name!r} has {embedding.count} vectors and the loaded ones "
                                     f"fill {self.used} of the artifact's {self.rows} rows; recompile with a larger "
                                     "--max-embedding-vectors")
-        return EmbeddingTable(self.rows, self.hidden, (*self.embeddings, embedding))
+        return EmbeddingTable(self.rows, self.hidden, (*self.embeddings, embedding), self.encoder)
 
     def token_ids(self, name: str) -> list[int]:
         """The n token ids of the embedding ``name`` (matched case-insensitively): ``row - N``, all negative."""
@@ -228,35 +268,68 @@ def engine_feed(text_encoder: Any, table: EmbeddingTable | None) -> dict[str, to
     return {INPUT: table.vectors(spec.torch_dtype, text_encoder.device)}
 
 
+#: SDXL's text encoders with the key of their vectors in a two-encoder file, as messages name them.
+SDXL_ENCODERS = tuple(f"{name} ({key})" for name, key in zip(("text_encoder", "text_encoder_2"), SDXL_KEYS,
+                                                               strict=True))
+
+
 def refusal(artifact: str | Path, sdxl: bool) -> str:
-    """The message for ``--embedding`` on an artifact whose text encoder has no ``embedding_vectors`` input."""
-    if sdxl:
-        return ("textual-inversion embeddings are not supported for SDXL artifacts yet (the two-encoder clip_l/clip_g "
-                "form); leave --embedding out")
-    return (f"{artifact}'s text encoder takes no embedding vectors (compiled before textual inversion, or with "
+    """The message for ``--embedding`` on an artifact whose text encoder(s) have no ``embedding_vectors`` input."""
+    which = "text encoders take" if sdxl else "text encoder takes"
+    since = "SDXL textual inversion" if sdxl else "textual inversion"
+    return (f"{artifact}'s {which} no embedding vectors (compiled before {since}, or with "
             "--max-embedding-vectors 0); recompile it (compile --max-embedding-vectors 128) to use --embedding")
 
 
-def load_embeddings(table: EmbeddingTable | None, text_encoder: Any, paths: str | Path | Sequence[str | Path],
-                    tokens: str | Sequence[str | None] | None, artifact: str | Path, sdxl: bool) -> EmbeddingTable:
-    """``table`` (``None`` = an empty one sized from ``text_encoder``) with the embeddings of ``paths`` added, all or
-    none: the arguments of diffusers' ``load_textual_inversion`` (one path or a list; ``tokens`` one name or one per
-    path, ``None`` = the file stems).
+def load_embeddings(tables: Sequence[EmbeddingTable | None], text_encoders: Sequence[Any],
+                    paths: str | Path | Sequence[str | Path], tokens: str | Sequence[str | None] | None,
+                    artifact: str | Path) -> tuple[EmbeddingTable, ...]:
+    """``tables`` (one per text encoder, ``None`` = an empty one sized from it) with the embeddings of ``paths``
+    added, all or none: the arguments of diffusers' ``load_textual_inversion`` (one path or a list; ``tokens`` one
+    name or one per path, ``None`` = the file stems). Two text encoders (SDXL) take two-encoder files, one the
+    one-encoder forms.
 
     Raises:
-        RuntimeInputError: the engine takes no embeddings (:func:`refusal`), ``tokens`` do not pair with ``paths``,
-            or any file is refused (:func:`read_embedding`, :meth:`EmbeddingTable.add`).
+        RuntimeInputError: an engine takes no embeddings (:func:`refusal`), ``tokens`` do not pair with ``paths``,
+            a file of the other family's form, or any file refused (:func:`read_embeddings`,
+            :meth:`EmbeddingTable.add`).
     """
-    if table is None:
-        table = EmbeddingTable.for_engine(text_encoder)
-        if table is None or sdxl:
-            raise RuntimeInputError(refusal(artifact, sdxl))
+    sdxl = len(text_encoders) == 2
+    names_of = SDXL_ENCODERS if sdxl else ("text encoder",)
+    fresh = [t if t is not None else EmbeddingTable.for_engine(e, n)
+             for t, e, n in zip(tables, text_encoders, names_of, strict=True)]
+    if any(t is None for t in fresh):
+        raise RuntimeInputError(refusal(artifact, sdxl))
+    out: tuple[EmbeddingTable, ...] = tuple(fresh)  # type: ignore[arg-type]
     files = [paths] if isinstance(paths, str | Path) else list(paths)
     names = [tokens] * len(files) if tokens is None or isinstance(tokens, str) else list(tokens)
     if len(names) != len(files) or (isinstance(tokens, str) and len(files) > 1):
         raise RuntimeInputError(f"token={tokens!r} does not pair with {len(files)} embedding file(s); give one name "
                                 "per file, or none (the file stems)")
     for path, name in zip(files, names, strict=True):
-        table = table.add(read_embedding(path, name))
-        logger.info("embedding %r: %d vector(s) from %s", table.embeddings[-1].name, table.embeddings[-1].count, path)
-    return table
+        found = read_embeddings(path, name)
+        if len(found) != len(out):
+            raise RuntimeInputError(_wrong_family(path, sdxl))
+        out = tuple(t.add(e) for t, e in zip(out, found, strict=True))
+        logger.info("embedding %r: %s vector(s) from %s", found[0].name, "+".join(str(e.count) for e in found), path)
+    return out
+
+
+def check_embedding_file(path: str | Path, sdxl: bool | None = None) -> None:
+    """Refuse ``path`` as :func:`read_embeddings` does and, with ``sdxl`` known (``None`` = not), when it is not of
+    that family's form (two-encoder for SDXL, one-encoder otherwise).
+
+    Raises:
+        RuntimeInputError: see above.
+    """
+    found = read_embeddings(path)
+    if sdxl is not None and len(found) != 1 + sdxl:
+        raise RuntimeInputError(_wrong_family(path, sdxl))
+
+
+def _wrong_family(path: str | Path, sdxl: bool) -> str:
+    if sdxl:
+        return (f"embedding file {path} is a one-encoder (SD 1.x/2.x) embedding; an SDXL artifact takes the "
+                f"two-encoder form ({' and '.join(SDXL_KEYS)} tensors, one per text encoder)")
+    return (f"embedding file {path} is an SDXL embedding ({'/'.join(SDXL_KEYS)}); an SD 1.x/2.x artifact takes "
+            "one-encoder embeddings only")

@@ -249,6 +249,8 @@ class EnginePipeline:
         self.embedding_cache = EmbeddingCache(maxsize=8)
         #: the textual-inversion embeddings :meth:`load_textual_inversion` loaded; ``None`` = none
         self.embeddings: EmbeddingTable | None = None
+        #: SDXL: the same embeddings' ``clip_g`` vectors, for ``text_encoder_2`` (``embeddings`` holds ``clip_l``)
+        self.embeddings_2: EmbeddingTable | None = None
         #: the LoRA :meth:`load_lora` refitted (``{"file", "sha256", "scale"}``), ``None`` = the compiled weights
         self.lora: dict[str, Any] | None = None
         self._lora_weights: dict[str, dict[str, Any]] = {}  # what the last refit changed, per component
@@ -579,7 +581,8 @@ class EnginePipeline:
                                token: str | Sequence[str | None] | None = None) -> list[str]:
         """Load textual-inversion embeddings, used by name in later prompts (diffusers' ``load_textual_inversion``
         on local files; A1111's naming: the file stem unless ``token`` is given). See :mod:`~.embeddings` for the
-        file forms (``.safetensors``; ``.pt``/``.bin`` through torch's weights-only loader only).
+        file forms (``.safetensors``; ``.pt``/``.bin`` through torch's weights-only loader only; SDXL: the
+        two-encoder ``clip_l``/``clip_g`` form, each encoder's vectors fed to it).
 
         Args:
             pretrained_model_name_or_path: one embedding file or a list of them.
@@ -589,20 +592,24 @@ class EnginePipeline:
             The names of every embedding loaded so far, in load order.
 
         Raises:
-            RuntimeInputError: an artifact whose text encoder takes no embeddings (compiled before, SDXL), a missing
-                or refused file, a vector size that is not the text encoder's, a name taken, or the artifact's
-                ``--max-embedding-vectors`` rows full. Nothing is loaded then.
+            RuntimeInputError: an artifact whose text encoder(s) take no embeddings (compiled before), a missing
+                or refused file, a file of the other family's form (one-encoder vs SDXL), a vector size that is not
+                the text encoder's, a name taken, or the artifact's ``--max-embedding-vectors`` rows full. Nothing is
+                loaded then.
             PipelineBusyError: a call of this pipeline is running.
         """
-        self.embeddings = load_embeddings(self.embeddings, self.engines["text_encoder"], pretrained_model_name_or_path,
-                                          token, self.root or "this artifact", self.architecture == "sdxl")
+        sdxl = self.architecture == "sdxl"
+        tables = load_embeddings((self.embeddings, self.embeddings_2)[: 1 + sdxl],
+                                 [self.engines[n] for n in ("text_encoder", "text_encoder_2")[: 1 + sdxl]],
+                                 pretrained_model_name_or_path, token, self.root or "this artifact")
+        self.embeddings, self.embeddings_2 = tables[0], tables[1] if sdxl else None
         self.embedding_cache.clear()  # a cached negative prompt may name an embedding now
         return [e.name for e in self.embeddings.embeddings]
 
     @one_call_at_a_time("unload_textual_inversion()")
     def unload_textual_inversion(self) -> None:
         """Forget every loaded embedding (their names are plain text again); a no-op without any."""
-        self.embeddings = None
+        self.embeddings = self.embeddings_2 = None
         self.embedding_cache.clear()
 
     # -- lifecycle --------------------------------------------------------------------------------------
@@ -761,7 +768,9 @@ class EnginePipeline:
                 (1 = the penultimate layer, A1111's "Clip skip 2"), for prompts and negative prompts alike (diffusers'
                 ``encode_prompt`` gives the negative prompt the last layer); ``None``/0 = the last layer. Up to
                 ``compile --max-clip-skip`` (2 by default; the engine's ``clip_skip_states`` output). Not used with
-                ``prompt_embeds`` for the prompt. SD 1.x/2.x only.
+                ``prompt_embeds`` for the prompt. SDXL: as diffusers' SDXL pipeline, ``hidden_states[-(clip_skip + 2)]``
+                of both text encoders without the final layer norm (again for the negative prompt too), the pooled
+                embeddings unchanged; an SDXL artifact compiled before SDXL clip skip refuses it.
             control_image, controlnet, controlnet_conditioning_scale, control_guidance_start, control_guidance_end,
                 guess_mode: ControlNets (an artifact compiled with ``--controlnet``), as diffusers'
                 ``StableDiffusionControlNetPipeline``: one control image (or a list, one per ControlNet named in
@@ -808,7 +817,7 @@ class EnginePipeline:
             RuntimeInputError: as :meth:`__call__`.
         """
         return Request.build(self.request_spec, {**self._lazy, **self.engines}, *args, tokenizer_2=self.tokenizer_2,
-                             **kwargs)
+                             embeddings_2=self.embeddings_2, **kwargs)
 
     @one_call_at_a_time("a call")
     def run_request(self, request: Request, **control: Any) -> EnginePipelineOutput:

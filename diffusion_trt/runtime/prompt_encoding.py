@@ -24,12 +24,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .embeddings import EmbeddingTable
 from .prompt_syntax import ParsedPrompt, parse_prompt
+
+if TYPE_CHECKING:  # annotations only: export-triton copies this file and prompt_syntax.py alone (serve/triton_model.py)
+    from .embeddings import EmbeddingTable
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ class PromptReader:
         max_chunks: the most chunks a text may have (>= 1); more are dropped with a warning.
         clip_skip: 0 = the text encoder's last hidden state; c >= 1 = diffusers' ``clip_skip=c``: the
             final-layer-normed ``hidden_states[-(c + 1)]`` (the engine's ``clip_skip_states`` row c-1). A1111's
-            "Clip skip 2" is c = 1.
+            "Clip skip 2" is c = 1. SDXL reads its own outputs (:mod:`.sdxl`: ``hidden_states[-(c + 2)]``).
         embeddings: the loaded textual-inversion embeddings (their names become their token ids, see
             :mod:`.embeddings`); ``None`` = none.
     """

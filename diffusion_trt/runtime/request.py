@@ -179,6 +179,7 @@ class Request:
         strength: Any = None,
         mask_image: Any = None,
         tokenizer_2: Any = None,
+        embeddings_2: Any = None,
         prompt_syntax: Any = "a1111",
         prompt_embeds: Any = None,
         negative_prompt_embeds: Any = None,
@@ -194,6 +195,8 @@ class Request:
             engines: the pipeline's engines by component (``vae_encoder`` for images, ``text_encoder_2`` for
                 SDXL; they may still be unopened).
             tokenizer_2: SDXL's second tokenizer.
+            embeddings_2: SDXL: the loaded textual-inversion vectors for ``text_encoder_2``
+                (:class:`~.embeddings.EmbeddingTable`), or ``None``.
             prompt_syntax: "a1111" or "plain" (:data:`~.prompt_syntax.SYNTAXES`).
             sdxl: the SDXL arguments (:data:`SDXL_ARGUMENTS`), ``None`` / (0, 0) when not given.
 
@@ -245,7 +248,7 @@ class Request:
             conditioning = sdxl_conditioning(
                 prompts, negatives, negative_prompt, height, width, engines["text_encoder_2"], tokenizer_2,
                 zero_negative=negative_prompt is None and spec.force_zeros_for_empty_prompt,
-                **_second_texts(sdxl, len(prompts)))
+                embeddings_2=embeddings_2, **_second_texts(sdxl, len(prompts)))
         given = {"prompt": prompt if isinstance(prompt, str) or embeds is not None else list(prompts),
                  "negative_prompt": negative_prompt if negative_prompt is None or isinstance(negative_prompt, str)
                  else list(negatives),
@@ -309,16 +312,21 @@ def _check_clip_skip(spec: RequestSpec, engines: Mapping[str, Engine], clip_skip
     """``clip_skip`` as an int the text encoder serves (``None`` = 0).
 
     Raises:
-        RuntimeInputError: not an integer >= 0, more than the engine's ``clip_skip_states`` hold, or SDXL.
+        RuntimeInputError: not an integer >= 0, more than the engine's ``clip_skip_states`` hold (SDXL: either
+            encoder's), or an SDXL artifact compiled without them.
     """
     if clip_skip is None or (not isinstance(clip_skip, bool) and clip_skip == 0):
         return 0
     if isinstance(clip_skip, bool) or not isinstance(clip_skip, int | np.integer) or clip_skip < 0:
         raise RuntimeInputError(f"clip_skip={clip_skip!r} must be None or an integer >= 0 (1 = the penultimate "
                                 "layer, A1111's 'Clip skip 2')")
-    if spec.architecture == "sdxl":
-        raise RuntimeInputError("clip_skip is not supported for SDXL artifacts yet; leave it out")
-    most = next((int(t.shape[1]) for t in engines["text_encoder"].spec.outputs if t.name == "clip_skip_states"), 0)
+    encoders = ("text_encoder", "text_encoder_2") if spec.architecture == "sdxl" else ("text_encoder",)
+    most = min(next((int(t.shape[1]) for t in engines[name].spec.outputs if t.name == "clip_skip_states"), 0)
+               for name in encoders)
+    if most == 0 and spec.architecture == "sdxl":
+        raise RuntimeInputError("this SDXL artifact's text encoders give no clip-skip states (compiled before SDXL "
+                                "clip skip, or with --max-clip-skip 0); recompile it (compile --max-clip-skip 2) to "
+                                "use clip_skip, or leave it out")
     if clip_skip > most:
         raise RuntimeInputError(f"clip_skip={clip_skip} is more than this artifact's text encoder serves (up to "
                                 f"{most}; compile --max-clip-skip, at most the encoder's layers less one); use "

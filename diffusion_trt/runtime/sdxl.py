@@ -10,6 +10,13 @@ Reproduces ``diffusers.StableDiffusionXLPipeline`` (diffusers 0.42, ``pipeline_s
   diffusers as A1111's SDXL conditioner does (:meth:`SdxlConditioning.encode`): 77-token chunks on both encoders
   (:mod:`.prompt_encoding`), concatenated per chunk, pooled ``text_embeds`` of the first chunk; one unweighted
   chunk is diffusers' encoding exactly. ``prompt_embeds`` needs ``pooled_prompt_embeds`` (as diffusers).
+* ``clip_skip=c``: each encoder gives ``hidden_states[-(c + 2)]`` instead ("2" because SDXL always indexes from the
+  penultimate layer; no final layer norm), the engines' ``clip_skip_states`` row c-1; the pooled ``text_embeds``
+  stay the last layer's. One deliberate difference, as for SD (:class:`~.prompt_encoding.PromptReader`): diffusers
+  gives the negative prompt ``hidden_states[-2]`` whatever the clip skip; here prompts and negative prompts alike
+  take the skipped layer (A1111's behaviour, the one fine-tunes are tuned for).
+* textual inversion: an SDXL embedding file's ``clip_l`` vectors go to ``text_encoder``, its ``clip_g`` vectors to
+  ``text_encoder_2`` (:mod:`.embeddings`), as diffusers' ``load_textual_inversion`` called once per encoder.
 * negative prompt: with ``negative_prompt=None`` and the model's ``force_zeros_for_empty_prompt`` (true for
   SDXL base), the negative embeddings and pooled embeddings are **zeros**; otherwise the negative prompt ("" by
   default; ``negative_prompt_2`` defaults to it) is encoded like the prompt.
@@ -40,6 +47,7 @@ import torch
 from ..errors import RuntimeInputError
 from .conditioning import TextToImage
 from .cuda import nvtx_range
+from .embeddings import EmbeddingTable, engine_feed
 from .engines.engine import Engine, run_rows_outputs
 from .prompt_encoding import PromptReader, TokenChunks, apply_weights, pad_chunks, warn_truncated
 from .text_embeddings import EmbeddingCache
@@ -52,6 +60,8 @@ SDXL_COMPONENTS: tuple[str, ...] = ("text_encoder", "text_encoder_2", "unet", "v
 ADDED_INPUTS: tuple[str, ...] = ("text_embeds", "time_ids")
 HIDDEN_OUTPUT = "penultimate_hidden_state"
 POOLED_OUTPUT = "text_embeds"
+#: The text encoders' output for ``clip_skip`` c >= 1: [B2, C, 77, D], row c-1 = ``hidden_states[-(c + 2)]``.
+SKIP_OUTPUT = "clip_skip_states"
 
 
 def add_time_ids(
@@ -100,6 +110,7 @@ def sdxl_conditioning(
     negative_original_size: Any = None,
     negative_crops_coords_top_left: Any = (0, 0),
     negative_target_size: Any = None,
+    embeddings_2: EmbeddingTable | None = None,
 ) -> SdxlConditioning:
     """The SDXL part of a request, checked (the module docstring gives diffusers' rules it follows).
 
@@ -124,7 +135,7 @@ def sdxl_conditioning(
         negative_time_ids = add_time_ids(negative_original_size, negative_crops_coords_top_left, negative_target_size)
     return SdxlConditioning(text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, prompts_2=prompts_2,
                             negative_prompts_2=negatives_2, zero_negative=zero_negative, time_ids=time_ids,
-                            negative_time_ids=negative_time_ids)
+                            negative_time_ids=negative_time_ids, embeddings_2=embeddings_2)
 
 
 @dataclass(frozen=True)
@@ -141,6 +152,8 @@ class SdxlConditioning(TextToImage):
             ``force_zeros_for_empty_prompt``), the negative texts are not encoded.
         time_ids: [6] float32, see :func:`add_time_ids`.
         negative_time_ids: [6] float32 for the negative (unconditional) rows.
+        embeddings_2: the textual-inversion embeddings' ``clip_g`` vectors for ``text_encoder_2`` (the ``clip_l``
+            ones ride in the reader given to :meth:`encode`); ``None`` = none.
     """
 
     text_encoder_2: Engine
@@ -150,6 +163,7 @@ class SdxlConditioning(TextToImage):
     zero_negative: bool
     time_ids: torch.Tensor
     negative_time_ids: torch.Tensor
+    embeddings_2: EmbeddingTable | None = None
 
     mode = "sdxl"
 
@@ -185,7 +199,7 @@ class SdxlConditioning(TextToImage):
             and time ids), fresh tensors on the engines' device.
         """
         reader = tokenizer if isinstance(tokenizer, PromptReader) else PromptReader(tokenizer)
-        readers = (reader, dataclasses.replace(reader, tokenizer=self.tokenizer_2))
+        readers = (reader, dataclasses.replace(reader, tokenizer=self.tokenizer_2, embeddings=self.embeddings_2))
         device = text_encoder.device
         # host->device copies of pageable memory synchronise the stream: made before any engine work is queued
         time_ids, negative_time_ids = self.time_ids.to(device), self.negative_time_ids.to(device)
@@ -247,8 +261,7 @@ class SdxlConditioning(TextToImage):
         with_empty = any(c1 != c2 or max(c1, c2) < k for c1, c2 in counts)
         states, pooled, empties = [], None, []
         for i, (engine, reader) in enumerate(zip(engines, readers, strict=True)):
-            names = (POOLED_OUTPUT, HIDDEN_OUTPUT) if i else (HIDDEN_OUTPUT,)
-            rows, empty, first = _encode_texts(engine, reader, chunks[i], with_empty, names)
+            rows, empty, first = _encode_texts(engine, reader, chunks[i], with_empty, with_pooled=i == 1)
             states.append(rows)
             empties.append(empty)
             pooled = first if i else pooled
@@ -298,7 +311,8 @@ class SdxlConditioning(TextToImage):
 
     def _key(self, text_encoder: Engine, pair: tuple[str, str], dtype: torch.dtype, reader: PromptReader
              ) -> tuple[Any, ...]:
-        return ("sdxl", id(text_encoder), id(self.text_encoder_2), *pair, dtype, reader.syntax, reader.max_chunks)
+        return ("sdxl", id(text_encoder), id(self.text_encoder_2), *pair, dtype, reader.syntax, reader.max_chunks,
+                reader.clip_skip)
 
 
 #: Where :meth:`SdxlConditioning._encode_pairs` returns the empty chunk pair's states (not a pair of texts: texts
@@ -312,13 +326,16 @@ def _first(empty: torch.Tensor | None) -> torch.Tensor:
 
 
 def _encode_texts(engine: Engine, reader: PromptReader, chunks: Mapping[str, TokenChunks], with_empty: bool,
-                  names: Sequence[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, dict[str, torch.Tensor]]:
-    """One encoder run over every text's chunks (and an empty chunk when ``with_empty``): each text's weighted
-    penultimate states [k_i, 77, D] (float32 where weighted, the engine's dtype otherwise), the empty chunk's
-    [77, D] (or ``None``) and, when ``names`` has :data:`POOLED_OUTPUT`, each text's first-chunk pooled [E]."""
+                  with_pooled: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, dict[str, torch.Tensor]]:
+    """One encoder run over every text's chunks (and an empty chunk when ``with_empty``), the reader's embedding
+    vectors fed: each text's weighted states [k_i, 77, D] (penultimate, or ``reader.clip_skip`` layers before it;
+    float32 where weighted, the engine's dtype otherwise), the empty chunk's [77, D] (or ``None``) and, with
+    ``with_pooled``, each text's first-chunk :data:`POOLED_OUTPUT` [E]."""
     ids = torch.cat([c.ids for c in chunks.values()] + ([reader.empty_chunk()] if with_empty else []))
-    out = run_rows_outputs(engine, "input_ids", ids.to(engine.device), names)
-    hidden = out[HIDDEN_OUTPUT]
+    name = SKIP_OUTPUT if reader.clip_skip else HIDDEN_OUTPUT
+    names = (POOLED_OUTPUT, name) if with_pooled else (name,)
+    out = run_rows_outputs(engine, "input_ids", ids.to(engine.device), names, engine_feed(engine, reader.embeddings))
+    hidden = out[name][:, reader.clip_skip - 1] if reader.clip_skip else out[name]
     rows: dict[str, torch.Tensor] = {}
     pooled: dict[str, torch.Tensor] = {}
     start = 0

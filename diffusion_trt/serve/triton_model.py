@@ -3,8 +3,11 @@
 ``diffusion-trt export-triton`` copies this file verbatim as ``<prefix>pipeline/1/model.py``; on the Triton
 host it imports **nothing from diffusion-trt** (the repository must run on a stock Triton server), only
 numpy, torch, diffusers (schedulers, ``randn_tensor``) and transformers (``CLIPTokenizer``), which the
-Python backend's environment must provide. The same request rules serve ``diffusion-trt serve``, which
-imports the pure helpers below (:func:`parse_request`, :func:`to_uint8_images`, :data:`DEFAULT_LIMITS`).
+Python backend's environment must provide, and the two files export-triton copies beside it into ``prompts/``: the
+runtime's ``prompt_syntax.py`` and ``prompt_encoding.py`` (standalone: torch and the standard library), loaded by
+path (:func:`prompt_encoding`) so prompts are read exactly as ``EnginePipeline`` reads them. The same request rules
+serve ``diffusion-trt serve``, which imports the pure helpers below (:func:`parse_request`, :func:`to_uint8_images`,
+:data:`DEFAULT_LIMITS`).
 
 Request (one image per request; Triton batches the engines' calls, not this model's):
     prompt            BYTES [1]   required, UTF-8, at most ``max_prompt_chars`` characters
@@ -17,16 +20,21 @@ Response:
     image             UINT8 [H, W, 3]
 
 The loop, numbered as in ``diffusion_trt/runtime/denoise.py``, reproduces diffusers' StableDiffusionPipeline
-for the same seed and scheduler: 1. encode prompt ([negative; positive] in one text-encoder batch), 2. prepare
-latents (``randn_tensor`` from a CPU generator), 3. denoise (scheduler ``scale_model_input`` / ``step``, CFG),
-4. decode (``latents / scaling_factor``) and convert to uint8 as ``round(clamp(x / 2 + 0.5, 0, 1) * 255)``.
+for the same seed and scheduler: 1. encode prompt ([negative; positive], long and weighted prompts in 75-token
+chunks as the runtime, :func:`encode_prompts`), 2. prepare latents (``randn_tensor`` from a CPU generator),
+3. denoise (scheduler ``scale_model_input`` / ``step``, CFG), 4. decode (``latents / scaling_factor``) and convert
+to uint8 as ``round(clamp(x / 2 + 0.5, 0, 1) * 255)``.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
+import importlib.util
 import inspect
 import json
 import math
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -55,6 +63,10 @@ FIELDS: dict[str, tuple[str, str]] = {
     "width": ("iu", "INT32"),
 }
 MAX_SEED = 2**63 - 1
+#: The folder beside model.py that export-triton copies the runtime's prompt modules into.
+PROMPT_MODULES = "prompts"
+#: The package name the copies are loaded under (their relative import of ``.prompt_syntax`` resolves inside it).
+_PROMPT_PACKAGE = "_diffusion_trt_prompts"
 
 #: ``infer(model_name, inputs, output_name) -> output``: one engine call (BLS on Triton, anything in tests).
 Infer = Callable[[str, Mapping[str, np.ndarray], str], np.ndarray]
@@ -120,7 +132,7 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], config: Mapping[str, 
         if len(text) > limits["max_prompt_chars"]:
             raise RequestError(
                 name, f"{name} has {len(text)} characters; at most {int(limits['max_prompt_chars'])} are accepted "
-                "(CLIP reads 77 tokens anyway)"
+                "(the engines read at most the UNet's --max-prompt-chunks x 75 CLIP tokens anyway)"
             )
         out[name] = text
     seed = values.get("seed", defaults["seed"])
@@ -161,6 +173,61 @@ def _np_dtype(name: str) -> Any:
     return {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}[name]
 
 
+def prompt_encoding(here: str | Path | None = None) -> Any:
+    """The runtime's ``prompt_encoding`` module, loaded by path: from ``prompts/`` beside this file (the copy
+    export-triton makes), else from the package's ``runtime/`` folder (this file inside diffusion-trt). Loaded once
+    per process, as the package :data:`_PROMPT_PACKAGE`."""
+    name = f"{_PROMPT_PACKAGE}.prompt_encoding"
+    if name not in sys.modules:
+        folder = Path(here if here is not None else __file__).resolve().parent
+        folder = folder / PROMPT_MODULES if (folder / PROMPT_MODULES).is_dir() else folder.parent / "runtime"
+        package = importlib.util.module_from_spec(importlib.machinery.ModuleSpec(_PROMPT_PACKAGE, None,
+                                                                                 is_package=True))
+        package.__path__ = [str(folder)]
+        sys.modules[_PROMPT_PACKAGE] = package
+    return importlib.import_module(name)
+
+
+def encode_prompts(texts: list[str], tokenizer: Any, config: Mapping[str, Any], infer: Infer) -> np.ndarray:
+    """Text embeddings [T, 77 k, D] of ``texts``, as the runtime's ``encode_prompt_embeds`` makes them: A1111 syntax,
+    75-token chunks (at most ``config["max_prompt_chunks"]``, more cut with a warning), one text-encoder pass over
+    every chunk (in pieces of ``config["text_encoder_rows"]``), each chunk's states weighted and rescaled, every text
+    padded to the largest k with an empty chunk's states."""
+    import torch
+
+    pe = prompt_encoding()
+    reader = pe.PromptReader(tokenizer, "a1111", int(config.get("max_prompt_chunks", 1)))
+    chunks = [reader.chunks(t) for t in texts]
+    pe.warn_truncated(texts, chunks, set(texts[:-1]), reader)
+    k = max(c.chunks for c in chunks)
+    short = any(c.chunks < k for c in chunks)  # padded with the states of an empty chunk, run as the last row
+    ids = torch.cat([c.ids for c in chunks] + ([reader.empty_chunk()] if short else [])).numpy()
+    states = torch.from_numpy(_text_encoder_rows(ids, config, infer))
+    rows, start = [], 0
+    for c in chunks:
+        z = states[start : start + c.chunks]
+        start += c.chunks
+        rows.append(pe.pad_chunks(pe.apply_weights(z, c.weights) if c.weighted else z, k, states[-1]).float())
+    return torch.stack(rows).numpy()
+
+
+def _text_encoder_rows(ids: np.ndarray, config: Mapping[str, Any], infer: Infer) -> np.ndarray:
+    """``last_hidden_state`` [N, 77, D] of the token rows ``ids`` [N, 77], in calls of the engine's batch range
+    (rows repeated up to its minimum); zero ``embedding_vectors`` where the engine takes them (no id < 0)."""
+    lo, hi = config.get("text_encoder_rows", [1, len(ids)])
+    dtype = config["dtypes"]["text_encoder"].get("embedding_vectors")
+    parts = []
+    for start in range(0, len(ids), hi):
+        piece = ids[start : start + hi]
+        rows = len(piece)
+        piece = np.concatenate([piece, np.repeat(piece[-1:], max(0, lo - rows), axis=0)])
+        feeds = {"input_ids": np.ascontiguousarray(piece)}
+        if config.get("embedding_vectors"):  # textual-inversion rows: unused (no id < 0), zeros
+            feeds["embedding_vectors"] = np.zeros([len(piece), *config["embedding_vectors"]], _np_dtype(dtype))
+        parts.append(np.array(infer(config["models"]["text_encoder"], feeds, "last_hidden_state"))[:rows])
+    return np.concatenate(parts)
+
+
 def text_to_image(params: Mapping[str, Any], config: Mapping[str, Any], tokenizer: Any, scheduler: Any,
                   infer: Infer) -> np.ndarray:
     """Run one request (validated by :func:`parse_request`) through the engine models; uint8 [H, W, 3].
@@ -175,15 +242,9 @@ def text_to_image(params: Mapping[str, Any], config: Mapping[str, Any], tokenize
 
     names, dtypes, model = config["models"], config["dtypes"], config["model"]
     do_cfg = params["guidance_scale"] > 1.0
-    # 1. encode prompt: [negative; positive] in one batch with CFG
+    # 1. encode prompt: [negative; positive] with CFG, long and weighted prompts as the runtime reads them
     texts = [params["negative_prompt"], params["prompt"]] if do_cfg else [params["prompt"]]
-    ids = tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                    return_tensors="np").input_ids.astype(np.int64)
-    feeds = {"input_ids": ids}
-    if config.get("embedding_vectors"):  # textual-inversion rows: unused (no id < 0), zeros
-        feeds["embedding_vectors"] = np.zeros([len(texts), *config["embedding_vectors"]],
-                                              _np_dtype(dtypes["text_encoder"]["embedding_vectors"]))
-    embeds = infer(names["text_encoder"], feeds, "last_hidden_state")
+    embeds = encode_prompts(texts, tokenizer, config, infer)
     embeds = embeds.astype(_np_dtype(dtypes["unet"]["encoder_hidden_states"]))
     # 2. prepare latents (timesteps first, like diffusers)
     scheduler.set_timesteps(params["steps"], device="cpu")

@@ -7,7 +7,8 @@
       <prefix>unet/ ...
       <prefix>vae_decoder/ ...
       <prefix>pipeline/config.pbtxt       Python backend (BLS): 1/model.py, 1/pipeline.json,
-                                          1/tokenizer/, 1/scheduler_config.json
+                                          1/tokenizer/, 1/scheduler_config.json, 1/prompts/ (the runtime's
+                                          prompt_syntax.py and prompt_encoding.py, copied: long and weighted prompts)
 
 Engine models: ``platform: "onnxruntime_onnx"`` for ``ort`` artifacts, ``"tensorrt_plan"`` for ``tensorrt``
 ones; inputs and outputs with the manifest's dtypes and dims. Every SD engine has its batch symbol (``B``
@@ -191,7 +192,20 @@ def pipeline_facts(manifest: Manifest, models: Mapping[str, str],
         "models": dict(models),
         "dtypes": {c: manifest.components[c].dtypes for c in PIPELINE_ENGINES},
         "embedding_vectors": _embedding_rows(manifest),
+        **_prompt_facts(manifest),
     }
+
+
+def _prompt_facts(manifest: Manifest) -> dict[str, Any]:
+    """How the BLS loop chunks prompts: ``max_prompt_chunks`` (the UNet's ``encoder_hidden_states`` takes 77 * k
+    tokens for k up to it) and ``text_encoder_rows`` (the text encoder's batch range [min, max], which the chunks'
+    rows are split and padded to)."""
+    unet, text = manifest.component("unet"), manifest.component("text_encoder")
+    context = next(t for t in unet.spec["inputs"] if t["name"] == "encoder_hidden_states")  # type: ignore[union-attr]
+    ids = next(t for t in text.spec["inputs"] if t["name"] == "input_ids")  # type: ignore[union-attr]
+    length = int(ids["shape"][1])
+    return {"max_prompt_chunks": max(1, int(context["max"][1]) // length),
+            "text_encoder_rows": [int(ids["min"][0]), int(ids["max"][0])]}
 
 
 def _embedding_rows(manifest: Manifest) -> list[int] | None:
@@ -244,10 +258,15 @@ def _write_engine_models(root: Path, manifest: Manifest, folders: Mapping[str, P
 
 def _write_pipeline_model(root: Path, manifest: Manifest, folder: Path, names: Mapping[str, str],
                           max_queue: int, queue_timeout_s: float) -> None:
-    """The BLS pipeline model in ``folder``: ``1/`` with model.py, tokenizer/, scheduler_config.json, pipeline.json."""
+    """The BLS pipeline model in ``folder``: ``1/`` with model.py, prompts/, tokenizer/, scheduler_config.json,
+    pipeline.json."""
+    from ..runtime import prompt_encoding, prompt_syntax
+
     version = folder / "1"
-    version.mkdir(parents=True)
+    (version / triton_model.PROMPT_MODULES).mkdir(parents=True)
     shutil.copy2(Path(triton_model.__file__), version / "model.py")
+    for module in (prompt_syntax, prompt_encoding):  # the runtime's own code, so the loop reads prompts alike
+        shutil.copy2(Path(module.__file__), version / triton_model.PROMPT_MODULES / Path(module.__file__).name)
     shutil.copytree(artifacts.safe_join(root, manifest.tokenizer), version / "tokenizer")
     shutil.copy2(artifacts.safe_join(root, manifest.scheduler_config), version / "scheduler_config.json")
     facts = pipeline_facts(manifest, {c: names[c] for c in PIPELINE_ENGINES})

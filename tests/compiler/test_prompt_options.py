@@ -65,10 +65,25 @@ def test_clip_skip_is_capped_at_the_layers_less_one(caplog: pytest.LogCaptureFix
         assert "clip skip" not in caplog.text  # the default is capped quietly (INFO lines reach the CLI's output)
         assert clip_skip_for(CompileConfig(max_clip_skip=3), {"architecture": "sd", "text_encoder_layers": 2}) == 1
     assert "max_clip_skip=3: the text encoder has 2 layers; clip skip goes up to 1" in caplog.text
-    assert clip_skip_for(CompileConfig(), {"architecture": "sdxl", "text_encoder_layers": 12}) == 0
     outputs = component_specs(**SIZES, clip_skip=2)["text_encoder"].outputs
     assert [(t.name, t.shape) for t in outputs] == [("last_hidden_state", ("B2", 77, 32)),
                                                      ("clip_skip_states", ("B2", 2, 77, 32))]
+
+
+def test_sdxl_clip_skip_is_capped_by_the_smaller_encoder_and_given_by_both() -> None:
+    sdxl = {"architecture": "sdxl", "text_encoder_layers": 12, "text_encoder_2_layers": 32}
+    assert clip_skip_for(CompileConfig(), sdxl) == 2
+    assert clip_skip_for(CompileConfig(max_clip_skip=11), sdxl) == 11  # hidden_states[-13]: text_encoder's [0]
+    assert clip_skip_for(CompileConfig(), {**sdxl, "text_encoder_layers": 2}) == 1
+    assert clip_skip_for(CompileConfig(max_clip_skip=0), sdxl) == 0
+    specs = component_specs(**SIZES, text_hidden_2=48, text_embeds=24, clip_skip=2, embedding_vectors=4)
+    assert [(t.name, t.shape) for t in specs["text_encoder"].outputs] == [
+        ("penultimate_hidden_state", ("B2", 77, 32)), ("clip_skip_states", ("B2", 2, 77, 32))]
+    assert [(t.name, t.shape) for t in specs["text_encoder_2"].outputs] == [
+        ("text_embeds", ("B2", 24)), ("penultimate_hidden_state", ("B2", 77, 48)),
+        ("clip_skip_states", ("B2", 2, 77, 48))]
+    assert [(t.name, t.shape) for t in specs["text_encoder_2"].inputs] == [
+        ("input_ids", ("B2", 77)), ("embedding_vectors", ("B2", 4, 48))]
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

@@ -171,7 +171,10 @@ def test_manifest_records_the_architecture(tiny_sd21_artifact: Path, tiny_sdxl_a
     assert (tiny_sdxl_artifact / "tokenizer_2" / "tokenizer_config.json").is_file()
     te2 = sdxl["components"]["text_encoder_2"]
     assert [(t["name"], t["shape"]) for t in te2["outputs"]] == [
-        ("text_embeds", ["B2", 24]), ("penultimate_hidden_state", ["B2", 77, 48])]
+        ("text_embeds", ["B2", 24]), ("penultimate_hidden_state", ["B2", 77, 48]),
+        ("clip_skip_states", ["B2", 1, 77, 48])]  # clip skip 1 (the tiny text_encoder's 2 layers less one)
+    assert [(t["name"], t["shape"]) for t in te2["inputs"]] == [
+        ("input_ids", ["B2", 77]), ("embedding_vectors", ["B2", 128, 48])]
     assert [(t["name"], t["dtype"]) for t in sdxl["components"]["unet"]["inputs"]][3:] == [
         ("text_embeds", "float32"), ("time_ids", "float32")]
     from diffusion_trt.artifact.verify import verify_artifact

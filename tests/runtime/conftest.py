@@ -28,3 +28,14 @@ def toy_pipe(toy_artifact: Path) -> Iterator[object]:
 
     with EnginePipeline.from_artifacts(toy_artifact) as pipe:
         yield pipe
+
+
+@pytest.fixture(scope="session")
+def old_sdxl_artifact(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-sdxl compiled with the text encoders of before SDXL clip skip and textual inversion (no
+    ``clip_skip_states`` output, no ``embedding_vectors`` input)."""
+    from diffusion_trt.compiler.pipeline import compile_pipeline
+    from diffusion_trt.config import CompileConfig
+
+    return compile_pipeline(tiny_sdxl_dir, tmp_path_factory.mktemp("old-sdxl") / "tiny-sdxl",
+                            CompileConfig(max_clip_skip=0, max_embedding_vectors=0))

@@ -224,9 +224,9 @@ def test_compile_refuses_a_bad_max_embedding_vectors(tiny_pipeline_dir: Path, tm
     assert result.exit_code == 2 and "max_embedding_vectors=2000 must be in 0..1024" in result.output
 
 
-def test_sdxl_artifact_refuses_embeddings(tiny_sdxl_artifact: Path, files: dict[str, Path]) -> None:
+def test_sdxl_artifact_refuses_one_encoder_embeddings(tiny_sdxl_artifact: Path, files: dict[str, Path]) -> None:
+    """SDXL takes the two-encoder form (tests/runtime/test_sdxl_embeddings.py); an SD 1.x/2.x file is refused."""
     with EnginePipeline.from_artifacts(tiny_sdxl_artifact) as sdxl:
-        assert [t.name for t in sdxl.engines["text_encoder"].spec.inputs] == ["input_ids"]
-        with pytest.raises(RuntimeInputError, match="not supported for SDXL artifacts yet"):
+        with pytest.raises(RuntimeInputError, match=r"is a one-encoder \(SD 1\.x/2\.x\) embedding; an SDXL"):
             sdxl.load_textual_inversion(files["cattoy"])
-        assert sdxl.embeddings is None
+        assert sdxl.embeddings is None and sdxl.embeddings_2 is None

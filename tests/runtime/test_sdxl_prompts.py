@@ -16,6 +16,7 @@ import torch
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from diffusion_trt.runtime import EnginePipeline
+from diffusion_trt.runtime.embeddings import engine_feed
 from diffusion_trt.runtime.engines.engine import run_rows_outputs
 from diffusion_trt.runtime.prompt_encoding import PromptReader
 from diffusion_trt.runtime.sdxl import HIDDEN_OUTPUT, POOLED_OUTPUT, sdxl_conditioning
@@ -134,10 +135,11 @@ def test_one_chunk_unweighted_is_bit_equal_to_one_run_per_encoder(pipe) -> None:
     pos, neg, added = _encode_many(pipe, prompts, negatives)
     engines = pipe.loop_engines()
     texts = ["blurry", "a red cube", "a blue sphere"]  # the distinct texts, negatives first, as encoded
+    two = pipe.engine("text_encoder_2")  # both take embedding_vectors: zeros without embeddings (ids >= 0 only)
     h1 = run_rows_outputs(engines.text_encoder, "input_ids", tokenize(engines.tokenizer, texts, torch.device("cpu")),
-                          (HIDDEN_OUTPUT,))[HIDDEN_OUTPUT]
-    out2 = run_rows_outputs(pipe.engine("text_encoder_2"), "input_ids",
-                            tokenize(pipe.tokenizer_2, texts, torch.device("cpu")), (POOLED_OUTPUT, HIDDEN_OUTPUT))
+                          (HIDDEN_OUTPUT,), engine_feed(engines.text_encoder, None))[HIDDEN_OUTPUT]
+    out2 = run_rows_outputs(two, "input_ids", tokenize(pipe.tokenizer_2, texts, torch.device("cpu")),
+                            (POOLED_OUTPUT, HIDDEN_OUTPUT), engine_feed(two, None))
     want = torch.cat([h1, out2[HIDDEN_OUTPUT]], dim=-1)
     assert torch.equal(pos, want[1:]) and torch.equal(neg, want[[0, 0]])
     assert torch.equal(added.pooled, out2[POOLED_OUTPUT][1:])
