@@ -284,9 +284,9 @@ class CompileConfig:
             (1..:data:`MAX_PROMPT_CHUNKS`): long prompts in 75-token chunks (``runtime/prompt_encoding.py``). 1 = the
             UNet takes 77 tokens only (the artifact of before). With k > 1 the sequence axis is the profile dim ``S``
             (min = opt = 77, max = 77 k): TensorRT tunes its kernels at 77 and ``--size-buckets`` gives each
-            (size, k) its own static CUDA-graph session, so one-chunk prompts run as before. A static profile and
-            SDXL models keep 77 (logged): a static profile is one fixed shape (one CUDA graph), and SDXL's
-            two-encoder chunking is not implemented yet.
+            (size, k) its own static CUDA-graph session, so one-chunk prompts run as before. A static profile keeps
+            77 (logged): it is one fixed shape (one CUDA graph). SDXL chunks both text encoders alike
+            (``runtime/sdxl.py``).
         max_clip_skip: the text encoder also gives the states that ``clip_skip`` = 1..this take (one
             extra output of the one engine, ``clip_skip_states``; at most its layers less one); 0 = none (the
             text encoder of before). SDXL: both text encoders, at most the smaller one's layers less one.
