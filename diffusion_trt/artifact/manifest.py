@@ -312,3 +312,10 @@ def _component(name: str, entry: Mapping[str, Any], precision: str) -> Component
                      files=tuple(str(f) for f in entry.get("files") or ()),
                      build=MappingProxyType(dict(entry.get("build") or {})),
                      spec=MappingProxyType(copy.deepcopy(dict(entry))))
+
+
+def amend_source(manifest: dict[str, Any], **fields: Any) -> None:
+    """Update the ``source`` record of a manifest's JSON before it is (re)sealed, in place: the fields given replace
+    their keys, the others stay (``path`` of a cached artifact's new model folder, ``single_file``, ``hub``). The one
+    place outside the typed :class:`Manifest` where a manifest's keys are touched by name."""
+    manifest["source"] = {**manifest.get("source", {}), **fields}

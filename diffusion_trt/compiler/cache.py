@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from ..artifact import folder as artifacts
-from ..artifact.manifest import Manifest
+from ..artifact.manifest import Manifest, amend_source
 from ..config import QUANTIZED_PRECISIONS, CompileConfig
 from ..errors import ArtifactError
 
@@ -448,7 +448,7 @@ class CompileCache:
             for rel in facts.files:
                 clone_or_copy(artifacts.safe_join(cached, rel), stage / rel)
             manifest["name"] = out.name
-            manifest["source"] = {**manifest["source"], "path": source_path}
+            amend_source(manifest, path=source_path)
             manifest["cache"] = {
                 "hit": True,
                 "key": key,

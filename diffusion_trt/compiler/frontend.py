@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..artifact import folder as artifacts
+from ..artifact.manifest import amend_source
 from ..config import CompileConfig
 from ..errors import ModelFolderError, OutputPathError
 from . import export, hub, pipeline
@@ -46,8 +47,8 @@ def _source_identity(model: Path, config: CompileConfig, prediction_type: str) -
 def _record_single_file(out: Path, model: Path, source: dict[str, Any]) -> None:
     """Name the single file an artifact came from in its manifest (resealed): the converted folder was temporary."""
     manifest = artifacts.read_manifest(out)
-    manifest["source"] = {**manifest["source"], "path": str(model.resolve()),
-                          "single_file": {"sha256": source["sha256"], **source["checkpoint"]}}
+    amend_source(manifest, path=str(model.resolve()),
+                 single_file={"sha256": source["sha256"], **source["checkpoint"]})
     artifacts.write_manifest(out, manifest)
 
 
@@ -61,7 +62,7 @@ def _compile_model_id(model_id: str, out: Path, config: CompileConfig | None, re
     with hub.plain_folder(resolved) as folder:
         compile_model(folder, out, config, **kwargs)
     manifest = artifacts.read_manifest(out)
-    manifest["source"] = {**manifest["source"], "path": str(resolved.snapshot), "hub": resolved.record()}
+    amend_source(manifest, path=str(resolved.snapshot), hub=resolved.record())
     artifacts.write_manifest(out, manifest)
     return out
 def _materialize(cache: CompileCache, cached: Path, out: Path, key: str, model: Path, config: CompileConfig,
