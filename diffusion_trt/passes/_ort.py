@@ -122,8 +122,9 @@ def weights_on_disk(model: onnx.ModelProto) -> Iterator[tuple[onnx.ModelProto, P
     memory.
 
     Why: the fp16 range check opens one session per group of exposed tensors; each used to copy the whole proto and
-    write its weights again (3.4 GB each for the fp32 SD-1.5 UNet), and that copy was the UNet passes' peak (12.2 GB
-    of a b1 compile on the H200 host, 2026-12-02)."""
+    write its weights again, and ``open_session`` rewrote the caller's proto into references to a folder it then
+    deleted. (The SD-1.5 UNet, 3.4 GB fp32, is above ``fp16_check.MAX_CHECKED_WEIGHT_BYTES`` and is converted
+    unchecked, so its passes' peak, 12.2 GB of a b1 compile on the H200 host on 2026-12-02, is not from here.)"""
     with tempfile.TemporaryDirectory(prefix="dtrt-ort-") as tmp:
         folder = Path(tmp)
         light = _light_copy(model)
