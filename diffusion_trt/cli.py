@@ -1173,7 +1173,7 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
     """
     import math
 
-    from .runtime.controlnet import DEFAULT_CONTROL_SCALE
+    from .runtime.controlnet import DEFAULT_CONTROL_SCALE, finite_in_float32
 
     if not controlnets and not control_images:
         return {}
@@ -1187,7 +1187,7 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
             number = float(scale) if sep else DEFAULT_CONTROL_SCALE[mode]
         except ValueError:
             number = math.nan
-        if not math.isfinite(number):
+        if not finite_in_float32(number):
             raise click.UsageError(f"--controlnet {value!r}: the scale {scale!r} is not a finite number; use e.g. "
                                    f"{name}:0.8")
         names.append(name)

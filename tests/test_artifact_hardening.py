@@ -39,8 +39,8 @@ def _run_cli(*args: object) -> Result:
 
 
 def _one_error_line(result: Result, code: int = 3) -> str:
-    """The output of a failed command that printed one ``error:`` line (an error listing several problems continues
-    on indented lines) and no traceback (CliRunner keeps an uncaught exception in ``result.exception``)."""
+    """The output of a failed command that printed one ``error:`` line and no traceback (CliRunner keeps an uncaught
+    exception in ``result.exception``)."""
     assert result.exit_code == code, (result.exit_code, result.output, result.exception)
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
@@ -570,3 +570,14 @@ def test_a_refused_folder_does_not_close_a_descriptor_it_no_longer_owns(tmp_path
         assert os.read(fd, 10) == b"still open"
     finally:
         os.close(fd)
+
+
+def test_a_missing_file_is_refused_on_exactly_one_line(art: Path, tmp_path: Path) -> None:
+    """run on an artifact that lost a file: exit 3 and the whole message on the one ``error:`` line (it continued on
+    an indented line before)."""
+    (art / "vae_decoder" / "model.onnx").unlink()
+    result = _run_cli("run", art, "-p", "x", "--steps", "1", "-o", tmp_path / "x.png")
+    out = _one_error_line(result)
+    assert [line for line in out.splitlines() if line.strip()] == [out.strip()], out
+    assert "failed verification: " in out and "vae_decoder/model.onnx" in out
+    assert not (tmp_path / "x.png").exists()

@@ -866,7 +866,7 @@ def load_verified(root: str | os.PathLike[str], check_hashes: bool = True) -> di
     manifest = read_manifest(root)
     problems = folder_problems(root, manifest, check_hashes=check_hashes)
     if problems:
-        raise ArtifactError(f"artifact {root} failed verification:\n  " + "\n  ".join(problems))
+        raise ArtifactError(f"artifact {root} failed verification: " + "; ".join(problems))
     extra = unlisted_files(root, manifest)
     if extra:
         logger.warning("artifact %s holds files its manifest does not list: %s", root, ", ".join(extra[:10]))

@@ -64,9 +64,20 @@ def _as_list(value: Any, n: int, what: str) -> list[Any]:
     return [value] * n
 
 
+#: The largest finite float32: the scales multiply float32 (and fp16) residuals on the device.
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def finite_in_float32(value: float) -> bool:
+    """Whether ``value`` is finite and within float32's range (a scale of 1e39 is finite, and overflows on the
+    device)."""
+    return math.isfinite(value) and abs(value) <= _FLOAT32_MAX
+
+
 def _finite(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(float(value)):
-        raise RuntimeInputError(f"{what}={value!r} is not a finite number; pass e.g. 1.0")
+    """``value`` as a float, refused unless a number :func:`finite_in_float32`."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not finite_in_float32(float(value)):
+        raise RuntimeInputError(f"{what}={value!r} is not a finite float32 number; pass e.g. 1.0")
     return float(value)
 
 

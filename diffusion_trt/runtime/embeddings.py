@@ -105,7 +105,12 @@ def read_embeddings(path: str | Path, token: str | None = None) -> tuple[Embeddi
         raise RuntimeInputError(f"embedding name {name!r} (from {path}) must be a non-empty word without surrounding "
                                 "spaces")
     if any(key in state for key in SDXL_KEYS):
-        return tuple(Embedding(name, _sdxl_vectors(path, state, key), path) for key in SDXL_KEYS)
+        pair = tuple(Embedding(name, _sdxl_vectors(path, state, key), path) for key in SDXL_KEYS)
+        counts = [int(e.vectors.shape[0]) for e in pair]
+        if counts[0] != counts[1]:  # one name must stand for the same number of tokens in both encoders
+            raise RuntimeInputError(f"embedding file {path}: {SDXL_KEYS[0]} has {counts[0]} vector(s) but "
+                                    f"{SDXL_KEYS[1]} has {counts[1]}; an SDXL embedding has one count for both")
+        return pair
     return (Embedding(name, _vectors(path, state), path),)
 
 
@@ -162,11 +167,16 @@ def _sdxl_vectors(path: Path, state: Mapping[str, Any], key: str) -> torch.Tenso
 
 
 def _checked(path: Path, value: Any, what: str) -> torch.Tensor:
-    """``value`` as [n, D] float32 vectors (a [D] vector is n = 1); refused unless a non-empty [D] / [n, D] tensor."""
+    """``value`` as [n, D] float32 vectors (a [D] vector is n = 1); refused unless a non-empty, finite [D] / [n, D]
+    tensor."""
     if not isinstance(value, torch.Tensor) or value.ndim not in (1, 2) or value.numel() == 0:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise RuntimeInputError(f"embedding file {path}: {what} are {shape}; expected [D] or [n, D]")
-    return value.detach().reshape(-1, value.shape[-1]).to(torch.float32).contiguous()
+    vectors = value.detach().reshape(-1, value.shape[-1]).to(torch.float32).contiguous()
+    if not bool(torch.isfinite(vectors).all()):  # NaN/Inf rows would only give black images
+        raise RuntimeInputError(f"embedding file {path}: {what} hold NaN/Inf values; the file is damaged or was "
+                                "saved from a diverged training run")
+    return vectors
 
 
 @dataclass(frozen=True)

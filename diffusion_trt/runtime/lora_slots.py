@@ -119,11 +119,12 @@ class WeightSlots(Mapping[str, torch.Tensor]):
                 continue
             base = self._base[s.input_name].to(self.device, torch.float32, non_blocking=True)
             total = torch.stack([p.to(self.device) for p in parts]).sum(0)
-            value = base + (total.T if s.transpose else total)
-            if not bool(torch.isfinite(value).all()):
-                raise LoraError(f"{what} leaves NaN/Inf in {self.component}.{s.torch_name}: the file holds non-finite "
-                                "values or the scale is too large; check the file, or use a smaller scale")
-            out[s.input_name] = value.to(self._base[s.input_name].dtype).contiguous()
+            value = (base + (total.T if s.transpose else total)).to(self._base[s.input_name].dtype)
+            if not bool(torch.isfinite(value).all()):  # in the engine's dtype: fp16 overflows at 65504
+                raise LoraError(f"{what} leaves NaN/Inf in {self.component}.{s.torch_name} (in its "
+                                f"{str(value.dtype).removeprefix('torch.')} weights): the file holds non-finite values "
+                                "or the scale is too large; check the file, or use a smaller scale")
+            out[s.input_name] = value.contiguous()
         return out
 
     def bind(self, values: Mapping[str, torch.Tensor]) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..runtime.controlnet import finite_in_float32
 from .loras import one_text
 from .triton_model import RequestError
 
@@ -93,7 +94,7 @@ class ControlNets:
             scale = float(scale_text) if sep else 1.0
         except ValueError:
             scale = math.nan
-        if not math.isfinite(scale):
+        if not finite_in_float32(scale):
             raise RequestError(NAME_FIELD, f"controlnet={text!r}: the scale {scale_text!r} is not a finite number; "
                                f"use e.g. {name}:0.8")
         return name, scale

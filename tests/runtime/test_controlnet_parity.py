@@ -185,6 +185,8 @@ def test_image_is_the_control_image_as_in_diffusers(pipe: EnginePipeline) -> Non
     ({"control_image": _image(0, 48), "controlnet": "a"}, "is 48x48 (WxH) but the output is 64x64"),
     ({"control_image": _image(0), "controlnet": "a", "controlnet_conditioning_scale": float("nan")}, "not a finite"),
     ({"control_image": _image(0), "controlnet": "a", "controlnet_conditioning_scale": float("inf")}, "not a finite"),
+    # finite in float64, beyond float32: it overflowed on the device (a traceback) before
+    ({"control_image": _image(0), "controlnet": "a", "controlnet_conditioning_scale": 1e39}, "not a finite"),
     ({"control_image": [_image(0), _image(1), _image(2)], "controlnet": ["a", "b"]},
      "3 control images for 2 ControlNet(s)"),
     ({"control_image": _image(0)}, "this artifact has 2 ControlNets (a, b)"),
@@ -230,6 +232,7 @@ def test_run_with_two_controlnets_writes_the_image_and_parameters(controlnet_art
     (["--controlnet", "a"], "0 --control-image for 1 --controlnet"),
     (["--controlnet", "a:nan", "--control-image", "{a}"], "the scale 'nan' is not a finite number"),
     (["--controlnet", "a:x", "--control-image", "{a}"], "the scale 'x' is not a finite number"),
+    (["--controlnet", "a:-1e39", "--control-image", "{a}"], "the scale '-1e39' is not a finite number"),
     (["--controlnet", "a", "--control-image", "{small}"], "is 48x48 (WxH) but the output is 64x64"),
     (["--controlnet", "z", "--control-image", "{a}"], "ControlNet 'z' is not in this artifact; it has a, b"),
 ])

@@ -302,3 +302,18 @@ def test_cuda_graph_replays_the_updated_weights(tiny_pipeline_dir: Path, loras: 
     assert float(np.abs(got - want).max()) <= 4 / 255
     assert float(np.abs(got - base).max()) > 1e-2
     assert np.array_equal(again, base)
+
+
+def test_a_merge_that_overflows_the_weights_dtype_is_refused() -> None:
+    """fp16 weights (every CUDA artifact): a delta finite in fp32 but beyond 65504 in fp16 is refused, naming the
+    weight and its dtype, before anything is bound."""
+    from diffusion_trt.errors import LoraError
+    from diffusion_trt.runtime.lora_slots import WeightSlots
+
+    rmap = {"weights": {"blk.weight": {"initializer": "w0", "transpose": False, "dtype": "float16"}}}
+    slots = WeightSlots("unet", rmap, {"w0": torch.zeros(2, 3, dtype=torch.float16)}, torch.device("cpu"))
+    ok = slots.merged([{"blk.weight": torch.full((2, 3), 60000.0)}], "LoRA a at scale 1")
+    assert ok["w0"].dtype == torch.float16 and bool(torch.isfinite(ok["w0"]).all())
+    with pytest.raises(LoraError, match=r"leaves NaN/Inf in unet\.blk\.weight \(in its float16 weights\)"):
+        slots.merged([{"blk.weight": torch.full((2, 3), 1e5)}], "LoRA a at scale 1")
+    assert bool((slots["w0"] == 0).all())  # nothing was bound

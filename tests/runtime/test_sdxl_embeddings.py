@@ -117,6 +117,10 @@ def _bad_files(d: Path) -> dict[str, Path]:
     clip_l = torch.zeros(1, WIDTHS["clip_l"])
     save_file({"clip_l": clip_l, "clip_g": torch.zeros(1, 1280)}, str(d / "realxl.safetensors"))  # a real SDXL's
     save_file({"clip_l": clip_l, "clip_g": torch.zeros(1, 2, 48)}, str(d / "cube.safetensors"))
+    save_file({"clip_l": torch.zeros(4, WIDTHS["clip_l"]), "clip_g": torch.zeros(3, WIDTHS["clip_g"])},
+              str(d / "counts.safetensors"))
+    save_file({"clip_l": torch.full((1, WIDTHS["clip_l"]), float("nan")), "clip_g": torch.zeros(1, WIDTHS["clip_g"])},
+              str(d / "nan.safetensors"))
     return {p.stem: p for p in d.iterdir()}
 
 
@@ -125,6 +129,8 @@ def _bad_files(d: Path) -> dict[str, Path]:
     ("halfxl", "has clip_l but no clip_g"),
     ("realxl", "has vectors of size 1280; this artifact's text_encoder_2 (clip_g) takes 48"),
     ("cube", "clip_g are (1, 2, 48); expected [D] or [n, D]"),
+    ("counts", "clip_l has 4 vector(s) but clip_g has 3; an SDXL embedding has one count for both"),
+    ("nan", "clip_l hold NaN/Inf values"),
 ])
 def test_bad_sdxl_embedding_is_one_error_line(tiny_sdxl_artifact: Path, files: dict[str, Path], tmp_path: Path,
                                               case: str, message: str) -> None:
