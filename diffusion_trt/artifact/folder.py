@@ -50,7 +50,7 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -854,6 +854,11 @@ def folder_problems(root: str | os.PathLike[str], manifest: dict[str, Any], chec
     return problems
 
 
+def verification_failed(root: str | os.PathLike[str], problems: Sequence[str]) -> ArtifactError:
+    """The error for an artifact whose checks found ``problems``: one line, every problem named."""
+    return ArtifactError(f"artifact {root} failed verification: " + "; ".join(problems))
+
+
 def load_verified(root: str | os.PathLike[str], check_hashes: bool = True) -> dict[str, Any]:
     """Everything loading needs checked, before any file is deserialised; one error listing every problem.
 
@@ -866,7 +871,7 @@ def load_verified(root: str | os.PathLike[str], check_hashes: bool = True) -> di
     manifest = read_manifest(root)
     problems = folder_problems(root, manifest, check_hashes=check_hashes)
     if problems:
-        raise ArtifactError(f"artifact {root} failed verification: " + "; ".join(problems))
+        raise verification_failed(root, problems)
     extra = unlisted_files(root, manifest)
     if extra:
         logger.warning("artifact %s holds files its manifest does not list: %s", root, ", ".join(extra[:10]))

@@ -116,7 +116,7 @@ class ArtifactReader:
             problems = [p.replace(str(pinned), str(root)) for p in
                         folder.folder_problems(pinned, reader._json, check_hashes=False, parse_onnx=False)]
             if problems:
-                raise ArtifactError(f"artifact {root} failed verification: " + "; ".join(problems))
+                raise folder.verification_failed(root, problems)
         except BaseException:
             reader.close()  # not os.close(fd): the reader's __del__ would close the number again, by then reused
             raise
@@ -201,7 +201,7 @@ class ArtifactReader:
         problems = [p.replace(str(pinned), str(self.root)) for p in
                     folder.external_location_problems(pinned, rel, locations, self._json["files"])]
         if problems:
-            raise ArtifactError(f"artifact {self.root} failed verification: " + "; ".join(problems))
+            raise folder.verification_failed(self.root, problems)
         external = {loc: self.read(str(folder.external_data_target(rel, loc))) for loc in locations}
         # ONNX Runtime takes a model only as ``bytes``; a large one (weights inline: artifacts of before the
         # external-data threshold of build_ort) costs one copy here
