@@ -8,10 +8,11 @@ it exports the SD-1.5 UNet in seconds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,14 +191,8 @@ class _TextEncoder(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, embedding_vectors: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if not self.vectors:
+        with _token_rows(self.embeddings, embedding_vectors if self.vectors else None):
             return self._encode(input_ids)
-        table = self.embeddings.token_embedding
-        self.embeddings.token_embedding = _TokenRows(table, embedding_vectors)
-        try:
-            return self._encode(input_ids)
-        finally:
-            self.embeddings.token_embedding = table
 
     def _encode(self, input_ids: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if not self.clip_skip:
@@ -244,7 +239,8 @@ class _TextEncoderPenultimate(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, embedding_vectors: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        out = _run_with_rows(self.text_encoder, self.embeddings, input_ids, embedding_vectors if self.vectors else None)
+        with _token_rows(self.embeddings, embedding_vectors if self.vectors else None):
+            out = self.text_encoder(input_ids, output_hidden_states=True)
         return _penultimate_outputs(out.hidden_states, self.clip_skip)
 
 
@@ -258,21 +254,23 @@ class _TextEncoderWithProjection(_TextEncoderPenultimate):
 
     def forward(self, input_ids: torch.Tensor, embedding_vectors: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, ...]:
-        out = _run_with_rows(self.text_encoder, self.embeddings, input_ids, embedding_vectors if self.vectors else None)
+        with _token_rows(self.embeddings, embedding_vectors if self.vectors else None):
+            out = self.text_encoder(input_ids, output_hidden_states=True)
         states = _penultimate_outputs(out.hidden_states, self.clip_skip)
         return (out.text_embeds, *(states if isinstance(states, tuple) else (states,)))
 
 
-def _run_with_rows(text_encoder: torch.nn.Module, embeddings: torch.nn.Module, input_ids: torch.Tensor,
-                   vectors: torch.Tensor | None) -> Any:
-    """``text_encoder(input_ids, output_hidden_states=True)``, its token lookup reading ids < 0 from ``vectors``
-    (:class:`_TokenRows`) when given."""
+@contextlib.contextmanager
+def _token_rows(embeddings: torch.nn.Module, vectors: torch.Tensor | None) -> Iterator[None]:
+    """Inside the block, ``embeddings``' token lookup reads ids < 0 from ``vectors`` (:class:`_TokenRows`); ``None``
+    = the model's own lookup. Restored on exit."""
     if vectors is None:
-        return text_encoder(input_ids, output_hidden_states=True)
+        yield
+        return
     table = embeddings.token_embedding
     embeddings.token_embedding = _TokenRows(table, vectors)
     try:
-        return text_encoder(input_ids, output_hidden_states=True)
+        yield
     finally:
         embeddings.token_embedding = table
 
