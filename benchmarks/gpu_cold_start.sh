@@ -9,10 +9,15 @@
 # Four artifacts at once, then the measurements on a quiet host:
 #   bash benchmarks/gpu_cold_start.sh prep OUT         models, then compiles (below) in one call
 #   bash benchmarks/gpu_cold_start.sh models OUT       sd15 pipeline, ControlNets a/b, rank-64 LoRAs a/b
-#   bash benchmarks/gpu_cold_start.sh compiles OUT     compiles base (its peak RSS per stage: compile_memory.py),
-#                                                       refit (--refittable), merged (--lora a), cn (--controlnet
-#                                                       a,b) side by side, waited for (~6 min on the H200: a process
-#                                                       left in the background does not outlive the device call)
+#   bash benchmarks/gpu_cold_start.sh compiles OUT     compiles side by side, waited for (a process left in the
+#                                                       background does not outlive the device call); ARTS picks
+#                                                       them (default "base refit merged cn", ~6 min on the H200):
+#                                                       base (peak RSS per stage: compile_memory.py), refit
+#                                                       (--refittable), merged (--lora a), cn (--controlnet a,b),
+#                                                       b4 (static b4, compile_memory.py), dyn (256..1024, b1..4)
+#   bash benchmarks/gpu_cold_start.sh bench-b4 OUT     bench of the b4 artifact (batch 4, 50 steps)
+#   bash benchmarks/gpu_cold_start.sh dyn-sizes OUT    bench of the dyn artifact at 512x512, 768x768, 640x384
+#                                                       (--size-buckets auto, HEURISTIC): first call per new size
 #   bash benchmarks/gpu_cold_start.sh bytecode OUT     compile $SITE's bytecode (pip does at install; the wheel
 #                                                       installer here uses --no-compile), then `import diffusers`'
 #                                                       -X importtime, twice, in fresh processes
@@ -46,20 +51,29 @@ for i, k in enumerate('ab'): ls.make_lora(Path('$W/model-sd15'), Path('$W/lora_%
 " 2>&1 | tail -3
     ls -la $W
 }
-compiles() {
-    log compiles
+compiles() {  # ARTS: which of base refit merged cn b4 dyn (default: the first four), side by side
+    log "compiles: ${ARTS:=base refit merged cn}"
     base="$common $(static 512 1)"
-    $py benchmarks/compile_memory.py --json "$out/compile_memory_b1.json" -- compile $W/model-sd15 -o $W/art-base \
-      $base > /tmp/cs/c-base.log 2>&1 &
-    $D compile $W/model-sd15 -o $W/art-refit $base --refittable > /tmp/cs/c-refit.log 2>&1 &
-    $D compile $W/model-sd15 -o $W/art-merged $base --lora $W/lora_a_r64.safetensors > /tmp/cs/c-merged.log 2>&1 &
-    [ -n "${NO_CN:-}" ] || $D compile $W/model-sd15 -o /tmp/cs/art-cn $base --controlnet a=/tmp/cs/cn-a \
-      --controlnet b=/tmp/cs/cn-b > /tmp/cs/c-cn.log 2>&1 &
+    for a in $ARTS; do case $a in
+      base) $py benchmarks/compile_memory.py --json "$out/compile_memory_b1.json" -- compile $W/model-sd15 \
+              -o $W/art-base $base > /tmp/cs/c-base.log 2>&1 & ;;
+      refit) $D compile $W/model-sd15 -o $W/art-refit $base --refittable > /tmp/cs/c-refit.log 2>&1 & ;;
+      merged) $D compile $W/model-sd15 -o $W/art-merged $base --lora $W/lora_a_r64.safetensors \
+                > /tmp/cs/c-merged.log 2>&1 & ;;
+      cn) $D compile $W/model-sd15 -o /tmp/cs/art-cn $base --controlnet a=/tmp/cs/cn-a --controlnet b=/tmp/cs/cn-b \
+            > /tmp/cs/c-cn.log 2>&1 & ;;
+      b4) $py benchmarks/compile_memory.py --json "$out/compile_memory_b4.json" -- compile $W/model-sd15 \
+            -o /tmp/cs/art_b4 $common $(static 512 4) > /tmp/cs/c-b4.log 2>&1 & ;;
+      dyn) $D compile $W/model-sd15 -o /tmp/cs/art-dyn $common --height 512 --width 512 --min-height 256 \
+             --max-height 1024 --min-width 256 --max-width 1024 --batch-size 1 --min-batch-size 1 --max-batch-size 4 \
+             > /tmp/cs/c-dyn.log 2>&1 & ;;
+      *) echo "unknown artifact $a" ;;
+    esac; done
     wait
     log compiled
     for f in /tmp/cs/c-*.log; do echo "--- $f"; grep -v -E "it/s|stage/s" "$f" | tail -3; done
-    ls $W/art-*/manifest.json /tmp/cs/art-cn/manifest.json
-}  # NO_CN=1: without the ControlNet artifact
+    ls $W/art-*/manifest.json /tmp/cs/art-*/manifest.json /tmp/cs/art_b4/manifest.json 2>/dev/null
+}
 case $phase in
   prep) models; compiles ;;
   models) models ;;
@@ -92,6 +106,15 @@ case $phase in
   lora)
     log lora
     timeout ${LORA_TIMEOUT:-300} $py benchmarks/lora_switch.py "$out/lora_switch.json" --work $W 2>&1 | tail -40 ;;
+  bench-b4)
+    log bench b4
+    timeout ${B4_TIMEOUT:-150} $D bench /tmp/cs/art_b4 --baseline none --steps 50 --batch-size 4 \
+      --json "$out/bench_b4.json" 2>&1 | grep -v -E "it/s|stage/s" | tail -25 ;;
+  dyn-sizes)
+    log "dynamic artifact at new sizes (size buckets auto, HEURISTIC: run's default)"
+    timeout ${DYN_TIMEOUT:-200} $D bench /tmp/cs/art-dyn --baseline none --steps 30 --sizes 512x512,768x768,640x384 \
+      --size-buckets auto --cudnn-algo-search heuristic --json "$out/bench_dyn_sizes.json" 2>&1 \
+      | grep -v -E "it/s|stage/s" | tail -30 ;;
   compile-b1)
     log dummy; $D dummy-pipeline --arch sd15 --seed 0 --overwrite $M > "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
     log compile b1
