@@ -3,8 +3,9 @@
 An artifact compiled with ``--backend ort --refittable`` has the Linear and 1x1 Conv weights of its UNet and text
 encoder as graph inputs (with ``--refit-convs`` also the spatial Conv weights;
 :mod:`diffusion_trt.compiler.lora_slots`), their base values in ``<component>/lora_base.safetensors`` and, in
-``refit_map.json``, which torch weight each input holds (name, transpose, dtype). A :class:`WeightSlots` per component owns the tensors the engine binds on every run
-(ORT IO binding by pointer; numpy views on the plain CPU path):
+``refit_map.json``, which torch weight each input holds (name, transpose, dtype). A :class:`WeightSlots` per
+component owns the tensors the engine binds on every run (ORT IO binding by pointer; numpy views on the plain CPU
+path):
 
 * no LoRA: the base tensors are bound; nothing is computed, nothing copied (a pointer per weight per run);
 * ``load_lora``: for every weight the LoRAs target, ``base + sum_i(scale_i * alpha_i / r_i * B_i @ A_i)`` is computed

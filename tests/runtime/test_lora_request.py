@@ -364,26 +364,32 @@ def test_serve_lora_names_are_allow_listed(loras: dict[str, Path], tmp_path: Pat
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replays_the_updated_weights(tiny_pipeline_dir: Path, loras: dict[str, Path],
-                                                tmp_path: Path) -> None:
+@pytest.mark.parametrize("refit_convs", [False, True], ids=["nhwc-default", "refit-convs"])
+def test_cuda_graph_replays_the_updated_weights(tiny_pipeline_dir: Path, loras: dict[str, Path], linear_lora: Path,
+                                                tmp_path: Path, refit_convs: bool) -> None:
     """CUDA, fp16, static profile: the engines replay a CUDA graph bound to the weight tensors, which load_lora
-    updates in place; a LoRA image equals the merged compile within fp16 noise, and unload gives the base back."""
+    updates in place; a LoRA image equals the merged compile within fp16 noise, and unload gives the base back.
+    The default --refittable UNet runs NHWC (its 1x1 Convs as MatMuls over weight inputs), --refit-convs NCHW."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     static = {"device": "cuda", "precision": "fp16", "height": 64, "width": 64, "min_height": 64, "max_height": 64,
               "min_width": 64, "max_width": 64, "batch_size": 1, "min_batch_size": 1, "max_batch_size": 1,
               "components": COMPONENTS}
+    lora = loras["peft"] if refit_convs else linear_lora
     refit = compile_pipeline(tiny_pipeline_dir, tmp_path / "refit",
-                             CompileConfig(refittable=True, refit_convs=True, **static))
+                             CompileConfig(refittable=True, refit_convs=refit_convs, **static))
     merged = compile_pipeline(tiny_pipeline_dir, tmp_path / "merged",
-                              CompileConfig(loras=((str(loras["peft"]), 0.7),), **static))
+                              CompileConfig(loras=((str(lora), 0.7),), **static))
     with EnginePipeline.from_artifacts(merged, cuda_graph=True) as pipe:
         want = pipe(**CALL).images
     with EnginePipeline.from_artifacts(refit, cuda_graph=True) as pipe:
         assert pipe.engines["unet"].cuda_graph  # type: ignore[attr-defined]
         base = pipe(**CALL).images
+        session = pipe.engines["unet"]._session  # type: ignore[attr-defined]
+        nhwc = session.get_provider_options()["CUDAExecutionProvider"].get("prefer_nhwc") == "1"
+        assert nhwc is not refit_convs
         pipe(**CALL)  # captured by now
-        pipe.load_lora(loras["peft"], 0.7)
+        pipe.load_lora(lora, 0.7)
         got = pipe(**CALL).images
         pipe.unload_lora()
         again = pipe(**CALL).images
