@@ -486,7 +486,11 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
                    "plain unet stays); repeatable.")
 @click.option("--refittable", is_flag=True,
               help="LoRAs per request without a rebuild (run --lora, EnginePipeline.load_lora): TensorRT: refittable "
-                   "engines; ONNX Runtime: the UNet/text-encoder Linear and Conv weights become graph inputs.")
+                   "engines; ONNX Runtime: the UNet/text-encoder Linear and 1x1 Conv weights become graph inputs "
+                   "(attention, proj, ff, text-encoder LoRAs; the UNet keeps NHWC on CUDA).")
+@click.option("--refit-convs", is_flag=True,
+              help="With --refittable on ONNX Runtime: the 3x3 (spatial) Conv weights become graph inputs too, for "
+                   "LoCon/LyCORIS conv LoRAs; those engines run NCHW on CUDA, slower.")
 @click.option("--fp16-safe-vae", is_flag=True,
               help="SDXL, --precision fp16: build the VAE in fp16 too (only for an fp16-safe VAE, e.g. "
                    "sdxl-vae-fp16-fix). By default it stays fp32 unless vae/config.json says force_upcast: false.")

@@ -270,7 +270,12 @@ class CompileConfig:
             :mod:`diffusion_trt.lora`); the manifest records each file's name, sha256 and scale.
         refittable: LoRAs swappable at run time (``EnginePipeline.load_lora``, ``run --lora``): a refit map per UNet
             and text encoder, and TensorRT: refittable engines (``BuilderFlag.REFIT``); ONNX Runtime: the
-            LoRA-targetable weights as graph inputs bound per run (:mod:`diffusion_trt.compiler.lora_slots`).
+            LoRA-targetable weights as graph inputs bound per run (:mod:`diffusion_trt.compiler.lora_slots`): Linear
+            and 1x1 Conv weights, so the UNet keeps its NHWC Conv kernels on CUDA.
+        refit_convs: ONNX Runtime with ``refittable`` only: the spatial (3x3, strided...) Conv weights become graph
+            inputs too, for LoCon / LyCORIS LoRAs on ResNet convs; those engines run NCHW on CUDA (slower: ORT's NHWC
+            Convs need constant weights, :mod:`diffusion_trt.compiler.lora_slots`). Saved in the manifest only when
+            set.
         compute_capabilities: TensorRT-RTX only: the GPUs the plans are built for, e.g. ``("8.6", "8.9", "12.0")``, or
             ``("current",)`` for this machine's GPU; ``None`` = TensorRT-RTX's portable set (8.0, 8.6, 8.9, 12.0;
             ``trt_compat.LIBRARIES``). fp8 needs every target >= 8.9.
@@ -325,6 +330,7 @@ class CompileConfig:
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     loras: tuple[tuple[str, float], ...] = ()
     refittable: bool = False
+    refit_convs: bool = False
     compute_capabilities: tuple[str, ...] | None = None
     deterministic: bool = False
     max_prompt_chunks: int = 3
@@ -351,6 +357,13 @@ class CompileConfig:
             from .trt_compat import rtx_refit_refusal
 
             raise RuntimeInputError(rtx_refit_refusal("backend"))
+        if self.refit_convs and not (self.refittable and self.backend is Backend.ORT):
+            raise RuntimeInputError(
+                f"refit_convs=True needs refittable=True and backend='ort' (got refittable={self.refittable}, "
+                f"backend={self.backend.value if isinstance(self.backend, Backend) else self.backend!r}): it makes "
+                "the Conv weights of an ONNX Runtime --refittable artifact graph inputs; add --refittable, or use "
+                "--backend ort (TensorRT --refittable refits every weight already)"
+            )
         if self.refittable and self.loras:
             raise RuntimeInputError(
                 "refittable=True with loras: a refittable artifact keeps the base weights (load_lora refits from them "
@@ -470,6 +483,8 @@ class CompileConfig:
             data["controlnets"] = [[str(n), str(p)] for n, p in self.controlnets]
         else:
             del data["controlnets"]  # an artifact without ControlNets keeps today's manifest
+        if not self.refit_convs:
+            del data["refit_convs"]  # likewise (and the compile cache keys of every other config)
         return data
 
     def _check_types(self) -> None:
@@ -490,7 +505,7 @@ class CompileConfig:
             value = getattr(self, name)
             if isinstance(value, str):
                 raise RuntimeInputError(f"{name}={value!r} must be a tuple of strings, e.g. ({value!r},)")
-        for name in ("fp16_safe_vae", "trust_pickle", "refittable", "deterministic"):
+        for name in ("fp16_safe_vae", "trust_pickle", "refittable", "refit_convs", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise RuntimeInputError(f"{name}={getattr(self, name)!r} must be True or False")
         if not isinstance(self.pass_options, Mapping):

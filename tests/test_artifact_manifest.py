@@ -67,3 +67,14 @@ def test_optional_facts_get_the_documented_defaults() -> None:
                                   "loras": [{"file": "a.safetensors", "sha256": "0" * 64, "scale": 0.5}]})
     assert inpaint.model.is_inpainting and inpaint.model.is_sdxl and inpaint.deterministic
     assert inpaint.loras[0].file == "a.safetensors" and inpaint.loras[0].scale == 0.5
+
+
+def test_spatial_conv_inputs_reads_its_key_else_all_convs_for_an_older_refittable_artifact() -> None:
+    """ORT --refittable: the key as written; an artifact with weight_inputs from before the key had every Conv weight
+    an input (so it must run NCHW): True; a component without weight inputs: False."""
+    def unet(**entry: object) -> bool:
+        return Manifest.from_json({"components": {"unet": entry}}).components["unet"].spatial_conv_inputs
+
+    base = {"weight_inputs": "unet/lora_base.safetensors"}
+    assert unet(**base, spatial_conv_inputs=False) is False and unet(**base, spatial_conv_inputs=True) is True
+    assert unet(**base) is True and unet() is False

@@ -75,3 +75,13 @@ def test_an_unknown_backend_is_refused_with_the_known_ones(bad: Any) -> None:
     with pytest.raises(RuntimeInputError) as e:
         CompileConfig(backend=bad)
     assert str(e.value) == f"backend={bad!r} is not supported; use one of ort, tensorrt, tensorrt-rtx"
+
+
+def test_refit_convs_is_in_the_json_only_when_set() -> None:
+    """--refit-convs (ORT --refittable with spatial Conv weights as inputs): a config without it writes the JSON of
+    before (manifests, compile cache keys), one with it round-trips."""
+    assert "refit_convs" not in CompileConfig(refittable=True).to_json()
+    config = CompileConfig(refittable=True, refit_convs=True)
+    assert config.to_json()["refit_convs"] is True and CompileConfig.from_json(config.to_json()) == config
+    with pytest.raises(RuntimeInputError, match="refit_convs='yes' must be True or False"):
+        CompileConfig(refittable=True, refit_convs="yes")  # type: ignore[arg-type]

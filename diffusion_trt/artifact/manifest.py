@@ -131,6 +131,10 @@ class Component:
         precision: its precision ("fp32", "fp16", "int8"...); the artifact's when the entry has none.
         onnx, plan, refit_map, weight_inputs: artifact paths (``None`` when absent); files: every file of it.
         build: the backend's build facts (``BuildFacts`` JSON for a plan), read-only; ``{}`` when absent.
+        spatial_conv_inputs: ORT ``--refittable``: some weight input is a spatial (3x3, strided...) Conv's weight
+            (``--refit-convs``), so the engine cannot run NHWC on CUDA (:mod:`diffusion_trt.compiler.lora_slots`);
+            the spatial Conv weights of the refit map are constants otherwise. An artifact with ``weight_inputs``
+            compiled before the key existed had every Conv weight an input: True. False without ``weight_inputs``.
         spec: the entry as JSON (read-only), what the engines parse their I/O contract from
             (``EngineSpec.from_manifest``).
     """
@@ -144,6 +148,7 @@ class Component:
     files: tuple[str, ...]
     build: Mapping[str, Any]
     spec: Mapping[str, Any] = field(repr=False)
+    spatial_conv_inputs: bool = False
 
     @property
     def dtypes(self) -> dict[str, str]:
@@ -311,7 +316,9 @@ def _component(name: str, entry: Mapping[str, Any], precision: str) -> Component
                      refit_map=path("refit_map"), weight_inputs=path("weight_inputs"),
                      files=tuple(str(f) for f in entry.get("files") or ()),
                      build=MappingProxyType(dict(entry.get("build") or {})),
-                     spec=MappingProxyType(copy.deepcopy(dict(entry))))
+                     spec=MappingProxyType(copy.deepcopy(dict(entry))),
+                     spatial_conv_inputs=entry.get("spatial_conv_inputs",
+                                                   entry.get("weight_inputs") is not None) is True)
 
 
 def amend_source(manifest: dict[str, Any], **fields: Any) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,8 @@ _TEXT_RANK_MODULES = (".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc
 
 
 def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]], unet_config: Any = None,
-                *, device: torch.device | None = None) -> dict[str, dict[str, torch.Tensor]]:
+                *, device: torch.device | None = None,
+                constants: Mapping[str, Collection[str]] | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """``scale * (alpha / r) * B @ A`` per weight the LoRA targets, component by component (peft's delta weight).
 
     Args:
@@ -45,6 +46,9 @@ def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]],
         unet_config: SDXL: the UNet's config (``layers_per_block``), to map kohya's SGM block names as
             ``StableDiffusionXLLoraLoaderMixin`` does; ``None`` for SD 1.x/2.x.
         device: where the LoRA's matrices go and the deltas are computed; ``None`` = the CPU.
+        constants: component -> weight names of the model that the artifact keeps constant (an ORT ``--refittable``
+            artifact's spatial Conv weights, :mod:`~diffusion_trt.runtime.lora_slots`); a LoRA layer on one is
+            refused. ``None``: none.
 
     Returns:
         component -> {weight name: fp32 delta of the weight's shape}.
@@ -52,13 +56,14 @@ def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]],
     Raises:
         LoraError: diffusers cannot convert the file's keys; a LoRA variant refit cannot merge; its layers match
             none (or only part) of the components' layers (a LoRA for another architecture; the message names the
-            first layer that matches none).
+            first layer that matches none); a layer on a weight of ``constants`` (naming it and the fix).
     """
     state, alphas, metadata = _lora_state_dict(lora.path, unet_config)
     if device is not None:
         state = {k: v.to(device) for k, v in state.items()}
     expected = sum(1 for k in state if is_down_key(k))
-    deltas = {c: _component_deltas(c, state, alphas, metadata, bases[c], lora) for c in bases}
+    constants = constants or {}
+    deltas = {c: _component_deltas(c, state, alphas, metadata, bases[c], lora, constants.get(c, ())) for c in bases}
     matched = sum(len(d) for d in deltas.values())
     components = " or ".join(bases)
     if not matched:
@@ -123,7 +128,8 @@ def _lora_state_dict(path: Path, unet_config: Any) -> tuple[dict[str, torch.Tens
 
 
 def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapping[str, float], metadata: Any,
-                      base: Mapping[str, torch.Tensor], lora: LoraFile) -> dict[str, torch.Tensor]:
+                      base: Mapping[str, torch.Tensor], lora: LoraFile,
+                      constants: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """The deltas of one component (``unet``, ``text_encoder``, ``text_encoder_2``); see :func:`lora_deltas`."""
     sub = {k.removeprefix(f"{comp}."): v for k, v in state.items() if k.startswith(f"{comp}.")}
     if not sub:
@@ -138,6 +144,7 @@ def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapp
         raise LoraError(f"LoRA file {lora.path}: diffusers could not read its {comp} keys ({e}); was it made for "
                         "another architecture (SD 1.x / 2.x / SDXL)?") from e
     _refuse_variants(peft_state, config, lora)
+    _refuse_constants(comp, peft_state, constants, lora)
     out = {}
     for module in sorted({k.split(".lora_A.")[0] for k in peft_state if ".lora_A." in k}):
         wname = f"{module}.weight"
@@ -203,6 +210,23 @@ def _refuse_variants(state: Mapping[str, Any], config: Mapping[str, Any], lora: 
             f"LoRA file {lora.path} is a {kinds[0]} adapter, which load_lora cannot refit (only plain LoRA "
             f"layers); merge it at compile time with `diffusion-trt compile MODEL --lora {lora.path.name}:"
             f"{lora.scale:g}`"
+        )
+
+
+def _refuse_constants(comp: str, state: Mapping[str, Any], constants: Collection[str], lora: LoraFile) -> None:
+    """Refuse a LoRA with a layer on a weight the artifact keeps constant (see :func:`lora_deltas`).
+
+    Raises:
+        LoraError: naming the first such layer (in module order) and the two fixes.
+    """
+    hits = sorted({k.split(".lora_A.")[0] for k in state if ".lora_A." in k} & {w.removesuffix(".weight")
+                                                                                 for w in constants})
+    if hits:
+        raise LoraError(
+            f"LoRA file {lora.path}: its layer {comp}.{hits[0]} is a spatial Conv, whose weight this artifact keeps "
+            "constant (--refittable binds Linear and 1x1 Conv weights only, so the UNet keeps NHWC on CUDA); "
+            "recompile with `diffusion-trt compile MODEL --refittable --refit-convs` (NCHW on CUDA, slower), or merge "
+            f"it with `diffusion-trt compile MODEL --lora {lora.path.name}:{lora.scale:g}`"
         )
 
 

@@ -1,10 +1,11 @@
 """LoRA per request on ONNX Runtime artifacts: weights as graph inputs, ``W + sum(scale * B @ A)`` on the device.
 
-An artifact compiled with ``--backend ort --refittable`` has the Linear / Conv2d weights of its UNet and text
-encoder as graph inputs (:mod:`diffusion_trt.compiler.lora_slots`), their base values in
-``<component>/lora_base.safetensors`` and, in ``refit_map.json``, which torch weight each input holds (name,
-transpose, dtype). A :class:`WeightSlots` per component owns the tensors the engine binds on every run (ORT IO
-binding by pointer; numpy views on the plain CPU path):
+An artifact compiled with ``--backend ort --refittable`` has the Linear and 1x1 Conv weights of its UNet and text
+encoder as graph inputs (with ``--refit-convs`` also the spatial Conv weights;
+:mod:`diffusion_trt.compiler.lora_slots`), their base values in ``<component>/lora_base.safetensors`` and, in
+``refit_map.json``, which torch weight each input holds (name, transpose, dtype). A :class:`WeightSlots` per
+component owns the tensors the engine binds on every run (ORT IO binding by pointer; numpy views on the plain CPU
+path):
 
 * no LoRA: the base tensors are bound; nothing is computed, nothing copied (a pointer per weight per run);
 * ``load_lora``: for every weight the LoRAs target, ``base + sum_i(scale_i * alpha_i / r_i * B_i @ A_i)`` is computed
@@ -12,7 +13,18 @@ binding by pointer; numpy views on the plain CPU path):
   ``fuse_lora``) and written into the bound tensors in place on CUDA (a captured CUDA graph replays the same
   addresses, so no re-capture), or bound instead of the base on the CPU; every weight is computed and checked
   before any bound tensor changes, so a refused LoRA leaves the previous state whole;
-* ``unload_lora``: the base values again (copied back on CUDA, re-bound on the CPU): bit for bit the base image.
+* ``unload_lora``: the base values again (copied back on CUDA, re-bound on the CPU): bit for bit the base image;
+* a LoRA layer on a weight the refit map knows but the artifact keeps constant (a 3x3 Conv of a default
+  ``--refittable`` artifact: LoCon / LyCORIS conv layers) is refused, naming the layer and the fix
+  (``--refittable --refit-convs``, or ``compile --lora``), before anything is bound.
+
+Why the spatial Conv weights are constants by default: ORT's NHWC Convs (``prefer_nhwc=1``, the UNet's default on
+CUDA) transpose constant weights only; with every Conv weight an input the SD-1.5 UNet failed on the H200
+(onnxruntime-gpu 1.31.1, 2026-12-02) with "Input channels C is not equal to kernel channels * group. C: 320 kernel
+channels: 3", so such an engine runs NCHW (slower). With Linear and 1x1 weights only (the 1x1 Convs compiled as
+MatMuls) the engine keeps NHWC: the usual A1111 / kohya LoRA (attention, proj, ff, text encoder) costs nothing per
+step. The manifest's ``spatial_conv_inputs`` says which kind an artifact is
+(``runtime.pipeline.cuda_layout_options`` reads it).
 
 Why this mechanism (issue 26), and not the alternatives:
 
@@ -69,19 +81,27 @@ class WeightSlots(Mapping[str, torch.Tensor]):
             "dtype", ...}}}``).
         base: input name -> base value (CPU tensor, the graph's dtype and layout), from ``lora_base.safetensors``.
         device: where the engine runs; on CUDA the bound tensors are device copies and ``base`` is pinned.
+        spatial_conv_inputs: the manifest's fact (:attr:`~diffusion_trt.artifact.manifest.Component.
+            spatial_conv_inputs`): every weight of the map is an input. False: the map's weights that ``base`` lacks
+            are the spatial Conv weights the artifact keeps constant (:attr:`constants`).
 
     Raises:
-        LoraError: the map names an input ``base`` lacks (an artifact made by another version: recompile).
+        LoraError: ``spatial_conv_inputs`` and the map names an input ``base`` lacks (an artifact made by another
+            version: recompile).
     """
 
     def __init__(self, component: str, refit_map: Mapping[str, Any], base: Mapping[str, torch.Tensor],
-                 device: torch.device) -> None:
+                 device: torch.device, spatial_conv_inputs: bool = True) -> None:
         self.component = component
         self.device = device
-        self._slots = [_Slot(w, e["initializer"], bool(e["transpose"])) for w, e in refit_map["weights"].items()]
-        missing = [s.input_name for s in self._slots if s.input_name not in base]
-        if missing:
-            raise LoraError(f"{component}: lora_base.safetensors lacks the weight input {missing[0]!r}; recompile")
+        slots = [_Slot(w, e["initializer"], bool(e["transpose"])) for w, e in refit_map["weights"].items()]
+        missing = [s for s in slots if s.input_name not in base]
+        if missing and spatial_conv_inputs:
+            raise LoraError(f"{component}: lora_base.safetensors lacks the weight input {missing[0].input_name!r}; "
+                            "recompile")
+        #: torch weight names the refit map knows but the engine keeps constant (a LoRA may not change them)
+        self.constants = frozenset(s.torch_name for s in missing)
+        self._slots = [s for s in slots if s.input_name in base]
         cuda = device.type == "cuda"
         self._base = {s.input_name: base[s.input_name].pin_memory() if cuda else base[s.input_name]
                       for s in self._slots}
@@ -161,7 +181,8 @@ def load_slots(reader: Any, device: str, device_id: int = 0) -> dict[str, Weight
         if entry.weight_inputs is not None:
             rmap = json.loads(bytes(reader.read(str(entry.refit_map))))
             # safetensors takes bytes only: a file of CHUNK_BYTES or more arrives as a memoryview (one copy here)
-            out[name] = WeightSlots(name, rmap, load_safetensors(bytes(reader.read(entry.weight_inputs))), dev)
+            out[name] = WeightSlots(name, rmap, load_safetensors(bytes(reader.read(entry.weight_inputs))), dev,
+                                    entry.spatial_conv_inputs)
     return out
 
 
@@ -200,8 +221,9 @@ def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile]) -> 
         component -> weights that now differ from the base.
 
     Raises:
-        LoraError: a LoRA matching no layer, or only part of them (naming the first that matches none), a variant
-            that is not ``W + delta`` (DoRA, LoKr, LoRA bias), NaN/Inf after the merge; the same file twice.
+        LoraError: a LoRA matching no layer, or only part of them (naming the first that matches none), a layer on
+            a weight the artifact keeps constant (naming it and the fix), a variant that is not ``W + delta`` (DoRA,
+            LoKr, LoRA bias), NaN/Inf after the merge; the same file twice.
     """
     seen: dict[str, Path] = {}
     for lora in loras:
@@ -211,7 +233,8 @@ def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile]) -> 
         seen[lora.sha256] = lora.path
     shapes = {c: s.torch_shapes() for c, s in slots.items()}
     device = next(iter(slots.values())).device
-    deltas = [lora_deltas(lora, shapes, device=device) for lora in loras]
+    constants = {c: s.constants for c, s in slots.items()}
+    deltas = [lora_deltas(lora, shapes, device=device, constants=constants) for lora in loras]
     what = " + ".join(f"LoRA {lora.path.name} at scale {lora.scale:g}" for lora in loras)
     values = {c: s.merged([d.get(c, {}) for d in deltas], what) for c, s in slots.items()}
     for comp, s in slots.items():  # nothing failed: bind

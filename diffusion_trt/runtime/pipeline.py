@@ -102,21 +102,23 @@ CUDA_ATTENTION_OPTIONS: dict[str, str] = {"sdpa_kernel": "8"}
 FUSED_CONV_BIAS_COMPONENTS: frozenset[str] = frozenset({"vae_decoder", "vae_encoder"})
 
 
-def cuda_layout_options(component: str, device: str, weight_inputs: bool = False) -> dict[str, str]:
+def cuda_layout_options(component: str, device: str, spatial_conv_inputs: bool = False) -> dict[str, str]:
     """Default CUDA provider options of one component (overridden by the caller's ``provider_options``):
     :data:`CUDA_ATTENTION_OPTIONS` for every component, ``prefer_nhwc=1`` where :func:`runs_nhwc` unless the
-    engine binds its weights as inputs (``weight_inputs``: an ORT ``--refittable`` artifact), ``fuse_conv_bias=1``
-    for :data:`FUSED_CONV_BIAS_COMPONENTS`; nothing on the CPU.
+    engine binds spatial Conv weights as inputs (``spatial_conv_inputs``: the manifest's
+    :attr:`~diffusion_trt.artifact.manifest.Component.spatial_conv_inputs`, an ORT ``--refittable --refit-convs``
+    artifact), ``fuse_conv_bias=1`` for :data:`FUSED_CONV_BIAS_COMPONENTS`; nothing on the CPU. A default
+    ``--refittable`` artifact (Linear and 1x1-as-MatMul weight inputs only) keeps NHWC.
 
-    Why no NHWC with weight inputs: ORT's layout transformer transposes a Conv's weight only when it is a constant.
-    On the H200 (onnxruntime-gpu 1.31.1, 2026-12-02) the refittable SD-1.5 UNet's first run failed with "Input
-    channels C is not equal to kernel channels * group. C: 320 kernel channels: 3" at the first 3x3 Conv (and
-    "kernel channels: 1" at a 1x1 one): the NHWC kernel read the bound [O, C, kH, kW] weight as [O, kH, kW, C],
-    at every graph optimisation level."""
+    Why no NHWC with spatial Conv weight inputs: ORT's layout transformer transposes a Conv's weight only when it is
+    a constant. On the H200 (onnxruntime-gpu 1.31.1, 2026-12-02) the refittable SD-1.5 UNet's first run failed with
+    "Input channels C is not equal to kernel channels * group. C: 320 kernel channels: 3" at the first 3x3 Conv (and
+    "kernel channels: 1" at a 1x1 one, which compile now writes as a MatMul): the NHWC kernel read the bound
+    [O, C, kH, kW] weight as [O, kH, kW, C], at every graph optimisation level."""
     if device != "cuda":
         return {}
     options = dict(CUDA_ATTENTION_OPTIONS)
-    if runs_nhwc(component) and not weight_inputs:
+    if runs_nhwc(component) and not spatial_conv_inputs:
         options["prefer_nhwc"] = "1"
     if component in FUSED_CONV_BIAS_COMPONENTS:
         options["fuse_conv_bias"] = "1"
@@ -1217,7 +1219,7 @@ def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stre
             cudnn_conv_algo_search=options.cudnn_conv_algo_search,
             io_binding=options.io_binding,
             intra_op_num_threads=options.intra_op_num_threads,
-            provider_options={**cuda_layout_options(name, device, name in weight_slots),
+            provider_options={**cuda_layout_options(name, device, entry.spatial_conv_inputs),
                               **(options.provider_options or {}),
                               **(residency.provider_options(name, device) if residency else {})},
             derived=derived,

@@ -290,6 +290,11 @@ def test_refittable_rules() -> None:
         CompileConfig(refittable=True, backend="tensorrt-rtx")
     with pytest.raises(RuntimeInputError, match="refittable=True with loras"):
         CompileConfig(refittable=True, loras=(("a.safetensors", 1.0),))
+    assert CompileConfig(refittable=True, refit_convs=True).refit_convs  # ORT: spatial Conv weights as inputs too
+    for kwargs in ({"refit_convs": True}, {"refit_convs": True, "refittable": True, "backend": "tensorrt",
+                                           "device": "cuda"}):
+        with pytest.raises(RuntimeInputError, match="refit_convs=True needs refittable=True and backend='ort'"):
+            CompileConfig(**kwargs)
 
 
 def test_compiling_an_artifact_is_refused(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path) -> None:
@@ -319,6 +324,14 @@ def test_cli_lora_errors(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_pa
     result = runner.invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"), "--refittable",
                                   "--lora", str(loras["peft"])])
     assert result.exit_code == 2 and "refittable=True with loras" in result.output
+    for extra in (["--refit-convs"], ["--refittable", "--refit-convs", "--backend", "tensorrt"]):
+        result = runner.invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"), *extra])
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert result.exit_code == 2 and len(errors) == 1, result.output
+        assert "refit_convs=True needs refittable=True and backend='ort'" in errors[0]
+        assert not (tmp_path / "a").exists()
+    help_text = " ".join(runner.invoke(main, ["compile", "--help"]).output.split())
+    assert "--refit-convs" in help_text and "engines run NCHW on CUDA, slower" in help_text
 
 
 # -- load_lora: the refit weights (computed on the CPU; refitting needs TensorRT) --------------------------------

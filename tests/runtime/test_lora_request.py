@@ -4,6 +4,11 @@ The LoRAs are tests/compiler/test_lora.py's (peft-key and kohya files made with 
 tiny UNet and text encoder). Parity is against ``compile --lora`` (the merged compile) and, for several LoRAs at
 once, against diffusers' ``load_lora_weights`` + ``fuse_lora`` of each (which the merged compile equals,
 tests/compiler/test_lora.py). CPU fp32.
+
+Those LoRAs have a layer on each ResNet ``conv1`` (a 3x3 Conv), so most tests here run on an artifact compiled with
+``--refittable --refit-convs`` (spatial Conv weights as inputs too); the default ``--refittable`` artifact (Linear
+and 1x1 Conv weights only, NHWC-safe on CUDA) is tested with the same LoRAs less their conv1 layers, and refuses
+those.
 """
 
 from __future__ import annotations
@@ -44,9 +49,26 @@ def loras(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def refittable(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny pipeline compiled for ORT CPU with --refittable and no LoRA."""
+    """The tiny pipeline compiled for ORT CPU with --refittable --refit-convs and no LoRA (every Conv weight an
+    input: the test LoRAs' conv1 layers apply)."""
     return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("artifacts") / "tiny-refit",
+                            CompileConfig(refittable=True, refit_convs=True, components=COMPONENTS))
+
+
+@pytest.fixture(scope="module")
+def refittable_nhwc(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny pipeline compiled for ORT CPU with --refittable only (spatial Conv weights constant)."""
+    return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("artifacts") / "tiny-refit-nhwc",
                             CompileConfig(refittable=True, components=COMPONENTS))
+
+
+@pytest.fixture(scope="module")
+def linear_lora(loras: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The peft LoRA less its conv1 (3x3) layers: attention, proj_in and text-encoder layers, the usual LoRA."""
+    tensors = {k: v for k, v in load_file(str(loras["peft"])).items() if ".conv1." not in k}
+    path = tmp_path_factory.mktemp("linear_lora") / "linear_only.safetensors"
+    save_file(tensors, str(path))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +92,71 @@ def test_weights_are_graph_inputs_with_their_base_values(refittable: Path) -> No
         assert names and names <= inputs and not names & inits and set(base) == names
         assert entry["weight_inputs"] in manifest["files"]
     assert "weight_inputs" not in manifest["components"]["vae_decoder"]
+
+
+def test_default_refittable_binds_no_spatial_conv_weight(refittable_nhwc: Path, refittable: Path) -> None:
+    """--refittable alone: no Conv reads a graph input (the 1x1 ones are MatMuls over their weight inputs), the
+    spatial Conv weights stay constants; the manifest says so and the runtime then keeps NHWC on CUDA, which it
+    drops for --refit-convs."""
+    import onnx
+
+    from diffusion_trt.artifact.manifest import Manifest
+    from diffusion_trt.runtime.pipeline import cuda_layout_options
+
+    for art, spatial in ((refittable_nhwc, False), (refittable, True)):
+        manifest = Manifest.read(art)
+        entry = manifest.components["unet"]
+        graph = onnx.load(str(art / str(entry.onnx))).graph
+        inputs = {i.name for i in graph.input}
+        conv_weights = {n.input[1] for n in graph.node if n.op_type == "Conv"}
+        base = load_file(str(art / str(entry.weight_inputs)))
+        rmap = json.loads((art / str(entry.refit_map)).read_text())
+        kept = {w for w, e in rmap["weights"].items() if e["initializer"] not in base}
+        assert bool(conv_weights & inputs) is spatial and bool(kept) is not spatial
+        assert {rmap["weights"][w]["initializer"] for w in kept} <= conv_weights  # the constants: Conv kernels
+        assert spatial or any(w.endswith("resnets.0.conv1.weight") for w in kept)
+        assert any("proj_in" in w and e["initializer"] in inputs for w, e in rmap["weights"].items())
+        assert entry.spatial_conv_inputs is spatial and not manifest.components["text_encoder"].spatial_conv_inputs
+        options = cuda_layout_options("unet", "cuda", entry.spatial_conv_inputs)
+        assert ("prefer_nhwc" in options) is not spatial, options
+
+
+def test_default_refittable_lora_equals_the_merged_compile(
+    tiny_pipeline_dir: Path, refittable_nhwc: Path, base_image: np.ndarray, linear_lora: Path, tmp_path: Path
+) -> None:
+    merged = compile_pipeline(tiny_pipeline_dir, tmp_path / "merged",
+                              CompileConfig(loras=((str(linear_lora), 0.7),), components=COMPONENTS))
+    with EnginePipeline.from_artifacts(merged) as pipe:
+        want = pipe(**CALL).images
+    with EnginePipeline.from_artifacts(refittable_nhwc) as pipe:
+        assert float(np.abs(pipe(**CALL).images - base_image).max()) <= 1e-5  # 1x1 Convs as MatMuls: the same
+        info = pipe.load_lora(linear_lora, 0.7)
+        got = pipe(**CALL).images
+    assert float(np.abs(got - want).max()) <= 1e-5
+    assert float(np.abs(got - base_image).max()) > 1e-2
+    assert info["changed"]["text_encoder"] == 4 and info["changed"]["unet"] > 0
+
+
+def test_a_conv_lora_on_a_default_refittable_artifact_is_refused(
+    refittable_nhwc: Path, loras: dict[str, Path], linear_lora: Path, tmp_path: Path
+) -> None:
+    """A LoRA with a 3x3-conv layer on a --refittable artifact (spatial Conv weights constant): one error line
+    naming the layer and the fixes, exit 2; nothing half-applied (a good LoRA given with it does not stay)."""
+    message = ("its layer unet.down_blocks.0.resnets.0.conv1 is a spatial Conv, whose weight this artifact keeps "
+               "constant")
+    fixes = ("`diffusion-trt compile MODEL --refittable --refit-convs`", "--lora style.safetensors:1")
+    out = tmp_path / "conv.png"
+    result = CliRunner().invoke(main, ["run", str(refittable_nhwc), "-p", CALL["prompt"], "--steps", "4", "--seed",
+                                       "5", "--lora", str(loras["peft"]), "-o", str(out)])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1 and message in errors[0], result.output
+    assert all(f in errors[0] for f in fixes) and not out.exists()
+    with EnginePipeline.from_artifacts(refittable_nhwc) as pipe:
+        base = pipe(**CALL).images
+        with pytest.raises(LoraError, match=message):
+            pipe.load_lora([linear_lora, loras["peft"]])
+        assert pipe.lora is None
+        assert np.array_equal(pipe(**CALL).images, base)
 
 
 def test_per_request_lora_equals_the_merged_compile(
@@ -277,25 +364,32 @@ def test_serve_lora_names_are_allow_listed(loras: dict[str, Path], tmp_path: Pat
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replays_the_updated_weights(tiny_pipeline_dir: Path, loras: dict[str, Path],
-                                                tmp_path: Path) -> None:
+@pytest.mark.parametrize("refit_convs", [False, True], ids=["nhwc-default", "refit-convs"])
+def test_cuda_graph_replays_the_updated_weights(tiny_pipeline_dir: Path, loras: dict[str, Path], linear_lora: Path,
+                                                tmp_path: Path, refit_convs: bool) -> None:
     """CUDA, fp16, static profile: the engines replay a CUDA graph bound to the weight tensors, which load_lora
-    updates in place; a LoRA image equals the merged compile within fp16 noise, and unload gives the base back."""
+    updates in place; a LoRA image equals the merged compile within fp16 noise, and unload gives the base back.
+    The default --refittable UNet runs NHWC (its 1x1 Convs as MatMuls over weight inputs), --refit-convs NCHW."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     static = {"device": "cuda", "precision": "fp16", "height": 64, "width": 64, "min_height": 64, "max_height": 64,
               "min_width": 64, "max_width": 64, "batch_size": 1, "min_batch_size": 1, "max_batch_size": 1,
               "components": COMPONENTS}
-    refit = compile_pipeline(tiny_pipeline_dir, tmp_path / "refit", CompileConfig(refittable=True, **static))
+    lora = loras["peft"] if refit_convs else linear_lora
+    refit = compile_pipeline(tiny_pipeline_dir, tmp_path / "refit",
+                             CompileConfig(refittable=True, refit_convs=refit_convs, **static))
     merged = compile_pipeline(tiny_pipeline_dir, tmp_path / "merged",
-                              CompileConfig(loras=((str(loras["peft"]), 0.7),), **static))
+                              CompileConfig(loras=((str(lora), 0.7),), **static))
     with EnginePipeline.from_artifacts(merged, cuda_graph=True) as pipe:
         want = pipe(**CALL).images
     with EnginePipeline.from_artifacts(refit, cuda_graph=True) as pipe:
         assert pipe.engines["unet"].cuda_graph  # type: ignore[attr-defined]
         base = pipe(**CALL).images
+        session = pipe.engines["unet"]._session  # type: ignore[attr-defined]
+        nhwc = session.get_provider_options()["CUDAExecutionProvider"].get("prefer_nhwc") == "1"
+        assert nhwc is not refit_convs
         pipe(**CALL)  # captured by now
-        pipe.load_lora(loras["peft"], 0.7)
+        pipe.load_lora(lora, 0.7)
         got = pipe(**CALL).images
         pipe.unload_lora()
         again = pipe(**CALL).images

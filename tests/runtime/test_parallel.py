@@ -126,8 +126,10 @@ def test_cuda_default_provider_options() -> None:
     assert cuda_layout_options("text_encoder", "cuda") == {"sdpa_kernel": "8"}
     assert cuda_layout_options("unet", "cuda") == {"sdpa_kernel": "8", "prefer_nhwc": "1"}
     assert cuda_layout_options("vae_decoder", "cuda") == {"sdpa_kernel": "8", "prefer_nhwc": "1", "fuse_conv_bias": "1"}
-    # weights bound as inputs (--refittable): NCHW, since ORT's NHWC Conv misread them on the H200
-    assert cuda_layout_options("unet", "cuda", weight_inputs=True) == {"sdpa_kernel": "8"}
+    # spatial Conv weights bound as inputs (--refittable --refit-convs): NCHW, since ORT's NHWC Conv misread them on
+    # the H200; a default --refittable UNet (no such inputs) keeps NHWC (tests/runtime/test_lora_request.py)
+    assert cuda_layout_options("unet", "cuda", spatial_conv_inputs=True) == {"sdpa_kernel": "8"}
+    assert cuda_layout_options("unet", "cuda", spatial_conv_inputs=False) == {"sdpa_kernel": "8", "prefer_nhwc": "1"}
     # the ControlNets and the residual-input UNet are UNet layers: NHWC too
     for name in ("unet_controlnet", "controlnet_canny"):
         assert cuda_layout_options(name, "cuda") == {"sdpa_kernel": "8", "prefer_nhwc": "1"}

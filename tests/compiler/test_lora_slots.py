@@ -1,0 +1,67 @@
+"""compile --refittable for ONNX Runtime: which weights become graph inputs, and the 1x1 Convs reading them as
+MatMuls (compiler/lora_slots.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from diffusion_trt.compiler.lora_slots import expose_weights, spatial_conv_weights
+
+RMAP = {"weights": {"proj.weight": {"initializer": "pw"}, "conv3.weight": {"initializer": "k3"},
+                    "down.weight": {"initializer": "s1"}, "lin.weight": {"initializer": "lw"}}}
+
+
+def _graph(bias: bool) -> onnx.ModelProto:
+    """x -> Conv 1x1 (pw) -> Conv 3x3 (k3) -> Conv 1x1 stride 2 (s1) -> MatMul (lw) -> y."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((6, 4, 1, 1)).astype(np.float32), "pw"),
+             numpy_helper.from_array(rng.standard_normal((6, 6, 3, 3)).astype(np.float32), "k3"),
+             numpy_helper.from_array(rng.standard_normal((6, 6, 1, 1)).astype(np.float32), "s1"),
+             numpy_helper.from_array(rng.standard_normal((3, 5)).astype(np.float32), "lw"),
+             *([numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "pb")] if bias else [])]
+    nodes = [helper.make_node("Conv", ["x", "pw", *(["pb"] if bias else [])], ["h"], name="proj", kernel_shape=[1, 1]),
+             helper.make_node("Conv", ["h", "k3"], ["h3"], name="conv3", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["h3", "s1"], ["hs"], name="down", strides=[2, 2]),
+             helper.make_node("MatMul", ["hs", "lw"], ["y"], name="lin")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4, 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 6, 3, 5])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(["y"], feeds)[0]
+
+
+def test_spatial_conv_weights_are_those_no_matmul_can_replace() -> None:
+    assert spatial_conv_weights(_graph(bias=True)) == {"k3", "s1"}  # 3x3, and a strided 1x1
+
+
+@pytest.mark.parametrize("refit_convs", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_pointwise_conv_reading_a_weight_input_becomes_a_matmul_with_the_same_output(
+    bias: bool, refit_convs: bool
+) -> None:
+    model = _graph(bias)
+    x = np.random.default_rng(1).standard_normal((2, 4, 6, 6)).astype(np.float32)
+    expected = _run(model, {"x": x})
+    values = expose_weights(model, RMAP, refit_convs=refit_convs)
+    onnx.checker.check_model(model, full_check=True)
+    inputs = {i.name for i in model.graph.input}
+    # by default the spatial Convs keep constant weights (NHWC-safe); --refit-convs makes them inputs too
+    assert set(values) == ({"pw", "lw", "k3", "s1"} if refit_convs else {"pw", "lw"})
+    assert set(values) <= inputs and not set(values) & {i.name for i in model.graph.initializer}
+    convs = [n for n in model.graph.node if n.op_type == "Conv"]
+    assert [n.input[1] for n in convs] == ["k3", "s1"]  # the 1x1 stride-1 Conv is gone
+    assert all((n.input[1] in inputs) == refit_convs for n in convs)
+    assert any(n.op_type == "MatMul" and n.input[0] == "proj_pointwise_w" for n in model.graph.node)
+    assert "pb" not in {i.name for i in model.graph.initializer}  # the bias now lives reshaped, not twice
+    assert values["pw"].shape == (6, 4, 1, 1)  # the bound tensor keeps the Conv layout: the runtime is unchanged
+    got = _run(model, {"x": x, **values})
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    other = {**values, "pw": values["pw"] * 2}  # a LoRA'd weight bound later reaches the MatMul
+    assert not np.allclose(_run(model, {"x": x, **other}), expected)
