@@ -114,7 +114,9 @@ def _add_runtime_options(fn: Callable[..., Any], algo_default: str) -> Callable[
                           "also needs compile --deterministic (its fused GroupNorm is not deterministic: a warning "
                           "says so). Cost: compare with bench."),
         click.option("--size-buckets", default=None, metavar="auto|HxW[,HxW...]",
-                     help="Dynamic ORT artifacts: static sessions per size (listed ones opened at load)."),
+                     help="Dynamic ORT artifacts: static sessions per size (listed ones opened at load). A new "
+                          "size runs at once on the dynamic session while its static one is made in the background "
+                          "(not under --vram-budget, where the first call at it waits)."),
     )):
         fn = option(fn)
     return fn

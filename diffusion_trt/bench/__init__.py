@@ -45,7 +45,9 @@ size measured, in order; rows then carry ``height``/``width``), ``config.cudnn_c
 (``[{"system", "batch_size", "height", "width", "first_call_s", "warm_e2e_s", "overhead_s"}]``: the first call at
 each size and batch, before any other work at that shape, timed on the wall clock: cuDNN's algorithm search, ORT's
 per-shape set-up, a size bucket's session creation and CUDA-graph capture all land in it; the first size also pays
-the process's lazy CUDA initialisation); ``repeatability`` (``[{"system", "batch_size", "height", "width",
+the process's lazy CUDA initialisation; with size buckets made in the background, ``specialised_wait_s`` is the
+wait after it until their static sessions were ready, so the warm figures are the static sessions');
+``repeatability`` (``[{"system", "batch_size", "height", "width",
 "max_abs_diff", "identical"}]``: two identical calls, same seed, float images in [0, 1], at the first batch size).
 
 Speedups are ``baseline time / system time`` (> 1: the system is faster); ``ours_multi_gpu`` is also compared

@@ -171,6 +171,13 @@ def first_call_s(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: 
 
 
 
+def settle_s(pipe: Any) -> float | None:
+    """Seconds spent waiting, after a first call, for the static sessions that size-bucket engines create in the
+    background (``None`` when no engine has any): the warm figures that follow are then the static sessions'."""
+    engines = [e for e in pipe.engines.values() if hasattr(e, "settle")]
+    return sum(e.settle() for e in engines) if engines else None
+
+
 def repeat_check(pipe: Any, cfg: BenchConfig, batch: int, height: int, width: int) -> dict[str, Any]:
     """Two identical calls (same seed, float images): their largest absolute difference."""
     kwargs = {**call_kwargs(cfg, height, width, batch), "output_type": "np"}

@@ -115,6 +115,7 @@ def _first_call_lines(result: Mapping[str, Any]) -> list[str]:
             f"  {f['system']:<6} {f['height']}x{f['width']} b={f['batch_size']:<3}"
             f" first {_num(f['first_call_s'], '.3f')} s"
             f"  warm {_num(f['warm_e2e_s'], '.3f')} s  overhead {_num(f['overhead_s'], '.3f')} s"
+            + (f"  (static sessions ready {f['specialised_wait_s']:.3f} s later)" if "specialised_wait_s" in f else "")
         )
     return lines
 

@@ -18,7 +18,7 @@ from .baseline import architecture_mismatch, diffusers_runs, is_pipeline_folder
 from .clock import Clock
 from .config import BenchConfig
 from .memory import free_memory, memory_read, memory_start
-from .ours import bench_budget, bench_multi, bench_ours, first_call_s, repeat_check, stage_memory
+from .ours import bench_budget, bench_multi, bench_ours, first_call_s, repeat_check, settle_s, stage_memory
 from .result import SCHEMA, Run, first_call_row, ratios
 from .trust import trust_notes
 
@@ -185,13 +185,14 @@ def _ours_row(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, h: int, w: 
     """One ``ours`` row (after its cold first call) and its ``first_calls`` row, into ``out``."""
     say(f"ours {h}x{w} b={batch}: first call")
     cold = first_call_s(pipe, cfg, clock, batch, h, w)
+    ready = settle_s(pipe)
     say(f"ours {h}x{w} b={batch}")
     memory_start([clock.device])
     run = bench_ours(pipe, cfg, clock, batch, h, w)
     run.memory_mb = memory_read([clock.device])
     run.stage_memory_mb = stage_memory(pipe, cfg, batch, h, w)
     out.runs.append(run)
-    out.first_calls.append(first_call_row("ours", run, cold))
+    out.first_calls.append({**first_call_row("ours", run, cold), **({"specialised_wait_s": ready} if ready else {})})
 
 
 def _multi(cfg: BenchConfig, clock: Clock, sizes: Sequence[tuple[int, int]], say: Callable[[str], None]) -> list[Run]:

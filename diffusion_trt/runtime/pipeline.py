@@ -1193,6 +1193,8 @@ def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, str
             logger.warning("%s", note)
         engines = _ort_engines(reader, device, options, stream, derived, bool(cuda_graph), residency,
                                weight_slots or {})
+        if buckets is not None and residency is not None:  # under a VRAM budget: no extra dynamic copy of the weights
+            buckets = dataclasses.replace(buckets, background=False)
         engines = bucket_engines(engines, buckets, manifest, device, options.cuda_graph)
     return engines
 

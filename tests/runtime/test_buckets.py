@@ -7,6 +7,7 @@ compiled tiny pipeline checks that ORT really folds the shape arithmetic and tha
 from __future__ import annotations
 
 import collections
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,8 @@ def test_listed_sizes_are_preloaded_and_other_sizes_fall_back(toy_artifact: Path
     with EnginePipeline.from_artifacts(toy_artifact) as plain:
         ref64 = plain(**FAST, height=64, width=64).images
         ref48 = plain(**FAST, height=48, width=80).images
-    with EnginePipeline.from_artifacts(toy_artifact, size_buckets="64x64") as pipe:
+    buckets = SizeBuckets(sizes=((64, 64),), background=False)
+    with EnginePipeline.from_artifacts(toy_artifact, size_buckets=buckets) as pipe:
         unet, vae = pipe.engines["unet"], pipe.engines["vae_decoder"]
         assert isinstance(unet, BucketedEngine) and isinstance(vae, BucketedEngine)
         text = pipe.engines["text_encoder"]
@@ -80,7 +82,7 @@ def test_listed_sizes_are_preloaded_and_other_sizes_fall_back(toy_artifact: Path
 
 
 def test_auto_specialises_each_new_shape_up_to_the_limit(toy_artifact: Path) -> None:
-    with EnginePipeline.from_artifacts(toy_artifact, size_buckets=SizeBuckets(max_shapes=2)) as pipe:
+    with EnginePipeline.from_artifacts(toy_artifact, size_buckets=SizeBuckets(max_shapes=2, background=False)) as pipe:
         unet = pipe.engines["unet"]
         assert unet.specialised_shapes == []  # auto: nothing until a call
         pipe(**FAST, height=64, width=64)
@@ -91,6 +93,79 @@ def test_auto_specialises_each_new_shape_up_to_the_limit(toy_artifact: Path) -> 
         assert unet.last_path == "dynamic" and len(unet.specialised_shapes) == 2
         pipe(**FAST, height=32, width=96)  # an old shape: its static session again
         assert unet.last_path == "static"
+
+
+def _toy_unet(toy_artifact: Path) -> tuple[EngineSpec, OrtEngine]:
+    spec = EngineSpec.from_manifest("unet", read_manifest(toy_artifact)["components"]["unet"])
+    return spec, OrtEngine(toy_artifact / "unet" / "model.onnx", spec)
+
+
+def _feeds(spec: EngineSpec, symbols: dict[str, int]) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {t.name: torch.randn(tuple(d if isinstance(d, int) else symbols[d] for d in t.shape), generator=gen)
+            .to(t.torch_dtype) for t in spec.inputs}
+
+
+def test_background_a_new_shape_runs_on_the_dynamic_session_until_its_static_one_is_ready(toy_artifact: Path) -> None:
+    spec, base = _toy_unet(toy_artifact)
+    gate, made = threading.Event(), []
+
+    def make(s: EngineSpec, free: Any) -> Any:
+        if free is None:
+            return base
+        assert gate.wait(30), "the test never opened the gate"
+        made.append(dict(free))
+        return base.variant(s, free_dimensions=free, cuda_graph=False)
+
+    symbols = {"B2": 2, "h": 8, "w": 8}
+    feeds = _feeds(spec, symbols)
+    engine = BucketedEngine(spec, make, device=torch.device("cpu"), buckets=SizeBuckets(), latent_sizes=None)
+    with engine:
+        first = {k: v.clone() for k, v in engine.run(feeds).items()}  # no wait for a session: the dynamic one
+        assert engine.last_path == "dynamic" and engine.dynamic_open
+        assert engine.pending_shapes == [symbols] and engine.specialised_shapes == []
+        engine.run(feeds)  # still being made: the dynamic session again, and no second request for it
+        assert engine.last_path == "dynamic" and engine.pending_shapes == [symbols]
+        gate.set()
+        engine.settle()
+        assert engine.specialised_shapes == [symbols] and engine.pending_shapes == [] and made == [symbols]
+        again = engine.run(feeds)
+        assert engine.last_path == "static"
+        for name, value in first.items():
+            torch.testing.assert_close(again[name], value, atol=1e-5, rtol=0)  # the same graph, fixed dimensions
+    assert not engine.dynamic_open and engine.specialised_shapes == []
+
+
+def test_background_a_failed_static_session_leaves_the_dynamic_one_serving(toy_artifact: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    spec, base = _toy_unet(toy_artifact)
+    calls = []
+
+    def make(s: EngineSpec, free: Any) -> Any:
+        if free is None:
+            return base
+        calls.append(free)
+        raise RuntimeError("no memory for it")
+
+    engine = BucketedEngine(spec, make, device=torch.device("cpu"), buckets=SizeBuckets(), latent_sizes=None)
+    feeds = _feeds(spec, {"B2": 2, "h": 8, "w": 8})
+    with engine, caplog.at_level("WARNING"):
+        engine.run(feeds)
+        engine.settle()
+        engine.run(feeds)
+        assert engine.last_path == "dynamic" and engine.specialised_shapes == [] and len(calls) == 1  # not retried
+    assert "the specialised session for B2=2, h=8, w=8 failed (no memory for it); the dynamic session serves it" \
+        in caplog.text
+
+
+def test_background_images_equal_the_synchronous_ones(toy_artifact: Path) -> None:
+    with EnginePipeline.from_artifacts(toy_artifact, size_buckets=SizeBuckets(background=False)) as sync:
+        ref = [sync(**FAST, height=h, width=w).images for h, w in ((64, 64), (48, 80), (64, 64))]
+    with EnginePipeline.from_artifacts(toy_artifact, size_buckets="auto") as pipe:
+        got = [pipe(**FAST, height=h, width=w).images for h, w in ((64, 64), (48, 80), (64, 64))]
+        assert pipe.engines["unet"].dynamic_open  # opened while loading, for the new shapes
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
 def test_static_spec_pins_every_tensor(toy_artifact: Path) -> None:
@@ -126,7 +201,7 @@ def test_bucketed_images_equal_the_dynamic_ones(tiny_artifact: Path) -> None:
     call = {**FAST, "height": 64, "width": 96}
     with EnginePipeline.from_artifacts(tiny_artifact) as plain:
         ref = plain(**call).images
-    with EnginePipeline.from_artifacts(tiny_artifact, size_buckets="64x96") as pipe:
+    with EnginePipeline.from_artifacts(tiny_artifact, size_buckets=SizeBuckets(((64, 96),), background=False)) as pipe:
         out = pipe(**call).images
         assert pipe.engines["unet"].last_path == "static" and not pipe.engines["unet"].dynamic_open
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)

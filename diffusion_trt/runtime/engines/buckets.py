@@ -22,6 +22,16 @@ recompile. What it costs: each specialised session holds its own copy of the wei
 Conv weights anyway) and session creation is paid once per shape; list the sizes (``--size-buckets 512x512,768x768``)
 to create those sessions while the artifact loads instead of on the first call.
 
+Background specialisation (the default, :attr:`SizeBuckets.background`): creating a specialised UNet session takes
+seconds (ORT's graph optimiser over the whole graph, then the weights' upload), and on the H200 a dynamic artifact
+paid 7.7-10.8 s on the first call at each new size (2026-12-02, ``--size-buckets auto``, cuDNN HEURISTIC:
+benchmarks/results/README.md, "tenth session"). So the dynamic session is opened while the artifact loads, and a
+call at a new shape runs on it at once (about 2x slower per step, with no session to create) while a worker thread
+creates that shape's static session; the first call after it is ready adopts it (its first runs warm up and
+capture the CUDA graph on the caller's thread, since ORT's CUDA state is per thread). Outputs are the same either
+way (the same graph, fixed dimensions); only the speed differs. The cost: the dynamic session's copy of the
+weights stays on the device.
+
 The runtime never imports ``passes/``: this module uses only onnxruntime through :class:`OrtEngine`.
 """
 
@@ -30,7 +40,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,11 +76,16 @@ class SizeBuckets:
             the dynamic session. ``None`` = :data:`AUTO_MAX_SHAPES` for "auto", two per listed size otherwise.
         preload: open the listed sizes' sessions (at the profile's opt batch) while the artifact loads, so the
             first call at those sizes pays no session creation; ignored for "auto".
+        background: specialise in the background (see :class:`BucketedEngine`): the dynamic session opens while
+            the artifact loads, a call at a new shape runs on it at once while that shape's static session is
+            created on a worker thread, and later calls use the static session once it is ready. ``False``: the
+            first call at a new shape waits for its static session (one fewer copy of the weights on the device).
     """
 
     sizes: tuple[tuple[int, int], ...] | None = None
     max_shapes: int | None = None
     preload: bool = True
+    background: bool = True
 
     @property
     def limit(self) -> int:
@@ -178,7 +196,7 @@ class BucketedEngine(EngineBase):
         make_engine: ``make_engine(spec, free_dimensions)`` returns an unopened engine: the dynamic one for
             ``free_dimensions=None``, else one whose symbolic dims are fixed to those values (its spec static).
         device: where the engines run.
-        buckets: which shapes get specialised.
+        buckets: which shapes get specialised, and whether in the background (:attr:`SizeBuckets.background`).
         latent_sizes: the listed sizes as latent ``(h, w)`` (pixels / the VAE scale factor); ``None`` = any.
         preload: symbol values to specialise while entering (e.g. ``{"B2": 2, "h": 64, "w": 64}``).
 
@@ -205,6 +223,10 @@ class BucketedEngine(EngineBase):
         self._preload = [dict(p) for p in preload]
         self._dynamic: Any = None
         self._static: dict[tuple[tuple[str, int], ...], Any] = {}
+        #: background mode: the worker thread, the sessions it is opening (None: the dynamic one), the shapes it failed
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: dict[tuple[tuple[str, int], ...] | None, Future[Any]] = {}
+        self._failed: set[tuple[tuple[str, int], ...]] = set()
         #: "static" or "dynamic": which engine served the last run (for tests and bench notes)
         self.last_path: str | None = None
 
@@ -220,6 +242,11 @@ class BucketedEngine(EngineBase):
         return self._dynamic is not None
 
     @property
+    def pending_shapes(self) -> list[dict[str, int]]:
+        """The symbol values of the specialised engines being created in the background."""
+        return [dict(k) for k in self._pending if k is not None]
+
+    @property
     def cuda_graph(self) -> bool:
         """Whether any specialised engine replays a CUDA graph."""
         return any(getattr(e, "cuda_graph", False) for e in self._static.values())
@@ -231,9 +258,10 @@ class BucketedEngine(EngineBase):
 
     def wants(self, symbols: Mapping[str, int]) -> bool:
         """Whether a call with these symbol values is (or would be) served by a specialised engine."""
-        if _key(symbols) in self._static:
+        key = _key(symbols)
+        if key in self._static or key in self._pending:
             return True
-        if len(self._static) >= self._buckets.limit:
+        if key in self._failed or len(self._static) + len(self.pending_shapes) >= self._buckets.limit:
             return False
         if self._latent_sizes is None or "h" not in symbols:
             return True  # "auto", or a component whose shape does not follow the image size (the text encoder)
@@ -245,33 +273,101 @@ class BucketedEngine(EngineBase):
         for symbols in self._preload:
             if self.wants(symbols):
                 self._specialise(symbols)
+        if self._buckets.background and self._dynamic is None:
+            self._submit(None, lambda: self._opened(self._make(self._spec, None)))
 
     def close(self) -> None:
-        """Close every engine (idempotent)."""
-        engines = [*self._static.values(), *([self._dynamic] if self._dynamic is not None else [])]
+        """Wait for the background work, then close every engine (idempotent)."""
+        pending, self._pending = list(self._pending.values()), {}
+        late = []
+        for future in pending:
+            if not future.cancel() and future.exception() is None:  # a failure opened nothing to close
+                late.append(future.result())
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        engines = [*self._static.values(), *([self._dynamic] if self._dynamic is not None else []), *late]
         self._static = {}
         self._dynamic = None
         for engine in engines:
             engine.__exit__(None, None, None)
 
+    def settle(self) -> float:
+        """Wait until every background session is ready and adopt them; returns the seconds waited."""
+        t0 = time.perf_counter()
+        for key in list(self._pending):
+            future = self._pending.get(key)
+            if future is not None:
+                future.exception()  # waits; a failure is logged (once) by _adopt
+        self._adopt(wait_all=True)
+        return time.perf_counter() - t0
+
+    # -- specialised and dynamic engines ------------------------------------------------------------------------
+
+    def _opened(self, engine: Any) -> Any:
+        with torch.cuda.device(self._device) if self._device.type == "cuda" else _nullcontext():
+            engine.__enter__()
+        return engine
+
+    def _submit(self, key: tuple[tuple[str, int], ...] | None, job: Callable[[], Any]) -> None:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diffusion-trt-{self._name}-buckets")
+        self._pending[key] = self._worker.submit(job)
+
+    def _adopt(self, wait_all: bool = False) -> None:
+        """Move finished background sessions in; a static one only once the worker is idle (its first runs, on
+        this thread, capture a CUDA graph under the capture lock, which a session being created holds)."""
+        if not self._pending or (not wait_all and not all(f.done() for f in self._pending.values())):
+            return
+        for key, future in list(self._pending.items()):
+            del self._pending[key]
+            try:
+                engine = future.result()
+            except Exception as e:  # a failed session: the dynamic engine keeps serving that shape
+                if key is None:
+                    raise
+                self._failed.add(key)
+                logger.warning("%s: the specialised session for %s failed (%s); the dynamic session serves it",
+                               self._name, ", ".join(f"{k}={v}" for k, v in key), e)
+                continue
+            if key is None:
+                self._dynamic = engine
+            else:
+                self._static[key] = engine
+                logger.info("%s: specialised session for %s ready (%d of %d)", self._name,
+                            ", ".join(f"{k}={v}" for k, v in key), len(self._static), self._buckets.limit)
+
     def _specialise(self, symbols: Mapping[str, int]) -> Any:
         key = _key(symbols)
-        engine = self._make(static_spec(self._spec, symbols), dict(key))
-        engine.__enter__()
+        engine = self._opened(self._make(static_spec(self._spec, symbols), dict(key)))
         self._static[key] = engine
         logger.info("%s: specialised session for %s (%d of %d)", self._name,
                     ", ".join(f"{k}={v}" for k, v in key), len(self._static), self._buckets.limit)
         return engine
 
     def _dynamic_engine(self) -> Any:
+        if self._dynamic is None and None in self._pending:
+            self._dynamic = self._pending.pop(None).result()  # opened while loading; wait for it
         if self._dynamic is None:
-            engine = self._make(self._spec, None)
-            engine.__enter__()
-            self._dynamic = engine
+            self._dynamic = self._opened(self._make(self._spec, None))
         return self._dynamic
 
+    def _static_engine(self, symbols: Mapping[str, int]) -> Any:
+        """The specialised engine for ``symbols``: open, made now, or (background mode) ``None`` while it is made."""
+        key = _key(symbols)
+        if key in self._static:
+            return self._static[key]
+        if not self._buckets.background:
+            return self._specialise(symbols)
+        if key not in self._pending:
+            spec = static_spec(self._spec, symbols)
+            self._submit(key, lambda: self._opened(self._make(spec, dict(key))))
+            logger.info("%s: new shape %s runs on the dynamic session while its static one is made",
+                        self._name, ", ".join(f"{k}={v}" for k, v in key))
+        return None
+
     def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run on the specialised engine for this shape (made now on the first call at it) or the dynamic one.
+        """Run on the specialised engine for this shape or the dynamic one (see the class and module docstrings).
 
         Raises:
             RuntimeInputError: ``feeds`` do not match the manifest.
@@ -280,10 +376,8 @@ class BucketedEngine(EngineBase):
         if self._depth == 0:
             raise RuntimeError(f"engine {self._name!r} is not open; use `with engine:` or call it inside the pipeline")
         symbols = self.validate(feeds)
-        key = _key(symbols)
-        engine = self._static.get(key)
-        if engine is None and self.wants(symbols):
-            engine = self._specialise(symbols)
+        self._adopt()
+        engine = self._static_engine(symbols) if self.wants(symbols) else None
         if engine is None:
             self.last_path = "dynamic"
             return self._dynamic_engine().run(feeds)
@@ -292,7 +386,8 @@ class BucketedEngine(EngineBase):
 
     def __repr__(self) -> str:
         return (f"BucketedEngine({self._name!r}, buckets={self._buckets.describe()}, "
-                f"specialised={len(self._static)}, dynamic_open={self.dynamic_open})")
+                f"specialised={len(self._static)}, pending={len(self.pending_shapes)}, "
+                f"dynamic_open={self.dynamic_open})")
 
 
 def preload_symbols(component: str, spec: EngineSpec, buckets: SizeBuckets, profile: ShapeProfile,
