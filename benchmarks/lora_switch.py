@@ -132,7 +132,6 @@ def main() -> None:
     args = ap.parse_args()
 
     from diffusion_trt.compiler.dummy import write_dummy_pipeline
-    from diffusion_trt.runtime import EnginePipeline
 
     args.work.mkdir(parents=True, exist_ok=True)
     model = args.work / f"model-{args.arch}"
@@ -148,6 +147,21 @@ def main() -> None:
     import onnxruntime
 
     res["onnxruntime"] = onnxruntime.__version__
+    try:
+        measure(res, arts, loras, args)
+    except Exception as e:  # keep what was measured before the failure, and say what failed
+        res["error"] = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        print(json.dumps(res, indent=1))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1))
+
+
+def measure(res: dict[str, Any], arts: dict[str, Path], loras: dict[str, Path], args: argparse.Namespace) -> None:
+    """Every figure of the module docstring, into ``res`` as it is measured."""
+    from diffusion_trt.runtime import EnginePipeline
+
     with EnginePipeline.from_artifacts(arts["base"], device="cuda") as pipe:
         res["unet_step_ms"] = {"base": time_unet(pipe, args.runs)}
         t0 = time.perf_counter()
@@ -180,9 +194,6 @@ def main() -> None:
     res["goals"] = {"switch_le_200ms": res["switch_ms"]["switch_a_to_b"]["median"] <= 200,
                     "step_le_1.05x": res["step_ratio_with_lora"] <= 1.05,
                     "parity_le_4_255": res["parity"]["lora_vs_merged_max_abs"] <= 4 / 255}
-    print(json.dumps(res, indent=1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
