@@ -75,3 +75,18 @@ def test_export_releases_each_array_a_pass_made_once_written() -> None:
     np.testing.assert_array_equal(onnx.numpy_helper.to_array(written["made"]), np.arange(12).reshape(3, 4))
     np.testing.assert_array_equal(const.values, np.arange(12, dtype=np.float32).reshape(3, 4))
     assert lazy and all(written[name] is not proto and written[name] == proto for name, proto in lazy.items())
+
+
+def test_export_without_data_writes_headers_only_and_keeps_the_graph_as_it_was() -> None:
+    graph = gs.import_onnx(graphs.mlp_model())
+    made = np.ones((2, 2), np.float32)
+    graph.layer(op="Identity", inputs=[gs.Constant("made", made)],
+                outputs=[gs.Variable("made_out", np.float32, (2, 2))])
+    graph.outputs.append(graph.nodes[-1].outputs[0])
+    full = gs.export_onnx(gs.import_onnx(gs.export_onnx(graph)))
+    sizes = {t.name: int(np.prod(t.dims)) for t in full.graph.initializer}
+    model = export_model(graph, data=lambda data_type, dims: int(np.prod(dims)) < 16)
+    for got, want in zip(model.graph.initializer, full.graph.initializer, strict=True):
+        assert (got.name, got.data_type, list(got.dims)) == (want.name, want.data_type, list(want.dims))
+        assert (got == want) if sizes[got.name] < 16 else not got.raw_data
+    assert graph.tensors()["made"]._values is made  # nothing written, nothing released
