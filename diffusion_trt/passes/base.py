@@ -23,6 +23,7 @@ import onnx_graphsurgeon as gs
 from diffusion_trt.errors import PassError
 
 from ._dump import GraphDumper
+from ._export import export_model
 from ._match import Tally, collect_rejections, rejection_reasons
 
 logger = logging.getLogger(__name__)
@@ -283,10 +284,13 @@ def optimize_model(
     """Run ``passes`` on ``model`` and return the rewritten model and one record per pass.
 
     The graph goes through onnx-graphsurgeon: ``gs.import_onnx`` -> :meth:`PassManager.run` ->
-    ``gs.export_onnx``. The result keeps the model's ir_version and opset imports (all domains; plus any
-    domain a pass added), producer, doc_string and metadata_props. Weights are not copied by the import (gs
-    keeps them lazily), but the export builds a new ModelProto holding them. ``ctx`` is not changed: the passes
-    get a copy whose ``opset`` is the model's default-domain opset.
+    ``gs.export_onnx`` (as :func:`._export.export_model` writes it: the same bytes, each weight copied into the new
+    model once, one at a time). The result keeps the model's ir_version and opset imports (all domains; plus any
+    domain a pass added), producer, doc_string and metadata_props. ``model`` is only read (callers may run it again,
+    as the fp16 range check does): the result is a new ModelProto with its own copy of the weights, so memory peaks
+    at ``model`` + the result + the arrays the passes made and export has not yet written (convert_fp16's). Drop
+    ``model`` after the call (``model, records = optimize_model(model, ...)``) to keep one copy. ``ctx`` is not
+    changed: the passes get a copy whose ``opset`` is the model's default-domain opset.
 
     Raises:
         PassError: the model's default-domain opset is below 17 or above what the installed onnx knows
@@ -299,7 +303,7 @@ def optimize_model(
         ctx = dataclasses.replace(ctx, opset=opset)
     graph = gs.import_onnx(model)
     records = PassManager(passes).run(graph, ctx)
-    out = gs.export_onnx(graph)
+    out = export_model(graph)
     # gs carries ir_version, the default-domain opset and the other imported domains (graph.import_domains);
     # a pass may add a domain or raise the opset, so merge rather than overwrite.
     out.ir_version = graph.ir_version or model.ir_version

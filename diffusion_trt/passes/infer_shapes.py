@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +12,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get_onnx_tensor_shape
 
+from ._export import export_model
 from ._weights import constant_nbytes
 from .base import PassContext, PassResult, option
 from .onnx_files import save_onnx_file
@@ -51,7 +52,8 @@ def infer_shapes(graph: gs.Graph, ctx: PassContext) -> PassResult:
       * at or above it (a graph whose Constant nodes alone pass 2 GB): the model is saved to a temporary folder
         with its weights as external data, ``onnx.shape_inference.infer_shapes_path`` writes the inferred model
         next to it, and only its value_info is read back. Needs free disk space about the size of the weights.
-    The export builds a ModelProto holding a copy of the weights while the pass runs.
+    The stubbed weights are never copied: the graph is exported with their dtype and dims only
+    (:func:`._export.export_model`'s ``data``).
 
     The graph's tensors keep their names; only Variables are annotated (inputs and constants are left as
     they are). A shape already known is replaced by the inferred one only where that refines it (same rank,
@@ -68,7 +70,7 @@ def annotate_shapes(graph: gs.Graph, options: InferShapesOptions) -> dict[str, i
     """What :func:`infer_shapes` does, as a step other passes run inside themselves (specialize_shapes' rounds,
     convert_fp16's dtypes): the graph's tensors annotated in place; returns the pass's counts."""
     threshold = options.path_threshold_bytes
-    model = gs.export_onnx(graph, do_type_check=False)
+    model = export_model(graph, do_type_check=False, data=_keeps_data)  # the stubbed weights' data never copied
     stubbed = _stub_weights(model)
     weight_bytes = sum(constant_nbytes(t) for t in graph.tensors().values() if isinstance(t, gs.Constant)) - stubbed
     if weight_bytes >= threshold:
@@ -86,6 +88,18 @@ _FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx
                           onnx.TensorProto.DOUBLE})
 
 
+def _stubbed(data_type: int, dims: Iterable[int]) -> bool:
+    """Whether :func:`_stub_weights` moves an initializer of this type and shape to the graph inputs."""
+    count = 1
+    for dim in dims:
+        count *= dim
+    return data_type in _FLOAT_TYPES and count > WEIGHT_STUB_MIN_ELEMENTS
+
+
+def _keeps_data(data_type: int, dims: Sequence[int]) -> bool:
+    return not _stubbed(data_type, dims)
+
+
 def _stub_weights(model: onnx.ModelProto) -> int:
     """Move the large float initializers of ``model`` to graph inputs of the same type; returns their bytes."""
     graph = model.graph
@@ -94,12 +108,12 @@ def _stub_weights(model: onnx.ModelProto) -> int:
     stubs: list[onnx.ValueInfoProto] = []
     moved = 0
     for init in graph.initializer:
-        count = 1
-        for dim in init.dims:
-            count *= dim
-        if init.data_type in _FLOAT_TYPES and count > WEIGHT_STUB_MIN_ELEMENTS:
+        if _stubbed(init.data_type, init.dims):
             if init.name not in listed:
                 stubs.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+            count = 1
+            for dim in init.dims:
+                count *= dim
             moved += count * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
         else:
             keep.append(init)
