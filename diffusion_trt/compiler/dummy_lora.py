@@ -4,7 +4,8 @@
 Layers: every attention projection of the UNet (``to_q``, ``to_k``, ``to_v``, ``to_out.0``) and of the text
 encoder(s) (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``; SDXL folders: ``text_encoder_2`` too), found by name in
 the folder's safetensors weights (no model class). Keys in diffusers' peft form (``unet.<module>.lora_A.weight``
-[r, in], ``lora_B.weight`` [out, r]), alpha = rank (diffusers' default when the file names none): the delta is ``B @ A``.
+[r, in], ``lora_B.weight`` [out, r]), alpha = rank (diffusers' default when the file names none): the delta is
+``B @ A``.
 """
 
 from __future__ import annotations
