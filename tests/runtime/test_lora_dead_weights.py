@@ -173,3 +173,22 @@ def test_keys_matching_nothing_are_still_refused(sdxl_refittable: Path, lora_fil
         with pytest.raises(LoraError, match=r"only \d+ of its \d+ LoRA layers match.*layers\.7\."):
             pipe.load_lora(tmp_path / "bogus.safetensors", 0.7)
         assert np.array_equal(_image(pipe), base)
+
+
+def test_tensorrt_refit_weights_ignore_dead_layers_too(tiny_sdxl_dir: Path, sdxl_refittable: Path,
+                                                       lora_files: dict[str, Path]) -> None:
+    """The TensorRT refit path reads the same refit maps (no engine needed for the weights it would refit): the
+    whole LoRA gives exactly the initializers of the LoRA less its dead layers."""
+    import json
+
+    from diffusion_trt.lora import check_lora_file
+    from diffusion_trt.runtime.refit import refit_weights
+
+    manifest = json.loads((sdxl_refittable / "manifest.json").read_text())
+    maps = {c: json.loads((sdxl_refittable / manifest["components"][c]["refit_map"]).read_text())
+            for c in ("text_encoder", "text_encoder_2", "unet")}
+    full = refit_weights(maps, tiny_sdxl_dir, check_lora_file(lora_files["full"], 0.7))
+    live = refit_weights(maps, tiny_sdxl_dir, check_lora_file(lora_files["live"], 0.7))
+    assert {c: sorted(v) for c, v in full.items()} == {c: sorted(v) for c, v in live.items()}
+    assert len(full["text_encoder"]) == 4 and all(
+        np.array_equal(full[c][n], live[c][n]) for c in full for n in full[c])
