@@ -110,6 +110,30 @@ def test_dead_weights_are_proven_on_the_torch_module(tiny_sdxl_dir: Path, tiny_p
     assert dead_of(tiny_pipeline_dir, "text_encoder", clip_skip=1)[0] == []
 
 
+def test_a_weight_autograd_missed_but_the_outputs_read_is_never_dead(tiny_sdxl_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """The noise check is the proof: were the autograd walk wrong (here: made to reach nothing), the live weights
+    it would call dead change the outputs, so none is reported dead (their LoRA layers are then refused as before)
+    and every weight is restored."""
+    from diffusion_trt.compiler import dead_weights as module
+    from diffusion_trt.compiler import export
+    from diffusion_trt.compiler.pipeline import model_facts, specs_for
+
+    mf = export.check_model_folder(tiny_sdxl_dir)
+    models = export.load_models(mf, "fp32", "cpu")
+    before = {n: (p.detach().clone(), p.requires_grad) for n, p in models["text_encoder"].named_parameters()}
+    names = [f"{n}.weight" for n, m in models["text_encoder"].named_modules() if isinstance(m, torch.nn.Linear)]
+    monkeypatch.setattr(module, "_reached_leaves", lambda outputs: set())
+    with caplog.at_level(logging.WARNING, logger="diffusion_trt"):
+        dead = dead_weights("text_encoder", models, specs_for(model_facts(mf))["text_encoder"], names,
+                            precision="fp32", profile_ranges=export.export_ranges(CompileConfig().resolve_profile(64)),
+                            device="cpu", architecture="sdxl")
+    assert dead == [] and any("treating none as dead" in r.getMessage() for r in caplog.records)
+    assert all(torch.equal(p, before[n][0]) and p.requires_grad is before[n][1]
+               for n, p in models["text_encoder"].named_parameters())
+
+
 def test_sdxl_lora_on_the_last_text_encoder_layer_loads_and_changes_nothing_there(
     sdxl_refittable: Path, lora_files: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
