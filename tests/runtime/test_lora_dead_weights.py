@@ -43,8 +43,8 @@ def sdxl_refittable(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture(scope="module")
 def lora_files(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """``full``: dummy-lora's layers (UNet, both text encoders, every layer) plus fc1/fc2 of text_encoder's last
-    layer; ``live``: the same less every layer on text_encoder's last layer; ``dead_only``: only those."""
+    """``full``: dummy-lora's layers (UNet, both text encoders, every layer; rank 4) plus fc1/fc2 of text_encoder's
+    last layer (rank 2); ``live``: the same less every layer on text_encoder's last layer; ``dead_only``: only those."""
     d = tmp_path_factory.mktemp("sdxl-loras")
     write_dummy_lora(tiny_sdxl_dir, d / "dummy.safetensors", rank=4, seed=3)
     tensors = load_file(str(d / "dummy.safetensors"))
@@ -53,8 +53,9 @@ def lora_files(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     base = load_file(str(tiny_sdxl_dir / "text_encoder" / "model.safetensors"))
     for mlp in ("mlp.fc1", "mlp.fc2"):
         shape = next(v.shape for k, v in base.items() if k.endswith(f"{LAST}{mlp}.weight"))
-        tensors[f"{prefix}{LAST}{mlp}.lora_A.weight"] = torch.randn(4, shape[1], generator=g) * 0.1
-        tensors[f"{prefix}{LAST}{mlp}.lora_B.weight"] = torch.randn(shape[0], 4, generator=g) * 0.1
+        # rank 2 where the rest has rank 4: diffusers reads every module's rank (rank_pattern), dead ones too
+        tensors[f"{prefix}{LAST}{mlp}.lora_A.weight"] = torch.randn(2, shape[1], generator=g) * 0.1
+        tensors[f"{prefix}{LAST}{mlp}.lora_B.weight"] = torch.randn(shape[0], 2, generator=g) * 0.1
     dead = {k for k in tensors if k.startswith(f"{prefix}{LAST}")}
     files = {"full": d / "full.safetensors", "live": d / "live.safetensors", "dead_only": d / "dead.safetensors"}
     save_file(tensors, str(files["full"]))
