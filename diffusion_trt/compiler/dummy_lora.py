@@ -2,9 +2,10 @@
 ``run --lora`` and ``compile --lora`` on the dummy pipelines, as ``dummy-pipeline`` is for trying ``compile``).
 
 Layers: every attention projection of the UNet (``to_q``, ``to_k``, ``to_v``, ``to_out.0``) and of the text
-encoder (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``), found by name in the folder's safetensors weights (no
-model class). Keys in diffusers' peft form (``unet.<module>.lora_A.weight`` [r, in], ``lora_B.weight`` [out, r]),
-alpha = rank (diffusers' default when the file names none): the delta is ``B @ A``.
+encoder(s) (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``; SDXL folders: ``text_encoder_2`` too), found by name in
+the folder's safetensors weights (no model class). Keys in diffusers' peft form (``unet.<module>.lora_A.weight``
+[r, in], ``lora_B.weight`` [out, r]), alpha = rank (diffusers' default when the file names none): the delta is
+``B @ A``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from ..errors import ModelFolderError
 UNET_TARGETS: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
 TEXT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "out_proj")
 _FILES = {"unet": ("unet/diffusion_pytorch_model.safetensors", UNET_TARGETS),
-          "text_encoder": ("text_encoder/model.safetensors", TEXT_TARGETS)}
+          "text_encoder": ("text_encoder/model.safetensors", TEXT_TARGETS),
+          "text_encoder_2": ("text_encoder_2/model.safetensors", TEXT_TARGETS)}
+#: Components a folder may lack (SD 1.x/2.x have no second text encoder).
+_OPTIONAL = ("text_encoder_2",)
 
 
 def write_dummy_lora(model_dir: str | Path, out: str | Path, *, rank: int = 4, seed: int = 0,
@@ -26,7 +30,7 @@ def write_dummy_lora(model_dir: str | Path, out: str | Path, *, rank: int = 4, s
     """Write a random rank-``rank`` LoRA for the pipeline folder ``model_dir`` to ``out``.
 
     Args:
-        model_dir: a diffusers SD 1.x/2.x folder with safetensors weights (e.g. ``dummy-pipeline``'s).
+        model_dir: a diffusers SD 1.x/2.x or SDXL folder with safetensors weights (e.g. ``dummy-pipeline``'s).
         out: the ``.safetensors`` file to write.
         rank: LoRA rank, >= 1.
         seed: seeds the CPU generator.
@@ -49,6 +53,8 @@ def write_dummy_lora(model_dir: str | Path, out: str | Path, *, rank: int = 4, s
     counts = {}
     for comp, (rel, targets) in _FILES.items():
         path = Path(model_dir) / rel
+        if comp in _OPTIONAL and not path.parent.is_dir():
+            continue
         if not path.is_file():
             raise ModelFolderError(f"{path} does not exist; dummy-lora needs a diffusers folder with safetensors "
                                    "weights (e.g. from `diffusion-trt dummy-pipeline`)")

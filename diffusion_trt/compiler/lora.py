@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -173,17 +173,23 @@ def _summary(e: BaseException, lines: int = 2, chars: int = 400) -> str:
     return f"{head[:chars]} ... (cut; the whole message is logged at DEBUG: diffusion-trt -v)"
 
 
-def refit_map(model: Any, module: Any) -> dict[str, Any]:
+def refit_map(model: Any, module: Any, find_dead: Callable[[list[str]], Collection[str]] | None = None
+              ) -> dict[str, Any]:
     """Which ONNX initializer of ``model`` holds each Linear / Conv2d weight of ``module``, by value (the same
     tensor, or its transpose for a Linear exported as MatMul, in the initializer's dtype: fp16 after convert_fp16).
 
     Args:
         model: the optimized ``onnx.ModelProto`` TensorRT builds from (weights in memory).
         module: the torch module it was exported from (``unet``, ``text_encoder``...).
+        find_dead: given the weights found in no initializer, those that reach no output of the graph
+            (:func:`~diffusion_trt.compiler.dead_weights.dead_weights`: SDXL's last ``text_encoder`` layer); ``None``:
+            none is tested.
 
     Returns:
         ``{"format": 1, "weights": {"<module path>.weight": {"initializer", "transpose", "dtype", "sha256"}},
-        "unmapped": [weights found in no initializer, or in one shared with another weight]}``.
+        "unmapped": [weights found in no initializer, or in one shared with another weight, that are not dead],
+        "dead": [weights no output depends on: a LoRA's layers on them change nothing and are ignored]}``
+        (maps written before ``dead`` existed lack it: none dead).
     """
     import torch
     from onnx import TensorProto, numpy_helper
@@ -197,6 +203,7 @@ def refit_map(model: Any, module: Any) -> dict[str, Any]:
             graph_dtypes.add(dtypes[init.data_type])
     weights: dict[str, dict[str, Any]] = {}
     unmapped: list[str] = []
+    not_found: list[str] = []
     claimed: dict[str, str] = {}
     for name, m in module.named_modules():
         if not isinstance(m, torch.nn.Linear | torch.nn.Conv2d):
@@ -213,13 +220,16 @@ def refit_map(model: Any, module: Any) -> dict[str, Any]:
                 break
         if found is None:
             unmapped.append(wname)
+            not_found.append(wname)
         elif found["initializer"] in claimed:  # two weights with equal values: refitting one would change both
             unmapped += [wname, claimed[found["initializer"]]]
             weights.pop(claimed[found["initializer"]], None)
         else:
             claimed[found["initializer"]] = wname
             weights[wname] = found
-    return {"format": REFIT_MAP_FORMAT, "weights": weights, "unmapped": sorted(set(unmapped))}
+    dead = set(find_dead(not_found)) & set(not_found) if find_dead is not None and not_found else set()
+    return {"format": REFIT_MAP_FORMAT, "weights": weights, "unmapped": sorted(set(unmapped) - dead),
+            "dead": sorted(dead)}
 
 
 def load_base_modules(model_dir: Path, components: Any, *, trust_pickle: bool = False) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -647,7 +647,7 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
     model, optimized = optimize_component(job, plan, model)
     entry.update(optimized)
     if refit:
-        entry.update(write_refit_map(name, model, models[name], staging))
+        entry.update(write_refit_map(name, model, models[name], staging, find_dead(job, plan, models)))
         release_modules(models, done_with)
         if job.config.backend is Backend.ORT:  # the mapped weights become graph inputs (see lora_slots.py)
             rmap = json.loads((staging / entry["refit_map"]).read_text())
@@ -718,16 +718,31 @@ def optimize_component(job: CompileJob, plan: ComponentPlan,
     return model, facts
 
 
-def write_refit_map(name: str, model: onnx.ModelProto, module: Any, staging: Path) -> dict[str, str]:
-    """Which initializer holds each LoRA-targetable weight (``<name>/refit_map.json``); the manifest's ``refit_map``."""
+def write_refit_map(name: str, model: onnx.ModelProto, module: Any, staging: Path,
+                    find_dead: Callable[[list[str]], Sequence[str]] | None = None) -> dict[str, str]:
+    """Which initializer holds each LoRA-targetable weight (``<name>/refit_map.json``, and which reach no output:
+    ``find_dead``, see :func:`~.lora.refit_map`); the manifest's ``refit_map``."""
     with stage("refit map", name):
         (staging / name).mkdir(parents=True, exist_ok=True)
-        rmap = lora.refit_map(model, module)
+        rmap = lora.refit_map(model, module, find_dead)
         (staging / name / "refit_map.json").write_text(json.dumps(rmap, indent=1))
         if rmap["unmapped"]:
             logger.info("%s: %d weight(s) not refittable by load_lora (padded or shared): %s", name,
                         len(rmap["unmapped"]), ", ".join(rmap["unmapped"][:4]))
+        if rmap["dead"]:
+            logger.info("%s: %d weight(s) reach no output of the graph (a LoRA's layers on them change nothing; "
+                        "load_lora ignores them): %s", name, len(rmap["dead"]), ", ".join(rmap["dead"][:4]))
     return {"refit_map": f"{name}/refit_map.json"}
+
+
+def find_dead(job: CompileJob, plan: ComponentPlan, models: dict[str, Any]) -> Callable[[list[str]], list[str]]:
+    """:func:`~.dead_weights.dead_weights` of ``plan``'s component at its export's inputs (for
+    :func:`write_refit_map`)."""
+    from .dead_weights import dead_weights
+
+    return lambda names: dead_weights(
+        plan.name, models, job.specs[plan.name], names, precision=plan.export_dtype, profile_ranges=job.ranges,
+        device=job.torch_device, architecture=job.folder.architecture)
 
 
 def save_optimized(plan: ComponentPlan, model: onnx.ModelProto, staging: Path) -> list[Path]:

@@ -17,6 +17,7 @@ Bit for bit what the merge path gives (``tests/compiler/test_lora.py``). Variant
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Collection, Mapping
@@ -28,6 +29,8 @@ import torch
 from ..errors import LoraError
 from ..lora import LoraFile
 
+logger = logging.getLogger(__name__)
+
 #: The safetensors header key holding diffusers' LoRA adapter config (``LORA_ADAPTER_METADATA_KEY``).
 LORA_METADATA_KEY = "lora_adapter_metadata"
 #: Text encoder modules diffusers reads a LoRA rank for (``_load_lora_into_text_encoder``).
@@ -36,7 +39,8 @@ _TEXT_RANK_MODULES = (".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc
 
 def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]], unet_config: Any = None,
                 *, device: torch.device | None = None,
-                constants: Mapping[str, Collection[str]] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+                constants: Mapping[str, Collection[str]] | None = None,
+                dead: Mapping[str, Collection[str]] | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """``scale * (alpha / r) * B @ A`` per weight the LoRA targets, component by component (peft's delta weight).
 
     Args:
@@ -49,6 +53,10 @@ def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]],
         constants: component -> weight names of the model that the artifact keeps constant (an ORT ``--refittable``
             artifact's spatial Conv weights, :mod:`~diffusion_trt.runtime.lora_slots`); a LoRA layer on one is
             refused. ``None``: none.
+        dead: component -> weight names of the model that reach no output of its graph (the refit map's ``dead``:
+            SDXL's last ``text_encoder`` layer, :mod:`~diffusion_trt.compiler.dead_weights`); a LoRA layer on one
+            changes nothing: it counts as matched, gets no delta, and one INFO line says how many were ignored.
+            ``None``: none.
 
     Returns:
         component -> {weight name: fp32 delta of the weight's shape}.
@@ -62,9 +70,12 @@ def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]],
     if device is not None:
         state = {k: v.to(device) for k, v in state.items()}
     expected = sum(1 for k in state if is_down_key(k))
-    constants = constants or {}
-    deltas = {c: _component_deltas(c, state, alphas, metadata, bases[c], lora, constants.get(c, ())) for c in bases}
-    matched = sum(len(d) for d in deltas.values())
+    constants, dead = constants or {}, dead or {}
+    ignored: dict[str, list[str]] = {c: [] for c in bases}
+    deltas = {c: _component_deltas(c, state, alphas, metadata, bases[c], lora, constants.get(c, ()),
+                                   frozenset(dead.get(c, ())), ignored[c]) for c in bases}
+    n_ignored = sum(len(v) for v in ignored.values())
+    matched = sum(len(d) for d in deltas.values()) + n_ignored
     components = " or ".join(bases)
     if not matched:
         raise LoraError(
@@ -72,17 +83,21 @@ def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]],
             f"{components} (keys like {next(iter(state), '?')!r}); it was made for another architecture"
         )
     if expected and matched < expected:
-        first = _first_unmatched(state, bases, deltas)
+        first = _first_unmatched(state, bases, {c: [*deltas[c], *ignored[c]] for c in bases})
         raise LoraError(
             f"LoRA file {lora.path}: only {matched} of its {expected} LoRA layers match layers of "
             f"this model (the first that matches none: {first!r}); it was made for another architecture (merging "
             "part of it would give neither model)"
         )
+    if n_ignored:
+        logger.info("LoRA %s: %d of its %d layers ignored (%s): they train weights no output of this artifact reads "
+                    "(e.g. SDXL's last text_encoder layer, whose output SDXL does not use), so they change nothing",
+                    lora.path.name, n_ignored, expected, ", ".join(f"{c} {len(v)}" for c, v in ignored.items() if v))
     return deltas
 
 
 def _first_unmatched(state: Mapping[str, torch.Tensor], bases: Mapping[str, Any],
-                     deltas: Mapping[str, Mapping[str, torch.Tensor]]) -> str:
+                     deltas: Mapping[str, Collection[str]]) -> str:
     """The first down-matrix key of ``state`` (file order) whose layer got no delta, for messages; "?" if none is
     found (a key form this lookup does not know)."""
     done = {f"{c}.{w.removesuffix('.weight')}" for c, d in deltas.items() for w in d}
@@ -128,9 +143,11 @@ def _lora_state_dict(path: Path, unet_config: Any) -> tuple[dict[str, torch.Tens
 
 
 def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapping[str, float], metadata: Any,
-                      base: Mapping[str, torch.Tensor], lora: LoraFile,
-                      constants: Collection[str] = ()) -> dict[str, torch.Tensor]:
-    """The deltas of one component (``unet``, ``text_encoder``, ``text_encoder_2``); see :func:`lora_deltas`."""
+                      base: Mapping[str, torch.Tensor], lora: LoraFile, constants: Collection[str] = (),
+                      dead: Collection[str] = frozenset(), ignored: list[str] | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """The deltas of one component (``unet``, ``text_encoder``, ``text_encoder_2``); see :func:`lora_deltas`. The
+    weight names of its layers on ``dead`` weights are appended to ``ignored`` (no delta)."""
     sub = {k.removeprefix(f"{comp}."): v for k, v in state.items() if k.startswith(f"{comp}.")}
     if not sub:
         return {}
@@ -138,7 +155,7 @@ def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapp
     sub_meta = ({k.removeprefix(f"{comp}."): v for k, v in metadata.items() if k.startswith(f"{comp}.")}
                 if metadata is not None else None)
     try:
-        peft_state, rank = _peft_state(comp, sub, base)
+        peft_state, rank = _peft_state(comp, sub, [*base, *dead])
         config = _lora_config(comp, peft_state, rank, sub_alphas, sub_meta)
     except (ValueError, KeyError, TypeError, IndexError) as e:
         raise LoraError(f"LoRA file {lora.path}: diffusers could not read its {comp} keys ({e}); was it made for "
@@ -148,7 +165,10 @@ def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapp
     out = {}
     for module in sorted({k.split(".lora_A.")[0] for k in peft_state if ".lora_A." in k}):
         wname = f"{module}.weight"
-        if wname in base and f"{module}.lora_B.weight" in peft_state:
+        if wname in dead and wname not in base and f"{module}.lora_B.weight" in peft_state:
+            if ignored is not None:
+                ignored.append(wname)
+        elif wname in base and f"{module}.lora_B.weight" in peft_state:
             scaling = _scaling(config, module) * lora.scale  # fuse_lora's scale_layer: scaling *= lora_scale
             a, b = peft_state[f"{module}.lora_A.weight"], peft_state[f"{module}.lora_B.weight"]
             out[wname] = _delta_weight(a.to(torch.float32), b.to(torch.float32), base[wname], scaling)
@@ -160,10 +180,11 @@ def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapp
     return out
 
 
-def _peft_state(comp: str, sub: dict[str, torch.Tensor], base: Mapping[str, torch.Tensor]
+def _peft_state(comp: str, sub: dict[str, torch.Tensor], base: Collection[str]
                 ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """The component's LoRA keys in peft form (``<module>.lora_A.weight``) and its ranks, as diffusers makes them
-    (``load_lora_adapter`` for the UNet, ``_load_lora_into_text_encoder`` for text encoders)."""
+    (``load_lora_adapter`` for the UNet, ``_load_lora_into_text_encoder`` for text encoders, over every weight
+    name of ``base``: the dead ones too, as diffusers reads every module's rank)."""
     from diffusers.utils.state_dict_utils import (
         convert_state_dict_to_diffusers,
         convert_state_dict_to_peft,

@@ -16,7 +16,10 @@ path):
 * ``unload_lora``: the base values again (copied back on CUDA, re-bound on the CPU): bit for bit the base image;
 * a LoRA layer on a weight the refit map knows but the artifact keeps constant (a 3x3 Conv of a default
   ``--refittable`` artifact: LoCon / LyCORIS conv layers) is refused, naming the layer and the fix
-  (``--refittable --refit-convs``, or ``compile --lora``), before anything is bound.
+  (``--refittable --refit-convs``, or ``compile --lora``), before anything is bound;
+* a LoRA layer on a weight no output of the graph reads (the refit map's ``dead``: SDXL's last ``text_encoder``
+  layer, whose output SDXL never uses; :mod:`diffusion_trt.compiler.dead_weights`) is ignored with one INFO line: it
+  changes nothing (the merged compile gives the same image), so it is neither bound nor counted as unmatched.
 
 Why the spatial Conv weights are constants by default: ORT's NHWC Convs (``prefer_nhwc=1``, the UNet's default on
 CUDA) transpose constant weights only; with every Conv weight an input the SD-1.5 UNet failed on the H200
@@ -101,6 +104,8 @@ class WeightSlots(Mapping[str, torch.Tensor]):
                             "recompile")
         #: torch weight names the refit map knows but the engine keeps constant (a LoRA may not change them)
         self.constants = frozenset(s.torch_name for s in missing)
+        #: torch weight names no output reads (the map's ``dead``; absent from maps written before it: none)
+        self.dead = frozenset(refit_map.get("dead", ()))
         self._slots = [s for s in slots if s.input_name in base]
         cuda = device.type == "cuda"
         self._base = {s.input_name: base[s.input_name].pin_memory() if cuda else base[s.input_name]
@@ -221,7 +226,8 @@ def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile]) -> 
         component -> weights that now differ from the base.
 
     Raises:
-        LoraError: a LoRA matching no layer, or only part of them (naming the first that matches none), a layer on
+        LoraError: a LoRA matching no layer, or only part of them (naming the first that matches none; layers on
+            dead weights count as matched and are ignored), a layer on
             a weight the artifact keeps constant (naming it and the fix), a variant that is not ``W + delta`` (DoRA,
             LoKr, LoRA bias), NaN/Inf after the merge; the same file twice.
     """
@@ -234,7 +240,8 @@ def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile]) -> 
     shapes = {c: s.torch_shapes() for c, s in slots.items()}
     device = next(iter(slots.values())).device
     constants = {c: s.constants for c, s in slots.items()}
-    deltas = [lora_deltas(lora, shapes, device=device, constants=constants) for lora in loras]
+    dead = {c: s.dead for c, s in slots.items()}
+    deltas = [lora_deltas(lora, shapes, device=device, constants=constants, dead=dead) for lora in loras]
     what = " + ".join(f"LoRA {lora.path.name} at scale {lora.scale:g}" for lora in loras)
     values = {c: s.merged([d.get(c, {}) for d in deltas], what) for c, s in slots.items()}
     for comp, s in slots.items():  # nothing failed: bind

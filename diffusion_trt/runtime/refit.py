@@ -78,7 +78,8 @@ def refit_weights(
             changes a weight the engines cannot refit, leaves NaN/Inf, or is a variant refit cannot merge.
     """
     bases = {c: base_weights(model_dir, c, rmap, trust_pickle=trust_pickle) for c, rmap in maps.items()}
-    deltas = lora_deltas(lora, bases, unet_config=_sdxl_unet_config(model_dir) if "text_encoder_2" in maps else None)
+    deltas = lora_deltas(lora, bases, unet_config=_sdxl_unet_config(model_dir) if "text_encoder_2" in maps else None,
+                         dead={c: rmap.get("dead", ()) for c, rmap in maps.items()})
     out: dict[str, dict[str, np.ndarray]] = {}
     for comp, rmap in maps.items():
         _check_refittable(comp, rmap, deltas[comp], lora)
