@@ -734,6 +734,21 @@ def _read_manifest(artifact_dir: Path) -> tuple[Manifest | None, DiffusionTrtErr
         return None, e
 
 
+def _warn_vram_budget_on_cpu(vram_budget: str | None, device: str | None, artifact_dir: Path) -> None:
+    """One ``warning:`` line when ``--vram-budget`` is given for a CPU run (``device``, or unset: the device the
+    artifact was compiled for): the budget plans GPU memory, and nothing caps or measures host RAM. An unreadable
+    manifest warns nothing (loading reports it)."""
+    if vram_budget is None:
+        return
+    if device is None:
+        manifest, _ = _read_manifest(artifact_dir)
+        device = manifest.device if manifest is not None else None
+    if device == "cpu":
+        logger.warning("--vram-budget %s has no effect on the CPU: it budgets GPU memory, and host RAM is neither "
+                       "measured nor capped (engines may still open per stage as it plans); drop it, or run on "
+                       "CUDA (--device cuda)", vram_budget)
+
+
 def _needed(read: tuple[Manifest | None, DiffusionTrtError | None]) -> Manifest:
     """The manifest :func:`_read_manifest` read, or its failure raised."""
     manifest, problem = read
@@ -1070,6 +1085,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
 
         resolve_scheduler(scheduler)
     read = _read_manifest(artifact_dir)
+    _warn_vram_budget_on_cpu(vram_budget, "cuda" if devices is not None else device, artifact_dir)
     engine_options = _one_shot_search(_check_engine_options(engine_options), read[0], device)
     lora_specs = [parse_lora_arg(x) for x in loras]
     for path, scale in lora_specs:  # a missing / pickled / malformed file fails before the engines load
@@ -1415,7 +1431,7 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
     from .runtime.engines.buckets import parse_sizes
 
     engine_options = _check_engine_options(engine_options)
-
+    _warn_vram_budget_on_cpu(vram_budget, "cuda" if devices is not None else device, artifact_dir)
     for path, flag, example in ((json_path, "--json", "bench.json"), (plot_path, "--plot", "bench.png")):
         if path is not None:
             _check_output_file(path, flag, example)  # before the benchmark, not after
@@ -1520,6 +1536,7 @@ def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, m
     from .serve.loras import LoraLibrary
     from .serve.server import ServeConfig, serve
 
+    _warn_vram_budget_on_cpu(vram_budget, device, artifact_dir)
     if lora_dir is not None:
         LoraLibrary(lora_dir)  # a missing folder or a bad file fails before the engines load
 
