@@ -1191,8 +1191,7 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
         click.UsageError: a --controlnet without its --control-image or the other way round, a scale that is not a
             finite number.
     """
-    import math
-
+    from .config import split_scale
     from .runtime.controlnet import DEFAULT_CONTROL_SCALE, finite_in_float32
 
     if not controlnets and not control_images:
@@ -1202,11 +1201,7 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
                                "one control image per ControlNet, in the same order")
     names, scales = [], []
     for value in controlnets:
-        name, sep, scale = value.partition(":")
-        try:
-            number = float(scale) if sep else DEFAULT_CONTROL_SCALE[mode]
-        except ValueError:
-            number = math.nan
+        name, scale, number = split_scale(value, DEFAULT_CONTROL_SCALE[mode])
         if not finite_in_float32(number):
             raise click.UsageError(f"--controlnet {value!r}: the scale {scale!r} is not a finite number; use e.g. "
                                    f"{name}:0.8")
