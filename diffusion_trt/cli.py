@@ -736,6 +736,21 @@ def _read_manifest(artifact_dir: Path) -> tuple[Manifest | None, DiffusionTrtErr
         return None, e
 
 
+def _warn_vram_budget_on_cpu(vram_budget: str | None, device: str | None, artifact_dir: Path) -> None:
+    """One ``warning:`` line when ``--vram-budget`` is given for a CPU run (``device``, or unset: the device the
+    artifact was compiled for): the budget plans GPU memory, and nothing caps or measures host RAM. An unreadable
+    manifest warns nothing (loading reports it)."""
+    if vram_budget is None:
+        return
+    if device is None:
+        manifest, _ = _read_manifest(artifact_dir)
+        device = manifest.device if manifest is not None else None
+    if device == "cpu":
+        logger.warning("--vram-budget %s has no effect on the CPU: it budgets GPU memory, and host RAM is neither "
+                       "measured nor capped (engines may still open per stage as it plans); drop it, or run on "
+                       "CUDA (--device cuda)", vram_budget)
+
+
 def _needed(read: tuple[Manifest | None, DiffusionTrtError | None]) -> Manifest:
     """The manifest :func:`_read_manifest` read, or its failure raised."""
     manifest, problem = read
@@ -1072,6 +1087,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
 
         resolve_scheduler(scheduler)
     read = _read_manifest(artifact_dir)
+    _warn_vram_budget_on_cpu(vram_budget, "cuda" if devices is not None else device, artifact_dir)
     engine_options = _one_shot_search(_check_engine_options(engine_options), read[0], device)
     lora_specs = [parse_lora_arg(x) for x in loras]
     for path, scale in lora_specs:  # a missing / pickled / malformed file fails before the engines load
@@ -1177,8 +1193,7 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
         click.UsageError: a --controlnet without its --control-image or the other way round, a scale that is not a
             finite number.
     """
-    import math
-
+    from .config import split_scale
     from .runtime.controlnet import DEFAULT_CONTROL_SCALE, finite_in_float32
 
     if not controlnets and not control_images:
@@ -1188,11 +1203,7 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
                                "one control image per ControlNet, in the same order")
     names, scales = [], []
     for value in controlnets:
-        name, sep, scale = value.partition(":")
-        try:
-            number = float(scale) if sep else DEFAULT_CONTROL_SCALE[mode]
-        except ValueError:
-            number = math.nan
+        name, scale, number = split_scale(value, DEFAULT_CONTROL_SCALE[mode])
         if not finite_in_float32(number):
             raise click.UsageError(f"--controlnet {value!r}: the scale {scale!r} is not a finite number; use e.g. "
                                    f"{name}:0.8")
@@ -1417,7 +1428,7 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
     from .runtime.engines.buckets import parse_sizes
 
     engine_options = _check_engine_options(engine_options)
-
+    _warn_vram_budget_on_cpu(vram_budget, "cuda" if devices is not None else device, artifact_dir)
     for path, flag, example in ((json_path, "--json", "bench.json"), (plot_path, "--plot", "bench.png")):
         if path is not None:
             _check_output_file(path, flag, example)  # before the benchmark, not after
@@ -1522,6 +1533,7 @@ def serve_cmd(artifact_dir: Path, host: str, port: int, grpc_port: int | None, m
     from .serve.loras import LoraLibrary
     from .serve.server import ServeConfig, serve
 
+    _warn_vram_budget_on_cpu(vram_budget, device, artifact_dir)
     if lora_dir is not None:
         LoraLibrary(lora_dir)  # a missing folder or a bad file fails before the engines load
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -41,6 +42,32 @@ MAX_EMBEDDING_VECTORS = 1024
 #: Opsets compile exports: 17 (LayerNormalization) up to the newest that torch.onnx's TorchScript exporter
 #: (``dynamo=False``, compiler/export.py) writes.
 MIN_OPSET, MAX_OPSET = 17, 20
+
+
+def split_scale(text: str, default: float, *, at_last: bool = False, empty_is_default: bool = False
+                ) -> tuple[str, str, float]:
+    """Split a ``NAME:SCALE`` argument (``--controlnet``/``--lora`` of run and compile, serve's ``controlnet`` and
+    ``lora`` inputs) into ``(name, scale_text, scale)``; each caller checks the range and words its own message.
+
+    Args:
+        text: ``NAME`` or ``NAME:SCALE``.
+        default: the scale without ``:``.
+        at_last: split at the last ``:`` (a FILE may hold one, ``C:/loras/a``); else at the first.
+        empty_is_default: ``NAME:`` gets ``default`` (else NaN, as any scale that is not a number).
+
+    Returns:
+        the name ("" for ``:0.5``), the text after the ``:`` ("" without one) and the scale as a float: ``default``
+        without ``:``, NaN where the text is not a number (so one finiteness check refuses both); never raises.
+    """
+    name, sep, scale_text = text.rpartition(":") if at_last else text.partition(":")
+    if not sep:
+        return text, "", default
+    if not scale_text and empty_is_default:
+        return name, scale_text, default
+    try:
+        return name, scale_text, float(scale_text)
+    except ValueError:
+        return name, scale_text, math.nan
 
 
 def nearest_multiples(value: int, multiple: int) -> tuple[int, int]:

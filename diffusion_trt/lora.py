@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .config import split_scale
 from .errors import LoraError
 
 logger = logging.getLogger(__name__)
@@ -51,11 +52,7 @@ def parse_lora_arg(text: str) -> tuple[str, float]:
     """
     if text.lower().endswith(LORA_SUFFIX) or ":" not in text:
         return text, 1.0
-    path, _, scale_text = text.rpartition(":")
-    try:
-        scale = float(scale_text)
-    except ValueError:
-        scale = math.nan
+    path, scale_text, scale = split_scale(text, 1.0, at_last=True)
     if not path or not math.isfinite(scale):
         raise LoraError(
             f"--lora {text!r}: {scale_text!r} is not a scale; use FILE or FILE:SCALE with a finite number, "

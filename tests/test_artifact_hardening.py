@@ -517,7 +517,7 @@ def test_sigterm_during_compile_leaves_nothing(tiny_pipeline_dir: Path, tmp_path
     assert proc.returncode == 143, err
     assert "terminated" in err and "Traceback" not in err
     assert not out.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".art.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # not even the lock file
 
 
 def _dead_pid() -> int:

@@ -136,7 +136,7 @@ def test_overwrite_swaps_in_one_step(tmp_path: Path) -> None:
     with artifacts.staging_dir(final, overwrite=True) as stage:
         (stage / "v").write_text("2")
     assert (final / "v").read_text() == "2"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".art.lock", "art"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # the lock file goes with the lock
 
 
 def test_leftovers_of_a_similarly_named_artifact_are_not_touched(tmp_path: Path) -> None:
@@ -145,3 +145,64 @@ def test_leftovers_of_a_similarly_named_artifact_are_not_touched(tmp_path: Path)
     with artifacts.staging_dir(tmp_path / "art") as stage:
         (stage / "f").write_text("x")
     assert other.is_dir()
+
+
+HOLD_INTERRUPTIBLE = """
+import signal, sys, time
+from diffusion_trt.artifact import folder as artifacts
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even if the parent ignores SIGINT
+with artifacts.artifact_lock(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(300)
+"""
+
+
+def test_ctrl_c_while_holding_removes_the_lock_file(tmp_path: Path) -> None:
+    final = tmp_path / "art"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_INTERRUPTIBLE, str(final)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+        assert json.loads(artifacts.lock_path(final).read_text())["pid"] == proc.pid
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert "KeyboardInterrupt" in err
+    assert not artifacts.lock_path(final).exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_released_lock_leaves_no_file_after_success_or_error(tmp_path: Path) -> None:
+    final = tmp_path / "art"
+    with artifacts.artifact_lock(final) as path:
+        assert path.is_file()
+    assert not path.exists()
+    with pytest.raises(KeyboardInterrupt), artifacts.artifact_lock(final):
+        raise KeyboardInterrupt
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("content", ["", '{"pid": 999999999, "host": "elsewhere", "since_utc": "2020-01-01"}\n'])
+def test_a_stale_lock_file_of_a_dead_writer_does_not_block(tmp_path: Path, content: str) -> None:
+    """An empty file (killed between create and write) or one naming a dead pid: nobody holds its flock."""
+    final = tmp_path / "art"
+    artifacts.lock_path(final).write_text(content)
+    with artifacts.staging_dir(final) as stage:
+        assert json.loads(artifacts.lock_path(final).read_text())["pid"] == os.getpid()
+        (stage / "f").write_text("x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_a_waiter_locks_the_new_file_after_the_holder_deleted_its_own(tmp_path: Path) -> None:
+    """The waiter opened the holder's file; the holder deletes it on release, so the waiter must reopen the path
+    (else a third writer creating a new file would hold a lock at the same time)."""
+    final = tmp_path / "art"
+    with _holder(final, 1.0):
+        with artifacts.artifact_lock(final, timeout=60) as path:
+            assert json.loads(path.read_text())["pid"] == os.getpid()
+            with pytest.raises(ArtifactError, match="another compile"), artifacts.artifact_lock(final):
+                pass
+    assert not artifacts.lock_path(final).exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ from diffusion_trt.artifact import folder as artifacts
 from diffusion_trt.artifact.manifest import Backend
 from diffusion_trt.compiler.plan import plan_components
 from diffusion_trt.compiler.quantize import QuantizeSpec
-from diffusion_trt.config import CompileConfig
+from diffusion_trt.config import CompileConfig, split_scale
 from diffusion_trt.errors import RuntimeInputError
 
 #: The strings manifest.json held for each backend before CompileConfig.backend was the enum.
@@ -85,3 +86,23 @@ def test_refit_convs_is_in_the_json_only_when_set() -> None:
     assert config.to_json()["refit_convs"] is True and CompileConfig.from_json(config.to_json()) == config
     with pytest.raises(RuntimeInputError, match="refit_convs='yes' must be True or False"):
         CompileConfig(refittable=True, refit_convs="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("text", "kwargs", "expected"), [
+    ("canny", {}, ("canny", "", 0.5)),
+    ("canny:0.8", {}, ("canny", "0.8", 0.8)),
+    (":0.8", {}, ("", "0.8", 0.8)),
+    ("C:/loras/a:0.3", {"at_last": True}, ("C:/loras/a", "0.3", 0.3)),
+    ("a:b:0.3", {}, ("a", "b:0.3", math.nan)),  # the first ':' without at_last
+    ("style:", {"empty_is_default": True}, ("style", "", 0.5)),
+])
+def test_split_scale(text: str, kwargs: dict[str, bool], expected: tuple[str, str, float]) -> None:
+    name, scale_text, scale = split_scale(text, 0.5, **kwargs)
+    assert (name, scale_text) == expected[:2]
+    assert scale == expected[2] or (math.isnan(scale) and math.isnan(expected[2]))
+
+
+@pytest.mark.parametrize("text", ["a:", "a:lots", "a:nan", "a: "])
+def test_split_scale_gives_nan_for_what_is_not_a_number(text: str) -> None:
+    """NaN (or a float's own nan/inf) for the caller's one finiteness check, never an exception."""
+    assert not math.isfinite(split_scale(text, 1.0)[2])

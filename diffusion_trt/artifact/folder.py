@@ -472,9 +472,12 @@ def lock_path(final: str | os.PathLike[str]) -> Path:
 def artifact_lock(final: str | os.PathLike[str], timeout: float = 0.0, poll: float = 0.2) -> Iterator[Path]:
     """Hold the exclusive writer lock of artifact folder ``final`` for the ``with`` block.
 
-    The lock is ``flock(2)`` on :func:`lock_path`: the kernel drops it when the holder exits or is killed,
-    so a lock file left by a dead compile never blocks (no stale-lock cleanup needed); the file itself is
-    kept, holding the last holder's pid, host and start time for messages. POSIX only (``fcntl``).
+    The lock is ``flock(2)`` on :func:`lock_path`, holding the holder's pid, host and start time for messages.
+    Leaving the block any way Python can (success, error, Ctrl-C, SIGTERM through the CLI) deletes the file while
+    still holding the lock. A holder killed outright (SIGKILL, power loss) leaves the file behind, but the kernel
+    dropped its lock with the process, so a stale file of a dead pid never blocks the next writer. A waiter that
+    gets the lock of a file already deleted (or replaced) reopens the path and tries again, so two writers never
+    hold locks on two different files of one name. POSIX only (``fcntl``).
 
     Args:
         final: the artifact folder.
@@ -488,22 +491,9 @@ def artifact_lock(final: str | os.PathLike[str], timeout: float = 0.0, poll: flo
 
     path = lock_path(final)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + max(0.0, timeout)
+    fd = _acquire(path, final, timeout, deadline, poll)
     try:
-        deadline = time.monotonic() + max(0.0, timeout)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = _lock_holder(path)
-                    waited = f"after waiting {timeout:g} s" if timeout > 0 else "now"
-                    raise OutputPathError(
-                        f"another compile ({holder}) is writing {final} {waited}; wait for it to finish, write "
-                        f"to another folder, or pass --lock-timeout SECONDS to wait (lock file {path})"
-                    ) from None
-                time.sleep(poll)
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -512,12 +502,51 @@ def artifact_lock(final: str | os.PathLike[str], timeout: float = 0.0, poll: flo
         }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-        try:
-            yield path
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        yield path
     finally:
+        with contextlib.suppress(OSError):
+            if _same_file(path, fd):
+                path.unlink()  # still holding the lock: no writer can be between its open and its flock check
+        fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _acquire(path: Path, final: str | os.PathLike[str], timeout: float, deadline: float, poll: float) -> int:
+    """An fd of ``path`` holding its exclusive ``flock``, retried every ``poll`` s until ``deadline``; a lock got
+    on a file the previous holder deleted on release is dropped and the path reopened. Raises OutputPathError."""
+    import fcntl
+
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if time.monotonic() >= deadline:
+                holder = _lock_holder(path)
+                waited = f"after waiting {timeout:g} s" if timeout > 0 else "now"
+                raise OutputPathError(
+                    f"another compile ({holder}) is writing {final} {waited}; wait for it to finish, write "
+                    f"to another folder, or pass --lock-timeout SECONDS to wait (lock file {path})"
+                ) from None
+            time.sleep(poll)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(path, fd):
+            return fd
+        os.close(fd)  # the holder we waited for deleted this file on release: lock the path's new file
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (False once deleted or replaced)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def _lock_holder(path: Path) -> str:

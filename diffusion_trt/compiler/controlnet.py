@@ -94,12 +94,16 @@ def check_controlnet(name: str, path: str | Path, unet_config: Mapping[str, Any]
     config as diffusers' ``from_single_file`` builds it, loading the file once), against the model's UNet config.
 
     Raises:
-        ModelFolderError: the folder, its config.json or its safetensors weights are missing; it is not a
+        ModelFolderError: ``path`` does not exist (the message names it and ``name``); the folder's config.json or
+            its safetensors weights are missing; it is not a
             ControlNet; a single file diffusers cannot load offline, or a pickled one (``.pt``/``.pth``/``.ckpt``);
             ``global_pool_conditions`` (shuffle-style) ControlNets (not supported); or it was trained for another
             base architecture (the message names both).
     """
     folder = Path(path)
+    if not folder.exists():
+        raise ModelFolderError(f"--controlnet {name}={folder}: {folder} does not exist; pass a folder written by "
+                               "ControlNetModel.save_pretrained or one .safetensors ControlNet file")
     config = single_file_config(folder) if is_single_file(folder) else _folder_config(folder)
     if config.get("global_pool_conditions"):
         raise ModelFolderError(f"--controlnet {folder} pools its residuals (global_pool_conditions=true); such "

@@ -80,18 +80,30 @@ def read_embedding(path: str | Path, token: str | None = None) -> Embedding:
     return found[0]
 
 
+def _check_is_file(path: Path) -> None:
+    """Raise RuntimeInputError unless ``path`` is an existing regular file (the message says what it is instead)."""
+    if path.is_file():
+        return
+    if path.is_dir():
+        raise RuntimeInputError(f"embedding file {path} is a directory; pass one embedding file in it (.safetensors, "
+                                "or .pt/.bin read with torch's weights-only loader), once per --embedding")
+    if path.exists():
+        raise RuntimeInputError(f"embedding file {path} is not a regular file; pass a .safetensors (or .pt/.bin) file")
+    raise RuntimeInputError(f"embedding file {path} does not exist")
+
+
 def read_embeddings(path: str | Path, token: str | None = None) -> tuple[Embedding, ...]:
     """The embedding in ``path``, named ``token`` or the file stem: one :class:`Embedding` for the one-encoder forms,
     two for SDXL's (``clip_l`` for ``text_encoder``, then ``clip_g`` for ``text_encoder_2``; module docstring).
 
     Raises:
-        RuntimeInputError: no such file, an unknown suffix, a file the weights-only loader or safetensors refuses,
+        RuntimeInputError: no such file (or a directory, or another non-file, there), an unknown suffix, a file the
+            weights-only loader or safetensors refuses,
             keys of no known form (an SDXL file with only one of clip_l/clip_g), or vectors that are not [D] /
             [n, D].
     """
     path = Path(path)
-    if not path.is_file():
-        raise RuntimeInputError(f"embedding file {path} does not exist")
+    _check_is_file(path)
     suffix = path.suffix.lower()
     if suffix in SAFETENSORS:
         state = _read_safetensors(path)

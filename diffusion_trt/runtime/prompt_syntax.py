@@ -11,13 +11,18 @@
 * ``\\(`` ``\\)`` ``\\[`` ``\\]`` ``\\\\`` are the literal characters;
 * ``BREAK`` (upper case, a word of its own) ends the current 75-token chunk (see :mod:`.prompt_encoding`);
 * a bracket without its partner is kept as literal text, and reported in :attr:`ParsedPrompt.warnings` (A1111
-  instead weights the rest of the prompt by an unclosed bracket); never an exception.
+  instead weights the rest of the prompt by an unclosed bracket); never an exception;
+* a weight that is not a finite number (``(fox:nan)``, ``(fox:inf)``, a number too large for a float) is no weight:
+  the bracket keeps its default factor 1.1 and ``:nan`` stays text, with a warning. That is what A1111 does with
+  ``nan``/``inf`` (its weight pattern takes digits and dots only), so a prompt copied from it encodes the same; a
+  NaN or Inf factor would turn the whole prompt's embeddings to NaN (a black or noise image), never what was meant.
 
 Syntax ``"plain"`` reads the whole prompt as one segment of weight 1.0 (no brackets, no ``BREAK``).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -29,6 +34,7 @@ _TOKEN = re.compile(
     r"\\[\\()\[\]]"                              # an escaped bracket or backslash
     r"|\(|\[|\]"                                 # an opening bracket, or a closing square one
     r"|:\s*([+-]?(?:\d+\.?\d*|\.\d+))\s*\)"      # ':1.3)': closes a round bracket with its own factor
+    r"|:\s*((?i:[+-]?(?:nan|inf(?:inity)?)))\s*\)"  # ':nan)', ':inf)': closes one with a non-finite "factor"
     r"|\)"                                       # a closing round bracket
     r"|\bBREAK\b"                                # a chunk break
     r"|[^\\()\[\]:B]+|."                         # text (one character at a time where it could start a token)
@@ -50,7 +56,8 @@ class ParsedPrompt:
     Attributes:
         parts: the prompt split at ``BREAK``: each part a tuple of segments (adjacent equal weights merged, empty
             text dropped); at least one part, which may be empty.
-        warnings: one line per bracket kept as text because it had no partner, naming it and its position.
+        warnings: one line per bracket kept as text because it had no partner, and per non-finite weight read
+            as the default 1.1, naming it and its position.
     """
 
     parts: tuple[tuple[Segment, ...], ...]
@@ -83,12 +90,14 @@ def parse_prompt(text: str, syntax: str = "a1111") -> ParsedPrompt:
         elif tok in "([":
             stack.append((tok, len(items), m.start()))
             items.append([tok, 1.0])
-        elif tok == "]" or tok == ")" or m.group(1) is not None:
+        elif tok == "]" or tok == ")" or m.group(1) is not None or m.group(2) is not None:
             want = "[" if tok == "]" else "("
             if stack and stack[-1][0] == want:
+                factor, literal = _closing_factor(m, want, warnings)
+                if literal:
+                    items.append([literal, 1.0])
                 _, at, _ = stack.pop()
                 items[at] = ["", 1.0]
-                factor = 1 / ATTENTION if want == "[" else (float(m.group(1)) if m.group(1) else ATTENTION)
                 for item in items[at + 1:]:
                     if item is not None:
                         item[1] *= factor
@@ -102,6 +111,23 @@ def parse_prompt(text: str, syntax: str = "a1111") -> ParsedPrompt:
     for bracket, _, pos in stack:
         warnings.append(f"prompt: {bracket!r} at character {pos} is never closed; kept as text")
     return ParsedPrompt(_parts(items), tuple(warnings))
+
+
+def _closing_factor(m: re.Match[str], want: str, warnings: list[str]) -> tuple[float, str]:
+    """The factor a closing bracket token ``m`` applies, and the text it leaves behind ("" unless its weight is not
+    a finite number: then the factor is :data:`ATTENTION`, ``:WEIGHT`` stays text and a warning is appended)."""
+    if want == "[":
+        return 1 / ATTENTION, ""
+    weight = m.group(1) or m.group(2)
+    if weight is None:
+        return ATTENTION, ""
+    factor = float(weight)
+    if math.isfinite(factor):
+        return factor, ""
+    shown = weight if len(weight) <= 24 else weight[:20] + "..."
+    warnings.append(f"prompt: weight {shown!r} at character {m.start()} is not a finite number; the bracket keeps "
+                    f"its default factor {ATTENTION} and ':{shown}' stays text")
+    return ATTENTION, m.group(0)[:-1]
 
 
 def _parts(items: list[list | None]) -> tuple[tuple[Segment, ...], ...]:

@@ -18,13 +18,13 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..config import split_scale
 from ..runtime.controlnet import finite_in_float32
 from .loras import one_text
 from .triton_model import RequestError
@@ -80,7 +80,7 @@ class ControlNets:
         return ControlRequest(name, scale, _image(image, name, height, width))
 
     def _name_and_scale(self, text: str) -> tuple[str, float]:
-        name, sep, scale_text = text.partition(":")
+        name, scale_text, scale = split_scale(text, 1.0)
         if not name:
             if len(self.names) > 1:
                 have = ", ".join(self.names)
@@ -90,10 +90,6 @@ class ControlNets:
         if name not in self.names:
             raise RequestError(NAME_FIELD, f"ControlNet {name!r} is not in this artifact; it has "
                                f"{', '.join(self.names)}")
-        try:
-            scale = float(scale_text) if sep else 1.0
-        except ValueError:
-            scale = math.nan
         if not finite_in_float32(scale):
             raise RequestError(NAME_FIELD, f"controlnet={text!r}: the scale {scale_text!r} is not a finite number; "
                                f"use e.g. {name}:0.8")

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import split_scale
 from ..errors import LoraError
 from ..lora import LORA_SUFFIX, check_lora_file
 from .triton_model import RequestError
@@ -56,15 +57,11 @@ class LoraLibrary:
         text = one_text(FIELD, value, "send the LoRA's name as UTF-8")
         if not text:
             return None
-        name, _, scale_text = text.partition(":")
+        name, _, scale = split_scale(text, 1.0, empty_is_default=True)
         if name not in self.paths:
             known = ", ".join(sorted(self.paths)[:20])
             raise RequestError(FIELD, f"lora={name!r} is not one of the LoRAs this server offers ({known}); send one "
                                "of these names, NAME:SCALE, or no lora for the base model")
-        try:
-            scale = float(scale_text) if scale_text else 1.0
-        except ValueError:
-            scale = math.nan
         if not math.isfinite(scale) or abs(scale) > MAX_ABS_SCALE:
             raise RequestError(FIELD, f"lora={text!r}: the scale must be a number in -{MAX_ABS_SCALE:g}.."
                                f"{MAX_ABS_SCALE:g}, e.g. {name}:0.8")

@@ -98,8 +98,8 @@ def test_failed_compile_leaves_existing_artifact_intact(
     with pytest.raises(ExportError, match=r"compile failed at export of text_encoder: RuntimeError: exporter exploded"):
         compile_pipeline(tiny_pipeline_dir, out, overwrite=True)
     artifacts.load_verified(out)  # the previous artifact, whole
-    # the writer's lock file stays beside the folder by design (artifacts.artifact_lock); no staging folder
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".art.lock", "art"], "staging folder left behind"
+    # the writer's lock file is deleted on release (artifacts.artifact_lock); no staging folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"], "staging folder or lock file left behind"
 
 
 def test_existing_output_needs_overwrite(tiny_pipeline_dir: Path, tiny_artifact: Path, tmp_path: Path) -> None:

@@ -128,3 +128,13 @@ def test_dummy_controlnet_cli(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     cfg = json.loads((tmp_path / "x" / "config.json").read_text())
     assert cfg["_class_name"] == "ControlNetModel" and cfg["addition_embed_type"] == "text_time"
+
+
+def test_compile_cli_names_a_controlnet_path_that_does_not_exist(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "nonexistent" / "path"
+    result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"), "--no-cache",
+                                       "--controlnet", f"x={missing}"])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and f"--controlnet x={missing}: {missing} does not exist" in lines[0], result.output
+    assert "config.json" not in lines[0] and not (tmp_path / "a").exists()

@@ -162,7 +162,7 @@ def _bad_files(d: Path) -> dict[str, Path]:
     save_file({"a": torch.zeros(1, HIDDEN), "b": torch.zeros(1, HIDDEN)}, str(d / "twokeys.safetensors"))
     return {"wide": d / "wide.safetensors", "evil": d / "evil.pt", "xl": d / "xl.safetensors",
             "clash": d / "other" / "inkstyle.safetensors", "twokeys": d / "twokeys.safetensors",
-            "missing": d / "nope.safetensors"}
+            "missing": d / "nope.safetensors", "folder": d / "other"}
 
 
 @pytest.mark.parametrize(("case", "message"), [
@@ -172,6 +172,7 @@ def _bad_files(d: Path) -> dict[str, Path]:
     ("clash", "embedding name 'inkstyle'"),
     ("twokeys", "none of the textual-inversion forms"),
     ("missing", "nope.safetensors does not exist"),
+    ("folder", "other is a directory; pass one embedding file in it (.safetensors, or .pt/.bin"),
 ])
 def test_bad_embedding_is_one_error_line(tiny_artifact: Path, files: dict[str, Path], tmp_path: Path, case: str,
                                          message: str, capsys: pytest.CaptureFixture[str]) -> None:

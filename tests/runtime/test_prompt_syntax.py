@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import math
+from pathlib import Path
 
+import pytest
+from click.testing import CliRunner
+
+from diffusion_trt.cli import main
 from diffusion_trt.runtime.prompt_syntax import ATTENTION, Segment, parse_prompt
 
 A = ATTENTION
@@ -41,6 +46,13 @@ CASES = [
     ("[fox)", [[("[fox)", 1.0)]], 2),
     ("(", [[("(", 1.0)]], 1),
     ("\\", [[("\\", 1.0)]], 0),
+    # a weight that is not a finite number: the default factor, ':WEIGHT' kept as text (as A1111), one warning
+    ("(a:nan)", [[("a:nan", A)]], 1),
+    ("(a:inf)", [[("a:inf", A)]], 1),
+    ("(a: -Infinity )", [[("a: -Infinity ", A)]], 1),
+    ("((a:NaN) b)", [[("a:NaN", A * A), (" b", A)]], 1),
+    ("(a:" + "9" * 400 + ")", [[("a:" + "9" * 400, A)]], 1),  # float() overflows to inf
+    ("a:nan)", [[("a:nan)", 1.0)]], 1),  # closes nothing: the usual warning only
 ]
 
 
@@ -66,3 +78,22 @@ def test_plain_syntax_reads_everything_as_text() -> None:
 def test_unknown_syntax_is_refused() -> None:
     with pytest.raises(ValueError, match="syntax='compel'"):
         parse_prompt("x", syntax="compel")
+
+
+@pytest.mark.parametrize("prompt", ["(a:nan)", "(a:inf)", "(a:-inf)", "(a:" + "9" * 400 + ")"])
+def test_a_non_finite_weight_warns_and_no_weight_is_non_finite(prompt: str) -> None:
+    parsed = parse_prompt(prompt)
+    assert all(math.isfinite(s.weight) for part in parsed.parts for s in part)
+    (line,) = parsed.warnings
+    assert line.startswith("prompt: weight '") and "at character 2 is not a finite number" in line
+    assert "keeps its default factor 1.1" in line
+
+
+def test_a_non_finite_weight_is_one_warning_line_of_run(tiny_artifact: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["run", str(tiny_artifact), "-p", "(a:nan) fox", "--steps", "1",
+                                       "-o", str(tmp_path / "x.png")])
+    assert result.exit_code == 0, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.startswith("warning:")]
+    assert lines == ["warning: prompt: weight 'nan' at character 2 is not a finite number; the bracket keeps its "
+                     "default factor 1.1 and ':nan' stays text"], result.output
+    assert (tmp_path / "x.png").is_file()

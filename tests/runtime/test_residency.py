@@ -284,3 +284,28 @@ def test_stage_memory_meter_off_cuda_reads_nothing() -> None:
     with stages.stage("vae"):
         assert meter.stage == "unet"
     assert meter.peaks_mib() == {"text": None, "unet": None, "vae": None}
+
+
+CPU_BUDGET_WARNING = ("warning: --vram-budget 16GB has no effect on the CPU: it budgets GPU memory, and host RAM is "
+                      "neither measured nor capped")
+
+
+@pytest.mark.parametrize(("command", "extra", "code"), [
+    ("run", ["-p", "x", "--steps", "1", "-o", "{tmp}/o.png"], 0),
+    ("bench", ["--json", "{tmp}"], 2),  # refused before the benchmark: the warning came first
+    ("serve", ["--lora-dir", "{tmp}/missing"], 2),  # refused before the engines load and the server starts
+])
+def test_cli_warns_once_that_a_budget_does_nothing_on_the_cpu(tiny_artifact: Path, tmp_path: Path, command: str,
+                                                               extra: list[str], code: int) -> None:
+    args = [command, str(tiny_artifact), "--vram-budget", "16GB"] + [a.format(tmp=tmp_path) for a in extra]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == code, result.output
+    warnings = [ln for ln in result.output.splitlines() if ln.startswith("warning: --vram-budget")]
+    assert len(warnings) == 1 and warnings[0].startswith(CPU_BUDGET_WARNING), result.output
+    assert len([ln for ln in result.output.splitlines() if ln.startswith("error:")]) == (code == 2)
+
+
+def test_cli_run_without_a_budget_gives_no_budget_warning(tiny_artifact: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["run", str(tiny_artifact), "-p", "x", "--steps", "1", "-o",
+                                       str(tmp_path / "o.png")])
+    assert result.exit_code == 0 and "--vram-budget" not in result.output, result.output
