@@ -176,7 +176,8 @@ def _summary(e: BaseException, lines: int = 2, chars: int = 400) -> str:
 def refit_map(model: Any, module: Any, find_dead: Callable[[list[str]], Collection[str]] | None = None
               ) -> dict[str, Any]:
     """Which ONNX initializer of ``model`` holds each Linear / Conv2d weight of ``module``, by value (the same
-    tensor, or its transpose for a Linear exported as MatMul, in the initializer's dtype: fp16 after convert_fp16).
+    tensor, or its transpose for a Linear exported as MatMul or a 1x1 Conv rewritten as one, ``[C, O]``:
+    ``pointwise``; in the initializer's dtype: fp16 after convert_fp16).
 
     Args:
         model: the optimized ``onnx.ModelProto`` TensorRT builds from (weights in memory).
@@ -186,7 +187,8 @@ def refit_map(model: Any, module: Any, find_dead: Callable[[list[str]], Collecti
             none is tested.
 
     Returns:
-        ``{"format": 1, "weights": {"<module path>.weight": {"initializer", "transpose", "dtype", "sha256"}},
+        ``{"format": 1, "weights": {"<module path>.weight": {"initializer", "transpose", "dtype", "sha256"[,
+        "pointwise"]}},
         "unmapped": [weights found in no initializer, or in one shared with another weight, that are not dead],
         "dead": [weights no output depends on: a LoRA's layers on them change nothing and are ignored]}``
         (maps written before ``dead`` existed lack it: none dead).
@@ -211,10 +213,12 @@ def refit_map(model: Any, module: Any, find_dead: Callable[[list[str]], Collecti
         wname = f"{name}.weight"
         found = None
         for dtype in sorted(graph_dtypes):
-            for transpose in (False, True) if m.weight.ndim == 2 else (False,):
+            pointwise = m.weight.ndim == 4 and tuple(m.weight.shape[2:]) == (1, 1)
+            for transpose in (False, True) if m.weight.ndim == 2 or pointwise else (False,):
                 key = array_key(as_initializer(m.weight, transpose, dtype))
                 if key in by_key:
-                    found = {"initializer": by_key[key], "transpose": transpose, "dtype": dtype, "sha256": key}
+                    found = {"initializer": by_key[key], "transpose": transpose, "dtype": dtype, "sha256": key,
+                             **({"pointwise": True} if transpose and pointwise else {})}
                     break
             if found:
                 break

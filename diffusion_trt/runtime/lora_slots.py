@@ -67,11 +67,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Slot:
-    """One weight input: the torch weight it holds and how (``transpose``: Linear exported as MatMul)."""
+    """One weight input: the torch weight it holds and how (``transpose``: Linear exported as MatMul;
+    ``pointwise``: a 1x1 Conv ``[O, C, 1, 1]`` held as the ``[C, O]`` matrix of a MatMul)."""
 
     torch_name: str
     input_name: str
     transpose: bool
+    pointwise: bool = False
+
+    def torch_shape(self, input_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The torch weight's shape, from the bound input's."""
+        if not self.transpose:
+            return input_shape
+        return (*input_shape[::-1], *((1, 1) if self.pointwise else ()))
 
 
 class WeightSlots(Mapping[str, torch.Tensor]):
@@ -97,7 +105,8 @@ class WeightSlots(Mapping[str, torch.Tensor]):
                  device: torch.device, spatial_conv_inputs: bool = True) -> None:
         self.component = component
         self.device = device
-        slots = [_Slot(w, e["initializer"], bool(e["transpose"])) for w, e in refit_map["weights"].items()]
+        slots = [_Slot(w, e["initializer"], bool(e["transpose"]), bool(e.get("pointwise", False)))
+                 for w, e in refit_map["weights"].items()]
         missing = [s for s in slots if s.input_name not in base]
         if missing and spatial_conv_inputs:
             raise LoraError(f"{component}: lora_base.safetensors lacks the weight input {missing[0].input_name!r}; "
@@ -126,8 +135,7 @@ class WeightSlots(Mapping[str, torch.Tensor]):
         """torch weight name -> an empty tensor of its torch shape on the device (what :func:`lora_deltas` reads)."""
         out = {}
         for s in self._slots:
-            shape = tuple(self._base[s.input_name].shape)
-            out[s.torch_name] = torch.empty(shape[::-1] if s.transpose else shape, device="meta")
+            out[s.torch_name] = torch.empty(s.torch_shape(tuple(self._base[s.input_name].shape)), device="meta")
         return out
 
     def merged(self, deltas: Sequence[Mapping[str, torch.Tensor]], what: str) -> dict[str, torch.Tensor]:
@@ -144,7 +152,7 @@ class WeightSlots(Mapping[str, torch.Tensor]):
                 continue
             base = self._base[s.input_name].to(self.device, torch.float32, non_blocking=True)
             total = torch.stack([p.to(self.device) for p in parts]).sum(0)
-            value = (base + (total.T if s.transpose else total)).to(self._base[s.input_name].dtype)
+            value = (base + (total.flatten(1).T if s.transpose else total)).to(self._base[s.input_name].dtype)
             if not bool(torch.isfinite(value).all()):  # in the engine's dtype: fp16 overflows at 65504
                 raise LoraError(f"{what} leaves NaN/Inf in {self.component}.{s.torch_name} (in its "
                                 f"{str(value.dtype).removeprefix('torch.')} weights): the file holds non-finite values "

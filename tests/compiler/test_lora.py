@@ -563,3 +563,56 @@ def test_a_lora_that_leaves_nan_is_refused(tiny_pipeline_dir: Path, loras: dict[
     with pytest.raises(LoraError, match=r"leaves NaN/Inf in (unet|text_encoder)\..*check the file, or use a smaller"):
         compile_pipeline(tiny_pipeline_dir, tmp_path / "art", CompileConfig(loras=((str(bad), 1.0),)))
     assert not (tmp_path / "art").exists()
+
+
+# -- a CUDA-target compile: the 1x1 Convs its NHWC passes turn into MatMuls stay LoRA slots ----------------------
+
+
+@pytest.fixture(scope="module")
+def cuda_target_refittable(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny compiled for CUDA, static 64x64 b1, fp32, ``--refittable``: its CUDA passes run (cancel_transposes turns
+    the NHWC-sandwiched 1x1 Convs, ``proj_in``/``proj_out``, into MatMuls over the channels). Compiled here on the
+    CPU and not run (its fused GroupNorm is a CUDA-only ONNX Runtime op)."""
+    side = {f"{k}{d}": 64 for k in ("", "min_", "max_") for d in ("height", "width")}
+    config = CompileConfig(device="cuda", precision="fp32", refittable=True, batch_size=1, min_batch_size=1,
+                           max_batch_size=1, components=("text_encoder", "unet", "vae_decoder"), **side)
+    return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("cuda-refit") / "art", config)
+
+
+def test_a_cuda_target_refit_map_keeps_the_1x1_convs_rewritten_as_matmuls(
+    cuda_target_refittable: Path, tiny_pipeline_dir: Path, tmp_path: Path
+) -> None:
+    """On the H200 the refittable SD-1.5 UNet refused a rank-64 LoRA on attention and proj_in/proj_out ("only 243
+    of its 264 LoRA layers match ... proj_in"): the 21 1x1 Convs cancel_transposes made MatMuls ([C, O] weights)
+    were in no refit-map entry. They are now ``pointwise`` entries, bound as inputs, and a LoRA merges into them as
+    the merged torch weight would read."""
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import load_file
+
+    from diffusion_trt.lora import LoraFile
+    from diffusion_trt.runtime.lora_deltas import lora_deltas
+    from diffusion_trt.runtime.lora_slots import WeightSlots
+    from diffusion_trt.runtime.refit import as_initializer
+
+    rmap = json.loads((cuda_target_refittable / "unet" / "refit_map.json").read_text())
+    pointwise = sorted(w for w, e in rmap["weights"].items() if e.get("pointwise"))
+    assert pointwise and all(w.endswith(("proj_in.weight", "proj_out.weight")) for w in pointwise), pointwise
+    unet = UNet2DConditionModel.from_pretrained(tiny_pipeline_dir, subfolder="unet", local_files_only=True)
+    slot_kinds = {f"{n}.weight" for n, m in unet.named_modules() if isinstance(m, torch.nn.Linear)
+                  or (isinstance(m, torch.nn.Conv2d) and tuple(m.kernel_size) == (1, 1))}
+    assert not slot_kinds & set(rmap["unmapped"]), sorted(slot_kinds & set(rmap["unmapped"]))
+    base = load_file(str(cuda_target_refittable / "unet" / "lora_base.safetensors"))
+    assert all(rmap["weights"][w]["initializer"] in base for w in pointwise)  # graph inputs: bound per request
+    tensors = {}
+    for name, (a, b) in _lora_tensors(unet, ["to_q", "proj_in", "proj_out"], 4, seed=5).items():
+        tensors[f"unet.{name}.lora_A.weight"], tensors[f"unet.{name}.lora_B.weight"] = a, b
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "proj.safetensors"))
+    slots = WeightSlots("unet", rmap, base, torch.device("cpu"), spatial_conv_inputs=False)
+    deltas = lora_deltas(LoraFile(tmp_path / "proj.safetensors", 0.8, ""), {"unet": slots.torch_shapes()},
+                         constants={"unet": slots.constants})["unet"]
+    merged = slots.merged([deltas], "proj.safetensors")
+    weights = unet.state_dict()
+    for w in pointwise:
+        e = rmap["weights"][w]
+        want = as_initializer(weights[w] + deltas[w], True, e["dtype"])
+        np.testing.assert_allclose(merged[e["initializer"]].numpy(), want, atol=1e-6, rtol=0)
