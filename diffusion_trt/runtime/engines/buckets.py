@@ -30,7 +30,8 @@ call at a new shape runs on it at once (about 2x slower per step, with no sessio
 creates that shape's static session; the first call after it is ready adopts it (its first runs warm up and
 capture the CUDA graph on the caller's thread, since ORT's CUDA state is per thread). Outputs are the same either
 way (the same graph, fixed dimensions); only the speed differs. The cost: the dynamic session's copy of the
-weights stays on the device.
+weights stays on the device. Measured on the H200 (same benchmark): 4.19 / 6.68 / 4.75 s over warm at 512x512 /
+768x768 / 640x384, from 8.08 / 10.82 / 7.65 s; the static sessions were ready within that first call.
 
 The runtime never imports ``passes/``: this module uses only onnxruntime through :class:`OrtEngine`.
 """
