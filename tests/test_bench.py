@@ -300,3 +300,19 @@ def test_bench_writes_json_and_plot_into_missing_folders_at_the_end(tiny_artifac
     assert json.loads(out.read_text()) == fake and f"json: {out}" in result.output
     with Image.open(png) as image:
         assert image.format == "PNG"
+
+
+def test_bench_refuses_a_size_outside_the_profile_before_any_work(tiny_artifact: Path) -> None:
+    """--sizes 64x64,256x256 on a 32..128 artifact: one error line naming the size, exit 2, nothing timed (before,
+    64x64 was timed first and the error came at 256x256's turn)."""
+    from diffusion_trt.artifact.manifest import Manifest
+
+    height = Manifest.read(tiny_artifact).profile.height
+    lo, hi = height.min, height.max
+    too_big = hi + 8
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--baseline", "none", "--steps", "1",
+                                       "--sizes", f"64x64,{too_big}x64"])
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines() == [
+        f"error: --sizes {too_big}x64: height={too_big} is outside the engine profile {lo}..{hi}; use a size in that "
+        "range or recompile with --min-height/--max-height"], result.output

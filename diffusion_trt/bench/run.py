@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..artifact.manifest import Manifest
+from ..config import check_image_size
 from ..errors import ModelFolderError, RuntimeInputError
 from .baseline import architecture_mismatch, diffusers_runs, is_pipeline_folder
 from .clock import Clock
@@ -83,9 +84,12 @@ def _check(cfg: BenchConfig, manifest: Manifest) -> tuple[str, torch.device]:
     """The device kind and device to bench on, after refusing what bench cannot time.
 
     Raises:
-        RuntimeInputError: an SDXL or inpainting artifact; ``devices`` off CUDA.
+        RuntimeInputError: an SDXL or inpainting artifact; ``devices`` off CUDA; a ``--sizes`` size the artifact's
+            profile does not take (before anything loads: it failed only when its turn came, after the sizes
+            before it were timed).
     """
     model = manifest.model
+    _check_sizes(cfg.sizes, manifest)
     if model.architecture != "sd":
         raise RuntimeInputError(
             f"{cfg.artifact} is an {model.architecture} artifact; bench times SD 1.x/2.x artifacts "
@@ -103,6 +107,18 @@ def _check(cfg: BenchConfig, manifest: Manifest) -> tuple[str, torch.device]:
         )
     device_id = cfg.devices[0] if cfg.devices else 0
     return device_kind, torch.device("cuda", device_id) if device_kind == "cuda" else torch.device("cpu")
+
+
+def _check_sizes(sizes: Sequence[tuple[int, int]], manifest: Manifest) -> None:
+    """Raise :class:`RuntimeInputError` naming the first ``(height, width)`` (pixels) outside the artifact's profile
+    or not a multiple of its VAE factor, as the run would."""
+    profile = manifest.profile
+    for h, w in sizes:
+        for name, value, span in (("height", h, profile.height), ("width", w, profile.width)):
+            try:
+                check_image_size(name, value, span.min, span.max, multiple=manifest.model.vae_scale_factor)
+            except RuntimeInputError as e:
+                raise RuntimeInputError(f"--sizes {h}x{w}: {e}") from None
 
 
 def _model_dir(cfg: BenchConfig, manifest: Manifest) -> Path | None:

@@ -70,6 +70,9 @@ def stage(name: str, component: str | None = None) -> Iterator[None]:
     Raises:
         DiffusionTrtError: the same class, message prefixed; any other exception becomes a PassError ("passes"),
             BuildError ("build") or ExportError (every other stage), chained.
+        KeyboardInterrupt: also where a library wrapped it in an ordinary exception (Ctrl-C during an import that
+            defines a class: ``RuntimeError: Error calling __set_name__ ...``), so Ctrl-C stays exit 130, not a
+            stage failure.
     """
     where = f"{name} of {component}" if component else name
     try:
@@ -77,8 +80,24 @@ def stage(name: str, component: str | None = None) -> Iterator[None]:
     except DiffusionTrtError as e:
         raise type(e)(f"compile failed at {where}: {e}") from e
     except Exception as e:
+        interrupt = _wrapped_interrupt(e)
+        if interrupt is not None:
+            raise interrupt from None
         cls = {"passes": PassError, "build": BuildError}.get(name, ExportError)
         raise cls(f"compile failed at {where}: {type(e).__name__}: {e}") from e
+
+
+def _wrapped_interrupt(e: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt, SystemExit or other non-``Exception`` (the CLI's SIGTERM one) that ``e`` was raised
+    from or during, if any (``__cause__`` / ``__context__`` chain, each exception looked at once)."""
+    seen: set[int] = set()
+    link: BaseException | None = e
+    while link is not None and id(link) not in seen:
+        if not isinstance(link, Exception):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
 
 
 def _text_max_length(folder: export.ModelFolder, tokenizer: str, text_encoder: dict[str, Any]) -> int:

@@ -12,7 +12,8 @@
 * ``BREAK`` (upper case, a word of its own) ends the current 75-token chunk (see :mod:`.prompt_encoding`);
 * a bracket without its partner is kept as literal text, and reported in :attr:`ParsedPrompt.warnings` (A1111
   instead weights the rest of the prompt by an unclosed bracket); never an exception;
-* a weight that is not a finite number (``(fox:nan)``, ``(fox:inf)``, a number too large for a float) is no weight:
+* a weight that is not a finite number (``(fox:nan)``, ``(fox:inf)``, a number too large for a float32, the weights'
+  dtype: ``(fox:1e39)`` written out in digits) is no weight:
   the bracket keeps its default factor 1.1 and ``:nan`` stays text, with a warning. That is what A1111 does with
   ``nan``/``inf`` (its weight pattern takes digits and dots only), so a prompt copied from it encodes the same; a
   NaN or Inf factor would turn the whole prompt's embeddings to NaN (a black or noise image), never what was meant.
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 
 #: The factor of one ``( )`` level; ``[ ]`` divides by it.
 ATTENTION = 1.1
+#: The largest float32: the token weights are float32 (:mod:`.prompt_encoding`), so a factor above it is inf there.
+_FLOAT32_MAX = 3.4028234663852886e38
 SYNTAXES: tuple[str, ...] = ("a1111", "plain")
 
 _TOKEN = re.compile(
@@ -122,7 +125,7 @@ def _closing_factor(m: re.Match[str], want: str, warnings: list[str]) -> tuple[f
     if weight is None:
         return ATTENTION, ""
     factor = float(weight)
-    if math.isfinite(factor):
+    if math.isfinite(factor) and abs(factor) <= _FLOAT32_MAX:
         return factor, ""
     shown = weight if len(weight) <= 24 else weight[:20] + "..."
     warnings.append(f"prompt: weight {shown!r} at character {m.start()} is not a finite number; the bracket keeps "

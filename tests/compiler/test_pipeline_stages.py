@@ -61,3 +61,23 @@ def test_the_module_keys_follow_the_export_wrappers() -> None:
     assert export.module_keys("vae_encoder") == export.module_keys("vae_decoder") == ("vae",)
     assert export.module_keys("controlnet_canny") == ("controlnet_canny",)
     assert export.module_keys("text_encoder_2") == ("text_encoder_2",)
+
+
+def test_a_stage_lets_an_interrupt_a_library_wrapped_through() -> None:
+    """Ctrl-C during an import that defines a class reaches the compile as ``RuntimeError: Error calling
+    __set_name__ ...`` raised from the KeyboardInterrupt (seen: SIGINT 3 s into ``compile``, exit 1 'compile failed at
+    load models'); the stage re-raises the KeyboardInterrupt so the CLI exits 130, and still wraps other errors."""
+
+    class Descriptor:
+        def __set_name__(self, owner: type, name: str) -> None:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        with stage("load models"):
+            type("Library", (), {"attr": Descriptor()})
+    with pytest.raises(ExportError, match=r"RuntimeError: bad$"):
+        with stage("load models"):
+            try:
+                raise ValueError("inner")
+            except ValueError:
+                raise RuntimeError("bad") from None

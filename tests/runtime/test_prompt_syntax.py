@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
+from PIL import Image
 
 from diffusion_trt.cli import main
 from diffusion_trt.runtime.prompt_syntax import ATTENTION, Segment, parse_prompt
@@ -52,6 +54,7 @@ CASES = [
     ("(a: -Infinity )", [[("a: -Infinity ", A)]], 1),
     ("((a:NaN) b)", [[("a:NaN", A * A), (" b", A)]], 1),
     ("(a:" + "9" * 400 + ")", [[("a:" + "9" * 400, A)]], 1),  # float() overflows to inf
+    ("(a:1" + "0" * 39 + ")", [[("a:1" + "0" * 39, A)]], 1),  # finite as a float, inf as the float32 weight
     ("a:nan)", [[("a:nan)", 1.0)]], 1),  # closes nothing: the usual warning only
 ]
 
@@ -80,7 +83,7 @@ def test_unknown_syntax_is_refused() -> None:
         parse_prompt("x", syntax="compel")
 
 
-@pytest.mark.parametrize("prompt", ["(a:nan)", "(a:inf)", "(a:-inf)", "(a:" + "9" * 400 + ")"])
+@pytest.mark.parametrize("prompt", ["(a:nan)", "(a:inf)", "(a:-inf)", "(a:" + "9" * 400 + ")", "(a:1" + "0" * 39 + ")"])
 def test_a_non_finite_weight_warns_and_no_weight_is_non_finite(prompt: str) -> None:
     parsed = parse_prompt(prompt)
     assert all(math.isfinite(s.weight) for part in parsed.parts for s in part)
@@ -97,3 +100,17 @@ def test_a_non_finite_weight_is_one_warning_line_of_run(tiny_artifact: Path, tmp
     assert lines == ["warning: prompt: weight 'nan' at character 2 is not a finite number; the bracket keeps its "
                      "default factor 1.1 and ':nan' stays text"], result.output
     assert (tmp_path / "x.png").is_file()
+
+
+def test_a_weight_beyond_float32_is_one_warning_and_a_finite_image(tiny_artifact: Path, tmp_path: Path) -> None:
+    """``(a:1000...0)`` (1e39: finite in Python, inf as the float32 token weight) gave a black image and only the
+    NaN/Inf warning; now it is read as no weight, with the non-finite weight's warning."""
+    weight = "1" + "0" * 39
+    out = tmp_path / "x.png"
+    result = CliRunner().invoke(main, ["run", str(tiny_artifact), "-p", f"(a:{weight}) fox", "--steps", "1",
+                                       "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.startswith("warning:")]
+    assert len(lines) == 1 and "at character 2 is not a finite number" in lines[0], result.output
+    pixels = np.asarray(Image.open(out))
+    assert pixels.std() > 0  # not the black image of NaN latents
