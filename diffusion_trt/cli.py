@@ -169,24 +169,45 @@ class Terminated(BaseException):
     block cleans up (the staging folder is deleted, the lock released); exit 143 (128 + SIGTERM)."""
 
 
+#: Seconds between tries to raise a deferred :class:`Terminated` (see :func:`_sigterm_handler`).
+_TERMINATE_RETRY_S = 0.05
+
+
+def _swallows_exceptions(frame: Any) -> bool:
+    """Whether an exception raised in ``frame`` would be lost: Python ignores what a weakref callback or the import
+    machinery's module-lock callback raises ("Exception ignored in: <function _get_module_lock.<locals>.cb>", seen
+    when SIGTERM landed during an import 3 s into a compile, which then ran on to exit 0)."""
+    return frame is not None and (frame.f_code.co_filename.startswith("<frozen importlib")
+                                  or frame.f_code.co_name == "__del__")
+
+
+def _sigterm_handler(signum: int, frame: Any) -> None:
+    """Raise :class:`Terminated` here, or, where Python would swallow it (:func:`_swallows_exceptions`), again from
+    a SIGALRM a moment later (a second SIGTERM kills at once either way)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if _swallows_exceptions(frame):
+        signal.signal(signal.SIGALRM, _sigterm_handler)
+        signal.setitimer(signal.ITIMER_REAL, _TERMINATE_RETRY_S)
+        return
+    raise Terminated(f"signal {signal.SIGTERM if signum == signal.SIGALRM else signum}")
+
+
 @contextlib.contextmanager
 def _terminate_like_interrupt() -> Iterator[None]:
     """Within the block, SIGTERM unwinds the stack like Ctrl-C instead of killing the process where it stands
     (which left a hidden ``.NAME.staging-*`` folder of the size of the artifact behind); restored afterwards."""
-
-    def handler(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
-        raise Terminated(f"signal {signum}")
-
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
+        previous = signal.signal(signal.SIGTERM, _sigterm_handler)
+        previous_alarm = signal.getsignal(signal.SIGALRM)
     except ValueError:  # not the main thread: signals stay as they are
         yield
         return
     try:
         yield
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGALRM, previous_alarm)
 
 
 def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

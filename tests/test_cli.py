@@ -700,3 +700,25 @@ def test_non_utf8_prompt_in_a_real_process(tiny_artifact: Path, tmp_path: Path) 
         "error: prompt is not valid UTF-8 text: the bytes b'\\xff\\xfe' at character 0; pass the prompt as UTF-8 "
         "(e.g. re-encode it with iconv -t UTF-8)"
     ]
+
+
+def test_a_sigterm_where_python_would_swallow_the_exception_is_raised_again_a_moment_later() -> None:
+    """The fresh-clone suite once saw SIGTERM land in the import machinery's module-lock callback, where Python
+    ignores exceptions ("Exception ignored in: <function _get_module_lock.<locals>.cb>"): the compile then ran on
+    and exited 0 instead of 143. There the handler defers: a SIGALRM raises Terminated once outside it."""
+    import signal
+    import types
+
+    from diffusion_trt.cli import Terminated, _sigterm_handler, _terminate_like_interrupt
+
+    def frame(filename: str, name: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(f_code=types.SimpleNamespace(co_filename=filename, co_name=name))
+
+    with _terminate_like_interrupt():
+        _sigterm_handler(signal.SIGTERM, frame("<frozen importlib._bootstrap>", "cb"))  # no raise: deferred
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 0 and signal.getsignal(signal.SIGALRM) is _sigterm_handler
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # a second SIGTERM kills at once
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        with pytest.raises(Terminated, match="signal 15"):
+            _sigterm_handler(signal.SIGALRM, frame(__file__, "compile"))
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0 and signal.getsignal(signal.SIGALRM) is not _sigterm_handler
