@@ -189,6 +189,11 @@ def _key(symbols: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted((k, int(v)) for k, v in symbols.items()))
 
 
+def _describe(key: tuple[tuple[str, int], ...]) -> str:
+    """``B2=2, h=8, w=8``: a shape key for log lines."""
+    return ", ".join(f"{k}={v}" for k, v in key)
+
+
 class BucketedEngine(EngineBase):
     """One component served by a dynamic engine plus static engines specialised per shape (see the module docstring).
 
@@ -296,10 +301,8 @@ class BucketedEngine(EngineBase):
     def settle(self) -> float:
         """Wait until every background session is ready and adopt them; returns the seconds waited."""
         t0 = time.perf_counter()
-        for key in list(self._pending):
-            future = self._pending.get(key)
-            if future is not None:
-                future.exception()  # waits; a failure is logged (once) by _adopt
+        for future in list(self._pending.values()):
+            future.exception()  # waits; a failure is logged (once) by _adopt
         self._adopt(wait_all=True)
         return time.perf_counter() - t0
 
@@ -329,21 +332,21 @@ class BucketedEngine(EngineBase):
                     raise
                 self._failed.add(key)
                 logger.warning("%s: the specialised session for %s failed (%s); the dynamic session serves it",
-                               self._name, ", ".join(f"{k}={v}" for k, v in key), e)
+                               self._name, _describe(key), e)
                 continue
             if key is None:
                 self._dynamic = engine
             else:
                 self._static[key] = engine
                 logger.info("%s: specialised session for %s ready (%d of %d)", self._name,
-                            ", ".join(f"{k}={v}" for k, v in key), len(self._static), self._buckets.limit)
+                            _describe(key), len(self._static), self._buckets.limit)
 
     def _specialise(self, symbols: Mapping[str, int]) -> Any:
         key = _key(symbols)
         engine = self._opened(self._make(static_spec(self._spec, symbols), dict(key)))
         self._static[key] = engine
         logger.info("%s: specialised session for %s (%d of %d)", self._name,
-                    ", ".join(f"{k}={v}" for k, v in key), len(self._static), self._buckets.limit)
+                    _describe(key), len(self._static), self._buckets.limit)
         return engine
 
     def _dynamic_engine(self) -> Any:
@@ -364,7 +367,7 @@ class BucketedEngine(EngineBase):
             spec = static_spec(self._spec, symbols)
             self._submit(key, lambda: self._opened(self._make(spec, dict(key))))
             logger.info("%s: new shape %s runs on the dynamic session while its static one is made",
-                        self._name, ", ".join(f"{k}={v}" for k, v in key))
+                        self._name, _describe(key))
         return None
 
     def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
