@@ -950,7 +950,8 @@ class LoadOptions:
         memory_facts: a measured memory facts file (:func:`~diffusion_trt.runtime.memory.plan.load_memory_facts`);
             default the one recorded for this artifact, if any, else estimates.
         deterministic: ORT's ``use_deterministic_compute`` on every session and torch's deterministic algorithms
-            in the loop (see :mod:`~diffusion_trt.runtime.determinism` for what it cannot fix).
+            in the loop (see :mod:`~diffusion_trt.runtime.determinism` for what it cannot fix); size buckets are
+            then made synchronously (a shape's calls all run on one session).
         size_buckets: ORT artifacts with a dynamic profile: serve the UNet and the VAE decoder from static
             sessions specialised per shape (see :mod:`~diffusion_trt.runtime.engines.buckets`): ``"auto"`` (any size, up
             to 4 shapes), a list of sizes (``"512x512,768x768"`` or ``[(512, 512)]``; opened now at the opt
@@ -1193,7 +1194,10 @@ def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, str
             logger.warning("%s", note)
         engines = _ort_engines(reader, device, options, stream, derived, bool(cuda_graph), residency,
                                weight_slots or {})
-        if buckets is not None and residency is not None:  # under a VRAM budget: no extra dynamic copy of the weights
+        # Synchronous buckets under a VRAM budget (no extra dynamic copy of the weights) and in deterministic mode
+        # (a shape's first call would run on the dynamic session and later ones on the static: other kernels, other
+        # low bits).
+        if buckets is not None and (residency is not None or options.deterministic):
             buckets = dataclasses.replace(buckets, background=False)
         engines = bucket_engines(engines, buckets, manifest, device, options.cuda_graph)
     return engines

@@ -28,8 +28,10 @@ paid 7.7-10.8 s on the first call at each new size (2026-12-02, ``--size-buckets
 benchmarks/results/README.md, "tenth session"). So the dynamic session is opened while the artifact loads, and a
 call at a new shape runs on it at once (about 2x slower per step, with no session to create) while a worker thread
 creates that shape's static session; the first call after it is ready adopts it (its first runs warm up and
-capture the CUDA graph on the caller's thread, since ORT's CUDA state is per thread). Outputs are the same either
-way (the same graph, fixed dimensions); only the speed differs. The cost: the dynamic session's copy of the
+capture the CUDA graph on the caller's thread, since ORT's CUDA state is per thread). Outputs agree up to float
+rounding (the same graph with fixed dimensions, but other kernels: 7.5e-7 apart on an image in [0, 1] on the CPU, fp32,
+tiny arch), so ``deterministic=True`` turns background specialisation off: every call at a shape then runs on one
+session. The cost: the dynamic session's copy of the
 weights stays on the device. Measured on the H200 (same benchmark): 4.19 / 6.68 / 4.75 s over warm at 512x512 /
 768x768 / 640x384, from 8.08 / 10.82 / 7.65 s; the static sessions were ready within that first call.
 
@@ -80,7 +82,8 @@ class SizeBuckets:
         background: specialise in the background (see :class:`BucketedEngine`): the dynamic session opens while
             the artifact loads, a call at a new shape runs on it at once while that shape's static session is
             created on a worker thread, and later calls use the static session once it is ready. ``False``: the
-            first call at a new shape waits for its static session (one fewer copy of the weights on the device).
+            first call at a new shape waits for its static session (one fewer copy of the weights on the device);
+            from_artifacts sets it under a VRAM budget and in deterministic mode.
     """
 
     sizes: tuple[tuple[int, int], ...] | None = None
@@ -242,6 +245,11 @@ class BucketedEngine(EngineBase):
     def specialised_shapes(self) -> list[dict[str, int]]:
         """The symbol values of every open specialised engine, in creation order."""
         return [dict(k) for k in self._static]
+
+    @property
+    def buckets(self) -> SizeBuckets:
+        """The shapes this engine specialises and whether in the background (as from_artifacts settled them)."""
+        return self._buckets
 
     @property
     def dynamic_open(self) -> bool:
