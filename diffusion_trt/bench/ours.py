@@ -8,7 +8,7 @@ Ours run each stage at the chunk size the pipeline uses (``stage_batch``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -169,6 +169,28 @@ def first_call_s(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: 
     clock.sync()
     return time.perf_counter() - t0
 
+
+
+def bucket_timings(pipe: Any) -> dict[str, dict[str, Any]]:
+    """Each size-bucket engine's :class:`~diffusion_trt.runtime.engines.buckets.BucketTimings` so far, as JSON."""
+    return {n: e.timings.snapshot() for n, e in pipe.engines.items() if hasattr(e, "timings")}
+
+
+def bucket_parts(before: Mapping[str, Mapping[str, Any]], after: Mapping[str, Mapping[str, Any]]
+                 ) -> dict[str, dict[str, Any]]:
+    """What each engine's timings gained between two :func:`bucket_timings` snapshots: the sessions opened and the
+    first static runs since ``before`` (by name), the dynamic runs and waits (summed); engines that did nothing left
+    out."""
+    parts: dict[str, dict[str, Any]] = {}
+    for name, now in after.items():
+        was = before.get(name, {})
+        row = {key: {k: v for k, v in now[key].items() if k not in was.get(key, {})}
+               for key in ("session_s", "first_static_run_s")}
+        row.update({key: round(now[key] - was.get(key, 0), 6)
+                    for key in ("dynamic_wait_s", "dynamic_runs", "dynamic_run_s")})
+        if any(row.values()):
+            parts[name] = row
+    return parts
 
 
 def settle_s(pipe: Any) -> float | None:

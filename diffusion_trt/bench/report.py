@@ -117,7 +117,18 @@ def _first_call_lines(result: Mapping[str, Any]) -> list[str]:
             f"  warm {_num(f['warm_e2e_s'], '.3f')} s  overhead {_num(f['overhead_s'], '.3f')} s"
             + (f"  (static sessions ready {f['specialised_wait_s']:.3f} s later)" if "specialised_wait_s" in f else "")
         )
+        lines.extend(_bucket_part_lines(f.get("bucket_parts", {})))
     return lines
+
+
+def _bucket_part_lines(parts: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """One line per size-bucket engine: where its seconds went around a first call (host clock)."""
+    def named(seconds: Mapping[str, float]) -> str:
+        return ", ".join(f"{k} {v:.3f} s" for k, v in seconds.items()) or "none"
+
+    return [f"      {name}: sessions opened: {named(p['session_s'])}; dynamic runs {p['dynamic_runs']} in "
+            f"{p['dynamic_run_s']:.3f} s (waited {p['dynamic_wait_s']:.3f} s for the session); first static run: "
+            f"{named(p['first_static_run_s'])}" for name, p in parts.items()]
 
 
 def plot_result(result: Mapping[str, Any], path: str | Path) -> Path:

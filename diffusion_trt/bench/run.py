@@ -19,7 +19,17 @@ from .baseline import architecture_mismatch, diffusers_runs, is_pipeline_folder
 from .clock import Clock
 from .config import BenchConfig
 from .memory import free_memory, memory_read, memory_start
-from .ours import bench_budget, bench_multi, bench_ours, first_call_s, repeat_check, settle_s, stage_memory
+from .ours import (
+    bench_budget,
+    bench_multi,
+    bench_ours,
+    bucket_parts,
+    bucket_timings,
+    first_call_s,
+    repeat_check,
+    settle_s,
+    stage_memory,
+)
 from .result import SCHEMA, Run, first_call_row, ratios
 from .trust import trust_notes
 
@@ -200,17 +210,21 @@ def _ours_row(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, h: int, w: 
               say: Callable[[str], None]) -> None:
     """One ``ours`` row (after its cold first call) and its ``first_calls`` row, into ``out``."""
     say(f"ours {h}x{w} b={batch}: first call")
+    before = bucket_timings(pipe)
     cold = first_call_s(pipe, cfg, clock, batch, h, w)
     ready = settle_s(pipe)
     say(f"ours {h}x{w} b={batch}")
     memory_start([clock.device])
     run = bench_ours(pipe, cfg, clock, batch, h, w)
+    parts = bucket_parts(before, bucket_timings(pipe))  # through the warm runs: a static session's first run is there
     run.memory_mb = memory_read([clock.device])
     run.stage_memory_mb = stage_memory(pipe, cfg, batch, h, w)
     out.runs.append(run)
     row = first_call_row("ours", run, cold)
     if ready is not None:  # size buckets made in the background: the wait for their static sessions
         row["specialised_wait_s"] = ready
+    if parts:  # size buckets: where the first call's seconds went, per engine
+        row["bucket_parts"] = parts
     out.first_calls.append(row)
 
 

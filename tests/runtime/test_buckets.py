@@ -133,7 +133,14 @@ def test_background_a_new_shape_runs_on_the_dynamic_session_until_its_static_one
         assert engine.last_path == "static"
         for name, value in first.items():
             torch.testing.assert_close(again[name], value, atol=1e-5, rtol=0)  # the same graph, fixed dimensions
+        engine.run(feeds)
+        timings = engine.timings.snapshot()
     assert not engine.dynamic_open and engine.specialised_shapes == []
+    # where the seconds went: two dynamic runs, the static session made once, its first run counted once
+    assert timings["dynamic_runs"] == 2 and timings["dynamic_run_s"] > 0
+    assert list(timings["session_s"]) == ["dynamic", "B2=2, h=8, w=8"]  # the dynamic one opened while entering
+    assert timings["session_s"]["B2=2, h=8, w=8"] > 0
+    assert list(timings["first_static_run_s"]) == ["B2=2, h=8, w=8"]
 
 
 def test_background_a_failed_static_session_leaves_the_dynamic_one_serving(toy_artifact: Path,

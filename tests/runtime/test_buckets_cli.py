@@ -33,6 +33,11 @@ def test_bench_sizes_first_calls_and_repeatability(toy_artifact: Path, tmp_path:
     assert ours == [(64, 64), (48, 80)]
     assert [(f["height"], f["width"]) for f in data["first_calls"]] == ours
     assert all(f["first_call_s"] > 0 and f["overhead_s"] is not None for f in data["first_calls"])
+    for f in data["first_calls"]:  # deterministic: synchronous buckets, so each size's UNet session is made in its call
+        unet = f["bucket_parts"]["unet"]
+        assert unet["dynamic_runs"] == 0 and len(unet["session_s"]) == 1
+        assert list(unet["first_static_run_s"]) == list(unet["session_s"])
+    assert "unet: sessions opened: B2=2, h=" in result.output
     assert [q["identical"] for q in data["repeatability"]] == [True, True]
     assert data["load_s"] > 0 and "first call per size" in result.output
     assert any("size-bucket sessions" in n for n in data["notes"])

@@ -197,6 +197,34 @@ def _describe(key: tuple[tuple[str, int], ...]) -> str:
     return ", ".join(f"{k}={v}" for k, v in key)
 
 
+@dataclass
+class BucketTimings:
+    """Where a bucketed engine's seconds went (host wall clock, ``time.perf_counter``), for ``bench`` to break a
+    first call at a new shape into its parts (issue 28). Runs on CUDA may return before the device finishes; a run's
+    seconds then land in whichever later part synchronises, so the parts are host-side figures, not kernel time.
+
+    Attributes:
+        session_s: seconds to create and open each session, ``"dynamic"`` or the shape (``"B2=2, h=64, w=64"``);
+            on the worker thread in background mode, so they overlap the caller's runs.
+        dynamic_wait_s: seconds the caller waited for the dynamic session to finish opening.
+        dynamic_runs / dynamic_run_s: runs served by the dynamic session and their seconds.
+        first_static_run_s: each specialised session's first run (its warm-up runs and CUDA-graph capture), by shape.
+    """
+
+    session_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    dynamic_wait_s: float = 0.0
+    dynamic_runs: int = 0
+    dynamic_run_s: float = 0.0
+    first_static_run_s: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def snapshot(self) -> dict[str, Any]:
+        """A copy as plain JSON values (seconds rounded to the microsecond)."""
+        return {"session_s": {k: round(v, 6) for k, v in self.session_s.items()},
+                "dynamic_wait_s": round(self.dynamic_wait_s, 6), "dynamic_runs": self.dynamic_runs,
+                "dynamic_run_s": round(self.dynamic_run_s, 6),
+                "first_static_run_s": {k: round(v, 6) for k, v in self.first_static_run_s.items()}}
+
+
 class BucketedEngine(EngineBase):
     """One component served by a dynamic engine plus static engines specialised per shape (see the module docstring).
 
@@ -238,6 +266,9 @@ class BucketedEngine(EngineBase):
         self._failed: set[tuple[tuple[str, int], ...]] = set()
         #: "static" or "dynamic": which engine served the last run (for tests and bench notes)
         self.last_path: str | None = None
+        #: where the seconds went (see :class:`BucketTimings`); ``bench`` reports it per first call
+        self.timings = BucketTimings()
+        self._unrun: set[tuple[tuple[str, int], ...]] = set()  # specialised sessions not run yet
 
     # -- what is open ------------------------------------------------------------------------------------------
 
@@ -288,7 +319,7 @@ class BucketedEngine(EngineBase):
             if self.wants(symbols):
                 self._specialise(symbols)
         if self._buckets.background and self._dynamic is None:
-            self._submit(None, lambda: self._opened(self._make(self._spec, None)))
+            self._submit(None, lambda: self._timed_open(None))
 
     def close(self) -> None:
         """Wait for the background work, then close every engine (idempotent)."""
@@ -321,6 +352,16 @@ class BucketedEngine(EngineBase):
             engine.__enter__()
         return engine
 
+    def _timed_open(self, key: tuple[tuple[str, int], ...] | None) -> Any:
+        """Make and open the dynamic engine (``key`` None) or the one specialised to ``key``, timed."""
+        t0 = time.perf_counter()
+        if key is None:
+            engine = self._opened(self._make(self._spec, None))
+        else:
+            engine = self._opened(self._make(static_spec(self._spec, dict(key)), dict(key)))
+        self.timings.session_s["dynamic" if key is None else _describe(key)] = time.perf_counter() - t0
+        return engine
+
     def _submit(self, key: tuple[tuple[str, int], ...] | None, job: Callable[[], Any]) -> None:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diffusion-trt-{self._name}-buckets")
@@ -346,22 +387,26 @@ class BucketedEngine(EngineBase):
                 self._dynamic = engine
             else:
                 self._static[key] = engine
+                self._unrun.add(key)
                 logger.info("%s: specialised session for %s ready (%d of %d)", self._name,
                             _describe(key), len(self._static), self._buckets.limit)
 
     def _specialise(self, symbols: Mapping[str, int]) -> Any:
         key = _key(symbols)
-        engine = self._opened(self._make(static_spec(self._spec, symbols), dict(key)))
+        engine = self._timed_open(key)
         self._static[key] = engine
+        self._unrun.add(key)
         logger.info("%s: specialised session for %s (%d of %d)", self._name,
                     _describe(key), len(self._static), self._buckets.limit)
         return engine
 
     def _dynamic_engine(self) -> Any:
         if self._dynamic is None and None in self._pending:
+            t0 = time.perf_counter()
             self._dynamic = self._pending.pop(None).result()  # opened while loading; wait for it
+            self.timings.dynamic_wait_s += time.perf_counter() - t0
         if self._dynamic is None:
-            self._dynamic = self._opened(self._make(self._spec, None))
+            self._dynamic = self._timed_open(None)
         return self._dynamic
 
     def _static_engine(self, symbols: Mapping[str, int]) -> Any:
@@ -372,8 +417,7 @@ class BucketedEngine(EngineBase):
         if not self._buckets.background:
             return self._specialise(symbols)
         if key not in self._pending:
-            spec = static_spec(self._spec, symbols)
-            self._submit(key, lambda: self._opened(self._make(spec, dict(key))))
+            self._submit(key, lambda: self._timed_open(key))
             logger.info("%s: new shape %s runs on the dynamic session while its static one is made",
                         self._name, _describe(key))
         return None
@@ -392,9 +436,21 @@ class BucketedEngine(EngineBase):
         engine = self._static_engine(symbols) if self.wants(symbols) else None
         if engine is None:
             self.last_path = "dynamic"
-            return self._dynamic_engine().run(feeds)
+            dynamic = self._dynamic_engine()
+            t0 = time.perf_counter()
+            out = dynamic.run(feeds)
+            self.timings.dynamic_runs += 1
+            self.timings.dynamic_run_s += time.perf_counter() - t0
+            return out
         self.last_path = "static"
-        return engine.run(feeds)
+        key = _key(symbols)
+        if key not in self._unrun:
+            return engine.run(feeds)
+        t0 = time.perf_counter()
+        out = engine.run(feeds)
+        self._unrun.discard(key)
+        self.timings.first_static_run_s[_describe(key)] = time.perf_counter() - t0
+        return out
 
     def __repr__(self) -> str:
         return (f"BucketedEngine({self._name!r}, buckets={self._buckets.describe()}, "
