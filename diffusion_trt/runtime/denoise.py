@@ -111,8 +111,8 @@ def _warn_nonfinite(flag: torch.Tensor | None) -> None:
     diffusers, but not silently. Reads the device flag once, after the loop."""
     if flag is not None and bool(flag):
         logger.warning("the generated images hold NaN/Inf values (they come out black): an fp16 overflow, a LoRA "
-                       "scale or guidance scale too large, or non-finite weights; check the LoRA and guidance, or "
-                       "compile --precision fp32 to compare")
+                       "scale, guidance scale or prompt weight such as (word:50) too large, or non-finite weights; "
+                       "check the LoRA, guidance and prompt weights, or compile --precision fp32 to compare")
 
 
 def postprocess(image: torch.Tensor, output_type: str) -> list[Any] | np.ndarray | torch.Tensor:
