@@ -113,10 +113,11 @@ def _add_runtime_options(fn: Callable[..., Any], algo_default: str) -> Callable[
                      help="ORT use_deterministic_compute + torch deterministic algorithms; an ORT CUDA artifact "
                           "also needs compile --deterministic (its fused GroupNorm is not deterministic: a warning "
                           "says so). Cost: compare with bench."),
-        click.option("--size-buckets", default=None, metavar="auto|HxW[,HxW...]",
+        click.option("--size-buckets", default=None, metavar="auto|HxW[,HxW...]|off",
                      help="Dynamic ORT artifacts: static sessions per size (listed ones opened at load). A new "
                           "size runs at once on the dynamic session while its static one is made in the background "
-                          "(not under --vram-budget, where the first call at it waits)."),
+                          "(not under --vram-budget, where the first call at it waits). off: none (the default; an "
+                          "empty value is refused)."),
     )):
         fn = option(fn)
     return fn

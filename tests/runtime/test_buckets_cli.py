@@ -51,6 +51,10 @@ def test_bench_sizes_first_calls_and_repeatability(toy_artifact: Path, tmp_path:
                                     "use e.g. --size-buckets 512x512"),
         (["--sizes", "64x64,64"], "--sizes: '64' in '64x64,64' is not HEIGHTxWIDTH with positive sides; "
                                   "use e.g. --sizes 512x512"),
+        # typed empty by mistake (an unset shell variable): refused, not taken for "off"
+        (["--size-buckets", ""], "error: --size-buckets '' is empty; give 'auto', sizes HxW[,HxW...] such as "
+                                 "512x512,768x768, or 'off' for no buckets"),
+        (["--size-buckets", "  "], "is empty; give 'auto'"),
     ],
 )
 def test_bad_engine_options_exit_2(toy_artifact: Path, args: list[str], piece: str) -> None:
@@ -74,5 +78,21 @@ def test_run_with_engine_options(toy_artifact: Path, tmp_path: Path) -> None:
     out = tmp_path / "x.png"
     result = CliRunner().invoke(main, ["run", str(toy_artifact), "-p", "a cat", "--steps", "2", "--size-buckets",
                                        "64x64", "--deterministic", "--cudnn-algo-search", "DEFAULT", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.is_file()
+
+
+def test_size_buckets_off_is_documented_and_runs(toy_artifact: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from diffusion_trt.cli import main
+
+    for command in ("run", "bench"):
+        help_text = " ".join(CliRunner().invoke(main, [command, "--help"]).output.split())
+        assert "--size-buckets auto|HxW[,HxW...]|off" in help_text
+        assert "off: none (the default; an empty value is refused)" in help_text
+    out = tmp_path / "x.png"
+    result = CliRunner().invoke(main, ["run", str(toy_artifact), "-p", "a cat", "--steps", "2", "--size-buckets",
+                                       "off", "-o", str(out)])
     assert result.exit_code == 0, result.output
     assert out.is_file()

@@ -138,17 +138,21 @@ def parse_sizes(text: str, option: str = "--sizes") -> tuple[tuple[int, int], ..
 
 
 def parse_size_buckets(value: str | Iterable[tuple[int, int]] | SizeBuckets | None) -> SizeBuckets | None:
-    """``"auto"``, ``"512x512,768x768"``, a list of ``(height, width)`` or a :class:`SizeBuckets`; ``None``/"off"
-    = no buckets.
+    """``"auto"``, ``"512x512,768x768"``, a list of ``(height, width)`` or a :class:`SizeBuckets`; ``None``, "off"
+    or "none" = no buckets.
 
     Raises:
-        RuntimeInputError: a malformed or non-positive size, naming it and the expected form.
+        RuntimeInputError: a malformed or non-positive size, naming it and the expected form; an empty string (a
+            value typed empty by mistake, e.g. an unset shell variable, is not taken for "off").
     """
     if value is None or isinstance(value, SizeBuckets):
         return value
     if isinstance(value, str):
         text = value.strip().lower()
-        if text in ("", "off", "none"):
+        if not text:
+            raise RuntimeInputError(f"--size-buckets {value!r} is empty; give 'auto', sizes HxW[,HxW...] such as "
+                                    "512x512,768x768, or 'off' for no buckets")
+        if text in ("off", "none"):
             return None
         if text == "auto":
             return SizeBuckets()
