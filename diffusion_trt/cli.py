@@ -7,11 +7,14 @@ Any :class:`~diffusion_trt.errors.DiffusionTrtError` becomes one ``error: ...`` 
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import errno
 import functools
 import json
 import logging
+import re
+import shlex
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -221,7 +224,8 @@ def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except DiffusionTrtError as e:
-            click.echo(f"error: {printable(str(e), newlines=True)}", err=True)  # it may quote what an artifact says
+            message = _as_typed(str(e), e, click.get_current_context(silent=True))
+            click.echo(f"error: {printable(message, newlines=True)}", err=True)  # it may quote what an artifact says
             sys.exit(e.exit_code)
         except OSError as e:
             logger.debug("%s", type(e).__name__, exc_info=True)
@@ -235,6 +239,65 @@ def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(143)
 
     return wrapper
+
+
+#: Python API names that a command's option feeds under another name (the option's own parameter name is matched
+#: first): the generation arguments' ``run`` options (runtime/generation_args.py), and these.
+_API_FLAGS: dict[str, str] = {
+    **{a.name: a.cli for a in GENERATION_ARGS.values() if a.cli},
+    "runtime_cache_dir": "--runtime-cache",
+    "mask_image": "--mask",
+}
+#: ``name=value`` in a message: a name, then a value as ``repr`` writes it (bool, None, number, quoted string, a flat
+#: list or tuple); not inside a longer word, an option (``--pass-option pack_qkv=true``) or a path.
+_ARG_VALUE = re.compile(
+    r"(?<![\w./-])([a-z_][a-z0-9_]*)=(True|False|None|nan|-?inf|-?\d+(?:\.\d+)?(?:e[-+]?\d+)?|'[^'\\]*'|\"[^\"\\]*\"|"
+    r"\[[^\[\]()]*\]|\([^\[\]()]*\))(?!\w)"
+)
+
+
+def _as_typed(message: str, error: BaseException, ctx: click.Context | None) -> str:
+    """``message`` with each ``name=value`` of an argument the error names (:attr:`DiffusionTrtError.arguments`, of
+    the first error along its ``__cause__`` chain that names any: a stage wrapper re-raises with a prefix) written as
+    the option of this command that sets it, as the user typed it: ``refit_convs=True`` -> ``--refit-convs``,
+    ``backend='ort'`` -> ``--backend ort``, ``compute_capabilities=('8.9', '12.0')`` -> ``--compute-capability
+    8.9,12.0``; a flag's ``False`` / an option's ``None`` -> ``no --flag``. Names no option of the command sets stay
+    as they are. The one place where the library's spelling (the Python API's) becomes the command line's."""
+    names: frozenset[str] = frozenset()
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while not names and e is not None and id(e) not in seen:
+        seen.add(id(e))
+        names = getattr(e, "arguments", frozenset())
+        e = e.__cause__
+    if not names or ctx is None:
+        return message
+    options = {p.name: p for p in ctx.command.params if isinstance(p, click.Option)}
+    by_flag = {o: p for p in options.values() for o in p.opts}
+
+    def typed(m: re.Match[str]) -> str:
+        name, text = m.group(1), m.group(2)
+        option = options.get(name) or by_flag.get(_API_FLAGS.get(name, ""))
+        if name not in names or option is None:
+            return m.group(0)
+        try:
+            value = text if text in ("nan", "inf", "-inf") else ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return m.group(0)
+        flag = max(option.opts, key=len)
+        if option.is_flag and isinstance(value, bool):
+            if value:
+                return flag
+            return option.secondary_opts[0] if option.secondary_opts else f"no {flag}"
+        if value is None:
+            return f"no {flag}"
+        if isinstance(value, list | tuple) and option.multiple:
+            return " ".join(f"{flag} {shlex.quote(str(v))}" for v in value)
+        if isinstance(value, list | tuple):
+            value = ",".join(str(v) for v in value)
+        return f"{flag} {shlex.quote(str(value))}"
+
+    return _ARG_VALUE.sub(typed, message)
 
 
 def _backend(ctx: click.Context, param: click.Parameter, value: str) -> Backend:

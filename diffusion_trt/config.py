@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .artifact.manifest import Backend  # the one backend type (manifest, CompileConfig); importable from here too
-from .errors import RuntimeInputError
+from .errors import RuntimeInputError, names_arguments
 
 Device = Literal["cpu", "cuda"]
 Precision = Literal["fp32", "fp16", "int8", "fp8"]
@@ -80,14 +80,14 @@ def nearest_multiples(value: int, multiple: int) -> tuple[int, int]:
 def _min_above_max(name: str, lo: int, hi: int, lo_given: bool, hi_given: bool, lo_default: str,
                    hi_default: str) -> str:
     """The message of a profile whose min bound is above its max: "swap them" only when both were given; else which
-    bound was the default and what to give instead."""
+    bound was the default and what to give instead. ``name``: "height", "width" or "batch_size"."""
     if lo_given and hi_given:
-        return f"--min-{name} {lo} is larger than --max-{name} {hi}; swap them"
+        return f"min_{name}={lo} is larger than max_{name}={hi}; swap them"
     if lo_given:
-        return (f"--min-{name} {lo} is larger than the default --max-{name} {hi} ({hi_default}); give --max-{name} "
-                f"{lo} or more, or a smaller --min-{name}")
-    return (f"--max-{name} {hi} is smaller than the default --min-{name} {lo} ({lo_default}); give --min-{name} "
-            f"{hi} or less, or a larger --max-{name}")
+        return (f"min_{name}={lo} is larger than the default max_{name}={hi} ({hi_default}); give max_{name}={lo} "
+                f"or more, or min_{name}={hi} or less")
+    return (f"max_{name}={hi} is smaller than the default min_{name}={lo} ({lo_default}); give min_{name}={hi} "
+            f"or less, or max_{name}={lo} or more")
 
 
 def check_image_size(name: str, value: int, lo: int | None = None, hi: int | None = None, *,
@@ -137,6 +137,11 @@ def snap_image_size(value: int, lo: int | None = None, hi: int | None = None) ->
     if hi is not None:
         snapped = min(snapped, hi)
     return snapped
+
+
+def _field_names(config: Any) -> tuple[str, ...]:
+    """The field names of the dataclass ``config``: what its messages name (:func:`~.errors.names_arguments`)."""
+    return tuple(f.name for f in dataclasses.fields(config))
 
 
 @dataclass(frozen=True)
@@ -366,6 +371,10 @@ class CompileConfig:
     controlnets: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        with names_arguments(*_field_names(self)):  # the CLI names these by its options
+            self._check()
+
+    def _check(self) -> None:
         with contextlib.suppress(ValueError):  # a value that is no Backend is refused below, where it always was
             object.__setattr__(self, "backend", Backend(self.backend))
         self._check_types()
@@ -384,22 +393,26 @@ class CompileConfig:
             from .trt_compat import rtx_refit_refusal
 
             raise RuntimeInputError(rtx_refit_refusal("backend"))
-        if self.refit_convs and not (self.refittable and self.backend is Backend.ORT):
+        if self.refit_convs and not self.refittable:
             raise RuntimeInputError(
-                f"refit_convs=True needs refittable=True and backend='ort' (got refittable={self.refittable}, "
-                f"backend={self.backend.value if isinstance(self.backend, Backend) else self.backend!r}): it makes "
-                "the Conv weights of an ONNX Runtime --refittable artifact graph inputs; add --refittable, or use "
-                "--backend ort (TensorRT --refittable refits every weight already)"
+                "refit_convs=True needs refittable=True: it makes the spatial Conv weights of a refittable ONNX "
+                "Runtime artifact graph inputs too; add refittable=True"
+            )
+        if self.refit_convs and self.backend is not Backend.ORT:
+            raise RuntimeInputError(
+                f"refit_convs=True is for backend='ort' only, not backend={self.backend!r}: a refittable TensorRT "
+                "artifact refits every weight already; drop refit_convs=True"
             )
         if self.refittable and self.loras:
             raise RuntimeInputError(
-                "refittable=True with loras: a refittable artifact keeps the base weights (load_lora refits from them "
-                "every time); drop --lora and call EnginePipeline.load_lora, or drop --refittable"
+                "refittable=True with LoRAs merged at compile time: a refittable artifact keeps the base "
+                "weights (load_lora refits from them every time); merge none and load them per run "
+                "(EnginePipeline.load_lora, run --lora), or drop refittable=True"
             )
         if self.refittable and self.precision in QUANTIZED_PRECISIONS:
             raise RuntimeInputError(
                 f"refittable=True with precision={self.precision!r}: refitting quantized (QDQ) weights is not "
-                "supported; use --precision fp16, or merge the LoRA at compile time with --lora FILE[:SCALE]"
+                "supported; use precision='fp16', or merge the LoRA at compile time instead of refittable=True"
             )
         if not isinstance(self.backend, Backend):
             raise RuntimeInputError(f"backend={self.backend!r} is not supported; use one of {', '.join(BACKENDS)}")
@@ -420,22 +433,23 @@ class CompileConfig:
         if self.precision == "fp16" and self.device == "cpu":
             raise RuntimeInputError(
                 "precision='fp16' with device='cpu' is not supported: ONNX Runtime's CPU provider has "
-                "no fp16 kernels for most UNet ops; use --precision fp32 or --device cuda"
+                "no fp16 kernels for most UNet ops; use precision='fp32' or device='cuda'"
             )
         if self.backend.is_tensorrt and self.device != "cuda":
             raise RuntimeInputError(f"backend={self.backend!r} runs on CUDA only, not device={self.device!r}; "
-                                    "use --device cuda or --backend ort")
+                                    "use device='cuda' or backend='ort'")
         self._check_rtx()
         for name in ("batch_size", "min_batch_size", "max_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise RuntimeInputError(f"{name}={value} must be >= 1")
         if self.precision == "int8" and self.backend is Backend.ORT and self.device != "cpu":
-            raise RuntimeInputError("precision='int8' with --backend ort runs on the CPU provider only; use "
-                                    "--device cpu, or --backend tensorrt for int8 on CUDA")
+            raise RuntimeInputError("precision='int8' with backend='ort' runs on the CPU provider only; use "
+                                    "device='cpu', or backend='tensorrt' for int8 on CUDA")
         if self.precision == "fp8" and not self.backend.is_tensorrt:
             raise RuntimeInputError("precision='fp8' is for TensorRT only (ONNX Runtime has no fp8 kernels for these "
-                                    "ops); use --backend tensorrt-rtx (or tensorrt) --device cuda, or --precision int8")
+                                    "ops); use backend='tensorrt-rtx' (or backend='tensorrt') with device='cuda', or "
+                                    "precision='int8'")
 
     def _check_rtx(self) -> None:
         """TensorRT-RTX rules: compute-capability targets it has, no int8 QDQ, fp8 only for targets >= 8.9."""
@@ -444,16 +458,16 @@ class CompileConfig:
         if self.compute_capabilities is not None and self.backend is not Backend.TENSORRT_RTX:
             raise RuntimeInputError(
                 f"compute_capabilities={list(self.compute_capabilities)} are TensorRT-RTX build targets, but "
-                f"backend={self.backend!r} builds for the GPU it runs on; use --backend tensorrt-rtx or drop "
-                "--compute-capability"
+                f"backend={self.backend!r} builds for the GPU it runs on; use backend='tensorrt-rtx', or "
+                "compute_capabilities=None"
             )
         if self.backend is not Backend.TENSORRT_RTX:
             return
         if self.precision == "int8":
             raise RuntimeInputError(
-                "precision='int8' with --backend tensorrt-rtx: TensorRT-RTX has int8 only as weight-only GEMM "
-                "quantization, not the int8 QDQ activations this compile makes; use --precision fp8 (targets >= 8.9), "
-                "fp16, or --backend ort --device cpu for int8"
+                "precision='int8' with backend='tensorrt-rtx': TensorRT-RTX has int8 only as weight-only GEMM "
+                "quantization, not the int8 QDQ activations this compile makes; use precision='fp8' (targets >= 8.9) "
+                "or precision='fp16', or backend='ort' with device='cpu' for int8"
             )
         targets = resolve_rtx_targets(self.compute_capabilities, current=None)
         if self.precision == "fp8":
@@ -461,37 +475,40 @@ class CompileConfig:
             if old:
                 raise RuntimeInputError(
                     f"precision='fp8' needs every target GPU to be compute capability >= 8.9 (Ada Lovelace or "
-                    f"Blackwell), but the targets include {', '.join(old)}; pass --compute-capability 8.9,12.0 (or "
-                    "--precision fp16 for 8.0/8.6 GPUs)"
+                    f"Blackwell), but the targets include {', '.join(old)}; pass compute_capabilities=('8.9', '12.0') "
+                    "(or precision='fp16' for 8.0/8.6 GPUs)"
                 )
 
     def resolve_profile(self, default_size: int) -> ShapeProfile:
         """Fill the ``None`` bounds from the model's default image size (pixels)."""
+        with names_arguments(*_field_names(self)):
+            return self._resolve_profile(default_size)
 
+    def _resolve_profile(self, default_size: int) -> ShapeProfile:
         def rng(opt: int | None, lo: int | None, hi: int | None, name: str) -> Range:
             opt = default_size if opt is None else opt  # 0 is a value to refuse, not "the default"
             lo_given, hi_given = lo is not None, hi is not None
             check_image_size(name, opt)
             lo = lo if lo is not None else max(IMAGE_ALIGNMENT, opt // 2 // IMAGE_ALIGNMENT * IMAGE_ALIGNMENT)
             hi = hi if hi is not None else min(opt * 2, max(opt, MAX_IMAGE_SIZE))
-            check_image_size(f"min-{name}", lo)
-            check_image_size(f"max-{name}", hi)
+            check_image_size(f"min_{name}", lo)
+            check_image_size(f"max_{name}", hi)
             if lo > hi:
                 raise RuntimeInputError(_min_above_max(name, lo, hi, lo_given, hi_given, f"{name}/2", f"2 x {name}"))
             if not lo <= opt <= hi:
                 raise RuntimeInputError(
-                    f"{name}={opt} is outside --min-{name} {lo} .. --max-{name} {hi}; widen the range"
+                    f"{name}={opt} is outside min_{name}={lo} .. max_{name}={hi}; widen the range"
                 )
             return Range(lo, opt, hi)
 
         max_batch = self.max_batch_size if self.max_batch_size is not None else max(4, self.batch_size)
         if self.min_batch_size > max_batch:
-            raise RuntimeInputError(_min_above_max("batch-size", self.min_batch_size, max_batch, True,
-                                                   self.max_batch_size is not None, "", "max(4, batch-size)"))
+            raise RuntimeInputError(_min_above_max("batch_size", self.min_batch_size, max_batch, True,
+                                                   self.max_batch_size is not None, "", "max(4, batch_size)"))
         if not self.min_batch_size <= self.batch_size <= max_batch:
             raise RuntimeInputError(
-                f"batch_size={self.batch_size} is outside --min-batch-size {self.min_batch_size} .. "
-                f"--max-batch-size {max_batch}; widen the range"
+                f"batch_size={self.batch_size} is outside min_batch_size={self.min_batch_size} .. "
+                f"max_batch_size={max_batch}; widen the range"
             )
         return ShapeProfile(
             batch=Range(self.min_batch_size, self.batch_size, max_batch),

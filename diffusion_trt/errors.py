@@ -19,12 +19,28 @@ code  meaning
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
 
 class DiffusionTrtError(Exception):
-    """Base class of every error this package raises on purpose."""
+    """Base class of every error this package raises on purpose.
+
+    Messages spell the arguments they name as the Python API does, ``name=value`` (the field of a config, the
+    keyword of a call, the value as ``repr`` writes it): ``"refit_convs=True needs refittable=True"``. Where the
+    arguments are checked, :func:`names_arguments` records which names those are in :attr:`arguments`, so that a
+    front whose user typed them differently shows them its own way, in one place: the CLI writes the same message
+    as ``"--refit-convs needs --refittable"`` (``cli._as_typed``).
+    """
 
     #: process exit code used by the CLI for this error class
     exit_code: int = 1
+    #: the argument names whose ``name=value`` the message may hold (set by :func:`names_arguments`)
+    arguments: frozenset[str] = frozenset()
 
 
 class ModelFolderError(DiffusionTrtError):
@@ -95,3 +111,32 @@ class PipelineBusyError(DiffusionTrtError, RuntimeError):
     """An ``EnginePipeline`` was called while another call of it was running (from another thread, or from its own
     callback): a pipeline runs one call at a time, and the second is refused at once rather than run on engines,
     buffers and caches the first is using (diffusers' pipelines are not thread-safe either)."""
+
+
+@contextlib.contextmanager
+def names_arguments(*names: str) -> Iterator[None]:
+    """Record ``names`` as the :attr:`DiffusionTrtError.arguments` of an error raised inside (then re-raise it): the
+    arguments a check refuses, spelled as its messages spell them. The outermost one wins: the arguments are those of
+    the call its caller made (``EnginePipeline.__call__``'s ``height``, not that of a call made inside on the
+    caller's behalf, such as ``bench`` calling the pipeline at each of its ``sizes``). A context manager, or a
+    decorator::
+
+        with names_arguments(*(f.name for f in dataclasses.fields(self))):  # a config's __post_init__
+            ...
+
+        @names_arguments("prompt", "num_inference_steps")
+        def check(...): ...
+    """
+    try:
+        yield
+    except DiffusionTrtError as e:
+        e.arguments = frozenset(names)
+        raise
+
+
+def names_parameters(fn: F) -> F:
+    """Decorator: :func:`names_arguments` with ``fn``'s own parameters (a public call's keywords), ``self`` / ``cls``
+    and ``*args`` / ``**kwargs`` left out."""
+    names = [n for n, p in inspect.signature(fn).parameters.items()
+             if n not in ("self", "cls") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return names_arguments(*names)(fn)  # type: ignore[return-value]

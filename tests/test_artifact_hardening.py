@@ -372,7 +372,7 @@ def test_a_chosen_scheduler_that_cannot_run_the_config_is_a_usage_error(art: Pat
     assert _run_cli("verify", art, "--no-host").exit_code == 0
     line = _one_error_line(_run_cli("run", art, "-p", "x", "--steps", "1", "--scheduler", "euler_a", "-o",
                                     tmp_path / "o.png"), code=2)
-    assert ("scheduler='euler_a' (EulerAncestralDiscreteScheduler) cannot run this artifact's scheduler config: "
+    assert ("--scheduler euler_a (EulerAncestralDiscreteScheduler) cannot run this artifact's scheduler config: "
             "scheduler_config.json prediction_type: 'sample' is not one of ['epsilon', 'v_prediction']") in line
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -65,10 +66,10 @@ def test_run_writes_png_with_parameters(tiny_artifact: Path, tmp_path: Path) -> 
     ("args", "message"),
     [
         (["--steps", "0"], r"Invalid value for .--steps.: 0 is not in the range x>=1"),
-        (["--guidance", "-1"], r"guidance_scale=-1\.0 must be a finite number >= 0"),
-        (["--scheduler", "nope"], r"scheduler='nope' is unknown; use one of pndm, ddim"),
-        (["--height", "60"], r"height=60 is not a positive multiple of 8; use 56 or 64 \(engine profile allows 32"),
-        (["--width", "256"], r"width=256 is outside the engine profile 32\.\.128; .* --min-width/--max-width"),
+        (["--guidance", "-1"], r"error: --guidance -1\.0 must be a finite number >= 0"),
+        (["--scheduler", "nope"], r"error: --scheduler nope is unknown; use one of pndm, ddim"),
+        (["--height", "60"], r"--height 60 is not a positive multiple of 8; use 56 or 64 \(engine profile allows 32"),
+        (["--width", "256"], r"--width 256 is outside the engine profile 32\.\.128; .* --min-width/--max-width"),
         # --batch-size 9 now runs in chunks (tests/runtime/test_batching.py)
         (["--device", "cpu", "--devices", "0,1"], r"--devices 0,1 needs CUDA; drop it or use --device cuda"),
         (["--devices", "0,x"], r"'x' is not a CUDA device index|this host has no CUDA device"),
@@ -81,12 +82,84 @@ def test_run_bad_input(tiny_artifact: Path, tmp_path: Path, args: list[str], mes
     assert not (tmp_path / "o.png").exists()
 
 
+def test_messages_name_the_options_the_user_typed() -> None:
+    """A library message names the Python API's arguments (``name=value``); the CLI writes those the error names
+    (DiffusionTrtError.arguments) as the options of the command: flags, values, lists, the --x/--no-x pair."""
+    from diffusion_trt.cli import _as_typed
+    from diffusion_trt.errors import RuntimeInputError
+
+    @click.command()
+    @click.option("--refittable", is_flag=True)
+    @click.option("--cuda-graph/--no-cuda-graph", default=None)
+    @click.option("--backend")
+    @click.option("--compute-capability", "compute_capabilities")
+    @click.option("--steps", type=int)
+    @click.option("-p", "--prompt")
+    def cmd(**kwargs: object) -> None:
+        pass
+
+    ctx = click.Context(cmd)
+    error = RuntimeInputError("")
+    error.arguments = frozenset({"refittable", "cuda_graph", "backend", "compute_capabilities",
+                                 "num_inference_steps", "prompt", "height"})
+    cases = {
+        "refittable=True with backend='tensorrt-rtx'": "--refittable with --backend tensorrt-rtx",
+        "(got refittable=False, cuda_graph=False, backend=None)":
+            "(got no --refittable, --no-cuda-graph, no --backend)",
+        "compute_capabilities=['8.6', '8.9'] are": "--compute-capability 8.6,8.9 are",
+        "num_inference_steps=5000 is more": "--steps 5000 is more",  # the API name of run's --steps
+        "prompt='a cat' and prompt='x'": "--prompt 'a cat' and --prompt x",
+        # not an option of this command / not named by the error / not a value / inside a word or option
+        "height=70, precision='fp16', backend=<object>, --pass-option x_backend=1, refittable=true":
+            "height=70, precision='fp16', backend=<object>, --pass-option x_backend=1, refittable=true",
+    }
+    for message, typed in cases.items():
+        assert _as_typed(message, error, ctx) == typed
+    assert _as_typed("refittable=True", RuntimeInputError("refittable=True"), ctx) == "refittable=True"  # no names
+    wrapped = RuntimeInputError("compile failed at model check: refittable=True")
+    wrapped.__cause__ = error  # a stage wrapper re-raises with a prefix: the names of the cause count
+    assert _as_typed(str(wrapped), wrapped, ctx) == "compile failed at model check: --refittable"
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "message"),
+    [
+        (["compile"], ["--refit-convs"], "error: --refit-convs needs --refittable: it makes the spatial Conv weights "
+                                         "of a refittable ONNX Runtime artifact graph inputs too; add --refittable"),
+        (["compile"], ["--precision", "fp16"], "error: --precision fp16 with --device cpu is not supported: ONNX "
+                                               "Runtime's CPU provider has no fp16 kernels for most UNet ops; use "
+                                               "--precision fp32 or --device cuda"),
+        (["compile"], ["--precision", "fp8"], "error: --precision fp8 is for TensorRT only (ONNX Runtime has no fp8 "
+                                              "kernels for these ops); use --backend tensorrt-rtx (or --backend "
+                                              "tensorrt) with --device cuda, or --precision int8"),
+        (["compile"], ["--compute-capability", "8.6"],
+         "error: --compute-capability 8.6 are TensorRT-RTX build targets, but --backend ort builds for the GPU it "
+         "runs on; use --backend tensorrt-rtx, or no --compute-capability"),
+        (["run", "-p", "x"], ["--scheduler", "nope"], "error: --scheduler nope is unknown; use one of pndm"),
+        (["run", "-p", "x"], ["--size-buckets", ""], "error: --size-buckets '' is empty; give 'auto'"),
+        (["bench", "--baseline", "none"], ["--iters", "0"], "error: --iters 0 must be >= 1"),
+        (["bench", "--baseline", "none"], ["--warmup", "-1"], "error: --warmup -1 must be >= 0"),
+    ],
+    ids=["refit-convs", "fp16-cpu", "fp8-ort", "cc-ort", "run-scheduler", "run-empty-buckets", "bench-iters",
+         "bench-warmup"],
+)
+def test_wrong_flags_are_refused_naming_the_flags(tiny_pipeline_dir: Path, tiny_artifact: Path, tmp_path: Path,
+                                                  command: list[str], args: list[str], message: str) -> None:
+    where, out_args = {"compile": (tiny_pipeline_dir, ["-o", tmp_path / "a"]),
+                       "run": (tiny_artifact, ["-o", tmp_path / "a.png"]), "bench": (tiny_artifact, [])}[command[0]]
+    code, out = _invoke(command[0], where, *command[1:], *args, *out_args)
+    assert code == 2, out
+    assert [line for line in out.splitlines() if line.startswith("error:")] == [out.strip().splitlines()[-1]]
+    assert out.strip().splitlines()[-1].startswith(message), out
+    assert not list(tmp_path.iterdir())
+
+
 def test_run_batch_beyond_host_memory_is_refused_up_front(tiny_artifact: Path, tmp_path: Path) -> None:
     """--batch-size 100000000 crashed inside prepare_latents (102 GB for the latents); now one line, exit 2."""
     code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "--batch-size", "100000000",
                         "-o", tmp_path / "o.png")
     assert code == 2, out
-    assert re.search(r"^error: batch = 1 prompt\(s\) x num_images_per_prompt=100000000 = 100000000 images at 64x64 "
+    assert re.search(r"^error: batch = 1 prompt\(s\) x --batch-size 100000000 = 100000000 images at 64x64 "
                      r"\(WxH\) needs at least [\d.]+ GiB of host memory: .* is available; ask for at most \d+ images "
                      r"per call and call again$", out, re.M), out
     assert "Traceback" not in out and not (tmp_path / "o.png").exists()
@@ -95,12 +168,12 @@ def test_run_batch_beyond_host_memory_is_refused_up_front(tiny_artifact: Path, t
 @pytest.mark.parametrize(
     ("args", "line"),
     [
-        (["--height", "60"], r"height=60 is not a positive multiple of 8; use 56 or 64 "
+        (["--height", "60"], r"--height 60 is not a positive multiple of 8; use 56 or 64 "
                              r"\(engine profile allows 32\.\.128\)"),
-        (["--width", "256"], r"width=256 is outside the engine profile 32\.\.128; .* --min-width/--max-width"),
-        (["--guidance", "nan"], r"guidance_scale=nan must be a finite number >= 0; use e\.g\. 7\.5 .*"),
-        (["--batch-size", "0"], r"num_images_per_prompt=0 must be an integer >= 1; use 1 or more"),
-        (["--batch-size", "100000000"], r"batch = 1 prompt\(s\) x num_images_per_prompt=100000000 = 100000000 "
+        (["--width", "256"], r"--width 256 is outside the engine profile 32\.\.128; .* --min-width/--max-width"),
+        (["--guidance", "nan"], r"--guidance nan must be a finite number >= 0; use e\.g\. 7\.5 .*"),
+        (["--batch-size", "0"], r"--batch-size 0 must be an integer >= 1; use 1 or more"),
+        (["--batch-size", "100000000"], r"batch = 1 prompt\(s\) x --batch-size 100000000 = 100000000 "
                                         r"images at 64x64 \(WxH\) needs at least .* is available; .*"),
     ],
     ids=["height-60", "width-256", "guidance-nan", "batch-0", "batch-10**8"],
@@ -219,7 +292,8 @@ def test_compile_incomplete_model_folder(tiny_pipeline_dir: Path, tmp_path: Path
 
 def test_compile_height_not_multiple_of_8(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
     code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", "--height", "700")
-    assert code == 2 and "height=700 is not a positive multiple of 8; use 696 or 704" in out
+    assert code == 2
+    assert "error: compile failed at model check: --height 700 is not a positive multiple of 8; use 696 or 704" in out
     assert not (tmp_path / "art").exists()
 
 
@@ -248,7 +322,8 @@ def test_dummy_pipeline_refuses_non_empty_folder(tmp_path: Path) -> None:
 def test_compile_tensorrt_needs_cuda_device(tiny_pipeline_dir: Path, tmp_path: Path, backend: str) -> None:
     """--device defaults to cuda for the TensorRT backends; an explicit cpu is refused."""
     code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", "--backend", backend, "--device", "cpu")
-    assert code == 2 and f"backend={backend!r} runs on CUDA only, not device='cpu'; use --device cuda" in out
+    assert code == 2
+    assert f"error: --backend {backend} runs on CUDA only, not --device cpu; use --device cuda or --backend ort" in out
 
 
 def test_compile_tensorrt_fails_before_export_without_gpu_or_tensorrt(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
@@ -282,7 +357,7 @@ def test_output_inside_model_folder_is_refused(tiny_pipeline_dir: Path, tmp_path
 
 def test_zero_height_is_refused_not_defaulted(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
     code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", "--height", "0")
-    assert code == 2 and "height=0 must be a positive multiple of 8; use e.g. 512" in out
+    assert code == 2 and "--height 0 must be a positive multiple of 8; use e.g. 512" in out
 
 
 def test_file_given_for_a_folder(tmp_path: Path) -> None:
@@ -357,7 +432,7 @@ def test_a_missing_optional_package_exits_2(what: str, tiny_artifact: Path, tiny
 def test_too_many_steps_for_the_scheduler(tiny_artifact: Path, tmp_path: Path) -> None:
     code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "5000", "--scheduler", "ddim",
                         "-o", tmp_path / "o.png")
-    assert code == 2 and "num_inference_steps=5000 is more than the 1000 timesteps DDIMScheduler" in out
+    assert code == 2 and "error: --steps 5000 is more than the 1000 timesteps DDIMScheduler" in out
     assert "use at most 1000" in out
     code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1000", "-o", tmp_path / "o.png")  # PNDM, offset 1
     assert code == 2 and "step from timestep 1000, past its 1000 training timesteps" in out and "at most 999" in out
@@ -514,17 +589,17 @@ def test_corrupt_model_config_names_the_file(tiny_pipeline_dir: Path, tmp_path: 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--height", "100000"], "error: height=100000 is above the limit of 4096 px; use 4096 or less"),
-        (["--max-batch-size", "1000"], "error: max_batch_size=1000 is above the limit of 64; use 64 or less"),
-        (["--opset", "99"], "error: opset=99 is newer than torch.onnx's exporter writes; use 17..20"),
-        (["--max-batch-size", "0"], "error: max_batch_size=0 must be >= 1"),  # was "... swap them"
-        (["--min-batch-size", "0"], "error: min_batch_size=0 must be >= 1"),
+        (["--height", "100000"], "error: --height 100000 is above the limit of 4096 px; use 4096 or less"),
+        (["--max-batch-size", "1000"], "error: --max-batch-size 1000 is above the limit of 64; use 64 or less"),
+        (["--opset", "99"], "error: --opset 99 is newer than torch.onnx's exporter writes; use 17..20"),
+        (["--max-batch-size", "0"], "error: --max-batch-size 0 must be >= 1"),  # was "... swap them"
+        (["--min-batch-size", "0"], "error: --min-batch-size 0 must be >= 1"),
         # the tiny model is 64x64: --max-height defaults to 128, which the user never gave ("swap them" before)
         (["--min-height", "296"], "error: compile failed at model check: --min-height 296 is larger than the default "
-                                  "--max-height 128 (2 x height); give --max-height 296 or more, or a smaller "
-                                  "--min-height"),
+                                  "--max-height 128 (2 x height); give --max-height 296 or more, or --min-height "
+                                  "128 or less"),
         (["--max-width", "16"], "error: compile failed at model check: --max-width 16 is smaller than the default "
-                                "--min-width 32 (width/2); give --min-width 16 or less, or a larger --max-width"),
+                                "--min-width 32 (width/2); give --min-width 16 or less, or --max-width 32 or more"),
     ],
 )
 def test_compile_limits_fail_at_once_in_one_line(tiny_pipeline_dir: Path, tmp_path: Path, args: list[str],

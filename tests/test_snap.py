@@ -32,7 +32,7 @@ def test_run_snaps_to_the_profile_and_logs(tiny_artifact: Path, tmp_path: Path) 
     assert "--snap: width 250 -> 128" in result.output
     assert (tmp_path / "o.png").exists()
     result = CliRunner().invoke(main, [*args, "--overwrite"])  # o.png exists: without --overwrite run stops there
-    assert result.exit_code != 0 and "height=61 is not a positive multiple of 8" in result.output, result.output
+    assert result.exit_code != 0 and "--height 61 is not a positive multiple of 8" in result.output, result.output
 
 
 def test_snap_logs_the_change(caplog: pytest.LogCaptureFixture) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import RuntimeInputError
+from ..errors import RuntimeInputError, names_arguments
 
 BASELINES: tuple[str, ...] = ("diffusers", "none")
 DEFAULT_PROMPT = "an ink painting of mountains above a river, guohua style"
@@ -58,6 +59,10 @@ class BenchConfig:
     size_buckets: str | None = None
 
     def __post_init__(self) -> None:
+        with names_arguments(*(f.name for f in dataclasses.fields(self))):  # the CLI names these by its options
+            self._check()
+
+    def _check(self) -> None:
         from ..runtime.engines.buckets import parse_size_buckets
         from ..runtime.engines.ort_engine import CONV_ALGO_SEARCH
 

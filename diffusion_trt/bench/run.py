@@ -14,7 +14,7 @@ import torch
 
 from ..artifact.manifest import Manifest
 from ..config import check_image_size
-from ..errors import ModelFolderError, RuntimeInputError
+from ..errors import ModelFolderError, RuntimeInputError, names_parameters
 from .baseline import architecture_mismatch, diffusers_runs, is_pipeline_folder
 from .clock import Clock
 from .config import BenchConfig
@@ -49,6 +49,7 @@ class _Ours:
     repeatability: list[dict[str, Any]] = field(default_factory=list)
 
 
+@names_parameters  # its own: the pipeline arguments it passes per size are not the caller's
 def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run every system at every batch size; return the result dict (``data/bench_result.schema.json``).
 

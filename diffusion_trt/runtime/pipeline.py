@@ -38,7 +38,7 @@ from ..artifact.folder import safe_join
 from ..artifact.manifest import Backend, Manifest, ModelFacts
 from ..artifact.reader import ArtifactReader, ArtifactReplacedError
 from ..artifact.values import check_scheduler_config
-from ..errors import ArtifactError, LoraError, RuntimeInputError
+from ..errors import ArtifactError, LoraError, RuntimeInputError, names_arguments, names_parameters
 from . import denoise
 from .call_guard import CallGuard, one_call_at_a_time
 from .controlnet import DEFAULT_CONTROL_SCALE, ControlPlan, control_components, control_plan
@@ -350,6 +350,13 @@ class EnginePipeline:
                 budget that works).
             TypeError: an unknown option.
         """
+        with names_arguments("path", "verify", "expect_sha256", *(f.name for f in dataclasses.fields(LoadOptions))):
+            return cls._load(path, device, scheduler, verify, expect_sha256, options)
+
+    @classmethod
+    def _load(cls, path: str | os.PathLike[str], device: str | None, scheduler: str | None, verify: bool,
+              expect_sha256: str | None, options: dict[str, Any]) -> EnginePipeline:
+        """:meth:`from_artifacts`, its arguments named in the errors it raises."""
         root = _artifact_path(path)
         _check_flag("verify", verify, "False skips the sha256 of each file only")
         opts = LoadOptions(device=device, scheduler=scheduler, **options)
@@ -663,6 +670,7 @@ class EnginePipeline:
     # -- the call ---------------------------------------------------------------------------------------
 
     @one_call_at_a_time("a call")
+    @names_parameters
     def __call__(
         self,
         prompt: str | Sequence[str] | None = None,

@@ -25,7 +25,7 @@ import torch
 
 from ..artifact.manifest import Manifest
 from ..config import ShapeProfile
-from ..errors import ArtifactError, RuntimeInputError
+from ..errors import ArtifactError, RuntimeInputError, names_parameters
 from .batching import plan_chunks
 from .conditioning import Conditioning, TextToImage
 from .engines.engine import Engine, EngineSpec
@@ -157,6 +157,7 @@ class Request:
         return self.guidance_scale > 1.0
 
     @classmethod
+    @names_parameters
     def build(
         cls,
         spec: RequestSpec,
@@ -453,6 +454,7 @@ def _chunks(spec: RequestSpec, prompts: int, n_per: int) -> tuple[range, ...]:
     return tuple(plan_chunks(batch, b.min, b.max))
 
 
+@names_parameters
 def check_before_load(spec: RequestSpec, prompt: Any, *, num_inference_steps: Any, guidance_scale: Any, seed: Any,
                       height: Any, width: Any, num_images_per_prompt: Any, output_type: str = "pil",
                       image_given: bool = False) -> None:

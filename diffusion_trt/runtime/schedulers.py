@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..artifact.values import scheduler_config_problems
-from ..errors import ArtifactError, DiffusionTrtError, MissingPackageError, RuntimeInputError
+from ..errors import ArtifactError, DiffusionTrtError, MissingPackageError, RuntimeInputError, names_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ def short_name(class_name: str) -> str:
     return _NAME_OF_CLASS.get(class_name, class_name)
 
 
+@names_arguments("scheduler")
 def resolve_scheduler(name: str) -> tuple[str, dict[str, Any]]:
     """(diffusers class name, overrides) of a short name.
 

@@ -151,7 +151,7 @@ def test_pickle_weights_refused_unless_trusted(tiny_pipeline_dir: Path, tmp_path
 
 
 def test_fp16_on_cpu_is_refused_with_fix() -> None:
-    with pytest.raises(RuntimeInputError, match=r"use --precision fp32 or --device cuda"):
+    with pytest.raises(RuntimeInputError, match=r"use precision='fp32' or device='cuda'"):
         CompileConfig(precision="fp16", device="cpu")
 
 
@@ -159,20 +159,21 @@ def test_fp16_on_cpu_is_refused_with_fix() -> None:
     ("kwargs", "message"),
     [
         ({"height": 700}, r"height=700 is not a positive multiple of 8; use 696 or 704"),
-        ({"height": 512, "min_height": 600}, r"height=512 is outside --min-height 600 .. --max-height 1024"),
-        ({"batch_size": 8, "max_batch_size": 4}, r"batch_size=8 is outside --min-batch-size 1 .. --max-batch-size 4"),
+        ({"height": 512, "min_height": 600}, r"height=512 is outside min_height=600 .. max_height=1024"),
+        ({"batch_size": 8, "max_batch_size": 4}, r"batch_size=8 is outside min_batch_size=1 .. max_batch_size=4"),
         ({"height": 100000}, r"height=100000 is above the limit of 4096 px; use 4096 or less"),
         ({"max_width": 4104}, r"max_width=4104 is above the limit of 4096 px; use 4096 or less"),
         ({"max_batch_size": 65}, r"max_batch_size=65 is above the limit of 64; use 64 or less"),
         ({"opset": 99}, r"opset=99 is newer than torch.onnx's exporter writes; use 17\.\.20"),
-        ({"min_height": 128, "max_height": 64}, r"--min-height 128 is larger than --max-height 64; swap them"),
+        ({"min_height": 128, "max_height": 64}, r"min_height=128 is larger than max_height=64; swap them"),
         ({"min_batch_size": 4, "max_batch_size": 2, "batch_size": 2},
-         r"--min-batch-size 4 is larger than --max-batch-size 2; swap them"),
-        ({"min_batch_size": 8}, r"--min-batch-size 8 is larger than the default --max-batch-size 4 "
-                                r"\(max\(4, batch-size\)\); give --max-batch-size 8 or more"),
+         r"min_batch_size=4 is larger than max_batch_size=2; swap them"),
+        ({"min_batch_size": 8}, r"min_batch_size=8 is larger than the default max_batch_size=4 "
+                                r"\(max\(4, batch_size\)\); give max_batch_size=8 or more, or min_batch_size=4 "
+                                r"or less"),
         ({"max_batch_size": 0}, r"max_batch_size=0 must be >= 1"),
-        ({"max_height": 128}, r"--max-height 128 is smaller than the default --min-height 256 \(height/2\); give "
-                              r"--min-height 128 or less, or a larger --max-height"),
+        ({"max_height": 128}, r"max_height=128 is smaller than the default min_height=256 \(height/2\); give "
+                              r"min_height=128 or less, or max_height=256 or more"),
     ],
 )
 def test_bad_profile_is_refused(kwargs: dict, message: str) -> None:

@@ -288,13 +288,16 @@ def test_refittable_rules() -> None:
     assert CompileConfig(refittable=True).refittable
     with pytest.raises(RuntimeInputError, match="refittable=True with backend='tensorrt-rtx'"):
         CompileConfig(refittable=True, backend="tensorrt-rtx")
-    with pytest.raises(RuntimeInputError, match="refittable=True with loras"):
+    with pytest.raises(RuntimeInputError, match=r"refittable=True with LoRAs merged at compile time: .* or drop "
+                                                r"refittable=True"):
         CompileConfig(refittable=True, loras=(("a.safetensors", 1.0),))
     assert CompileConfig(refittable=True, refit_convs=True).refit_convs  # ORT: spatial Conv weights as inputs too
-    for kwargs in ({"refit_convs": True}, {"refit_convs": True, "refittable": True, "backend": "tensorrt",
-                                           "device": "cuda"}):
-        with pytest.raises(RuntimeInputError, match="refit_convs=True needs refittable=True and backend='ort'"):
-            CompileConfig(**kwargs)
+    # the Python API names its arguments; the CLI its flags (test_cli_lora_errors)
+    with pytest.raises(RuntimeInputError, match=r"^refit_convs=True needs refittable=True: .*; add refittable=True$"):
+        CompileConfig(refit_convs=True)
+    with pytest.raises(RuntimeInputError, match=r"^refit_convs=True is for backend='ort' only, not backend='tensorrt': "
+                                                r".*; drop refit_convs=True$"):
+        CompileConfig(refit_convs=True, refittable=True, backend="tensorrt", device="cuda")
 
 
 def test_compiling_an_artifact_is_refused(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path) -> None:
@@ -323,12 +326,18 @@ def test_cli_lora_errors(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_pa
         assert message in result.output
     result = runner.invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"), "--refittable",
                                   "--lora", str(loras["peft"])])
-    assert result.exit_code == 2 and "refittable=True with loras" in result.output
-    for extra in (["--refit-convs"], ["--refittable", "--refit-convs", "--backend", "tensorrt"]):
+    assert result.exit_code == 2 and "error: --refittable with LoRAs merged at compile time: " in result.output
+    assert "or drop --refittable" in result.output
+    for extra, message in (
+        (["--refit-convs"], "error: --refit-convs needs --refittable: it makes the spatial Conv weights of a "
+                            "refittable ONNX Runtime artifact graph inputs too; add --refittable"),
+        (["--refittable", "--refit-convs", "--backend", "tensorrt"],
+         "error: --refit-convs is for --backend ort only, not --backend tensorrt: a refittable TensorRT artifact "
+         "refits every weight already; drop --refit-convs"),
+    ):
         result = runner.invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"), *extra])
         errors = [line for line in result.output.splitlines() if line.startswith("error:")]
-        assert result.exit_code == 2 and len(errors) == 1, result.output
-        assert "refit_convs=True needs refittable=True and backend='ort'" in errors[0]
+        assert result.exit_code == 2 and errors == [message], result.output
         assert not (tmp_path / "a").exists()
     help_text = " ".join(runner.invoke(main, ["compile", "--help"]).output.split())
     assert "--refit-convs" in help_text and "engines run NCHW on CUDA, slower" in help_text

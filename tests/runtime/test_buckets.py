@@ -45,7 +45,7 @@ def test_parse_size_buckets(text: str, expected: Any) -> None:
 @pytest.mark.parametrize(("text", "piece"), [
     ("512", "--size-buckets: '512' in '512' is not HEIGHTxWIDTH with positive sides; use e.g. --size-buckets 512x512"),
     ("512x512,big", "'big'"), ("0x512", "positive sides"),
-    ("", "--size-buckets '' is empty; give 'auto', sizes HxW"), (" ", "is empty; .* or 'off' for no buckets")])
+    ("", "size_buckets='' is empty; give 'auto', sizes HxW"), (" ", "is empty; .* or 'off' for no buckets")])
 def test_parse_size_buckets_refuses(text: str, piece: str) -> None:
     with pytest.raises(RuntimeInputError, match=piece):
         parse_size_buckets(text)

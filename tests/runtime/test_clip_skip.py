@@ -88,10 +88,10 @@ def test_cli_clip_skip(tiny_artifact: Path, tmp_path: Path) -> None:
     assert out.is_file()
     bad = CliRunner().invoke(main, ["run", str(tiny_artifact), "-p", "x", "--clip-skip", "5", "--steps", "2",
                                     "-o", str(tmp_path / "b.png")])
-    assert bad.exit_code == 2 and "error: clip_skip=5 is more than" in bad.output
+    assert bad.exit_code == 2 and "error: --clip-skip 5 is more than" in bad.output
 
 
 def test_compile_refuses_a_bad_max_clip_skip(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"),
                                        "--max-clip-skip", "12"])
-    assert result.exit_code == 2 and "max_clip_skip=12 must be in 0..11" in result.output
+    assert result.exit_code == 2 and "error: --max-clip-skip 12 must be in 0..11" in result.output

@@ -222,7 +222,7 @@ def test_table_rows_are_bounded_and_loading_is_all_or_nothing(pipe: EnginePipeli
 def test_compile_refuses_a_bad_max_embedding_vectors(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"),
                                        "--max-embedding-vectors", "2000"])
-    assert result.exit_code == 2 and "max_embedding_vectors=2000 must be in 0..1024" in result.output
+    assert result.exit_code == 2 and "error: --max-embedding-vectors 2000 must be in 0..1024" in result.output
 
 
 def test_sdxl_artifact_refuses_one_encoder_embeddings(tiny_sdxl_artifact: Path, files: dict[str, Path]) -> None:

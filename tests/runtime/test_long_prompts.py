@@ -176,7 +176,8 @@ def test_compile_refuses_a_bad_max_prompt_chunks(tiny_pipeline_dir: Path, tmp_pa
     result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"),
                                        "--max-prompt-chunks", value])
     assert result.exit_code == 2
-    assert "max_prompt_chunks=" in result.output or "'x' is not a valid integer" in result.output
+    assert f"error: --max-prompt-chunks {value} must be in 1..8" in result.output or \
+        "'x' is not a valid integer" in result.output
     assert not (tmp_path / "a").exists()
 
 

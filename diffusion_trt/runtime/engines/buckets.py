@@ -54,7 +54,7 @@ import torch
 
 from ...artifact.manifest import Manifest
 from ...config import ShapeProfile
-from ...errors import RuntimeInputError
+from ...errors import RuntimeInputError, names_arguments
 from ..geometry import LatentGeometry
 from .engine import EngineBase, EngineSpec, TensorInfo
 
@@ -137,6 +137,7 @@ def parse_sizes(text: str, option: str = "--sizes") -> tuple[tuple[int, int], ..
     return tuple(sizes)
 
 
+@names_arguments("size_buckets")
 def parse_size_buckets(value: str | Iterable[tuple[int, int]] | SizeBuckets | None) -> SizeBuckets | None:
     """``"auto"``, ``"512x512,768x768"``, a list of ``(height, width)`` or a :class:`SizeBuckets`; ``None``, "off"
     or "none" = no buckets.
@@ -150,7 +151,7 @@ def parse_size_buckets(value: str | Iterable[tuple[int, int]] | SizeBuckets | No
     if isinstance(value, str):
         text = value.strip().lower()
         if not text:
-            raise RuntimeInputError(f"--size-buckets {value!r} is empty; give 'auto', sizes HxW[,HxW...] such as "
+            raise RuntimeInputError(f"size_buckets={value!r} is empty; give 'auto', sizes HxW[,HxW...] such as "
                                     "512x512,768x768, or 'off' for no buckets")
         if text in ("off", "none"):
             return None
