@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
 
@@ -357,14 +358,22 @@ class EngineBase:
     """What every :class:`Engine` implementation shares: the protocol's properties, re-entrant ``with``
     (the first enter calls ``_open``, the last exit ``close``) and validation against the manifest.
 
-    Subclasses set ``_name``, ``_spec``, ``_device`` and ``_depth = 0`` in ``__init__`` and implement
-    ``_open``, ``close`` and ``run``.
+    Subclasses set ``_name``, ``_spec`` (an engine of one artifact file: :meth:`_name_and_spec`), ``_device`` and
+    ``_depth = 0`` in ``__init__`` and implement ``_open``, ``close`` and ``run``.
     """
 
     _name: str
     _spec: EngineSpec
     _device: torch.device
     _depth: int
+
+    def _name_and_spec(self, path: Path, spec: Mapping[str, Any] | EngineSpec, name: str | None,
+                       derived: Mapping[str, tuple[str, int]] | None) -> None:
+        """Set ``_name`` and ``_spec`` from the arguments of an engine of the artifact file ``path`` (ONNX model or
+        plan): the name ``name``, else the spec's, else the file's folder (``unet/model.onnx``: "unet"); the spec as
+        given, or parsed from its manifest entry (:meth:`EngineSpec.from_manifest`, under that name)."""
+        self._name = name or (spec.name if isinstance(spec, EngineSpec) else path.parent.name)
+        self._spec = spec if isinstance(spec, EngineSpec) else EngineSpec.from_manifest(self._name, spec, derived)
 
     @property
     def name(self) -> str:

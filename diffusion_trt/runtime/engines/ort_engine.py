@@ -199,9 +199,7 @@ class OrtEngine(EngineBase):
         self.path = Path(path)
         self._weights: Mapping[str, torch.Tensor] = weight_inputs if weight_inputs is not None else {}
         self._source = source
-        component = name or (spec.name if isinstance(spec, EngineSpec) else self.path.parent.name)
-        self._spec = spec if isinstance(spec, EngineSpec) else EngineSpec.from_manifest(component, spec, derived)
-        self._name = component
+        self._name_and_spec(self.path, spec, name, derived)
         if device not in ("cpu", "cuda"):
             raise ArtifactError(f"device={device!r} is not supported by the ONNX Runtime engine; use 'cpu' or 'cuda'")
         if cudnn_conv_algo_search not in CONV_ALGO_SEARCH:
@@ -214,7 +212,7 @@ class OrtEngine(EngineBase):
                                     f"{', '.join(OPTIMIZATION_LEVELS)}")
         self._optimization_level = graph_optimization_level
         if device == "cuda" and io_binding is False:
-            logger.warning("%s: io_binding=False is ignored on CUDA (inputs are bound by pointer)", component)
+            logger.warning("%s: io_binding=False is ignored on CUDA (inputs are bound by pointer)", self._name)
         self._kind = device
         self._device = torch.device("cuda", device_id) if device == "cuda" else torch.device("cpu")
         self._device_id = device_id

@@ -382,9 +382,7 @@ class TrtEngine(EngineBase):
         except DiffusionTrtError as e:
             raise ArtifactError(str(e)) from None
         self._cache_path = Path(runtime_cache) if runtime_cache is not None else None
-        component = name or (spec.name if isinstance(spec, EngineSpec) else self.path.parent.name)
-        self._spec = spec if isinstance(spec, EngineSpec) else EngineSpec.from_manifest(component, spec, derived)
-        self._name = component
+        self._name_and_spec(self.path, spec, name, derived)
         if build is None:
             build = {} if isinstance(spec, EngineSpec) else spec.get("build", {})
         self._build = build.to_json() if isinstance(build, BuildFacts) else dict(build)  # the manifest's JSON form
