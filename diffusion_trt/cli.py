@@ -119,8 +119,8 @@ def _add_runtime_options(fn: Callable[..., Any], algo_default: str) -> Callable[
         click.option("--size-buckets", default=None, metavar="auto|HxW[,HxW...]|off",
                      help="Dynamic ORT artifacts: static sessions per size (listed ones opened at load). A new "
                           "size runs at once on the dynamic session while its static one is made in the background "
-                          "(not under --vram-budget or --deterministic, where the first call at it waits). off: none (the default; an "
-                          "empty value is refused)."),
+                          "(not under --vram-budget or --deterministic, where the first call at it waits). off: none "
+                          "(the default; an empty value is refused)."),
     )):
         fn = option(fn)
     return fn
