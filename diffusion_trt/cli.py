@@ -821,10 +821,13 @@ def _check_writable_dir(folder: Path, flag: str) -> None:
     except OSError as e:
         fix = _OS_ERROR_FIXES.get(e.errno or 0, "choose another path")
         raise click.BadParameter(f"cannot create the folder {folder} ({e.strerror}); {fix}", param_hint=flag) from None
-    import os
-
-    if not os.access(folder, os.W_OK):
-        raise click.BadParameter(f"the folder {folder} is not writable; choose another path", param_hint=flag)
+    try:  # a file made and removed, not os.access: root passes that everywhere (/proc, an NFS root_squash mount)
+        _probe_writable(folder)
+    except OSError as e:  # ENOENT here: a folder that holds no new files (/proc), not a path to check
+        fix = _OS_ERROR_FIXES.get(e.errno or 0, "choose another path") if e.errno != errno.ENOENT else \
+            "choose another path"
+        raise click.BadParameter(f"the folder {folder} is not writable ({e.strerror}); {fix}", param_hint=flag) \
+            from None
 
 
 def _check_output_file(path: Path, flag: str, example: str) -> None:

@@ -301,6 +301,35 @@ def test_run_checks_output_path_before_work(tiny_artifact: Path, tmp_path: Path)
     assert code == 2 and "the folder /proc/nope does not exist" in out
 
 
+def test_run_output_folder_that_takes_no_file_is_refused_before_any_engine_opens(
+        tiny_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run -o` checked its folder with os.access, which root passes everywhere (an NFS root_squash mount, /proc):
+    the run denoised, then failed to save (`error: /proc/.x.png.402sca3j.tmp: No such file or directory`). The
+    folder is now probed with a file made and removed, before the load."""
+    import errno
+    import os
+    import tempfile
+
+    from diffusion_trt.runtime import EnginePipeline
+
+    squashed = tmp_path / "nfs"
+    squashed.mkdir()
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*args: object, dir: object = None, **kwargs: object) -> tuple[int, str]:
+        if dir is not None and Path(str(dir)) == squashed:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "-o", squashed / "x.png")
+    assert code == 2, out
+    assert out.startswith(f"error: Invalid value for -o: the folder {squashed} is not writable (Permission denied); "
+                          "no permission; choose a writable location or fix the permissions"), out
+    assert list(squashed.iterdir()) == []
+
+
 def test_run_refuses_an_output_folder_that_does_not_exist(tiny_artifact: Path, tmp_path: Path) -> None:
     """Issue 24, item 14: `run -o /nonexistent/dir/z.png` created the folders silently; diffusers' and PIL's
     image.save raise there, so a mistyped folder is refused (exit 2) naming the first missing folder."""
