@@ -1147,7 +1147,8 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         raise click.UsageError("--vram-budget plans one device; drop --devices or give one device")
     budget = {} if vram_budget is None else {"vram_budget": vram_budget, "vram_request": (height, width, batch_size)}
     _check_before_load(read, prompt, num_inference_steps=steps, guidance_scale=guidance, seed=seed,
-                       height=height, width=width, num_images_per_prompt=batch_size, image_given=image is not None)
+                       height=height, width=width, num_images_per_prompt=batch_size, image_given=image is not None,
+                       image=image, mask_image=mask, strength=strength, clip_skip=clip_skip, control=control)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     # log lines (a truncated prompt...) go through tqdm.write: they never cut the step bar on a terminal
@@ -1201,10 +1202,10 @@ def _check_before_load(read: tuple[Manifest | None, DiffusionTrtError | None], p
     Raises:
         RuntimeInputError: as :meth:`~.runtime.pipeline.EnginePipeline.__call__`.
     """
-    from .runtime.request import RequestSpec, check_before_load
+    from .runtime.request import RequestSpec, check_before_load, unopened_engines
 
     if read[0] is not None:
-        check_before_load(RequestSpec.from_manifest(read[0]), prompt, **arguments)
+        check_before_load(RequestSpec.from_manifest(read[0]), prompt, engines=unopened_engines(read[0]), **arguments)
 
 
 def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], controlnets: tuple[str, ...],
