@@ -159,6 +159,25 @@ def test_run_refuses_bad_image_clip_skip_and_controlnet_arguments_before_any_eng
     assert not (tmp_path / "o.png").exists()
 
 
+def test_run_lora_on_an_artifact_that_cannot_take_one_is_refused_before_any_engine_opens(
+        tiny_artifact: Path, tiny_pipeline_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run --lora` on an artifact compiled without --refittable was refused after the engines loaded."""
+    from diffusion_trt.compiler.dummy_lora import write_dummy_lora
+    from diffusion_trt.runtime import EnginePipeline
+
+    lora = tmp_path / "ink.safetensors"
+    write_dummy_lora(tiny_pipeline_dir, lora, rank=2, seed=0)
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "--lora", f"{lora}:0.8",
+                        "-o", tmp_path / "o.png")
+    assert code == 2, out
+    assert out.strip() == ("error: LoRA ink.safetensors: this 'ort' artifact was compiled without --refittable (its "
+                           "weights are constants of the ONNX Runtime sessions); recompile with `diffusion-trt compile "
+                           "MODEL --refittable`, or merge the LoRA at compile time with `diffusion-trt compile MODEL "
+                           "--lora ink.safetensors:0.8`"), out
+    assert not (tmp_path / "o.png").exists()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
