@@ -885,10 +885,13 @@ def _check_writable_dir(folder: Path, flag: str) -> None:
     except OSError as e:
         fix = _OS_ERROR_FIXES.get(e.errno or 0, "choose another path")
         raise click.BadParameter(f"cannot create the folder {folder} ({e.strerror}); {fix}", param_hint=flag) from None
-    import os
-
-    if not os.access(folder, os.W_OK):
-        raise click.BadParameter(f"the folder {folder} is not writable; choose another path", param_hint=flag)
+    try:  # a file made and removed, not os.access: root passes that everywhere (/proc, an NFS root_squash mount)
+        _probe_writable(folder)
+    except OSError as e:  # ENOENT here: a folder that holds no new files (/proc), not a path to check
+        fix = _OS_ERROR_FIXES.get(e.errno or 0, "choose another path") if e.errno != errno.ENOENT else \
+            "choose another path"
+        raise click.BadParameter(f"the folder {folder} is not writable ({e.strerror}); {fix}", param_hint=flag) \
+            from None
 
 
 def _check_output_file(path: Path, flag: str, example: str) -> None:
@@ -1179,12 +1182,18 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         check_lora_file(path, scale)
     if lora_specs and len(_parse_devices(devices, device)) >= 2:
         raise click.UsageError("--lora runs on one device; drop --devices (or give one device)")
+    if lora_specs and read[0] is not None and not any(c.weight_inputs for c in read[0].components.values()):
+        from .runtime.pipeline import check_refit_target
+
+        # no LoRA weight inputs (not ORT --refittable): refused now if it cannot take one, not after the load
+        check_refit_target(read[0], check_lora_file(*lora_specs[0]), len(lora_specs))
     if embeddings:
         from .runtime.embeddings import check_embedding_file
 
         sdxl = read[0].model.is_sdxl if read[0] is not None else None
         for path in embeddings:  # a missing / pickled / malformed file fails before the engines load
             check_embedding_file(path, sdxl)
+        _check_embeddings_before_load(read, embeddings, artifact_dir)
         if len(_parse_devices(devices, device)) >= 2:
             raise click.UsageError("--embedding runs on one device; drop --devices (or give one device)")
     max_hw = _profile_max_hw(_needed(read)) if image_path is not None else None
@@ -1208,7 +1217,8 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         raise click.UsageError("--vram-budget plans one device; drop --devices or give one device")
     budget = {} if vram_budget is None else {"vram_budget": vram_budget, "vram_request": (height, width, batch_size)}
     _check_before_load(read, prompt, num_inference_steps=steps, guidance_scale=guidance, seed=seed,
-                       height=height, width=width, num_images_per_prompt=batch_size, image_given=image is not None)
+                       height=height, width=width, num_images_per_prompt=batch_size, image_given=image is not None,
+                       image=image, mask_image=mask, strength=strength, clip_skip=clip_skip, control=control)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     # log lines (a truncated prompt...) go through tqdm.write: they never cut the step bar on a terminal
@@ -1262,10 +1272,30 @@ def _check_before_load(read: tuple[Manifest | None, DiffusionTrtError | None], p
     Raises:
         RuntimeInputError: as :meth:`~.runtime.pipeline.EnginePipeline.__call__`.
     """
-    from .runtime.request import RequestSpec, check_before_load
+    from .runtime.request import RequestSpec, check_before_load, unopened_engines
 
     if read[0] is not None:
-        check_before_load(RequestSpec.from_manifest(read[0]), prompt, **arguments)
+        check_before_load(RequestSpec.from_manifest(read[0]), prompt, engines=unopened_engines(read[0]), **arguments)
+
+
+def _check_embeddings_before_load(read: tuple[Manifest | None, DiffusionTrtError | None],
+                                  embeddings: tuple[Path, ...], artifact_dir: Path) -> None:
+    """Refuse ``--embedding`` files the loaded pipeline would refuse (a vector size that is not the text encoder's,
+    the artifact's rows full, a name taken twice, an artifact whose text encoder takes none) from its manifest, before
+    the engines load.
+
+    Raises:
+        RuntimeInputError: as :meth:`~.runtime.pipeline.EnginePipeline.load_textual_inversion`.
+    """
+    from .runtime.embeddings import load_embeddings
+    from .runtime.request import unopened_engines
+
+    if read[0] is None:
+        return
+    engines = unopened_engines(read[0])
+    encoders = ("text_encoder", "text_encoder_2")[: 1 + read[0].model.is_sdxl]
+    if all(name in engines for name in encoders):
+        load_embeddings([None] * len(encoders), [engines[n] for n in encoders], list(embeddings), None, artifact_dir)
 
 
 def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], controlnets: tuple[str, ...],

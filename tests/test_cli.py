@@ -196,6 +196,62 @@ def test_run_refuses_what_the_artifact_cannot_honour_before_any_engine_opens(
 
 
 @pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--image", "{rgb64}", "--strength", "0"], r"strength=0\.0 must be a number in \(0, 1\]: .*"),
+        (["--image", "{rgb64}", "--strength", "nan"], r"strength=nan must be a number in \(0, 1\]: .*"),
+        (["--image", "{rgb64}", "--strength", "0.1"], r"strength=0\.1 with num_inference_steps=1 leaves .*"),
+        (["--image", "{rgb60}", "--strength", "1"],
+         r"image width=60 is not a multiple of 8 .*; resize or crop the image to 56 or 64 .*"),
+        (["--image", "{rgb64}", "--strength", "1", "--height", "32"], r"height=32 but the image is 64x64 \(WxH\); .*"),
+        (["--image", "{rgb64}", "--mask", "{mask32}"],
+         r"mask_image is 32x32 \(WxH\) but the image is 64x64; pass a mask of the image's size"),
+        (["--clip-skip", "5"], r"clip_skip=5 is more than this artifact's text encoder serves \(up to 1; .*"),
+        (["--controlnet", "canny", "--control-image", "{rgb64}"],
+         r"this artifact has no ControlNet; compile it with --controlnet \[NAME=\]FOLDER"),
+    ],
+    ids=["strength-0", "strength-nan", "strength-no-step", "image-width-60", "height-not-the-image's", "mask-size",
+         "clip-skip-5", "no-controlnet"],
+)
+def test_run_refuses_bad_image_clip_skip_and_controlnet_arguments_before_any_engine_opens(
+        tiny_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], line: str) -> None:
+    """These were refused after the engines loaded (15-18 s for SD): the manifest has every fact they need."""
+    from PIL import Image
+
+    from diffusion_trt.runtime import EnginePipeline
+
+    files = {"rgb64": tmp_path / "rgb64.png", "rgb60": tmp_path / "rgb60.png", "mask32": tmp_path / "mask32.png"}
+    Image.new("RGB", (64, 64), "red").save(files["rgb64"])
+    Image.new("RGB", (60, 64), "red").save(files["rgb60"])
+    Image.new("L", (32, 32), 255).save(files["mask32"])
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "-o", tmp_path / "o.png",
+                        *(a.format(**files) for a in args))
+    assert code == 2, out
+    assert len(out.splitlines()) == 1 and re.fullmatch(f"error: {line}", out.strip()), out
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_run_lora_on_an_artifact_that_cannot_take_one_is_refused_before_any_engine_opens(
+        tiny_artifact: Path, tiny_pipeline_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run --lora` on an artifact compiled without --refittable was refused after the engines loaded."""
+    from diffusion_trt.compiler.dummy_lora import write_dummy_lora
+    from diffusion_trt.runtime import EnginePipeline
+
+    lora = tmp_path / "ink.safetensors"
+    write_dummy_lora(tiny_pipeline_dir, lora, rank=2, seed=0)
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "--lora", f"{lora}:0.8",
+                        "-o", tmp_path / "o.png")
+    assert code == 2, out
+    assert out.strip() == ("error: LoRA ink.safetensors: this 'ort' artifact was compiled without --refittable (its "
+                           "weights are constants of the ONNX Runtime sessions); recompile with `diffusion-trt compile "
+                           "MODEL --refittable`, or merge the LoRA at compile time with `diffusion-trt compile MODEL "
+                           "--lora ink.safetensors:0.8`"), out
+    assert not (tmp_path / "o.png").exists()
+
+
+@pytest.mark.parametrize(
     ("args", "message"),
     [
         (["run", "ART"], "error: Missing option '-p' / '--prompt'."),
@@ -374,6 +430,35 @@ def test_run_checks_output_path_before_work(tiny_artifact: Path, tmp_path: Path)
     assert code == 2 and "does not end in .png; use e.g. out.png" in out
     code, out = _invoke("run", tiny_artifact, "-p", "x", "-o", "/proc/nope/x.png")
     assert code == 2 and "the folder /proc/nope does not exist" in out
+
+
+def test_run_output_folder_that_takes_no_file_is_refused_before_any_engine_opens(
+        tiny_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run -o` checked its folder with os.access, which root passes everywhere (an NFS root_squash mount, /proc):
+    the run denoised, then failed to save (`error: /proc/.x.png.402sca3j.tmp: No such file or directory`). The
+    folder is now probed with a file made and removed, before the load."""
+    import errno
+    import os
+    import tempfile
+
+    from diffusion_trt.runtime import EnginePipeline
+
+    squashed = tmp_path / "nfs"
+    squashed.mkdir()
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*args: object, dir: object = None, **kwargs: object) -> tuple[int, str]:
+        if dir is not None and Path(str(dir)) == squashed:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "-o", squashed / "x.png")
+    assert code == 2, out
+    assert out.startswith(f"error: Invalid value for -o: the folder {squashed} is not writable (Permission denied); "
+                          "no permission; choose a writable location or fix the permissions"), out
+    assert list(squashed.iterdir()) == []
 
 
 def test_run_refuses_an_output_folder_that_does_not_exist(tiny_artifact: Path, tmp_path: Path) -> None:

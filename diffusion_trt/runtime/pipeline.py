@@ -125,6 +125,39 @@ def cuda_layout_options(component: str, device: str, spatial_conv_inputs: bool =
     return options
 
 
+_NO_REFIT_MAP = ("this TensorRT artifact was built without --refittable (its engines cannot be refitted); recompile "
+                 "with `diffusion-trt compile MODEL --backend tensorrt --refittable`, or merge the LoRA with --lora")
+
+
+def check_refit_target(manifest: Manifest, lora: Any, count: int = 1) -> None:
+    """Refuse what :meth:`EnginePipeline.load_lora` refuses from the manifest alone on an artifact without LoRA weight
+    inputs (an ORT ``--refittable`` one has them, and takes LoRAs through them): ``lora`` (a checked
+    :class:`~diffusion_trt.lora.LoraFile`) merged into it at compile time already, a backend that cannot refit,
+    ``count`` LoRAs at once on TensorRT, engines built without ``--refittable``. The CLI runs it before the load.
+
+    Raises:
+        LoraError: naming the LoRA and the fix.
+    """
+    for rec in manifest.loras:
+        if rec.sha256 == lora.sha256:
+            raise LoraError(
+                f"LoRA {lora.path.name} is merged into this artifact already (compile --lora, scale "
+                f"{rec.scale}); loading it again would apply it twice. Use an artifact compiled without it"
+            )
+    backend = manifest.backend
+    if backend is not Backend.TENSORRT:
+        raise LoraError(
+            f"LoRA {lora.path.name}: this {backend!r} artifact was compiled without --refittable (its weights are "
+            f"constants of the ONNX Runtime sessions); recompile with `diffusion-trt compile MODEL --refittable`, "
+            f"or merge the LoRA at compile time with `diffusion-trt compile MODEL --lora "
+            f"{lora.path.name}:{lora.scale:g}`"
+        )
+    if count > 1:
+        raise LoraError("several LoRAs at once: ONNX Runtime --refittable artifacts only; TensorRT refit takes one")
+    if not any(c.refit_map for c in manifest.components.values()):
+        raise LoraError(_NO_REFIT_MAP)
+
+
 @dataclass
 class EnginePipelineOutput:
     """What :meth:`EnginePipeline.__call__` returns.
@@ -504,28 +537,10 @@ class EnginePipeline:
             return self._load_lora_inputs(path, scale)
         specs = lora_list(path, scale)
         lora = check_lora_file(*specs[0])
-        for rec in self.manifest.loras:
-            if rec.sha256 == lora.sha256:
-                raise LoraError(
-                    f"LoRA {lora.path.name} is merged into this artifact already (compile --lora, scale "
-                    f"{rec.scale}); loading it again would apply it twice. Use an artifact compiled without it"
-                )
-        backend = self.manifest.backend
-        if backend is not Backend.TENSORRT:
-            raise LoraError(
-                f"LoRA {lora.path.name}: this {backend!r} artifact was compiled without --refittable (its weights are "
-                f"constants of the ONNX Runtime sessions); recompile with `diffusion-trt compile MODEL --refittable`, "
-                f"or merge the LoRA at compile time with `diffusion-trt compile MODEL --lora "
-                f"{lora.path.name}:{lora.scale:g}`"
-            )
-        if len(specs) > 1:
-            raise LoraError("several LoRAs at once: ONNX Runtime --refittable artifacts only; TensorRT refit takes one")
+        check_refit_target(self.manifest, lora, len(specs))
         comps = {c: e for c, e in self.manifest.components.items() if e.refit_map and c in self.engines}
         if not comps:
-            raise LoraError(
-                "this TensorRT artifact was built without --refittable (its engines cannot be refitted); recompile "
-                "with `diffusion-trt compile MODEL --backend tensorrt --refittable`, or merge the LoRA with --lora"
-            )
+            raise LoraError(_NO_REFIT_MAP)
         root = self.root or Path(".")
         maps = {c: json.loads(safe_join(root, str(e.refit_map)).read_text(encoding="utf-8"))
                 for c, e in comps.items()}

@@ -321,9 +321,8 @@ def _check_clip_skip(spec: RequestSpec, engines: Mapping[str, Engine], clip_skip
     if isinstance(clip_skip, bool) or not isinstance(clip_skip, int | np.integer) or clip_skip < 0:
         raise RuntimeInputError(f"clip_skip={clip_skip!r} must be None or an integer >= 0 (1 = the penultimate "
                                 "layer, A1111's 'Clip skip 2')")
-    encoders = ("text_encoder", "text_encoder_2") if spec.architecture == "sdxl" else ("text_encoder",)
     most = min(next((int(t.shape[1]) for t in engines[name].spec.outputs if t.name == "clip_skip_states"), 0)
-               for name in encoders)
+               for name in _text_encoders(spec))
     if most == 0 and spec.architecture == "sdxl":
         raise RuntimeInputError("this SDXL artifact's text encoders give no clip-skip states (compiled before SDXL "
                                 "clip skip, or with --max-clip-skip 0); recompile it (compile --max-clip-skip 2) to "
@@ -333,6 +332,11 @@ def _check_clip_skip(spec: RequestSpec, engines: Mapping[str, Engine], clip_skip
                                 f"{most}; compile --max-clip-skip, at most the encoder's layers less one); use "
                                 f"0..{most}")
     return int(clip_skip)
+
+
+def _text_encoders(spec: RequestSpec) -> tuple[str, ...]:
+    """The text-encoder components of the artifact's architecture."""
+    return ("text_encoder", "text_encoder_2") if spec.architecture == "sdxl" else ("text_encoder",)
 
 
 def _check_prompt_embeds(spec: RequestSpec, engines: Mapping[str, Engine], prompt: Any, negative_prompt: Any,
@@ -454,32 +458,77 @@ def _chunks(spec: RequestSpec, prompts: int, n_per: int) -> tuple[range, ...]:
     return tuple(plan_chunks(batch, b.min, b.max))
 
 
+_HOST = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class UnopenedEngine:
+    """A component of the manifest that is not opened: what the request checks read of an engine (its name and
+    I/O spec; the tensors they prepare stay on the host), so a call can be checked before the load."""
+
+    name: str
+    spec: EngineSpec
+    device: torch.device = _HOST
+
+
+def unopened_engines(manifest: Manifest) -> dict[str, UnopenedEngine]:
+    """Every component of ``manifest`` as an :class:`UnopenedEngine` (for :func:`check_before_load`).
+
+    Raises:
+        ArtifactError: a malformed component entry.
+    """
+    return {name: UnopenedEngine(name, EngineSpec.from_manifest(name, c.spec))
+            for name, c in manifest.components.items()}
+
+
 @names_parameters
 def check_before_load(spec: RequestSpec, prompt: Any, *, num_inference_steps: Any, guidance_scale: Any, seed: Any,
                       height: Any, width: Any, num_images_per_prompt: Any, output_type: str = "pil",
-                      image_given: bool = False) -> None:
+                      image_given: bool = False, engines: Mapping[str, Any] | None = None, image: Any = None,
+                      mask_image: Any = None, strength: Any = None, clip_skip: Any = None,
+                      control: Mapping[str, Any] | None = None) -> None:
     """The checks of :meth:`Request.build` that need no engine, against what the artifact allows (``spec``, e.g.
     :meth:`RequestSpec.from_manifest`): a caller runs them before loading (seconds to minutes) to refuse a call the
-    loaded pipeline would refuse anyway. With ``image_given`` the size is the image's: checked when it is read.
+    loaded pipeline would refuse anyway. With ``image_given`` and no ``image`` the size is the image's: checked when
+    it is read.
+
+    Args:
+        engines: the manifest's components (:func:`unopened_engines`); with them ``clip_skip``, ``image`` /
+            ``mask_image`` / ``strength`` and ``control`` (the ControlNet keywords of
+            :func:`~.controlnet.control_plan`: ``control_image``, ``controlnet``, ``controlnet_conditioning_scale``,
+            ``control_guidance_start``, ``control_guidance_end``, ``guess_mode``) are checked too.
 
     Raises:
         RuntimeInputError: as :meth:`Request.build`, for steps, guidance, seed, the size (inside the profile, a
             multiple of the VAE factor), an inpainting UNet without an image, and the batch (host memory first, then
-            the profile's batch range, then the UNet's rows with or without CFG).
+            the profile's batch range, then the UNet's rows with or without CFG); with ``engines``: the clip skip,
+            the image, mask and strength, and the ControlNet arguments.
     """
     prompts = prompt_list("prompt", prompt)
-    check_arg("num_inference_steps", num_inference_steps)
+    steps = check_arg("num_inference_steps", num_inference_steps)
     n_per = check_arg("num_images_per_prompt", num_images_per_prompt)
     guidance = check_arg("guidance_scale", spec.default_guidance_scale if guidance_scale is None else guidance_scale)
     if seed is not None:
         check_arg("seed", seed)
-    if image_given:
+    if engines is not None and all(e in engines for e in _text_encoders(spec)):
+        _check_clip_skip(spec, engines, clip_skip)
+    if engines is not None and (image is not None or mask_image is not None):
+        _sdxl_given(spec, {}, has_image=True)
+        conditioning = _image_conditioning(spec, engines, image, mask_image, strength, None, steps,
+                                           len(prompts) * n_per, height, width)
+        height, width = conditioning.height, conditioning.width  # type: ignore[attr-defined]
+    elif image_given:
         return
-    _check_text_to_image(spec, None)
+    else:
+        _check_text_to_image(spec, strength)
     default_h, default_w = spec.default_size
     height, width = spec.geometry.check_size(default_h if height is None else height,
                                              default_w if width is None else width, spec.profile)
     _check_batch(spec, len(prompts), n_per, height, width, guidance, output_type, _latent_dtype(spec, {}))
+    if engines is not None and control:
+        from .controlnet import control_plan
+
+        control_plan(engines, height=height, width=width, prompts=len(prompts), **control)
 
 
 def _check_batch(spec: RequestSpec, prompts: int, n_per: int, height: int, width: int, guidance: float,

@@ -52,9 +52,13 @@ def test_parse_size_buckets_refuses(text: str, piece: str) -> None:
 
 
 def test_size_outside_the_profile_is_refused_at_load(toy_artifact: Path) -> None:
-    with pytest.raises(RuntimeInputError, match=r"size bucket 512x64: height 512 is not a multiple of 8 inside the "
-                                                r"artifact's profile 32..128"):
+    """One cause per message: 512 was 'not a multiple of 8 inside the artifact's profile 32..128'."""
+    with pytest.raises(RuntimeInputError, match=r"^size bucket 512x64: height 512 is outside the artifact's profile "
+                                                r"32\.\.128; list sizes HxW that are multiples of 8 inside the profile "
+                                                r"\(32\.\.128\), e\.g\. 64x64$"):
         EnginePipeline.from_artifacts(toy_artifact, size_buckets="512x64")
+    with pytest.raises(RuntimeInputError, match=r"^size bucket 64x60: width 60 is not a multiple of 8; list sizes"):
+        EnginePipeline.from_artifacts(toy_artifact, size_buckets="64x60")
 
 
 def test_listed_sizes_are_preloaded_and_other_sizes_fall_back(toy_artifact: Path) -> None:

@@ -235,9 +235,14 @@ def test_run_with_two_controlnets_writes_the_image_and_parameters(controlnet_art
     (["--controlnet", "a:-1e39", "--control-image", "{a}"], "the scale '-1e39' is not a finite number"),
     (["--controlnet", "a", "--control-image", "{small}"], "is 48x48 (WxH) but the output is 64x64"),
     (["--controlnet", "z", "--control-image", "{a}"], "ControlNet 'z' is not in this artifact; it has a, b"),
+    (["--controlnet", "a", "--control-image", "{a}", "--control-guidance-start", "0.9", "--control-guidance-end",
+      "0.1"], "control_guidance_start=0.9 and control_guidance_end=0.1: need 0 <= start < end <= 1"),
 ])
 def test_run_bad_control_input_is_one_error_line_exit_2(controlnet_artifact: Path, tmp_path: Path, args: list[str],
-                                                        message: str) -> None:
+                                                        message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused from the manifest before any engine loads (an unknown name, a control image of another size and a
+    bad guidance window were refused after the load: 15-18 s for SD)."""
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
     files = {"a": _control_png(tmp_path, "a.png"), "small": _control_png(tmp_path, "s.png", 48)}
     result = _run(controlnet_artifact, tmp_path, *(a.format(**files) for a in args))
     assert result.exit_code == 2, result.output

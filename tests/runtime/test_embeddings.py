@@ -160,7 +160,9 @@ def _bad_files(d: Path) -> dict[str, Path]:
     (d / "other").mkdir()
     save_file({"emb_params": torch.zeros(1, HIDDEN)}, str(d / "other" / "inkstyle.safetensors"))
     save_file({"a": torch.zeros(1, HIDDEN), "b": torch.zeros(1, HIDDEN)}, str(d / "twokeys.safetensors"))
+    save_file({"emb_params": torch.zeros(200, HIDDEN)}, str(d / "many.safetensors"))
     return {"wide": d / "wide.safetensors", "evil": d / "evil.pt", "xl": d / "xl.safetensors",
+            "many": d / "many.safetensors",
             "clash": d / "other" / "inkstyle.safetensors", "twokeys": d / "twokeys.safetensors",
             "missing": d / "nope.safetensors", "folder": d / "other"}
 
@@ -170,12 +172,17 @@ def _bad_files(d: Path) -> dict[str, Path]:
     ("evil", "is refused by torch's weights-only loader"),
     ("xl", "is an SDXL embedding (clip_l/clip_g)"),
     ("clash", "embedding name 'inkstyle'"),
+    ("many", "embedding 'many' has 200 vectors and the loaded ones fill 3 of the artifact's 128 rows"),
     ("twokeys", "none of the textual-inversion forms"),
     ("missing", "nope.safetensors does not exist"),
     ("folder", "other is a directory; pass one embedding file in it (.safetensors, or .pt/.bin"),
 ])
 def test_bad_embedding_is_one_error_line(tiny_artifact: Path, files: dict[str, Path], tmp_path: Path, case: str,
-                                         message: str, capsys: pytest.CaptureFixture[str]) -> None:
+                                         message: str, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused before any engine loads: the vector size and a name taken were refused after the load (the
+    manifest's text encoder spec has what they need)."""
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
     bad = _bad_files(tmp_path)[case]
     result = CliRunner().invoke(main, ["run", str(tiny_artifact), "-p", "inkstyle", "--steps", "1",
                                        "--embedding", str(files["inkstyle"]), "--embedding", str(bad),

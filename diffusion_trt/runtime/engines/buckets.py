@@ -110,11 +110,13 @@ class SizeBuckets:
             raise RuntimeInputError(f"size buckets: max_shapes={self.max_shapes} must be >= 1")
         for h, w in self.sizes or ():
             for name, value, rng in (("height", h, profile.height), ("width", w, profile.width)):
-                if value % alignment or not rng.min <= value <= rng.max:
+                # one cause at a time: "256 is not a multiple of 8 inside 32..128" read as if 256 were no multiple
+                why = (f"is outside the artifact's profile {rng.min}..{rng.max}" if not rng.min <= value <= rng.max
+                       else f"is not a multiple of {alignment}" if value % alignment else None)
+                if why is not None:
                     raise RuntimeInputError(
-                        f"size bucket {h}x{w}: {name} {value} is not a multiple of {alignment} inside the artifact's "
-                        f"profile {rng.min}..{rng.max}; list sizes HxW inside the profile, e.g. "
-                        f"{profile.height.opt}x{profile.width.opt}"
+                        f"size bucket {h}x{w}: {name} {value} {why}; list sizes HxW that are multiples of {alignment} "
+                        f"inside the profile ({rng.min}..{rng.max}), e.g. {profile.height.opt}x{profile.width.opt}"
                     )
 
 
