@@ -67,6 +67,7 @@ from .engines.engine import Engine
 from .latents import Generator, StepCallback
 from .memory.stages import Stages
 from .prompt_encoding import PromptReader
+from .schedulers import build_scheduler
 from .text_embeddings import EmbeddingCache, encode_prompt_embeds
 
 if TYPE_CHECKING:
@@ -241,7 +242,7 @@ def denoise_latents(
 
 def fresh_scheduler(scheduler: Any) -> Any:
     """A new instance of ``scheduler``'s class and config (schedulers are stateful: one per chunk)."""
-    return type(scheduler).from_config(scheduler.config)
+    return build_scheduler(type(scheduler), scheduler.config)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from .memory.residency import Residency
 from .memory.stages import Stages
 from .png import save_png
 from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text, manifest_profile
-from .schedulers import import_scheduler_class, make_scheduler, scheduler_for, short_name
+from .schedulers import build_scheduler, import_scheduler_class, make_scheduler, scheduler_for, short_name
 from .sdxl import SDXL_COMPONENTS
 from .text_embeddings import EmbeddingCache
 from .tokenizer import load_tokenizer
@@ -476,7 +476,7 @@ class EnginePipeline:
     def scheduler(self) -> Any:
         """A fresh scheduler instance (schedulers are stateful: each call gets its own)."""
         t = self._scheduler_template
-        return type(t).from_config(t.config)
+        return build_scheduler(type(t), t.config)
 
     # -- LoRA -------------------------------------------------------------------------------------------
 

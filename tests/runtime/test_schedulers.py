@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import subprocess
+import sys
 
 import diffusers
 import pytest
 import torch
 
 from diffusion_trt.errors import ArtifactError, RuntimeInputError
-from diffusion_trt.runtime.schedulers import SCHEDULERS, make_scheduler, scheduler_names, short_name
+from diffusion_trt.runtime.schedulers import SCHEDULERS, build_scheduler, make_scheduler, scheduler_names, short_name
 from tests.runtime.toy import SD15_SCHEDULER
 
 HAS_SCIPY = importlib.util.find_spec("scipy") is not None
@@ -94,3 +97,47 @@ def test_short_name() -> None:
     assert short_name("EulerAncestralDiscreteScheduler") == "euler_a"
     assert short_name("DPMSolverMultistepScheduler") == "dpm++"
     assert short_name("FancyScheduler") == "FancyScheduler"
+
+
+def _diffusers_way(name: str) -> object:
+    cls_name, overrides = SCHEDULERS[name]
+    clean = {k: v for k, v in SD15_SCHEDULER.items() if not k.startswith("_")}
+    return getattr(diffusers, cls_name).from_config(clean, **overrides)
+
+
+@pytest.mark.parametrize("name", [n for n in SCHEDULERS if n != "lms" or HAS_SCIPY])
+def test_built_like_from_config(name: str) -> None:
+    ours, theirs = make_scheduler(SD15_SCHEDULER, name), _diffusers_way(name)
+    assert type(ours) is type(theirs)
+    assert dict(ours.config) == dict(theirs.config)
+    fresh = build_scheduler(type(ours), ours.config)
+    assert dict(fresh.config) == dict(type(theirs).from_config(theirs.config).config)
+    cls = type(ours)
+    assert not getattr(cls, "_deprecated_kwargs", []) and not getattr(cls, "ignore_for_config", [])
+    x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    for s in (ours, theirs):
+        s.set_timesteps(30)
+    assert torch.equal(ours.timesteps, theirs.timesteps)
+    noisy = "generator" in inspect.signature(cls.step).parameters  # ancestral / SDE steps draw noise
+    for t in ours.timesteps[:3]:
+        a, b = (s.step(s.scale_model_input(x, t), t, x, return_dict=False,
+                       **({"generator": torch.Generator().manual_seed(1)} if noisy else {}))[0] for s in (ours, theirs))
+        assert torch.equal(a, b)
+
+
+def test_overrides_win_and_defaults_stay_defaults() -> None:
+    config = {**SD15_SCHEDULER, "steps_offset": 0, "_use_default_values": ["steps_offset"], "not_a_key": 3}
+    s = build_scheduler(diffusers.DDIMScheduler, config, {"clip_sample": True})
+    t = diffusers.DDIMScheduler.from_config(config, clip_sample=True)
+    assert s.config.clip_sample is True and dict(s.config) == dict(t.config)
+
+
+def test_building_imports_no_other_scheduler_module() -> None:
+    """diffusers' from_config imports every compatible class first (UniPC brings scipy.stats: seconds)."""
+    code = ("import sys; from diffusion_trt.runtime.schedulers import make_scheduler; "
+            f"s = make_scheduler({SD15_SCHEDULER!r}); make_scheduler({SD15_SCHEDULER!r}, 'euler'); "
+            "print(sorted(m for m in sys.modules if m.startswith('diffusers.schedulers.scheduling_')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert eval(out.strip().splitlines()[-1]) == ["diffusers.schedulers.scheduling_euler_discrete",
+                                                   "diffusers.schedulers.scheduling_pndm",
+                                                   "diffusers.schedulers.scheduling_utils"]
