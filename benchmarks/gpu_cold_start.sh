@@ -27,6 +27,10 @@
 #   bash benchmarks/gpu_cold_start.sh offline OUT      ort_offline_optimization.py on base's UNet
 #   bash benchmarks/gpu_cold_start.sh controlnet OUT   controlnet_step.py (0/1/2 ControlNets, ours vs diffusers)
 #   bash benchmarks/gpu_cold_start.sh lora OUT         lora_switch.py on the refit/merged/base artifacts
+#   bash benchmarks/gpu_cold_start.sh first-run OUT    first_run_options.py: session / first / warm run per CUDA
+#                                                       provider option, static base (unet, vae_decoder) and dyn
+#                                                       at three latent sizes
+#   bash benchmarks/gpu_cold_start.sh pyenv OUT        what the host's Python does with bytecode, scipy present
 # Run from the folder holding the diffusion_trt package to measure; SITE: where the host's extra wheels went.
 set -u
 phase=${1:?phase}; out=${2:?OUT folder}
@@ -115,6 +119,18 @@ case $phase in
     timeout ${DYN_TIMEOUT:-200} $D bench /tmp/cs/art-dyn --baseline none --steps 30 --sizes 512x512,768x768,640x384 \
       --size-buckets auto --cudnn-algo-search heuristic --json "$out/bench_dyn_sizes.json" 2>&1 \
       | grep -v -E "it/s|stage/s" | tail -30 ;;
+  first-run)
+    log "first run per provider option: static base"
+    timeout ${FR_TIMEOUT:-200} $py benchmarks/first_run_options.py $W/art-base --components unet,vae_decoder \
+      --variants default,no_fuse_bias,sdpa_math,nchw,plain --json "$out/first_run_static.json" 2>&1 | tail -12
+    log "first run per provider option: dyn at 64x64, 96x96, 80x48 latents"
+    timeout ${FR_TIMEOUT:-200} $py benchmarks/first_run_options.py /tmp/cs/art-dyn --components vae_decoder,unet \
+      --variants default,no_fuse_bias,sdpa_math,plain --latents 64x64,96x96,80x48 \
+      --json "$out/first_run_dyn.json" 2>&1 | tail -10 ;;
+  pyenv)
+    $py -c "import sys, importlib.util as u; print('dont_write_bytecode', sys.flags.dont_write_bytecode, \
+      'pycache_prefix', sys.pycache_prefix, 'scipy', u.find_spec('scipy') is not None)"
+    env | grep -i -E "^PYTHON" ;;
   compile-b1)
     log dummy; $D dummy-pipeline --arch sd15 --seed 0 --overwrite $M > "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
     log compile b1
