@@ -12,8 +12,11 @@ compute cache are warm after the first repeat):
   UNet step of that configuration;
 * ``cli``: ``diffusion-trt run`` of one image, from process start to the PNG (wall clock of the process);
 * ``diffusers``: diffusers' own one-shot: ``from_pretrained(fp16)`` -> cuda -> one image -> PNG, same steps;
-* ``profile``: cProfile of ``from_artifacts`` + the first image (top functions by cumulative time);
-* ``levels``: from_artifacts per ONNX Runtime graph optimisation level: UNet session time and warm step.
+* ``profile``: cProfile of ``from_artifacts`` + the first image (top functions by cumulative time, and those of
+  diffusion_trt alone);
+* ``levels``: from_artifacts per ONNX Runtime graph optimisation level: UNet session time and warm step;
+* ``first-image-options`` (``--option-variants '{"sdpa_kernel": "1"};{...}'``): first-image (HEURISTIC) with those
+  CUDA provider options on every component, one process each.
 
 Prints one line per measurement; the JSON holds every figure (seconds unless named ``_ms``).
 """
@@ -102,8 +105,9 @@ def phases(art: str, cudnn: str) -> dict:
     return out
 
 
-def first_image(art: str, cudnn: str, steps: int, level: str = "all") -> dict:
-    """from_artifacts + the first image (and a second), with marks since the process started."""
+def first_image(art: str, cudnn: str, steps: int, level: str = "all", provider_options: dict | None = None) -> dict:
+    """from_artifacts + the first image (and a second), with marks since the process started; ``provider_options``
+    go to ``from_artifacts`` (every component)."""
     marks = {}
     import torch
 
@@ -114,9 +118,11 @@ def first_image(art: str, cudnn: str, steps: int, level: str = "all") -> dict:
     marks["package"] = os.path.dirname(diffusion_trt.__file__)
     t_load = time.perf_counter()
     extra = {"graph_optimization_level": level} if level != "all" else {}  # a tree before the option had "all"
+    if provider_options:
+        extra["provider_options"] = provider_options
     pipe = diffusion_trt.EnginePipeline.from_artifacts(art, cudnn_conv_algo_search=cudnn, **extra)
     marks["from_artifacts"] = time.perf_counter() - T0
-    out: dict = {"cudnn": cudnn, "graph_optimization_level": level}
+    out: dict = {"cudnn": cudnn, "graph_optimization_level": level, "provider_options": provider_options or {}}
     out["from_artifacts_s"] = time.perf_counter() - t_load
     images = []
     for key in ("first_call_s", "second_call_s"):
@@ -159,8 +165,11 @@ def profile(art: str, cudnn: str, steps: int) -> dict:
                      "cumtime_s": ct})
     rows.sort(key=lambda r: -r["cumtime_s"])
     by_self = sorted(rows, key=lambda r: -r["tottime_s"])[:25]
+    ours = sorted(({"function": f"{file.split('diffusion_trt/')[-1]}:{line}:{fn}", "calls": nc, "tottime_s": tt,
+                    "cumtime_s": ct} for (file, line, fn), (_cc, nc, tt, ct, _c) in stats.stats.items()
+                   if "diffusion_trt" in file), key=lambda r: -r["cumtime_s"])[:40]
     pipe.close()
-    return {"total_s": total, "top_cumulative": rows[:40], "top_self": by_self}
+    return {"total_s": total, "top_cumulative": rows[:40], "top_self": by_self, "top_diffusion_trt": ours}
 
 
 def diffusers_oneshot(model_dir: str, steps: int, png: str) -> dict:
@@ -231,6 +240,9 @@ def run_all(ns: argparse.Namespace) -> dict:
     for level in ns.levels.split(",") if ns.levels else ():
         add("first-image", ["first-image", ns.artifact, "--cudnn", "HEURISTIC", "--steps", str(ns.steps),
                             "--level", level], level=level)
+    for variant in filter(None, ns.option_variants.split(";")):
+        add("first-image-options", ["first-image", ns.artifact, "--cudnn", "HEURISTIC", "--steps", str(ns.steps),
+                                    "--provider-options", variant], options=json.loads(variant))
     add("profile", ["profile", ns.artifact, "--cudnn", "HEURISTIC", "--steps", str(ns.steps)])
     if ns.code_before:  # the same measurement with another tree's package (e.g. main before these changes)
         path = os.pathsep.join(p for p in (os.path.abspath(ns.code_before), os.environ.get("SITE", "")) if p)
@@ -253,6 +265,9 @@ def main() -> None:
     ap.add_argument("--levels", default="basic,extended", help="all: the graph optimisation levels to compare")
     ap.add_argument("--png", default="/tmp/cold.png")
     ap.add_argument("--code-before", default=None, help="a folder holding another diffusion_trt package to compare")
+    ap.add_argument("--option-variants", default="",
+                    help="all: ';'-separated JSON objects of CUDA provider options, one first-image row each")
+    ap.add_argument("--provider-options", default="", help="first-image: a JSON object of CUDA provider options")
     ns = ap.parse_args()
     if ns.what == "all":
         res = run_all(ns)
@@ -261,7 +276,8 @@ def main() -> None:
                 json.dump(res, f, indent=1)
         return
     fn = {"phases": lambda: phases(ns.path, ns.cudnn),
-          "first-image": lambda: first_image(ns.path, ns.cudnn, ns.steps, ns.level),
+          "first-image": lambda: first_image(ns.path, ns.cudnn, ns.steps, ns.level,
+                                             json.loads(ns.provider_options) if ns.provider_options else None),
           "profile": lambda: profile(ns.path, ns.cudnn, ns.steps),
           "diffusers": lambda: diffusers_oneshot(ns.path, ns.steps, ns.png)}[ns.what]
     print(json.dumps(fn()), flush=True)

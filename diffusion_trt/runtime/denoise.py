@@ -308,6 +308,7 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any, control: Co
     timestep_values = timesteps.to(device=device, dtype=torch.float32)
     prepared = cond.prepare(scheduler, timesteps, request.latent_shape, sample_dtype, device, request.generator,
                             request.latents)
+    _expect_decodes(request, engines, prepared.latents)
     # 2. encode prompt: one text-encoder run over the distinct texts, then one row per image
     n = request.num_images_per_prompt
     with engines.stages.stage("text") if encodes_text(request) else contextlib.nullcontext():
@@ -424,6 +425,17 @@ def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device)
             f"step from timestep {int(timesteps.max())}, past its {train} training timesteps (its step would index "
             f"out of range); use at most {train - max(offset, 1)}")
     return timesteps
+
+
+def _expect_decodes(request: Request, engines: LoopEngines, latents: torch.Tensor) -> None:
+    """Tell a size-bucketed VAE decoder (:meth:`~.engines.buckets.BucketedEngine.expect`) the shapes it will decode
+    at, one per chunk size, so that its specialised sessions are made while the UNet loop runs. Engines without
+    ``expect`` (every other kind) are left alone."""
+    expect = getattr(engines.vae_decoder, "expect", None)
+    if expect is None or request.output_type == "latent":
+        return
+    for size in sorted({len(rows) for rows in request.chunks}):
+        expect({"latent_sample": (size, *latents.shape[1:])})
 
 
 def _chunk_scheduler(scheduler: Any, num_inference_steps: int, begin_index: int | None, device: torch.device) -> Any:

@@ -51,7 +51,7 @@ constants), and on CUDA the base values stay on the host (pinned) besides the bo
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,7 +145,7 @@ class WeightSlots(Mapping[str, torch.Tensor]):
         Raises:
             LoraError: NaN/Inf in a merged weight (``what`` names the LoRAs in the message).
         """
-        out = {}
+        out, finite = {}, []
         for s in self._slots:
             parts = [d[s.torch_name] for d in deltas if s.torch_name in d]
             if not parts:
@@ -153,11 +153,14 @@ class WeightSlots(Mapping[str, torch.Tensor]):
             base = self._base[s.input_name].to(self.device, torch.float32, non_blocking=True)
             total = torch.stack([p.to(self.device) for p in parts]).sum(0)
             value = (base + (total.flatten(1).T if s.transpose else total)).to(self._base[s.input_name].dtype)
-            if not bool(torch.isfinite(value).all()):  # in the engine's dtype: fp16 overflows at 65504
-                raise LoraError(f"{what} leaves NaN/Inf in {self.component}.{s.torch_name} (in its "
-                                f"{str(value.dtype).removeprefix('torch.')} weights): the file holds non-finite values "
-                                "or the scale is too large; check the file, or use a smaller scale")
+            finite.append(torch.isfinite(value).all())  # in the engine's dtype: fp16 overflows at 65504
             out[s.input_name] = value.contiguous()
+        if finite and not bool(torch.stack(finite).all()):  # one device sync for all the weights
+            bad = next(n for n, ok in zip(out, finite, strict=True) if not bool(ok))
+            torch_name = next(s.torch_name for s in self._slots if s.input_name == bad)
+            raise LoraError(f"{what} leaves NaN/Inf in {self.component}.{torch_name} (in its "
+                            f"{str(out[bad].dtype).removeprefix('torch.')} weights): the file holds non-finite values "
+                            "or the scale is too large; check the file, or use a smaller scale")
         return out
 
     def bind(self, values: Mapping[str, torch.Tensor]) -> None:
@@ -227,8 +230,17 @@ def lora_list(path: Any, scale: Any) -> list[tuple[Any, Any]]:
     return out
 
 
-def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile]) -> dict[str, int]:
+def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile],
+                check: Callable[[Sequence[LoraFile]], None] | None = None) -> dict[str, int]:
     """Bind base + every LoRA of ``loras`` in every component of ``slots``; all checked before anything is bound.
+
+    The deltas are computed first, so the files' sha256 (``check_lora_file(background=True)``) is computed meanwhile;
+    the checks that need it (the same file twice, ``check``) come after, still before anything is bound.
+
+    Args:
+        slots: component -> its weight inputs (:func:`load_slots`).
+        loras: the checked files, with their scales.
+        check: the caller's own refusal of ``loras`` (raising ``LoraError``), run before anything is bound.
 
     Returns:
         component -> weights that now differ from the base.
@@ -237,19 +249,21 @@ def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile]) -> 
         LoraError: a LoRA matching no layer, or only part of them (naming the first that matches none; layers on
             dead weights count as matched and are ignored), a layer on
             a weight the artifact keeps constant (naming it and the fix), a variant that is not ``W + delta`` (DoRA,
-            LoKr, LoRA bias), NaN/Inf after the merge; the same file twice.
+            LoKr, LoRA bias), NaN/Inf after the merge; the same file twice; what ``check`` raises.
     """
+    shapes = {c: s.torch_shapes() for c, s in slots.items()}
+    device = next(iter(slots.values())).device
+    constants = {c: s.constants for c, s in slots.items()}
+    dead = {c: s.dead for c, s in slots.items()}
+    deltas = [lora_deltas(lora, shapes, device=device, constants=constants, dead=dead) for lora in loras]
     seen: dict[str, Path] = {}
     for lora in loras:
         if lora.sha256 in seen:
             raise LoraError(f"LoRA {lora.path} is the same file as {seen[lora.sha256]}; give each LoRA once with "
                             "the sum of the scales")
         seen[lora.sha256] = lora.path
-    shapes = {c: s.torch_shapes() for c, s in slots.items()}
-    device = next(iter(slots.values())).device
-    constants = {c: s.constants for c, s in slots.items()}
-    dead = {c: s.dead for c, s in slots.items()}
-    deltas = [lora_deltas(lora, shapes, device=device, constants=constants, dead=dead) for lora in loras]
+    if check is not None:
+        check(loras)
     what = " + ".join(f"LoRA {lora.path.name} at scale {lora.scale:g}" for lora in loras)
     values = {c: s.merged([d.get(c, {}) for d in deltas], what) for c, s in slots.items()}
     for comp, s in slots.items():  # nothing failed: bind

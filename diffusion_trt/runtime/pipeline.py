@@ -564,17 +564,20 @@ class EnginePipeline:
 
     def _load_lora_inputs(self, path: Any, scale: Any) -> dict[str, Any]:
         """:meth:`load_lora` on an ONNX Runtime ``--refittable`` artifact (see :mod:`~.lora_slots`)."""
-        from ..lora import check_lora_file
+        from ..lora import LoraFile, check_lora_file
 
-        files = [check_lora_file(p, s) for p, s in lora_list(path, scale)]
+        files = [check_lora_file(p, s, background=True) for p, s in lora_list(path, scale)]
         merged = {rec.sha256: rec for rec in self.manifest.loras}
-        for lora in files:
-            if lora.sha256 in merged:
-                raise LoraError(
-                    f"LoRA {lora.path.name} is merged into this artifact already (compile --lora, scale "
-                    f"{merged[lora.sha256].scale}); loading it again would apply it twice"
-                )
-        changed = apply_loras(self._weight_slots, files)
+
+        def not_merged(loras: Sequence[LoraFile]) -> None:
+            for lora in loras:
+                if lora.sha256 in merged:
+                    raise LoraError(
+                        f"LoRA {lora.path.name} is merged into this artifact already (compile --lora, scale "
+                        f"{merged[lora.sha256].scale}); loading it again would apply it twice"
+                    )
+
+        changed = apply_loras(self._weight_slots, files, not_merged)
         self.embedding_cache.clear()  # the text encoder may have changed
         records = [{"file": f.path.name, "sha256": f.sha256, "scale": f.scale} for f in files]
         self.lora = {"loras": records, "changed": changed}

@@ -230,3 +230,33 @@ def test_deterministic_mode_gives_identical_images_and_restores_torch(tiny_artif
     assert float(np.abs(a - b).max()) == 0.0
     assert torch.are_deterministic_algorithms_enabled() == before
 
+
+
+def test_background_the_vae_decodes_a_new_size_on_the_session_made_during_the_loop(tiny_artifact: Path) -> None:
+    """A call at a new size asks the VAE decoder's buckets for that shape's session at its start
+    (BucketedEngine.expect), so the decode, after the UNet loop, runs static: no dynamic VAE run at all."""
+    call = {**FAST, "height": 64, "width": 96}
+    with EnginePipeline.from_artifacts(tiny_artifact, size_buckets="auto") as pipe:
+        vae = pipe.engines["vae_decoder"]
+        assert vae.buckets.background
+        made = threading.Event()
+        opened = vae._timed_open
+
+        def slow_open(key: Any) -> Any:
+            engine = opened(key)
+            made.set()
+            return engine
+
+        vae._timed_open = slow_open
+        real_run = vae.run
+
+        def run(feeds: Any) -> Any:
+            assert made.wait(30), "the VAE's session for this size was never asked for"
+            vae.settle()  # the session asked for at the call's start: adopt it (made long before, on a GPU)
+            return real_run(feeds)
+
+        vae.run = run
+        pipe(**call)
+        assert vae.last_path == "static" and vae.timings.dynamic_runs == 0
+        assert vae.specialised_shapes == [{"B": 1, "h": 8, "w": 12}]
+        assert not vae.expect({"latent_sample": (1, 4, 8)})  # a shape that binds no symbol set: nothing asked

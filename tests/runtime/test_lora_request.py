@@ -411,3 +411,28 @@ def test_a_merge_that_overflows_the_weights_dtype_is_refused() -> None:
     with pytest.raises(LoraError, match=r"leaves NaN/Inf in unet\.blk\.weight \(in its float16 weights\)"):
         slots.merged([{"blk.weight": torch.full((2, 3), 1e5)}], "LoRA a at scale 1")
     assert bool((slots["w0"] == 0).all())  # nothing was bound
+
+
+def test_the_nonfinite_weight_is_named_among_several() -> None:
+    """The finiteness of every merged weight is read in one device sync; the message still names the bad one."""
+    from diffusion_trt.errors import LoraError
+    from diffusion_trt.runtime.lora_slots import WeightSlots
+
+    rmap = {"weights": {f"b{i}.weight": {"initializer": f"w{i}", "transpose": False, "dtype": "float16"}
+                        for i in range(3)}}
+    base = {f"w{i}": torch.zeros(2, 3, dtype=torch.float16) for i in range(3)}
+    slots = WeightSlots("unet", rmap, base, torch.device("cpu"))
+    deltas = {f"b{i}.weight": torch.full((2, 3), 1e5 if i == 1 else 1.0) for i in range(3)}
+    with pytest.raises(LoraError, match=r"leaves NaN/Inf in unet\.b1\.weight"):
+        slots.merged([deltas], "LoRA a at scale 1")
+
+
+def test_a_lora_is_hashed_on_a_thread_when_asked(loras: dict[str, Path]) -> None:
+    from concurrent.futures import Future
+
+    from diffusion_trt.artifact.folder import sha256_file
+    from diffusion_trt.lora import check_lora_file
+
+    now, later = check_lora_file(loras["peft"], 0.5), check_lora_file(loras["peft"], 0.5, background=True)
+    assert isinstance(now.digest, str) and isinstance(later.digest, Future)
+    assert later.sha256 == now.sha256 == sha256_file(loras["peft"])
