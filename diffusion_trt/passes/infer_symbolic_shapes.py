@@ -1,4 +1,4 @@
-"""Give a dynamic graph's tensors symbolic shapes that say which dims are equal (``h``, ``h*w``, ``floor(h/2 - 1/2) + 1``)."""
+"""Give a dynamic graph's tensors symbolic shapes that say which dims are equal (``h``, ``h*w``, ``h/2``)."""
 
 from __future__ import annotations
 
