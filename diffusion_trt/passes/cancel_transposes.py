@@ -48,6 +48,8 @@ def cancel_transposes(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Why:      fuse_group_norm's ort-cuda form wraps each NHWC GroupNorm in NCHW<->NHWC Transposes (SD-1.5 UNet:
               122). Where an NHWC chain continues (a GroupNorm into a transformer's 1x1 proj_in and its
               permute(0,2,3,1): 16 sites in the UNet) the Transposes cancel; a Transpose is a full memory copy.
+              A pair whose first output Shape nodes also read (a dynamic graph's ``batch, _, height, width =
+              hidden_states.shape``) cancels too: the Shapes read ``Gather(Shape(a), p)``, the same values.
     Requires: shapes inferred (ranks of the tensors a Transpose moves past; constants must broadcast at that
               rank); every tensor a moved Transpose leaves behind read by the chain alone and not a graph output.
               Transposes are moved only where that ends in a cancel or a merge, never just moved.
@@ -116,6 +118,8 @@ def _step(graph: gs.Graph, node: gs.Node, names: Namer, counts: dict[str, int]) 
     if perm is None:
         return "no perm attribute and the input rank is unknown; run infer_shapes"
     nxt = single_consumer(out)
+    if nxt is None:
+        nxt = _detach_shape_readers(graph, node, perm, names)
     if nxt is None or not in_onnx_domain(nxt):
         return False
     if nxt.op == "Transpose":
@@ -125,6 +129,41 @@ def _step(graph: gs.Graph, node: gs.Node, names: Namer, counts: dict[str, int]) 
     if nxt.op in UNARY_ELEMENTWISE or nxt.op in BINARY_ELEMENTWISE:
         return _sink(graph, node, nxt, perm, names, counts)
     return False
+
+
+def _is_plain_shape(node: gs.Node) -> bool:
+    return node.op == "Shape" and in_onnx_domain(node) and "start" not in node.attrs and "end" not in node.attrs
+
+
+def _detach_shape_readers(graph: gs.Graph, node: gs.Node, perm: tuple[int, ...], names: Namer) -> gs.Node | None:
+    """When the Transpose's output is read by Shape nodes and one Transpose (a dynamic graph's ``batch, _, height,
+    width = hidden_states.shape`` beside the pair that cancels), point the Shapes at the input through
+    ``Gather(Shape(a), perm)`` (the same values) and return that Transpose; else None, the graph unchanged."""
+    out = node.outputs[0]
+    readers = {id(n): n for n in out.outputs}.values()
+    shapes = [n for n in readers if _is_plain_shape(n)]
+    others = [n for n in readers if not _is_plain_shape(n)]
+    if not shapes or len(others) != 1 or others[0].op != "Transpose" or is_graph_output(graph, out):
+        return None
+    source = node.inputs[0]
+    base = node.name or "transpose"
+    raw = gs.Variable(names(f"{base}_input_shape"), dtype=np.int64, shape=[len(perm)])
+    permuted = gs.Variable(names(f"{base}_shape"), dtype=np.int64, shape=[len(perm)])
+    indices = gs.Constant(names(f"{base}_perm"), np.asarray(perm, dtype=np.int64))
+    graph.nodes.append(gs.Node(op="Shape", name=names(f"{base}_Shape"), inputs=[source], outputs=[raw]))
+    graph.nodes.append(gs.Node(op="Gather", name=names(f"{base}_Gather"), attrs={"axis": 0},
+                               inputs=[raw, indices], outputs=[permuted]))
+    for shape_node in shapes:
+        redirect = shape_node.outputs[0]
+        for reader in list(redirect.outputs):
+            for index, tensor in enumerate(list(reader.inputs)):
+                if tensor is redirect:
+                    reader.inputs[index] = permuted
+        if is_graph_output(graph, redirect):
+            shape_node.op, shape_node.inputs[0] = "Identity", permuted  # the output keeps its name
+        else:
+            shape_node.outputs.clear()
+    return others[0]
 
 
 def _pair(graph: gs.Graph, first: gs.Node, second: gs.Node, perm: tuple[int, ...],

@@ -10,6 +10,12 @@ Ordering rules (keep them next to the tuples they constrain):
     merged duplicate constants are read once.
   * specialize_shapes (static profiles only) before fold_constants: once every input dim is concrete, all
     shape arithmetic folds away and no Shape node is left to run on the host.
+  * infer_symbolic_shapes (dynamic profiles on ort-cuda only) right after infer_shapes: ONNX inference gives a
+    dynamic graph a fresh ``unk__N`` name per Conv output and per broadcast, so every residual Add looked as if
+    it might broadcast and fuse_skip_layer_norm / fuse_bias / fuse_skip_group_norm / merge_conv_biases /
+    cancel_transposes turned their sites down (SD-1.5 UNet: 0 of the static profile's 150); the symbolic
+    expressions (``h``, ``h*w``) make equal dims equal by name. Static graphs have no symbols to name, and the
+    other targets run none of those fusions, so their graphs stay as they were.
   * fold_constants before infer_shapes: folding turns shape computations into constants, which lets
     inference resolve more shapes (Reshape / Expand targets).
   * infer_shapes before eliminate_noops: whether ``x / 1`` can go depends on x's rank (no broadcasting).
@@ -75,6 +81,7 @@ from .fuse_layer_norm import fuse_layer_norm
 from .fuse_skip_group_norm import fuse_skip_group_norm
 from .fuse_skip_layer_norm import fuse_skip_layer_norm
 from .infer_shapes import infer_shapes
+from .infer_symbolic_shapes import infer_symbolic_shapes
 from .lower_einsum import lower_einsum
 from .merge_conv_biases import merge_conv_biases
 from .pack_qkv import pack_qkv
@@ -134,7 +141,8 @@ def pipeline_for(backend: str, device: str, precision: str, component: str, stat
 
     Args:
         static: the profile is one shape (min == max); prepends ``specialize_shapes``, which reads the shapes
-            from ``ctx.options["static_shapes"]``.
+            from ``ctx.options["static_shapes"]``. A dynamic one on ort-cuda gets ``infer_symbolic_shapes``
+            after ``infer_shapes``.
 
     Raises:
         ValueError: no pipeline for that combination; the message lists the ones that exist.
@@ -149,4 +157,7 @@ def pipeline_for(backend: str, device: str, precision: str, component: str, stat
     passes = PIPELINES[key]
     if static:
         passes = (passes[0], specialize_shapes, *passes[1:])
+    elif (backend, device) == (Backend.ORT, "cuda"):
+        at = passes.index(infer_shapes) + 1
+        passes = (*passes[:at], infer_symbolic_shapes, *passes[at:])
     return passes

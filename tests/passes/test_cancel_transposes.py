@@ -160,3 +160,29 @@ def test_pair_cancel_keeps_a_graph_output_name() -> None:
     out, counts = _run(model)
     assert graphs.op_counts(out) == {"Identity": 1} and out.graph.output[0].name == "y"
     assert counts["cancelled"] == 1
+
+
+def test_shape_readers_of_a_dynamic_graph_do_not_stop_a_cancel() -> None:
+    """``batch, _, h, w = t.shape`` beside the pair (a dynamic graph keeps these Shape reads): the Shapes read
+    ``Gather(Shape(x), perm)`` instead and the pair still cancels; the gathered dims are the same values."""
+    nodes = [_t("x", "t", [0, 3, 1, 2]), _t("t", "y", [0, 2, 3, 1]), helper.make_node("Relu", ["y"], ["out"]),
+             helper.make_node("Shape", ["t"], ["s"]),
+             helper.make_node("Gather", ["s", "two"], ["h"], axis=0)]
+    outputs = [graphs.tensor_info("out", ["B", "h", "w", C]), graphs.tensor_info("h", [], onnx.TensorProto.INT64)]
+    model = onnx.shape_inference.infer_shapes(graphs.make_model(
+        nodes, [graphs.tensor_info("x", ["B", "h", "w", C])], outputs, [graphs.const("two", 2, np.int64)]))
+    out, counts = fuse(model, cancel_transposes, "ort", "cuda")
+    onnx.checker.check_model(out, full_check=True)
+    assert counts["cancelled"] == 1 and counts["Transpose_removed"] == 2
+    assert graphs.op_counts(out).get("Transpose", 0) == 0
+    graphs.assert_same_outputs(model, out, graphs.random_feeds(model, dims={"B": 2, "h": 3, "w": 5}))
+
+
+def test_a_shape_reader_beside_a_non_transpose_is_left() -> None:
+    """The other reader is a Conv-free Relu (no pair): nothing to gain, the Shape keeps reading the Transpose."""
+    nodes = [_t("x", "t", [0, 3, 1, 2]), helper.make_node("Relu", ["t"], ["out"]),
+             helper.make_node("Shape", ["t"], ["s"])]
+    outputs = [graphs.tensor_info("out", ["B", C, "h", "w"]), graphs.tensor_info("s", [4], onnx.TensorProto.INT64)]
+    model = graphs.make_model(nodes, [graphs.tensor_info("x", ["B", "h", "w", C])], outputs)
+    out, counts = fuse(model, cancel_transposes, "ort", "cuda")
+    assert counts["Transpose_removed"] == 0 and graphs.op_counts(out) == graphs.op_counts(model)

@@ -13,7 +13,7 @@ from tests import graphs
 
 @pytest.mark.parametrize("key", list(PIPELINES))
 def test_every_pipeline_starts_with_base_and_fuses_before_fp16(key: tuple[str, str, str]) -> None:
-    passes = pipeline_for(*key, "unet")
+    passes = tuple(p for p in pipeline_for(*key, "unet") if p.__name__ != "infer_symbolic_shapes")  # dynamic ort-cuda
     assert passes[: len(BASE)] == BASE
     names = [p.__name__ for p in passes]
     assert [n for n in names if n.startswith(("fuse_", "pack_", "merge_", "lower_"))] == [p.__name__ for p in FUSIONS]
