@@ -6,13 +6,15 @@ Runs ``diffusion-trt`` in this process with a thread sampling the resident set s
 20 ms, and wraps :func:`diffusion_trt.compiler.pipeline.stage` so every stage (``load models``, ``export of unet``,
 ``passes of unet``, ``build of unet``...) records the RSS when it starts and ends and the largest RSS sampled while it
 ran. Stages nest (a component's passes run inside its compile), so a parent's peak includes its children's.
-The JSON also has the process's ``VmHWM`` (the kernel's own peak) and the wall time.
+The JSON also has the process's ``VmHWM`` (the kernel's own peak) and the wall time. ``--per-pass`` adds a stage
+per pass (``pass convert_fp16``) and per step of the fp16 range check (``activation_peaks``, ``ORT session``...).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -56,9 +58,34 @@ class Sampler(threading.Thread):
                     row["peak_rss_gb"] = max(row["peak_rss_gb"], rss / 1e9)
 
 
+def measure_passes(pipeline) -> None:
+    """Every pass of the compile's pipelines, and the range check's session work, as stages of their own (the
+    stage looked up at call time: the measured one)."""
+    from diffusion_trt import passes
+    from diffusion_trt.passes import _ort, base, fp16_check
+
+    def staged(fn, label: str):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with pipeline.stage(label, None):
+                return fn(*args, **kwargs)
+        return inner
+
+    real_for = passes.pipeline_for
+    passes.pipeline_for = lambda *a, **k: tuple(staged(p, f"pass {base.pass_name(p)}") for p in real_for(*a, **k))
+    fp16_check.optimize_model = staged(fp16_check.optimize_model, "optimize_model")
+    for name in ("_calibrate", "_nonfinite_tensors", "_check_parity"):
+        setattr(fp16_check, name, staged(getattr(fp16_check, name), f"fp16_check.{name}"))
+    _ort.activation_peaks = staged(_ort.activation_peaks, "activation_peaks")
+    _ort._session = staged(_ort._session, "ORT session")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
+    ap.add_argument("--per-pass", action="store_true",
+                    help="also one stage per pass ('pass fold_constants'...) and per range-check step "
+                         "(activation_peaks, ORT session, parity)")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="-- then the diffusion-trt command line")
     ns = ap.parse_args()
     args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
@@ -89,6 +116,8 @@ def main() -> None:
             rows.append(row)
 
     pipeline.stage = measured
+    if ns.per_pass:
+        measure_passes(pipeline)
     t0 = time.perf_counter()
     sampler.start()
     rc = 0

@@ -59,10 +59,33 @@ class Session:
         try:
             return dict(zip(wanted, self.session.run(wanted, typed), strict=True))
         except Exception as err:
-            shapes = ", ".join(f"{name}:{'x'.join(map(str, value.shape)) or 'scalar'}" for name, value in typed.items())
-            raise ModelFileError(
-                f"the graph does not run on these inputs ({shapes}) on {self.provider}: {_first_line(err)}; give the "
-                "real sizes with --shape NAME:DxD.. or real inputs with --inputs FILE.npz") from err
+            raise self._failure(typed, err) from err
+
+
+    def run_values(self, feeds: Mapping[str, np.ndarray], names: Sequence[str]) -> Iterator[tuple[str, float]]:
+        """``(name, peak(value))`` of each output ``names`` on ``feeds``, one at a time: ONNX Runtime's own buffers are
+        read in place and each is released once read (``run`` copies all of them out first: twice a group's
+        bytes at once)."""
+        from onnxruntime import OrtValue
+
+        inputs = {i.name: i.type for i in self.session.get_inputs()}
+        typed = {name: _as_type(value, inputs.get(name)) for name, value in feeds.items() if name in inputs}
+        try:
+            values = self.session.run_with_ort_values(
+                list(names), {name: OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for name, v in typed.items()})
+        except Exception as err:
+            raise self._failure(typed, err) from err
+        for index, name in enumerate(names):
+            value, values[index] = values[index], None
+            yield name, peak(value.numpy())
+            del value
+
+    def _failure(self, typed: Mapping[str, np.ndarray], err: BaseException) -> ModelFileError:
+        """The error of a run that failed on ``typed``: the feeds' shapes, the provider and ORT's first line."""
+        shapes = ", ".join(f"{name}:{'x'.join(map(str, value.shape)) or 'scalar'}" for name, value in typed.items())
+        return ModelFileError(
+            f"the graph does not run on these inputs ({shapes}) on {self.provider}: {_first_line(err)}; give the "
+            "real sizes with --shape NAME:DxD.. or real inputs with --inputs FILE.npz")
 
 
 def _as_type(value: np.ndarray, ort_type: str | None) -> np.ndarray:
@@ -97,6 +120,10 @@ def _session(source: Any, providers: Iterable[str] | None) -> Session | str:
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    # no arena: its blocks stay with the session to its end and are extended by powers of two, so a run of a big
+    # graph (the VAE decoder's range check at batch 4: 512 MiB activations; issue 28) can hold more than its live
+    # tensors; without it each tensor's memory goes back when the tensor dies
+    options.enable_cpu_mem_arena = False
     options.log_severity_level = 4  # failures are reported by the caller, with the fix
     have = set(ort.get_available_providers())
     reasons: list[str] = []
@@ -217,16 +244,48 @@ def exposure_groups(names: Sequence[str], sizes: Mapping[str, int | None],
     return groups
 
 
-def with_outputs(model: onnx.ModelProto, names: Iterable[str], types: Mapping[str, int]) -> onnx.ModelProto:
-    """A copy of ``model`` whose graph also outputs ``names`` (intermediate tensors, typed from ``types``)."""
+def probe_of(model: onnx.ModelProto, names: Sequence[str], types: Mapping[str, int]) -> onnx.ModelProto:
+    """A copy of ``model`` whose graph outputs exactly ``names`` (typed from ``types``), with only the nodes they
+    depend on: the part of the graph that one exposure group needs.
+
+    Why: ONNX Runtime runs every node of a session whatever outputs are asked for, so each group of the range check
+    ran the whole graph again (the SD-1.5 VAE decoder at batch 4: dozens of full runs). The kept nodes compute the
+    same values from the same inputs; only the nodes downstream of the group's last tensor are left out.
+    """
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
-    have = {output.name for output in probe.graph.output}
-    for name in names:
-        if name not in have:
-            probe.graph.output.append(onnx.helper.make_tensor_value_info(name, types[name], None))
-            have.add(name)
+    graph = probe.graph
+    keep = _ancestors(graph.node, set(names))
+    del graph.output[:]
+    graph.output.extend(onnx.helper.make_tensor_value_info(name, types[name], None) for name in names)
+    nodes = [node for node, kept in zip(graph.node, keep, strict=True) if kept]
+    del graph.node[:]
+    graph.node.extend(nodes)
     return probe
+
+
+def _ancestors(nodes: Sequence[onnx.NodeProto], wanted: set[str]) -> list[bool]:
+    """For each node of a topologically sorted list, whether ``wanted`` tensors depend on it (inputs read inside
+    its subgraphs, e.g. an If's branches, count as its inputs)."""
+    needed = set(wanted)
+    keep = [False] * len(nodes)
+    for index in range(len(nodes) - 1, -1, -1):
+        node = nodes[index]
+        if needed.isdisjoint(node.output):
+            continue
+        keep[index] = True
+        needed.update(_reads(node))
+    return keep
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """Every tensor name ``node`` reads, its subgraphs' node inputs included."""
+    names = {name for name in node.input if name}
+    for attr in node.attribute:
+        for graph in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+            for inner in graph.node:
+                names |= _reads(inner)
+    return names
 
 
 def activation_peaks(model: onnx.ModelProto, feed_list: Sequence[Mapping[str, np.ndarray]],
@@ -251,28 +310,32 @@ def activation_peaks(model: onnx.ModelProto, feed_list: Sequence[Mapping[str, np
         big = model.ByteSize() >= INLINE_LIMIT_BYTES
         light, folder = stack.enter_context(weights_on_disk(model)) if big else (model, None)
         for i, chunk in enumerate(groups):
-            probe = with_outputs(light, chunk, types)  # big: a copy without the weights
+            probe = probe_of(light, chunk, types)  # big: a copy without the weights
             source = _save_light(probe, folder, f"probe{i}.onnx") if folder else probe.SerializeToString()
+            del probe
             session = _session(source, providers)
             if isinstance(session, str):
                 return session
             provider = session.provider
             providers = [provider]  # the first chunk decided where the graph runs
             for feeds in feed_list:
-                for name, value in session.run(feeds, chunk).items():
-                    peaks[name] = max(peaks.get(name, 0.0), peak(value))
+                for name, value in session.run_values(feeds, chunk):
+                    peaks[name] = max(peaks.get(name, 0.0), value)
             del session
     return peaks, provider
 
 
 def peak(value: np.ndarray) -> float:
-    """max |x| of a float array as a Python float; ``inf`` when it holds a NaN or an infinity; 0 when empty."""
+    """max |x| of a float array as a Python float; ``inf`` when it holds a NaN or an infinity; 0 when empty.
+
+    From the array's max and min (NaN propagates through both), so no temporary the size of ``value`` is made (the
+    VAE decoder's activations at batch 4: 512 MiB each); the same value as ``max(abs(x))``: both are exact."""
     if value.dtype.kind != "f" or value.size == 0:
         return 0.0
-    as32 = value.astype(np.float32, copy=False)
-    if not np.all(np.isfinite(as32)):
+    high, low = float(np.max(value)), float(np.min(value))
+    if not (np.isfinite(high) and np.isfinite(low)):
         return float("inf")
-    return float(np.max(np.abs(as32)))
+    return max(high, -low)
 
 
 def numpy_dtype(elem_type: int) -> type[np.generic] | None:
