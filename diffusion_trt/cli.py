@@ -1218,7 +1218,8 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
     budget = {} if vram_budget is None else {"vram_budget": vram_budget, "vram_request": (height, width, batch_size)}
     _check_before_load(read, prompt, num_inference_steps=steps, guidance_scale=guidance, seed=seed,
                        height=height, width=width, num_images_per_prompt=batch_size, image_given=image is not None,
-                       image=image, mask_image=mask, strength=strength, clip_skip=clip_skip, control=control)
+                       image=image, mask_image=mask, strength=strength, clip_skip=clip_skip, control=control,
+                       scheduler=_run_scheduler(read, artifact_dir, scheduler))
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     # log lines (a truncated prompt...) go through tqdm.write: they never cut the step bar on a terminal
@@ -1276,6 +1277,27 @@ def _check_before_load(read: tuple[Manifest | None, DiffusionTrtError | None], p
 
     if read[0] is not None:
         check_before_load(RequestSpec.from_manifest(read[0]), prompt, engines=unopened_engines(read[0]), **arguments)
+
+
+def _run_scheduler(read: tuple[Manifest | None, DiffusionTrtError | None], artifact_dir: Path, name: str | None
+                   ) -> tuple[str, dict[str, Any]] | None:
+    """(diffusers class name, config with its overrides) of the scheduler ``run`` builds (``--scheduler`` ``name``, or
+    the artifact's own), its config read and checked as the load reads it (hashed, through the artifact reader);
+    ``None`` when the manifest or the config cannot be read or used: the load says why."""
+    from .artifact.reader import ArtifactReader
+    from .artifact.values import check_scheduler_config
+    from .runtime.schedulers import scheduler_for
+
+    if read[0] is None:
+        return None
+    try:
+        with ArtifactReader.open(artifact_dir) as reader:
+            config = reader.json(read[0].scheduler_config)
+        own = read[0].scheduler_class or (config.get("_class_name") if isinstance(config, dict) else None) or ""
+        class_name, overrides = scheduler_for(check_scheduler_config(config, class_name=own), name, own)
+    except DiffusionTrtError:
+        return None
+    return class_name, {**config, **overrides}
 
 
 def _check_embeddings_before_load(read: tuple[Manifest | None, DiffusionTrtError | None],

@@ -526,6 +526,23 @@ def test_too_many_steps_for_the_scheduler(tiny_artifact: Path, tmp_path: Path) -
     assert code == 2 and "use at most 1000" in out  # refused before set_timesteps allocates anything
 
 
+def test_an_absurd_step_count_is_refused_before_the_load(tiny_artifact: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run --steps 100000000000` was refused by the loop's set_schedule, after the engines loaded: the scheduler's
+    training timesteps are read from the artifact's scheduler config first (--scheduler's class, or the artifact's)."""
+    from diffusion_trt.runtime import EnginePipeline
+
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    for args, message in (
+        (["--steps", str(10**11)], f"error: --steps {10**11} is more than the 1000 timesteps PNDMScheduler was "
+                                   "trained with; use at most 1000"),
+        (["--steps", "5000", "--scheduler", "ddim"], "error: --steps 5000 is more than the 1000 timesteps "
+                                                     "DDIMScheduler was trained with; use at most 1000"),
+    ):
+        code, out = _invoke("run", tiny_artifact, "-p", "x", *args, "-o", tmp_path / "o.png")
+        assert code == 2 and out == message + "\n", out
+
+
 def test_artifact_files_respect_umask(tiny_artifact: Path) -> None:
     import os
 

@@ -34,6 +34,7 @@ from .geometry import LatentGeometry
 from .latents import Generator, StepCallback
 from .memory.host_memory import check_host_memory
 from .prompt_syntax import SYNTAXES
+from .schedulers import check_step_count
 
 OUTPUT_TYPES: tuple[str, ...] = ("pil", "np", "pt", "latent")
 _MAX_SEED = MAX_SEED
@@ -486,7 +487,8 @@ def check_before_load(spec: RequestSpec, prompt: Any, *, num_inference_steps: An
                       height: Any, width: Any, num_images_per_prompt: Any, output_type: str = "pil",
                       image_given: bool = False, engines: Mapping[str, Any] | None = None, image: Any = None,
                       mask_image: Any = None, strength: Any = None, clip_skip: Any = None,
-                      control: Mapping[str, Any] | None = None) -> None:
+                      control: Mapping[str, Any] | None = None, scheduler: tuple[str, Mapping[str, Any]] | None = None
+                      ) -> None:
     """The checks of :meth:`Request.build` that need no engine, against what the artifact allows (``spec``, e.g.
     :meth:`RequestSpec.from_manifest`): a caller runs them before loading (seconds to minutes) to refuse a call the
     loaded pipeline would refuse anyway. With ``image_given`` and no ``image`` the size is the image's: checked when
@@ -497,15 +499,21 @@ def check_before_load(spec: RequestSpec, prompt: Any, *, num_inference_steps: An
             ``mask_image`` / ``strength`` and ``control`` (the ControlNet keywords of
             :func:`~.controlnet.control_plan`: ``control_image``, ``controlnet``, ``controlnet_conditioning_scale``,
             ``control_guidance_start``, ``control_guidance_end``, ``guess_mode``) are checked too.
+        scheduler: (diffusers class name, config with its overrides) of the scheduler the call runs
+            (:func:`~.schedulers.scheduler_for`): steps beyond its training timesteps are refused
+            (:func:`~.schedulers.check_step_count`, what the loop's ``set_schedule`` refuses); ``None`` = not checked.
 
     Raises:
-        RuntimeInputError: as :meth:`Request.build`, for steps, guidance, seed, the size (inside the profile, a
+        RuntimeInputError: as :meth:`Request.build`, for steps (with ``scheduler``: at most its training timesteps),
+            guidance, seed, the size (inside the profile, a
             multiple of the VAE factor), an inpainting UNet without an image, and the batch (host memory first, then
             the profile's batch range, then the UNet's rows with or without CFG); with ``engines``: the clip skip,
             the image, mask and strength, and the ControlNet arguments.
     """
     prompts = prompt_list("prompt", prompt)
     steps = check_arg("num_inference_steps", num_inference_steps)
+    if scheduler is not None:
+        check_step_count(steps, *scheduler)
     n_per = check_arg("num_images_per_prompt", num_images_per_prompt)
     guidance = check_arg("guidance_scale", spec.default_guidance_scale if guidance_scale is None else guidance_scale)
     if seed is not None:
