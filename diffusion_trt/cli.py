@@ -896,9 +896,9 @@ def _check_writable_dir(folder: Path, flag: str) -> None:
 
 def _check_output_file(path: Path, flag: str, example: str) -> None:
     """Refuse, before any work, a file that is written only at the end (``bench --json/--plot``): a folder, a path
-    under a file, or a place where no file can be created or written. Changes nothing: an existing file is opened
-    for appending and closed (not truncated), a probe file in the folder is removed at once; a missing parent folder
-    is created only when the file is written (:func:`_write_output_file`).
+    under a file, in a folder that does not exist (as ``run -o``: a mistyped folder is not made), or a place where no
+    file can be created or written. Changes nothing: an existing file is opened for appending and closed (not
+    truncated), a probe file in the folder is removed at once.
 
     Raises:
         OutputPathError: naming the flag, the path, the cause and the fix (exit 2).
@@ -907,9 +907,14 @@ def _check_output_file(path: Path, flag: str, example: str) -> None:
 
     if path.is_dir():
         raise OutputPathError(f"{flag} {path} is a folder; pass a file path, e.g. {path / example}")
-    folder = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    chain = (path, *path.parents)
+    at = next((i for i, p in enumerate(chain) if p.exists()), len(chain))
+    folder = chain[at] if at < len(chain) else Path(".")
     if folder != path and not folder.is_dir():
         raise OutputPathError(f"{flag} {path}: {folder} is a file, not a folder; choose another path")
+    if at > 1:  # the file's folder is missing: chain[at - 1] is the first missing one
+        raise OutputPathError(f"{flag} {path}: the folder {chain[at - 1]} does not exist; create it first (mkdir -p "
+                              f"{path.parent}) or choose another path")
     try:
         _probe_writable(path if folder == path else folder)
     except OSError as e:
@@ -936,7 +941,8 @@ def _probe_writable(target: Path) -> None:
 
 
 def _write_output_file(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` (checked by :func:`_check_output_file`), creating its missing parent folders."""
+    """Write ``text`` to ``path`` (checked by :func:`_check_output_file`; its folder made again if it was removed
+    while the benchmark ran, so that the result is not lost)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
 
