@@ -233,6 +233,18 @@ def test_run_refuses_bad_image_clip_skip_and_controlnet_arguments_before_any_eng
     assert not (tmp_path / "o.png").exists()
 
 
+@pytest.mark.parametrize("command", ["run", "compile"])
+def test_lora_without_a_file_is_one_error_line(command: str, tiny_artifact: Path, tiny_pipeline_dir: Path,
+                                               tmp_path: Path) -> None:
+    """`--lora ''` said 'LoRA path . is a folder' (the empty path read as the current folder)."""
+    source, rest = {"run": (tiny_artifact, ["-p", "x", "-o", tmp_path / "o.png"]),
+                    "compile": (tiny_pipeline_dir, ["-o", tmp_path / "art"])}[command]
+    code, out = _invoke(command, source, *rest, "--lora", "")
+    assert code == 2 and out == ("error: --lora '' names no file; pass FILE or FILE:SCALE, e.g. "
+                                 "style.safetensors:0.8\n"), out
+    assert not (tmp_path / "o.png").exists() and not (tmp_path / "art").exists()
+
+
 def test_run_lora_on_an_artifact_that_cannot_take_one_is_refused_before_any_engine_opens(
         tiny_artifact: Path, tiny_pipeline_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`run --lora` on an artifact compiled without --refittable was refused after the engines loaded."""
