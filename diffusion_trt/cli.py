@@ -1334,12 +1334,17 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
 
     Raises:
         click.UsageError: a --controlnet without its --control-image or the other way round, a scale that is not a
-            finite number.
+            finite number; a ControlNet option (--guess-mode, --control-guidance-start/-end, --control-preprocess)
+            without any --controlnet, where it would do nothing.
     """
     from .config import split_scale
     from .runtime.controlnet import DEFAULT_CONTROL_SCALE, finite_in_float32
 
     if not controlnets and not control_images:
+        lone = _given(("guess_mode", "control_guidance_start", "control_guidance_end", "control_preprocess"))
+        if lone:
+            raise click.UsageError(f"{lone[0]} needs --controlnet NAME --control-image FILE: it sets how ControlNets "
+                                   f"act, and none is given; add one, or drop {lone[0]}")
         return {}
     if len(control_images) != len(controlnets):
         raise click.UsageError(f"{len(control_images)} --control-image for {len(controlnets)} --controlnet; give "

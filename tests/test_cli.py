@@ -233,6 +233,22 @@ def test_run_refuses_bad_image_clip_skip_and_controlnet_arguments_before_any_eng
     assert not (tmp_path / "o.png").exists()
 
 
+@pytest.mark.parametrize("args", [["--guess-mode"], ["--control-guidance-start", "0.2"],
+                                  ["--control-guidance-end", "0.5"], ["--control-preprocess", "canny"]])
+def test_controlnet_options_without_a_controlnet_are_refused(args: list[str], tiny_artifact: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """--guess-mode, --control-guidance-start/-end and --control-preprocess without --controlnet did nothing, silently:
+    one error line naming the flag, exit 2, before the load."""
+    from diffusion_trt.runtime import EnginePipeline
+
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    code, out = _invoke("run", tiny_artifact, "-p", "x", *args, "-o", tmp_path / "o.png")
+    assert code == 2, out
+    assert out.splitlines() == [f"error: {args[0]} needs --controlnet NAME --control-image FILE: it sets how "
+                                f"ControlNets act, and none is given; add one, or drop {args[0]}",
+                                "try 'main run --help'"], out
+
+
 @pytest.mark.parametrize("command", ["run", "compile"])
 def test_lora_without_a_file_is_one_error_line(command: str, tiny_artifact: Path, tiny_pipeline_dir: Path,
                                                tmp_path: Path) -> None:
