@@ -1223,7 +1223,8 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         raise click.UsageError("--vram-budget plans one device; drop --devices or give one device")
     budget = {} if vram_budget is None else {"vram_budget": vram_budget, "vram_request": (height, width, batch_size)}
     _check_before_load(read, prompt, num_inference_steps=steps, guidance_scale=guidance, seed=seed,
-                       height=height, width=width, num_images_per_prompt=batch_size, image_given=image is not None,
+                       height=height, width=width, num_images_per_prompt=batch_size, negative_prompt=negative_prompt,
+                       prompt_syntax=prompt_syntax, image_given=image is not None,
                        image=image, mask_image=mask, strength=strength, clip_skip=clip_skip, control=control,
                        scheduler=_run_scheduler(read, artifact_dir, scheduler))
     from tqdm.contrib.logging import logging_redirect_tqdm
