@@ -1289,20 +1289,29 @@ def _check_before_load(read: tuple[Manifest | None, DiffusionTrtError | None], p
 def _run_scheduler(read: tuple[Manifest | None, DiffusionTrtError | None], artifact_dir: Path, name: str | None
                    ) -> tuple[str, dict[str, Any]] | None:
     """(diffusers class name, config with its overrides) of the scheduler ``run`` builds (``--scheduler`` ``name``, or
-    the artifact's own), its config read and checked as the load reads it (hashed, through the artifact reader);
-    ``None`` when the manifest or the config cannot be read or used: the load says why."""
-    from .artifact.reader import ArtifactReader
-    from .artifact.values import check_scheduler_config
+    the artifact's own), for the step count's check before the load; ``None`` where the config is not the listed file
+    (a size or sha256 other than the manifest's), or cannot be read or used: the load says why.
+
+    The config is read as a file of the folder, not through :class:`~.artifact.reader.ArtifactReader`, whose opening
+    would log its warnings (files the manifest does not list) a second time."""
+    import hashlib
+
+    from .artifact.values import check_scheduler_config, parse_json
     from .runtime.schedulers import scheduler_for
 
-    if read[0] is None:
+    manifest = read[0]
+    entry = manifest.files.get(manifest.scheduler_config) if manifest is not None else None
+    if manifest is None or entry is None or entry.size > 1 << 20:  # a scheduler config is a few hundred bytes
         return None
+    path = artifact_dir / manifest.scheduler_config
     try:
-        with ArtifactReader.open(artifact_dir) as reader:
-            config = reader.json(read[0].scheduler_config)
-        own = read[0].scheduler_class or (config.get("_class_name") if isinstance(config, dict) else None) or ""
+        data = path.read_bytes() if path.resolve().is_relative_to(artifact_dir.resolve()) else b""
+        if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
+            return None
+        config = parse_json(data, str(path))
+        own = manifest.scheduler_class or (config.get("_class_name") if isinstance(config, dict) else None) or ""
         class_name, overrides = scheduler_for(check_scheduler_config(config, class_name=own), name, own)
-    except DiffusionTrtError:
+    except (OSError, DiffusionTrtError):
         return None
     return class_name, {**config, **overrides}
 

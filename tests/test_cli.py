@@ -558,8 +558,11 @@ def test_an_absurd_step_count_is_refused_before_the_load(tiny_artifact: Path, tm
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """`run --steps 100000000000` was refused by the loop's set_schedule, after the engines loaded: the scheduler's
     training timesteps are read from the artifact's scheduler config first (--scheduler's class, or the artifact's)."""
+    import json
+
     from diffusion_trt.runtime import EnginePipeline
 
+    real = EnginePipeline.from_artifacts
     monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
     for args, message in (
         (["--steps", str(10**11)], f"error: --steps {10**11} is more than the 1000 timesteps PNDMScheduler was "
@@ -569,6 +572,13 @@ def test_an_absurd_step_count_is_refused_before_the_load(tiny_artifact: Path, tm
     ):
         code, out = _invoke("run", tiny_artifact, "-p", "x", *args, "-o", tmp_path / "o.png")
         assert code == 2 and out == message + "\n", out
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", real)
+    altered = tmp_path / "altered"  # a config that is not the manifest's file is not read before the load
+    shutil.copytree(tiny_artifact, altered)
+    config = altered / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "num_train_timesteps": 10}))
+    code, out = _invoke("run", altered, "-p", "x", "--steps", "30", "-o", tmp_path / "o.png")
+    assert code == 3 and "failed verification: scheduler/scheduler_config.json" in out and "timesteps" not in out, out
 
 
 def test_artifact_files_respect_umask(tiny_artifact: Path) -> None:
