@@ -896,9 +896,9 @@ def _check_writable_dir(folder: Path, flag: str) -> None:
 
 def _check_output_file(path: Path, flag: str, example: str) -> None:
     """Refuse, before any work, a file that is written only at the end (``bench --json/--plot``): a folder, a path
-    under a file, or a place where no file can be created or written. Changes nothing: an existing file is opened
-    for appending and closed (not truncated), a probe file in the folder is removed at once; a missing parent folder
-    is created only when the file is written (:func:`_write_output_file`).
+    under a file, in a folder that does not exist (as ``run -o``: a mistyped folder is not made), or a place where no
+    file can be created or written. Changes nothing: an existing file is opened for appending and closed (not
+    truncated), a probe file in the folder is removed at once.
 
     Raises:
         OutputPathError: naming the flag, the path, the cause and the fix (exit 2).
@@ -907,9 +907,14 @@ def _check_output_file(path: Path, flag: str, example: str) -> None:
 
     if path.is_dir():
         raise OutputPathError(f"{flag} {path} is a folder; pass a file path, e.g. {path / example}")
-    folder = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    chain = (path, *path.parents)
+    at = next((i for i, p in enumerate(chain) if p.exists()), len(chain))
+    folder = chain[at] if at < len(chain) else Path(".")
     if folder != path and not folder.is_dir():
         raise OutputPathError(f"{flag} {path}: {folder} is a file, not a folder; choose another path")
+    if at > 1:  # the file's folder is missing: chain[at - 1] is the first missing one
+        raise OutputPathError(f"{flag} {path}: the folder {chain[at - 1]} does not exist; create it first (mkdir -p "
+                              f"{path.parent}) or choose another path")
     try:
         _probe_writable(path if folder == path else folder)
     except OSError as e:
@@ -936,7 +941,8 @@ def _probe_writable(target: Path) -> None:
 
 
 def _write_output_file(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` (checked by :func:`_check_output_file`), creating its missing parent folders."""
+    """Write ``text`` to ``path`` (checked by :func:`_check_output_file`; its folder made again if it was removed
+    while the benchmark ran, so that the result is not lost)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
 
@@ -1217,8 +1223,10 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         raise click.UsageError("--vram-budget plans one device; drop --devices or give one device")
     budget = {} if vram_budget is None else {"vram_budget": vram_budget, "vram_request": (height, width, batch_size)}
     _check_before_load(read, prompt, num_inference_steps=steps, guidance_scale=guidance, seed=seed,
-                       height=height, width=width, num_images_per_prompt=batch_size, image_given=image is not None,
-                       image=image, mask_image=mask, strength=strength, clip_skip=clip_skip, control=control)
+                       height=height, width=width, num_images_per_prompt=batch_size, negative_prompt=negative_prompt,
+                       prompt_syntax=prompt_syntax, image_given=image is not None,
+                       image=image, mask_image=mask, strength=strength, clip_skip=clip_skip, control=control,
+                       scheduler=_run_scheduler(read, artifact_dir, scheduler))
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     # log lines (a truncated prompt...) go through tqdm.write: they never cut the step bar on a terminal
@@ -1278,6 +1286,36 @@ def _check_before_load(read: tuple[Manifest | None, DiffusionTrtError | None], p
         check_before_load(RequestSpec.from_manifest(read[0]), prompt, engines=unopened_engines(read[0]), **arguments)
 
 
+def _run_scheduler(read: tuple[Manifest | None, DiffusionTrtError | None], artifact_dir: Path, name: str | None
+                   ) -> tuple[str, dict[str, Any]] | None:
+    """(diffusers class name, config with its overrides) of the scheduler ``run`` builds (``--scheduler`` ``name``, or
+    the artifact's own), for the step count's check before the load; ``None`` where the config is not the listed file
+    (a size or sha256 other than the manifest's), or cannot be read or used: the load says why.
+
+    The config is read as a file of the folder, not through :class:`~.artifact.reader.ArtifactReader`, whose opening
+    would log its warnings (files the manifest does not list) a second time."""
+    import hashlib
+
+    from .artifact.values import check_scheduler_config, parse_json
+    from .runtime.schedulers import scheduler_for
+
+    manifest = read[0]
+    entry = manifest.files.get(manifest.scheduler_config) if manifest is not None else None
+    if manifest is None or entry is None or entry.size > 1 << 20:  # a scheduler config is a few hundred bytes
+        return None
+    path = artifact_dir / manifest.scheduler_config
+    try:
+        data = path.read_bytes() if path.resolve().is_relative_to(artifact_dir.resolve()) else b""
+        if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
+            return None
+        config = parse_json(data, str(path))
+        own = manifest.scheduler_class or (config.get("_class_name") if isinstance(config, dict) else None) or ""
+        class_name, overrides = scheduler_for(check_scheduler_config(config, class_name=own), name, own)
+    except (OSError, DiffusionTrtError):
+        return None
+    return class_name, {**config, **overrides}
+
+
 def _check_embeddings_before_load(read: tuple[Manifest | None, DiffusionTrtError | None],
                                   embeddings: tuple[Path, ...], artifact_dir: Path) -> None:
     """Refuse ``--embedding`` files the loaded pipeline would refuse (a vector size that is not the text encoder's,
@@ -1306,12 +1344,17 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
 
     Raises:
         click.UsageError: a --controlnet without its --control-image or the other way round, a scale that is not a
-            finite number.
+            finite number; a ControlNet option (--guess-mode, --control-guidance-start/-end, --control-preprocess)
+            without any --controlnet, where it would do nothing.
     """
     from .config import split_scale
     from .runtime.controlnet import DEFAULT_CONTROL_SCALE, finite_in_float32
 
     if not controlnets and not control_images:
+        lone = _given(("guess_mode", "control_guidance_start", "control_guidance_end", "control_preprocess"))
+        if lone:
+            raise click.UsageError(f"{lone[0]} needs --controlnet NAME --control-image FILE: it sets how ControlNets "
+                                   f"act, and none is given; add one, or drop {lone[0]}")
         return {}
     if len(control_images) != len(controlnets):
         raise click.UsageError(f"{len(control_images)} --control-image for {len(controlnets)} --controlnet; give "

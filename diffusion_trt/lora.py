@@ -55,15 +55,19 @@ def parse_lora_arg(text: str) -> tuple[str, float]:
     ``.safetensors`` (so ``C:/loras/a.safetensors`` is a path).
 
     Raises:
-        LoraError: a scale that is not a finite number (``a.safetensors:strong``, ``a.safetensors:``, ``:nan``).
+        LoraError: no file (``''``, ``:0.8``); a scale that is not a finite number (``a.safetensors:strong``,
+            ``a.safetensors:``).
     """
     if text.lower().endswith(LORA_SUFFIX) or ":" not in text:
-        return text, 1.0
-    path, scale_text, scale = split_scale(text, 1.0, at_last=True)
-    if not path or not math.isfinite(scale):
+        path, scale_text, scale = text, "", 1.0
+    else:
+        path, scale_text, scale = split_scale(text, 1.0, at_last=True)
+    if not path.strip():
+        raise LoraError(f"--lora {text!r} names no file; pass FILE or FILE:SCALE, e.g. style.safetensors:0.8")
+    if not math.isfinite(scale):
         raise LoraError(
             f"--lora {text!r}: {scale_text!r} is not a scale; use FILE or FILE:SCALE with a finite number, "
-            f"e.g. {path or 'style.safetensors'}:0.8"
+            f"e.g. {path}:0.8"
         )
     return path, scale
 
@@ -102,6 +106,8 @@ def check_lora_file(path: str | Path, scale: Any = 1.0, *, background: bool = Fa
     from .artifact.folder import sha256_file
 
     scale = check_scale(scale)
+    if not str(path).strip():  # Path("") is ".", a folder: that message would name a path nobody gave
+        raise LoraError(f"LoRA path {str(path)!r} is empty; pass the path of a .safetensors LoRA")
     p = Path(path)
     if not p.exists():
         raise LoraError(f"LoRA file {p} does not exist; pass the path of a .safetensors LoRA")

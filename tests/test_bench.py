@@ -264,8 +264,10 @@ def test_bench_refuses_a_bad_json_path_before_any_work(tiny_artifact: Path, tmp_
     ]
     existing, missing = tmp_path / "old.json", tmp_path / "missing" / "sub" / "b.json"
     existing.write_text("keep me")
-    for first in (existing, missing):  # a good --json before a bad --plot: neither is touched
-        cases.append((["--json", first, "--plot", tmp_path], f"error: --plot {folder}bench.png"))
+    cases.append((["--json", existing, "--plot", tmp_path], f"error: --plot {folder}bench.png"))  # neither touched
+    for flag in ("--json", "--plot"):  # as run -o: a mistyped folder is refused, not made
+        cases.append(([flag, missing], f"error: {flag} {missing}: the folder {tmp_path / 'missing'} does not exist; "
+                                       f"create it first (mkdir -p {missing.parent}) or choose another path"))
     for args, message in cases:
         result = CliRunner().invoke(main, ["bench", str(tiny_artifact), *map(str, args)])
         assert result.exit_code == 2 and result.output == message + "\n", result.output
@@ -282,16 +284,16 @@ def test_bench_refuses_a_bad_json_path_before_any_work(tiny_artifact: Path, tmp_
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".diffusion-trt-probe")] == []
 
 
-def test_bench_writes_json_and_plot_into_missing_folders_at_the_end(tiny_artifact: Path, tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """A missing parent folder is created when the result is written, not when the path is checked."""
+def test_bench_writes_json_and_plot_at_the_end(tiny_artifact: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """--json and --plot are written once the benchmark is done, not when their paths are checked."""
     import diffusion_trt.bench
 
-    out, png = tmp_path / "new" / "sub" / "b.json", tmp_path / "other" / "b.png"
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
     fake = {"runs": [], "ratios": [], "config": _config(), "env": {"device": "cpu"}}
 
     def run_bench(*args: object, **kwargs: object) -> dict[str, object]:
-        assert not (tmp_path / "new").exists() and not (tmp_path / "other").exists()  # nothing made at check time
+        assert not out.exists() and not png.exists()  # nothing made at check time
         return fake
 
     monkeypatch.setattr(diffusion_trt.bench, "run_bench", run_bench)

@@ -233,6 +233,34 @@ def test_run_refuses_bad_image_clip_skip_and_controlnet_arguments_before_any_eng
     assert not (tmp_path / "o.png").exists()
 
 
+@pytest.mark.parametrize("args", [["--guess-mode"], ["--control-guidance-start", "0.2"],
+                                  ["--control-guidance-end", "0.5"], ["--control-preprocess", "canny"]])
+def test_controlnet_options_without_a_controlnet_are_refused(args: list[str], tiny_artifact: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """--guess-mode, --control-guidance-start/-end and --control-preprocess without --controlnet did nothing, silently:
+    one error line naming the flag, exit 2, before the load."""
+    from diffusion_trt.runtime import EnginePipeline
+
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    code, out = _invoke("run", tiny_artifact, "-p", "x", *args, "-o", tmp_path / "o.png")
+    assert code == 2, out
+    assert out.splitlines() == [f"error: {args[0]} needs --controlnet NAME --control-image FILE: it sets how "
+                                f"ControlNets act, and none is given; add one, or drop {args[0]}",
+                                "try 'main run --help'"], out
+
+
+@pytest.mark.parametrize("command", ["run", "compile"])
+def test_lora_without_a_file_is_one_error_line(command: str, tiny_artifact: Path, tiny_pipeline_dir: Path,
+                                               tmp_path: Path) -> None:
+    """`--lora ''` said 'LoRA path . is a folder' (the empty path read as the current folder)."""
+    source, rest = {"run": (tiny_artifact, ["-p", "x", "-o", tmp_path / "o.png"]),
+                    "compile": (tiny_pipeline_dir, ["-o", tmp_path / "art"])}[command]
+    code, out = _invoke(command, source, *rest, "--lora", "")
+    assert code == 2 and out == ("error: --lora '' names no file; pass FILE or FILE:SCALE, e.g. "
+                                 "style.safetensors:0.8\n"), out
+    assert not (tmp_path / "o.png").exists() and not (tmp_path / "art").exists()
+
+
 def test_run_lora_on_an_artifact_that_cannot_take_one_is_refused_before_any_engine_opens(
         tiny_artifact: Path, tiny_pipeline_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`run --lora` on an artifact compiled without --refittable was refused after the engines loaded."""
@@ -524,6 +552,33 @@ def test_too_many_steps_for_the_scheduler(tiny_artifact: Path, tmp_path: Path) -
     assert code == 2 and "step from timestep 1000, past its 1000 training timesteps" in out and "at most 999" in out
     code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", str(10**9), "-o", tmp_path / "o.png")
     assert code == 2 and "use at most 1000" in out  # refused before set_timesteps allocates anything
+
+
+def test_an_absurd_step_count_is_refused_before_the_load(tiny_artifact: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run --steps 100000000000` was refused by the loop's set_schedule, after the engines loaded: the scheduler's
+    training timesteps are read from the artifact's scheduler config first (--scheduler's class, or the artifact's)."""
+    import json
+
+    from diffusion_trt.runtime import EnginePipeline
+
+    real = EnginePipeline.from_artifacts
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    for args, message in (
+        (["--steps", str(10**11)], f"error: --steps {10**11} is more than the 1000 timesteps PNDMScheduler was "
+                                   "trained with; use at most 1000"),
+        (["--steps", "5000", "--scheduler", "ddim"], "error: --steps 5000 is more than the 1000 timesteps "
+                                                     "DDIMScheduler was trained with; use at most 1000"),
+    ):
+        code, out = _invoke("run", tiny_artifact, "-p", "x", *args, "-o", tmp_path / "o.png")
+        assert code == 2 and out == message + "\n", out
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", real)
+    altered = tmp_path / "altered"  # a config that is not the manifest's file is not read before the load
+    shutil.copytree(tiny_artifact, altered)
+    config = altered / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "num_train_timesteps": 10}))
+    code, out = _invoke("run", altered, "-p", "x", "--steps", "30", "-o", tmp_path / "o.png")
+    assert code == 3 and "failed verification: scheduler/scheduler_config.json" in out and "timesteps" not in out, out
 
 
 def test_artifact_files_respect_umask(tiny_artifact: Path) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from .config import BenchConfig, call_kwargs
 from .glue import glue_ms
 from .memory import free_memory, memory_read, memory_start
 from .result import Run, finish_e2e
+
+if TYPE_CHECKING:
+    from ..runtime.engines.buckets import BucketTimings
 
 
 def bench_ours(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: int, width: int) -> Run:
@@ -170,27 +173,18 @@ def first_call_s(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: 
     return time.perf_counter() - t0
 
 
+def bucket_timings(pipe: Any) -> dict[str, BucketTimings]:
+    """A copy of each size-bucket engine's :class:`~diffusion_trt.runtime.engines.buckets.BucketTimings` so far."""
+    return {n: e.timings.copy() for n, e in pipe.engines.items() if hasattr(e, "timings")}
 
-def bucket_timings(pipe: Any) -> dict[str, dict[str, Any]]:
-    """Each size-bucket engine's :class:`~diffusion_trt.runtime.engines.buckets.BucketTimings` so far, as JSON."""
-    return {n: e.timings.snapshot() for n, e in pipe.engines.items() if hasattr(e, "timings")}
 
+def bucket_parts(before: Mapping[str, BucketTimings], after: Mapping[str, BucketTimings]) -> dict[str, dict[str, Any]]:
+    """What each engine's timings gained between two :func:`bucket_timings` (:meth:`BucketTimings.since`), as JSON;
+    engines that did nothing left out."""
+    from ..runtime.engines.buckets import BucketTimings
 
-def bucket_parts(before: Mapping[str, Mapping[str, Any]], after: Mapping[str, Mapping[str, Any]]
-                 ) -> dict[str, dict[str, Any]]:
-    """What each engine's timings gained between two :func:`bucket_timings` snapshots: the sessions opened and the
-    first static runs since ``before`` (by name), the dynamic runs and waits (summed); engines that did nothing left
-    out."""
-    parts: dict[str, dict[str, Any]] = {}
-    for name, now in after.items():
-        was = before.get(name, {})
-        row = {key: {k: v for k, v in now[key].items() if k not in was.get(key, {})}
-               for key in ("session_s", "first_static_run_s")}
-        row.update({key: round(now[key] - was.get(key, 0), 6)
-                    for key in ("dynamic_wait_s", "dynamic_runs", "dynamic_run_s")})
-        if any(row.values()):
-            parts[name] = row
-    return parts
+    parts = {name: now.since(before.get(name, BucketTimings())).snapshot() for name, now in after.items()}
+    return {name: row for name, row in parts.items() if any(row.values())}
 
 
 def settle_s(pipe: Any) -> float | None:

@@ -67,7 +67,7 @@ from .engines.engine import Engine
 from .latents import Generator, StepCallback
 from .memory.stages import Stages
 from .prompt_encoding import PromptReader
-from .schedulers import build_scheduler
+from .schedulers import build_scheduler, check_step_count
 from .text_embeddings import EmbeddingCache, encode_prompt_embeds
 
 if TYPE_CHECKING:
@@ -407,9 +407,7 @@ def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device)
             would step past its last training timestep (PNDM/DDIM with ``steps_offset=1`` at 1000 steps).
     """
     train = int(getattr(scheduler.config, "num_train_timesteps", 1000))
-    if num_inference_steps > train:  # before set_timesteps: 10**9 steps would allocate gigabytes there
-        raise RuntimeInputError(f"num_inference_steps={num_inference_steps} is more than the {train} timesteps "
-                                f"{type(scheduler).__name__} was trained with; use at most {train}")
+    check_step_count(num_inference_steps, type(scheduler).__name__, {"num_train_timesteps": train})
     try:
         scheduler.set_timesteps(num_inference_steps, device=device)
     except ValueError as e:  # e.g. DDIM: more steps than the training schedule has timesteps

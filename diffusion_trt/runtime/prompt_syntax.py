@@ -16,7 +16,17 @@
   dtype: ``(fox:1e39)`` written out in digits) is no weight:
   the bracket keeps its default factor 1.1 and ``:nan`` stays text, with a warning. That is what A1111 does with
   ``nan``/``inf`` (its weight pattern takes digits and dots only), so a prompt copied from it encodes the same; a
-  NaN or Inf factor would turn the whole prompt's embeddings to NaN (a black or noise image), never what was meant.
+  NaN or Inf factor would turn the whole prompt's embeddings to NaN (a black or noise image), never what was meant;
+* a token whose factors multiply beyond ``±``:data:`MAX_WEIGHT` (100: ``((x:100))`` = 110, ``(((x:10):10):10)`` =
+  1000, fifty ``(( ))`` levels = 117) is found by :func:`overweight`, and the request refuses it
+  (:func:`~.request.check_prompt_weights`) before any engine runs. A1111 caps nothing, but products grow
+  geometrically: twenty nested ``(x:100)`` are 1e40, inf as the float32 weight, a NaN (black) image. Why 100: it is
+  two orders above the weights prompts use (the A1111 wiki's examples are 0.25..1.5, its editor steps by 0.1; a token
+  weighted by tens already drowns the rest of its chunk), and it keeps a weighted chunk that is not rescaled
+  (:mod:`.prompt_encoding`) inside fp16, the UNet engines' dtype: SD's final-layer-normed text states are bounded by
+  sqrt(D - 1) |gamma| + |beta| (about 28 |gamma| for CLIP-L, D = 768), and 100 times that stays below fp16's 65504
+  for layer-norm gains under ~23. Not covered by that bound: SDXL's states (not layer-normed) and a rescale that
+  grows the chunk; a weight under the limit that still overflows gets the loop's NaN warning.
 
 Syntax ``"plain"`` reads the whole prompt as one segment of weight 1.0 (no brackets, no ``BREAK``).
 """
@@ -31,6 +41,8 @@ from dataclasses import dataclass
 ATTENTION = 1.1
 #: The largest float32: the token weights are float32 (:mod:`.prompt_encoding`), so a factor above it is inf there.
 _FLOAT32_MAX = 3.4028234663852886e38
+#: The largest weight magnitude a token may get, its brackets' factors multiplied (why 100: the module docstring).
+MAX_WEIGHT = 100.0
 SYNTAXES: tuple[str, ...] = ("a1111", "plain")
 
 _TOKEN = re.compile(
@@ -70,6 +82,12 @@ class ParsedPrompt:
     def weighted(self) -> bool:
         """Any segment has a weight other than 1.0."""
         return any(s.weight != 1.0 for part in self.parts for s in part)
+
+
+def overweight(parsed: ParsedPrompt) -> Segment | None:
+    """The first segment of ``parsed`` whose weight is beyond ``±``:data:`MAX_WEIGHT` (or NaN: ``(a:0)`` inside
+    factors whose product overflowed to inf), or ``None``."""
+    return next((s for part in parsed.parts for s in part if not abs(s.weight) <= MAX_WEIGHT), None)
 
 
 def parse_prompt(text: str, syntax: str = "a1111") -> ParsedPrompt:

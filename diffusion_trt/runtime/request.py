@@ -33,7 +33,8 @@ from .generation_args import GENERATION_ARGS, MAX_SEED, check_arg, default_guida
 from .geometry import LatentGeometry
 from .latents import Generator, StepCallback
 from .memory.host_memory import check_host_memory
-from .prompt_syntax import SYNTAXES
+from .prompt_syntax import MAX_WEIGHT, SYNTAXES, overweight, parse_prompt
+from .schedulers import check_step_count
 
 OUTPUT_TYPES: tuple[str, ...] = ("pil", "np", "pt", "latent")
 _MAX_SEED = MAX_SEED
@@ -214,6 +215,8 @@ class Request:
         if prompt_syntax not in SYNTAXES:
             raise RuntimeInputError(f"prompt_syntax={prompt_syntax!r} is unknown; use one of {', '.join(SYNTAXES)}")
         negatives = negative_list(negative_prompt, len(prompts))
+        check_prompt_weights("prompt", prompts, prompt_syntax)
+        check_prompt_weights("negative_prompt", negative_prompt, prompt_syntax)
         steps = check_arg("num_inference_steps", num_inference_steps)
         n_per = check_arg("num_images_per_prompt", num_images_per_prompt)
         if guidance_scale is None:
@@ -221,6 +224,8 @@ class Request:
         guidance = check_arg("guidance_scale", guidance_scale)
         eta = check_arg("eta", eta)
         sdxl_given = _sdxl_given(spec, sdxl, image is not None or mask_image is not None)
+        for name in ("prompt_2", "negative_prompt_2"):
+            check_prompt_weights(name, sdxl.get(name), prompt_syntax)
         batch = len(prompts) * n_per
         conditioning: Conditioning = TextToImage()
         if image is not None or mask_image is not None:
@@ -483,29 +488,42 @@ def unopened_engines(manifest: Manifest) -> dict[str, UnopenedEngine]:
 
 @names_parameters
 def check_before_load(spec: RequestSpec, prompt: Any, *, num_inference_steps: Any, guidance_scale: Any, seed: Any,
-                      height: Any, width: Any, num_images_per_prompt: Any, output_type: str = "pil",
+                      height: Any, width: Any, num_images_per_prompt: Any, negative_prompt: Any = None,
+                      prompt_syntax: Any = "a1111", output_type: str = "pil",
                       image_given: bool = False, engines: Mapping[str, Any] | None = None, image: Any = None,
                       mask_image: Any = None, strength: Any = None, clip_skip: Any = None,
-                      control: Mapping[str, Any] | None = None) -> None:
+                      control: Mapping[str, Any] | None = None, scheduler: tuple[str, Mapping[str, Any]] | None = None
+                      ) -> None:
     """The checks of :meth:`Request.build` that need no engine, against what the artifact allows (``spec``, e.g.
     :meth:`RequestSpec.from_manifest`): a caller runs them before loading (seconds to minutes) to refuse a call the
     loaded pipeline would refuse anyway. With ``image_given`` and no ``image`` the size is the image's: checked when
     it is read.
 
     Args:
+        negative_prompt, prompt_syntax: with ``prompt``, the texts whose weights are checked
+            (:func:`check_prompt_weights`; an unknown syntax is left to :meth:`Request.build`).
         engines: the manifest's components (:func:`unopened_engines`); with them ``clip_skip``, ``image`` /
             ``mask_image`` / ``strength`` and ``control`` (the ControlNet keywords of
             :func:`~.controlnet.control_plan`: ``control_image``, ``controlnet``, ``controlnet_conditioning_scale``,
             ``control_guidance_start``, ``control_guidance_end``, ``guess_mode``) are checked too.
+        scheduler: (diffusers class name, config with its overrides) of the scheduler the call runs
+            (:func:`~.schedulers.scheduler_for`): steps beyond its training timesteps are refused
+            (:func:`~.schedulers.check_step_count`, what the loop's ``set_schedule`` refuses); ``None`` = not checked.
 
     Raises:
-        RuntimeInputError: as :meth:`Request.build`, for steps, guidance, seed, the size (inside the profile, a
+        RuntimeInputError: as :meth:`Request.build`, for the prompts' weights, steps (with ``scheduler``: at most its
+            training timesteps), guidance, seed, the size (inside the profile, a
             multiple of the VAE factor), an inpainting UNet without an image, and the batch (host memory first, then
             the profile's batch range, then the UNet's rows with or without CFG); with ``engines``: the clip skip,
             the image, mask and strength, and the ControlNet arguments.
     """
     prompts = prompt_list("prompt", prompt)
+    if prompt_syntax in SYNTAXES:
+        check_prompt_weights("prompt", prompts, prompt_syntax)
+        check_prompt_weights("negative_prompt", negative_prompt, prompt_syntax)
     steps = check_arg("num_inference_steps", num_inference_steps)
+    if scheduler is not None:
+        check_step_count(steps, *scheduler)
     n_per = check_arg("num_images_per_prompt", num_images_per_prompt)
     guidance = check_arg("guidance_scale", spec.default_guidance_scale if guidance_scale is None else guidance_scale)
     if seed is not None:
@@ -583,6 +601,35 @@ def _check_latents(latents: Any, shape: tuple[int, ...], height: int, width: int
         raise RuntimeInputError(
             f"latents have shape {tuple(latents.shape)}; for batch {shape[0]} at {height}x{width} they must be "
             f"{shape} (batch, channels, height/{f}, width/{f})"
+        )
+
+
+def check_prompt_weights(name: str, value: Any, syntax: str) -> None:
+    """Refuse a text whose attention weights (A1111 syntax: nested brackets multiply) give a token a weight beyond
+    ``±``:data:`~.prompt_syntax.MAX_WEIGHT` (why 100: :mod:`.prompt_syntax`), before any engine runs.
+
+    Args:
+        name: the argument (``prompt``, ``negative_prompt``...); value: its value, a text or a list of texts
+            (anything else, ``None`` included, is left to the checks of its type).
+        syntax: "a1111" or "plain" (nothing to check).
+
+    Raises:
+        RuntimeInputError: naming the argument (and the index in a list), the token, its weight and the fix.
+    """
+    texts = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else []
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            continue
+        heavy = overweight(parse_prompt(text, syntax))
+        if heavy is None:
+            continue
+        word = heavy.text.strip()
+        word = word if len(word) <= 40 else word[:37] + "..."
+        raise RuntimeInputError(
+            f"{name}{f'[{i}]' if len(texts) > 1 else ''} gives {word!r} the weight {heavy.weight:.4g}, beyond "
+            f"±{MAX_WEIGHT:g} (nested brackets multiply: ((x:100)) is 110, each ( ) 1.1): text states weighted that "
+            "far drown the rest of the prompt and can overflow fp16 engines (a black image); use weights within "
+            f"±{MAX_WEIGHT:g}, e.g. (x:1.5), or prompt_syntax='plain' to read brackets as text"
         )
 
 

@@ -115,6 +115,23 @@ def scheduler_for(config: Mapping[str, Any], name: str | None = None, class_name
     return cls_name, overrides
 
 
+def check_step_count(num_inference_steps: int, class_name: str, config: Mapping[str, Any]) -> None:
+    """Refuse more steps than the scheduler's training timesteps (``config["num_train_timesteps"]``, diffusers'
+    default 1000): what :func:`~.denoise.set_schedule` checks before ``set_timesteps`` (10**9 steps would allocate
+    gigabytes there), here from the class name and config alone, so a caller can check before anything loads.
+
+    Args:
+        class_name: the diffusers class that runs (:func:`scheduler_for`'s); config: its config, overrides applied.
+
+    Raises:
+        RuntimeInputError: naming the steps, the timesteps and the most steps the scheduler takes.
+    """
+    train = int(config.get("num_train_timesteps", 1000) or 1000)
+    if num_inference_steps > train:
+        raise RuntimeInputError(f"num_inference_steps={num_inference_steps} is more than the {train} timesteps "
+                                f"{class_name} was trained with; use at most {train}")
+
+
 def import_scheduler_class(config: Mapping[str, Any], name: str | None = None, class_name: str | None = None) -> None:
     """Import the diffusers class :func:`make_scheduler` will build, so that ``from_artifacts`` pays diffusers'
     import (seconds: it checks the versions of dozens of packages) while its engines load; a failure is left for

@@ -25,7 +25,7 @@ from diffusion_trt.cli import main
 from diffusion_trt.compiler.pipeline import compile_pipeline
 from diffusion_trt.config import CompileConfig
 from diffusion_trt.errors import LoraError, ModelFolderError, RuntimeInputError
-from diffusion_trt.lora import parse_lora_arg
+from diffusion_trt.lora import check_lora_file, parse_lora_arg
 from diffusion_trt.runtime import EnginePipeline
 
 pytest.importorskip("peft", reason="LoRA merging needs peft (pip install -e '.[test]')")
@@ -180,13 +180,23 @@ def test_lora_scale_zero_is_the_base_output(tiny_pipeline_dir: Path, tiny_artifa
         ("a.safetensors:", "'' is not a scale"),
         ("a.safetensors:nan", "'nan' is not a scale"),
         ("a.safetensors:inf", "'inf' is not a scale"),
-        (":0.5", "is not a scale"),
     ],
 )
 def test_bad_scale_strings(text: str, message: str) -> None:
     with pytest.raises(LoraError, match="use FILE or FILE:SCALE") as e:
         parse_lora_arg(text)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["", " ", ":0.5", ":nan"])
+def test_an_argument_without_a_file_names_none(text: str) -> None:
+    """`--lora ''` read as the path '' = '.', a folder: 'LoRA path . is a folder'; `:0.5` as a bad scale."""
+    with pytest.raises(LoraError) as e:
+        parse_lora_arg(text)
+    assert str(e.value) == f"--lora {text!r} names no file; pass FILE or FILE:SCALE, e.g. style.safetensors:0.8"
+    with pytest.raises(LoraError) as e:
+        check_lora_file("")
+    assert str(e.value) == "LoRA path '' is empty; pass the path of a .safetensors LoRA"
 
 
 def test_scale_strings() -> None:

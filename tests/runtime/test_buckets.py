@@ -20,7 +20,13 @@ import torch
 from diffusion_trt.artifact.folder import read_manifest
 from diffusion_trt.errors import RuntimeInputError
 from diffusion_trt.runtime import EnginePipeline
-from diffusion_trt.runtime.engines.buckets import BucketedEngine, SizeBuckets, parse_size_buckets, static_spec
+from diffusion_trt.runtime.engines.buckets import (
+    BucketedEngine,
+    BucketTimings,
+    SizeBuckets,
+    parse_size_buckets,
+    static_spec,
+)
 from diffusion_trt.runtime.engines.engine import EngineSpec
 from diffusion_trt.runtime.engines.ort_engine import OrtEngine
 
@@ -146,6 +152,27 @@ def test_background_a_new_shape_runs_on_the_dynamic_session_until_its_static_one
     assert list(timings["session_s"]) == ["dynamic", "B2=2, h=8, w=8"]  # the dynamic one opened while entering
     assert timings["session_s"]["B2=2, h=8, w=8"] > 0
     assert list(timings["first_static_run_s"]) == ["B2=2, h=8, w=8"]
+
+
+def test_bucket_timings_since_is_what_was_added_and_bench_reports_it() -> None:
+    """BucketTimings.since: sessions and first static runs of shapes new since the copy, the dynamic parts' sums
+    added; bench's bucket_parts is its snapshot per engine, engines that did nothing left out."""
+    from diffusion_trt.bench.ours import bucket_parts
+
+    timings = BucketTimings(session_s={"dynamic": 0.5}, dynamic_wait_s=0.25, dynamic_runs=1, dynamic_run_s=0.125)
+    before = timings.copy()
+    timings.session_s["B2=2, h=8, w=8"] = 2.0
+    timings.first_static_run_s["B2=2, h=8, w=8"] = 0.75
+    timings.dynamic_runs += 2
+    timings.dynamic_run_s += 0.5
+    assert before.session_s == {"dynamic": 0.5} and before.first_static_run_s == {}  # the copy kept as it was
+    assert timings.since(before) == BucketTimings(session_s={"B2=2, h=8, w=8": 2.0}, dynamic_wait_s=0.0,
+                                                  dynamic_runs=2, dynamic_run_s=0.5,
+                                                  first_static_run_s={"B2=2, h=8, w=8": 0.75})
+    idle = BucketTimings(session_s={"dynamic": 0.5})
+    parts = bucket_parts({"unet": before, "vae_decoder": idle}, {"unet": timings, "vae_decoder": idle.copy(),
+                                                                 "text_encoder": BucketTimings(dynamic_runs=1)})
+    assert parts == {"unet": timings.since(before).snapshot(), "text_encoder": BucketTimings(dynamic_runs=1).snapshot()}
 
 
 def test_background_a_failed_static_session_leaves_the_dynamic_one_serving(toy_artifact: Path,

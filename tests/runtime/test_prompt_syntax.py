@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from diffusion_trt.cli import main
-from diffusion_trt.runtime.prompt_syntax import ATTENTION, Segment, parse_prompt
+from diffusion_trt.runtime.prompt_syntax import ATTENTION, MAX_WEIGHT, Segment, overweight, parse_prompt
 
 A = ATTENTION
 #: (prompt, expected parts as lists of (text, weight), number of warnings)
@@ -114,3 +114,49 @@ def test_a_weight_beyond_float32_is_one_warning_and_a_finite_image(tiny_artifact
     assert len(lines) == 1 and "at character 2 is not a finite number" in lines[0], result.output
     pixels = np.asarray(Image.open(out))
     assert pixels.std() > 0  # not the black image of NaN latents
+
+
+@pytest.mark.parametrize(("prompt", "heavy"), [
+    ("a (fox:100) cat", None),  # the limit itself
+    ("(" * 48 + "fox" + ")" * 48, None),  # 1.1 ** 48 = 97.0
+    ("(" * 49 + "fox" + ")" * 49, Segment("fox", A ** 49)),  # 106.7
+    ("((fox:100))", Segment("fox", 110.0)),
+    ("a (fox:-101)", Segment("fox", -101.0)),
+    ("(((x:10):10):10) y", Segment("x", 1000.0)),
+    ("[[[(fox:1000)]]]", Segment("fox", 1000 / A ** 3)),  # 751: square brackets divide
+    ("((a:1000000) b:1000000)", Segment("a", 1e12)),  # the first of the two (no exponents: digits and dots)
+])
+def test_overweight_finds_the_first_token_beyond_the_limit(prompt: str, heavy: Segment | None) -> None:
+    found = overweight(parse_prompt(prompt))
+    if heavy is None:
+        assert found is None
+    else:
+        assert found is not None and found.text == heavy.text and found.weight == pytest.approx(heavy.weight)
+    assert overweight(parse_prompt(prompt, "plain")) is None  # plain: brackets are text
+    assert MAX_WEIGHT == 100.0
+
+
+def test_run_refuses_an_overweight_prompt_before_the_load(tiny_artifact: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nested weights multiplying far beyond any use (((x:100):100) = 1e4) were encoded as given: a silently black
+    image where they overflowed fp16. One error line naming the text, the token and its weight, exit 2, nothing
+    loaded; --prompt-syntax plain reads the brackets as text."""
+    from diffusion_trt.runtime import EnginePipeline
+
+    real = EnginePipeline.from_artifacts
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    tail = ("beyond ±100 (nested brackets multiply: ((x:100)) is 110, each ( ) 1.1): text states weighted that far "
+            "drown the rest of the prompt and can overflow fp16 engines (a black image); use weights within ±100, "
+            "e.g. (x:1.5), or --prompt-syntax plain to read brackets as text")
+    for args, message in (
+        (["-p", "a ((fox:100):100) cat"], f"error: prompt gives 'fox' the weight 1e+04, {tail}"),
+        (["-p", "a fox", "-n", "(" * 60 + "blurry" + ")" * 60], f"error: negative_prompt gives 'blurry' the weight "
+                                                                 f"{A ** 60:.4g}, {tail}"),
+    ):
+        result = CliRunner().invoke(main, ["run", str(tiny_artifact), *args, "--steps", "1",
+                                           "-o", str(tmp_path / "x.png")])
+        assert result.exit_code == 2 and result.output == message + "\n", result.output
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", real)
+    result = CliRunner().invoke(main, ["run", str(tiny_artifact), "-p", "a ((fox:100):100) cat", "--prompt-syntax",
+                                       "plain", "--steps", "1", "-o", str(tmp_path / "x.png")])
+    assert result.exit_code == 0 and (tmp_path / "x.png").is_file(), result.output

@@ -217,3 +217,20 @@ def test_request_spec_from_the_manifest_alone(toy_artifact: Path) -> None:
     assert spec.unet_batch == (spec.profile.batch.min, 2 * spec.profile.batch.max)
     with EnginePipeline.from_artifacts(toy_artifact, verify=False) as pipe:
         assert pipe.request_spec == spec
+
+
+def test_build_refuses_a_token_weighted_beyond_the_limit_in_any_text() -> None:
+    """A1111 weights multiplying beyond ±100 (runtime/prompt_syntax.py says why) are refused before any engine runs,
+    naming the argument (and its index in a list), the token and the weight; plain syntax reads them as text."""
+    fast = {"num_inference_steps": 1, "seed": 0, "progress": False}
+    with pytest.raises(RuntimeInputError, match=r"^prompt\[1\] gives 'fox' the weight 110, beyond ±100 .*, or "
+                                                r"prompt_syntax='plain' to read brackets as text$"):
+        Request.build(SPEC, {}, ["a cat", "((fox:100))"], **fast)
+    with pytest.raises(RuntimeInputError, match=r"^negative_prompt gives 'blurry' the weight -200, beyond ±100"):
+        Request.build(SPEC, {}, ["a fox", "a cat"], negative_prompt="((blurry:-100):2)", **fast)  # one for both
+    sdxl = RequestSpec(PROFILE, LatentGeometry(), "sdxl")
+    with pytest.raises(RuntimeInputError, match=r"^prompt_2 gives 'ink' the weight 1e\+04, beyond ±100"):
+        Request.build(sdxl, {}, "a fox", prompt_2="((ink:100):100)", **fast)
+    req = Request.build(SPEC, {}, "((fox:100))", negative_prompt="(fox:100)", prompt_syntax="plain", **fast)
+    assert req.prompts == ("((fox:100))",)
+    Request.build(SPEC, {}, "(fox:100)", negative_prompt="[(fox:-100)]", **fast)  # at the limit, and within it

@@ -141,3 +141,19 @@ def test_building_imports_no_other_scheduler_module() -> None:
     assert eval(out.strip().splitlines()[-1]) == ["diffusers.schedulers.scheduling_euler_discrete",
                                                    "diffusers.schedulers.scheduling_pndm",
                                                    "diffusers.schedulers.scheduling_utils"]
+
+
+def test_step_count_beyond_the_training_timesteps_is_refused_from_the_config_alone() -> None:
+    """check_step_count (run's check before the load) and the loop's set_schedule refuse alike."""
+    from diffusion_trt.runtime.denoise import set_schedule
+    from diffusion_trt.runtime.schedulers import check_step_count
+
+    message = ("num_inference_steps=1001 is more than the 1000 timesteps DDIMScheduler was trained with; use at most "
+               "1000")
+    with pytest.raises(RuntimeInputError, match=f"^{message}$"):
+        check_step_count(1001, "DDIMScheduler", SD15_SCHEDULER)
+    with pytest.raises(RuntimeInputError, match=f"^{message}$"):
+        set_schedule(make_scheduler(SD15_SCHEDULER, "ddim"), 1001, torch.device("cpu"))
+    check_step_count(1000, "DDIMScheduler", SD15_SCHEDULER)
+    with pytest.raises(RuntimeInputError, match="more than the 50 timesteps"):
+        check_step_count(51, "DDIMScheduler", {**SD15_SCHEDULER, "num_train_timesteps": 50})

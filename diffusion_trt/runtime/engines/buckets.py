@@ -224,6 +224,22 @@ class BucketTimings:
     dynamic_run_s: float = 0.0
     first_static_run_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
+    def copy(self) -> BucketTimings:
+        """A copy that later runs leave as it is (its dicts its own): the ``before`` of :meth:`since`."""
+        return dataclasses.replace(self, session_s=dict(self.session_s),
+                                   first_static_run_s=dict(self.first_static_run_s))
+
+    def since(self, before: BucketTimings) -> BucketTimings:
+        """What these timings gained since ``before`` (a :meth:`copy` of them taken earlier): the sessions opened and
+        the static first runs whose shapes ``before`` lacks, and the dynamic waits, runs and seconds added."""
+        return BucketTimings(
+            session_s={k: v for k, v in self.session_s.items() if k not in before.session_s},
+            dynamic_wait_s=self.dynamic_wait_s - before.dynamic_wait_s,
+            dynamic_runs=self.dynamic_runs - before.dynamic_runs,
+            dynamic_run_s=self.dynamic_run_s - before.dynamic_run_s,
+            first_static_run_s={k: v for k, v in self.first_static_run_s.items() if k not in before.first_static_run_s},
+        )
+
     def snapshot(self) -> dict[str, Any]:
         """A copy as plain JSON values (seconds rounded to the microsecond)."""
         return {"session_s": {k: round(v, 6) for k, v in self.session_s.items()},
@@ -310,11 +326,15 @@ class BucketedEngine(EngineBase):
 
     def wants(self, symbols: Mapping[str, int]) -> bool:
         """Whether a call with these symbol values is (or would be) served by a specialised engine."""
-        key = _key(symbols)
+        return self._wants(_key(symbols))
+
+    def _wants(self, key: tuple[tuple[str, int], ...]) -> bool:
+        """:meth:`wants` of the shape key ``key`` (:func:`_key`)."""
         if key in self._static or key in self._pending:
             return True
         if key in self._failed or len(self._static) + len(self.pending_shapes) >= self._buckets.limit:
             return False
+        symbols = dict(key)
         if self._latent_sizes is None or "h" not in symbols:
             return True  # "auto", or a component whose shape does not follow the image size (the text encoder)
         return (symbols.get("h"), symbols.get("w")) in self._latent_sizes
@@ -349,9 +369,9 @@ class BucketedEngine(EngineBase):
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     def _open(self) -> None:
-        for symbols in self._preload:
-            if self.wants(symbols):
-                self._specialise(symbols)
+        for key in map(_key, self._preload):
+            if self._wants(key):
+                self._specialise(key)
         if self._buckets.background and self._dynamic is None:
             self._submit(None, lambda: self._timed_open(None))
 
@@ -425,8 +445,8 @@ class BucketedEngine(EngineBase):
                 logger.info("%s: specialised session for %s ready (%d of %d)", self._name,
                             _describe(key), len(self._static), self._buckets.limit)
 
-    def _specialise(self, symbols: Mapping[str, int]) -> Any:
-        key = _key(symbols)
+    def _specialise(self, key: tuple[tuple[str, int], ...]) -> Any:
+        """Make and open the engine specialised to the shape key ``key`` now, on this thread."""
         engine = self._timed_open(key)
         self._static[key] = engine
         self._unrun.add(key)
@@ -443,13 +463,13 @@ class BucketedEngine(EngineBase):
             self._dynamic = self._timed_open(None)
         return self._dynamic
 
-    def _static_engine(self, symbols: Mapping[str, int]) -> Any:
-        """The specialised engine for ``symbols``: open, made now, or (background mode) ``None`` while it is made."""
-        key = _key(symbols)
+    def _static_engine(self, key: tuple[tuple[str, int], ...]) -> Any:
+        """The specialised engine for the shape key ``key``: open, made now, or (background mode) ``None`` while it
+        is made."""
         if key in self._static:
             return self._static[key]
         if not self._buckets.background:
-            return self._specialise(symbols)
+            return self._specialise(key)
         if key not in self._pending:
             self._submit(key, lambda: self._timed_open(key))
             logger.info("%s: new shape %s runs on the dynamic session while its static one is made",
@@ -465,9 +485,9 @@ class BucketedEngine(EngineBase):
         """
         if self._depth == 0:
             raise RuntimeError(f"engine {self._name!r} is not open; use `with engine:` or call it inside the pipeline")
-        symbols = self.validate(feeds)
+        key = _key(self.validate(feeds))  # once per run: every lookup below takes it
         self._adopt()
-        engine = self._static_engine(symbols) if self.wants(symbols) else None
+        engine = self._static_engine(key) if self._wants(key) else None
         if engine is None:
             self.last_path = "dynamic"
             dynamic = self._dynamic_engine()
@@ -477,7 +497,6 @@ class BucketedEngine(EngineBase):
             self.timings.dynamic_run_s += time.perf_counter() - t0
             return out
         self.last_path = "static"
-        key = _key(symbols)
         if key not in self._unrun:
             return engine.run(feeds)
         t0 = time.perf_counter()
