@@ -363,7 +363,7 @@ class BucketedEngine(EngineBase):
         if set(symbols) != bound or not self.wants(symbols):
             return False
         self._adopt()
-        self._static_engine(symbols)
+        self._static_engine(_key(symbols))
         return True
 
     # -- lifecycle -------------------------------------------------------------------------------------------
