@@ -8,6 +8,7 @@ LoRA). Merging at compile time is :mod:`diffusion_trt.compiler.lora`; the refit 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -84,15 +85,11 @@ def check_scale(scale: Any) -> float:
     return float(scale)
 
 
-#: Where ``check_lora_file(background=True)`` hashes (made on first use): a switch of ``load_lora`` hashes the file
-#: (~0.1 s for a 151 MB rank-64 SD-1.5 LoRA at ~1.5 GB/s) while its deltas are computed; hashlib releases the GIL.
-_HASHING: list[ThreadPoolExecutor] = []
-
-
+# Where ``check_lora_file(background=True)`` hashes (made on first use): a switch of ``load_lora`` hashes the file
+# (~0.1 s for a 151 MB rank-64 SD-1.5 LoRA at ~1.5 GB/s) while its deltas are computed; hashlib releases the GIL.
+@functools.cache
 def _hashing() -> ThreadPoolExecutor:
-    if not _HASHING:
-        _HASHING.append(ThreadPoolExecutor(4, thread_name_prefix="diffusion-trt-lora-sha256"))
-    return _HASHING[0]
+    return ThreadPoolExecutor(4, thread_name_prefix="diffusion-trt-lora-sha256")
 
 
 def check_lora_file(path: str | Path, scale: Any = 1.0, *, background: bool = False) -> LoraFile:

@@ -54,13 +54,11 @@ class Session:
     def run(self, feeds: Mapping[str, np.ndarray], names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run on ``feeds`` (cast to the dtypes the graph's inputs declare) and return ``{output name: array}``."""
         wanted = list(names) if names is not None else [o.name for o in self.session.get_outputs()]
-        inputs = {i.name: i.type for i in self.session.get_inputs()}
-        typed = {name: _as_type(value, inputs.get(name)) for name, value in feeds.items() if name in inputs}
+        typed = self._typed(feeds)
         try:
             return dict(zip(wanted, self.session.run(wanted, typed), strict=True))
         except Exception as err:
             raise self._failure(typed, err) from err
-
 
     def run_values(self, feeds: Mapping[str, np.ndarray], names: Sequence[str]) -> Iterator[tuple[str, float]]:
         """``(name, peak(value))`` of each output ``names`` on ``feeds``, one at a time: ONNX Runtime's own buffers are
@@ -68,8 +66,7 @@ class Session:
         bytes at once)."""
         from onnxruntime import OrtValue
 
-        inputs = {i.name: i.type for i in self.session.get_inputs()}
-        typed = {name: _as_type(value, inputs.get(name)) for name, value in feeds.items() if name in inputs}
+        typed = self._typed(feeds)
         try:
             values = self.session.run_with_ort_values(
                 list(names), {name: OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for name, v in typed.items()})
@@ -79,6 +76,11 @@ class Session:
             value, values[index] = values[index], None
             yield name, peak(value.numpy())
             del value
+
+    def _typed(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The feeds the graph takes, cast to the dtypes its inputs declare (others dropped)."""
+        inputs = {i.name: i.type for i in self.session.get_inputs()}
+        return {name: _as_type(value, inputs.get(name)) for name, value in feeds.items() if name in inputs}
 
     def _failure(self, typed: Mapping[str, np.ndarray], err: BaseException) -> ModelFileError:
         """The error of a run that failed on ``typed``: the feeds' shapes, the provider and ORT's first line."""

@@ -407,7 +407,7 @@ def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device)
             would step past its last training timestep (PNDM/DDIM with ``steps_offset=1`` at 1000 steps).
     """
     train = int(getattr(scheduler.config, "num_train_timesteps", 1000))
-    check_step_count(num_inference_steps, type(scheduler).__name__, {"num_train_timesteps": train})
+    check_step_count(num_inference_steps, type(scheduler).__name__, scheduler.config)
     try:
         scheduler.set_timesteps(num_inference_steps, device=device)
     except ValueError as e:  # e.g. DDIM: more steps than the training schedule has timesteps

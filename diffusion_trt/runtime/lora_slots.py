@@ -153,14 +153,13 @@ class WeightSlots(Mapping[str, torch.Tensor]):
             base = self._base[s.input_name].to(self.device, torch.float32, non_blocking=True)
             total = torch.stack([p.to(self.device) for p in parts]).sum(0)
             value = (base + (total.flatten(1).T if s.transpose else total)).to(self._base[s.input_name].dtype)
-            finite.append(torch.isfinite(value).all())  # in the engine's dtype: fp16 overflows at 65504
+            finite.append((s, torch.isfinite(value).all()))  # in the engine's dtype: fp16 overflows at 65504
             out[s.input_name] = value.contiguous()
-        if finite and not bool(torch.stack(finite).all()):  # one device sync for all the weights
-            bad = next(n for n, ok in zip(out, finite, strict=True) if not bool(ok))
-            torch_name = next(s.torch_name for s in self._slots if s.input_name == bad)
-            raise LoraError(f"{what} leaves NaN/Inf in {self.component}.{torch_name} (in its "
-                            f"{str(out[bad].dtype).removeprefix('torch.')} weights): the file holds non-finite values "
-                            "or the scale is too large; check the file, or use a smaller scale")
+        if finite and not bool(torch.stack([ok for _, ok in finite]).all()):  # one device sync for all the weights
+            bad = next(s for s, ok in finite if not bool(ok))
+            raise LoraError(f"{what} leaves NaN/Inf in {self.component}.{bad.torch_name} (in its "
+                            f"{str(out[bad.input_name].dtype).removeprefix('torch.')} weights): the file holds "
+                            "non-finite values or the scale is too large; check the file, or use a smaller scale")
         return out
 
     def bind(self, values: Mapping[str, torch.Tensor]) -> None:

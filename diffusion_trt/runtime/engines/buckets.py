@@ -360,10 +360,11 @@ class BucketedEngine(EngineBase):
             if shape is not None and len(shape) == len(info.shape):
                 symbols.update({d: int(v) for d, v in zip(info.shape, shape, strict=True) if isinstance(d, str)})
         bound = {d for info in self._spec.inputs for d in info.shape if isinstance(d, str)}
-        if set(symbols) != bound or not self.wants(symbols):
+        key = _key(symbols)
+        if set(symbols) != bound or not self._wants(key):
             return False
         self._adopt()
-        self._static_engine(_key(symbols))
+        self._static_engine(key)
         return True
 
     # -- lifecycle -------------------------------------------------------------------------------------------
