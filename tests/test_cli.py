@@ -523,7 +523,8 @@ def test_a_missing_optional_package_exits_2(what: str, tiny_artifact: Path, tiny
         def no_scipy(*args: object, **kwargs: object) -> None:
             raise ImportError("LMSDiscreteScheduler requires the scipy library but it was not found")
 
-        monkeypatch.setattr(diffusers.LMSDiscreteScheduler, "from_config", no_scipy)
+        # diffusers' stand-in class without scipy raises from its constructor (build_scheduler calls it directly)
+        monkeypatch.setattr(diffusers.LMSDiscreteScheduler, "__init__", no_scipy)
         code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "--scheduler", "lms",
                             "-o", tmp_path / "o.png")
         fix = "pip install 'diffusion-trt[schedulers]'"
