@@ -276,6 +276,9 @@ def _b(text: str) -> np.ndarray:
         ({"prompt": _b("x"), "width": np.array([1024], np.int32)}, "width", r"width=1024 .* use 128"),
         ({"prompt": np.array([b"a", b"b"], dtype=object)}, "prompt", r"prompt must hold one value, got shape \[2\]"),
         ({"prompt": _b("x"), "sampler": _b("y")}, "sampler", "sampler is not an input of this model"),
+        ({"prompt": _b("a ((cat:100))")}, "prompt", r"prompt gives 'cat' the weight 110, beyond ±100"),
+        ({"prompt": _b("x"), "negative_prompt": _b("(((a:10):10):10)")}, "negative_prompt",
+         r"negative_prompt gives 'a' the weight 1000, beyond ±100 .* e\.g\. \(x:1\.5\)$"),
     ],
 )
 def test_parse_request_names_the_field(inputs: Mapping[str, np.ndarray], field: str, message: str) -> None:

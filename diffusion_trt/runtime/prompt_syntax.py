@@ -90,6 +90,18 @@ def overweight(parsed: ParsedPrompt) -> Segment | None:
     return next((s for part in parsed.parts for s in part if not abs(s.weight) <= MAX_WEIGHT), None)
 
 
+def overweight_problem(name: str, segment: Segment) -> str:
+    """The message for ``segment``, a token of argument ``name`` weighted beyond ``±``:data:`MAX_WEIGHT`
+    (:func:`overweight`): its text, its weight, why, and the fix."""
+    word = segment.text.strip()
+    word = word if len(word) <= 40 else word[:37] + "..."
+    return (
+        f"{name} gives {word!r} the weight {segment.weight:.4g}, beyond ±{MAX_WEIGHT:g} (nested brackets multiply: "
+        "((x:100)) is 110, each ( ) 1.1): text states weighted that far drown the rest of the prompt and can "
+        f"overflow fp16 engines (a black image); use weights within ±{MAX_WEIGHT:g}, e.g. (x:1.5)"
+    )
+
+
 def parse_prompt(text: str, syntax: str = "a1111") -> ParsedPrompt:
     """Parse ``text`` in ``syntax`` ("a1111" or "plain", see the module docstring).
 

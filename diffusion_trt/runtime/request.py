@@ -33,7 +33,7 @@ from .generation_args import GENERATION_ARGS, MAX_SEED, check_arg, default_guida
 from .geometry import LatentGeometry
 from .latents import Generator, StepCallback
 from .memory.host_memory import check_host_memory
-from .prompt_syntax import MAX_WEIGHT, SYNTAXES, overweight, parse_prompt
+from .prompt_syntax import SYNTAXES, overweight, overweight_problem, parse_prompt
 from .schedulers import check_step_count
 
 OUTPUT_TYPES: tuple[str, ...] = ("pil", "np", "pt", "latent")
@@ -621,16 +621,10 @@ def check_prompt_weights(name: str, value: Any, syntax: str) -> None:
         if not isinstance(text, str):
             continue
         heavy = overweight(parse_prompt(text, syntax))
-        if heavy is None:
-            continue
-        word = heavy.text.strip()
-        word = word if len(word) <= 40 else word[:37] + "..."
-        raise RuntimeInputError(
-            f"{name}{f'[{i}]' if len(texts) > 1 else ''} gives {word!r} the weight {heavy.weight:.4g}, beyond "
-            f"±{MAX_WEIGHT:g} (nested brackets multiply: ((x:100)) is 110, each ( ) 1.1): text states weighted that "
-            "far drown the rest of the prompt and can overflow fp16 engines (a black image); use weights within "
-            f"±{MAX_WEIGHT:g}, e.g. (x:1.5), or prompt_syntax='plain' to read brackets as text"
-        )
+        if heavy is not None:
+            where = f"{name}[{i}]" if len(texts) > 1 else name
+            raise RuntimeInputError(f"{overweight_problem(where, heavy)}, or prompt_syntax='plain' to read brackets "
+                                    "as text")
 
 
 def check_generator(generator: Generator, seed: Any, batch: int) -> tuple[Generator, int | None]:

@@ -28,6 +28,7 @@ to uint8 as ``round(clamp(x / 2 + 0.5, 0, 1) * 255)``.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.machinery
 import importlib.util
@@ -134,6 +135,9 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], config: Mapping[str, 
                 name, f"{name} has {len(text)} characters; at most {int(limits['max_prompt_chars'])} are accepted "
                 "(the engines read at most the UNet's --max-prompt-chunks x 75 CLIP tokens anyway)"
             )
+        heavy = prompt_syntax().overweight(prompt_syntax().parse_prompt(text, "a1111"))
+        if heavy is not None:  # the runtime's bound (prompt_syntax.MAX_WEIGHT), checked before any engine runs
+            raise RequestError(name, prompt_syntax().overweight_problem(name, heavy))
         out[name] = text
     seed = values.get("seed", defaults["seed"])
     if not 0 <= seed <= MAX_SEED:
@@ -186,6 +190,12 @@ def prompt_encoding(here: str | Path | None = None) -> Any:
         package.__path__ = [str(folder)]
         sys.modules[_PROMPT_PACKAGE] = package
     return importlib.import_module(name)
+
+
+def prompt_syntax(here: str | Path | None = None) -> Any:
+    """The runtime's ``prompt_syntax`` module, loaded by path as :func:`prompt_encoding` loads its sibling."""
+    prompt_encoding(here)
+    return importlib.import_module(f"{_PROMPT_PACKAGE}.prompt_syntax")
 
 
 def encode_prompts(texts: list[str], tokenizer: Any, config: Mapping[str, Any], infer: Infer) -> np.ndarray:
@@ -331,7 +341,7 @@ class TritonPythonModel:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     inputs[name] = None if tensor is None else tensor.as_numpy()
                 params = parse_request(inputs, self.config)
-                scheduler = type(self.scheduler).from_config(self.scheduler.config)
+                scheduler = copy.deepcopy(self.scheduler)  # stateful: a fresh one per request, the config read once
                 image = text_to_image(params, self.config, self.tokenizer, scheduler, self._infer)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("image", image)]))
             except RequestError as e:  # the client's error: INVALID_ARG (HTTP 400, gRPC INVALID_ARGUMENT), one line
