@@ -31,11 +31,18 @@
 #                                                       provider option, static base (unet, vae_decoder) and dyn
 #                                                       at three latent sizes
 #   bash benchmarks/gpu_cold_start.sh pyenv OUT        what the host's Python does with bytecode, scipy present
+#   bash benchmarks/gpu_cold_start.sh shared OUT       shared_initializers.py: the dyn UNet at 3 sizes, one device
+#                                                       copy of the weights for all sessions or one each
+# Bytecode: the host's system site-packages (torch, numpy, transformers) hold no usable .pyc for its Python and are
+# not writable, so every process compiled ~1000 modules from source (s12 profile: builtins.compile 3.2 s). A user's
+# pip writes bytecode at install time; to measure that case every phase runs with PYTHONPYCACHEPREFIX=/tmp/pycache,
+# which prep fills (compileall of those folders, our package and $SITE) while the compiles run. It serves ours and
+# diffusers alike.
 # Run from the folder holding the diffusion_trt package to measure; SITE: where the host's extra wheels went.
 set -u
 phase=${1:?phase}; out=${2:?OUT folder}
 export PYTHONUNBUFFERED=1 SITE=${SITE:-/tmp/site}
-export PYTHONPATH=$SITE:$PWD
+export PYTHONPATH=$SITE:$PWD PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
 py=python3
 D="$py -m diffusion_trt.cli"
 M=/tmp/cs/sd15
@@ -78,8 +85,13 @@ compiles() {  # ARTS: which of base refit merged cn b4 dyn (default: the first f
     for f in /tmp/cs/c-*.log; do echo "--- $f"; grep -v -E "it/s|stage/s" "$f" | tail -3; done
     ls $W/art-*/manifest.json /tmp/cs/art-*/manifest.json /tmp/cs/art_b4/manifest.json 2>/dev/null
 }
+bytecode_all() {  # into $PYTHONPYCACHEPREFIX, in the background of the compiles
+    local system; system=$($py -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+    ( t=$(date +%s); $py -m compileall -q -j 0 "$system" "$SITE" "$PWD/diffusion_trt" > /dev/null 2>&1
+      echo "compileall into $PYTHONPYCACHEPREFIX rc $? in $(( $(date +%s) - t )) s ($system)" ) &
+}
 case $phase in
-  prep) models; compiles ;;
+  prep) bytecode_all; models; compiles ;;
   models) models ;;
   compiles) compiles ;;
   bytecode)
@@ -127,6 +139,10 @@ case $phase in
     timeout ${FR_TIMEOUT:-200} $py benchmarks/first_run_options.py /tmp/cs/art-dyn --components vae_decoder,unet \
       --variants default,no_fuse_bias,sdpa_math,plain --latents 64x64,96x96,80x48 \
       --json "$out/first_run_dyn.json" 2>&1 | tail -10 ;;
+  shared)
+    log "shared initializers: dyn UNet at 64x64, 96x96, 80x48 latents, batch 2"
+    timeout ${SHARED_TIMEOUT:-240} $py benchmarks/shared_initializers.py /tmp/cs/art-dyn --component unet \
+      --latents 64x64,96x96,80x48 --batch 2 --layouts nhwc,nchw --json "$out/shared_initializers.json" 2>&1 | tail -24 ;;
   pyenv)
     $py -c "import sys, importlib.util as u; print('dont_write_bytecode', sys.flags.dont_write_bytecode, \
       'pycache_prefix', sys.pycache_prefix, 'scipy', u.find_spec('scipy') is not None)"

@@ -96,10 +96,12 @@ def runs_nhwc(component: str) -> bool:
 CUDA_ATTENTION_OPTIONS: dict[str, str] = {"sdpa_kernel": "8"}
 
 
-#: Components whose Conv biases ORT should add inside the convolution (``fuse_conv_bias=1``: cuDNN's fused
-#: epilogue instead of a separate ``op_generic_tensor_kernel`` per Conv): only the VAE gains (most UNet Conv
-#: biases already ride in SkipGroupNorm). Figures: benchmarks/results/README.md, "Figures behind code defaults".
-FUSED_CONV_BIAS_COMPONENTS: frozenset[str] = frozenset({"vae_decoder", "vae_encoder"})
+#: ``fuse_conv_bias`` (cuDNN's runtime-fused Conv + bias epilogue) is left off for every component: cuDNN compiles
+#: those kernels at the first run of each shape. On the H200 (2026-12-03, SD-1.5 fp16, HEURISTIC) the VAE decoder's
+#: first run took 1.64-2.03 s with it and 0.15-0.65 s without, at every latent size; without it a warm decode takes
+#: 0.6-2 ms more (9.39 -> 10.00 ms at 512x512);
+#: a dynamic artifact's new size cost 5.2 s with it and 1.6-1.8 s without (bench --sizes). Figures:
+#: benchmarks/results/README.md, "Figures behind code defaults".
 
 
 def cuda_layout_options(component: str, device: str, spatial_conv_inputs: bool = False) -> dict[str, str]:
@@ -107,7 +109,7 @@ def cuda_layout_options(component: str, device: str, spatial_conv_inputs: bool =
     :data:`CUDA_ATTENTION_OPTIONS` for every component, ``prefer_nhwc=1`` where :func:`runs_nhwc` unless the
     engine binds spatial Conv weights as inputs (``spatial_conv_inputs``: the manifest's
     :attr:`~diffusion_trt.artifact.manifest.Component.spatial_conv_inputs`, an ORT ``--refittable --refit-convs``
-    artifact), ``fuse_conv_bias=1`` for :data:`FUSED_CONV_BIAS_COMPONENTS`; nothing on the CPU. A default
+    artifact); nothing on the CPU. No ``fuse_conv_bias`` (why: the comment above this function). A default
     ``--refittable`` artifact (Linear and 1x1-as-MatMul weight inputs only) keeps NHWC.
 
     Why no NHWC with spatial Conv weight inputs: ORT's layout transformer transposes a Conv's weight only when it is
@@ -120,9 +122,8 @@ def cuda_layout_options(component: str, device: str, spatial_conv_inputs: bool =
     options = dict(CUDA_ATTENTION_OPTIONS)
     if runs_nhwc(component) and not spatial_conv_inputs:
         options["prefer_nhwc"] = "1"
-    if component in FUSED_CONV_BIAS_COMPONENTS:
-        options["fuse_conv_bias"] = "1"
     return options
+
 
 
 _NO_REFIT_MAP = ("this TensorRT artifact was built without --refittable (its engines cannot be refitted); recompile "

@@ -119,13 +119,14 @@ def test_each_pipeline_always_runs_on_its_own_thread(toy_artifact: Path) -> None
 
 def test_cuda_default_provider_options() -> None:
     """Per-component CUDA defaults (each measured on an H200; see their constants): NHWC for the conv-heavy
-    components, cuDNN flash attention everywhere (runs on every device of a process), fused Conv bias in the VAE."""
+    components, cuDNN flash attention everywhere (runs on every device of a process), no runtime-fused Conv bias
+    (cuDNN compiles it at each shape's first run)."""
     from diffusion_trt.runtime.pipeline import cuda_layout_options
 
     assert cuda_layout_options("unet", "cpu") == {}
     assert cuda_layout_options("text_encoder", "cuda") == {"sdpa_kernel": "8"}
     assert cuda_layout_options("unet", "cuda") == {"sdpa_kernel": "8", "prefer_nhwc": "1"}
-    assert cuda_layout_options("vae_decoder", "cuda") == {"sdpa_kernel": "8", "prefer_nhwc": "1", "fuse_conv_bias": "1"}
+    assert cuda_layout_options("vae_decoder", "cuda") == {"sdpa_kernel": "8", "prefer_nhwc": "1"}
     # spatial Conv weights bound as inputs (--refittable --refit-convs): NCHW, since ORT's NHWC Conv misread them on
     # the H200; a default --refittable UNet (no such inputs) keeps NHWC (tests/runtime/test_lora_request.py)
     assert cuda_layout_options("unet", "cuda", spatial_conv_inputs=True) == {"sdpa_kernel": "8"}

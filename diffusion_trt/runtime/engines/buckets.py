@@ -17,9 +17,11 @@ Why this and not the alternatives: ORT's optimiser knows the shape functions of 
 specialise the already-optimised graph of the artifact, which ``passes/specialize_shapes`` (run before those
 fusions at compile time) could not; nothing is written to the artifact or beside it (no second copy of the weights
 on disk, the manifest's hashes stay valid), and an artifact compiled yesterday gets the fast path without a
-recompile. What it costs: each specialised session holds its own copy of the weights in device memory (ORT's
-``add_initializer`` shares only CPU-resident tensors, and the NHWC layout transform makes per-session copies of the
-Conv weights anyway) and session creation is paid once per shape; list the sizes (``--size-buckets 512x512,768x768``)
+recompile. What it costs: each specialised session holds its own copy of the weights in device memory (about 2.2 GB per
+size for the SD-1.5 UNet on the H200, 2026-12-03, ``benchmarks/shared_initializers.py``: onnxruntime 1.31.1's
+Python ``SessionOptions.add_initializer`` takes only a buffer the caller owns, and the Python API has no device
+OrtValue over a caller's buffer, so it refuses one on the GPU; the NHWC layout transform would copy the Conv weights
+per session anyway) and session creation is paid once per shape; list the sizes (``--size-buckets 512x512,768x768``)
 to create those sessions while the artifact loads instead of on the first call.
 
 Background specialisation (the default, :attr:`SizeBuckets.background`): creating a specialised UNet session takes
