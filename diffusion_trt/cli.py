@@ -1038,7 +1038,7 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
         _refuse_existing_outputs(output, 1)
     _check_writable_dir(output.parent if str(output.parent) else Path("."), "--output")
     if json_path is not None:  # before the passes: a failure after them left OUTPUT written and exited 2
-        _check_writable_file(json_path, "--json", None)
+        _check_output_file(json_path, "--json", "passes.json")  # as bench --json: a mistyped folder is not made
     if dump_passes is not None:
         if Path(dump_passes).is_file():
             raise click.BadParameter(f"{dump_passes!r} is a file; give a folder (created if needed), e.g. dump/",
@@ -1060,7 +1060,7 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
                            shapes=shape_map, seed=seed)
     click.echo(format_table(result), err=True)
     if json_path is not None:
-        json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+        _write_output_file(json_path, json.dumps(result.to_json(), indent=1) + "\n")
     check_verdict(result)  # --check failed: OUTPUT removed, exit 1
     click.echo(f"wrote: {', '.join(str(f) for f in result.files)}")
 

@@ -157,8 +157,14 @@ def test_json_path_checked_before_the_passes(attention_onnx: Path, tmp_path: Pat
     (tmp_path / "file").write_text("")
     code, text = _invoke("optimize", attention_onnx, "-o", tmp_path / "o.onnx", "--json", tmp_path / "file" / "r.json")
     assert code == 2
-    assert f"Invalid value for --json: cannot create the folder {tmp_path / 'file'} (File exists)" in text
+    assert f"error: --json {tmp_path / 'file' / 'r.json'}: {tmp_path / 'file'} is a file, not a folder" in text
     assert "passes for" not in text and not (tmp_path / "o.onnx").exists()
+    # a missing folder is refused, not made (as bench --json and run -o)
+    code, text = _invoke("optimize", attention_onnx, "-o", tmp_path / "o.onnx", "--json", tmp_path / "no" / "r.json")
+    assert code == 2
+    assert (f"error: --json {tmp_path / 'no' / 'r.json'}: the folder {tmp_path / 'no'} does not exist; create it "
+            f"first (mkdir -p {tmp_path / 'no'}) or choose another path") in text
+    assert not (tmp_path / "no").exists() and not (tmp_path / "o.onnx").exists()
 
 
 def test_an_existing_output_is_kept_unless_overwrite(attention_onnx: Path, tmp_path: Path) -> None:

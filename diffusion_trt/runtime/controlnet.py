@@ -198,6 +198,24 @@ def _dim(d: int | str, h: int, w: int) -> int:
     return -(-size // int(k)) if k else size
 
 
+def check_no_control_options(controlnet: Any, controlnet_conditioning_scale: Any, control_guidance_start: Any,
+                             control_guidance_end: Any, guess_mode: Any) -> None:
+    """Refuse ControlNet arguments of a call without ``control_image`` (they would be ignored: no ControlNet runs),
+    as ``run`` refuses ``--guess-mode`` or ``--control-guidance-*`` without ``--controlnet``. Given means other than
+    the defaults (``None``, ``None``, 0.0, 1.0, False).
+
+    Raises:
+        RuntimeInputError: naming the first such argument and the fix.
+    """
+    given = [name for name, value, default in (
+        ("controlnet", controlnet, None), ("controlnet_conditioning_scale", controlnet_conditioning_scale, None),
+        ("control_guidance_start", control_guidance_start, 0.0), ("control_guidance_end", control_guidance_end, 1.0),
+        ("guess_mode", guess_mode, False)) if not (value is default or (default is not None and value == default))]
+    if given:
+        raise RuntimeInputError(f"{given[0]}= was given without control_image=, so no ControlNet would run and it "
+                                "would be ignored; pass one control image per ControlNet, or drop it")
+
+
 def control_plan(engines: Mapping[str, Engine], control_image: Any, controlnet: str | Sequence[str] | None,
                  controlnet_conditioning_scale: float | Sequence[float], control_guidance_start: Any,
                  control_guidance_end: Any, guess_mode: bool, height: int, width: int,
@@ -220,9 +238,6 @@ def control_plan(engines: Mapping[str, Engine], control_image: Any, controlnet: 
     """
     have = controlnet_names(list(engines))
     if control_image is None:
-        if controlnet is not None:
-            raise RuntimeInputError("controlnet= was given without control_image=; pass one control image per "
-                                    "ControlNet")
         return None
     if not have or UNET_CONTROLNET not in engines:
         raise RuntimeInputError("this artifact has no ControlNet; compile it with --controlnet [NAME=]FOLDER")

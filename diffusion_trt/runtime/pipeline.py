@@ -41,7 +41,13 @@ from ..artifact.values import check_scheduler_config
 from ..errors import ArtifactError, LoraError, RuntimeInputError, names_arguments, names_parameters
 from . import denoise
 from .call_guard import CallGuard, one_call_at_a_time
-from .controlnet import DEFAULT_CONTROL_SCALE, ControlPlan, control_components, control_plan
+from .controlnet import (
+    DEFAULT_CONTROL_SCALE,
+    ControlPlan,
+    check_no_control_options,
+    control_components,
+    control_plan,
+)
 from .cuda import HostBuffers
 from .determinism import compile_time_note, deterministic_torch
 from .embeddings import EmbeddingTable, load_embeddings
@@ -865,6 +871,9 @@ class EnginePipeline:
              control_guidance_start: float | Sequence[float] = 0.0, control_guidance_end: float | Sequence[float] = 1.0,
              guess_mode: bool = False) -> EnginePipelineOutput:
         """The second half of :meth:`__call__`: the ControlNet plan, the engines opened on first use, the loop."""
+        if control_image is None:
+            check_no_control_options(controlnet, controlnet_conditioning_scale, control_guidance_start,
+                                     control_guidance_end, guess_mode)
         if controlnet_conditioning_scale is None:  # the default of diffusers' ControlNet pipeline of the mode (SDXL's
             # conditioning says "sdxl": its text-to-image default)
             controlnet_conditioning_scale = DEFAULT_CONTROL_SCALE.get(getattr(request.conditioning, "mode", "txt2img"),

@@ -193,6 +193,12 @@ def test_image_is_the_control_image_as_in_diffusers(pipe: EnginePipeline) -> Non
     ({"control_image": _image(0), "controlnet": "c"}, "ControlNet 'c' is not in this artifact; it has a, b"),
     ({"control_image": _image(0), "controlnet": "a", "control_guidance_start": 0.7, "control_guidance_end": 0.2},
      "need 0 <= start < end <= 1"),
+    # ControlNet arguments without a control image would be ignored (diffusers' txt2img pipeline has none of them)
+    ({"guess_mode": True}, "guess_mode= was given without control_image=, so no ControlNet would run"),
+    ({"controlnet": "a"}, "controlnet= was given without control_image="),
+    ({"controlnet_conditioning_scale": 0.5}, "controlnet_conditioning_scale= was given without control_image="),
+    ({"control_guidance_start": 0.2}, "control_guidance_start= was given without control_image="),
+    ({"control_guidance_end": [0.5, 0.5]}, "control_guidance_end= was given without control_image="),
 ])
 def test_bad_control_arguments(pipe: EnginePipeline, kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(RuntimeInputError) as e:
