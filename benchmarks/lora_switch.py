@@ -13,7 +13,8 @@ Figures (CUDA events around each call, after warm-up; medians with min..max):
 * ``unet_step_ms``: one UNet run (CFG batch 2) of ``base``, of ``refit`` with no LoRA, and of ``refit`` with LoRA A
   loaded; goals: ``refit`` with a LoRA <= 1.05x ``base``, with none = ``base``;
 * ``switch_ms``: ``load_lora(A)``, ``load_lora(B)`` (a switch), ``load_lora([A, B])`` and ``unload_lora()``,
-  wall time until the GPU finished (goal: a switch <= 200 ms);
+  wall time until the GPU finished (goal: a switch <= 200 ms), five rounds; ``switch_ms_first``: the first round
+  alone, when neither file was hashed in this process yet (later rounds reuse the digest: ``lora.lora_sha256``);
 * ``e2e_s``: a whole ``--steps`` image, ``base`` and ``refit`` with A;
 * ``parity``: max abs difference of the ``refit`` + A image from the ``merged`` image (goal <= 4/255), and of
   ``refit`` after ``unload_lora()`` from ``base`` (goal: 0 or fp16 noise).
@@ -178,6 +179,7 @@ def measure(res: dict[str, Any], arts: dict[str, Path], loras: dict[str, Path], 
             switch["load_a_and_b"].append(timed(lambda: pipe.load_lora([(loras["a"], 1.0), (loras["b"], 0.5)])))
             switch["unload"].append(timed(pipe.unload_lora))
         res["switch_ms"] = {k: stats(v) for k, v in switch.items()}
+        res["switch_ms_first"] = {k: v[0] for k, v in switch.items()}  # the files not yet hashed in this process
         pipe.load_lora(loras["a"], 1.0)
         res["unet_step_ms"]["refit_with_lora"] = time_unet(pipe, args.runs)
         t0 = time.perf_counter()

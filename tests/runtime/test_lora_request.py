@@ -436,3 +436,37 @@ def test_a_lora_is_hashed_on_a_thread_when_asked(loras: dict[str, Path]) -> None
     now, later = check_lora_file(loras["peft"], 0.5), check_lora_file(loras["peft"], 0.5, background=True)
     assert isinstance(now.digest, str) and isinstance(later.digest, Future)
     assert later.sha256 == now.sha256 == sha256_file(loras["peft"])
+
+
+def test_a_lora_is_hashed_once_per_version_of_the_file(loras: dict[str, Path], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A switch back to a LoRA used before reads no file to hash it; a rewritten file (other bytes, or the same
+    size and mtime restored) is hashed again."""
+    import hashlib
+    import os
+    import shutil
+    import time
+
+    from diffusion_trt.artifact import folder
+    from diffusion_trt.lora import check_lora_file
+
+    hashed: list[str] = []
+
+    def counting(path: str | os.PathLike[str]) -> str:
+        hashed.append(str(path))
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+    monkeypatch.setattr(folder, "sha256_file", counting)
+    path = tmp_path / "lora.safetensors"
+    shutil.copy(loras["peft"], path)
+    first = check_lora_file(path).sha256
+    assert check_lora_file(path, 0.5).sha256 == check_lora_file(path, background=True).sha256 == first
+    assert len(hashed) == 1
+    data = bytearray(path.read_bytes())
+    st = path.stat()
+    data[-1] ^= 0xFF  # same size; the mtime put back as it was: the ctime still changes
+    time.sleep(0.05)  # past the kernel's coarse file-time granularity (a few ms), so the ctime differs
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = check_lora_file(path).sha256
+    assert len(hashed) == 2 and again == hashlib.sha256(bytes(data)).hexdigest() != first
