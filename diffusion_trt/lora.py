@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,12 +166,20 @@ def check_lora_files(specs: Any) -> list[LoraFile]:
         LoraError: see :func:`check_lora_file`; the same file (by sha256) twice.
     """
     files = [check_lora_file(path, scale) for path, scale in specs]
+    refuse_repeats(files, "--lora ")
+    return files
+
+
+def refuse_repeats(files: Sequence[LoraFile], prefix: str = "LoRA ") -> None:
+    """Refuse a file given twice in ``files`` (by sha256: a copy under another name too); ``prefix`` starts the
+    message (``"--lora "`` for the command line).
+
+    Raises:
+        LoraError: naming both paths and the fix.
+    """
     seen: dict[str, Path] = {}
     for f in files:
         if f.sha256 in seen:
-            raise LoraError(
-                f"--lora {f.path} is the same file as {seen[f.sha256]} (sha256 {f.sha256[:12]}); give each LoRA once "
-                "with the sum of the scales"
-            )
+            raise LoraError(f"{prefix}{f.path} is the same file as {seen[f.sha256]} (sha256 {f.sha256[:12]}); give "
+                            "each LoRA once with the sum of the scales")
         seen[f.sha256] = f.path
-    return files

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from ..errors import LoraError
-from ..lora import LoraFile
+from ..lora import LoraFile, refuse_repeats
 from .lora_deltas import lora_deltas
 
 logger = logging.getLogger(__name__)
@@ -255,12 +255,7 @@ def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile],
     constants = {c: s.constants for c, s in slots.items()}
     dead = {c: s.dead for c, s in slots.items()}
     deltas = [lora_deltas(lora, shapes, device=device, constants=constants, dead=dead) for lora in loras]
-    seen: dict[str, Path] = {}
-    for lora in loras:
-        if lora.sha256 in seen:
-            raise LoraError(f"LoRA {lora.path} is the same file as {seen[lora.sha256]}; give each LoRA once with "
-                            "the sum of the scales")
-        seen[lora.sha256] = lora.path
+    refuse_repeats(loras)
     if check is not None:
         check(loras)
     what = " + ".join(f"LoRA {lora.path.name} at scale {lora.scale:g}" for lora in loras)

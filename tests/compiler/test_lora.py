@@ -233,8 +233,11 @@ def test_same_lora_twice_is_refused(tiny_pipeline_dir: Path, loras: dict[str, Pa
     copy = tmp_path / "copy.safetensors"
     copy.write_bytes(loras["peft"].read_bytes())
     specs = ((str(loras["peft"]), 0.5), (str(copy), 0.5))
-    with pytest.raises(LoraError, match="is the same file as"):
+    with pytest.raises(LoraError) as e:
         compile_pipeline(tiny_pipeline_dir, tmp_path / "art", CompileConfig(loras=specs))
+    assert str(e.value).startswith(f"compile failed at LoRA check: --lora {copy} is the same file as "
+                                   f"{loras['peft']} (sha256 ")
+    assert str(e.value).endswith("; give each LoRA once with the sum of the scales")
 
 
 @pytest.mark.parametrize(
