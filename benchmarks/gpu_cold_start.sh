@@ -53,8 +53,11 @@ W=/tmp/lora-switch
 models() {
     mkdir -p $W /tmp/cs
     log dummy; $D dummy-pipeline --arch sd15 --seed 0 --overwrite $W/model-sd15 > "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
-    $D dummy-controlnet --arch sd15 --seed 0 --overwrite /tmp/cs/cn-a >> "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
-    $D dummy-controlnet --arch sd15 --seed 1 --overwrite /tmp/cs/cn-b >> "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
+    case " ${ARTS:-cn} " in *" cn "*)  # ControlNets and LoRAs only for the artifacts that use them
+      $D dummy-controlnet --arch sd15 --seed 0 --overwrite /tmp/cs/cn-a >> "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
+      $D dummy-controlnet --arch sd15 --seed 1 --overwrite /tmp/cs/cn-b >> "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log" ;;
+    esac
+    case " ${ARTS:-merged} " in *" merged "*|*" refit "*) ;; *) ls -la $W; return ;; esac
     log loras
     $py -c "
 import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import lora_switch as ls
