@@ -154,35 +154,6 @@ def test_background_a_new_shape_runs_on_the_dynamic_session_until_its_static_one
     assert list(timings["first_static_run_s"]) == ["B2=2, h=8, w=8"]
 
 
-def test_background_a_static_session_is_warmed_on_the_worker_before_it_is_adopted(
-        toy_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA, the worker runs each new specialised session once (loading.warm_up) before the caller adopts it, so
-    cuDNN's picks and the kernels' loads are off the caller's path; its seconds are kept apart (warm_up_s). Here the
-    warm-up is recorded (the real one runs CUDA engines only); the dynamic session is not warmed."""
-    from diffusion_trt.runtime import loading
-
-    spec, base = _toy_unet(toy_artifact)
-    warmed: list[tuple[Any, int]] = []
-
-    def fake_warm_up(engine: Any) -> bool:
-        warmed.append((engine, threading.get_ident()))
-        return True
-
-    monkeypatch.setattr(loading, "warm_up", fake_warm_up)
-    symbols = {"B2": 2, "h": 8, "w": 8}
-    engine = BucketedEngine(spec, lambda s, free: base if free is None else base.variant(s, free_dimensions=free,
-                                                                                        cuda_graph=False),
-                            device=torch.device("cpu"), buckets=SizeBuckets(), latent_sizes=None)
-    with engine:
-        engine.run(_feeds(spec, symbols))
-        engine.settle()
-        engine.run(_feeds(spec, symbols))
-        assert engine.last_path == "static"
-        timings = engine.timings.snapshot()
-    assert len(warmed) == 1 and warmed[0][0] is not base and warmed[0][1] != threading.get_ident()
-    assert list(timings["warm_up_s"]) == list(timings["first_static_run_s"]) == ["B2=2, h=8, w=8"]
-
-
 def test_bucket_timings_since_is_what_was_added_and_bench_reports_it() -> None:
     """BucketTimings.since: sessions and first static runs of shapes new since the copy, the dynamic parts' sums
     added; bench's bucket_parts is its snapshot per engine, engines that did nothing left out."""
@@ -192,23 +163,16 @@ def test_bucket_timings_since_is_what_was_added_and_bench_reports_it() -> None:
     before = timings.copy()
     timings.session_s["B2=2, h=8, w=8"] = 2.0
     timings.first_static_run_s["B2=2, h=8, w=8"] = 0.75
-    timings.warm_up_s["B2=2, h=8, w=8"] = 0.5
     timings.dynamic_runs += 2
     timings.dynamic_run_s += 0.5
     assert before.session_s == {"dynamic": 0.5} and before.first_static_run_s == {}  # the copy kept as it was
     assert timings.since(before) == BucketTimings(session_s={"B2=2, h=8, w=8": 2.0}, dynamic_wait_s=0.0,
                                                   dynamic_runs=2, dynamic_run_s=0.5,
-                                                  first_static_run_s={"B2=2, h=8, w=8": 0.75},
-                                                  warm_up_s={"B2=2, h=8, w=8": 0.5})
+                                                  first_static_run_s={"B2=2, h=8, w=8": 0.75})
     idle = BucketTimings(session_s={"dynamic": 0.5})
     parts = bucket_parts({"unet": before, "vae_decoder": idle}, {"unet": timings, "vae_decoder": idle.copy(),
                                                                  "text_encoder": BucketTimings(dynamic_runs=1)})
     assert parts == {"unet": timings.since(before).snapshot(), "text_encoder": BucketTimings(dynamic_runs=1).snapshot()}
-    from diffusion_trt.bench.report import _bucket_part_lines
-
-    lines = _bucket_part_lines(parts)
-    assert lines[0].endswith("first static run: B2=2, h=8, w=8 0.750 s; warm-up on the worker: B2=2, h=8, w=8 0.500 s")
-    assert "warm-up" not in lines[1]
 
 
 def test_background_a_failed_static_session_leaves_the_dynamic_one_serving(toy_artifact: Path,

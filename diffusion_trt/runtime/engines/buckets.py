@@ -29,9 +29,8 @@ seconds (ORT's graph optimiser over the whole graph, then the weights' upload), 
 paid 7.7-10.8 s on the first call at each new size (2026-12-02, ``--size-buckets auto``, cuDNN HEURISTIC:
 benchmarks/results/README.md, "tenth session"). So the dynamic session is opened while the artifact loads, and a
 call at a new shape runs on it at once (about 2x slower per step, with no session to create) while a worker thread
-creates that shape's static session and, on CUDA, runs it once on zeros (:meth:`BucketedEngine._warmed`: cuDNN's
-picks and the kernels' first loads off the caller's path); the first call after it is ready adopts it (its first
-runs there capture the CUDA graph on the caller's thread, since ORT's CUDA state is per thread). Outputs agree up to float
+creates that shape's static session; the first call after it is ready adopts it (its first runs warm up and
+capture the CUDA graph on the caller's thread, since ORT's CUDA state is per thread). Outputs agree up to float
 rounding (the same graph with fixed dimensions, but other kernels: 7.5e-7 apart on an image in [0, 1] on the CPU, fp32,
 tiny arch), so ``deterministic=True`` turns background specialisation off: every call at a shape then runs on one
 session. The cost: the dynamic session's copy of the
@@ -218,11 +217,7 @@ class BucketTimings:
             on the worker thread in background mode, so they overlap the caller's runs.
         dynamic_wait_s: seconds the caller waited for the dynamic session to finish opening.
         dynamic_runs / dynamic_run_s: runs served by the dynamic session and their seconds.
-        first_static_run_s: each specialised session's first run on the caller's thread (its regular run and
-            CUDA-graph capture, and in background mode on CUDA what its warm-up left), by shape.
-        warm_up_s: background mode on CUDA: each specialised session's warm-up run on the worker thread, right after
-            it opened (:func:`~..loading.warm_up`: cuDNN's algorithm picks and the kernels' first loads, off the
-            caller's path), by shape.
+        first_static_run_s: each specialised session's first run (its warm-up runs and CUDA-graph capture), by shape.
     """
 
     session_s: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -230,12 +225,11 @@ class BucketTimings:
     dynamic_runs: int = 0
     dynamic_run_s: float = 0.0
     first_static_run_s: dict[str, float] = dataclasses.field(default_factory=dict)
-    warm_up_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def copy(self) -> BucketTimings:
         """A copy that later runs leave as it is (its dicts its own): the ``before`` of :meth:`since`."""
         return dataclasses.replace(self, session_s=dict(self.session_s),
-                                   first_static_run_s=dict(self.first_static_run_s), warm_up_s=dict(self.warm_up_s))
+                                   first_static_run_s=dict(self.first_static_run_s))
 
     def since(self, before: BucketTimings) -> BucketTimings:
         """What these timings gained since ``before`` (a :meth:`copy` of them taken earlier): the sessions opened and
@@ -246,7 +240,6 @@ class BucketTimings:
             dynamic_runs=self.dynamic_runs - before.dynamic_runs,
             dynamic_run_s=self.dynamic_run_s - before.dynamic_run_s,
             first_static_run_s={k: v for k, v in self.first_static_run_s.items() if k not in before.first_static_run_s},
-            warm_up_s={k: v for k, v in self.warm_up_s.items() if k not in before.warm_up_s},
         )
 
     def snapshot(self) -> dict[str, Any]:
@@ -254,8 +247,7 @@ class BucketTimings:
         return {"session_s": {k: round(v, 6) for k, v in self.session_s.items()},
                 "dynamic_wait_s": round(self.dynamic_wait_s, 6), "dynamic_runs": self.dynamic_runs,
                 "dynamic_run_s": round(self.dynamic_run_s, 6),
-                "first_static_run_s": {k: round(v, 6) for k, v in self.first_static_run_s.items()},
-                "warm_up_s": {k: round(v, 6) for k, v in self.warm_up_s.items()}}
+                "first_static_run_s": {k: round(v, 6) for k, v in self.first_static_run_s.items()}}
 
 
 class BucketedEngine(EngineBase):
@@ -427,27 +419,6 @@ class BucketedEngine(EngineBase):
         self.timings.session_s["dynamic" if key is None else _describe(key)] = time.perf_counter() - t0
         return engine
 
-    def _warmed(self, engine: Any, key: tuple[tuple[str, int], ...]) -> Any:
-        """``engine`` (just opened on the worker thread) after one warm-up run there, timed; CUDA only.
-
-        Why: on the H200 (2026-12-03, SD-1.5 fp16, benchmarks/results/README.md "thirteenth session") a specialised
-        session's first run on the caller's thread took 0.67-0.88 s (UNet) and 0.76-0.92 s (VAE decoder) of a new
-        size's 1.6-1.8 s overhead: cuDNN's algorithm picks and the kernels' first loads, which a run on any thread
-        does once per session. The CUDA graph is still captured on the caller's thread (ORT counts its runs per
-        thread: ``ort_engine._GRAPH_CAPTURE_RUNS``). A failed warm-up closes the engine and fails the bucket (the
-        dynamic session serves that shape)."""
-        from ..loading import warm_up
-
-        t0 = time.perf_counter()
-        try:
-            ran = warm_up(engine)
-        except BaseException:
-            engine.__exit__(None, None, None)
-            raise
-        if ran:
-            self.timings.warm_up_s[_describe(key)] = time.perf_counter() - t0
-        return engine
-
     def _submit(self, key: tuple[tuple[str, int], ...] | None, job: Callable[[], Any]) -> None:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diffusion-trt-{self._name}-buckets")
@@ -503,7 +474,7 @@ class BucketedEngine(EngineBase):
         if not self._buckets.background:
             return self._specialise(key)
         if key not in self._pending:
-            self._submit(key, lambda: self._warmed(self._timed_open(key), key))
+            self._submit(key, lambda: self._timed_open(key))
             logger.info("%s: new shape %s runs on the dynamic session while its static one is made",
                         self._name, _describe(key))
         return None

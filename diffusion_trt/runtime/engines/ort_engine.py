@@ -56,11 +56,7 @@ logger = logging.getLogger(__name__)
 #: from any other thread breaks the capture ("operation not permitted when stream is capturing"), and session
 #: creation allocates and copies the weights. Reentrant: :func:`~..loading.warm_up` holds it around a run.
 CAPTURE_LOCK = threading.RLock()
-#: Calls before ORT replays a graph: one regular run (arena allocations), then the capturing run. Counted per
-#: thread (:meth:`OrtEngine._capturing`): ORT's CUDA provider keeps its CUDA graph and its count of regular runs in a
-#: per-thread context (``PerThreadContext``, core/providers/cuda/cuda_execution_provider.h), so after a warm-up run on
-#: another thread (:func:`~..loading.warm_up`) the caller's first two runs are still a regular run and the capture.
-#: Were ORT to count per session, counting per thread would only hold the lock over one run more.
+#: Calls before ORT replays a graph: one regular run (arena allocations), then the capturing run.
 _GRAPH_CAPTURE_RUNS = 2
 
 #: ``graph_optimization_level`` names -> ONNX Runtime's GraphOptimizationLevel member names. Our passes already made
@@ -239,7 +235,7 @@ class OrtEngine(EngineBase):
         self._graph_requested = bool(cuda_graph)
         self._graph = False  # in use (decided on open)
         self._graph_reason: str | None = None
-        self._graph_runs: dict[int, int] = {}  # thread id -> CUDA-graph-mode runs on it (see _GRAPH_CAPTURE_RUNS)
+        self._graph_runs = 0
         self._graph_bound = False
         self._static_inputs: dict[str, torch.Tensor] = {}
 
@@ -300,7 +296,7 @@ class OrtEngine(EngineBase):
         self._outputs = {}
         self._live_inputs = {}
         self._static_inputs = {}
-        self._graph_runs = {}
+        self._graph_runs = 0
         self._graph_bound = False
         self._depth = 0
 
@@ -328,17 +324,13 @@ class OrtEngine(EngineBase):
         if self._graph:
             # the capturing runs allocate their buffers under the lock too: no other thread's CUDA call may land
             # inside ORT's global-mode capture
-            with CAPTURE_LOCK if self._capturing() else contextlib.nullcontext():
+            with CAPTURE_LOCK if self._graph_runs < _GRAPH_CAPTURE_RUNS else contextlib.nullcontext():
                 return self._run_graph(feeds, shapes)
         if self._io_binding:
             return self._run_bound(feeds, shapes)
         return self._run_plain(feeds, shapes)
 
     # -- internals ------------------------------------------------------------------------------------
-
-    def _capturing(self) -> bool:
-        """Whether this thread's next CUDA-graph-mode run is a regular or capturing one (see _GRAPH_CAPTURE_RUNS)."""
-        return self._graph_runs.get(threading.get_ident(), 0) < _GRAPH_CAPTURE_RUNS
 
     def _current_torch_stream(self) -> Any:
         return self._stream if self._stream is not None else torch.cuda.current_stream(self._device)
@@ -601,7 +593,7 @@ class OrtEngine(EngineBase):
                 buf, _ = self._output_buffer(info.name, shapes[info.name])
                 binding.bind_output(info.name, kind, dev, info.numpy_dtype.type, tuple(buf.shape), buf.data_ptr())
             self._graph_bound = True
-        capturing = self._capturing()
+        capturing = self._graph_runs < _GRAPH_CAPTURE_RUNS
         try:
             with CAPTURE_LOCK if capturing else contextlib.nullcontext():
                 self._session.run_with_iobinding(binding, self._run_options)
@@ -609,8 +601,7 @@ class OrtEngine(EngineBase):
             if not capturing:
                 raise
             return self._rebuild_eager(f"ONNX Runtime failed to capture the CUDA graph: {e}", feeds, shapes)
-        thread = threading.get_ident()
-        self._graph_runs[thread] = self._graph_runs.get(thread, 0) + 1
+        self._graph_runs += 1
         if self._async and caller != self._stream:
             caller.wait_stream(self._stream)
         self._live_inputs = dict(feeds)  # the copies above may still read them
