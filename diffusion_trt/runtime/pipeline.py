@@ -104,10 +104,9 @@ CUDA_ATTENTION_OPTIONS: dict[str, str] = {"sdpa_kernel": "8"}
 
 #: ``fuse_conv_bias`` (cuDNN's runtime-fused Conv + bias epilogue) is left off for every component: cuDNN compiles
 #: those kernels at the first run of each shape. On the H200 (2026-12-03, SD-1.5 fp16, HEURISTIC) the VAE decoder's
-#: first run took 1.64-2.03 s with it and 0.15-0.65 s without, at every latent size; without it a warm decode takes
-#: 0.6-2 ms more (9.39 -> 10.00 ms at 512x512);
-#: a dynamic artifact's new size cost 5.2 s with it and 1.6-1.8 s without (bench --sizes). Figures:
-#: benchmarks/results/README.md, "Figures behind code defaults".
+#: first run took 1.64-2.03 s with it and 0.15-0.65 s without, at every latent size, and a dynamic artifact's new
+#: size cost 5.2 s with it and 1.6-1.8 s without (bench --sizes); without it a warm decode takes 0.6-2 ms more
+#: (9.39 -> 10.00 ms at 512x512). Figures: benchmarks/results/README.md, "Figures behind code defaults".
 
 
 def cuda_layout_options(component: str, device: str, spatial_conv_inputs: bool = False) -> dict[str, str]:
@@ -129,7 +128,6 @@ def cuda_layout_options(component: str, device: str, spatial_conv_inputs: bool =
     if runs_nhwc(component) and not spatial_conv_inputs:
         options["prefer_nhwc"] = "1"
     return options
-
 
 
 _NO_REFIT_MAP = ("this TensorRT artifact was built without --refittable (its engines cannot be refitted); recompile "
