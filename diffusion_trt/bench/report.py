@@ -128,7 +128,7 @@ def _bucket_part_lines(parts: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
     return [f"      {name}: sessions opened: {named(p['session_s'])}; dynamic runs {p['dynamic_runs']} in "
             f"{p['dynamic_run_s']:.3f} s (waited {p['dynamic_wait_s']:.3f} s for the session); first static run: "
-            f"{named(p['first_static_run_s'])}" for name, p in parts.items()]
+            f"{named(p['first_static_run_s'])}; primed: {named(p.get('prime_s', {}))}" for name, p in parts.items()]
 
 
 def plot_result(result: Mapping[str, Any], path: str | Path) -> Path:

@@ -40,6 +40,9 @@ def warm_up(engine: Engine) -> bool:
     """
     if engine.device.type != "cuda" or not engine.spec.is_static:
         return False
+    prime = getattr(engine, "prime", None)
+    if prime is not None:  # ONNX Runtime: outside graph mode, so the caller's thread captures under the lock
+        return bool(prime())
     from .engines.ort_engine import CAPTURE_LOCK
 
     with CAPTURE_LOCK:  # the feeds' allocation too: another engine may be capturing

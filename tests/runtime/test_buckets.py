@@ -152,6 +152,25 @@ def test_background_a_new_shape_runs_on_the_dynamic_session_until_its_static_one
     assert list(timings["session_s"]) == ["dynamic", "B2=2, h=8, w=8"]  # the dynamic one opened while entering
     assert timings["session_s"]["B2=2, h=8, w=8"] > 0
     assert list(timings["first_static_run_s"]) == ["B2=2, h=8, w=8"]
+    assert list(timings["prime_s"]) == ["B2=2, h=8, w=8"]  # primed on the worker, before the caller's first run
+
+
+def test_prime_runs_a_static_engine_once_on_zeros_and_skips_a_dynamic_one(toy_artifact: Path) -> None:
+    """OrtEngine.prime: one run at the static shapes (the same session and outputs after it), none for a dynamic
+    spec, and a closed engine refused."""
+    spec, base = _toy_unet(toy_artifact)
+    symbols = {"B2": 2, "h": 8, "w": 8}
+    static = base.variant(static_spec(spec, symbols), free_dimensions=symbols, cuda_graph=False)
+    with pytest.raises(RuntimeError, match="is not open"):
+        static.prime()
+    feeds = _feeds(spec, symbols)
+    with static:
+        want = {k: v.clone() for k, v in static.run(feeds).items()}
+        assert static.prime() is True
+        for name, value in static.run(feeds).items():
+            torch.testing.assert_close(value, want[name], atol=0, rtol=0)
+    with base:
+        assert base.prime() is False  # a dynamic spec: no shape to prime at
 
 
 def test_bucket_timings_since_is_what_was_added_and_bench_reports_it() -> None:
@@ -269,8 +288,8 @@ def test_background_the_vae_decodes_a_new_size_on_the_session_made_during_the_lo
         made = threading.Event()
         opened = vae._timed_open
 
-        def slow_open(key: Any) -> Any:
-            engine = opened(key)
+        def slow_open(key: Any, prime: bool = False) -> Any:
+            engine = opened(key, prime)
             made.set()
             return engine
 

@@ -218,6 +218,9 @@ class BucketTimings:
         dynamic_wait_s: seconds the caller waited for the dynamic session to finish opening.
         dynamic_runs / dynamic_run_s: runs served by the dynamic session and their seconds.
         first_static_run_s: each specialised session's first run (its warm-up runs and CUDA-graph capture), by shape.
+        prime_s: each specialised session's priming run (:meth:`OrtEngine.prime`: cuDNN's algorithm choice and the
+            arena's allocations, outside CUDA-graph mode) by shape; made on the worker thread in background mode and
+            for the preloaded sizes while loading, so the first run on the caller's thread is left the capture.
     """
 
     session_s: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -225,11 +228,12 @@ class BucketTimings:
     dynamic_runs: int = 0
     dynamic_run_s: float = 0.0
     first_static_run_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    prime_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def copy(self) -> BucketTimings:
         """A copy that later runs leave as it is (its dicts its own): the ``before`` of :meth:`since`."""
         return dataclasses.replace(self, session_s=dict(self.session_s),
-                                   first_static_run_s=dict(self.first_static_run_s))
+                                   first_static_run_s=dict(self.first_static_run_s), prime_s=dict(self.prime_s))
 
     def since(self, before: BucketTimings) -> BucketTimings:
         """What these timings gained since ``before`` (a :meth:`copy` of them taken earlier): the sessions opened and
@@ -240,6 +244,7 @@ class BucketTimings:
             dynamic_runs=self.dynamic_runs - before.dynamic_runs,
             dynamic_run_s=self.dynamic_run_s - before.dynamic_run_s,
             first_static_run_s={k: v for k, v in self.first_static_run_s.items() if k not in before.first_static_run_s},
+            prime_s={k: v for k, v in self.prime_s.items() if k not in before.prime_s},
         )
 
     def snapshot(self) -> dict[str, Any]:
@@ -247,7 +252,8 @@ class BucketTimings:
         return {"session_s": {k: round(v, 6) for k, v in self.session_s.items()},
                 "dynamic_wait_s": round(self.dynamic_wait_s, 6), "dynamic_runs": self.dynamic_runs,
                 "dynamic_run_s": round(self.dynamic_run_s, 6),
-                "first_static_run_s": {k: round(v, 6) for k, v in self.first_static_run_s.items()}}
+                "first_static_run_s": {k: round(v, 6) for k, v in self.first_static_run_s.items()},
+                "prime_s": {k: round(v, 6) for k, v in self.prime_s.items()}}
 
 
 class BucketedEngine(EngineBase):
@@ -374,7 +380,7 @@ class BucketedEngine(EngineBase):
     def _open(self) -> None:
         for key in map(_key, self._preload):
             if self._wants(key):
-                self._specialise(key)
+                self._specialise(key, prime=True)  # while loading: the first call is left the capture
         if self._buckets.background and self._dynamic is None:
             self._submit(None, lambda: self._timed_open(None))
 
@@ -409,14 +415,20 @@ class BucketedEngine(EngineBase):
             engine.__enter__()
         return engine
 
-    def _timed_open(self, key: tuple[tuple[str, int], ...] | None) -> Any:
-        """Make and open the dynamic engine (``key`` None) or the one specialised to ``key``, timed."""
+    def _timed_open(self, key: tuple[tuple[str, int], ...] | None, prime: bool = False) -> Any:
+        """Make and open the dynamic engine (``key`` None) or the one specialised to ``key``, timed; with ``prime``
+        a specialised one is primed too (see :attr:`BucketTimings.prime_s`)."""
         t0 = time.perf_counter()
         if key is None:
             engine = self._opened(self._make(self._spec, None))
         else:
             engine = self._opened(self._make(static_spec(self._spec, dict(key)), dict(key)))
         self.timings.session_s["dynamic" if key is None else _describe(key)] = time.perf_counter() - t0
+        if key is not None and prime and hasattr(engine, "prime"):
+            t0 = time.perf_counter()
+            with torch.cuda.device(self._device) if self._device.type == "cuda" else _nullcontext():
+                if engine.prime():
+                    self.timings.prime_s[_describe(key)] = time.perf_counter() - t0
         return engine
 
     def _submit(self, key: tuple[tuple[str, int], ...] | None, job: Callable[[], Any]) -> None:
@@ -448,9 +460,9 @@ class BucketedEngine(EngineBase):
                 logger.info("%s: specialised session for %s ready (%d of %d)", self._name,
                             _describe(key), len(self._static), self._buckets.limit)
 
-    def _specialise(self, key: tuple[tuple[str, int], ...]) -> Any:
+    def _specialise(self, key: tuple[tuple[str, int], ...], prime: bool = False) -> Any:
         """Make and open the engine specialised to the shape key ``key`` now, on this thread."""
-        engine = self._timed_open(key)
+        engine = self._timed_open(key, prime)
         self._static[key] = engine
         self._unrun.add(key)
         logger.info("%s: specialised session for %s (%d of %d)", self._name,
@@ -474,7 +486,7 @@ class BucketedEngine(EngineBase):
         if not self._buckets.background:
             return self._specialise(key)
         if key not in self._pending:
-            self._submit(key, lambda: self._timed_open(key))
+            self._submit(key, lambda: self._timed_open(key, prime=True))
             logger.info("%s: new shape %s runs on the dynamic session while its static one is made",
                         self._name, _describe(key))
         return None

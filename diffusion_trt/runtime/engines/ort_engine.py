@@ -330,6 +330,60 @@ class OrtEngine(EngineBase):
             return self._run_bound(feeds, shapes)
         return self._run_plain(feeds, shapes)
 
+    def prime(self) -> bool:
+        """Run once on zeros at the (static) input shapes, outside CUDA-graph mode, and wait for the device.
+
+        What a session's first run settles is settled here, on any thread: cuDNN's algorithm choice per convolution
+        (cached in the session's kernels), the arena's allocations and ORT's memory pattern. In CUDA-graph mode the run
+        goes through its own IO binding with ORT's run option ``gpu_graph_id=-1`` (no capture, no replay, and ORT's
+        count of runs before the capture left as it was; onnxruntime ``core/providers/cuda/cuda_graph.h``,
+        ``kCudaGraphAnnotationSkip``), so the engine's own first runs, on the thread that replays, still run
+        and capture under :data:`CAPTURE_LOCK`. The run holds that lock too: a regular run allocates, which breaks
+        another thread's capture in ``cudaStreamCaptureModeGlobal``.
+
+        Returns:
+            Whether it ran: only engines whose every input shape is fixed (a static spec).
+
+        Raises:
+            RuntimeError: the engine is not open.
+        """
+        if self._session is None:
+            raise RuntimeError(f"engine {self._name!r} is not open; use `with engine:` first")
+        if not self._spec.is_static:
+            return False
+        cuda = self._kind == "cuda"
+        with CAPTURE_LOCK if cuda else contextlib.nullcontext():
+            feeds = {info.name: torch.zeros(tuple(info.min), dtype=info.torch_dtype, device=self._device)
+                     for info in self._spec.inputs}
+            if not self._graph:
+                self.run(feeds)
+            else:
+                self._run_uncaptured(feeds)
+            if cuda:
+                self._current_torch_stream().synchronize()
+        return True
+
+    def _run_uncaptured(self, feeds: Mapping[str, torch.Tensor]) -> None:
+        """A graph-mode session's run on ``feeds`` through a binding of its own (fresh output buffers), with
+        ``gpu_graph_id=-1`` and ORT's synchronisation at the end (see :meth:`prime`)."""
+        import onnxruntime as ort
+
+        torch.cuda.current_stream(self._device).synchronize()  # the zeros are made on this thread's stream
+        options = ort.RunOptions()
+        options.add_run_config_entry("gpu_graph_id", "-1")
+        binding = self._session.io_binding()
+        kind, dev = self._kind, self._device_id
+        for info in self._spec.inputs:
+            t = feeds[info.name]
+            binding.bind_input(info.name, kind, dev, info.numpy_dtype.type, tuple(t.shape), t.data_ptr())
+        self._bind_weights(binding)
+        shapes = self._spec.output_shapes(self.validate(feeds))
+        outputs = {}
+        for info in self._spec.outputs:
+            outputs[info.name] = buf = torch.empty(shapes[info.name], dtype=info.torch_dtype, device=self._device)
+            binding.bind_output(info.name, kind, dev, info.numpy_dtype.type, tuple(buf.shape), buf.data_ptr())
+        self._session.run_with_iobinding(binding, options)
+
     # -- internals ------------------------------------------------------------------------------------
 
     def _current_torch_stream(self) -> Any:
