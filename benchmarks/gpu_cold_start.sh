@@ -18,6 +18,7 @@
 #   bash benchmarks/gpu_cold_start.sh bench-b4 OUT     bench of the b4 artifact (batch 4, 50 steps)
 #   bash benchmarks/gpu_cold_start.sh dyn-sizes OUT    bench of the dyn artifact at 512x512, 768x768, 640x384
 #                                                       (--size-buckets auto, HEURISTIC): first call per new size
+#   bash benchmarks/gpu_cold_start.sh dyn-sizes-noprime OUT   the same with the specialised sessions not primed
 #   bash benchmarks/gpu_cold_start.sh bytecode OUT     compile $SITE's bytecode (pip does at install; the wheel
 #                                                       installer here uses --no-compile), then `import diffusers`'
 #                                                       -X importtime, twice, in fresh processes
@@ -134,6 +135,13 @@ case $phase in
     timeout ${DYN_TIMEOUT:-200} $D bench /tmp/cs/art-dyn --baseline none --steps 30 --sizes 512x512,768x768,640x384 \
       --size-buckets auto --cudnn-algo-search heuristic --json "$out/bench_dyn_sizes.json" 2>&1 \
       | grep -v -E "it/s|stage/s" | tail -30 ;;
+  dyn-sizes-noprime)  # the same bench with OrtEngine.prime turned off: the run before the priming, side by side
+    log "dynamic artifact at new sizes, sessions not primed"
+    timeout ${DYN_TIMEOUT:-200} $py -c "
+import sys; from diffusion_trt.runtime.engines.ort_engine import OrtEngine; OrtEngine.prime = lambda self: False
+from diffusion_trt.cli import main; sys.argv[0] = 'diffusion-trt'; main()" bench /tmp/cs/art-dyn --baseline none \
+      --steps 30 --sizes 512x512,768x768,640x384 --size-buckets auto --cudnn-algo-search heuristic \
+      --json "$out/bench_dyn_sizes_noprime.json" 2>&1 | grep -v -E "it/s|stage/s" | tail -30 ;;
   first-run)
     log "first run per provider option: static base"
     timeout ${FR_TIMEOUT:-200} $py benchmarks/first_run_options.py $W/art-base --components unet,vae_decoder \
