@@ -130,7 +130,8 @@ def test_background_a_new_shape_runs_on_the_dynamic_session_until_its_static_one
 
     symbols = {"B2": 2, "h": 8, "w": 8}
     feeds = _feeds(spec, symbols)
-    engine = BucketedEngine(spec, make, device=torch.device("cpu"), buckets=SizeBuckets(), latent_sizes=None)
+    engine = BucketedEngine(spec, make, device=torch.device("cpu"), buckets=SizeBuckets(), latent_sizes=None,
+                            prime=True)
     with engine:
         first = {k: v.clone() for k, v in engine.run(feeds).items()}  # no wait for a session: the dynamic one
         assert engine.last_path == "dynamic" and engine.dynamic_open
@@ -305,4 +306,6 @@ def test_background_the_vae_decodes_a_new_size_on_the_session_made_during_the_lo
         pipe(**call)
         assert vae.last_path == "static" and vae.timings.dynamic_runs == 0
         assert vae.specialised_shapes == [{"B": 1, "h": 8, "w": 12}]
+        # the VAE's session was primed on the worker (PRIMED_COMPONENTS), the UNet's not
+        assert list(vae.timings.prime_s) == ["B=1, h=8, w=12"] and pipe.engines["unet"].timings.prime_s == {}
         assert not vae.expect({"latent_sample": (1, 4, 8)})  # a shape that binds no symbol set: nothing asked

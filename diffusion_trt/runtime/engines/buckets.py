@@ -66,6 +66,13 @@ logger = logging.getLogger(__name__)
 #: only symbol is the batch (1 or 2 rows: the negative prompt is usually cached), so it is specialised per batch
 #: whatever the sizes listed (on the H200 its dynamic session took 2.7 ms against 1.8 ms static).
 BUCKET_COMPONENTS: frozenset[str] = frozenset({"text_encoder", "unet", "vae_decoder"})
+#: Components whose specialised sessions are primed off the caller's thread (:meth:`OrtEngine.prime`, see
+#: :attr:`BucketTimings.prime_s`). The VAE decoder: it runs once per image, on the session asked for at the call's
+#: start (:meth:`BucketedEngine.expect`), so its first run is on the call's path; primed, that run took 0.03-0.07 s
+#: against 0.39-1.24 s (H200, SD-1.5 fp16, dynamic artifact at 768x768 / 640x384, cuDNN HEURISTIC, 2026-12-03,
+#: ``h200-2026-12-03-s14-bench-dyn-sizes*.json``). Not the UNet: its first static run stayed 0.85-0.89 s primed
+#: (0.90-0.93 s not), and priming it beside the first call's dynamic runs took that call from 3.2 to 7.0 s over warm.
+PRIMED_COMPONENTS: frozenset[str] = frozenset({"vae_decoder"})
 #: Specialised sessions per component when no size list is given (``"auto"``): each holds a copy of the weights.
 AUTO_MAX_SHAPES = 4
 _SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
@@ -267,6 +274,8 @@ class BucketedEngine(EngineBase):
         buckets: which shapes get specialised, and whether in the background (:attr:`SizeBuckets.background`).
         latent_sizes: the listed sizes as latent ``(h, w)`` (pixels / the VAE scale factor); ``None`` = any.
         preload: symbol values to specialise while entering (e.g. ``{"B2": 2, "h": 64, "w": 64}``).
+        prime: prime each specialised session made while entering or on the worker thread (see
+            :data:`PRIMED_COMPONENTS`).
 
     **Outputs alias the running engine's buffers (as OrtEngine's): overwritten by that engine's next run.**
     """
@@ -280,6 +289,7 @@ class BucketedEngine(EngineBase):
         buckets: SizeBuckets,
         latent_sizes: frozenset[tuple[int, int]] | None,
         preload: Iterable[Mapping[str, int]] = (),
+        prime: bool = False,
     ) -> None:
         self._name = spec.name
         self._spec = spec
@@ -289,6 +299,7 @@ class BucketedEngine(EngineBase):
         self._buckets = buckets
         self._latent_sizes = latent_sizes
         self._preload = [dict(p) for p in preload]
+        self._prime = bool(prime)
         self._dynamic: Any = None
         self._static: dict[tuple[tuple[str, int], ...], Any] = {}
         #: background mode: the worker thread, the sessions it is opening (None: the dynamic one), the shapes it failed
@@ -380,7 +391,7 @@ class BucketedEngine(EngineBase):
     def _open(self) -> None:
         for key in map(_key, self._preload):
             if self._wants(key):
-                self._specialise(key, prime=True)  # while loading: the first call is left the capture
+                self._specialise(key, prime=self._prime)  # while loading: off the first call
         if self._buckets.background and self._dynamic is None:
             self._submit(None, lambda: self._timed_open(None))
 
@@ -486,7 +497,7 @@ class BucketedEngine(EngineBase):
         if not self._buckets.background:
             return self._specialise(key)
         if key not in self._pending:
-            self._submit(key, lambda: self._timed_open(key, prime=True))
+            self._submit(key, lambda: self._timed_open(key, prime=self._prime))
             logger.info("%s: new shape %s runs on the dynamic session while its static one is made",
                         self._name, _describe(key))
         return None
@@ -588,6 +599,6 @@ def bucket_engines(
 
         out[name] = BucketedEngine(
             engine.spec, make, device=engine.device, buckets=buckets, latent_sizes=latent,
-            preload=preload_symbols(name, engine.spec, buckets, profile, scale),
+            preload=preload_symbols(name, engine.spec, buckets, profile, scale), prime=name in PRIMED_COMPONENTS,
         )
     return out
