@@ -35,7 +35,8 @@ rounding (the same graph with fixed dimensions, but other kernels: 7.5e-7 apart 
 tiny arch), so ``deterministic=True`` turns background specialisation off: every call at a shape then runs on one
 session. The cost: the dynamic session's copy of the
 weights stays on the device. Measured on the H200 (same benchmark): 4.19 / 6.68 / 4.75 s over warm at 512x512 /
-768x768 / 640x384, from 8.08 / 10.82 / 7.65 s; the static sessions were ready within that first call.
+768x768 / 640x384, from 8.08 / 10.82 / 7.65 s; the static sessions were ready within that first call. With the VAE's
+fused Conv bias gone and its new sessions primed (:data:`PRIMED_COMPONENTS`), 3.18 / 1.07 / 1.14 s (2026-12-03).
 
 The runtime never imports ``passes/``: this module uses only onnxruntime through :class:`OrtEngine`.
 """
