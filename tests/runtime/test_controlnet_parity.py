@@ -347,3 +347,19 @@ def test_controlnet_benchmark_runs_on_the_tiny_arch(controlnet_artifact: Path, t
     assert {r["system"] for r in skipped} == {"diffusers_cuda_graph"}
     parity = {r["controlnets"]: r["max_abs_vs_diffusers_eager"] for r in out["results"] if r["system"] == "parity"}
     assert set(parity) == {0, 1, 2} and max(parity.values()) <= 1e-5  # CPU fp32: the parity tests' bound
+
+
+def test_controlnet_flops_counts_the_down_and_mid_blocks_share_of_the_unet() -> None:
+    """benchmarks/controlnet_flops.py on the meta device (no arithmetic): a ControlNet of the SD-1.5 architecture is
+    35.3 % of its UNet's step (the down and mid blocks and the condition embedding, 5.2 % of it), the share issue 25's
+    35 % goal is set against."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "controlnet_flops.py"
+    spec = importlib.util.spec_from_file_location("controlnet_flops", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    row = module.count("sd15", 2)
+    assert row["latent"] == [64, 64]
+    assert round(row["unet_tflop"], 3) == 1.607 and round(row["controlnet_share_of_unet"], 3) == 0.353
+    assert round(row["cond_embedding_share_of_controlnet"], 3) == 0.052
