@@ -14,11 +14,14 @@
 #                                                       them (default "base refit merged cn", ~6 min on the H200):
 #                                                       base (peak RSS per stage: compile_memory.py), refit
 #                                                       (--refittable), merged (--lora a), cn (--controlnet a,b),
-#                                                       b4 (static b4, compile_memory.py), dyn (256..1024, b1..4)
+#                                                       b4 (static b4, compile_memory.py), dyn (256..1024, b1..4),
+#                                                       cnlite (unet, unet_controlnet, controlnet_a only)
 #   bash benchmarks/gpu_cold_start.sh bench-b4 OUT     bench of the b4 artifact (batch 4, 50 steps)
 #   bash benchmarks/gpu_cold_start.sh dyn-sizes OUT    bench of the dyn artifact at 512x512, 768x768, 640x384
 #                                                       (--size-buckets auto, HEURISTIC): first call per new size
 #   bash benchmarks/gpu_cold_start.sh dyn-sizes-noprime OUT   the same with the specialised sessions not primed
+#   bash benchmarks/gpu_cold_start.sh cn-profile OUT   kernel profile of unet, unet_controlnet and controlnet_a
+#                                                       (ARTS=cnlite prep: those three components only, ~3 min)
 #   bash benchmarks/gpu_cold_start.sh bytecode OUT     compile $SITE's bytecode (pip does at install; the wheel
 #                                                       installer here uses --no-compile), then `import diffusers`'
 #                                                       -X importtime, twice, in fresh processes
@@ -54,7 +57,7 @@ W=/tmp/lora-switch
 models() {
     mkdir -p $W /tmp/cs
     log dummy; $D dummy-pipeline --arch sd15 --seed 0 --overwrite $W/model-sd15 > "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
-    case " ${ARTS:-cn} " in *" cn "*)  # ControlNets and LoRAs only for the artifacts that use them
+    case " ${ARTS:-cn} " in *" cn "*|*" cnlite "*)  # ControlNets and LoRAs only for the artifacts that use them
       $D dummy-controlnet --arch sd15 --seed 0 --overwrite /tmp/cs/cn-a >> "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
       $D dummy-controlnet --arch sd15 --seed 1 --overwrite /tmp/cs/cn-b >> "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log" ;;
     esac
@@ -77,6 +80,8 @@ compiles() {  # ARTS: which of base refit merged cn b4 dyn (default: the first f
                 > /tmp/cs/c-merged.log 2>&1 & ;;
       cn) $D compile $W/model-sd15 -o /tmp/cs/art-cn $base --controlnet a=/tmp/cs/cn-a --controlnet b=/tmp/cs/cn-b \
             > /tmp/cs/c-cn.log 2>&1 & ;;
+      cnlite) $D compile $W/model-sd15 -o /tmp/cs/art-cnlite $common $(static 512 1) --controlnet a=/tmp/cs/cn-a \
+                --components unet,unet_controlnet,controlnet_a > /tmp/cs/c-cnlite.log 2>&1 & ;;
       b4) $py benchmarks/compile_memory.py --json "$out/compile_memory_b4.json" -- compile $W/model-sd15 \
             -o /tmp/cs/art_b4 $common $(static 512 4) > /tmp/cs/c-b4.log 2>&1 & ;;
       dyn) $D compile $W/model-sd15 -o /tmp/cs/art-dyn $common --height 512 --width 512 --min-height 256 \
@@ -135,6 +140,11 @@ case $phase in
     timeout ${DYN_TIMEOUT:-200} $D bench /tmp/cs/art-dyn --baseline none --steps 30 --sizes 512x512,768x768,640x384 \
       --size-buckets auto --cudnn-algo-search heuristic --json "$out/bench_dyn_sizes.json" 2>&1 \
       | grep -v -E "it/s|stage/s" | tail -30 ;;
+  cn-profile)  # where a ControlNet step's GPU time goes, next to the UNet's (issue 25): ARTS=cnlite prep first
+    log "kernel profile: unet, unet_controlnet, controlnet_a"
+    timeout ${PROFILE_TIMEOUT:-200} $py benchmarks/profile_kernels.py /tmp/cs/art-cnlite --component unet \
+      --component unet_controlnet --component controlnet_a --iters 5 --top 15 --json "$out/cn_profile.json" 2>&1 \
+      | tail -60 ;;
   dyn-sizes-noprime)  # the same bench with OrtEngine.prime turned off: the run before the priming, side by side
     log "dynamic artifact at new sizes, sessions not primed"
     timeout ${DYN_TIMEOUT:-200} $py -c "

@@ -43,6 +43,25 @@ def test_ort_cuda_graph_replays_new_inputs(add_path: Path, own_stream: bool) -> 
         assert engine.cuda_graph, engine.cuda_graph_reason
 
 
+@pytest.mark.parametrize("own_stream", [False, True])
+def test_prime_leaves_the_capture_to_the_engines_own_runs(add_path: Path, own_stream: bool) -> None:
+    """OrtEngine.prime in CUDA-graph mode runs outside the graph (gpu_graph_id=-1): the engine's own runs after it
+    still run, capture and replay their own inputs, on this thread or after a prime on another one."""
+    import threading
+
+    stream = torch.cuda.Stream() if own_stream else None
+    with OrtEngine(add_path, STATIC_SPEC, name="unet", device="cuda", stream=stream, cuda_graph=True) as engine:
+        worker = threading.Thread(target=engine.prime)  # as the size buckets' worker thread primes a new session
+        worker.start()
+        worker.join()
+        assert engine.prime() is True
+        for seed in range(4):
+            f = feeds(b=2, h=8, w=8, seed=seed)
+            out = engine.run({k: v.cuda() for k, v in f.items()})["y"].clone()
+            torch.testing.assert_close(out.cpu(), expected(f))
+        assert engine.cuda_graph, engine.cuda_graph_reason
+
+
 @pytest.fixture(scope="module")
 def static_artifact(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny pipeline compiled for CUDA fp32 with a static profile: 64x64, batch 2 (CFG batch 4)."""
