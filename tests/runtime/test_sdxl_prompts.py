@@ -206,6 +206,20 @@ def test_bad_sdxl_prompt_embeds(pipe, kwargs: dict, message: str) -> None:
              progress=False)
 
 
+@pytest.mark.parametrize("name", ["pooled_prompt_embeds", "negative_pooled_prompt_embeds"])
+def test_sdxl_pooled_embeds_holding_nan_are_refused(pipe, name: str) -> None:
+    """NaN/Inf in a pooled embedding gave a black image and a warning after the run: refused, naming it."""
+    from diffusion_trt.errors import RuntimeInputError
+
+    unet = pipe.engine("unet").spec
+    e = torch.zeros(1, 77, unet.input("encoder_hidden_states").shape[2])
+    pooled = torch.zeros(1, unet.input("text_embeds").shape[1])
+    kwargs = {"prompt_embeds": e, "pooled_prompt_embeds": pooled, "negative_prompt_embeds": e,
+              "negative_pooled_prompt_embeds": pooled, name: pooled.index_fill(1, torch.tensor([0]), float("nan"))}
+    with pytest.raises(RuntimeInputError, match=rf"^{name} contains NaN/Inf values \(1 of \d+\); pass finite"):
+        pipe(**kwargs, num_inference_steps=1, progress=False)
+
+
 def test_pooled_prompt_embeds_are_sdxl_only(tiny_artifact: Path) -> None:
     from diffusion_trt.errors import RuntimeInputError
 
