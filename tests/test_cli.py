@@ -302,6 +302,32 @@ def test_click_usage_errors_are_one_error_line(tiny_artifact: Path, args: list[s
     assert out.splitlines()[0].startswith(message) and out.splitlines()[1:] == [f"try 'main{command} --help'"], out
 
 
+@pytest.mark.parametrize(
+    ("args", "option", "value", "fix"),
+    [
+        (["compile", "MODEL", "-o", "OUT"], "--min-cosine", "nan", " (0<=x<=1), e.g. 0.98 (the default)"),
+        (["compile", "MODEL", "-o", "OUT"], "--min-psnr", "-inf", ", e.g. 20 (the default)"),
+        (["compile", "MODEL", "-o", "OUT"], "--smooth-quant-alpha", "nan", " (0<=x<=1)"),
+        (["compile", "MODEL", "-o", "OUT"], "--cache-max-gb", "inf", " (x>0), e.g. 20 (the default)"),
+        (["compile", "MODEL", "-o", "OUT"], "--lock-timeout", "1e400", " (x>=0), e.g. 0 (the default)"),
+        (["run", "ART", "-p", "x", "-o", "OUT.png"], "--control-guidance-start", "nan", ", e.g. 0 (the default)"),
+        (["run", "ART", "-p", "x", "-o", "OUT.png"], "--control-guidance-end", "inf", ", e.g. 1 (the default)"),
+        (["export-triton", "ART", "OUT"], "--queue-timeout-s", "nan", " (x>=0), e.g. 60 (the default)"),
+        (["serve", "ART"], "--max-queue-delay-ms", "inf", " (x>=0), e.g. 10 (the default)"),
+    ],
+)
+def test_float_options_refuse_nan_and_inf(tiny_pipeline_dir: Path, tiny_artifact: Path, tmp_path: Path,
+                                          args: list[str], option: str, value: str, fix: str) -> None:
+    """click's float takes nan and inf, and NaN passes every FloatRange bound: `compile --min-cosine nan` wrote an
+    artifact whose manifest is not JSON (exit 3), --cache-max-gb nan ended in a traceback. One error line, exit 2."""
+    where = {"MODEL": str(tiny_pipeline_dir), "ART": str(tiny_artifact), "OUT": str(tmp_path / "out")}
+    code, out = _invoke(*[where.get(a, a.replace("OUT", where["OUT"])) for a in args], option, value)
+    assert code == 2, out
+    assert out.splitlines()[0] == (f"error: Invalid value for '{option}': '{value}' is not a finite number; use a "
+                                   f"finite one{fix}"), out
+    assert "Traceback" not in out and not list(tmp_path.iterdir())
+
+
 def test_click_usage_error_in_a_real_process() -> None:
     exe = Path(sys.executable).parent / "diffusion-trt"
     proc = subprocess.run([str(exe), "run", "nowhere"], capture_output=True, text=True, timeout=300)
