@@ -719,17 +719,25 @@ def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float, out_di
     return CompileCache(root, max_bytes=int(max_gb * (1 << 30)))
 
 
-def _refuse_inside_artifact(folder: Path, out_dir: Path, what: str, flag: str) -> None:
-    """Refuse a folder of ours (the compile cache, the pass dumps) that is or lies inside the artifact folder: it
-    would be sealed in (verify fails) or, with --overwrite, deleted with the old artifact.
+def _refuse_inside_artifact(folder: Path, out_dir: Path, what: str, flag: str,
+                            why: str = "is sealed and replaced whole; choose a folder outside it") -> None:
+    """Refuse a path of ours that is or lies inside the artifact folder: a folder compile writes (the compile cache,
+    the pass dumps) would be sealed in (verify fails) or, with --overwrite, deleted with the old artifact; a file
+    run or bench writes (``-o``, ``--json``, ``--plot``) would be one the sealed manifest does not list (``why``).
 
     Raises:
-        click.BadParameter: naming both folders.
+        click.BadParameter: naming the path and the artifact folder.
     """
-    f, o = folder.expanduser().resolve(), out_dir.resolve()
+    f, o = folder.expanduser().resolve(), out_dir.expanduser().resolve()
     if f == o or o in f.parents:
-        raise click.BadParameter(f"the {what} {folder} lies inside the artifact folder {out_dir}, which is sealed and "
-                                 "replaced whole; choose a folder outside it", param_hint=flag)
+        named = str(out_dir) if out_dir.is_absolute() else f"{out_dir} ({o})"
+        raise click.BadParameter(f"the {what} {folder} lies inside the artifact folder {named}, which {why}",
+                                 param_hint=flag)
+
+
+#: ``why`` of :func:`_refuse_inside_artifact` for a file run or bench writes.
+_SEALED_FILE = ("is sealed: its manifest lists every file, and verify reports any other; write it outside the "
+                "artifact folder")
 
 
 def _parse_pass_options(items: tuple[str, ...]) -> dict[str, Any]:
@@ -1231,6 +1239,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
     if control and devices is not None:
         raise click.UsageError("--controlnet runs on one device; drop --devices (or use --device cuda)")
     mask = _read_image(mask_path, "--mask", "L", max_hw) if mask_path is not None else None
+    _refuse_inside_artifact(out, artifact_dir, "output file", "-o", _SEALED_FILE)
     _refuse_missing_folder(out, "-o")  # as PIL's image.save and diffusers: a typo'd folder is not made silently
     _check_writable_file(out, "-o", ".png")  # before minutes of denoising, not after
     if not overwrite:
@@ -1610,6 +1619,7 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
     _warn_vram_budget_on_cpu(vram_budget, "cuda" if devices is not None else device, artifact_dir)
     for path, flag, example in ((json_path, "--json", "bench.json"), (plot_path, "--plot", "bench.png")):
         if path is not None:
+            _refuse_inside_artifact(path, artifact_dir, "output file", flag, _SEALED_FILE)
             _check_output_file(path, flag, example)  # before the benchmark, not after
     device_list = _parse_devices(devices, device)
     config = BenchConfig(

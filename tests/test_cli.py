@@ -487,6 +487,40 @@ def test_run_checks_output_path_before_work(tiny_artifact: Path, tmp_path: Path)
     assert code == 2 and "the folder /proc/nope does not exist" in out
 
 
+@pytest.mark.parametrize(("command", "flag", "inside"),
+                         [("run", "-o", "x.png"), ("run", "-o", "unet/x.png"), ("bench", "--json", "b.json"),
+                          ("bench", "--plot", "vae_decoder/b.png")])
+def test_outputs_inside_the_artifact_folder_are_refused(tiny_artifact: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch, command: str, flag: str,
+                                                        inside: str) -> None:
+    """`run -o ART/x.png` wrote the image into the artifact: a file its sealed manifest does not list, which verify
+    then reports. Refused before the load, naming the path and the folder."""
+    from diffusion_trt.runtime import EnginePipeline
+
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    before = sorted(p.relative_to(art) for p in art.rglob("*"))
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    rest = ["-p", "x", "--steps", "1"] if command == "run" else ["--steps", "1", "--iters", "1", "--baseline", "none"]
+    code, out = _invoke(command, art, *rest, flag, art / inside)
+    assert code == 2, out
+    assert out.splitlines()[0] == (f"error: Invalid value for {flag}: the output file {art / inside} lies inside the "
+                                   f"artifact folder {art}, which is sealed: its manifest lists every file, and "
+                                   "verify reports any other; write it outside the artifact folder"), out
+    assert sorted(p.relative_to(art) for p in art.rglob("*")) == before
+
+
+def test_run_output_inside_the_artifact_folder_is_refused_through_a_relative_path(
+        tiny_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cd ART && diffusion-trt run . -p x` (the default -o out.png): the message names the folder it resolved to."""
+    monkeypatch.chdir(tiny_artifact)
+    code, out = _invoke("run", ".", "-p", "x")
+    assert code == 2, out
+    assert out.splitlines()[0].startswith(f"error: Invalid value for -o: the output file out.png lies inside the "
+                                          f"artifact folder . ({tiny_artifact.resolve()}), which is sealed"), out
+    assert not (tiny_artifact / "out.png").exists()
+
+
 def test_run_output_folder_that_takes_no_file_is_refused_before_any_engine_opens(
         tiny_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`run -o` checked its folder with os.access, which root passes everywhere (an NFS root_squash mount, /proc):
