@@ -172,11 +172,13 @@ def test_run_batch_beyond_host_memory_is_refused_up_front(tiny_artifact: Path, t
                              r"\(engine profile allows 32\.\.128\)"),
         (["--width", "256"], r"--width 256 is outside the engine profile 32\.\.128; .* --min-width/--max-width"),
         (["--guidance", "nan"], r"--guidance nan must be a finite number >= 0; use e\.g\. 7\.5 .*"),
+        (["--guidance", "1e39"], r"--guidance 1e\+39 is beyond float32 \(at most 3\.403e\+38\): on the engines' "
+                                 r"tensors it is inf; use e\.g\. 7\.5 .*"),
         (["--batch-size", "0"], r"--batch-size 0 must be an integer >= 1; use 1 or more"),
         (["--batch-size", "100000000"], r"batch = 1 prompt\(s\) x --batch-size 100000000 = 100000000 "
                                         r"images at 64x64 \(WxH\) needs at least .* is available; .*"),
     ],
-    ids=["height-60", "width-256", "guidance-nan", "batch-0", "batch-10**8"],
+    ids=["height-60", "width-256", "guidance-nan", "guidance-1e39", "batch-0", "batch-10**8"],
 )
 def test_run_refuses_what_the_artifact_cannot_honour_before_any_engine_opens(
         tiny_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], line: str) -> None:

@@ -151,6 +151,9 @@ def test_size_outside_profile(toy_pipe: EnginePipeline, kw: str, value: int) -> 
         ({"num_inference_steps": 2.5}, "num_inference_steps=2.5"),
         ({"guidance_scale": -1.0}, "guidance_scale=-1.0 must be a finite number >= 0"),
         ({"guidance_scale": float("nan")}, "guidance_scale=nan"),
+        ({"guidance_scale": 1e39}, "guidance_scale=1e+39 is beyond float32 (at most 3.403e+38): on the engines' "
+                                   "tensors it is inf; use e.g. 7.5"),
+        ({"eta": 10**40}, "eta=10000000000000000000000000000000000000000 is beyond float32"),
         ({"num_images_per_prompt": 0}, "num_images_per_prompt=0 must be an integer >= 1"),
         ({"eta": -0.5}, "eta=-0.5"),
         ({"output_type": "jpg"}, "output_type='jpg' is unknown; use one of pil, np, pt, latent"),
