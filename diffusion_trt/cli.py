@@ -13,6 +13,7 @@ import errno
 import functools
 import json
 import logging
+import math
 import re
 import shlex
 import signal
@@ -38,6 +39,26 @@ SCHEDULER_HELP = (f"Scheduler, one of {', '.join(scheduler_names())} (lms needs 
 
 #: Seeds: what torch.Generator.manual_seed takes without overflow (as the runtime checks).
 SEED = click.IntRange(0, MAX_SEED)
+
+
+class FiniteFloat(click.FloatRange):
+    """A float option that must be a finite number, with optional bounds (as :class:`click.FloatRange`).
+
+    Click's ``float`` takes ``nan`` and ``inf``, and NaN passes every bound of a FloatRange (each comparison is
+    false): ``compile --min-cosine nan`` wrote an artifact whose manifest is not JSON. Here they fail as any bad value
+    does: one ``error:`` line naming the option and the fix (its default where it has one), exit 2.
+    """
+
+    name = "finite float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            bounds = f" ({self._describe_range()})" if self.min is not None or self.max is not None else ""
+            default = getattr(param, "default", None)
+            example = f", e.g. {default:g} (the default)" if isinstance(default, int | float) else ""
+            self.fail(f"{value!r} is not a finite number; use a finite one{bounds}{example}", param, ctx)
+        return super().convert(number, param, ctx)
 
 
 def _run_default(name: str) -> Any:
@@ -534,11 +555,11 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
 @click.option("--quantize-exclude", default=None,
               help="int8/fp8: comma-separated categories and/or node names left unquantized, 'none' for none "
                    "[default: first_conv,last_conv,time_embedding,attention_scores,softmax,normalization].")
-@click.option("--smooth-quant-alpha", type=click.FloatRange(0, 1), default=None,
+@click.option("--smooth-quant-alpha", type=FiniteFloat(0, 1), default=None,
               help="int8/fp8: SmoothQuant with this alpha (needs neural-compressor) [default: off].")
-@click.option("--min-cosine", type=click.FloatRange(min=0, max=1), default=0.98, show_default=True,
+@click.option("--min-cosine", type=FiniteFloat(min=0, max=1), default=0.98, show_default=True,
               help="Quality gate: worst per-step cosine similarity of the quantized UNet vs fp32.")
-@click.option("--min-psnr", type=float, default=20.0, show_default=True,
+@click.option("--min-psnr", type=FiniteFloat(), default=20.0, show_default=True,
               help="Quality gate: worst final-image PSNR (dB) vs fp32 on held-out prompts.")
 @click.option("--accept-quality-loss", is_flag=True, help="Write a quantized artifact even below the quality gate.")
 @click.option("--target-compute-capability", default=None,
@@ -594,7 +615,7 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
 @click.option("--timing-cache", type=click.Path(file_okay=False), default="~/.cache/diffusion-trt/timing-cache",
               show_default=True, help="TensorRT: folder of timing caches reused across builds.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact (only once the new one is complete).")
-@click.option("--lock-timeout", type=click.FloatRange(min=0), default=0, show_default=True,
+@click.option("--lock-timeout", type=FiniteFloat(min=0), default=0, show_default=True,
               help="Seconds to wait while another compile writes the same folder (0 = fail at once).")
 @click.option("--snap", is_flag=True, help="Snap image sizes that are not multiples of 8 to the nearest one (logged).")
 @click.option("--prediction-type", type=click.Choice(["auto", "epsilon", "v_prediction"]), default="auto",
@@ -606,7 +627,7 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Compile cache folder [default: $DIFFUSION_TRT_CACHE, else $XDG_CACHE_HOME/diffusion-trt/compile, "
                    "else ~/.cache/diffusion-trt/compile].")
-@click.option("--cache-max-gb", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
+@click.option("--cache-max-gb", type=FiniteFloat(min=0, min_open=True), default=20.0, show_default=True,
               help="Size bound of the compile cache; least recently used artifacts are evicted beyond it.")
 @_handle_errors
 def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bool, lock_timeout: float,
@@ -698,17 +719,25 @@ def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float, out_di
     return CompileCache(root, max_bytes=int(max_gb * (1 << 30)))
 
 
-def _refuse_inside_artifact(folder: Path, out_dir: Path, what: str, flag: str) -> None:
-    """Refuse a folder of ours (the compile cache, the pass dumps) that is or lies inside the artifact folder: it
-    would be sealed in (verify fails) or, with --overwrite, deleted with the old artifact.
+def _refuse_inside_artifact(folder: Path, out_dir: Path, what: str, flag: str,
+                            why: str = "is sealed and replaced whole; choose a folder outside it") -> None:
+    """Refuse a path of ours that is or lies inside the artifact folder: a folder compile writes (the compile cache,
+    the pass dumps) would be sealed in (verify fails) or, with --overwrite, deleted with the old artifact; a file
+    run or bench writes (``-o``, ``--json``, ``--plot``) would be one the sealed manifest does not list (``why``).
 
     Raises:
-        click.BadParameter: naming both folders.
+        click.BadParameter: naming the path and the artifact folder.
     """
-    f, o = folder.expanduser().resolve(), out_dir.resolve()
+    f, o = folder.expanduser().resolve(), out_dir.expanduser().resolve()
     if f == o or o in f.parents:
-        raise click.BadParameter(f"the {what} {folder} lies inside the artifact folder {out_dir}, which is sealed and "
-                                 "replaced whole; choose a folder outside it", param_hint=flag)
+        named = str(out_dir) if out_dir.is_absolute() else f"{out_dir} ({o})"
+        raise click.BadParameter(f"the {what} {folder} lies inside the artifact folder {named}, which {why}",
+                                 param_hint=flag)
+
+
+#: ``why`` of :func:`_refuse_inside_artifact` for a file run or bench writes.
+_SEALED_FILE = ("is sealed: its manifest lists every file, and verify reports any other; write it outside the "
+                "artifact folder")
 
 
 def _parse_pass_options(items: tuple[str, ...]) -> dict[str, Any]:
@@ -1128,9 +1157,9 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
               help="The control image of each --controlnet, of the output size (RGB; never resized).")
 @click.option("--control-preprocess", type=click.Choice(["none", "canny"]), default="none", show_default=True,
               help="canny: make each control image a Canny edge map first (OpenCV: pip install -e '.[control]').")
-@click.option("--control-guidance-start", type=float, default=0.0, show_default=True,
+@click.option("--control-guidance-start", type=FiniteFloat(), default=0.0, show_default=True,
               help="Fraction of the steps before the ControlNets act.")
-@click.option("--control-guidance-end", type=float, default=1.0, show_default=True,
+@click.option("--control-guidance-end", type=FiniteFloat(), default=1.0, show_default=True,
               help="Fraction of the steps after which the ControlNets stop.")
 @click.option("--guess-mode", is_flag=True, help="diffusers' guess mode (ControlNets on the conditional rows only).")
 @_runtime_options("run")
@@ -1210,6 +1239,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
     if control and devices is not None:
         raise click.UsageError("--controlnet runs on one device; drop --devices (or use --device cuda)")
     mask = _read_image(mask_path, "--mask", "L", max_hw) if mask_path is not None else None
+    _refuse_inside_artifact(out, artifact_dir, "output file", "-o", _SEALED_FILE)
     _refuse_missing_folder(out, "-o")  # as PIL's image.save and diffusers: a typo'd folder is not made silently
     _check_writable_file(out, "-o", ".png")  # before minutes of denoising, not after
     if not overwrite:
@@ -1589,6 +1619,7 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
     _warn_vram_budget_on_cpu(vram_budget, "cuda" if devices is not None else device, artifact_dir)
     for path, flag, example in ((json_path, "--json", "bench.json"), (plot_path, "--plot", "bench.png")):
         if path is not None:
+            _refuse_inside_artifact(path, artifact_dir, "output file", flag, _SEALED_FILE)
             _check_output_file(path, flag, example)  # before the benchmark, not after
     device_list = _parse_devices(devices, device)
     config = BenchConfig(
@@ -1618,7 +1649,7 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
               help="Dynamic-batching delay of the engine models.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests waiting for the pipeline model at most; more get 503 / UNAVAILABLE at once.")
-@click.option("--queue-timeout-s", type=click.FloatRange(min=0), default=60, show_default=True,
+@click.option("--queue-timeout-s", type=FiniteFloat(min=0), default=60, show_default=True,
               help="A request that waited this long is dropped unrun (503 / UNAVAILABLE); a client may set its own "
                    "with the request's 'timeout' parameter; 0 = no limit.")
 @click.option("--overwrite", is_flag=True, help="Replace models of the same names in REPO_DIR.")
@@ -1655,12 +1686,12 @@ def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances
 @click.option("--grpc-port", type=click.IntRange(1, 65535), default=None, help="KServe v2 gRPC port [default: port+1].")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Images per engine call (capped by the artifact's batch profile).")
-@click.option("--max-queue-delay-ms", type=click.FloatRange(min=0), default=10, show_default=True,
+@click.option("--max-queue-delay-ms", type=FiniteFloat(min=0), default=10, show_default=True,
               help="How long a request waits for batch-mates.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=100, show_default=True, help="Largest steps accepted.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests waiting in Triton's queue at most; more get 503 / UNAVAILABLE at once.")
-@click.option("--queue-timeout-s", type=click.FloatRange(min=0), default=60, show_default=True,
+@click.option("--queue-timeout-s", type=FiniteFloat(min=0), default=60, show_default=True,
               help="A request that waited this long is dropped unrun (503 / UNAVAILABLE); a client may set its own "
                    "with the request's 'timeout' parameter (microseconds); 0 = no limit.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")

@@ -172,11 +172,13 @@ def test_run_batch_beyond_host_memory_is_refused_up_front(tiny_artifact: Path, t
                              r"\(engine profile allows 32\.\.128\)"),
         (["--width", "256"], r"--width 256 is outside the engine profile 32\.\.128; .* --min-width/--max-width"),
         (["--guidance", "nan"], r"--guidance nan must be a finite number >= 0; use e\.g\. 7\.5 .*"),
+        (["--guidance", "1e39"], r"--guidance 1e\+39 is beyond float32 \(at most 3\.403e\+38\): on the engines' "
+                                 r"tensors it is inf; use e\.g\. 7\.5 .*"),
         (["--batch-size", "0"], r"--batch-size 0 must be an integer >= 1; use 1 or more"),
         (["--batch-size", "100000000"], r"batch = 1 prompt\(s\) x --batch-size 100000000 = 100000000 "
                                         r"images at 64x64 \(WxH\) needs at least .* is available; .*"),
     ],
-    ids=["height-60", "width-256", "guidance-nan", "batch-0", "batch-10**8"],
+    ids=["height-60", "width-256", "guidance-nan", "guidance-1e39", "batch-0", "batch-10**8"],
 )
 def test_run_refuses_what_the_artifact_cannot_honour_before_any_engine_opens(
         tiny_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], line: str) -> None:
@@ -300,6 +302,32 @@ def test_click_usage_errors_are_one_error_line(tiny_artifact: Path, args: list[s
     command = f" {args[0]}" if args[0] in ("run", "verify", "compile") else ""
     assert code == 2, out
     assert out.splitlines()[0].startswith(message) and out.splitlines()[1:] == [f"try 'main{command} --help'"], out
+
+
+@pytest.mark.parametrize(
+    ("args", "option", "value", "fix"),
+    [
+        (["compile", "MODEL", "-o", "OUT"], "--min-cosine", "nan", " (0<=x<=1), e.g. 0.98 (the default)"),
+        (["compile", "MODEL", "-o", "OUT"], "--min-psnr", "-inf", ", e.g. 20 (the default)"),
+        (["compile", "MODEL", "-o", "OUT"], "--smooth-quant-alpha", "nan", " (0<=x<=1)"),
+        (["compile", "MODEL", "-o", "OUT"], "--cache-max-gb", "inf", " (x>0), e.g. 20 (the default)"),
+        (["compile", "MODEL", "-o", "OUT"], "--lock-timeout", "1e400", " (x>=0), e.g. 0 (the default)"),
+        (["run", "ART", "-p", "x", "-o", "OUT.png"], "--control-guidance-start", "nan", ", e.g. 0 (the default)"),
+        (["run", "ART", "-p", "x", "-o", "OUT.png"], "--control-guidance-end", "inf", ", e.g. 1 (the default)"),
+        (["export-triton", "ART", "OUT"], "--queue-timeout-s", "nan", " (x>=0), e.g. 60 (the default)"),
+        (["serve", "ART"], "--max-queue-delay-ms", "inf", " (x>=0), e.g. 10 (the default)"),
+    ],
+)
+def test_float_options_refuse_nan_and_inf(tiny_pipeline_dir: Path, tiny_artifact: Path, tmp_path: Path,
+                                          args: list[str], option: str, value: str, fix: str) -> None:
+    """click's float takes nan and inf, and NaN passes every FloatRange bound: `compile --min-cosine nan` wrote an
+    artifact whose manifest is not JSON (exit 3), --cache-max-gb nan ended in a traceback. One error line, exit 2."""
+    where = {"MODEL": str(tiny_pipeline_dir), "ART": str(tiny_artifact), "OUT": str(tmp_path / "out")}
+    code, out = _invoke(*[where.get(a, a.replace("OUT", where["OUT"])) for a in args], option, value)
+    assert code == 2, out
+    assert out.splitlines()[0] == (f"error: Invalid value for '{option}': '{value}' is not a finite number; use a "
+                                   f"finite one{fix}"), out
+    assert "Traceback" not in out and not list(tmp_path.iterdir())
 
 
 def test_click_usage_error_in_a_real_process() -> None:
@@ -459,6 +487,40 @@ def test_run_checks_output_path_before_work(tiny_artifact: Path, tmp_path: Path)
     assert code == 2 and "does not end in .png; use e.g. out.png" in out
     code, out = _invoke("run", tiny_artifact, "-p", "x", "-o", "/proc/nope/x.png")
     assert code == 2 and "the folder /proc/nope does not exist" in out
+
+
+@pytest.mark.parametrize(("command", "flag", "inside"),
+                         [("run", "-o", "x.png"), ("run", "-o", "unet/x.png"), ("bench", "--json", "b.json"),
+                          ("bench", "--plot", "vae_decoder/b.png")])
+def test_outputs_inside_the_artifact_folder_are_refused(tiny_artifact: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch, command: str, flag: str,
+                                                        inside: str) -> None:
+    """`run -o ART/x.png` wrote the image into the artifact: a file its sealed manifest does not list, which verify
+    then reports. Refused before the load, naming the path and the folder."""
+    from diffusion_trt.runtime import EnginePipeline
+
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    before = sorted(p.relative_to(art) for p in art.rglob("*"))
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    rest = ["-p", "x", "--steps", "1"] if command == "run" else ["--steps", "1", "--iters", "1", "--baseline", "none"]
+    code, out = _invoke(command, art, *rest, flag, art / inside)
+    assert code == 2, out
+    assert out.splitlines()[0] == (f"error: Invalid value for {flag}: the output file {art / inside} lies inside the "
+                                   f"artifact folder {art}, which is sealed: its manifest lists every file, and "
+                                   "verify reports any other; write it outside the artifact folder"), out
+    assert sorted(p.relative_to(art) for p in art.rglob("*")) == before
+
+
+def test_run_output_inside_the_artifact_folder_is_refused_through_a_relative_path(
+        tiny_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cd ART && diffusion-trt run . -p x` (the default -o out.png): the message names the folder it resolved to."""
+    monkeypatch.chdir(tiny_artifact)
+    code, out = _invoke("run", ".", "-p", "x")
+    assert code == 2, out
+    assert out.splitlines()[0].startswith(f"error: Invalid value for -o: the output file out.png lies inside the "
+                                          f"artifact folder . ({tiny_artifact.resolve()}), which is sealed"), out
+    assert not (tiny_artifact / "out.png").exists()
 
 
 def test_run_output_folder_that_takes_no_file_is_refused_before_any_engine_opens(

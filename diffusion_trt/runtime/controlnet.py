@@ -280,8 +280,15 @@ def _names(controlnet: str | Sequence[str] | None, have: Sequence[str]) -> list[
 
 def _unit(engine: Engine, name: str, image: Any, scale: float, start: float, end: float, height: int, width: int,
           prompts: int) -> ControlUnit:
-    """One checked ControlNet: its image preprocessed as diffusers' control image processor does."""
+    """One checked ControlNet: its image preprocessed as diffusers' control image processor does.
+
+    Raises:
+        RuntimeInputError: the image is not the output's size, there are neither 1 nor ``prompts`` of them, or it
+            holds NaN/Inf (an array or tensor; :func:`~.request.check_finite`).
+    """
     from diffusers.image_processor import VaeImageProcessor
+
+    from .request import check_finite
 
     n, h, w = image_rows_and_size(image, "control_image")
     if (h, w) != (height, width):
@@ -291,5 +298,6 @@ def _unit(engine: Engine, name: str, image: Any, scale: float, start: float, end
         raise RuntimeInputError(f"{n} control images for {name!r} and {prompts} prompt(s); pass one image, or one "
                                 "per prompt")
     tensor = VaeImageProcessor(do_convert_rgb=True, do_normalize=False).preprocess(image, height=h, width=w)
+    check_finite(f"control_image (ControlNet {name!r})", tensor)
     info = engine.spec.input("controlnet_cond")
     return ControlUnit(name, engine, tensor.to(device=engine.device, dtype=info.torch_dtype), scale, start, end)

@@ -27,6 +27,8 @@ from ..errors import RuntimeInputError
 
 ARCHITECTURES: tuple[str, ...] = ("sd", "sdxl")
 MAX_SEED = 2**63 - 1
+#: The largest float32: a float argument beyond it (finite as a Python float) is inf on the engines' tensors.
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -101,8 +103,8 @@ def check_arg(name: str, value: Any) -> Any:
         ``int(value)`` or ``float(value)``.
 
     Raises:
-        RuntimeInputError: not a number of the argument's type (bool is none), not finite, or out of bounds; the
-            message names the value and the fix.
+        RuntimeInputError: not a number of the argument's type (bool is none), not finite (floats: or beyond
+            float32), or out of bounds; the message names the value and the fix.
     """
     arg = GENERATION_ARGS[name]
     if arg.type is int and arg.maximum is not None:
@@ -123,8 +125,12 @@ def positive_int(name: str, value: Any, fix: str) -> int:
 
 
 def non_negative_float(name: str, value: Any, fix: str) -> float:
-    """``value`` as a finite float >= 0; RuntimeInputError naming it and ``fix`` otherwise."""
+    """``value`` as a finite float >= 0 that float32 holds (:data:`FLOAT32_MAX`: ``guidance_scale=1e39`` scales the
+    noise prediction to inf, a black image); RuntimeInputError naming it and ``fix`` otherwise."""
     number = not isinstance(value, bool) and isinstance(value, int | float | np.number)
     if not number or not math.isfinite(value) or value < 0:
         raise RuntimeInputError(f"{name}={value!r} must be a finite number >= 0; {fix}")
+    if value > FLOAT32_MAX:
+        raise RuntimeInputError(f"{name}={value!r} is beyond float32 (at most {FLOAT32_MAX:.4g}): on the engines' "
+                                f"tensors it is inf; {fix}")
     return float(value)

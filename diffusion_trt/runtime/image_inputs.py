@@ -295,12 +295,21 @@ def preprocess_mask(mask_image: Any, height: int, width: int, vae_scale_factor: 
 
 
 def _check_range(name: str, image: Any, lo: float, hi: float, fix: str) -> None:
+    """Refuse an array or tensor image (or mask) holding NaN/Inf (:func:`~.request.check_finite`) or values outside
+    [``lo``, ``hi``], the message ending with ``fix``.
+
+    Raises:
+        RuntimeInputError: naming ``name`` (with the index in a list) and the values.
+    """
+    from .request import check_finite
+
     items = image if isinstance(image, list) else [image]
-    for x in items:
+    for i, x in enumerate(items):
         kind = _kind(x)
         if kind not in ("np", "pt"):
             continue
         a = torch.as_tensor(np.asarray(x)) if kind == "np" else x.detach()
+        check_finite(f"{name}[{i}]" if len(items) > 1 else name, a)
         if a.numel():
             xmin, xmax = float(a.min()), float(a.max())
             if not (math.isfinite(xmin) and math.isfinite(xmax)) or xmin < lo - 1e-3 or xmax > hi + 1e-3:

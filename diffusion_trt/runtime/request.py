@@ -352,7 +352,7 @@ def _check_prompt_embeds(spec: RequestSpec, engines: Mapping[str, Engine], promp
     Raises:
         RuntimeInputError: both or neither of prompt / prompt_embeds; both negative_prompt and
             negative_prompt_embeds; negative_prompt_embeds without prompt_embeds; not a float tensor [P, 77 k, D] the
-            UNet takes; the two of different shapes.
+            UNet takes, or one holding NaN/Inf; the two of different shapes.
     """
     if prompt is not None and prompt_embeds is not None:
         raise RuntimeInputError("pass either prompt= or prompt_embeds=, not both (as diffusers)")
@@ -384,7 +384,7 @@ def _check_pooled(spec: RequestSpec, engines: Mapping[str, Engine], embeds: torc
 
     Raises:
         RuntimeInputError: given for an SD artifact or without their ``*prompt_embeds``; missing with them on
-            SDXL; not a float tensor [P, E] with P the prompt embeddings' rows.
+            SDXL; not a float tensor [P, E] with P the prompt embeddings' rows; holding NaN/Inf (:func:`check_finite`).
     """
     if spec.architecture != "sdxl":
         if pooled is not None or negative_pooled is not None:
@@ -406,11 +406,16 @@ def _check_pooled(spec: RequestSpec, engines: Mapping[str, Engine], embeds: torc
                 got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise RuntimeInputError(f"{name} must be a float torch.Tensor [{rows}, {width}] (prompts, "
                                         f"text_embeds width); got {got}")
+            check_finite(name, value)
     return pooled, negative_pooled
 
 
 def _check_embeds(name: str, value: Any, unet_context: Any) -> None:
-    """A float tensor [P, 77 k, D] inside the UNet's ``encoder_hidden_states`` range (``unet_context``)."""
+    """A finite float tensor [P, 77 k, D] inside the UNet's ``encoder_hidden_states`` range (``unet_context``).
+
+    Raises:
+        RuntimeInputError: not a float tensor, another shape, or NaN/Inf values (:func:`check_finite`).
+    """
     lo, hi, width = int(unet_context.min[1]), int(unet_context.max[1]), int(unet_context.shape[2])
     want = f"a float torch.Tensor [prompts, 77 * k, {width}] with 77 * k in {lo}..{hi}"
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
@@ -420,6 +425,20 @@ def _check_embeds(name: str, value: Any, unet_context: Any) -> None:
     if len(shape) != 3 or shape[0] < 1 or shape[2] != width or not lo <= shape[1] <= hi or shape[1] % lo:
         raise RuntimeInputError(f"{name} has shape {shape}; this artifact takes {want} (longer contexts: compile "
                                 "with a larger --max-prompt-chunks)")
+    check_finite(name, value)
+
+
+def check_finite(name: str, value: torch.Tensor) -> None:
+    """Refuse a tensor the caller passed (``prompt_embeds``, ``latents``...) that holds NaN or Inf: the loop would
+    only warn, after the run, that the images came out black.
+
+    Raises:
+        RuntimeInputError: naming the argument and how many values are not finite.
+    """
+    bad = int((~torch.isfinite(value)).sum())
+    if bad:
+        raise RuntimeInputError(f"{name} contains NaN/Inf values ({bad} of {value.numel()}); pass finite values; "
+                                "check where they were computed (an fp16 overflow, a division by zero)")
 
 
 def _image_conditioning(spec: RequestSpec, engines: Mapping[str, Engine], image: Any, mask_image: Any,
@@ -590,6 +609,11 @@ def _latent_dtype(spec: RequestSpec, engines: Mapping[str, Engine]) -> torch.dty
 
 
 def _check_latents(latents: Any, shape: tuple[int, ...], height: int, width: int, f: int) -> None:
+    """The caller's initial noise: ``None``, or a finite float tensor of ``shape``.
+
+    Raises:
+        RuntimeInputError: not a float tensor, another shape, or NaN/Inf values (:func:`check_finite`).
+    """
     if latents is None:
         return
     if not isinstance(latents, torch.Tensor):
@@ -602,6 +626,7 @@ def _check_latents(latents: Any, shape: tuple[int, ...], height: int, width: int
             f"latents have shape {tuple(latents.shape)}; for batch {shape[0]} at {height}x{width} they must be "
             f"{shape} (batch, channels, height/{f}, width/{f})"
         )
+    check_finite("latents", latents)
 
 
 def check_prompt_weights(name: str, value: Any, syntax: str) -> None:

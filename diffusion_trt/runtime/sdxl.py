@@ -62,31 +62,36 @@ HIDDEN_OUTPUT = "penultimate_hidden_state"
 POOLED_OUTPUT = "text_embeds"
 #: The text encoders' output for ``clip_skip`` c >= 1: [B2, C, 77, D], row c-1 = ``hidden_states[-(c + 2)]``.
 SKIP_OUTPUT = "clip_skip_states"
+#: The largest size or crop coordinate of the micro-conditioning: float32 (the ``time_ids`` tensor) holds every
+#: integer up to 2**24 exactly; beyond, they round, and from about 3.4e38 they are inf (a NaN, black image).
+MAX_TIME_ID = 2**24
 
 
 def add_time_ids(
-    original_size: Sequence[int], crops_coords_top_left: Sequence[int], target_size: Sequence[int]
+    original_size: Sequence[int], crops_coords_top_left: Sequence[int], target_size: Sequence[int], prefix: str = ""
 ) -> torch.Tensor:
     """SDXL's micro-conditioning row: ``original_size + crops_coords_top_left + target_size``.
 
     As diffusers' ``StableDiffusionXLPipeline._get_add_time_ids`` (``list(original_size + crops_coords_top_left +
-    target_size)``); each argument is a (height, width) / (top, left) pair in pixels.
+    target_size)``); each argument is a (height, width) / (top, left) pair in pixels. ``prefix``: "negative_" for
+    the negative row's, as the messages name them.
 
     Returns:
         float32 CPU tensor [6].
 
     Raises:
-        RuntimeInputError: an argument is not a pair of integers (sizes > 0, crop coordinates >= 0).
+        RuntimeInputError: an argument is not a pair of integers (sizes > 0, crop coordinates >= 0, all at most
+            :data:`MAX_TIME_ID`).
     """
     values: list[float] = []
     for name, pair, least in (("original_size", original_size, 1), ("crops_coords_top_left", crops_coords_top_left, 0),
                               ("target_size", target_size, 1)):
         ok = isinstance(pair, Sequence) and not isinstance(pair, str) and len(pair) == 2 and all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= least for v in pair)
+            isinstance(v, int) and not isinstance(v, bool) and least <= v <= MAX_TIME_ID for v in pair)
         if not ok:
             raise RuntimeInputError(
-                f"{name}={pair!r} must be a pair of integers >= {least} (pixels, (height, width) or (top, left)), "
-                "e.g. (1024, 1024) or (0, 0)"
+                f"{prefix}{name}={pair!r} must be a pair of integers >= {least} and <= {MAX_TIME_ID} (pixels, "
+                "(height, width) or (top, left)), e.g. (1024, 1024) or (0, 0)"
             )
         values += [float(v) for v in pair]
     return torch.tensor(values, dtype=torch.float32)
@@ -132,7 +137,8 @@ def sdxl_conditioning(
     time_ids = add_time_ids(original_size or (height, width), crops_coords_top_left, target_size or (height, width))
     negative_time_ids = time_ids
     if negative_original_size is not None and negative_target_size is not None:
-        negative_time_ids = add_time_ids(negative_original_size, negative_crops_coords_top_left, negative_target_size)
+        negative_time_ids = add_time_ids(negative_original_size, negative_crops_coords_top_left, negative_target_size,
+                                         "negative_")
     return SdxlConditioning(text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, prompts_2=prompts_2,
                             negative_prompts_2=negatives_2, zero_negative=zero_negative, time_ids=time_ids,
                             negative_time_ids=negative_time_ids, embeddings_2=embeddings_2)

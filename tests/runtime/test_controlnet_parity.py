@@ -187,6 +187,11 @@ def test_image_is_the_control_image_as_in_diffusers(pipe: EnginePipeline) -> Non
     ({"control_image": _image(0), "controlnet": "a", "controlnet_conditioning_scale": float("inf")}, "not a finite"),
     # finite in float64, beyond float32: it overflowed on the device (a traceback) before
     ({"control_image": _image(0), "controlnet": "a", "controlnet_conditioning_scale": 1e39}, "not a finite"),
+    # NaN/Inf in an array or tensor control image gave a black image and a warning after the run
+    ({"control_image": np.full((64, 64, 3), np.nan, np.float32), "controlnet": "a"},
+     "control_image (ControlNet 'a') contains NaN/Inf values (12288 of 12288); pass finite values"),
+    ({"control_image": [_image(0), torch.zeros(1, 3, 64, 64).index_fill(2, torch.tensor([0]), float("inf"))],
+      "controlnet": ["a", "b"]}, "control_image (ControlNet 'b') contains NaN/Inf values (192 of 12288)"),
     ({"control_image": [_image(0), _image(1), _image(2)], "controlnet": ["a", "b"]},
      "3 control images for 2 ControlNet(s)"),
     ({"control_image": _image(0)}, "this artifact has 2 ControlNets (a, b)"),

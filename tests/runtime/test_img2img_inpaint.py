@@ -232,6 +232,13 @@ BAD_IMG2IMG: list[tuple[str, dict[str, Any], str]] = [
     ("two-masks-three-images", {"image": [_image()] * 3, "mask_image": [_mask()] * 2,
                                 "num_images_per_prompt": 3}, "2 masks for 3 images"),
     ("mask-values", {"image": _image(), "mask_image": np.full((64, 64), 2.0)}, "outside [0, 1]"),
+    # one NaN read as "values in [nan, nan], outside [-1, 1]; scale it to [0, 1]": the fix was not the problem
+    ("image-nan", {"image": torch.zeros(3, 64, 64).index_fill(1, torch.tensor([0]), float("nan"))},
+     "image contains NaN/Inf values (192 of 12288); pass finite values"),
+    ("images-inf", {"image": [_image(), np.full((64, 64, 3), np.inf, np.float32)], "num_images_per_prompt": 2},
+     "image[1] contains NaN/Inf values (12288 of 12288)"),
+    ("mask-nan", {"image": _image(), "mask_image": np.full((64, 64), np.nan, np.float32)},
+     "mask_image contains NaN/Inf values (4096 of 4096)"),
 ]
 
 

@@ -151,6 +151,9 @@ def test_size_outside_profile(toy_pipe: EnginePipeline, kw: str, value: int) -> 
         ({"num_inference_steps": 2.5}, "num_inference_steps=2.5"),
         ({"guidance_scale": -1.0}, "guidance_scale=-1.0 must be a finite number >= 0"),
         ({"guidance_scale": float("nan")}, "guidance_scale=nan"),
+        ({"guidance_scale": 1e39}, "guidance_scale=1e+39 is beyond float32 (at most 3.403e+38): on the engines' "
+                                   "tensors it is inf; use e.g. 7.5"),
+        ({"eta": 10**40}, "eta=10000000000000000000000000000000000000000 is beyond float32"),
         ({"num_images_per_prompt": 0}, "num_images_per_prompt=0 must be an integer >= 1"),
         ({"eta": -0.5}, "eta=-0.5"),
         ({"output_type": "jpg"}, "output_type='jpg' is unknown; use one of pil, np, pt, latent"),
@@ -165,6 +168,10 @@ def test_size_outside_profile(toy_pipe: EnginePipeline, kw: str, value: int) -> 
         ({"latents": torch.zeros(1, 4, 64, 64)}, "latents have shape (1, 4, 64, 64); for batch 1 at 64x64"),
         ({"latents": torch.zeros(1, 4, 8, 8, dtype=torch.int64)},
          "latents is a torch.int64 tensor; pass a float one of shape (1, 4, 8, 8) (e.g. latents.float())"),
+        ({"latents": torch.zeros(1, 4, 8, 8).index_fill(3, torch.tensor([2]), float("inf"))},
+         "latents contains NaN/Inf values (32 of 256); pass finite values"),
+        ({"latents": torch.full((1, 4, 8, 8), float("nan"), dtype=torch.float16)},
+         "latents contains NaN/Inf values (256 of 256)"),
         ({"latents": np.zeros((1, 4, 8, 8), np.float32)},
          "latents must be a float torch.Tensor of shape (1, 4, 8, 8), got ndarray"),
         ({"progress": "no"}, "progress='no' must be True or False"),
@@ -286,10 +293,10 @@ def test_parameters_feed_save_png(toy_pipe: EnginePipeline, tmp_path: Path) -> N
 
 
 def test_non_finite_images_are_warned_about(toy_pipe: EnginePipeline, caplog: pytest.LogCaptureFixture) -> None:
-    """NaN latents decode to black images, as in diffusers, but with one warning (read once, after the loop)."""
-    nan_latents = torch.full((1, 4, 8, 8), float("nan"))
+    """Latents that turn NaN in the loop decode to black images, as in diffusers, but with one warning (read once,
+    after the loop). (NaN latents passed in are refused up front: test_invalid_arguments.)"""
     with caplog.at_level("WARNING", logger="diffusion_trt.runtime.denoise"):
-        toy_pipe("a cat", latents=nan_latents, seed=0, **FAST)
+        toy_pipe("a cat", callback=lambda i, t, latents: latents.fill_(float("nan")), seed=0, **FAST)
     assert "hold NaN/Inf values" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="diffusion_trt.runtime.denoise"):

@@ -3,6 +3,7 @@ them: images against diffusers on the same embeddings, and every malformed call 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,10 @@ BAD = [
     ("rank", {"prompt_embeds": torch.zeros(77, D)}, "prompt_embeds has shape (77, 32)"),
     ("int", {"prompt_embeds": torch.zeros(1, 77, D, dtype=torch.int64)}, "got Tensor of torch.int64"),
     ("list", {"prompt_embeds": [[0.0]]}, "prompt_embeds must be a float torch.Tensor [prompts, 77 * k, 32]"),
+    ("nan", {"prompt_embeds": torch.full((1, 77, D), float("nan"))},
+     "prompt_embeds contains NaN/Inf values (2464 of 2464); pass finite values"),
+    ("inf-negative", {"prompt_embeds": E77, "negative_prompt_embeds": E77.index_fill(1, torch.tensor([5]), -math.inf)},
+     "negative_prompt_embeds contains NaN/Inf values (32 of 2464); pass finite values"),
 ]
 
 

@@ -206,6 +206,34 @@ def test_bad_sdxl_prompt_embeds(pipe, kwargs: dict, message: str) -> None:
              progress=False)
 
 
+@pytest.mark.parametrize("name", ["pooled_prompt_embeds", "negative_pooled_prompt_embeds"])
+def test_sdxl_pooled_embeds_holding_nan_are_refused(pipe, name: str) -> None:
+    """NaN/Inf in a pooled embedding gave a black image and a warning after the run: refused, naming it."""
+    from diffusion_trt.errors import RuntimeInputError
+
+    unet = pipe.engine("unet").spec
+    e = torch.zeros(1, 77, unet.input("encoder_hidden_states").shape[2])
+    pooled = torch.zeros(1, unet.input("text_embeds").shape[1])
+    kwargs = {"prompt_embeds": e, "pooled_prompt_embeds": pooled, "negative_prompt_embeds": e,
+              "negative_pooled_prompt_embeds": pooled, name: pooled.index_fill(1, torch.tensor([0]), float("nan"))}
+    with pytest.raises(RuntimeInputError, match=rf"^{name} contains NaN/Inf values \(1 of \d+\); pass finite"):
+        pipe(**kwargs, num_inference_steps=1, progress=False)
+
+
+@pytest.mark.parametrize(("name", "pair"), [("original_size", (10**40, 1024)), ("target_size", (64, 2**24 + 1)),
+                                           ("negative_crops_coords_top_left", (0, 10**400))])
+def test_sdxl_sizes_beyond_float32_are_refused(pipe, name: str, pair: tuple[int, int]) -> None:
+    """time_ids are float32: 10**40 became inf (a black image, a warning after the run), 10**400 an OverflowError."""
+    from diffusion_trt.errors import RuntimeInputError
+
+    extra = {"negative_original_size": (64, 64), "negative_target_size": (64, 64)} if "negative" in name else {}
+    with pytest.raises(RuntimeInputError) as info:
+        pipe("a cat", **{name: pair}, **extra, num_inference_steps=1, progress=False)
+    least = 0 if "crops" in name else 1
+    assert str(info.value) == (f"{name}={pair!r} must be a pair of integers >= {least} and <= 16777216 (pixels, "
+                               "(height, width) or (top, left)), e.g. (1024, 1024) or (0, 0)")
+
+
 def test_pooled_prompt_embeds_are_sdxl_only(tiny_artifact: Path) -> None:
     from diffusion_trt.errors import RuntimeInputError
 
