@@ -74,10 +74,10 @@ def finite_in_float32(value: float) -> bool:
     return math.isfinite(value) and abs(value) <= _FLOAT32_MAX
 
 
-def _finite(value: Any, what: str) -> float:
-    """``value`` as a float, refused unless a number :func:`finite_in_float32`."""
+def _finite(value: Any, what: str, example: float) -> float:
+    """``value`` as a float, refused unless a number :func:`finite_in_float32` (the message suggests ``example``)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not finite_in_float32(float(value)):
-        raise RuntimeInputError(f"{what}={value!r} is not a finite float32 number; pass e.g. 1.0")
+        raise RuntimeInputError(f"{what}={value!r} is not a finite float32 number; pass e.g. {example}")
     return float(value)
 
 
@@ -246,11 +246,11 @@ def control_plan(engines: Mapping[str, Engine], control_image: Any, controlnet: 
     if len(images) != len(names):
         raise RuntimeInputError(f"{len(images)} control images for {len(names)} ControlNet(s) ({', '.join(names)}); "
                                 "pass one control image per ControlNet")
-    scales = [_finite(s, "controlnet_conditioning_scale") for s in
+    scales = [_finite(s, "controlnet_conditioning_scale", 1.0) for s in
               _as_list(controlnet_conditioning_scale, len(names), "controlnet_conditioning_scale")]
-    starts = [_finite(s, "control_guidance_start") for s in
+    starts = [_finite(s, "control_guidance_start", 0.0) for s in
               _as_list(control_guidance_start, len(names), "control_guidance_start")]
-    ends = [_finite(s, "control_guidance_end") for s in
+    ends = [_finite(s, "control_guidance_end", 1.0) for s in
             _as_list(control_guidance_end, len(names), "control_guidance_end")]
     for s, e in zip(starts, ends, strict=True):
         if not 0.0 <= s < e <= 1.0:
