@@ -284,11 +284,11 @@ def _unit(engine: Engine, name: str, image: Any, scale: float, start: float, end
 
     Raises:
         RuntimeInputError: the image is not the output's size, there are neither 1 nor ``prompts`` of them, or it
-            holds NaN/Inf (an array or tensor; :func:`~.request.check_finite`).
+            holds NaN/Inf (an array or tensor; :func:`~.finite.check_finite`).
     """
     from diffusers.image_processor import VaeImageProcessor
 
-    from .request import check_finite
+    from .finite import check_finite
 
     n, h, w = image_rows_and_size(image, "control_image")
     if (h, w) != (height, width):

@@ -295,13 +295,13 @@ def preprocess_mask(mask_image: Any, height: int, width: int, vae_scale_factor: 
 
 
 def _check_range(name: str, image: Any, lo: float, hi: float, fix: str) -> None:
-    """Refuse an array or tensor image (or mask) holding NaN/Inf (:func:`~.request.check_finite`) or values outside
+    """Refuse an array or tensor image (or mask) holding NaN/Inf (:func:`~.finite.check_finite`) or values outside
     [``lo``, ``hi``], the message ending with ``fix``.
 
     Raises:
         RuntimeInputError: naming ``name`` (with the index in a list) and the values.
     """
-    from .request import check_finite
+    from .finite import check_finite
 
     items = image if isinstance(image, list) else [image]
     for i, x in enumerate(items):

@@ -29,6 +29,7 @@ from ..errors import ArtifactError, RuntimeInputError, names_parameters
 from .batching import plan_chunks
 from .conditioning import Conditioning, TextToImage
 from .engines.engine import Engine, EngineSpec
+from .finite import check_finite
 from .generation_args import GENERATION_ARGS, MAX_SEED, check_arg, default_guidance_scale
 from .geometry import LatentGeometry
 from .latents import Generator, StepCallback
@@ -427,18 +428,6 @@ def _check_embeds(name: str, value: Any, unet_context: Any) -> None:
                                 "with a larger --max-prompt-chunks)")
     check_finite(name, value)
 
-
-def check_finite(name: str, value: torch.Tensor) -> None:
-    """Refuse a tensor the caller passed (``prompt_embeds``, ``latents``...) that holds NaN or Inf: the loop would
-    only warn, after the run, that the images came out black.
-
-    Raises:
-        RuntimeInputError: naming the argument and how many values are not finite.
-    """
-    bad = int((~torch.isfinite(value)).sum())
-    if bad:
-        raise RuntimeInputError(f"{name} contains NaN/Inf values ({bad} of {value.numel()}); pass finite values; "
-                                "check where they were computed (an fp16 overflow, a division by zero)")
 
 
 def _image_conditioning(spec: RequestSpec, engines: Mapping[str, Engine], image: Any, mask_image: Any,
