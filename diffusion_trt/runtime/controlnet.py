@@ -22,7 +22,6 @@ Shapes: residual ``i`` [B2, C_i, ceil(h / k_i), ceil(w / k_i)] in the UNet's flo
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 
 from ..errors import RuntimeInputError
 from .engines.engine import Engine
+from .finite import check_finite, finite_in_float32
 from .image_inputs import image_rows_and_size
 
 logger = logging.getLogger(__name__)
@@ -64,18 +64,9 @@ def _as_list(value: Any, n: int, what: str) -> list[Any]:
     return [value] * n
 
 
-#: The largest finite float32: the scales multiply float32 (and fp16) residuals on the device.
-_FLOAT32_MAX = 3.4028234663852886e38
-
-
-def finite_in_float32(value: float) -> bool:
-    """Whether ``value`` is finite and within float32's range (a scale of 1e39 is finite, and overflows on the
-    device)."""
-    return math.isfinite(value) and abs(value) <= _FLOAT32_MAX
-
-
 def _finite(value: Any, what: str, example: float) -> float:
-    """``value`` as a float, refused unless a number :func:`finite_in_float32` (the message suggests ``example``)."""
+    """``value`` as a float, refused unless a number :func:`~.finite.finite_in_float32` (the scales multiply
+    float32 and fp16 residuals on the device; the message suggests ``example``)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not finite_in_float32(float(value)):
         raise RuntimeInputError(f"{what}={value!r} is not a finite float32 number; pass e.g. {example}")
     return float(value)
@@ -287,8 +278,6 @@ def _unit(engine: Engine, name: str, image: Any, scale: float, start: float, end
             holds NaN/Inf (an array or tensor; :func:`~.finite.check_finite`).
     """
     from diffusers.image_processor import VaeImageProcessor
-
-    from .finite import check_finite
 
     n, h, w = image_rows_and_size(image, "control_image")
     if (h, w) != (height, width):

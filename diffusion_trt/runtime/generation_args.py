@@ -24,11 +24,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import RuntimeInputError
+from .finite import FLOAT32_MAX
 
 ARCHITECTURES: tuple[str, ...] = ("sd", "sdxl")
 MAX_SEED = 2**63 - 1
-#: The largest float32: a float argument beyond it (finite as a Python float) is inf on the engines' tensors.
-FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -125,8 +124,8 @@ def positive_int(name: str, value: Any, fix: str) -> int:
 
 
 def non_negative_float(name: str, value: Any, fix: str) -> float:
-    """``value`` as a finite float >= 0 that float32 holds (:data:`FLOAT32_MAX`: ``guidance_scale=1e39`` scales the
-    noise prediction to inf, a black image); RuntimeInputError naming it and ``fix`` otherwise."""
+    """``value`` as a finite float >= 0 that float32 holds (:data:`~.finite.FLOAT32_MAX`: ``guidance_scale=1e39``
+    scales the noise prediction to inf, a black image); RuntimeInputError naming it and ``fix`` otherwise."""
     number = not isinstance(value, bool) and isinstance(value, int | float | np.number)
     if not number or not math.isfinite(value) or value < 0:
         raise RuntimeInputError(f"{name}={value!r} must be a finite number >= 0; {fix}")

@@ -46,8 +46,7 @@ def warm_up(engine: Engine) -> bool:
     from .engines.ort_engine import CAPTURE_LOCK
 
     with CAPTURE_LOCK:  # the feeds' allocation too: another engine may be capturing
-        feeds = {info.name: torch.zeros(tuple(info.min), dtype=info.torch_dtype, device=engine.device)
-                 for info in engine.spec.inputs}
+        feeds = engine.spec.zero_feeds(engine.device)
         engine.run(feeds)
         torch.cuda.current_stream(engine.device).synchronize()
     return True

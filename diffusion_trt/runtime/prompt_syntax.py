@@ -33,14 +33,13 @@ Syntax ``"plain"`` reads the whole prompt as one segment of weight 1.0 (no brack
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
+from .finite import finite_in_float32
+
 #: The factor of one ``( )`` level; ``[ ]`` divides by it.
 ATTENTION = 1.1
-#: The largest float32: the token weights are float32 (:mod:`.prompt_encoding`), so a factor above it is inf there.
-_FLOAT32_MAX = 3.4028234663852886e38
 #: The largest weight magnitude a token may get, its brackets' factors multiplied (why 100: the module docstring).
 MAX_WEIGHT = 100.0
 SYNTAXES: tuple[str, ...] = ("a1111", "plain")
@@ -155,7 +154,7 @@ def _closing_factor(m: re.Match[str], want: str, warnings: list[str]) -> tuple[f
     if weight is None:
         return ATTENTION, ""
     factor = float(weight)
-    if math.isfinite(factor) and abs(factor) <= _FLOAT32_MAX:
+    if finite_in_float32(factor):  # the token weights are float32 (:mod:`.prompt_encoding`)
         return factor, ""
     shown = weight if len(weight) <= 24 else weight[:20] + "..."
     warnings.append(f"prompt: weight {shown!r} at character {m.start()} is not a finite number; the bracket keeps "

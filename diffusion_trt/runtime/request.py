@@ -429,7 +429,6 @@ def _check_embeds(name: str, value: Any, unet_context: Any) -> None:
     check_finite(name, value)
 
 
-
 def _image_conditioning(spec: RequestSpec, engines: Mapping[str, Engine], image: Any, mask_image: Any,
                         strength: Any, latents: Any, steps: int, batch: int, height: Any, width: Any) -> Conditioning:
     """Image-to-image / inpainting: the checked image (and mask) as the request's conditioning."""

@@ -146,6 +146,11 @@ class EngineSpec:
         CUDA graph, and search cuDNN's algorithms exhaustively once."""
         return all(info.is_static for info in self.inputs)
 
+    def zero_feeds(self, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """Zeros for every input at its profile's min shape, in its dtype, on ``device``: the feeds of a warm-up run
+        (the only shape of a static spec)."""
+        return {info.name: torch.zeros(tuple(info.min), dtype=info.torch_dtype, device=device) for info in self.inputs}
+
     @classmethod
     def from_manifest(
         cls, name: str, entry: Mapping[str, Any], derived: Mapping[str, tuple[str, int]] | None = None

@@ -353,8 +353,7 @@ class OrtEngine(EngineBase):
             return False
         cuda = self._kind == "cuda"
         with CAPTURE_LOCK if cuda else contextlib.nullcontext():
-            feeds = {info.name: torch.zeros(tuple(info.min), dtype=info.torch_dtype, device=self._device)
-                     for info in self._spec.inputs}
+            feeds = self._spec.zero_feeds(self._device)
             if not self._graph:
                 self.run(feeds)
             else:
@@ -378,7 +377,7 @@ class OrtEngine(EngineBase):
             binding.bind_input(info.name, kind, dev, info.numpy_dtype.type, tuple(t.shape), t.data_ptr())
         self._bind_weights(binding)
         shapes = self._spec.output_shapes(self.validate(feeds))
-        outputs = {}
+        outputs = {}  # held until the (synchronised) run returns, then dropped: nothing reads them
         for info in self._spec.outputs:
             outputs[info.name] = buf = torch.empty(shapes[info.name], dtype=info.torch_dtype, device=self._device)
             binding.bind_output(info.name, kind, dev, info.numpy_dtype.type, tuple(buf.shape), buf.data_ptr())
