@@ -1379,7 +1379,7 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
     """
     from .config import split_scale
     from .runtime.controlnet import DEFAULT_CONTROL_SCALE
-    from .runtime.finite import finite_in_float32
+    from .runtime.float_range import finite_in_float32
 
     if not controlnets and not control_images:
         lone = _given(("guess_mode", "control_guidance_start", "control_guidance_end", "control_preprocess"))

@@ -348,14 +348,31 @@ LONG = "an ink painting of misty mountains above a quiet lake, pine trees on the
 
 
 def test_prompt_modules_are_the_runtimes_copied_beside_model_py(repo: Path) -> None:
-    from diffusion_trt.runtime import prompt_encoding, prompt_syntax
+    from diffusion_trt.runtime import float_range, prompt_encoding, prompt_syntax
 
     prompts = repo / "pipeline" / "1" / triton_model.PROMPT_MODULES
-    for module in (prompt_syntax, prompt_encoding):
+    for module in (float_range, prompt_syntax, prompt_encoding):
         path = Path(module.__file__)
         assert (prompts / path.name).read_bytes() == path.read_bytes()
     config = json.loads((repo / "pipeline" / "1" / "pipeline.json").read_text())
     assert config["max_prompt_chunks"] == 3 and config["text_encoder_rows"] == [1, 8]  # compile's defaults
+
+
+def test_prompt_modules_load_without_diffusion_trt(repo: Path) -> None:
+    """On a Triton host no diffusion-trt is installed: the copies in prompts/ import only each other, torch and the
+    standard library (a copied module importing ``..errors`` broke every BLS request once)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['diffusion_trt'] = None; "  # any import of diffusion_trt now fails
+            "import importlib.util as u, pathlib; p = pathlib.Path(sys.argv[1]); "
+            "spec = u.spec_from_file_location('model', p / 'model.py'); m = u.module_from_spec(spec); "
+            "spec.loader.exec_module(m); s = m.prompt_syntax(p / 'model.py'); "
+            "print(s.overweight(s.parse_prompt('(a:1000)', 'a1111')))")
+    done = subprocess.run([sys.executable, "-c", code, str(repo / "pipeline" / "1")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "1000" in done.stdout
 
 
 def test_bls_loop_reads_long_weighted_prompts_as_engine_pipeline(repo: Path, tiny_artifact: Path,

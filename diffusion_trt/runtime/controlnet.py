@@ -30,7 +30,8 @@ import torch
 
 from ..errors import RuntimeInputError
 from .engines.engine import Engine
-from .finite import check_finite, finite_in_float32
+from .finite import check_finite
+from .float_range import finite_in_float32
 from .image_inputs import image_rows_and_size
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import RuntimeInputError
-from .finite import FLOAT32_MAX
+from .float_range import FLOAT32_MAX
 
 ARCHITECTURES: tuple[str, ...] = ("sd", "sdxl")
 MAX_SEED = 2**63 - 1

@@ -36,7 +36,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .finite import finite_in_float32
+from .float_range import finite_in_float32
 
 #: The factor of one ``( )`` level; ``[ ]`` divides by it.
 ATTENTION = 1.1

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..config import split_scale
-from ..runtime.finite import finite_in_float32
+from ..runtime.float_range import finite_in_float32
 from .loras import one_text
 from .triton_model import RequestError
 

@@ -3,8 +3,9 @@
 ``diffusion-trt export-triton`` copies this file verbatim as ``<prefix>pipeline/1/model.py``; on the Triton
 host it imports **nothing from diffusion-trt** (the repository must run on a stock Triton server), only
 numpy, torch, diffusers (schedulers, ``randn_tensor``) and transformers (``CLIPTokenizer``), which the
-Python backend's environment must provide, and the two files export-triton copies beside it into ``prompts/``: the
-runtime's ``prompt_syntax.py`` and ``prompt_encoding.py`` (standalone: torch and the standard library), loaded by
+Python backend's environment must provide, and the three files export-triton copies beside it into ``prompts/``:
+the runtime's ``float_range.py``, ``prompt_syntax.py`` and ``prompt_encoding.py`` (standalone: torch and the standard
+library; tests/test_triton_export.py loads them alone), loaded by
 path (:func:`prompt_encoding`) so prompts are read exactly as ``EnginePipeline`` reads them. The same request rules
 serve ``diffusion-trt serve``, which imports the pure helpers below (:func:`parse_request`, :func:`to_uint8_images`,
 :data:`DEFAULT_LIMITS`).

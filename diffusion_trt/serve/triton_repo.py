@@ -8,7 +8,8 @@
       <prefix>vae_decoder/ ...
       <prefix>pipeline/config.pbtxt       Python backend (BLS): 1/model.py, 1/pipeline.json,
                                           1/tokenizer/, 1/scheduler_config.json, 1/prompts/ (the runtime's
-                                          prompt_syntax.py and prompt_encoding.py, copied: long and weighted prompts)
+                                          float_range.py, prompt_syntax.py and prompt_encoding.py, copied: long
+                                          and weighted prompts)
 
 Engine models: ``platform: "onnxruntime_onnx"`` for ``ort`` artifacts, ``"tensorrt_plan"`` for ``tensorrt``
 ones; inputs and outputs with the manifest's dtypes and dims. Every SD engine has its batch symbol (``B``
@@ -260,12 +261,12 @@ def _write_pipeline_model(root: Path, manifest: Manifest, folder: Path, names: M
                           max_queue: int, queue_timeout_s: float) -> None:
     """The BLS pipeline model in ``folder``: ``1/`` with model.py, prompts/, tokenizer/, scheduler_config.json,
     pipeline.json."""
-    from ..runtime import prompt_encoding, prompt_syntax
+    from ..runtime import float_range, prompt_encoding, prompt_syntax
 
     version = folder / "1"
     (version / triton_model.PROMPT_MODULES).mkdir(parents=True)
     shutil.copy2(Path(triton_model.__file__), version / "model.py")
-    for module in (prompt_syntax, prompt_encoding):  # the runtime's own code, so the loop reads prompts alike
+    for module in (float_range, prompt_syntax, prompt_encoding):  # the runtime's own code: prompts read alike
         shutil.copy2(Path(module.__file__), version / triton_model.PROMPT_MODULES / Path(module.__file__).name)
     shutil.copytree(artifacts.safe_join(root, manifest.tokenizer), version / "tokenizer")
     shutil.copy2(artifacts.safe_join(root, manifest.scheduler_config), version / "scheduler_config.json")
