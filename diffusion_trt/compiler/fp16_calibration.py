@@ -2,7 +2,10 @@
 
 One batch per component at the profile's *min* shape (batch, height, width): cheap on a CPU (the check runs the
 fp32 graph with every activation read back) and representative of the values, which depend on the content
-more than on the image size. The values follow what the loop feeds each component:
+more than on the image size. The exported graph, which the check runs where the fused one cannot (an ort-cuda
+compile on a CPU machine), gets the batch's first sample only (:func:`first_sample`): every SD component computes
+each sample alone, so the extra rows bought no new kind of value and cost their activations' memory (a static
+512x512 batch-4 VAE decoder: 21 GB on the 2-core machine). The values follow what the loop feeds each component:
 
     sample / latent_sample   N(0, 1) latents (the UNet's first step sees scaled noise, the VAE decoder latents
                              already divided by the scaling factor)
@@ -20,6 +23,9 @@ import numpy as np
 
 from ..config import ShapeProfile
 from .components import ComponentSpec
+
+#: The symbols of a batch dim (:mod:`.components`): images per call, and the rows of a CFG batch.
+BATCH_SYMBOLS = frozenset({"B", "B2"})
 
 
 def calibration_feeds(spec: ComponentSpec, profile: ShapeProfile, seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -43,3 +49,10 @@ def calibration_feeds(spec: ComponentSpec, profile: ShapeProfile, seed: int = 0)
         else:
             feed[t.name] = rng.standard_normal(shape).astype(np.float32)
     return [feed]
+
+
+def first_sample(spec: ComponentSpec, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """``feeds`` with each batch-dim input (first dim in :data:`BATCH_SYMBOLS`) cut to its first row; the others
+    as they are. With one input (the VAE decoder's ``latent_sample``) that row is the batch-1 profile's feed."""
+    batched = {t.name for t in spec.inputs if t.shape and t.shape[0] in BATCH_SYMBOLS}
+    return [{name: value[:1] if name in batched else value for name, value in feed.items()} for feed in feeds]

@@ -713,7 +713,7 @@ def optimize_component(job: CompileJob, plan: ComponentPlan,
     the manifest's ``passes`` (and ``fp16_check``)."""
     from ..passes import PassContext, pipeline_for
     from ..passes.fp16_check import optimize_fp16_checked
-    from .fp16_calibration import calibration_feeds
+    from .fp16_calibration import calibration_feeds, first_sample
 
     config, name, spec = job.config, plan.name, job.specs[plan.name]
     with stage("passes", name):
@@ -730,7 +730,8 @@ def optimize_component(job: CompileJob, plan: ComponentPlan,
         passes = pipeline_for(plan.pass_backend, config.device, plan.pass_precision, name,
                               static=job.profile.is_static())
         # fp16: the range check keeps overflowing activations fp32 and refuses a graph it cannot make finite
-        model, records, fp16 = optimize_fp16_checked(model, passes, ctx, calibration_feeds(spec, job.profile))
+        feeds = calibration_feeds(spec, job.profile)
+        model, records, fp16 = optimize_fp16_checked(model, passes, ctx, feeds, first_sample(spec, feeds))
     facts: dict[str, Any] = {"passes": [r.to_json() for r in records]}
     if fp16 is not None:
         facts["fp16_check"] = fp16.to_json()

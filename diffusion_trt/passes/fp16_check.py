@@ -85,6 +85,7 @@ class Fp16Check:
             (:func:`.parity.worst_parity`, JSON-ready), which must pass :mod:`.parity`'s verdict; empty when the
             graphs could not both run here.
         seconds: wall time of the check (calibration + conversions + re-checks), not of the other passes.
+        rows: the leading (batch) dim of the first input in the calibration runs; 0 when nothing was calibrated.
     """
 
     threshold: float
@@ -98,6 +99,7 @@ class Fp16Check:
     wide_constant_nodes: int = 0
     parity: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+    rows: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict of the fields (``hot`` rounded)."""
@@ -132,12 +134,17 @@ def _weight_bytes(model: onnx.ModelProto) -> int:
 
 def optimize_fp16_checked(
     model: onnx.ModelProto, passes: Sequence[Pass], ctx: PassContext,
-    feeds: Sequence[Mapping[str, np.ndarray]],
+    feeds: Sequence[Mapping[str, np.ndarray]], input_feeds: Sequence[Mapping[str, np.ndarray]] | None = None,
 ) -> tuple[onnx.ModelProto, list[PassRecord], Fp16Check | None]:
     """:func:`.base.optimize_model`, with the range check around ``convert_fp16`` when ``passes`` contain it.
 
     Args:
         feeds: calibration inputs, one dict per run (names -> arrays; dtypes are cast to the graph's inputs).
+        input_feeds: the calibration inputs of ``model`` itself, used when the fused fp32 graph cannot run here
+            (default ``feeds``). ``compile`` passes the first sample of each batch: ``model`` is the export, whose
+            batch dim is dynamic while the fused graph's is the static profile's, and a batch of 4 512x512 VAE
+            decodes on ONNX Runtime CPU held 21 GB where one sample holds a quarter of it
+            (:func:`diffusion_trt.compiler.fp16_calibration.first_sample`).
 
     Returns:
         The fp16 model, the pass records (``convert_fp16``'s counts gain ``fp32_range_islands``) and the check's
@@ -168,7 +175,7 @@ def optimize_fp16_checked(
     pre_seconds = sum(r.seconds for r in records)
     _name_nodes(fp32)
     threshold = FP16_SAFE_MAX if options.range_max is None else options.range_max
-    check, fp32_peaks = _calibrate(model, fp32, feeds, threshold)
+    check, fp32_peaks = _calibrate(model, fp32, feeds, threshold, feeds if input_feeds is None else input_feeds)
     islands = _islands_of(fp32, check.hot)
     fixed = list(options.fp32_nodes)
     fp32_names = {node.name for node in fp32.graph.node}
@@ -244,21 +251,29 @@ def _name_nodes(model: onnx.ModelProto) -> None:
 
 
 def _calibrate(model: onnx.ModelProto, fp32: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
-               threshold: float) -> tuple[Fp16Check, dict[str, float] | None]:
+               threshold: float, input_feeds: Sequence[Mapping[str, np.ndarray]],
+               ) -> tuple[Fp16Check, dict[str, float] | None]:
     """The check's start and the fp32 peaks of the fused graph's tensors (None when it did not run here)."""
     found = _ort.activation_peaks(fp32, feeds)
     if not isinstance(found, str):
         peaks, provider = found
-        return Fp16Check(threshold, "optimized", provider, _hot(peaks, threshold)), peaks
+        return Fp16Check(threshold, "optimized", provider, _hot(peaks, threshold), rows=_rows(feeds)), peaks
     why_fused = found
-    found = _ort.activation_peaks(model, feeds)
+    found = _ort.activation_peaks(model, input_feeds)
     if isinstance(found, str):
         return Fp16Check(threshold, "none", "", note=f"calibration skipped: the graph runs nowhere here "
                                                       f"(fused: {why_fused}; input: {found})"), None
     peaks, provider = found
     logger.info("fp16 range check: the fused fp32 graph does not run here (%s); calibrating the input graph",
                 why_fused)
-    return Fp16Check(threshold, "input", provider, _map_to(model, fp32, _hot(peaks, threshold))), None
+    hot = _map_to(model, fp32, _hot(peaks, threshold))
+    return Fp16Check(threshold, "input", provider, hot, rows=_rows(input_feeds)), None
+
+
+def _rows(feeds: Sequence[Mapping[str, np.ndarray]]) -> int:
+    """The leading dim of the first input of the first feed (0 for none or a scalar)."""
+    first = next(iter(feeds[0].values()), None) if feeds else None
+    return int(first.shape[0]) if first is not None and first.ndim else 0
 
 
 def _hot(peaks: Mapping[str, float], threshold: float) -> dict[str, float]:

@@ -52,6 +52,25 @@ def test_compile_finds_the_vae_overflow(tiny_sdxl_dir: Path, tmp_path: Path) -> 
         assert check["finite"] is None and "not checked" in check["note"]
 
 
+def test_a_batch_profile_calibrates_the_export_on_one_sample(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    """Issue 28 (compile memory): where the fused graph cannot run (ort-cuda on this CPU machine) the export is
+    calibrated on the batch's first sample, which for the VAE decoder is the batch-1 profile's feed: the same hot
+    tensors and islands as a batch-1 compile, at a quarter of a batch-4 run's activations."""
+    folder = _scaled_vae(tiny_sdxl_dir, tmp_path / "m", 1e6)
+    checks = {}
+    for batch in (1, 3):
+        out = compile_pipeline(folder, tmp_path / f"a{batch}", CompileConfig(
+            device="cuda", precision="fp16", components=("vae_decoder",), fp16_safe_vae=True, batch_size=batch,
+            min_batch_size=batch, max_batch_size=batch))
+        checks[batch] = json.loads((out / "manifest.json").read_text())["components"]["vae_decoder"]["fp16_check"]
+    one, three = checks[1], checks[3]
+    if three["calibrated"] == "optimized":  # a machine where the fused graph runs: the whole batch, as before
+        assert three["rows"] == 3
+        return
+    assert three["calibrated"] == "input" and one["rows"] == three["rows"] == 1
+    assert three["hot"] == one["hot"] and three["islands"] == one["islands"] != []
+
+
 def test_an_unscaled_vae_gets_no_islands(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
     out = compile_pipeline(tiny_sdxl_dir, tmp_path / "a", CompileConfig(
         device="cuda", precision="fp16", components=("vae_decoder",), fp16_safe_vae=True))
