@@ -635,11 +635,20 @@ def release_modules(models: dict[str, Any], keys: Sequence[str]) -> None:
     safetensors file mappings, unmapped once the last reference goes; ``malloc_trim`` returns the freed heap that
     glibc would otherwise keep (a no-op elsewhere).
     """
+    if any(models.pop(k, None) is not None for k in keys):
+        trim_heap()
+
+
+def trim_heap() -> None:
+    """Collect garbage and hand the freed heap back to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
+
+    Why: glibc keeps what a component's protos and arrays freed. After the SD-1.5 UNet (its graph freed before the
+    build) the process still held 5.9 GB when the VAE decoder's export began, and that export's 3.4 GB came on top:
+    the b4 compile's peak, 9.29 GB on the 2-core machine (benchmarks/results/README.md, fifteenth session).
+    """
     import ctypes
     import gc
 
-    if not any(models.pop(k, None) is not None for k in keys):
-        return
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -676,6 +685,7 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
     entry["inputs"] = [tensor_manifest(t, plan.precision, job.profile, spec.symbols) for t in spec.inputs]
     saved = save_optimized(plan, model, staging)
     del model  # GBs for a UNet: gone before calibration and the engine build
+    trim_heap()
     if plan.quantized:
         assert qstage is not None  # plan.quantized only for quantized_components(config)
         entry.update(quantize_component(qstage, plan, saved[0], staging))
