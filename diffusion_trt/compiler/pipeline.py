@@ -285,10 +285,14 @@ def pass_options(spec: ComponentSpec, profile: ShapeProfile, facts: Mapping[str,
     * a static profile gives ``specialize_shapes`` the one shape of every input;
     * a UNet whose config says ``upcast_attention: true`` (SD 2.x; ``facts["upcast_attention"]``) keeps its attention
       scores fp32 through ``convert_fp16`` (``convert_fp16_fp32_attention``): diffusers computes Q.K^T and the
-      softmax in fp32 for these models, whose scores overflow fp16 (the known black images of SD 2.1 in fp16).
+      softmax in fp32 for these models, whose scores overflow fp16 (the known black images of SD 2.1 in fp16);
+    * the image dims are IMAGE_ALIGNMENT x the latent's (``H = 8*h``; ``infer_symbolic_shapes_dim_relations``): a
+      ControlNet adds its control image's embedding (from H) to the latent's (h), and its fusions need the two
+      dims to be one symbol.
     """
     options: dict[str, Any] = {
         "convert_fp16_fp32_inputs": [t.name for t in spec.inputs if t.dtype == "float32"],
+        "infer_symbolic_shapes_dim_relations": {"H": f"{IMAGE_ALIGNMENT}*h", "W": f"{IMAGE_ALIGNMENT}*w"},
     }
     unets = spec.name in ("unet", controlnet.UNET_CONTROLNET) or spec.name.startswith(controlnet.PREFIX)
     if facts is not None and unets and facts.get("upcast_attention"):

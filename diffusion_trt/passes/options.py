@@ -4,7 +4,8 @@ Each pass declares its options as a frozen dataclass next to it (``FuseGeluOptio
 :func:`.base.option` field per key, and reads them with ``ctx.options_for(FuseGeluOptions)``. The table here is
 derived from those dataclasses: :data:`OPTIONS` lists them by pass, :data:`USER_OPTIONS` holds the keys a user may
 set. Keys that compile derives itself (``static_shapes``, ``convert_fp16_fp32_inputs``,
-``convert_fp16_fp32_attention``) are not settable: compile computes them from the model and the profile.
+``convert_fp16_fp32_attention``, ``infer_symbolic_shapes_dim_relations``) are not settable: compile computes them
+from the model and the profile.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .fuse_attention import FuseAttentionOptions
 from .fuse_gelu import FuseGeluOptions
 from .fuse_group_norm import FuseGroupNormOptions
 from .infer_shapes import InferShapesOptions
+from .infer_symbolic_shapes import InferSymbolicShapesOptions
 from .merge_conv_biases import MergeConvBiasesOptions
 from .pack_qkv import PackQkvOptions
 from .specialize_shapes import SpecializeShapesOptions
@@ -33,6 +35,7 @@ OPTIONS: dict[str, type] = {
     "fuse_gelu": FuseGeluOptions,
     "fuse_group_norm": FuseGroupNormOptions,
     "infer_shapes": InferShapesOptions,
+    "infer_symbolic_shapes": InferSymbolicShapesOptions,
     "merge_conv_biases": MergeConvBiasesOptions,
     "pack_qkv": PackQkvOptions,
     "specialize_shapes": SpecializeShapesOptions,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -123,6 +123,10 @@ class ChunkControl:
     plan: ControlPlan
     images: tuple[torch.Tensor, ...]
     do_cfg: bool
+    #: ``conditioning_scale`` feeds by (factor, n, device), made once per chunk instead of once a step and ControlNet
+    #: (an allocation and a fill kernel each); never written to, so the engines may keep reading them.
+    _factor_feeds: dict[tuple[float, int, str], torch.Tensor] = field(default_factory=dict, compare=False,
+                                                                       repr=False)
 
     def residuals(self, i: int, steps: int, latent_model_input: torch.Tensor, latents: torch.Tensor,
                   scheduler: Any, t: torch.Tensor, timestep: torch.Tensor, prompt_embeds: torch.Tensor,
@@ -166,10 +170,17 @@ class ChunkControl:
         return dict(zip(names, total, strict=True))
 
     def _factors(self, factor: float, n: int, device: torch.device) -> torch.Tensor:
-        """The per-residual factors [n] float32: ``factor``, or in guess mode ``logspace(-1, 0, n) * factor``."""
-        if self.plan.guess_mode:
-            return torch.logspace(-1, 0, n, device=device) * factor
-        return torch.full((n,), factor, dtype=torch.float32, device=device)
+        """The per-residual factors [n] float32: ``factor``, or in guess mode ``logspace(-1, 0, n) * factor``; one
+        tensor per factor for the chunk (read only)."""
+        key = (factor, n, str(device))
+        feed = self._factor_feeds.get(key)
+        if feed is None:
+            if self.plan.guess_mode:
+                feed = torch.logspace(-1, 0, n, device=device) * factor
+            else:
+                feed = torch.full((n,), factor, dtype=torch.float32, device=device)
+            self._factor_feeds[key] = feed
+        return feed
 
     def _zeros(self, sample: torch.Tensor) -> dict[str, torch.Tensor]:
         spec = self.plan.unet.spec

@@ -103,7 +103,7 @@ def test_static_graph_is_left_alone() -> None:
     model = graphs.mlp_model()
     out, counts = _run(model, [infer_shapes, infer_symbolic_shapes])
     assert counts["infer_symbolic_shapes"] == {"shapes_refined": 0, "dims_refined": 0, "static_dims_folded": 0,
-                                               "failed": 0}
+                                               "failed": 0, "dims_merged": 0}
     assert out.graph.node == model.graph.node
 
 
@@ -140,3 +140,70 @@ def test_only_dynamic_ort_cuda_pipelines_run_it() -> None:
     assert "infer_symbolic_shapes" not in names("ort", "cuda", "fp16", static=True)
     assert "infer_symbolic_shapes" not in names("ort", "cpu", "fp32", static=False)
     assert "infer_symbolic_shapes" not in names("tensorrt", "cuda", "fp16", static=False)
+
+
+def derived_input_model(residual_dims: tuple[str, str] = ("h/2", "w/2"), *, control: bool = False) -> onnx.ModelProto:
+    """A UNet down step with a ControlNet residual: ``s = Conv_a(x, stride 2) + r`` (r: [B, 8, h/2, w/2]);
+    ``out = Relu(Conv_b(s) + Conv_c(r))``, whose biases merge when the two Conv outputs have one shape.
+    ``control``: a ControlNet's entry instead: ``s = Conv_a(x) + E(c)``, E three stride-2 Convs of the control
+    image c: [B, 8, H, W] (H = 8*h); ``out = Relu(Conv_b(s) + Conv_c(x))``."""
+    rng = np.random.default_rng(7)
+    nodes, inits = [], []
+    for name, src, out, stride in ([("a", "x", "ya", 1), ("e1", "c", "c1", 2), ("e2", "c1", "c2", 2),
+                                    ("e3", "c2", "yr", 2)] if control else [("a", "x", "ya", 2)]):
+        node, init = _conv(name, src, out, rng, stride=stride)
+        nodes.append(node)
+        inits += init
+    conv_b, inits_b = _conv("b", "s", "yb", rng)
+    conv_c, inits_c = _conv("c", "x" if control else "r", "yc", rng)
+    nodes += [helper.make_node("Add", ["ya", "yr" if control else "r"], ["s"]), conv_b, conv_c,
+              helper.make_node("Add", ["yb", "yc"], ["t"]), helper.make_node("Relu", ["t"], ["out"])]
+    second = (graphs.tensor_info("c", ["B", C, "H", "W"]) if control
+              else graphs.tensor_info("r", ["B", C, *residual_dims]))
+    inputs = [graphs.tensor_info("x", ["B", C, "h", "w"]), second]
+    return graphs.make_model(nodes, inputs, [graphs.tensor_info("out", ["B", C, None, None])],
+                             [*inits, *inits_b, *inits_c])
+
+
+def _run_with(model: onnx.ModelProto, passes: list, options: dict) -> tuple[onnx.ModelProto, dict[str, dict]]:
+    ctx = PassContext(component="unet_controlnet", backend="ort", device="cuda", precision="fp32", options=options)
+    out, records = optimize_model(model, passes, ctx)
+    return out, {r.name: r.counts for r in records}
+
+
+def _shapes(model: onnx.ModelProto) -> dict[str, list]:
+    return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.value_info}
+
+
+def test_a_residual_input_named_h_over_2_is_the_stride_2_convs_output() -> None:
+    """Conv(x, stride 2) gives floor(h/2 - 1/2) + 1 = ceil(h/2): the residual input's ``h/2`` (issue #25: the
+    unet_controlnet graph fused 5 of the UNet's 45 SkipGroupNorms, a ControlNet none)."""
+    model = derived_input_model()
+    out, counts = _run_with(model, [infer_shapes, infer_symbolic_shapes, merge_conv_biases], {})
+    assert counts["infer_symbolic_shapes"]["dims_merged"] == 2 and counts["infer_symbolic_shapes"]["failed"] == 0
+    shapes = _shapes(out)
+    assert shapes["s"] == ["B", C, "h/2", "w/2"]
+    assert counts["merge_conv_biases"]["merged"] == 1
+    for dims in ({"B": 1, "h": 5, "w": 7, "h/2": 3, "w/2": 4}, {"B": 2, "h": 4, "w": 2, "h/2": 2, "w/2": 1}):
+        graphs.assert_same_outputs(model, out, graphs.random_feeds(model, dims=dims))
+
+
+def test_a_residual_of_another_size_stays_apart() -> None:
+    """``h/4`` after one stride-2 Conv: equal at no size but a few, so the Add keeps its unknown dims."""
+    model = derived_input_model(("h/4", "w/4"))
+    out, counts = _run_with(model, [infer_shapes, infer_symbolic_shapes, merge_conv_biases], {})
+    assert counts["infer_symbolic_shapes"]["dims_merged"] == 0
+    assert counts["merge_conv_biases"]["merged"] == 0
+    assert "h/4" not in _shapes(out)["s"]
+
+
+def test_a_controlnets_image_embedding_is_the_latents_size_given_h_is_8_h() -> None:
+    model = derived_input_model(control=True)
+    relations = {"infer_symbolic_shapes_dim_relations": {"H": "8*h", "W": "8*w"}}
+    _, without = _run_with(model, [infer_shapes, infer_symbolic_shapes, merge_conv_biases], {})
+    assert without["merge_conv_biases"]["merged"] == 0  # H is a symbol of its own: the Add's dims stay unknown
+    out, counts = _run_with(model, [infer_shapes, infer_symbolic_shapes, merge_conv_biases], relations)
+    assert counts["infer_symbolic_shapes"]["dims_merged"] == 2
+    assert _shapes(out)["s"] == ["B", C, "h", "w"] and counts["merge_conv_biases"]["merged"] == 2  # both Adds
+    for dims in ({"B": 1, "h": 3, "w": 5, "H": 24, "W": 40}, {"B": 2, "h": 2, "w": 1, "H": 16, "W": 8}):
+        graphs.assert_same_outputs(model, out, graphs.random_feeds(model, dims=dims))

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from diffusion_trt.compiler.components import symbol_ranges
 from diffusion_trt.config import Range, ShapeProfile
 from diffusion_trt.errors import ArtifactError
+from diffusion_trt.runtime.controlnet import ControlPlan, ControlUnit
 from diffusion_trt.runtime.engines.engine import EngineSpec
 
 
@@ -36,3 +38,34 @@ def test_profile_ranges_of_the_downsampled_symbols() -> None:
     assert ranges["h"] == (5, 8, 17)
     assert ranges["h/2"] == (3, 4, 9) and ranges["h/4"] == (2, 2, 5) and ranges["h/8"] == (1, 1, 3)
     assert ranges["w/8"] == (1, 1, 1)
+
+
+class _RecordingEngine:
+    """A ControlNet (and residual UNet) stand-in: records its feeds, returns ones for each residual."""
+
+    def __init__(self, names: list[str]) -> None:
+        residuals = [_t(n, ["B2", 4, "h", "w"]) for n in names]
+        self.spec = EngineSpec.from_manifest("controlnet_a", {
+            "inputs": [_t("sample", ["B2", 4, "h", "w"]), *residuals], "outputs": residuals})
+        self.names = names
+        self.feeds: list[dict] = []
+
+    def run(self, feeds: dict) -> dict:
+        self.feeds.append(feeds)
+        return {n: torch.ones(2, 4, 3, 3) for n in self.names}
+
+
+@pytest.mark.parametrize("guess_mode", [False, True])
+def test_the_scale_feed_is_made_once_per_chunk_not_once_a_step(guess_mode: bool) -> None:
+    """Issue 25: ``conditioning_scale`` was a new tensor (an allocation and a fill kernel) at every step."""
+    names = ["down_block_residual_0", "mid_block_residual"]
+    engine = _RecordingEngine(names)
+    unit = ControlUnit("a", engine, torch.zeros(1, 3, 24, 24), scale=0.5, start=0.0, end=0.5)
+    chunk = ControlPlan(engine, (unit,), guess_mode, tuple(names)).rows(range(0, 1), 1, 1, do_cfg=True)
+    sample, latents = torch.zeros(2, 4, 3, 3), torch.zeros(1, 4, 3, 3)
+    for i in range(4):  # steps 2 and 3 are outside [0, 0.5]: the ControlNet does not run
+        chunk.residuals(i, 4, sample, latents, object(), torch.tensor(1.0), torch.ones(2), torch.zeros(2, 77, 8))
+    scales = [f["conditioning_scale"] for f in engine.feeds]
+    assert len(scales) == 2 and scales[0] is scales[1]
+    want = torch.logspace(-1, 0, 2) * 0.5 if guess_mode else torch.full((2,), 0.5)
+    torch.testing.assert_close(scales[0], want, rtol=0, atol=0)
