@@ -461,6 +461,7 @@ def dummy_lora(model_dir: Path, out: Path, rank: int, seed: int, overwrite: bool
     """
     from .compiler.dummy_lora import write_dummy_lora
 
+    _refuse_inside_any_artifact(out, "OUT")
     _check_writable_file(out, "OUT", ".safetensors")
     if not overwrite:
         _refuse_existing_outputs(out, 1)
@@ -738,6 +739,21 @@ def _refuse_inside_artifact(folder: Path, out_dir: Path, what: str, flag: str,
 #: ``why`` of :func:`_refuse_inside_artifact` for a file run or bench writes.
 _SEALED_FILE = ("is sealed: its manifest lists every file, and verify reports any other; write it outside the "
                 "artifact folder")
+
+
+def _refuse_inside_any_artifact(path: Path, flag: str, what: str = "output file") -> None:
+    """Refuse a path a command writes (``optimize -o``, ``dummy-lora OUT``...) that is or lies inside any artifact
+    folder (found by its manifest, :func:`~diffusion_trt.artifact.folder.enclosing_artifact`), as
+    :func:`_refuse_inside_artifact` refuses ``run -o`` inside the artifact it runs.
+
+    Raises:
+        click.BadParameter: naming the path and the artifact folder.
+    """
+    from .artifact.folder import enclosing_artifact
+
+    root = enclosing_artifact(path)
+    if root is not None:
+        _refuse_inside_artifact(path, root, what, flag, _SEALED_FILE)
 
 
 def _parse_pass_options(items: tuple[str, ...]) -> dict[str, Any]:
@@ -1063,6 +1079,10 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
     if output.resolve() == Path(source).resolve():
         raise click.BadParameter(f"{str(output)!r} is the input file; write the result elsewhere",
                                  param_hint="--output")
+    for path, flag, what in ((output, "--output", "output file"), (json_path, "--json", "output file"),
+                             (dump_passes, "--dump-passes", "dump folder")):
+        if path is not None:  # as run -o: a file the sealed manifest does not list fails verify
+            _refuse_inside_any_artifact(Path(path), flag, what)
     if not overwrite:  # as run -o: nothing is replaced unless asked
         _refuse_existing_outputs(output, 1)
     _check_writable_dir(output.parent if str(output.parent) else Path("."), "--output")

@@ -512,6 +512,33 @@ def test_outputs_inside_the_artifact_folder_are_refused(tiny_artifact: Path, tmp
     assert sorted(p.relative_to(art) for p in art.rglob("*")) == before
 
 
+@pytest.mark.parametrize(("args", "flag", "what", "inside"),
+                         [(["dummy-lora", "MODEL", "ART/x.safetensors"], "OUT", "output file", "x.safetensors"),
+                          (["optimize", "ART/text_encoder/model.onnx", "-o", "ART/text_encoder/opt.onnx"], "--output",
+                           "output file", "text_encoder/opt.onnx"),
+                          (["optimize", "ART/text_encoder/model.onnx", "-o", "OUT/o.onnx", "--json", "ART/p.json"],
+                           "--json", "output file", "p.json"),
+                          (["optimize", "ART/text_encoder/model.onnx", "-o", "OUT/o.onnx", "--dump-passes",
+                            "ART/unet/dump"], "--dump-passes", "dump folder", "unet/dump")])
+def test_files_written_inside_any_artifact_folder_are_refused(tiny_artifact: Path, tiny_pipeline_dir: Path,
+                                                              tmp_path: Path, args: list[str], flag: str, what: str,
+                                                              inside: str) -> None:
+    """`dummy-lora MODEL ART/x.safetensors` and `optimize ART/unet/model.onnx -o ART/unet/opt.onnx` wrote into the
+    sealed artifact (exit 0), a file its manifest does not list: verify then failed. The artifact is found by its
+    manifest, whichever command writes; refused as `run -o` inside the artifact is, and nothing is written."""
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    before = sorted(p.relative_to(art) for p in art.rglob("*"))
+    subs = {"ART": str(art), "MODEL": str(tiny_pipeline_dir), "OUT": str(tmp_path)}
+    code, out = _invoke(*(re.sub("^(ART|MODEL|OUT)", lambda m: subs[m.group(1)], a) for a in args))
+    assert code == 2, out
+    assert out.splitlines()[0] == (f"error: Invalid value for {flag}: the {what} {art / inside} lies inside the "
+                                   f"artifact folder {art}, which is sealed: its manifest lists every file, and "
+                                   "verify reports any other; write it outside the artifact folder"), out
+    assert sorted(p.relative_to(art) for p in art.rglob("*")) == before
+    assert not list(tmp_path.glob("o.onnx*"))
+
+
 def test_run_output_inside_the_artifact_folder_is_refused_through_a_relative_path(
         tiny_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`cd ART && diffusion-trt run . -p x` (the default -o out.png): the message names the folder it resolved to."""

@@ -796,6 +796,26 @@ def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
+def enclosing_artifact(path: str | os.PathLike[str]) -> Path | None:
+    """The artifact folder that ``path`` is or lies inside (resolved), or ``None``: the nearest folder at or above it
+    whose ``manifest.json`` is one of ours (a JSON object with :data:`SEAL_KEY`). For commands that write a file
+    anywhere (``optimize -o``, ``dummy-lora OUT``): a file put into a sealed artifact is one its manifest does not
+    list, and ``verify`` fails on it. A manifest that cannot be read as JSON is not taken as ours.
+    """
+    p = Path(path).expanduser().resolve()
+    for folder in (p, *p.parents):
+        candidate = folder / MANIFEST_NAME
+        if not candidate.is_file():
+            continue
+        try:
+            data = parse_json(read_manifest_bytes(candidate), str(candidate))
+        except ArtifactError:
+            continue
+        if isinstance(data, dict) and SEAL_KEY in data:
+            return folder
+    return None
+
+
 def read_manifest_bytes(path: str | os.PathLike[str]) -> bytes:
     """The bytes of a ``manifest.json``, at most :data:`MAX_MANIFEST_BYTES` (a 1 GB manifest was read whole, then
     parsed into several GB). Opened non-blocking (a FIFO in its place must not hang us).
