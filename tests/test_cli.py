@@ -431,6 +431,35 @@ def test_dummy_pipeline_refuses_non_empty_folder(tmp_path: Path) -> None:
     assert code == 2 and "exists and is not empty; choose another folder or pass --overwrite" in out
 
 
+@pytest.mark.parametrize(("command", "marker", "what"), [("dummy-pipeline", "model_index.json", "diffusers pipeline"),
+                                                        ("dummy-controlnet", "config.json", "ControlNet")])
+def test_dummy_overwrite_refuses_a_folder_it_did_not_write(tiny_artifact: Path, tmp_path: Path, command: str,
+                                                           marker: str, what: str) -> None:
+    """`dummy-pipeline --overwrite ART` wrote a pipeline into the artifact (exit 0): a folder half artifact, half
+    model. --overwrite now replaces only a folder of the writer's own kind, and deletes nothing else."""
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    before = sorted(p.relative_to(art) for p in art.rglob("*"))
+    code, out = _invoke(command, "--overwrite", art)
+    assert code == 2, out
+    assert out.splitlines()[0] == (f"error: {art} is not empty and holds no {marker}: --overwrite only replaces a "
+                                   f"{what} folder; choose an empty or new folder (nothing was deleted)"), out
+    assert sorted(p.relative_to(art) for p in art.rglob("*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no temporary folder left beside it
+
+
+def test_dummy_pipeline_overwrite_replaces_the_folder_whole(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    """`dummy-pipeline --overwrite` of a tiny-sdxl folder with tiny kept text_encoder_2/ and tokenizer_2/ of the old
+    pipeline beside the new one's files: the folder is now replaced whole."""
+    model = tmp_path / "m"
+    shutil.copytree(tiny_sdxl_dir, model)
+    code, out = _invoke("dummy-pipeline", "--overwrite", model)
+    assert code == 0, out
+    assert sorted(p.name for p in model.iterdir()) == ["model_index.json", "scheduler", "text_encoder", "tokenizer",
+                                                       "unet", "vae"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
 @pytest.mark.parametrize("backend", ["tensorrt", "tensorrt-rtx"], ids=["full-trt", "rtx"])
 def test_compile_tensorrt_needs_cuda_device(tiny_pipeline_dir: Path, tmp_path: Path, backend: str) -> None:
     """--device defaults to cuda for the TensorRT backends; an explicit cpu is refused."""
