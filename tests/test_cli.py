@@ -69,6 +69,12 @@ def test_run_writes_png_with_parameters(tiny_artifact: Path, tmp_path: Path) -> 
         (["--guidance", "-1"], r"error: --guidance -1\.0 must be a finite number >= 0"),
         (["--scheduler", "nope"], r"error: --scheduler nope is unknown; use one of pndm, ddim"),
         (["--height", "60"], r"--height 60 is not a positive multiple of 8; use 56 or 64 \(engine profile allows 32"),
+        # 300 and 99999999999999999999 suggested 296 or 304 / 99999999999999999992 or 10^20: both outside the profile
+        (["--height", "300"], r"error: --height 300 is not a positive multiple of 8; use 128 \(engine profile allows "
+                              r"32\.\.128\)$"),
+        (["--width", "99999999999999999999"], r"error: --width 99999999999999999999 is not a positive multiple of 8; "
+                                              r"use 128 \("),
+        (["--width", "33"], r"error: --width 33 is not a positive multiple of 8; use 32 or 40 \("),
         (["--width", "256"], r"--width 256 is outside the engine profile 32\.\.128; .* --min-width/--max-width"),
         # --batch-size 9 now runs in chunks (tests/runtime/test_batching.py)
         (["--device", "cpu", "--devices", "0,1"], r"--devices 0,1 needs CUDA; drop it or use --device cuda"),
