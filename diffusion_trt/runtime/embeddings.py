@@ -138,9 +138,12 @@ def _read_safetensors(path: Path) -> dict[str, Any]:
 
 def _read_weights_only(path: Path) -> dict[str, Any]:
     import pickle
+    import warnings
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's "Detected pickle protocol 4" came out above the one error: line
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RuntimeInputError(f"embedding file {path} is refused by torch's weights-only loader ({first}); it "

@@ -4,6 +4,7 @@ diffusers' ``load_textual_inversion`` on the same file, nothing changed without 
 from __future__ import annotations
 
 import pickle
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -191,6 +192,18 @@ def test_bad_embedding_is_one_error_line(tiny_artifact: Path, files: dict[str, P
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.output
     assert not (tmp_path / "x.png").exists() and "pwned" not in capsys.readouterr().out + result.output
+
+
+def test_a_pickle_refused_says_it_in_one_line_without_torchs_warning(tmp_path: Path) -> None:
+    """`run --embedding evil.pt` (pickle protocol 4, the default) printed torch's two-line `UserWarning: Detected
+    pickle protocol 4 ...` above the error: line."""
+    from diffusion_trt.runtime.embeddings import check_embedding_file
+
+    path = _bad_files(tmp_path)["evil"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning escaping the loader fails here
+        with pytest.raises(RuntimeInputError, match="is refused by torch's weights-only loader"):
+            check_embedding_file(path, False)
 
 
 def test_old_artifact_runs_and_refuses_embeddings(old_artifact: Path, files: dict[str, Path], tmp_path: Path) -> None:
