@@ -1568,8 +1568,8 @@ def _open_pipeline(artifact_dir: Path, device: str | None, scheduler: str | None
 
 
 def _int_list(value: str, option: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(v) for v in value.split(",") if v.strip())
+    try:  # "1,,2" or "1,4,": an empty item (a typo'd number?) is refused, not skipped
+        out = tuple(int(v) for v in value.split(","))
     except ValueError:
         raise click.BadParameter(
             f"{value!r} is not a comma-separated list of integers, e.g. 1,4", param_hint=option
@@ -1642,6 +1642,9 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
         if path is not None:
             _refuse_inside_artifact(path, artifact_dir, "output file", flag, _SEALED_FILE)
             _check_output_file(path, flag, example)  # before the benchmark, not after
+    if plot_path is not None and plot_path.suffix.lower() != ".png":  # Pillow's fallback wrote a PNG as out.json
+        raise click.BadParameter(f"{str(plot_path)!r} does not end in .png (the chart is a PNG); use e.g. bench.png",
+                                 param_hint="--plot")
     device_list = _parse_devices(devices, device)
     config = BenchConfig(
         artifact=artifact_dir, baseline=baseline, model_dir=model_dir, device="cuda" if device_list else device,
