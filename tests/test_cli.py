@@ -554,18 +554,22 @@ def test_outputs_inside_the_artifact_folder_are_refused(tiny_artifact: Path, tmp
                           (["optimize", "ART/text_encoder/model.onnx", "-o", "OUT/o.onnx", "--json", "ART/p.json"],
                            "--json", "output file", "p.json"),
                           (["optimize", "ART/text_encoder/model.onnx", "-o", "OUT/o.onnx", "--dump-passes",
-                            "ART/unet/dump"], "--dump-passes", "dump folder", "unet/dump")])
+                            "ART/unet/dump"], "--dump-passes", "dump folder", "unet/dump"),
+                          # run, compile: into an artifact other than the one they read or write
+                          (["run", "TINY", "-p", "x", "-o", "ART/x.png"], "-o", "output file", "x.png"),
+                          (["compile", "MODEL", "-o", "ART/sub"], "-o", "output folder", "sub")])
 def test_files_written_inside_any_artifact_folder_are_refused(tiny_artifact: Path, tiny_pipeline_dir: Path,
                                                               tmp_path: Path, args: list[str], flag: str, what: str,
                                                               inside: str) -> None:
     """`dummy-lora MODEL ART/x.safetensors` and `optimize ART/unet/model.onnx -o ART/unet/opt.onnx` wrote into the
-    sealed artifact (exit 0), a file its manifest does not list: verify then failed. The artifact is found by its
-    manifest, whichever command writes; refused as `run -o` inside the artifact is, and nothing is written."""
+    sealed artifact (exit 0), a file its manifest does not list: verify then failed; so did `run OTHER -o ART/x.png`
+    and `compile -o ART/sub`. The artifact is found by its manifest, whichever command writes; refused as `run -o`
+    inside the artifact it runs is, and nothing is written."""
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact, art)
     before = sorted(p.relative_to(art) for p in art.rglob("*"))
-    subs = {"ART": str(art), "MODEL": str(tiny_pipeline_dir), "OUT": str(tmp_path)}
-    code, out = _invoke(*(re.sub("^(ART|MODEL|OUT)", lambda m: subs[m.group(1)], a) for a in args))
+    subs = {"ART": str(art), "MODEL": str(tiny_pipeline_dir), "OUT": str(tmp_path), "TINY": str(tiny_artifact)}
+    code, out = _invoke(*(re.sub("^(ART|MODEL|OUT|TINY)", lambda m: subs[m.group(1)], a) for a in args))
     assert code == 2, out
     assert out.splitlines()[0] == (f"error: Invalid value for {flag}: the {what} {art / inside} lies inside the "
                                    f"artifact folder {art}, which is sealed: its manifest lists every file, and "
