@@ -462,6 +462,7 @@ def dummy_lora(model_dir: Path, out: Path, rank: int, seed: int, overwrite: bool
     from .compiler.dummy_lora import write_dummy_lora
 
     _refuse_inside_artifact(out, None, "output file", "OUT", _SEALED_FILE)
+    _refuse_missing_folder(out, "OUT")  # as run -o: a typo'd folder is not made silently
     _check_writable_file(out, "OUT", ".safetensors")
     if not overwrite:
         _refuse_existing_outputs(out, 1)

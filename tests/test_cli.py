@@ -454,6 +454,15 @@ def test_dummy_overwrite_refuses_a_folder_it_did_not_write(tiny_artifact: Path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no temporary folder left beside it
 
 
+def test_dummy_lora_in_a_missing_folder_is_refused(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """`dummy-lora MODEL typo/x.safetensors` made the mistyped folder (exit 0), where `run -o` refuses it."""
+    code, out = _invoke("dummy-lora", tiny_pipeline_dir, tmp_path / "typo" / "x.safetensors")
+    assert code == 2, out
+    assert out.splitlines()[0] == (f"error: Invalid value for OUT: the folder {tmp_path / 'typo'} does not exist; "
+                                   f"create it first (mkdir -p {tmp_path / 'typo'}) or choose another path"), out
+    assert not (tmp_path / "typo").exists()
+
+
 def test_dummy_pipeline_overwrite_replaces_the_folder_whole(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
     """`dummy-pipeline --overwrite` of a tiny-sdxl folder with tiny kept text_encoder_2/ and tokenizer_2/ of the old
     pipeline beside the new one's files: the folder is now replaced whole."""
