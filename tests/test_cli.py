@@ -454,6 +454,35 @@ def test_dummy_overwrite_refuses_a_folder_it_did_not_write(tiny_artifact: Path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no temporary folder left beside it
 
 
+def test_dummy_lora_writes_whole_files_with_the_umask_mode(tiny_pipeline_dir: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """safetensors' save_file wrote OUT in place with mode 0600: an interrupted write left a truncated LoRA where the
+    old one was, and a LoRA for `serve --lora-dir` run by another user could not be read."""
+    import os
+
+    from safetensors import safe_open
+
+    import diffusion_trt.artifact.folder as folder
+
+    out = tmp_path / "l.safetensors"
+    out.write_bytes(b"the old LoRA")
+    real = os.replace
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(folder.os, "replace", interrupted)
+    code, _ = _invoke("dummy-lora", tiny_pipeline_dir, out, "--overwrite")
+    assert code == 130 and out.read_bytes() == b"the old LoRA" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "l.safetensors"]
+    monkeypatch.setattr(folder.os, "replace", real)
+    code, text = _invoke("dummy-lora", tiny_pipeline_dir, out, "--overwrite")
+    assert code == 0, text
+    assert out.stat().st_mode & 0o777 == folder.umask_mode("file")
+    with safe_open(str(out), framework="pt") as f:
+        assert len(list(f.keys())) > 0
+
+
 def test_dummy_lora_in_a_missing_folder_is_refused(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
     """`dummy-lora MODEL typo/x.safetensors` made the mistyped folder (exit 0), where `run -o` refuses it."""
     code, out = _invoke("dummy-lora", tiny_pipeline_dir, tmp_path / "typo" / "x.safetensors")

@@ -704,6 +704,22 @@ def write_json_atomic(path: Path, data: Any) -> None:
         raise
 
 
+def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` through a temporary file and ``os.replace``, with the umask's mode: readers never see half a
+    file, and an interrupted write leaves the old file (or none)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, umask_mode("file"))  # mkstemp makes 0600
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 def refuse_symlinked_output(final: Path) -> None:
     """An output folder given as a symbolic link is refused: the lock and the staging folder are named after the
     path given, so a compile into a link and one into its target would not exclude each other, and the final
