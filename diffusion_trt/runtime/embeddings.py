@@ -165,6 +165,9 @@ def _vectors(path: Path, state: Mapping[str, Any]) -> torch.Tensor:
         value = state["emb_params"]
     elif len(state) == 1:
         value = next(iter(state.values()))
+    elif any("lora_" in str(k) or ".lora." in str(k) for k in state):  # as compile's single-file check says it
+        raise RuntimeInputError(f"embedding file {path} is a LoRA (lora_* keys), not a textual-inversion embedding: "
+                                "pass it with --lora (an artifact compiled --refittable) or compile --lora")
     else:
         keys = ", ".join(sorted(map(str, state))[:6])
         raise RuntimeInputError(f"embedding file {path} has keys {keys}: none of the textual-inversion forms "

@@ -162,8 +162,10 @@ def _bad_files(d: Path) -> dict[str, Path]:
     save_file({"emb_params": torch.zeros(1, HIDDEN)}, str(d / "other" / "inkstyle.safetensors"))
     save_file({"a": torch.zeros(1, HIDDEN), "b": torch.zeros(1, HIDDEN)}, str(d / "twokeys.safetensors"))
     save_file({"emb_params": torch.zeros(200, HIDDEN)}, str(d / "many.safetensors"))
-    return {"wide": d / "wide.safetensors", "evil": d / "evil.pt", "xl": d / "xl.safetensors",
-            "many": d / "many.safetensors",
+    save_file({"text_encoder.x.q_proj.lora_A.weight": torch.zeros(2, HIDDEN),
+               "text_encoder.x.q_proj.lora_B.weight": torch.zeros(HIDDEN, 2)}, str(d / "lora.safetensors"))
+    return {"lora": d / "lora.safetensors", "wide": d / "wide.safetensors", "evil": d / "evil.pt",
+            "xl": d / "xl.safetensors", "many": d / "many.safetensors",
             "clash": d / "other" / "inkstyle.safetensors", "twokeys": d / "twokeys.safetensors",
             "missing": d / "nope.safetensors", "folder": d / "other"}
 
@@ -175,6 +177,8 @@ def _bad_files(d: Path) -> dict[str, Path]:
     ("clash", "embedding name 'inkstyle'"),
     ("many", "embedding 'many' has 200 vectors and the loaded ones fill 3 of the artifact's 128 rows"),
     ("twokeys", "none of the textual-inversion forms"),
+    # a LoRA given as --embedding listed its first keys and "none of the textual-inversion forms"
+    ("lora", "is a LoRA (lora_* keys), not a textual-inversion embedding: pass it with --lora"),
     ("missing", "nope.safetensors does not exist"),
     ("folder", "other is a directory; pass one embedding file in it (.safetensors, or .pt/.bin"),
 ])
