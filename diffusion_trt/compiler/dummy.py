@@ -354,7 +354,9 @@ def replaced_folder(out: Path, overwrite: bool, marker: str, what: str) -> Itera
         if old is not None:
             os.replace(out, old)
         os.replace(tmp, out)
-        if old is not None:
+        if old is not None and old.is_symlink():  # OUT was a link: the link goes, the folder it named stays
+            old.unlink()
+        elif old is not None:
             shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
