@@ -461,6 +461,8 @@ def dummy_lora(model_dir: Path, out: Path, rank: int, seed: int, overwrite: bool
     """
     from .compiler.dummy_lora import write_dummy_lora
 
+    _refuse_inside_artifact(out, None, "output file", "OUT", _SEALED_FILE)
+    _refuse_missing_folder(out, "OUT")  # as run -o: a typo'd folder is not made silently
     _check_writable_file(out, "OUT", ".safetensors")
     if not overwrite:
         _refuse_existing_outputs(out, 1)
@@ -661,6 +663,11 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
 
     out_dir = out_dir or Path("artifacts") / (Path(model_dir).stem if Path(model_dir).is_file()
                                               else Path(model_dir).resolve().name)
+    from .artifact.folder import enclosing_artifact
+
+    around = enclosing_artifact(out_dir.expanduser().resolve().parent)  # -o ART/sub: an artifact sealed into another
+    if around is not None:
+        _refuse_inside_artifact(out_dir, around, "output folder", "-o", _SEALED_FILE)
     cache = _compile_cache(no_cache, cache_dir, cache_max_gb, out_dir)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -719,17 +726,24 @@ def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float, out_di
     return CompileCache(root, max_bytes=int(max_gb * (1 << 30)))
 
 
-def _refuse_inside_artifact(folder: Path, out_dir: Path, what: str, flag: str,
+def _refuse_inside_artifact(folder: Path, out_dir: Path | None, what: str, flag: str,
                             why: str = "is sealed and replaced whole; choose a folder outside it") -> None:
-    """Refuse a path of ours that is or lies inside the artifact folder: a folder compile writes (the compile cache,
-    the pass dumps) would be sealed in (verify fails) or, with --overwrite, deleted with the old artifact; a file
-    run or bench writes (``-o``, ``--json``, ``--plot``) would be one the sealed manifest does not list (``why``).
+    """Refuse a path of ours that is or lies inside the artifact folder ``out_dir`` (the one the command reads or
+    writes), or inside any other artifact folder (found by its sealed manifest,
+    :func:`~diffusion_trt.artifact.folder.enclosing_artifact`): a folder compile writes (the compile cache, the pass
+    dumps) would be sealed in (verify fails) or, with --overwrite, deleted with the old artifact; a file run or bench
+    writes (``-o``, ``--json``, ``--plot``) would be one the sealed manifest does not list (``why``).
 
     Raises:
         click.BadParameter: naming the path and the artifact folder.
     """
-    f, o = folder.expanduser().resolve(), out_dir.expanduser().resolve()
-    if f == o or o in f.parents:
+    from .artifact.folder import enclosing_artifact
+
+    f = folder.expanduser().resolve()
+    o = out_dir.expanduser().resolve() if out_dir is not None else None
+    if o is None or not (f == o or o in f.parents):
+        out_dir = o = enclosing_artifact(f)
+    if out_dir is not None and o is not None:
         named = str(out_dir) if out_dir.is_absolute() else f"{out_dir} ({o})"
         raise click.BadParameter(f"the {what} {folder} lies inside the artifact folder {named}, which {why}",
                                  param_hint=flag)
@@ -1063,6 +1077,10 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
     if output.resolve() == Path(source).resolve():
         raise click.BadParameter(f"{str(output)!r} is the input file; write the result elsewhere",
                                  param_hint="--output")
+    for path, flag, what in ((output, "--output", "output file"), (json_path, "--json", "output file"),
+                             (dump_passes, "--dump-passes", "dump folder")):
+        if path is not None:  # as run -o: a file the sealed manifest does not list fails verify
+            _refuse_inside_artifact(Path(path), None, what, flag, _SEALED_FILE)
     if not overwrite:  # as run -o: nothing is replaced unless asked
         _refuse_existing_outputs(output, 1)
     _check_writable_dir(output.parent if str(output.parent) else Path("."), "--output")
@@ -1548,8 +1566,8 @@ def _open_pipeline(artifact_dir: Path, device: str | None, scheduler: str | None
 
 
 def _int_list(value: str, option: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(v) for v in value.split(",") if v.strip())
+    try:  # "1,,2" or "1,4,": an empty item (a typo'd number?) is refused, not skipped
+        out = tuple(int(v) for v in value.split(","))
     except ValueError:
         raise click.BadParameter(
             f"{value!r} is not a comma-separated list of integers, e.g. 1,4", param_hint=option
@@ -1622,6 +1640,9 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
         if path is not None:
             _refuse_inside_artifact(path, artifact_dir, "output file", flag, _SEALED_FILE)
             _check_output_file(path, flag, example)  # before the benchmark, not after
+    if plot_path is not None and plot_path.suffix.lower() != ".png":  # Pillow's fallback wrote a PNG as out.json
+        raise click.BadParameter(f"{str(plot_path)!r} does not end in .png (the chart is a PNG); use e.g. bench.png",
+                                 param_hint="--plot")
     device_list = _parse_devices(devices, device)
     config = BenchConfig(
         artifact=artifact_dir, baseline=baseline, model_dir=model_dir, device="cuda" if device_list else device,

@@ -111,9 +111,10 @@ def check_image_size(name: str, value: int, lo: int | None = None, hi: int | Non
         )
     if value % multiple != 0:
         below, above = nearest_multiples(max(value, 1), multiple)
-        raise RuntimeInputError(
-            f"{name}={value} is not a positive multiple of {multiple}; use {below} or {above}{rng}"
-        )
+        if lo is not None and hi is not None:  # 300 in a 32..128 profile: "use 296 or 304" named two more refusals
+            below, above = min(max(below, lo), hi), min(max(above, lo), hi)
+        use = f"{below} or {above}" if below != above else str(below)
+        raise RuntimeInputError(f"{name}={value} is not a positive multiple of {multiple}; use {use}{rng}")
     if lo is not None and hi is not None and not lo <= value <= hi:
         raise RuntimeInputError(
             f"{name}={value} is outside the engine profile {lo}..{hi}; "

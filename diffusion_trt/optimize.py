@@ -45,6 +45,8 @@ PRECISIONS: tuple[str, ...] = ("fp32", "fp16")
 #: Weights go to ``OUT.onnx.data`` beside the model when they pass this (protobuf cannot hold 2 GiB).
 EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
 
+#: The most bytes one random input may take as drawn (float64/int64): SD's inputs take kB, a typo'd --shape TBs.
+MAX_RANDOM_INPUT_BYTES = 4 << 30
 _SHAPE = re.compile(r"^(?P<name>.+):(?P<dims>\d+(x\d+)*)$")
 
 
@@ -214,6 +216,13 @@ def random_feeds(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]] | N
         if made_up:
             warnings.append(f"input {name!r} ({_dims_text(graph_dims)}): unknown dim(s) set to 1; give "
                             f"--shape {name}:{'x'.join(map(str, dims[name]))} with the real sizes")
+    for name, shape in dims.items():  # --shape x:1x99999999999 died in numpy (MemoryError, a traceback, exit 1)
+        size = int(np.prod(shape, dtype=object)) * 8  # drawn as float64 / int64, then cast
+        if size > MAX_RANDOM_INPUT_BYTES:
+            raise ModelFileError(f"input {name!r} of shape {'x'.join(map(str, shape))} would take {size / 2**30:.1f} "
+                                 f"GiB of random values, more than the {MAX_RANDOM_INPUT_BYTES >> 30} GiB random "
+                                 f"inputs may take; give smaller dims with --shape {name}:..., or pass the arrays "
+                                 "with --inputs FILE.npz")
     feeds = []
     for _ in range(count):
         feed: dict[str, np.ndarray] = {}

@@ -581,3 +581,21 @@ def test_a_missing_file_is_refused_on_exactly_one_line(art: Path, tmp_path: Path
     assert [line for line in out.splitlines() if line.strip()] == [out.strip()], out
     assert "failed verification: " in out and "vae_decoder/model.onnx" in out
     assert not (tmp_path / "x.png").exists()
+
+
+def test_enclosing_artifact_is_found_by_its_sealed_manifest_only(tmp_path: Path) -> None:
+    """What `optimize -o`, `dummy-lora OUT`... refuse to write into: the nearest folder whose manifest.json is ours (a
+    JSON object with manifest_sha256), not any manifest.json (a web app's) nor one that is not JSON."""
+    from diffusion_trt.artifact.folder import enclosing_artifact, write_manifest
+
+    art, web, bad = tmp_path / "art", tmp_path / "web", tmp_path / "bad"
+    for folder in (art / "unet", web, bad):
+        folder.mkdir(parents=True)
+    write_manifest(art, {"schema_version": 1})
+    (web / "manifest.json").write_text(json.dumps({"name": "my app", "icons": []}))
+    (bad / "manifest.json").write_bytes(b"\xff not json")
+    assert enclosing_artifact(art / "unet" / "x.onnx") == art.resolve()
+    assert enclosing_artifact(art) == art.resolve()
+    assert enclosing_artifact(web / "x.onnx") is None and enclosing_artifact(bad / "x") is None
+    os.symlink(art / "unet", tmp_path / "link")  # through a link: where it resolves to
+    assert enclosing_artifact(tmp_path / "link" / "x.png") == art.resolve()

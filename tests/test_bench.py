@@ -95,9 +95,17 @@ def _config() -> dict[str, object]:
     }
 
 
-def test_bench_rejects_bad_options(tiny_artifact: Path) -> None:
+def test_bench_rejects_bad_options(tiny_artifact: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--batch-size", "1,x"])
     assert result.exit_code == 2 and "'1,x' is not a comma-separated list of integers" in result.output
+    # "1,,2" ran batch sizes 1 and 2 (the empty item skipped); --plot out.json wrote a PNG named out.json
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--batch-size", "1,,2"])
+    assert result.exit_code == 2 and "'1,,2' is not a comma-separated list of integers" in result.output
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--plot", str(tmp_path / "out.json")])
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines()[0] == (f"error: Invalid value for --plot: '{tmp_path / 'out.json'}' does not "
+                                             "end in .png (the chart is a PNG); use e.g. bench.png"), result.output
+    assert not (tmp_path / "out.json").exists()
     result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--device", "cpu", "--devices", "0,1"])
     assert result.exit_code == 2 and "--devices 0,1 needs CUDA" in result.output
 

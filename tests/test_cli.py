@@ -69,6 +69,12 @@ def test_run_writes_png_with_parameters(tiny_artifact: Path, tmp_path: Path) -> 
         (["--guidance", "-1"], r"error: --guidance -1\.0 must be a finite number >= 0"),
         (["--scheduler", "nope"], r"error: --scheduler nope is unknown; use one of pndm, ddim"),
         (["--height", "60"], r"--height 60 is not a positive multiple of 8; use 56 or 64 \(engine profile allows 32"),
+        # 300 and 99999999999999999999 suggested 296 or 304 / 99999999999999999992 or 10^20: both outside the profile
+        (["--height", "300"], r"error: --height 300 is not a positive multiple of 8; use 128 \(engine profile allows "
+                              r"32\.\.128\)$"),
+        (["--width", "99999999999999999999"], r"error: --width 99999999999999999999 is not a positive multiple of 8; "
+                                              r"use 128 \("),
+        (["--width", "33"], r"error: --width 33 is not a positive multiple of 8; use 32 or 40 \("),
         (["--width", "256"], r"--width 256 is outside the engine profile 32\.\.128; .* --min-width/--max-width"),
         # --batch-size 9 now runs in chunks (tests/runtime/test_batching.py)
         (["--device", "cpu", "--devices", "0,1"], r"--devices 0,1 needs CUDA; drop it or use --device cuda"),
@@ -431,6 +437,73 @@ def test_dummy_pipeline_refuses_non_empty_folder(tmp_path: Path) -> None:
     assert code == 2 and "exists and is not empty; choose another folder or pass --overwrite" in out
 
 
+@pytest.mark.parametrize(("command", "marker", "what"), [("dummy-pipeline", "model_index.json", "diffusers pipeline"),
+                                                        ("dummy-controlnet", "config.json", "ControlNet")])
+def test_dummy_overwrite_refuses_a_folder_it_did_not_write(tiny_artifact: Path, tmp_path: Path, command: str,
+                                                           marker: str, what: str) -> None:
+    """`dummy-pipeline --overwrite ART` wrote a pipeline into the artifact (exit 0): a folder half artifact, half
+    model. --overwrite now replaces only a folder of the writer's own kind, and deletes nothing else."""
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    before = sorted(p.relative_to(art) for p in art.rglob("*"))
+    code, out = _invoke(command, "--overwrite", art)
+    assert code == 2, out
+    assert out.splitlines()[0] == (f"error: {art} is not empty and holds no {marker}: --overwrite only replaces a "
+                                   f"{what} folder; choose an empty or new folder (nothing was deleted)"), out
+    assert sorted(p.relative_to(art) for p in art.rglob("*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no temporary folder left beside it
+
+
+def test_dummy_lora_writes_whole_files_with_the_umask_mode(tiny_pipeline_dir: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """safetensors' save_file wrote OUT in place with mode 0600: an interrupted write left a truncated LoRA where the
+    old one was, and a LoRA for `serve --lora-dir` run by another user could not be read."""
+    import os
+
+    from safetensors import safe_open
+
+    import diffusion_trt.artifact.folder as folder
+
+    out = tmp_path / "l.safetensors"
+    out.write_bytes(b"the old LoRA")
+    real = os.replace
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(folder.os, "replace", interrupted)
+    code, _ = _invoke("dummy-lora", tiny_pipeline_dir, out, "--overwrite")
+    assert code == 130 and out.read_bytes() == b"the old LoRA" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "l.safetensors"]
+    monkeypatch.setattr(folder.os, "replace", real)
+    code, text = _invoke("dummy-lora", tiny_pipeline_dir, out, "--overwrite")
+    assert code == 0, text
+    assert out.stat().st_mode & 0o777 == folder.umask_mode("file")
+    with safe_open(str(out), framework="pt") as f:
+        assert len(list(f.keys())) > 0
+
+
+def test_dummy_lora_in_a_missing_folder_is_refused(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """`dummy-lora MODEL typo/x.safetensors` made the mistyped folder (exit 0), where `run -o` refuses it."""
+    code, out = _invoke("dummy-lora", tiny_pipeline_dir, tmp_path / "typo" / "x.safetensors")
+    assert code == 2, out
+    assert out.splitlines()[0] == (f"error: Invalid value for OUT: the folder {tmp_path / 'typo'} does not exist; "
+                                   f"create it first (mkdir -p {tmp_path / 'typo'}) or choose another path"), out
+    assert not (tmp_path / "typo").exists()
+
+
+def test_dummy_pipeline_overwrite_replaces_the_folder_whole(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    """`dummy-pipeline --overwrite` of a tiny-sdxl folder with tiny kept text_encoder_2/ and tokenizer_2/ of the old
+    pipeline beside the new one's files: the folder is now replaced whole."""
+    model = tmp_path / "m"
+    shutil.copytree(tiny_sdxl_dir, model)
+    code, out = _invoke("dummy-pipeline", "--overwrite", model)
+    assert code == 0, out
+    assert sorted(p.name for p in model.iterdir()) == ["model_index.json", "scheduler", "text_encoder", "tokenizer",
+                                                       "unet", "vae"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
 @pytest.mark.parametrize("backend", ["tensorrt", "tensorrt-rtx"], ids=["full-trt", "rtx"])
 def test_compile_tensorrt_needs_cuda_device(tiny_pipeline_dir: Path, tmp_path: Path, backend: str) -> None:
     """--device defaults to cuda for the TensorRT backends; an explicit cpu is refused."""
@@ -510,6 +583,37 @@ def test_outputs_inside_the_artifact_folder_are_refused(tiny_artifact: Path, tmp
                                    f"artifact folder {art}, which is sealed: its manifest lists every file, and "
                                    "verify reports any other; write it outside the artifact folder"), out
     assert sorted(p.relative_to(art) for p in art.rglob("*")) == before
+
+
+@pytest.mark.parametrize(("args", "flag", "what", "inside"),
+                         [(["dummy-lora", "MODEL", "ART/x.safetensors"], "OUT", "output file", "x.safetensors"),
+                          (["optimize", "ART/text_encoder/model.onnx", "-o", "ART/text_encoder/opt.onnx"], "--output",
+                           "output file", "text_encoder/opt.onnx"),
+                          (["optimize", "ART/text_encoder/model.onnx", "-o", "OUT/o.onnx", "--json", "ART/p.json"],
+                           "--json", "output file", "p.json"),
+                          (["optimize", "ART/text_encoder/model.onnx", "-o", "OUT/o.onnx", "--dump-passes",
+                            "ART/unet/dump"], "--dump-passes", "dump folder", "unet/dump"),
+                          # run, compile: into an artifact other than the one they read or write
+                          (["run", "TINY", "-p", "x", "-o", "ART/x.png"], "-o", "output file", "x.png"),
+                          (["compile", "MODEL", "-o", "ART/sub"], "-o", "output folder", "sub")])
+def test_files_written_inside_any_artifact_folder_are_refused(tiny_artifact: Path, tiny_pipeline_dir: Path,
+                                                              tmp_path: Path, args: list[str], flag: str, what: str,
+                                                              inside: str) -> None:
+    """`dummy-lora MODEL ART/x.safetensors` and `optimize ART/unet/model.onnx -o ART/unet/opt.onnx` wrote into the
+    sealed artifact (exit 0), a file its manifest does not list: verify then failed; so did `run OTHER -o ART/x.png`
+    and `compile -o ART/sub`. The artifact is found by its manifest, whichever command writes; refused as `run -o`
+    inside the artifact it runs is, and nothing is written."""
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    before = sorted(p.relative_to(art) for p in art.rglob("*"))
+    subs = {"ART": str(art), "MODEL": str(tiny_pipeline_dir), "OUT": str(tmp_path), "TINY": str(tiny_artifact)}
+    code, out = _invoke(*(re.sub("^(ART|MODEL|OUT|TINY)", lambda m: subs[m.group(1)], a) for a in args))
+    assert code == 2, out
+    assert out.splitlines()[0] == (f"error: Invalid value for {flag}: the {what} {art / inside} lies inside the "
+                                   f"artifact folder {art}, which is sealed: its manifest lists every file, and "
+                                   "verify reports any other; write it outside the artifact folder"), out
+    assert sorted(p.relative_to(art) for p in art.rglob("*")) == before
+    assert not list(tmp_path.glob("o.onnx*"))
 
 
 def test_run_output_inside_the_artifact_folder_is_refused_through_a_relative_path(

@@ -111,6 +111,10 @@ def test_low_opset_is_raised_to_17(tmp_path: Path) -> None:
     (["--shape", "qkv:4xAx6"], ["qkv:4xAx6", "--shape sample:1x4x64x64"]),
     (["--shape", "nope:1x2x3"], ["'nope'", "inputs are qkv"]),
     (["--shape", "qkv:4x24"], ["rank 2", "rank 3"]),
+    # a typo'd dim: numpy's MemoryError came out as a traceback (exit 1)
+    (["--shape", "qkv:4x99999999999x6", "--check"], ["error: input 'qkv' of shape 4x99999999999x6 would take "
+                                                     "17881.4 GiB of random values, more than the 4 GiB",
+                                                     "--inputs FILE.npz"]),
     (["--pass-option", "no_such_option=1"], ["no_such_option", "known:"]),
     (["--pass-option", "pack_qkv"], ["'pack_qkv' is not KEY=VALUE", "pack_qkv=false"]),
     (["--pass-option", "pack_qkv=yes"], ["pack_qkv='yes'", "true or false"]),

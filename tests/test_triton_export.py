@@ -138,6 +138,19 @@ def test_export_refuses_a_repository_over_the_artifact(tiny_artifact: Path, tmp_
 
 
 
+def test_export_refuses_a_repository_inside_another_artifact(tiny_artifact: Path, tmp_path: Path) -> None:
+    """`export-triton A B/repo` with B another artifact wrote the repository into B (exit 0): verify B then failed."""
+    other = tmp_path / "other"
+    shutil.copytree(tiny_artifact, other)
+    repo = other / "repo"
+    code, out = _invoke("export-triton", tiny_artifact, repo)
+    assert code == 2, out
+    assert out.strip() == (f"error: REPO_DIR {repo} lies inside the artifact folder {other}, which is sealed: its "
+                           "manifest lists every file, and verify reports any other; write the Triton repository "
+                           "elsewhere (e.g. model_repository)")
+    assert _invoke("verify", other)[0] == 0 and not repo.exists()
+
+
 def test_export_changes_nothing_when_it_fails(tiny_artifact: Path, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A file where a model folder goes, and a failure part way: it left the models written before (exit 2)."""

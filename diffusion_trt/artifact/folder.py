@@ -704,6 +704,22 @@ def write_json_atomic(path: Path, data: Any) -> None:
         raise
 
 
+def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` through a temporary file and ``os.replace``, with the umask's mode: readers never see half a
+    file, and an interrupted write leaves the old file (or none)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, umask_mode("file"))  # mkstemp makes 0600
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 def refuse_symlinked_output(final: Path) -> None:
     """An output folder given as a symbolic link is refused: the lock and the staging folder are named after the
     path given, so a compile into a link and one into its target would not exclude each other, and the final
@@ -794,6 +810,26 @@ def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
             f"{path} is not a valid artifact manifest (run `diffusion-trt verify {root}`):\n  " + "\n  ".join(problems)
         )
     return manifest
+
+
+def enclosing_artifact(path: str | os.PathLike[str]) -> Path | None:
+    """The artifact folder that ``path`` is or lies inside (resolved), or ``None``: the nearest folder at or above it
+    whose ``manifest.json`` is one of ours (a JSON object with :data:`SEAL_KEY`). For commands that write a file
+    anywhere (``optimize -o``, ``dummy-lora OUT``): a file put into a sealed artifact is one its manifest does not
+    list, and ``verify`` fails on it. A manifest that cannot be read as JSON is not taken as ours.
+    """
+    p = Path(path).expanduser().resolve()
+    for folder in (p, *p.parents):
+        candidate = folder / MANIFEST_NAME
+        if not candidate.is_file():
+            continue
+        try:
+            data = parse_json(read_manifest_bytes(candidate), str(candidate))
+        except ArtifactError:
+            continue
+        if isinstance(data, dict) and SEAL_KEY in data:
+            return folder
+    return None
 
 
 def read_manifest_bytes(path: str | os.PathLike[str]) -> bytes:

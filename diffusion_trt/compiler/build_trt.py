@@ -27,13 +27,10 @@ exactly that shape). The runtime selects the narrowest profile that holds a call
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import logging
-import os
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -432,21 +429,6 @@ def read_timing_cache(cache_dir: Path, key: trt_compat.TimingCacheKey) -> tuple[
     return payload, facts
 
 
-def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
-    """Write ``data`` through a temporary file and ``os.replace``: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, artifacts.umask_mode("file"))  # mkstemp makes 0600
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 # -- the stage ------------------------------------------------------------------------------------------
 
 
@@ -811,7 +793,7 @@ def engine_from_onnx(
     view = engine_from_network(trt, builder, network, config,
                                f"{onnx_path} (flags {applied}, profiles {[p.kind for p in profiles]})")
     build_seconds = time.perf_counter() - t_build
-    write_bytes_atomic(plan_path, view)
+    artifacts.write_bytes_atomic(plan_path, view)
     if cache_key is not None and timing_cache_dir is not None:
         cache_facts["saved"] = save_timing_cache(config, Path(timing_cache_dir), cache_key)
     facts = BuildFacts(
@@ -840,5 +822,6 @@ def is_strongly_typed(build: TrtBuildConfig, target: BuildTarget, has_qdq: bool)
 def save_timing_cache(config: Any, cache_dir: Path, key: trt_compat.TimingCacheKey) -> bool:
     """Write the config's timing cache (framed for ``key``) into ``cache_dir``, atomically; ``True`` once written."""
     serialized = config.get_timing_cache().serialize()
-    write_bytes_atomic(cache_dir / key.filename, trt_compat.pack_timing_cache(key, bytes(memoryview(serialized))))
+    artifacts.write_bytes_atomic(cache_dir / key.filename,
+                                 trt_compat.pack_timing_cache(key, bytes(memoryview(serialized))))
     return True

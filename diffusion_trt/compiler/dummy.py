@@ -20,14 +20,20 @@ those of a real checkpoint. Add an architecture by adding an entry to ``_CONFIGS
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import importlib.resources
 import json
 import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from ..artifact.folder import umask_mode
 from ..errors import ModelFolderError
 
 logger = logging.getLogger(__name__)
@@ -322,6 +328,40 @@ def write_clip_tokenizer(out_dir: Path, pad_token: str = "<|endoftext|>") -> Non
     tok.save_pretrained(out_dir)
 
 
+@contextlib.contextmanager
+def replaced_folder(out: Path, overwrite: bool, marker: str, what: str) -> Iterator[Path]:
+    """Yield a fresh folder beside ``out`` that replaces it whole when the block succeeds (``out`` is left as it was
+    when it fails). ``--overwrite`` wrote into the old folder, so a pipeline written over another architecture's kept
+    the files that one had and this one lacks (an SDXL ``text_encoder_2/``), and one written over an artifact mixed
+    the two. A non-empty ``out`` is replaced only with ``overwrite`` and only when it holds ``marker`` (the file this
+    writer makes: ``model_index.json``...), so a folder of something else is never deleted.
+
+    Raises:
+        ModelFolderError: ``out`` is not empty and ``overwrite`` is false, or it holds no ``marker``.
+    """
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ModelFolderError(f"{out} exists and is not empty; choose another folder or pass --overwrite")
+        if not (out / marker).is_file():
+            raise ModelFolderError(f"{out} is not empty and holds no {marker}: --overwrite only replaces a {what} "
+                                   "folder; choose an empty or new folder (nothing was deleted)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, umask_mode("dir"))
+        old = out.with_name(f".{out.name}.old-{os.getpid()}") if out.exists() else None
+        if old is not None:
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None and old.is_symlink():  # OUT was a link: the link goes, the folder it named stays
+            old.unlink()
+        elif old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_dummy_pipeline(out_dir: str | Path, arch: str = "tiny", seed: int = 0, overwrite: bool = False) -> Path:
     """Write a ``StableDiffusionPipeline`` (or, for the SDXL archs, ``StableDiffusionXLPipeline``) folder with
     seeded random weights.
@@ -336,20 +376,26 @@ def write_dummy_pipeline(out_dir: str | Path, arch: str = "tiny", seed: int = 0,
         The folder, loadable with ``<Pipeline class>.from_pretrained(out_dir, local_files_only=True)``.
 
     Raises:
-        ModelFolderError: unknown ``arch`` (the message lists the valid ones) or ``out_dir`` not empty.
+        ModelFolderError: unknown ``arch`` (the message lists the valid ones), or ``out_dir`` not empty (without
+            ``overwrite``, or holding no ``model_index.json``: see :func:`replaced_folder`).
     """
-    import shutil
+    if arch not in ARCHS:
+        raise ModelFolderError(f"--arch {arch!r} is unknown; use one of {', '.join(ARCHS)}")
+    out = Path(out_dir)
+    with replaced_folder(out, overwrite, "model_index.json", "diffusers pipeline") as tmp:
+        unet = _write_dummy_pipeline(tmp, arch, seed)
+    n_unet = sum(p.numel() for p in unet.parameters())
+    logger.info("wrote %s pipeline (seed %d, UNet %s parameters) to %s", arch, seed, f"{n_unet:,}", out)
+    return out
 
+
+def _write_dummy_pipeline(out: Path, arch: str, seed: int) -> Any:
+    """Write the pipeline of :func:`write_dummy_pipeline` into the empty folder ``out``; returns its UNet."""
     import diffusers
     import torch
     from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-    if arch not in ARCHS:
-        raise ModelFolderError(f"--arch {arch!r} is unknown; use one of {', '.join(ARCHS)}")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ModelFolderError(f"{out} exists and is not empty; choose another folder or pass --overwrite")
     cfg = _CONFIGS[arch]
 
     torch.manual_seed(seed)
@@ -398,6 +444,4 @@ def write_dummy_pipeline(out_dir: str | Path, arch: str = "tiny", seed: int = 0,
     pipe.save_pretrained(out, safe_serialization=True)
     for tmp in ("_tokenizer_tmp", "_tokenizer_2_tmp"):
         shutil.rmtree(out / tmp, ignore_errors=True)
-    n_unet = sum(p.numel() for p in unet.parameters())
-    logger.info("wrote %s pipeline (seed %d, UNet %s parameters) to %s", arch, seed, f"{n_unet:,}", out)
-    return out
+    return unet

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from ..errors import ModelFolderError
-from .dummy import ARCHS, arch_config
+from .dummy import ARCHS, arch_config, replaced_folder
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +36,25 @@ def write_dummy_controlnet(out_dir: str | Path, arch: str = "tiny", seed: int = 
         The folder, loadable with ``ControlNetModel.from_pretrained(out_dir)``.
 
     Raises:
-        ModelFolderError: unknown or inpainting ``arch`` (the message lists the valid ones), or ``out_dir`` not empty.
+        ModelFolderError: unknown or inpainting ``arch`` (the message lists the valid ones), or ``out_dir`` not empty
+            (without ``overwrite``, or holding no ``config.json``: see :func:`~.dummy.replaced_folder`).
     """
-    import torch
-    from diffusers import ControlNetModel, UNet2DConditionModel
-
     valid = [a for a in ARCHS if "inpaint" not in a]
     if arch not in valid:
         raise ModelFolderError(f"--arch {arch!r} has no ControlNet; use one of {', '.join(valid)}")
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ModelFolderError(f"{out} exists and is not empty; choose another folder or pass --overwrite")
+    with replaced_folder(out, overwrite, "config.json", "ControlNet") as tmp:
+        controlnet = _write_dummy_controlnet(tmp, arch, seed)
+    logger.info("wrote %s ControlNet (seed %d, %s parameters) to %s", arch, seed,
+                f"{sum(p.numel() for p in controlnet.parameters()):,}", out)
+    return out
+
+
+def _write_dummy_controlnet(out: Path, arch: str, seed: int) -> Any:
+    """Write the ControlNet of :func:`write_dummy_controlnet` into the empty folder ``out``; returns it."""
+    import torch
+    from diffusers import ControlNetModel, UNet2DConditionModel
+
     torch.manual_seed(seed)  # as write_dummy_pipeline: the same seed gives the pipeline's own UNet
     unet = UNet2DConditionModel(**arch_config(arch)["unet"])
     kwargs = {"conditioning_embedding_out_channels": _TINY_EMBEDDING} if arch.startswith("tiny") else {}
@@ -57,8 +66,5 @@ def write_dummy_controlnet(out_dir: str | Path, arch: str = "tiny", seed: int = 
         for conv in zeroed:
             for p in conv.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * _INIT_STD)
-    out.mkdir(parents=True, exist_ok=True)
     controlnet.save_pretrained(out, safe_serialization=True)
-    logger.info("wrote %s ControlNet (seed %d, %s parameters) to %s", arch, seed,
-                f"{sum(p.numel() for p in controlnet.parameters()):,}", out)
-    return out
+    return controlnet

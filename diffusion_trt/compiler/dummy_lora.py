@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..artifact.folder import write_bytes_atomic
 from ..errors import ModelFolderError
 
 UNET_TARGETS: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
@@ -44,7 +45,7 @@ def write_dummy_lora(model_dir: str | Path, out: str | Path, *, rank: int = 4, s
         ValueError: ``rank`` < 1.
     """
     from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     if rank < 1:
         raise ValueError(f"rank={rank} must be >= 1")
@@ -69,5 +70,6 @@ def write_dummy_lora(model_dir: str | Path, out: str | Path, *, rank: int = 4, s
             counts[comp] = counts.get(comp, 0) + 1
         if not counts.get(comp):
             raise ModelFolderError(f"{path} has no attention projection ({', '.join(targets)}) to put a LoRA on")
-    save_file(tensors, str(out))
+    # whole or not at all, with the umask's mode: save_file wrote in place (Ctrl-C: a truncated LoRA), mode 0600
+    write_bytes_atomic(Path(out), save(tensors))
     return counts

@@ -138,9 +138,12 @@ def _read_safetensors(path: Path) -> dict[str, Any]:
 
 def _read_weights_only(path: Path) -> dict[str, Any]:
     import pickle
+    import warnings
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's "Detected pickle protocol 4" came out above the one error: line
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RuntimeInputError(f"embedding file {path} is refused by torch's weights-only loader ({first}); it "
@@ -162,6 +165,9 @@ def _vectors(path: Path, state: Mapping[str, Any]) -> torch.Tensor:
         value = state["emb_params"]
     elif len(state) == 1:
         value = next(iter(state.values()))
+    elif any("lora_" in str(k) or ".lora." in str(k) for k in state):  # as compile's single-file check says it
+        raise RuntimeInputError(f"embedding file {path} is a LoRA (lora_* keys), not a textual-inversion embedding: "
+                                "pass it with --lora (an artifact compiled --refittable) or compile --lora")
     else:
         keys = ", ".join(sorted(map(str, state))[:6])
         raise RuntimeInputError(f"embedding file {path} has keys {keys}: none of the textual-inversion forms "

@@ -226,8 +226,9 @@ def _place(src: Path, dst: Path) -> None:
 
 
 def _refuse_overlap(root: Path, repo: Path, folders: Iterable[Path]) -> None:
-    """Refuse a repository inside the artifact (it is sealed) or a model folder that is or holds the artifact (it would
-    be deleted before the engines are copied out of it).
+    """Refuse a repository inside the artifact, or inside any other artifact (they are sealed: verify then fails on the
+    files their manifest does not list), or a model folder that is or holds the artifact (it would be deleted before
+    the engines are copied out of it).
 
     Raises:
         OutputPathError: naming both folders and the fix.
@@ -236,6 +237,11 @@ def _refuse_overlap(root: Path, repo: Path, folders: Iterable[Path]) -> None:
     inside = repo.resolve() == artifact or artifact in repo.resolve().parents
     if inside or any(f.resolve() == artifact or f.resolve() in artifact.parents for f in folders):
         raise OutputPathError(f"REPO_DIR {repo} overlaps the artifact {root}; write the Triton repository elsewhere "
+                              "(e.g. model_repository)")
+    other = artifacts.enclosing_artifact(repo)
+    if other is not None:
+        raise OutputPathError(f"REPO_DIR {repo} lies inside the artifact folder {other}, which is sealed: its manifest "
+                              "lists every file, and verify reports any other; write the Triton repository elsewhere "
                               "(e.g. model_repository)")
 
 

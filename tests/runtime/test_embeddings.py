@@ -4,6 +4,7 @@ diffusers' ``load_textual_inversion`` on the same file, nothing changed without 
 from __future__ import annotations
 
 import pickle
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -161,8 +162,10 @@ def _bad_files(d: Path) -> dict[str, Path]:
     save_file({"emb_params": torch.zeros(1, HIDDEN)}, str(d / "other" / "inkstyle.safetensors"))
     save_file({"a": torch.zeros(1, HIDDEN), "b": torch.zeros(1, HIDDEN)}, str(d / "twokeys.safetensors"))
     save_file({"emb_params": torch.zeros(200, HIDDEN)}, str(d / "many.safetensors"))
-    return {"wide": d / "wide.safetensors", "evil": d / "evil.pt", "xl": d / "xl.safetensors",
-            "many": d / "many.safetensors",
+    save_file({"text_encoder.x.q_proj.lora_A.weight": torch.zeros(2, HIDDEN),
+               "text_encoder.x.q_proj.lora_B.weight": torch.zeros(HIDDEN, 2)}, str(d / "lora.safetensors"))
+    return {"lora": d / "lora.safetensors", "wide": d / "wide.safetensors", "evil": d / "evil.pt",
+            "xl": d / "xl.safetensors", "many": d / "many.safetensors",
             "clash": d / "other" / "inkstyle.safetensors", "twokeys": d / "twokeys.safetensors",
             "missing": d / "nope.safetensors", "folder": d / "other"}
 
@@ -174,6 +177,8 @@ def _bad_files(d: Path) -> dict[str, Path]:
     ("clash", "embedding name 'inkstyle'"),
     ("many", "embedding 'many' has 200 vectors and the loaded ones fill 3 of the artifact's 128 rows"),
     ("twokeys", "none of the textual-inversion forms"),
+    # a LoRA given as --embedding listed its first keys and "none of the textual-inversion forms"
+    ("lora", "is a LoRA (lora_* keys), not a textual-inversion embedding: pass it with --lora"),
     ("missing", "nope.safetensors does not exist"),
     ("folder", "other is a directory; pass one embedding file in it (.safetensors, or .pt/.bin"),
 ])
@@ -191,6 +196,18 @@ def test_bad_embedding_is_one_error_line(tiny_artifact: Path, files: dict[str, P
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.output
     assert not (tmp_path / "x.png").exists() and "pwned" not in capsys.readouterr().out + result.output
+
+
+def test_a_pickle_refused_says_it_in_one_line_without_torchs_warning(tmp_path: Path) -> None:
+    """`run --embedding evil.pt` (pickle protocol 4, the default) printed torch's two-line `UserWarning: Detected
+    pickle protocol 4 ...` above the error: line."""
+    from diffusion_trt.runtime.embeddings import check_embedding_file
+
+    path = _bad_files(tmp_path)["evil"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning escaping the loader fails here
+        with pytest.raises(RuntimeInputError, match="is refused by torch's weights-only loader"):
+            check_embedding_file(path, False)
 
 
 def test_old_artifact_runs_and_refuses_embeddings(old_artifact: Path, files: dict[str, Path], tmp_path: Path) -> None:

@@ -36,8 +36,11 @@ def test_geometry_reads_the_manifest_once() -> None:
 def test_geometry_checks_requested_and_image_sizes() -> None:
     geo = LatentGeometry()
     assert geo.check_size(np.int64(64), 48, PROFILE) == (64, 48)
-    with pytest.raises(RuntimeInputError, match=r"height=700 is not a positive multiple of 8; use 696 or 704"):
+    # the suggestions stay inside the profile: 696 or 704 would be refused too
+    with pytest.raises(RuntimeInputError, match=r"height=700 is not a positive multiple of 8; use 128 \(engine"):
         geo.check_size(700, 48, PROFILE)
+    with pytest.raises(RuntimeInputError, match=r"height=30 is not a positive multiple of 8; use 32 \(engine"):
+        geo.check_size(30, 48, PROFILE)
     with pytest.raises(RuntimeInputError, match=r"width=256 is outside the engine profile 32..128"):
         geo.check_size(64, 256, PROFILE)
     with pytest.raises(RuntimeInputError, match=r"height=64.0 must be an integer number of pixels"):
