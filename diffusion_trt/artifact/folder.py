@@ -689,35 +689,37 @@ def umask_mode(kind: str) -> int:
     return (0o666 if kind == "file" else 0o777) & ~mask
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` through a temporary file and ``os.replace``: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "wb", *, hidden: bool = False) -> Iterator[Any]:
+    """A file object (``mode`` "wb", or "w" for UTF-8 text) whose contents replace ``path`` when the block ends
+    without an error: written to a temporary file beside it (a dot-file with ``hidden``), given the umask's mode
+    (:func:`umask_mode`) and renamed over ``path`` (``os.replace``). Readers never see half a file, and an
+    interrupted write leaves the old file (or none) and no temporary file."""
+    fd, tmp = tempfile.mkstemp(prefix=f"{'.' if hidden else ''}{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.chmod(tmp, umask_mode("file"))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
-    """Write ``data`` through a temporary file and ``os.replace``, with the umask's mode: readers never see half a
-    file, and an interrupted write leaves the old file (or none)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
+            yield f
         os.chmod(tmp, umask_mode("file"))  # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` through :func:`atomic_file`: readers never see half a file."""
+    with atomic_file(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` through :func:`atomic_file` (its folder made if missing): readers never see half a
+    file, and an interrupted write leaves the old file (or none)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def refuse_symlinked_output(final: Path) -> None:

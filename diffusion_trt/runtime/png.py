@@ -6,16 +6,14 @@ written by :func:`save_png` and read back by :func:`read_png_parameters`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..artifact.folder import umask_mode
+from ..artifact.folder import atomic_file
 from ..errors import RuntimeInputError
 
 logger = logging.getLogger(__name__)
@@ -53,16 +51,8 @@ def save_png(image: Any, path: str | os.PathLike[str], params: Mapping[str, Any]
     if params is not None:
         info.add_text(PARAMETERS_KEY, json.dumps(dict(params), ensure_ascii=False, default=str))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            image.save(f, format="PNG", pnginfo=info)
-        os.chmod(tmp, umask_mode("file"))  # mkstemp makes 0600
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path, hidden=True) as f:
+        image.save(f, format="PNG", pnginfo=info)
     logger.debug("wrote %s", path)
     return path
 

@@ -30,17 +30,15 @@ Pure Python: no ``tensorrt`` import (``runtime/engines/trt_engine.py`` passes th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...artifact.folder import SEAL_KEY, umask_mode
+from ...artifact.folder import SEAL_KEY, write_bytes_atomic
 from ...artifact.manifest import Manifest
 from ...errors import ArtifactError, RuntimeInputError
 from ...trt_compat import pack_framed, printable, read_cache_file, unpack_framed
@@ -201,18 +199,9 @@ def save_runtime_cache(path: Path, key: RuntimeCacheKey, payload: bytes, where: 
         logger.warning("%s: the runtime cache has %d bytes, more than a cache file may hold (%d); not saved, the next "
                        "load compiles again", where, len(data), MAX_RUNTIME_CACHE_BYTES)
         return False
-    tmp: str | None = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, umask_mode("file"))
-        os.replace(tmp, path)
+        write_bytes_atomic(path, data)
     except OSError as e:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
         logger.warning("%s: could not save the runtime cache to %s (%s); the next load compiles again", where, path, e)
         return False
     logger.info("%s: saved the runtime cache (%d bytes) to %s", where, len(payload), path)
