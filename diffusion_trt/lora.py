@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +48,12 @@ class LoraFile:
     def record(self, layers: dict[str, int]) -> dict[str, Any]:
         """The manifest entry: file name, sha256, scale and the layers merged per component."""
         return {"file": self.path.name, "sha256": self.sha256, "scale": self.scale, "layers": layers}
+
+
+def looks_like_lora(keys: Iterable[Any]) -> bool:
+    """Whether tensor names are a LoRA's (kohya ``lora_unet_*`` / ``lora_te_*``, diffusers' ``.lora.down``, peft's
+    ``lora_A``): the files compile's single-file check and the embedding reader name as a LoRA, with the fix."""
+    return any("lora_" in str(k) or ".lora." in str(k) for k in keys)
 
 
 def parse_lora_arg(text: str) -> tuple[str, float]:

@@ -29,6 +29,7 @@ from typing import Any
 
 from ..artifact.values import parse_json
 from ..errors import ArtifactError, ModelFolderError
+from ..lora import looks_like_lora
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def _family(shapes: dict[str, list[int]], path: Path) -> str:
         return any(k.startswith(prefix) for k in keys)
 
     if not has(UNET):
-        if any("lora_" in k or ".lora." in k for k in keys):
+        if looks_like_lora(keys):
             what = "a LoRA (lora_* keys): pass it with --lora next to a base model"
         elif any(k.startswith(("down_blocks.", "conv_in.", "encoder.down_blocks.")) for k in keys):
             what = "one diffusers component's weights: pass the whole diffusers pipeline folder"

@@ -66,7 +66,7 @@ def _as_list(value: Any, n: int, what: str) -> list[Any]:
 
 
 def _finite(value: Any, what: str, example: float) -> float:
-    """``value`` as a float, refused unless a number :func:`~.finite.finite_in_float32` (the scales multiply
+    """``value`` as a float, refused unless a number :func:`~.float_range.finite_in_float32` (the scales multiply
     float32 and fp16 residuals on the device; the message suggests ``example``)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not finite_in_float32(float(value)):
         raise RuntimeInputError(f"{what}={value!r} is not a finite float32 number; pass e.g. {example}")

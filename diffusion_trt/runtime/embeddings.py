@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import RuntimeInputError
+from ..lora import looks_like_lora
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def _vectors(path: Path, state: Mapping[str, Any]) -> torch.Tensor:
         value = state["emb_params"]
     elif len(state) == 1:
         value = next(iter(state.values()))
-    elif any("lora_" in str(k) or ".lora." in str(k) for k in state):  # as compile's single-file check says it
+    elif looks_like_lora(state):  # named as compile's single-file check names it
         raise RuntimeInputError(f"embedding file {path} is a LoRA (lora_* keys), not a textual-inversion embedding: "
                                 "pass it with --lora (an artifact compiled --refittable) or compile --lora")
     else:

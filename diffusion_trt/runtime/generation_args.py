@@ -124,7 +124,7 @@ def positive_int(name: str, value: Any, fix: str) -> int:
 
 
 def non_negative_float(name: str, value: Any, fix: str) -> float:
-    """``value`` as a finite float >= 0 that float32 holds (:data:`~.finite.FLOAT32_MAX`: ``guidance_scale=1e39``
+    """``value`` as a finite float >= 0 that float32 holds (:data:`~.float_range.FLOAT32_MAX`: ``guidance_scale=1e39``
     scales the noise prediction to inf, a black image); RuntimeInputError naming it and ``fix`` otherwise."""
     number = not isinstance(value, bool) and isinstance(value, int | float | np.number)
     if not number or not math.isfinite(value) or value < 0:
