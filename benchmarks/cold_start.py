@@ -87,7 +87,7 @@ def phases(art: str, cudnn: str) -> dict:
         row["read_hash_gb_per_s"] = row["bytes"] / row["read_hash_s"] / 1e9
         engine = OrtEngine(art + "/" + entry.onnx, entry.spec, name=name, device=device, stream=stream,
                            cudnn_conv_algo_search=cudnn, provider_options=cuda_layout_options(name, device),
-                           cuda_graph=device == "cuda", source=lambda d=data: d)
+                           cuda_graph=device == "cuda", source=lambda spill=None, d=data: d)
         t = time.perf_counter()
         engine.__enter__()
         row["session_s"] = time.perf_counter() - t

@@ -15,7 +15,8 @@
 #                                                       base (peak RSS per stage: compile_memory.py), refit
 #                                                       (--refittable), merged (--lora a), cn (--controlnet a,b),
 #                                                       b4 (static b4, compile_memory.py), dyn (256..1024, b1..4),
-#                                                       cnlite (unet, unet_controlnet, controlnet_a only)
+#                                                       cnlite (unet, unet_controlnet, controlnet_a only),
+#                                                       cnnoalign (controlnet_a, align_shapes off)
 #   bash benchmarks/gpu_cold_start.sh bench-b4 OUT     bench of the b4 artifact (batch 4, 50 steps)
 #   bash benchmarks/gpu_cold_start.sh dyn-sizes OUT    bench of the dyn artifact at 512x512, 768x768, 640x384
 #                                                       (--size-buckets auto, HEURISTIC): first call per new size
@@ -34,6 +35,10 @@
 #   bash benchmarks/gpu_cold_start.sh first-run OUT    first_run_options.py: session / first / warm run per CUDA
 #                                                       provider option, static base (unet, vae_decoder) and dyn
 #                                                       at three latent sizes
+#   bash benchmarks/gpu_cold_start.sh sources OUT      session_sources.py on base: ORT opening the files, in-memory
+#                                                       files, OrtValue initializers over the verified bytes
+#   bash benchmarks/gpu_cold_start.sh lean OUT         first image, diffusers' one-shot and `run` in a folder of
+#                                                       diffusion-trt's dependency closure only (lean_site.py), -S
 #   bash benchmarks/gpu_cold_start.sh pyenv OUT        what the host's Python does with bytecode, scipy present
 #   bash benchmarks/gpu_cold_start.sh shared OUT       shared_initializers.py: the dyn UNet at 3 sizes, one device
 #                                                       copy of the weights for all sessions or one each
@@ -57,7 +62,7 @@ W=/tmp/lora-switch
 models() {
     mkdir -p $W /tmp/cs
     log dummy; $D dummy-pipeline --arch sd15 --seed 0 --overwrite $W/model-sd15 > "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
-    case " ${ARTS:-cn} " in *" cn "*|*" cnlite "*)  # ControlNets and LoRAs only for the artifacts that use them
+    case " ${ARTS:-cn} " in *" cn "*|*" cnlite "*|*" cnnoalign "*)  # ControlNets and LoRAs only for the artifacts that use them
       $D dummy-controlnet --arch sd15 --seed 0 --overwrite /tmp/cs/cn-a >> "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log"
       $D dummy-controlnet --arch sd15 --seed 1 --overwrite /tmp/cs/cn-b >> "$out/dummy.log" 2>&1 || tail -5 "$out/dummy.log" ;;
     esac
@@ -82,6 +87,8 @@ compiles() {  # ARTS: which of base refit merged cn b4 dyn (default: the first f
             > /tmp/cs/c-cn.log 2>&1 & ;;
       cnlite) $D compile $W/model-sd15 -o /tmp/cs/art-cnlite $common $(static 512 1) --controlnet a=/tmp/cs/cn-a \
                 --components unet,unet_controlnet,controlnet_a > /tmp/cs/c-cnlite.log 2>&1 & ;;
+      cnnoalign) $D compile $W/model-sd15 -o /tmp/cs/art-cnnoalign $common $(static 512 1) --controlnet a=/tmp/cs/cn-a \
+                --components controlnet_a --pass-option align_shapes_channels=1 > /tmp/cs/c-cnnoalign.log 2>&1 & ;;
       b4) $py benchmarks/compile_memory.py --json "$out/compile_memory_b4.json" -- compile $W/model-sd15 \
             -o /tmp/cs/art_b4 $common $(static 512 4) > /tmp/cs/c-b4.log 2>&1 & ;;
       dyn) $D compile $W/model-sd15 -o /tmp/cs/art-dyn $common --height 512 --width 512 --min-height 256 \
@@ -145,6 +152,10 @@ case $phase in
     timeout ${PROFILE_TIMEOUT:-200} $py benchmarks/profile_kernels.py /tmp/cs/art-cnlite --component unet \
       --component unet_controlnet --component controlnet_a --iters 5 --top 15 --json "$out/cn_profile.json" 2>&1 \
       | tail -60 ;;
+  cn-profile-noalign)  # controlnet_a without align_shapes (no Pad of the 3-channel control image): ARTS=cnnoalign
+    log "kernel profile: controlnet_a, align_shapes off"
+    timeout ${PROFILE_TIMEOUT:-200} $py benchmarks/profile_kernels.py /tmp/cs/art-cnnoalign --component controlnet_a \
+      --iters 5 --top 15 --json "$out/cn_profile_noalign.json" 2>&1 | tail -25 ;;
   dyn-sizes-noprime)  # the same bench with OrtEngine.prime turned off: the run before the priming, side by side
     log "dynamic artifact at new sizes, sessions not primed"
     timeout ${DYN_TIMEOUT:-200} $py -c "
@@ -164,6 +175,29 @@ from diffusion_trt.cli import main; sys.argv[0] = 'diffusion-trt'; main()" bench
     log "shared initializers: dyn UNet at 64x64, 96x96, 80x48 latents, batch 2"
     timeout ${SHARED_TIMEOUT:-240} $py benchmarks/shared_initializers.py /tmp/cs/art-dyn --component unet \
       --latents 64x64,96x96,80x48 --batch 2 --layouts nhwc,nchw --json "$out/shared_initializers.json" 2>&1 | tail -24 ;;
+  sources)  # where a session's weights come from: ORT by path, in-memory files, OrtValue initializers (issue 28)
+    log "session sources: unet x2, text encoder and VAE decoder x1"
+    timeout ${SOURCES_TIMEOUT:-240} $py benchmarks/session_sources.py $W/art-base --components unet --repeat 2 \
+      --json "$out/session_sources_unet.json" 2>&1 | tail -8
+    timeout ${SOURCES_TIMEOUT:-240} $py benchmarks/session_sources.py $W/art-base --components text_encoder,vae_decoder \
+      --repeat 1 --json "$out/session_sources_small.json" 2>&1 | tail -8 ;;
+  lean)  # the cold start in a folder of diffusion-trt's dependency closure only, as a user's venv (python -S)
+    log "lean site"
+    rm -rf /tmp/lean; $py benchmarks/lean_site.py /tmp/lean 2>&1 | tail -3
+    $py -m compileall -q -j 0 /tmp/lean > /dev/null 2>&1; echo "compileall /tmp/lean rc $?"
+    for i in 1 2; do
+      for what in first-image diffusers; do
+        arg=$W/art-base; [ $what = diffusers ] && arg=$W/model-sd15
+        t=$EPOCHREALTIME
+        PYTHONPATH=/tmp/lean:$PWD timeout 120 $py -S benchmarks/cold_start.py $what $arg --steps 30 \
+          > "$out/lean_${what}_$i.json" 2> "$out/lean_${what}_$i.err"
+        echo "lean $what $i rc $? wall $(awk "BEGIN{print $EPOCHREALTIME - $t}")"; tail -c 600 "$out/lean_${what}_$i.json"; echo
+      done
+      t=$EPOCHREALTIME
+      PYTHONPATH=/tmp/lean:$PWD timeout 120 $py -S -m diffusion_trt.cli run $W/art-base --prompt "an ink painting" \
+        --steps 30 -o /tmp/lean_cli.png --overwrite > "$out/lean_cli_$i.log" 2>&1
+      echo "lean cli $i rc $? wall $(awk "BEGIN{print $EPOCHREALTIME - $t}")"
+    done ;;
   pyenv)
     $py -c "import sys, importlib.util as u; print('dont_write_bytecode', sys.flags.dont_write_bytecode, \
       'pycache_prefix', sys.pycache_prefix, 'scipy', u.find_spec('scipy') is not None)"

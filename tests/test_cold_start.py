@@ -103,6 +103,76 @@ def test_a_chunked_artifact_loads_the_same_weights(tiny_artifact: Path, chunked:
     assert bytes(weights[:64]) == before
 
 
+class _SessionsSeen:
+    """Wraps ``onnxruntime.InferenceSession``: records each model argument and, for a path, the folder's and the
+    file's modes at that moment; ``before(model)`` runs first."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, before: Any = None) -> None:
+        import onnxruntime as ort
+
+        self.models: list[Any] = []
+        self.modes: list[tuple[int, int]] = []
+        real = ort.InferenceSession
+
+        def create(model: Any, *args: Any, **kwargs: Any) -> Any:
+            self.models.append(model)
+            if isinstance(model, str):
+                self.modes.append((Path(model).parent.stat().st_mode & 0o777, Path(model).stat().st_mode & 0o777))
+            if before is not None:
+                before(model)
+            return real(model, *args, **kwargs)
+
+        monkeypatch.setattr(ort, "InferenceSession", create)
+
+    def spilled(self) -> list[Path]:
+        return [Path(m) for m in self.models if isinstance(m, str) and "diffusion-trt-weights-" in m]
+
+
+def test_external_data_is_read_into_a_private_folder_that_onnx_runtime_opens_and_that_is_removed(
+        tiny_artifact: Path, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+        [model] = seen.spilled()  # only the UNet has external data; the others load from bytes
+        assert model.name == "model.onnx" and seen.modes == [(0o700, 0o600)]
+        assert not model.parent.exists()  # removed once the session was made, while the session runs on
+        assert sum(isinstance(m, bytes) for m in seen.models) == len(seen.models) - 1
+
+
+def test_a_data_file_altered_after_it_was_read_is_not_what_runs(tiny_artifact: Path, chunked: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The UNet's external data is flipped in the artifact right before ONNX Runtime opens the private copy: the
+    session runs the hashed bytes."""
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    data = chunked / "unet" / "model.onnx.data"
+
+    def tamper(model: Any) -> None:
+        if isinstance(model, str):
+            raw = data.read_bytes()
+            data.write_bytes(bytes(b ^ 0xFF for b in raw[:4096]) + raw[4096:])
+
+    seen = _SessionsSeen(monkeypatch, before=tamper)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert seen.spilled()
+
+
+def test_without_room_for_the_private_copy_the_weights_load_from_memory(tiny_artifact: Path, chunked: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffusion_trt.artifact import reader as reader_module
+
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    monkeypatch.setattr(reader_module.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert not seen.spilled() and all(isinstance(m, bytes) for m in seen.models)
+
+
 def test_a_byte_flipped_in_one_chunk_is_refused_before_anything_runs(chunked: Path) -> None:
     path = chunked / "unet" / "model.onnx.data"
     raw = bytearray(path.read_bytes())

@@ -89,18 +89,21 @@ def chunk_problem(entry: Mapping[str, Any]) -> str | None:
 
 
 def read_into(fd: int, size: int, check: Callable[[int, memoryview], None] | None = None,
-              chunk: int | None = None) -> memoryview:
+              chunk: int | None = None, into: Any = None) -> memoryview:
     """Read ``size`` bytes of the open file ``fd`` into a new buffer, ``chunk`` bytes per ``os.preadv`` on
     :func:`workers` threads; ``check(index, view)`` runs on each chunk right after it is read (on that thread).
 
-    The buffer is private anonymous memory (:func:`private_buffer`), never a mapping of the file: later writes to
-    the file cannot reach these bytes. Returns a writable ``memoryview`` of it.
+    The buffer is private anonymous memory (:func:`private_buffer`), or ``into`` (a writable buffer of ``size``
+    bytes, e.g. :func:`spill_buffer`'s mapping of a private file); never a mapping of ``fd``'s file: later writes to
+    that file cannot reach these bytes. Returns a writable ``memoryview`` of it.
 
     Raises:
         EOFError: the file is shorter than ``size`` (it was truncated meanwhile).
         Whatever ``check`` raises (the first failing chunk's, in file order).
     """
-    view = memoryview(private_buffer(size))
+    view = memoryview(private_buffer(size) if into is None else into)
+    if len(view) != size:
+        raise ValueError(f"read_into: a buffer of {len(view)} bytes for a {size}-byte read")
     chunk = chunk or CHUNK_BYTES
 
     def one(index: int, offset: int, length: int) -> None:
@@ -124,6 +127,24 @@ def read_into(fd: int, size: int, check: Callable[[int, memoryview], None] | Non
         for f in futures:
             f.result()
     return view
+
+
+def spill_buffer(path: str | os.PathLike[str], size: int) -> mmap.mmap | None:
+    """A new file at ``path`` (``O_EXCL``, mode 0600) of ``size`` bytes and a writable shared mapping of it: bytes
+    written into the mapping are the file's, with no copy (:func:`read_into`'s ``into``). ``None`` for 0 bytes (the
+    empty file is made; there is nothing to map).
+
+    Raises:
+        OSError: the file exists or cannot be made that large.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        if size == 0:
+            return None
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
 
 
 def private_buffer(size: int) -> mmap.mmap | bytearray:

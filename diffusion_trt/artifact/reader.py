@@ -4,15 +4,15 @@ Why (issue 14): loading by path (hash a file, then let a loader open it again by
 in between, and a folder exchanged while a run loads it (``compile --overwrite``'s rename-exchange) mixes engines of
 two artifacts. :class:`ArtifactReader` opens the folder once (``O_DIRECTORY``) and reads ``manifest.json`` and every
 file relative to that descriptor (``dir_fd=``), so one run sees one folder even when another takes its name; the
-bytes it returns are the bytes it hashed, and the loaders get those bytes, never a path (ONNX Runtime: the model and
-its external-data files from memory, :meth:`ArtifactReader.onnx`; TensorRT: the plan; the tokenizer: a private copy
-of its hashed files; the scheduler config: parsed from its hashed bytes).
+bytes it returns are the bytes it hashed, and the loaders get those bytes, never a path into the artifact (ONNX
+Runtime: the model and its external-data files, read into a private folder of the caller's that ORT opens, or from
+memory, :meth:`ArtifactReader.onnx`; TensorRT: the plan; the tokenizer: a private copy of its hashed files; the
+scheduler config: parsed from its hashed bytes).
 
 If the folder the descriptor holds is deleted while it loads (the writer removes the previous artifact after the
 exchange), a read fails with :class:`ArtifactReplacedError`: the caller loads again from the path.
 
-Costs: each engine's bytes sit in memory while its session is created (ONNX Runtime copies the external data then),
-so the peak is about twice the largest component (SD-1.5 fp32 UNet: ~7 GB for a moment).
+Costs: each engine's bytes sit in memory (or in the private folder's page cache) while its session is created.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -50,11 +51,20 @@ class OnnxBytes:
         rel: the model's path in the artifact (``unet/model.onnx``).
         model: the ``.onnx`` file's bytes (hashed against the manifest when the reader checks hashes).
         external: ``location`` as the model's tensors name it -> that file's bytes (hashed likewise).
+        folder: where :meth:`ArtifactReader.onnx` wrote the model and its external data as it read them (a caller's
+            private folder), or ``None``: the bytes are only in memory.
     """
 
     rel: str
     model: bytes
     external: dict[str, bytes | memoryview] = field(default_factory=dict)
+    folder: Path | None = None
+
+    @property
+    def model_path(self) -> Path | None:
+        """The model's file in :attr:`folder` (its external data beside it, as ``location`` names them), or
+        ``None`` when the bytes are only in memory."""
+        return None if self.folder is None else self.folder / PurePosixPath(self.rel).name
 
 
 class ArtifactReader:
@@ -138,7 +148,7 @@ class ArtifactReader:
         """Whether the manifest lists the file ``rel`` (a path relative to the artifact folder)."""
         return rel in self._json["files"]
 
-    def read(self, rel: str) -> bytes | memoryview:
+    def read(self, rel: str, into: Any = None) -> bytes | memoryview:
         """The bytes of the listed file ``rel``, read once through the folder descriptor, checked against the
         manifest's size and (when :attr:`check_hashes`) its digests: per chunk, on several threads, when the manifest
         lists chunk digests (:mod:`~diffusion_trt.artifact.digests`), else one sha256 of the whole file.
@@ -147,7 +157,8 @@ class ArtifactReader:
             ``bytes`` for small files; for files of :data:`~diffusion_trt.artifact.digests.CHUNK_BYTES` or more, a
             ``memoryview`` of private anonymous memory (:func:`~diffusion_trt.artifact.digests.private_buffer`; read
             in parallel; never a mapping of the file, so later writes to it cannot reach these bytes). Callers that
-            need ``bytes`` (protobuf, safetensors, ORT's model argument) convert with ``bytes(...)``.
+            need ``bytes`` (protobuf, safetensors, ORT's model argument) convert with ``bytes(...)``. With ``into`` (a
+            writable buffer of the file's size), the bytes land there and a view of it is returned.
 
         Raises:
             ArtifactError: ``rel`` is not listed, leaves the folder, is not a regular file, or differs from the
@@ -158,7 +169,7 @@ class ArtifactReader:
             raise ArtifactError(f"{rel} is not listed in the manifest of {self.root}, so it cannot be checked; "
                                 "recompile the artifact")
         chunks = entry.get("chunks") if self.check_hashes else None
-        data = self._read_file(rel, int(entry["size"]), chunks=chunks)
+        data = self._read_file(rel, int(entry["size"]), chunks=chunks, into=into)
         if self.check_hashes:
             if chunks is None:
                 digest = hashlib.sha256(data).hexdigest()
@@ -179,8 +190,15 @@ class ArtifactReader:
 
         return parse_json(self.read(rel), f"{self.root}/{rel}")
 
-    def onnx(self, rel: str) -> OnnxBytes:
+    def onnx(self, rel: str, spill: Path | None = None) -> OnnxBytes:
         """The ONNX model ``rel`` and every external-data file its tensors name, each :meth:`read` (checked).
+
+        Args:
+            spill: an empty private folder (mode 0700, e.g. ``tempfile.mkdtemp``'s): when the model has external
+                data and the folder's file system has room for it, the model and each external-data file are read
+                straight into files there (shared mappings of new 0600 files: no copy beyond the read), so that
+                ONNX Runtime can open them by path (it builds a session from a file 4-5x faster than from
+                in-memory files: ``benchmarks/session_sources.py``). :attr:`OnnxBytes.folder` says whether it did.
 
         Raises:
             ArtifactError: as :meth:`read`; the model does not parse; an external-data location leaves the folder or
@@ -202,10 +220,43 @@ class ArtifactReader:
                     folder.external_location_problems(pinned, rel, locations, self._json["files"])]
         if problems:
             raise folder.verification_failed(self.root, problems)
-        external = {loc: self.read(str(folder.external_data_target(rel, loc))) for loc in locations}
+        targets = {loc: str(folder.external_data_target(rel, loc)) for loc in locations}
+        if spill is not None and locations and self._room_for(spill, set(targets.values())):
+            return self._spilled(rel, data, targets, spill)
+        external = {loc: self.read(target) for loc, target in targets.items()}
         # ONNX Runtime takes a model only as ``bytes``; a large one (weights inline: artifacts of before the
         # external-data threshold of build_ort) costs one copy here
         return OnnxBytes(rel, data if isinstance(data, bytes) else bytes(data), external)
+
+    def _room_for(self, spill: Path, targets: set[str]) -> bool:
+        """Whether ``spill``'s file system has room for the files ``targets`` (with 10% to spare)."""
+        need = sum(int(self._json["files"][t]["size"]) for t in targets)
+        try:
+            free = shutil.disk_usage(spill).free
+        except OSError:
+            return False
+        if free < need * 1.1:
+            logger.info("%s: %.2f GB free in %s for %.2f GB of weights: loading them from memory instead", self.root,
+                        free / 1e9, spill, need / 1e9)
+            return False
+        return True
+
+    def _spilled(self, rel: str, data: bytes | memoryview, targets: dict[str, str], spill: Path) -> OnnxBytes:
+        """:meth:`onnx`'s files written into ``spill`` as they are read (see there)."""
+        model_path = spill / PurePosixPath(rel).name
+        fd = os.open(model_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        external: dict[str, bytes | memoryview] = {}
+        written: dict[str, bytes | memoryview] = {}  # two spellings of one location ("a.data", "./a.data"): once
+        for loc, target in targets.items():
+            if target not in written:
+                dest = spill.joinpath(*PurePosixPath(loc).parts)
+                dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                buffer = digests.spill_buffer(dest, int(self._json["files"][target]["size"]))
+                written[target] = self.read(target, into=buffer)
+            external[loc] = written[target]
+        return OnnxBytes(rel, data if isinstance(data, bytes) else bytes(data), external, folder=spill)
 
     @contextlib.contextmanager
     def private_copy(self, rel_dir: str) -> Iterator[Path]:
@@ -265,7 +316,7 @@ class ArtifactReader:
         return manifest
 
     def _read_file(self, rel: str, size: int | None, limit: int | None = None,
-                   chunks: dict[str, Any] | None = None) -> bytes | memoryview:
+                   chunks: dict[str, Any] | None = None, into: Any = None) -> bytes | memoryview:
         """Open ``rel`` relative to the folder descriptor (non-blocking: a FIFO must not hang us), check that it is a
         regular file inside the folder of ``size`` bytes, and read it whole: in parallel chunks at
         :data:`~diffusion_trt.artifact.digests.CHUNK_BYTES` or more, each checked against ``chunks`` (the manifest's
@@ -294,12 +345,13 @@ class ArtifactReader:
                                     "truncated or altered")
             if limit is not None and st.st_size > limit:
                 raise ArtifactError(f"{self.root}/{rel} has {st.st_size} bytes, more than {limit}; recompile")
-            data = self._read_whole(f, rel, st.st_size, chunks)
+            data = self._read_whole(f, rel, st.st_size, chunks, into)
         finally:
             os.close(f)
         return data
 
-    def _read_whole(self, f: int, rel: str, size: int, chunks: dict[str, Any] | None) -> bytes | memoryview:
+    def _read_whole(self, f: int, rel: str, size: int, chunks: dict[str, Any] | None,
+                    into: Any = None) -> bytes | memoryview:
         """The ``size`` bytes of the open file ``f``: one read below a chunk, else :func:`digests.read_into` (each
         chunk compared with ``chunks`` on its thread). Growth past ``size`` is refused like a short read."""
         if size < digests.CHUNK_BYTES and chunks is None:
@@ -307,7 +359,11 @@ class ArtifactReader:
                 data = stream.read(size + 1)
             if len(data) != size:
                 raise ArtifactError(f"{self.root}/{rel} changed size while it was read; recopy the artifact")
-            return data
+            if into is None:
+                return data
+            view = memoryview(into)
+            view[:] = data
+            return view
 
         def check(index: int, part: memoryview) -> None:
             digest = hashlib.sha256(part).hexdigest()
@@ -316,7 +372,7 @@ class ArtifactReader:
 
         try:
             data = digests.read_into(f, size, check if chunks is not None else None,
-                                     int(chunks["bytes"]) if chunks is not None else digests.CHUNK_BYTES)
+                                     int(chunks["bytes"]) if chunks is not None else digests.CHUNK_BYTES, into)
         except EOFError:
             raise ArtifactError(f"{self.root}/{rel} changed size while it was read; recopy the artifact") from None
         if os.fstat(f).st_size != size:

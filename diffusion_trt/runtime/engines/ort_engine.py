@@ -37,8 +37,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -147,8 +148,11 @@ class OrtEngine(EngineBase):
             :attr:`cuda_graph` says whether it is in use, :attr:`cuda_graph_reason` why not.
         source: called on each session creation for the model's bytes and its external-data files
             (:class:`~diffusion_trt.artifact.reader.OnnxBytes`, e.g. ``ArtifactReader.onnx``): ONNX Runtime then
-            builds the session from those bytes (``add_external_initializers_from_files_in_memory``) and opens no
-            file by name, so what was hashed is what runs. ``None`` = ONNX Runtime opens ``path`` itself.
+            builds the session from those bytes and opens no file of the artifact by name, so what was hashed is
+            what runs. Called as ``source(spill=FOLDER)`` (``ArtifactReader.onnx``'s argument): a model with
+            external data is read into files of that private folder and the session opens them there (see
+            :meth:`_spill_folder`); otherwise from memory (``add_external_initializers_from_files_in_memory``).
+            ``None`` = ONNX Runtime opens ``path`` itself.
         free_dimensions: fix symbolic dims of the graph (``{"B2": 2, "h": 64, "w": 64}``) through
             ``SessionOptions.add_free_dimension_override_by_name``: ORT's optimiser then folds the shape arithmetic
             (see :mod:`~diffusion_trt.runtime.engines.buckets`); ``spec`` should then be static at those values.
@@ -190,7 +194,7 @@ class OrtEngine(EngineBase):
         session_options: Any = None,
         derived: Mapping[str, tuple[str, int]] | None = None,
         cuda_graph: bool = False,
-        source: Callable[[], OnnxBytes] | None = None,
+        source: Callable[..., OnnxBytes] | None = None,
         free_dimensions: Mapping[str, int] | None = None,
         deterministic: bool = False,
         graph_optimization_level: str = "all",
@@ -447,11 +451,28 @@ class OrtEngine(EngineBase):
                 f"engine {self._name!r}: device='cuda' but torch sees no CUDA device "
                 f"(torch {torch.__version__}); install a CUDA build of torch or run with device='cpu'"
             )
-        data = self._source() if self._source is not None else None  # read (and hashed) before any session
-        model: str | bytes = data.model if data is not None else str(self.path)
-        with CAPTURE_LOCK if self._kind == "cuda" else contextlib.nullcontext():
-            session = self._create_session(ort, model, data, providers)
+        with self._spill_folder() as spill:
+            # read (and hashed) before any session; with external data, into files of our own private folder
+            data = self._source(spill=spill) if self._source is not None else None
+            model: str | bytes = str(self.path) if data is None else (
+                data.model if data.model_path is None else str(data.model_path))
+            with CAPTURE_LOCK if self._kind == "cuda" else contextlib.nullcontext():
+                session = self._create_session(ort, model, data, providers)
+            del data
         self._finish_open(ort, session)
+
+    def _spill_folder(self) -> contextlib.AbstractContextManager[Path | None]:
+        """A new private folder (``tempfile``'s, mode 0700, under ``$TMPDIR``) for the source to write the model and
+        its external data into while a session is made, removed right after (ONNX Runtime has copied the weights to
+        the device, or maps the files, which outlive their names); ``None`` without a source.
+
+        Why: ONNX Runtime built the SD-1.5 UNet's session in 0.59-0.69 s from files against 2.8-3.3 s from the same
+        bytes in memory (``add_external_initializers_from_files_in_memory``, or OrtValue initializers over them;
+        H200, onnxruntime-gpu 1.31.1, ``benchmarks/results/h200-2026-12-04-s16-session-sources-*.json``). Only this
+        process's user can reach the folder, so the bytes ORT reads are the bytes the reader hashed."""
+        if self._source is None:
+            return contextlib.nullcontext()
+        return _spill_path(tempfile.TemporaryDirectory(prefix="diffusion-trt-weights-", ignore_cleanup_errors=True))
 
     def _create_session(self, ort: Any, model: str | bytes, data: OnnxBytes | None, providers: list[Any]) -> Any:
         """The InferenceSession (a refused CUDA graph: again without it, after one warning).
@@ -533,7 +554,7 @@ class OrtEngine(EngineBase):
             so.add_free_dimension_override_by_name(dim, value)
         if self._deterministic:
             so.use_deterministic_compute = True
-        if data is not None and data.external:
+        if data is not None and data.external and data.folder is None:
             names = list(data.external)
             buffers = [data.external[n] for n in names]
             so.add_external_initializers_from_files_in_memory(names, buffers, [len(b) for b in buffers])
@@ -678,3 +699,9 @@ class OrtEngine(EngineBase):
     def __repr__(self) -> str:
         state = "open" if self.is_open else "closed"
         return f"OrtEngine({self._name!r}, {str(self.path)!r}, device={self._device}, {state})"
+
+
+@contextlib.contextmanager
+def _spill_path(folder: tempfile.TemporaryDirectory[str]) -> Iterator[Path]:
+    with folder as name:
+        yield Path(name)
