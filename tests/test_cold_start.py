@@ -173,6 +173,44 @@ def test_without_room_for_the_private_copy_the_weights_load_from_memory(tiny_art
     assert not seen.spilled() and all(isinstance(m, bytes) for m in seen.models)
 
 
+def test_no_writable_temporary_folder_or_a_full_one_loads_the_weights_from_memory(
+        tiny_artifact: Path, chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import tempfile
+
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))  # TemporaryDirectory fails: OSError
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert not seen.spilled() and all(isinstance(m, bytes) for m in seen.models)
+
+    spills = tmp_path / "spills"
+    spills.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spills))
+
+    def full(path: Any, size: int) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(digests, "spill_buffer", full)
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert not seen.spilled() and list(spills.iterdir()) == []  # the half-written model file went with the folder
+
+
+def test_spill_buffer_reserves_the_file_and_maps_it(tmp_path: Path) -> None:
+    buf = digests.spill_buffer(tmp_path / "w.bin", 3 * MiB)
+    assert buf is not None
+    buf[:4] = b"abcd"
+    buf.flush()
+    assert (tmp_path / "w.bin").read_bytes()[:4] == b"abcd" and (tmp_path / "w.bin").stat().st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):
+        digests.spill_buffer(tmp_path / "w.bin", 1)
+    assert digests.spill_buffer(tmp_path / "empty.bin", 0) is None and (tmp_path / "empty.bin").stat().st_size == 0
+
+
 def test_a_byte_flipped_in_one_chunk_is_refused_before_anything_runs(chunked: Path) -> None:
     path = chunked / "unet" / "model.onnx.data"
     raw = bytearray(path.read_bytes())

@@ -135,13 +135,19 @@ def spill_buffer(path: str | os.PathLike[str], size: int) -> mmap.mmap | None:
     empty file is made; there is nothing to map).
 
     Raises:
-        OSError: the file exists or cannot be made that large.
+        OSError: the file exists or cannot be made that large (``posix_fallocate`` reserves its blocks: no room is
+            an ``ENOSPC`` here, never a fault in a later store).
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         if size == 0:
             return None
-        os.ftruncate(fd, size)
+        # the blocks are reserved up front: a store into a shared mapping past a full file system is a SIGBUS
+        # (tmpfs), where an ENOSPC here is an OSError the caller can fall back from
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:  # pragma: no cover - not Linux
+            os.ftruncate(fd, size)
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

@@ -222,7 +222,12 @@ class ArtifactReader:
             raise folder.verification_failed(self.root, problems)
         targets = {loc: str(folder.external_data_target(rel, loc)) for loc in locations}
         if spill is not None and locations and self._room_for(spill, set(targets.values())):
-            return self._spilled(rel, data, targets, spill)
+            try:
+                return self._spilled(rel, data, targets, spill)
+            except OSError as e:  # the folder filled up or went away meanwhile: from memory, as without room
+                logger.info("%s: cannot write %s into %s (%s): loading it from memory instead", self.root, rel,
+                            spill, e)
+                _empty(spill)
         external = {loc: self.read(target) for loc, target in targets.items()}
         # ONNX Runtime takes a model only as ``bytes``; a large one (weights inline: artifacts of before the
         # external-data threshold of build_ort) costs one copy here
@@ -401,3 +406,12 @@ class ArtifactReader:
         if not where.is_relative_to(top):
             raise ArtifactError(f"{self.root}/{rel} resolves to {where}, outside the artifact folder; replace the "
                                 "symbolic link with the file itself")
+
+
+def _empty(spill: Path) -> None:
+    """Remove what :meth:`ArtifactReader._spilled` left in ``spill`` (the folder itself stays: the caller's)."""
+    for child in spill.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)

@@ -86,6 +86,25 @@ def test_vae_chain_skips_the_slice_pad_round_trip() -> None:
     graphs.assert_same_outputs(model, out)
 
 
+def test_an_rgb_graph_input_is_not_padded_but_the_conv_output_still_is() -> None:
+    """A ControlNet's conditioning embedding / the VAE encoder's conv_in: image[N,3,H,W] -> Conv 3->12 -> Conv
+    12->16. The image keeps its 3 channels (no Pad at pixel resolution on every call); the 12 output channels of
+    the first Conv are padded to 16 and read by the second Conv without a Slice/Pad round trip."""
+    rng = np.random.default_rng(3)
+    first, i1 = _conv("cond_in", "image", "h", 3, 12, 3, rng)
+    second, i2 = _conv("cond_1", "h", "y", 12, 16, 3, rng)
+    model = onnx.shape_inference.infer_shapes(graphs.make_model(
+        [first, second], [graphs.tensor_info("image", [N, 3, H, W])], [graphs.tensor_info("y", [N, 16, H, W])],
+        i1 + i2))
+    out, counts = fuse(model, align_shapes, "ort", "cuda")
+    onnx.checker.check_model(out, full_check=True)
+    assert counts == {"inputs_padded": 1, "outputs_padded": 1, "Pad": 0, "Slice": 0, "image_inputs_kept": 1,
+                      "rejected": 0}
+    assert _conv_weight_shapes(out) == {"cond_in": (16, 3, 3, 3), "cond_1": (16, 16, 3, 3)}
+    assert graphs.op_counts(out) == {"Conv": 2}
+    graphs.assert_same_outputs(model, out)
+
+
 def test_aligned_convs_are_left_and_grouped_ones_rejected(caplog: pytest.LogCaptureFixture) -> None:
     rng = np.random.default_rng(2)
     aligned, i1 = _conv("aligned", "x", "h", 8, 16, 3, rng)

@@ -469,10 +469,16 @@ class OrtEngine(EngineBase):
         Why: ONNX Runtime built the SD-1.5 UNet's session in 0.59-0.69 s from files against 2.8-3.3 s from the same
         bytes in memory (``add_external_initializers_from_files_in_memory``, or OrtValue initializers over them;
         H200, onnxruntime-gpu 1.31.1, ``benchmarks/results/h200-2026-12-04-s16-session-sources-*.json``). Only this
-        process's user can reach the folder, so the bytes ORT reads are the bytes the reader hashed."""
+        process's user can reach the folder, so the bytes ORT reads are the bytes the reader hashed. ``$TMPDIR``
+        picks where it is made; without room there (or without a writable one) the weights load from memory."""
         if self._source is None:
             return contextlib.nullcontext()
-        return _spill_path(tempfile.TemporaryDirectory(prefix="diffusion-trt-weights-", ignore_cleanup_errors=True))
+        try:
+            folder = tempfile.TemporaryDirectory(prefix="diffusion-trt-weights-", ignore_cleanup_errors=True)
+        except OSError as e:  # no writable temporary folder: the bytes go to ORT from memory
+            logger.info("%s: no private folder for the weights (%s); loading them from memory", self._name, e)
+            return contextlib.nullcontext()
+        return _spill_path(folder)
 
     def _create_session(self, ort: Any, model: str | bytes, data: OnnxBytes | None, providers: list[Any]) -> Any:
         """The InferenceSession (a refused CUDA graph: again without it, after one warning).
