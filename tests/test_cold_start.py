@@ -200,6 +200,25 @@ def test_no_writable_temporary_folder_or_a_full_one_loads_the_weights_from_memor
     assert not seen.spilled() and list(spills.iterdir()) == []  # the half-written model file went with the folder
 
 
+def test_a_private_folder_that_goes_away_while_the_weights_are_written_loads_them_from_memory(
+        tiny_artifact: Path, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A temporary-file cleaner removes the folder between the model file and its external data: no
+    FileNotFoundError, the weights load from memory."""
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    real = digests.spill_buffer
+
+    def cleaned(path: Any, size: int) -> Any:
+        shutil.rmtree(Path(path).parent)
+        return real(path, size)
+
+    monkeypatch.setattr(digests, "spill_buffer", cleaned)
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert not seen.spilled() and all(isinstance(m, bytes) for m in seen.models)
+
+
 def test_spill_buffer_reserves_the_file_and_maps_it(tmp_path: Path) -> None:
     buf = digests.spill_buffer(tmp_path / "w.bin", 3 * MiB)
     assert buf is not None

@@ -409,8 +409,13 @@ class ArtifactReader:
 
 
 def _empty(spill: Path) -> None:
-    """Remove what :meth:`ArtifactReader._spilled` left in ``spill`` (the folder itself stays: the caller's)."""
-    for child in spill.iterdir():
+    """Remove what :meth:`ArtifactReader._spilled` left in ``spill`` (the folder itself stays: the caller's);
+    nothing when the folder itself went away."""
+    try:
+        children = list(spill.iterdir())
+    except FileNotFoundError:
+        return
+    for child in children:
         if child.is_dir() and not child.is_symlink():
             shutil.rmtree(child, ignore_errors=True)
         else:
