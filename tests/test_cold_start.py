@@ -219,6 +219,24 @@ def test_a_private_folder_that_goes_away_while_the_weights_are_written_loads_the
     assert not seen.spilled() and all(isinstance(m, bytes) for m in seen.models)
 
 
+def test_a_temporary_folder_whose_name_is_not_utf8_loads_the_weights_from_memory(
+        tiny_artifact: Path, chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONNX Runtime takes a path only as UTF-8 text: a ``$TMPDIR`` of other bytes must not fail the load (exit 3,
+    "could not load") of a sound artifact."""
+    import os
+    import tempfile
+
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    latin1 = os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9")
+    os.mkdir(latin1)
+    monkeypatch.setattr(tempfile, "tempdir", latin1)
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert not seen.spilled() and os.listdir(latin1) == []
+
+
 def test_spill_buffer_reserves_the_file_and_maps_it(tmp_path: Path) -> None:
     buf = digests.spill_buffer(tmp_path / "w.bin", 3 * MiB)
     assert buf is not None

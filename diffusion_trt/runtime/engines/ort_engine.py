@@ -470,12 +470,14 @@ class OrtEngine(EngineBase):
         bytes in memory (``add_external_initializers_from_files_in_memory``, or OrtValue initializers over them;
         H200, onnxruntime-gpu 1.31.1, ``benchmarks/results/h200-2026-12-04-s16-session-sources-*.json``). Only this
         process's user can reach the folder, so the bytes ORT reads are the bytes the reader hashed. ``$TMPDIR``
-        picks where it is made; without room there (or without a writable one) the weights load from memory."""
+        picks where it is made; without room there (or without a writable one, or one whose name is not UTF-8: ONNX
+        Runtime takes a path only as UTF-8 text) the weights load from memory."""
         if self._source is None:
             return contextlib.nullcontext()
         try:
+            tempfile.gettempdir().encode("utf-8")  # a name of other bytes (surrogate escapes) cannot reach ORT
             folder = tempfile.TemporaryDirectory(prefix="diffusion-trt-weights-", ignore_cleanup_errors=True)
-        except OSError as e:  # no writable temporary folder: the bytes go to ORT from memory
+        except (OSError, UnicodeEncodeError) as e:  # no writable temporary folder: the bytes go to ORT from memory
             logger.info("%s: no private folder for the weights (%s); loading them from memory", self._name, e)
             return contextlib.nullcontext()
         return _spill_path(folder)
