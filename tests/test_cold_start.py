@@ -237,6 +237,28 @@ def test_a_temporary_folder_whose_name_is_not_utf8_loads_the_weights_from_memory
     assert not seen.spilled() and os.listdir(latin1) == []
 
 
+def test_a_temporary_folder_inside_the_artifact_gets_no_copy_of_its_weights(
+        tiny_artifact: Path, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$TMPDIR`` in the sealed artifact: the weights load from memory; no file is written into the folder (only
+    OrtEngine's empty private folders come and go)."""
+    import tempfile
+
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    listed = sorted(p for p in chunked.rglob("*") if p.is_file())
+    written: list[Path] = []
+
+    def look(model: Any) -> None:
+        written.extend(p for p in chunked.rglob("*") if p.is_file() and p not in listed)
+
+    monkeypatch.setattr(tempfile, "tempdir", str(chunked))
+    seen = _SessionsSeen(monkeypatch, before=look)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert not seen.spilled() and written == []
+    assert not list(chunked.rglob("diffusion-trt-weights-*"))  # the empty folders OrtEngine made are gone too
+
+
 def test_spill_buffer_reserves_the_file_and_maps_it(tmp_path: Path) -> None:
     buf = digests.spill_buffer(tmp_path / "w.bin", 3 * MiB)
     assert buf is not None
