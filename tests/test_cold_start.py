@@ -259,6 +259,37 @@ def test_a_temporary_folder_inside_the_artifact_gets_no_copy_of_its_weights(
     assert not list(chunked.rglob("diffusion-trt-weights-*"))  # the empty folders OrtEngine made are gone too
 
 
+@pytest.mark.parametrize("room", [True, False])
+def test_two_spellings_of_one_data_file_load_from_a_private_folder_and_from_memory(
+        tiny_artifact: Path, chunked: Path, monkeypatch: pytest.MonkeyPatch, room: bool) -> None:
+    """Tensors naming one file as ``model.onnx.data`` and ``./model.onnx.data``: ONNX Runtime normalises in-memory
+    file names and refuses a second entry for one, so the memory route (no room for a private copy) must hand each
+    file over once, like the folder route writes it once."""
+    from diffusion_trt.artifact import reader as reader_module
+
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    path = chunked / "unet" / "model.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    tensor = next(t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+    next(e for e in tensor.external_data if e.key == "location").value = "./model.onnx.data"
+    path.write_bytes(model.SerializeToString())
+    manifest = json.loads((chunked / "manifest.json").read_text())
+    manifest["files"]["unet/model.onnx"] = artifacts.file_entry(chunked, "unet/model.onnx")
+    artifacts.write_manifest(chunked, manifest)
+    with ArtifactReader.open(chunked) as reader:
+        data = reader.onnx("unet/model.onnx")
+        assert set(data.external) == {"model.onnx.data", "./model.onnx.data"}
+        assert data.external["model.onnx.data"] is data.external["./model.onnx.data"]  # read once
+    if not room:
+        monkeypatch.setattr(reader_module.shutil, "disk_usage",
+                            lambda p: shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert bool(seen.spilled()) == room
+
+
 def test_spill_buffer_reserves_the_file_and_maps_it(tmp_path: Path) -> None:
     buf = digests.spill_buffer(tmp_path / "w.bin", 3 * MiB)
     assert buf is not None

@@ -230,7 +230,8 @@ class ArtifactReader:
                 logger.info("%s: cannot write %s into %s (%s): loading it from memory instead", self.root, rel,
                             spill, e)
                 _empty(spill)
-        external = {loc: self.read(target) for loc, target in targets.items()}
+        files = {target: self.read(target) for target in dict.fromkeys(targets.values())}  # each file read once
+        external = {loc: files[target] for loc, target in targets.items()}
         # ONNX Runtime takes a model only as ``bytes``; a large one (weights inline: artifacts of before the
         # external-data threshold of build_ort) costs one copy here
         return OnnxBytes(rel, data if isinstance(data, bytes) else bytes(data), external)

@@ -40,7 +40,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 import numpy as np
@@ -534,8 +534,8 @@ class OrtEngine(EngineBase):
 
     def _make_session_options(self, data: OnnxBytes | None) -> Any:
         """Session options for one session creation: the caller's, or fresh ones (ORT_ENABLE_ALL, warnings and up);
-        with ``data``, its external-data files handed over from memory (ORT keeps pointers to them in the options, so
-        these options serve this one creation while ``data`` is alive).
+        with ``data``, its external-data files handed over from memory, each once (ORT keeps pointers to them in the
+        options, so these options serve this one creation while ``data`` is alive).
 
         Raises:
             RuntimeInputError: the caller's own ``session_options`` with in-memory external data.
@@ -563,8 +563,10 @@ class OrtEngine(EngineBase):
         if self._deterministic:
             so.use_deterministic_compute = True
         if data is not None and data.external and data.folder is None:
-            names = list(data.external)
-            buffers = [data.external[n] for n in names]
+            # one entry a file: ORT normalises the names ("./a.data" is "a.data") and refuses a second entry for one
+            files = {PurePosixPath(n).as_posix(): b for n, b in data.external.items()}
+            names = list(files)
+            buffers = [files[n] for n in names]
             so.add_external_initializers_from_files_in_memory(names, buffers, [len(b) for b in buffers])
         return so
 
