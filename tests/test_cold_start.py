@@ -290,6 +290,24 @@ def test_two_spellings_of_one_data_file_load_from_a_private_folder_and_from_memo
     assert bool(seen.spilled()) == room
 
 
+def test_a_model_file_named_like_onnx_runtimes_own_format_loads_from_the_private_folder(
+        tiny_artifact: Path, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manifest may name the ONNX file ``unet/model.ort``: opened by that name, ONNX Runtime would take it for
+    its ORT format ("ORT model verification failed") where the same bytes load from memory."""
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    (chunked / "unet" / "model.onnx").rename(chunked / "unet" / "model.ort")
+    manifest = json.loads((chunked / "manifest.json").read_text())
+    manifest["files"]["unet/model.ort"] = manifest["files"].pop("unet/model.onnx")
+    manifest["components"]["unet"]["files"] = ["unet/model.ort", "unet/model.onnx.data"]
+    manifest["components"]["unet"]["onnx"] = "unet/model.ort"
+    artifacts.write_manifest(chunked, manifest)
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert [m.name for m in seen.spilled()] == ["model.ort"]
+
+
 def test_spill_buffer_reserves_the_file_and_maps_it(tmp_path: Path) -> None:
     buf = digests.spill_buffer(tmp_path / "w.bin", 3 * MiB)
     assert buf is not None

@@ -535,7 +535,8 @@ class OrtEngine(EngineBase):
     def _make_session_options(self, data: OnnxBytes | None) -> Any:
         """Session options for one session creation: the caller's, or fresh ones (ORT_ENABLE_ALL, warnings and up);
         with ``data``, its external-data files handed over from memory, each once (ORT keeps pointers to them in the
-        options, so these options serve this one creation while ``data`` is alive).
+        options, so these options serve this one creation while ``data`` is alive); with ``data`` in a folder, read as
+        ONNX whatever the file's name.
 
         Raises:
             RuntimeInputError: the caller's own ``session_options`` with in-memory external data.
@@ -562,6 +563,9 @@ class OrtEngine(EngineBase):
             so.add_free_dimension_override_by_name(dim, value)
         if self._deterministic:
             so.use_deterministic_compute = True
+        if data is not None and data.folder is not None:
+            # the reader parsed the model as ONNX: a name ending ".ort" must not make ORT read it as its own format
+            so.add_session_config_entry("session.load_model_format", "ONNX")
         if data is not None and data.external and data.folder is None:
             # one entry a file: ORT normalises the names ("./a.data" is "a.data") and refuses a second entry for one
             files = {PurePosixPath(n).as_posix(): b for n, b in data.external.items()}
