@@ -237,6 +237,29 @@ def test_a_temporary_folder_whose_name_is_not_utf8_loads_the_weights_from_memory
     assert not seen.spilled() and os.listdir(latin1) == []
 
 
+def test_a_temporary_folder_where_others_may_rename_entries_loads_the_weights_from_memory(
+        tiny_artifact: Path, chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world-writable ``$TMPDIR`` without the sticky bit: another user could swap our private folder for theirs
+    between the reader's writes and ONNX Runtime's open; with the sticky bit (``/tmp``) the folder is used."""
+    import tempfile
+
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert not seen.spilled() and list(shared.iterdir()) == []
+    shared.chmod(0o1777)
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert seen.spilled()
+
+
 def test_a_temporary_folder_inside_the_artifact_gets_no_copy_of_its_weights(
         tiny_artifact: Path, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``$TMPDIR`` in the sealed artifact: the weights load from memory; no file is written into the folder (only

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -470,12 +471,19 @@ class OrtEngine(EngineBase):
         bytes in memory (``add_external_initializers_from_files_in_memory``, or OrtValue initializers over them;
         H200, onnxruntime-gpu 1.31.1, ``benchmarks/results/h200-2026-12-04-s16-session-sources-*.json``). Only this
         process's user can reach the folder, so the bytes ORT reads are the bytes the reader hashed. ``$TMPDIR``
-        picks where it is made; without room there (or without a writable one, or one whose name is not UTF-8: ONNX
-        Runtime takes a path only as UTF-8 text) the weights load from memory."""
+        picks where it is made; without room there (or without a writable one, one whose name is not UTF-8: ONNX
+        Runtime takes a path only as UTF-8 text, or one where another user may rename entries: writable by group or
+        others without the sticky bit, or owned by another user than us or root) the weights load from memory."""
         if self._source is None:
             return contextlib.nullcontext()
         try:
-            tempfile.gettempdir().encode("utf-8")  # a name of other bytes (surrogate escapes) cannot reach ORT
+            where = tempfile.gettempdir()
+            where.encode("utf-8")  # a name of other bytes (surrogate escapes) cannot reach ORT
+            st = os.stat(where)
+            if st.st_uid not in (0, os.getuid()) or (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+                                                      and not st.st_mode & stat.S_ISVTX):
+                # another user could rename our folder away and put one of theirs in its place before ORT opens it
+                raise PermissionError(f"{where} lets other users rename what is in it (no sticky bit, or not ours)")
             folder = tempfile.TemporaryDirectory(prefix="diffusion-trt-weights-", ignore_cleanup_errors=True)
         except (OSError, UnicodeEncodeError) as e:  # no writable temporary folder: the bytes go to ORT from memory
             logger.info("%s: no private folder for the weights (%s); loading them from memory", self._name, e)
