@@ -200,6 +200,141 @@ def test_no_writable_temporary_folder_or_a_full_one_loads_the_weights_from_memor
     assert not seen.spilled() and list(spills.iterdir()) == []  # the half-written model file went with the folder
 
 
+def test_a_private_folder_that_goes_away_while_the_weights_are_written_loads_them_from_memory(
+        tiny_artifact: Path, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A temporary-file cleaner removes the folder between the model file and its external data: no
+    FileNotFoundError, the weights load from memory."""
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    real = digests.spill_buffer
+
+    def cleaned(path: Any, size: int) -> Any:
+        shutil.rmtree(Path(path).parent)
+        return real(path, size)
+
+    monkeypatch.setattr(digests, "spill_buffer", cleaned)
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert not seen.spilled() and all(isinstance(m, bytes) for m in seen.models)
+
+
+def test_a_temporary_folder_whose_name_is_not_utf8_loads_the_weights_from_memory(
+        tiny_artifact: Path, chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONNX Runtime takes a path only as UTF-8 text: a ``$TMPDIR`` of other bytes must not fail the load (exit 3,
+    "could not load") of a sound artifact."""
+    import os
+    import tempfile
+
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    latin1 = os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9")
+    os.mkdir(latin1)
+    monkeypatch.setattr(tempfile, "tempdir", latin1)
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert not seen.spilled() and os.listdir(latin1) == []
+
+
+def test_a_temporary_folder_where_others_may_rename_entries_loads_the_weights_from_memory(
+        tiny_artifact: Path, chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world-writable ``$TMPDIR`` without the sticky bit: another user could swap our private folder for theirs
+    between the reader's writes and ONNX Runtime's open; with the sticky bit (``/tmp``) the folder is used."""
+    import tempfile
+
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert not seen.spilled() and list(shared.iterdir()) == []
+    shared.chmod(0o1777)
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert seen.spilled()
+
+
+def test_a_temporary_folder_inside_the_artifact_gets_no_copy_of_its_weights(
+        tiny_artifact: Path, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$TMPDIR`` in the sealed artifact: the weights load from memory; no file is written into the folder (only
+    OrtEngine's empty private folders come and go)."""
+    import os
+    import tempfile
+
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    def files() -> set[Path]:  # os.walk: the other engines' empty folders come and go meanwhile
+        return {Path(top) / name for top, _, names in os.walk(chunked) for name in names}
+
+    listed = files()
+    written: list[Path] = []
+
+    def look(model: Any) -> None:
+        written.extend(files() - listed)
+
+    monkeypatch.setattr(tempfile, "tempdir", str(chunked))
+    seen = _SessionsSeen(monkeypatch, before=look)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert not seen.spilled() and written == []
+    assert not list(chunked.rglob("diffusion-trt-weights-*"))  # the empty folders OrtEngine made are gone too
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_two_spellings_of_one_data_file_load_from_a_private_folder_and_from_memory(
+        tiny_artifact: Path, chunked: Path, monkeypatch: pytest.MonkeyPatch, room: bool) -> None:
+    """Tensors naming one file as ``model.onnx.data`` and ``./model.onnx.data``: ONNX Runtime normalises in-memory
+    file names and refuses a second entry for one, so the memory route (no room for a private copy) must hand each
+    file over once, like the folder route writes it once."""
+    from diffusion_trt.artifact import reader as reader_module
+
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    path = chunked / "unet" / "model.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    tensor = next(t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+    next(e for e in tensor.external_data if e.key == "location").value = "./model.onnx.data"
+    path.write_bytes(model.SerializeToString())
+    manifest = json.loads((chunked / "manifest.json").read_text())
+    manifest["files"]["unet/model.onnx"] = artifacts.file_entry(chunked, "unet/model.onnx")
+    artifacts.write_manifest(chunked, manifest)
+    with ArtifactReader.open(chunked) as reader:
+        data = reader.onnx("unet/model.onnx")
+        assert set(data.external) == {"model.onnx.data", "./model.onnx.data"}
+        assert data.external["model.onnx.data"] is data.external["./model.onnx.data"]  # read once
+    if not room:
+        monkeypatch.setattr(reader_module.shutil, "disk_usage",
+                            lambda p: shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert bool(seen.spilled()) == room
+
+
+def test_a_model_file_named_like_onnx_runtimes_own_format_loads_from_the_private_folder(
+        tiny_artifact: Path, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manifest may name the ONNX file ``unet/model.ort``: opened by that name, ONNX Runtime would take it for
+    its ORT format ("ORT model verification failed") where the same bytes load from memory."""
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        expected = _unet_output(pipe)
+    (chunked / "unet" / "model.onnx").rename(chunked / "unet" / "model.ort")
+    manifest = json.loads((chunked / "manifest.json").read_text())
+    manifest["files"]["unet/model.ort"] = manifest["files"].pop("unet/model.onnx")
+    manifest["components"]["unet"]["files"] = ["unet/model.ort", "unet/model.onnx.data"]
+    manifest["components"]["unet"]["onnx"] = "unet/model.ort"
+    artifacts.write_manifest(chunked, manifest)
+    seen = _SessionsSeen(monkeypatch)
+    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    assert [m.name for m in seen.spilled()] == ["model.ort"]
+
+
 def test_spill_buffer_reserves_the_file_and_maps_it(tmp_path: Path) -> None:
     buf = digests.spill_buffer(tmp_path / "w.bin", 3 * MiB)
     assert buf is not None

@@ -198,7 +198,8 @@ class ArtifactReader:
                 data and the folder's file system has room for it, the model and each external-data file are read
                 straight into files there (shared mappings of new 0600 files: no copy beyond the read), so that
                 ONNX Runtime can open them by path (it builds a session from a file 4-5x faster than from
-                in-memory files: ``benchmarks/session_sources.py``). :attr:`OnnxBytes.folder` says whether it did.
+                in-memory files: ``benchmarks/session_sources.py``). :attr:`OnnxBytes.folder` says whether it did;
+                never into a folder inside the artifact itself.
 
         Raises:
             ArtifactError: as :meth:`read`; the model does not parse; an external-data location leaves the folder or
@@ -221,17 +222,35 @@ class ArtifactReader:
         if problems:
             raise folder.verification_failed(self.root, problems)
         targets = {loc: str(folder.external_data_target(rel, loc)) for loc in locations}
-        if spill is not None and locations and self._room_for(spill, set(targets.values())):
+        if (spill is not None and locations and not self._holds(spill)
+                and self._room_for(spill, set(targets.values()))):
             try:
                 return self._spilled(rel, data, targets, spill)
             except OSError as e:  # the folder filled up or went away meanwhile: from memory, as without room
                 logger.info("%s: cannot write %s into %s (%s): loading it from memory instead", self.root, rel,
                             spill, e)
                 _empty(spill)
-        external = {loc: self.read(target) for loc, target in targets.items()}
+        files = {target: self.read(target) for target in dict.fromkeys(targets.values())}  # each file read once
+        external = {loc: files[target] for loc, target in targets.items()}
         # ONNX Runtime takes a model only as ``bytes``; a large one (weights inline: artifacts of before the
         # external-data threshold of build_ort) costs one copy here
         return OnnxBytes(rel, data if isinstance(data, bytes) else bytes(data), external)
+
+    def _holds(self, spill: Path) -> bool:
+        """Whether ``spill`` lies inside the folder the descriptor holds (``$TMPDIR`` in the artifact): the sealed
+        folder gets no copy of its weights (a ``compile --overwrite`` would delete them under the session)."""
+        held = os.fstat(self._require_fd())
+        try:
+            where = spill.resolve()
+        except OSError:
+            return False
+        for path in (where, *where.parents):
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.stat(path), held):
+                    logger.info("%s: the private folder %s lies inside the artifact (is $TMPDIR there?): loading the "
+                                "weights from memory", self.root, spill)
+                    return True
+        return False
 
     def _room_for(self, spill: Path, targets: set[str]) -> bool:
         """Whether ``spill``'s file system has room for the files ``targets`` (with 10% to spare)."""
@@ -409,8 +428,13 @@ class ArtifactReader:
 
 
 def _empty(spill: Path) -> None:
-    """Remove what :meth:`ArtifactReader._spilled` left in ``spill`` (the folder itself stays: the caller's)."""
-    for child in spill.iterdir():
+    """Remove what :meth:`ArtifactReader._spilled` left in ``spill`` (the folder itself stays: the caller's);
+    nothing when the folder itself went away."""
+    try:
+        children = list(spill.iterdir())
+    except FileNotFoundError:
+        return
+    for child in children:
         if child.is_dir() and not child.is_symlink():
             shutil.rmtree(child, ignore_errors=True)
         else:

@@ -37,10 +37,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 import numpy as np
@@ -470,12 +471,21 @@ class OrtEngine(EngineBase):
         bytes in memory (``add_external_initializers_from_files_in_memory``, or OrtValue initializers over them;
         H200, onnxruntime-gpu 1.31.1, ``benchmarks/results/h200-2026-12-04-s16-session-sources-*.json``). Only this
         process's user can reach the folder, so the bytes ORT reads are the bytes the reader hashed. ``$TMPDIR``
-        picks where it is made; without room there (or without a writable one) the weights load from memory."""
+        picks where it is made; without room there (or without a writable one, one whose name is not UTF-8: ONNX
+        Runtime takes a path only as UTF-8 text, or one where another user may rename entries: writable by group or
+        others without the sticky bit, or owned by another user than us or root) the weights load from memory."""
         if self._source is None:
             return contextlib.nullcontext()
         try:
+            where = tempfile.gettempdir()
+            where.encode("utf-8")  # a name of other bytes (surrogate escapes) cannot reach ORT
+            st = os.stat(where)
+            if st.st_uid not in (0, os.getuid()) or (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+                                                      and not st.st_mode & stat.S_ISVTX):
+                # another user could rename our folder away and put one of theirs in its place before ORT opens it
+                raise PermissionError(f"{where} lets other users rename what is in it (no sticky bit, or not ours)")
             folder = tempfile.TemporaryDirectory(prefix="diffusion-trt-weights-", ignore_cleanup_errors=True)
-        except OSError as e:  # no writable temporary folder: the bytes go to ORT from memory
+        except (OSError, UnicodeEncodeError) as e:  # no writable temporary folder: the bytes go to ORT from memory
             logger.info("%s: no private folder for the weights (%s); loading them from memory", self._name, e)
             return contextlib.nullcontext()
         return _spill_path(folder)
@@ -532,8 +542,9 @@ class OrtEngine(EngineBase):
 
     def _make_session_options(self, data: OnnxBytes | None) -> Any:
         """Session options for one session creation: the caller's, or fresh ones (ORT_ENABLE_ALL, warnings and up);
-        with ``data``, its external-data files handed over from memory (ORT keeps pointers to them in the options, so
-        these options serve this one creation while ``data`` is alive).
+        with ``data``, its external-data files handed over from memory, each once (ORT keeps pointers to them in the
+        options, so these options serve this one creation while ``data`` is alive); with ``data`` in a folder, read as
+        ONNX whatever the file's name.
 
         Raises:
             RuntimeInputError: the caller's own ``session_options`` with in-memory external data.
@@ -560,9 +571,14 @@ class OrtEngine(EngineBase):
             so.add_free_dimension_override_by_name(dim, value)
         if self._deterministic:
             so.use_deterministic_compute = True
+        if data is not None and data.folder is not None:
+            # the reader parsed the model as ONNX: a name ending ".ort" must not make ORT read it as its own format
+            so.add_session_config_entry("session.load_model_format", "ONNX")
         if data is not None and data.external and data.folder is None:
-            names = list(data.external)
-            buffers = [data.external[n] for n in names]
+            # one entry a file: ORT normalises the names ("./a.data" is "a.data") and refuses a second entry for one
+            files = {PurePosixPath(n).as_posix(): b for n, b in data.external.items()}
+            names = list(files)
+            buffers = [files[n] for n in names]
             so.add_external_initializers_from_files_in_memory(names, buffers, [len(b) for b in buffers])
         return so
 
