@@ -35,7 +35,7 @@
 #   bash benchmarks/gpu_cold_start.sh first-run OUT    first_run_options.py: session / first / warm run per CUDA
 #                                                       provider option, static base (unet, vae_decoder) and dyn
 #                                                       at three latent sizes
-#   bash benchmarks/gpu_cold_start.sh sources OUT      session_sources.py on base: ORT opening the files, in-memory
+#   bash benchmarks/gpu_cold_start.sh sources OUT      weight_sources.py on base: ORT opening the files, in-memory
 #                                                       files, OrtValue initializers over the verified bytes
 #   bash benchmarks/gpu_cold_start.sh lean OUT         first image, diffusers' one-shot and `run` in a folder of
 #                                                       diffusion-trt's dependency closure only (lean_site.py), -S
@@ -177,9 +177,9 @@ from diffusion_trt.cli import main; sys.argv[0] = 'diffusion-trt'; main()" bench
       --latents 64x64,96x96,80x48 --batch 2 --layouts nhwc,nchw --json "$out/shared_initializers.json" 2>&1 | tail -24 ;;
   sources)  # where a session's weights come from: ORT by path, in-memory files, OrtValue initializers (issue 28)
     log "session sources: unet x2, text encoder and VAE decoder x1"
-    timeout ${SOURCES_TIMEOUT:-240} $py benchmarks/session_sources.py $W/art-base --components unet --repeat 2 \
+    timeout ${SOURCES_TIMEOUT:-240} $py benchmarks/weight_sources.py $W/art-base --components unet --repeat 2 \
       --json "$out/session_sources_unet.json" 2>&1 | tail -8
-    timeout ${SOURCES_TIMEOUT:-240} $py benchmarks/session_sources.py $W/art-base --components text_encoder,vae_decoder \
+    timeout ${SOURCES_TIMEOUT:-240} $py benchmarks/weight_sources.py $W/art-base --components text_encoder,vae_decoder \
       --repeat 1 --json "$out/session_sources_small.json" 2>&1 | tail -8 ;;
   lean)  # the cold start in a folder of diffusion-trt's dependency closure only, as a user's venv (python -S)
     log "lean site"

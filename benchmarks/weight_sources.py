@@ -1,6 +1,6 @@
 """Where an ONNX Runtime session's weights come from, and what that costs at load (issue 28).
 
-    python benchmarks/session_sources.py ARTIFACT [--components unet,text_encoder,vae_decoder]
+    python benchmarks/weight_sources.py ARTIFACT [--components unet,text_encoder,vae_decoder]
         [--modes path,files,initializers] [--repeat 2] [--json OUT.json]
 
 Per component and mode, each in a fresh process: an :class:`~diffusion_trt.runtime.engines.ort_engine.OrtEngine`
