@@ -198,7 +198,7 @@ class ArtifactReader:
                 data and the folder's file system has room for it, the model and each external-data file are read
                 straight into files there (shared mappings of new 0600 files: no copy beyond the read), so that
                 ONNX Runtime can open them by path (it builds a session from a file 4-5x faster than from
-                in-memory files: ``benchmarks/session_sources.py``). :attr:`OnnxBytes.folder` says whether it did;
+                in-memory files: ``benchmarks/weight_sources.py``). :attr:`OnnxBytes.folder` says whether it did;
                 never into a folder inside the artifact itself.
 
         Raises:
