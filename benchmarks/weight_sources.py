@@ -24,6 +24,7 @@ A benchmark, not a test; CUDA when torch sees it, else CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -83,7 +84,7 @@ def measure(art: str, component: str, mode: str) -> dict:
         else:
             feeds[i.name] = (torch.full(shape, 501.0) if i.name == "timestep"
                              else torch.randn(shape, generator=g)).to(i.torch_dtype).to(device)
-    with torch.cuda.stream(stream) if stream is not None else _null():
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         for key in ("first_run_s", "capture_run_s"):
             t = time.perf_counter()
             out = engine.run(feeds)
@@ -103,14 +104,6 @@ def measure(art: str, component: str, mode: str) -> dict:
     row["rss_gb"] = _rss_gb()
     engine.__exit__(None, None, None)
     return row
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None
 
 
 def main() -> None:
