@@ -127,11 +127,29 @@ class _SessionsSeen:
     def spilled(self) -> list[Path]:
         return [Path(m) for m in self.models if isinstance(m, str) and "diffusion-trt-weights-" in m]
 
+    def from_memory(self) -> bool:
+        """Every session was built from bytes: no model was opened from a private folder."""
+        return not self.spilled() and all(isinstance(m, bytes) for m in self.models)
+
+
+@pytest.fixture
+def expected(tiny_artifact: Path) -> np.ndarray:
+    """The tiny UNet's output from the reference artifact (weights inline): what every load below must give."""
+    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
+        return _unet_output(pipe)
+
+
+def _loads_alike(art: Path, expected: np.ndarray, monkeypatch: pytest.MonkeyPatch, before: Any = None
+                 ) -> _SessionsSeen:
+    """Load ``art`` on the CPU with its sessions watched (:class:`_SessionsSeen`); its UNet must give ``expected``."""
+    seen = _SessionsSeen(monkeypatch, before=before)
+    with EnginePipeline.from_artifacts(art, device="cpu") as pipe:
+        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    return seen
+
 
 def test_external_data_is_read_into_a_private_folder_that_onnx_runtime_opens_and_that_is_removed(
-        tiny_artifact: Path, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
-        expected = _unet_output(pipe)
+        expected: np.ndarray, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _SessionsSeen(monkeypatch)
     with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
         np.testing.assert_array_equal(_unet_output(pipe), expected)
@@ -141,12 +159,10 @@ def test_external_data_is_read_into_a_private_folder_that_onnx_runtime_opens_and
         assert sum(isinstance(m, bytes) for m in seen.models) == len(seen.models) - 1
 
 
-def test_a_data_file_altered_after_it_was_read_is_not_what_runs(tiny_artifact: Path, chunked: Path,
+def test_a_data_file_altered_after_it_was_read_is_not_what_runs(expected: np.ndarray, chunked: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The UNet's external data is flipped in the artifact right before ONNX Runtime opens the private copy: the
     session runs the hashed bytes."""
-    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
-        expected = _unet_output(pipe)
     data = chunked / "unet" / "model.onnx.data"
 
     def tamper(model: Any) -> None:
@@ -154,37 +170,27 @@ def test_a_data_file_altered_after_it_was_read_is_not_what_runs(tiny_artifact: P
             raw = data.read_bytes()
             data.write_bytes(bytes(b ^ 0xFF for b in raw[:4096]) + raw[4096:])
 
-    seen = _SessionsSeen(monkeypatch, before=tamper)
-    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
-        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    seen = _loads_alike(chunked, expected, monkeypatch, before=tamper)
     assert seen.spilled()
 
 
-def test_without_room_for_the_private_copy_the_weights_load_from_memory(tiny_artifact: Path, chunked: Path,
+def test_without_room_for_the_private_copy_the_weights_load_from_memory(expected: np.ndarray, chunked: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from diffusion_trt.artifact import reader as reader_module
 
-    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
-        expected = _unet_output(pipe)
     monkeypatch.setattr(reader_module.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))
-    seen = _SessionsSeen(monkeypatch)
-    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
-        np.testing.assert_array_equal(_unet_output(pipe), expected)
-    assert not seen.spilled() and all(isinstance(m, bytes) for m in seen.models)
+    seen = _loads_alike(chunked, expected, monkeypatch)
+    assert seen.from_memory()
 
 
 def test_no_writable_temporary_folder_or_a_full_one_loads_the_weights_from_memory(
-        tiny_artifact: Path, chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        expected: np.ndarray, chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
     import tempfile
 
-    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
-        expected = _unet_output(pipe)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))  # TemporaryDirectory fails: OSError
-    seen = _SessionsSeen(monkeypatch)
-    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
-        np.testing.assert_array_equal(_unet_output(pipe), expected)
-    assert not seen.spilled() and all(isinstance(m, bytes) for m in seen.models)
+    seen = _loads_alike(chunked, expected, monkeypatch)
+    assert seen.from_memory()
 
     spills = tmp_path / "spills"
     spills.mkdir()
@@ -194,18 +200,14 @@ def test_no_writable_temporary_folder_or_a_full_one_loads_the_weights_from_memor
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(digests, "spill_buffer", full)
-    seen = _SessionsSeen(monkeypatch)
-    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
-        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    seen = _loads_alike(chunked, expected, monkeypatch)
     assert not seen.spilled() and list(spills.iterdir()) == []  # the half-written model file went with the folder
 
 
 def test_a_private_folder_that_goes_away_while_the_weights_are_written_loads_them_from_memory(
-        tiny_artifact: Path, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        expected: np.ndarray, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A temporary-file cleaner removes the folder between the model file and its external data: no
     FileNotFoundError, the weights load from memory."""
-    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
-        expected = _unet_output(pipe)
     real = digests.spill_buffer
 
     def cleaned(path: Any, size: int) -> Any:
@@ -213,62 +215,48 @@ def test_a_private_folder_that_goes_away_while_the_weights_are_written_loads_the
         return real(path, size)
 
     monkeypatch.setattr(digests, "spill_buffer", cleaned)
-    seen = _SessionsSeen(monkeypatch)
-    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
-        np.testing.assert_array_equal(_unet_output(pipe), expected)
-    assert not seen.spilled() and all(isinstance(m, bytes) for m in seen.models)
+    seen = _loads_alike(chunked, expected, monkeypatch)
+    assert seen.from_memory()
 
 
 def test_a_temporary_folder_whose_name_is_not_utf8_loads_the_weights_from_memory(
-        tiny_artifact: Path, chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        expected: np.ndarray, chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ONNX Runtime takes a path only as UTF-8 text: a ``$TMPDIR`` of other bytes must not fail the load (exit 3,
     "could not load") of a sound artifact."""
     import os
     import tempfile
 
-    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
-        expected = _unet_output(pipe)
     latin1 = os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9")
     os.mkdir(latin1)
     monkeypatch.setattr(tempfile, "tempdir", latin1)
-    seen = _SessionsSeen(monkeypatch)
-    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
-        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    seen = _loads_alike(chunked, expected, monkeypatch)
     assert not seen.spilled() and os.listdir(latin1) == []
 
 
 def test_a_temporary_folder_where_others_may_rename_entries_loads_the_weights_from_memory(
-        tiny_artifact: Path, chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        expected: np.ndarray, chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A world-writable ``$TMPDIR`` without the sticky bit: another user could swap our private folder for theirs
     between the reader's writes and ONNX Runtime's open; with the sticky bit (``/tmp``) the folder is used."""
     import tempfile
 
-    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
-        expected = _unet_output(pipe)
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
     monkeypatch.setattr(tempfile, "tempdir", str(shared))
-    seen = _SessionsSeen(monkeypatch)
-    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
-        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    seen = _loads_alike(chunked, expected, monkeypatch)
     assert not seen.spilled() and list(shared.iterdir()) == []
     shared.chmod(0o1777)
-    seen = _SessionsSeen(monkeypatch)
-    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
-        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    seen = _loads_alike(chunked, expected, monkeypatch)
     assert seen.spilled()
 
 
 def test_a_temporary_folder_inside_the_artifact_gets_no_copy_of_its_weights(
-        tiny_artifact: Path, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        expected: np.ndarray, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``$TMPDIR`` in the sealed artifact: the weights load from memory; no file is written into the folder (only
     OrtEngine's empty private folders come and go)."""
     import os
     import tempfile
 
-    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
-        expected = _unet_output(pipe)
     def files() -> set[Path]:  # os.walk: the other engines' empty folders come and go meanwhile
         return {Path(top) / name for top, _, names in os.walk(chunked) for name in names}
 
@@ -279,23 +267,19 @@ def test_a_temporary_folder_inside_the_artifact_gets_no_copy_of_its_weights(
         written.extend(files() - listed)
 
     monkeypatch.setattr(tempfile, "tempdir", str(chunked))
-    seen = _SessionsSeen(monkeypatch, before=look)
-    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
-        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    seen = _loads_alike(chunked, expected, monkeypatch, before=look)
     assert not seen.spilled() and written == []
     assert not list(chunked.rglob("diffusion-trt-weights-*"))  # the empty folders OrtEngine made are gone too
 
 
 @pytest.mark.parametrize("room", [True, False])
 def test_two_spellings_of_one_data_file_load_from_a_private_folder_and_from_memory(
-        tiny_artifact: Path, chunked: Path, monkeypatch: pytest.MonkeyPatch, room: bool) -> None:
+        expected: np.ndarray, chunked: Path, monkeypatch: pytest.MonkeyPatch, room: bool) -> None:
     """Tensors naming one file as ``model.onnx.data`` and ``./model.onnx.data``: ONNX Runtime normalises in-memory
     file names and refuses a second entry for one, so the memory route (no room for a private copy) must hand each
     file over once, like the folder route writes it once."""
     from diffusion_trt.artifact import reader as reader_module
 
-    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
-        expected = _unet_output(pipe)
     path = chunked / "unet" / "model.onnx"
     model = onnx.load(str(path), load_external_data=False)
     tensor = next(t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
@@ -311,27 +295,21 @@ def test_two_spellings_of_one_data_file_load_from_a_private_folder_and_from_memo
     if not room:
         monkeypatch.setattr(reader_module.shutil, "disk_usage",
                             lambda p: shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))
-    seen = _SessionsSeen(monkeypatch)
-    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
-        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    seen = _loads_alike(chunked, expected, monkeypatch)
     assert bool(seen.spilled()) == room
 
 
 def test_a_model_file_named_like_onnx_runtimes_own_format_loads_from_the_private_folder(
-        tiny_artifact: Path, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        expected: np.ndarray, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The manifest may name the ONNX file ``unet/model.ort``: opened by that name, ONNX Runtime would take it for
     its ORT format ("ORT model verification failed") where the same bytes load from memory."""
-    with EnginePipeline.from_artifacts(tiny_artifact, device="cpu") as pipe:
-        expected = _unet_output(pipe)
     (chunked / "unet" / "model.onnx").rename(chunked / "unet" / "model.ort")
     manifest = json.loads((chunked / "manifest.json").read_text())
     manifest["files"]["unet/model.ort"] = manifest["files"].pop("unet/model.onnx")
     manifest["components"]["unet"]["files"] = ["unet/model.ort", "unet/model.onnx.data"]
     manifest["components"]["unet"]["onnx"] = "unet/model.ort"
     artifacts.write_manifest(chunked, manifest)
-    seen = _SessionsSeen(monkeypatch)
-    with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
-        np.testing.assert_array_equal(_unet_output(pipe), expected)
+    seen = _loads_alike(chunked, expected, monkeypatch)
     assert [m.name for m in seen.spilled()] == ["model.ort"]
 
 
