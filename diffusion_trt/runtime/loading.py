@@ -11,15 +11,16 @@ runs each engine whose profile is static once on zeros (:func:`warm_up`); the ca
 With ``enable_cuda_graph`` ONNX Runtime's first run also captures the graph (a regular run for the allocations, then
 a capturing one, inside one ``run``), so the first image replays from its first step. ONNX Runtime captures in
 ``cudaStreamCaptureModeGlobal``: a ``cudaMalloc`` or copy from any other thread during the capture breaks it
-("operation not permitted when stream is capturing", seen on the H200 when the warm-ups ran unguarded). So each
-warm-up, and every CUDA session creation (which allocates and copies weights), holds
-:data:`~.engines.ort_engine.CAPTURE_LOCK`: reading and hashing still overlap everything, the GPU steps take turns.
+("operation not permitted when stream is capturing", seen on the H200 when the warm-ups ran unguarded). So every CUDA
+session creation and uncaptured warm-up holds :data:`~.engines.capture_lock.CAPTURE_LOCK` shared, side by side, and
+only the captures (milliseconds) hold it exclusive.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
@@ -43,9 +44,9 @@ def warm_up(engine: Engine) -> bool:
     prime = getattr(engine, "prime", None)
     if prime is not None:  # ONNX Runtime: outside graph mode, so the caller's thread captures under the lock
         return bool(prime())
-    from .engines.ort_engine import CAPTURE_LOCK
+    from .engines.capture_lock import CAPTURE_LOCK
 
-    with CAPTURE_LOCK:  # the feeds' allocation too: another engine may be capturing
+    with CAPTURE_LOCK.exclusive():  # a run that may capture (TensorRT): the feeds' allocation too
         feeds = engine.spec.zero_feeds(engine.device)
         engine.run(feeds)
         torch.cuda.current_stream(engine.device).synchronize()
@@ -73,21 +74,31 @@ class OpenTogether:
         self._futures: dict[str, Future[bool]] = {}
         self._lock = threading.Lock()
         self.warmed: list[str] = []
+        #: name -> {"opened_s", "warmed_s"}: seconds from the block's start to each engine's open and warm-up end;
+        #: "caller" -> {"wait_from_s", "wait_to_s"}: when :meth:`wait` was called and returned (logged at DEBUG when
+        #: the block ends; benchmarks/cold_start.py reads them there)
+        self.timeline: dict[str, dict[str, float]] = {}
+        self._t0 = 0.0
 
     def __enter__(self) -> OpenTogether:
+        self._t0 = time.perf_counter()
         for name, engine in self._engines.items():
             self._futures[name] = self._pool.submit(self._open, name, engine)
         return self
 
     def _open(self, name: str, engine: Engine) -> bool:
         engine.__enter__()
+        marks = {"opened_s": time.perf_counter() - self._t0}
         try:
             if self._warm and warm_up(engine):
+                marks["warmed_s"] = time.perf_counter() - self._t0
                 with self._lock:
                     self.warmed.append(name)
         except BaseException:
             engine.__exit__(None, None, None)
             raise
+        with self._lock:
+            self.timeline[name] = marks
         return True
 
     def wait(self) -> None:
@@ -96,8 +107,11 @@ class OpenTogether:
         Raises:
             The first failure of an engine, in ``engines`` order (e.g. ``ArtifactError`` for an altered file).
         """
+        start = time.perf_counter() - self._t0  # what the caller's own work took (the critical path if nothing waits)
         for future in self._futures.values():
             future.exception()  # all done before any is raised: the block's exit then closes the others
+        with self._lock:
+            self.timeline["caller"] = {"wait_from_s": start, "wait_to_s": time.perf_counter() - self._t0}
         for future in self._futures.values():
             future.result()
 
@@ -109,3 +123,6 @@ class OpenTogether:
                 self._engines[name].__exit__(None, None, None)
         if self.warmed:
             logger.debug("warmed up %s at load", ", ".join(self.warmed))
+        for name, marks in self.timeline.items():
+            logger.debug("load timeline %s: %s", name, ", ".join(f"{k} {v:.3f}" for k, v in marks.items()),
+                         extra={"engine": name, "marks": dict(marks)})

@@ -156,9 +156,9 @@ def test_two_gpus_equal_one(static_artifact: Path, graph_and_eager: tuple[Engine
 
 def test_engines_opened_side_by_side_warm_and_capture_without_a_race(static_artifact: Path) -> None:
     """runtime/loading.py opens the engines on threads and warms each static one (ORT's first run captures its
-    graph): session creations and captures take CAPTURE_LOCK in turn, so five loads in a row neither fail ("operation
-    not permitted when stream is capturing", seen on the H200 before the lock) nor change the image beyond the
-    kernels' own noise."""
+    graph): session creations and uncaptured runs hold CAPTURE_LOCK shared, side by side, and captures hold it
+    exclusive, so five loads in a row neither fail ("operation not permitted when stream is capturing", seen on the
+    H200 before the lock) nor change the image beyond the kernels' own noise."""
     images = []
     for _ in range(5):
         with EnginePipeline.from_artifacts(static_artifact) as pipe:

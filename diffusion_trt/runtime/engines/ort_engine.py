@@ -39,7 +39,6 @@ import logging
 import os
 import stat
 import tempfile
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -49,15 +48,11 @@ import torch
 
 from ...artifact.reader import OnnxBytes
 from ...errors import ArtifactError, RuntimeInputError
+from .capture_lock import exclusive_if, shared_if
 from .engine import EngineBase, EngineSpec, _fmt_shape
 
 logger = logging.getLogger(__name__)
 
-#: Held while an engine runs its warm-up/capture calls in CUDA-graph mode (its buffers' allocations included) and
-#: while a CUDA session is created: ORT captures in ``cudaStreamCaptureModeGlobal``, where a ``cudaMalloc`` or copy
-#: from any other thread breaks the capture ("operation not permitted when stream is capturing"), and session
-#: creation allocates and copies the weights. Reentrant: :func:`~..loading.warm_up` holds it around a run.
-CAPTURE_LOCK = threading.RLock()
 #: Calls before ORT replays a graph: one regular run (arena allocations), then the capturing run.
 _GRAPH_CAPTURE_RUNS = 2
 
@@ -329,7 +324,7 @@ class OrtEngine(EngineBase):
         if self._graph:
             # the capturing runs allocate their buffers under the lock too: no other thread's CUDA call may land
             # inside ORT's global-mode capture
-            with CAPTURE_LOCK if self._graph_runs < _GRAPH_CAPTURE_RUNS else contextlib.nullcontext():
+            with exclusive_if(self._graph_runs < _GRAPH_CAPTURE_RUNS):
                 return self._run_graph(feeds, shapes)
         if self._io_binding:
             return self._run_bound(feeds, shapes)
@@ -343,8 +338,9 @@ class OrtEngine(EngineBase):
         goes through its own IO binding with ORT's run option ``gpu_graph_id=-1`` (no capture, no replay, and ORT's
         count of runs before the capture left as it was; onnxruntime ``core/providers/cuda/cuda_graph.h``,
         ``kCudaGraphAnnotationSkip``), so the engine's own first runs, on the thread that replays, still run
-        and capture under :data:`CAPTURE_LOCK`. The run holds that lock too: a regular run allocates, which breaks
-        another thread's capture in ``cudaStreamCaptureModeGlobal``.
+        and capture holding :data:`~.capture_lock.CAPTURE_LOCK` exclusive. This run holds it shared: a regular run
+        allocates, which would break another thread's capture in ``cudaStreamCaptureModeGlobal``, but it may overlap
+        other engines' session creations and first runs.
 
         Returns:
             Whether it ran: only engines whose every input shape is fixed (a static spec).
@@ -357,7 +353,7 @@ class OrtEngine(EngineBase):
         if not self._spec.is_static:
             return False
         cuda = self._kind == "cuda"
-        with CAPTURE_LOCK if cuda else contextlib.nullcontext():
+        with shared_if(cuda):
             feeds = self._spec.zero_feeds(self._device)
             if not self._graph:
                 self.run(feeds)
@@ -457,7 +453,7 @@ class OrtEngine(EngineBase):
             data = self._source(spill=spill) if self._source is not None else None
             model: str | bytes = str(self.path) if data is None else (
                 data.model if data.model_path is None else str(data.model_path))
-            with CAPTURE_LOCK if self._kind == "cuda" else contextlib.nullcontext():
+            with shared_if(self._kind == "cuda"):  # side by side with other loads, never inside a capture
                 session = self._create_session(ort, model, data, providers)
             del data
         self._finish_open(ort, session)
@@ -691,7 +687,7 @@ class OrtEngine(EngineBase):
             self._graph_bound = True
         capturing = self._graph_runs < _GRAPH_CAPTURE_RUNS
         try:
-            with CAPTURE_LOCK if capturing else contextlib.nullcontext():
+            with exclusive_if(capturing):
                 self._session.run_with_iobinding(binding, self._run_options)
         except Exception as e:  # ORT's capture failures come as its own exception types
             if not capturing:
