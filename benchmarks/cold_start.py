@@ -105,6 +105,24 @@ def phases(art: str, cudnn: str) -> dict:
     return out
 
 
+def _load_timeline() -> dict:
+    """A dict that fills with runtime/loading.py's DEBUG timeline of the next load: engine -> seconds from the
+    opening's start to its session and warm-up end, and when the caller waited (``OpenTogether.timeline``)."""
+    import logging
+
+    got: dict = {}
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if hasattr(record, "marks"):
+                got[record.engine] = record.marks
+
+    log = logging.getLogger("diffusion_trt.runtime.loading")
+    log.setLevel(logging.DEBUG)
+    log.addHandler(Grab())
+    return got
+
+
 def first_image(art: str, cudnn: str, steps: int, level: str = "all", provider_options: dict | None = None) -> dict:
     """from_artifacts + the first image (and a second), with marks since the process started; ``provider_options``
     go to ``from_artifacts`` (every component)."""
@@ -116,6 +134,7 @@ def first_image(art: str, cudnn: str, steps: int, level: str = "all", provider_o
 
     marks["import_diffusion_trt"] = time.perf_counter() - T0
     marks["package"] = os.path.dirname(diffusion_trt.__file__)
+    timeline = _load_timeline()
     t_load = time.perf_counter()
     extra = {"graph_optimization_level": level} if level != "all" else {}  # a tree before the option had "all"
     if provider_options:
@@ -123,6 +142,7 @@ def first_image(art: str, cudnn: str, steps: int, level: str = "all", provider_o
     pipe = diffusion_trt.EnginePipeline.from_artifacts(art, cudnn_conv_algo_search=cudnn, **extra)
     marks["from_artifacts"] = time.perf_counter() - T0
     out: dict = {"cudnn": cudnn, "graph_optimization_level": level, "provider_options": provider_options or {}}
+    out["load_timeline_s"] = dict(timeline)
     out["from_artifacts_s"] = time.perf_counter() - t_load
     images = []
     for key in ("first_call_s", "second_call_s"):
