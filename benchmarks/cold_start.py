@@ -161,23 +161,10 @@ def first_image(art: str, cudnn: str, steps: int, level: str = "all", provider_o
     return out
 
 
-def profile(art: str, cudnn: str, steps: int) -> dict:
-    """cProfile of from_artifacts + the first image: the top functions by cumulative time."""
-    import cProfile
+def _top(prof: object) -> dict:
+    """The top functions of a cProfile by cumulative and by own time, and ours by cumulative time."""
     import pstats
 
-    import torch
-
-    import diffusion_trt
-
-    prof = cProfile.Profile()
-    t = time.perf_counter()
-    prof.enable()
-    pipe = diffusion_trt.EnginePipeline.from_artifacts(art, cudnn_conv_algo_search=cudnn)
-    pipe(PROMPT, num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="np",
-         progress=False)
-    prof.disable()
-    total = time.perf_counter() - t
     stats = pstats.Stats(prof)
     rows = []
     for (file, line, fn), (_cc, nc, tt, ct, _callers) in stats.stats.items():
@@ -188,8 +175,32 @@ def profile(art: str, cudnn: str, steps: int) -> dict:
     ours = sorted(({"function": f"{file.split('diffusion_trt/')[-1]}:{line}:{fn}", "calls": nc, "tottime_s": tt,
                     "cumtime_s": ct} for (file, line, fn), (_cc, nc, tt, ct, _c) in stats.stats.items()
                    if "diffusion_trt" in file), key=lambda r: -r["cumtime_s"])[:40]
+    return {"top_cumulative": rows[:40], "top_self": by_self, "top_diffusion_trt": ours}
+
+
+def profile(art: str, cudnn: str, steps: int) -> dict:
+    """cProfile of from_artifacts, and separately of the first image (what the first call does beyond a warm one):
+    the top functions by cumulative time of each."""
+    import cProfile
+
+    import torch
+
+    import diffusion_trt
+
+    load, first = cProfile.Profile(), cProfile.Profile()
+    t = time.perf_counter()
+    load.enable()
+    pipe = diffusion_trt.EnginePipeline.from_artifacts(art, cudnn_conv_algo_search=cudnn)
+    load.disable()
+    t_call = time.perf_counter()
+    first.enable()
+    pipe(PROMPT, num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="np",
+         progress=False)
+    first.disable()
+    end = time.perf_counter()
     pipe.close()
-    return {"total_s": total, "top_cumulative": rows[:40], "top_self": by_self, "top_diffusion_trt": ours}
+    return {"total_s": end - t, "first_call_s": end - t_call, **_top(load),
+            "first_call": {"total_s": end - t_call, **_top(first)}}
 
 
 def diffusers_oneshot(model_dir: str, steps: int, png: str) -> dict:
