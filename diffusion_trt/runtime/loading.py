@@ -73,7 +73,6 @@ class OpenTogether:
         self._pool = ThreadPoolExecutor(max(1, len(self._engines)), thread_name_prefix="diffusion-trt-open")
         self._futures: dict[str, Future[bool]] = {}
         self._lock = threading.Lock()
-        self.warmed: list[str] = []
         #: name -> {"opened_s", "warmed_s"}: seconds from the block's start to each engine's open and warm-up end;
         #: "caller" -> {"wait_from_s", "wait_to_s"}: when :meth:`wait` was called and returned (logged at DEBUG when
         #: the block ends; benchmarks/cold_start.py reads them there)
@@ -92,8 +91,6 @@ class OpenTogether:
         try:
             if self._warm and warm_up(engine):
                 marks["warmed_s"] = time.perf_counter() - self._t0
-                with self._lock:
-                    self.warmed.append(name)
         except BaseException:
             engine.__exit__(None, None, None)
             raise
@@ -121,8 +118,8 @@ class OpenTogether:
         for name, future in self._futures.items():
             if future.exception() is None:
                 self._engines[name].__exit__(None, None, None)
-        if self.warmed:
-            logger.debug("warmed up %s at load", ", ".join(self.warmed))
+        if warmed := [name for name, marks in self.timeline.items() if "warmed_s" in marks]:
+            logger.debug("warmed up %s at load", ", ".join(warmed))
         for name, marks in self.timeline.items():
             logger.debug("load timeline %s: %s", name, ", ".join(f"{k} {v:.3f}" for k, v in marks.items()),
                          extra={"engine": name, "marks": dict(marks)})
