@@ -7,12 +7,15 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import onnx
 import pytest
+import torch
 from click.testing import CliRunner
 
 from diffusion_trt.artifact import digests
@@ -377,6 +380,47 @@ def test_open_together_hands_over_engines_the_caller_entered() -> None:
         for e in engines.values():
             e.__enter__()  # as EnginePipeline.__init__ does
     assert [e.depth for e in engines.values()] == [1, 1]
+
+
+class _Warms(_Opens):
+    """An engine stand-in on "cuda" with a static spec: records the threads of its warm-up and its capture."""
+
+    device = torch.device("cuda")
+    spec = SimpleNamespace(is_static=True)
+
+    def __init__(self, fail: bool = False, graph: bool = True) -> None:
+        super().__init__(fail)
+        self.graph, self.primed_on, self.captured_on = graph, None, []
+
+    def prime(self) -> bool:
+        self.primed_on = threading.get_ident()
+        return True
+
+    def capture(self) -> bool:
+        self.captured_on.append(threading.get_ident())
+        return self.graph
+
+
+def test_open_together_captures_each_warmed_engine_on_the_callers_thread() -> None:
+    engines = {"unet": _Warms(), "vae_decoder": _Warms(graph=False)}
+    with OpenTogether(engines, warm=True) as opening:
+        opening.wait(capture=True)
+    me = threading.get_ident()
+    assert [e.captured_on for e in engines.values()] == [[me], [me]]  # once each, on the thread that will call
+    assert all(e.primed_on not in (None, me) for e in engines.values())  # the warm-ups ran on the loader threads
+    assert "captured_s" in opening.timeline["unet"]
+    assert "captured_s" not in opening.timeline["vae_decoder"]  # not in CUDA-graph mode: nothing captured
+
+
+def test_open_together_captures_nothing_unless_asked_and_closes_all_after_a_failure() -> None:
+    engines = {"a": _Warms()}
+    with OpenTogether(engines, warm=True) as opening:
+        opening.wait()
+    assert engines["a"].captured_on == []
+    good, bad = _Warms(), _Warms(fail=True)
+    with pytest.raises(ArtifactError, match="altered"), OpenTogether({"a": bad, "b": good}, warm=True) as opening:
+        opening.wait(capture=True)
+    assert good.depth == 0
 
 
 def test_exposure_groups_bound_bytes_as_well_as_count() -> None:

@@ -8,9 +8,11 @@ in the time the UNet still loads. So :class:`OpenTogether` enters every engine o
 runs each engine whose profile is static once on zeros (:func:`warm_up`); the caller keeps working meanwhile
 (tokenizers, the scheduler) and :meth:`OpenTogether.wait` joins them.
 
-With ``enable_cuda_graph`` ONNX Runtime's first run also captures the graph (a regular run for the allocations, then
-a capturing one, inside one ``run``), so the first image replays from its first step. ONNX Runtime captures in
-``cudaStreamCaptureModeGlobal``: a ``cudaMalloc`` or copy from any other thread during the capture breaks it
+With ``enable_cuda_graph`` the graphs are captured in ``from_artifacts`` too, on the caller's thread (ONNX Runtime's
+CUDA provider keeps a graph per thread: only the thread that will call can capture the graph it replays), as each
+engine comes warm from its loader thread, while diffusers is imported on a thread of its own
+(:meth:`OpenTogether.wait` with ``capture``); the first image then replays from its first step. ONNX Runtime captures
+in ``cudaStreamCaptureModeGlobal``: a ``cudaMalloc`` or copy from any other thread during the capture breaks it
 ("operation not permitted when stream is capturing", seen on the H200 when the warm-ups ran unguarded). So every CUDA
 session creation and uncaptured warm-up holds :data:`~.engines.capture_lock.CAPTURE_LOCK` shared, side by side, and
 only the captures (milliseconds) hold it exclusive.
@@ -22,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from types import TracebackType
 
 import torch
@@ -98,19 +100,38 @@ class OpenTogether:
             self.timeline[name] = marks
         return True
 
-    def wait(self) -> None:
+    def wait(self, *, capture: bool = False) -> None:
         """Block until every engine is open (and warmed).
+
+        Args:
+            capture: as each engine is warmed, capture its CUDA graph on the calling thread (the engine's
+                ``capture()``: ONNX Runtime engines in CUDA-graph mode), so that this thread's first call replays
+                from its first run. Graphs live per thread in ONNX Runtime's CUDA provider, so only the thread that
+                will call the pipeline can capture them; the other engines keep loading meanwhile. Captured engines
+                get a ``captured_s`` mark in :attr:`timeline`.
 
         Raises:
             The first failure of an engine, in ``engines`` order (e.g. ``ArtifactError`` for an altered file).
         """
         start = time.perf_counter() - self._t0  # what the caller's own work took (the critical path if nothing waits)
-        for future in self._futures.values():
-            future.exception()  # all done before any is raised: the block's exit then closes the others
+        names = {future: name for name, future in self._futures.items()}
+        failed = False
+        for future in as_completed(names):  # all done before any is raised: the block's exit then closes the others
+            failed = failed or future.exception() is not None
+            if capture and not failed:
+                self._capture(names[future])
         with self._lock:
             self.timeline["caller"] = {"wait_from_s": start, "wait_to_s": time.perf_counter() - self._t0}
         for future in self._futures.values():
             future.result()
+
+    def _capture(self, name: str) -> None:
+        """Capture ``name``'s graph on this thread, if it was warmed and can (see :meth:`wait`)."""
+        marks = self.timeline.get(name, {})
+        capture = getattr(self._engines[name], "capture", None)
+        if "warmed_s" in marks and capture is not None and capture():
+            with self._lock:
+                marks["captured_s"] = time.perf_counter() - self._t0
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

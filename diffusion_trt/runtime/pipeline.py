@@ -63,7 +63,7 @@ from .memory.residency import Residency
 from .memory.stages import Stages
 from .png import save_png
 from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text, manifest_profile
-from .schedulers import build_scheduler, import_scheduler_class, make_scheduler, scheduler_for, short_name
+from .schedulers import build_scheduler, make_scheduler, scheduler_for, short_name, start_scheduler_import
 from .sdxl import SDXL_COMPONENTS
 from .text_embeddings import EmbeddingCache
 from .tokenizer import load_tokenizer
@@ -448,10 +448,12 @@ class EnginePipeline:
             tokenizer_2 = None
             if manifest.model.is_sdxl:
                 tokenizer_2 = load_tokenizer(reader, manifest.tokenizer_2, "SDXL tokenizer_2")
-            # diffusers' import (seconds) while the engines load; the values were checked above
-            import_scheduler_class(scheduler_config, options.scheduler if isinstance(options.scheduler, str) else None,
-                                   class_name)
-            opening.wait()
+            # diffusers' import (seconds) on a thread of its own, so that this thread captures the engines' CUDA
+            # graphs as they come (ONNX Runtime keeps them per thread: the caller's first call then replays)
+            named = options.scheduler if isinstance(options.scheduler, str) else None
+            importing = start_scheduler_import(scheduler_config, named, class_name)
+            opening.wait(capture=device == "cuda")
+            importing.join()
             pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=options.scheduler, stream=stream,
                        root=root, tokenizer_2=tokenizer_2, residency=residency)
         pipe._weight_slots = slots

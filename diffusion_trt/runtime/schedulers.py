@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -132,10 +133,19 @@ def check_step_count(num_inference_steps: int, class_name: str, config: Mapping[
                                 f"{class_name} was trained with; use at most {train}")
 
 
-def import_scheduler_class(config: Mapping[str, Any], name: str | None = None, class_name: str | None = None) -> None:
-    """Import the diffusers class :func:`make_scheduler` will build, so that ``from_artifacts`` pays diffusers'
-    import (seconds: it checks the versions of dozens of packages) while its engines load; a failure is left for
-    :func:`make_scheduler` to report."""
+def start_scheduler_import(config: Mapping[str, Any], name: str | None = None,
+                           class_name: str | None = None) -> threading.Thread:
+    """Import the diffusers class :func:`make_scheduler` will build, on a daemon thread of its own (started; join
+    it before the scheduler is built), so that ``from_artifacts`` pays diffusers' import (seconds: it checks the
+    versions of dozens of packages and imports ``torch._dynamo``) while its engines load and its own thread captures
+    their CUDA graphs. A failure is left for :func:`make_scheduler` to report."""
+    thread = threading.Thread(target=_import_scheduler_class, args=(config, name, class_name), daemon=True,
+                              name="diffusion-trt-scheduler-import")
+    thread.start()
+    return thread
+
+
+def _import_scheduler_class(config: Mapping[str, Any], name: str | None, class_name: str | None) -> None:
     with contextlib.suppress(DiffusionTrtError, ImportError, AttributeError):
         cls_name = (class_name or str(config.get("_class_name", ""))) if name is None else resolve_scheduler(name)[0]
         _scheduler_class(cls_name)

@@ -166,3 +166,51 @@ def test_engines_opened_side_by_side_warm_and_capture_without_a_race(static_arti
             images.append(np.asarray(pipe(**CALL, num_images_per_prompt=2, output_type="np").images))
     for image in images[1:]:  # separate loads may pick other cuDNN/cuBLAS kernels: 0.0018 max abs seen on the H200
         np.testing.assert_allclose(image, images[0], atol=5e-3, rtol=0)
+
+
+@pytest.mark.parametrize("own_stream", [False, True])
+def test_capture_on_one_thread_replays_there_and_another_thread_captures_its_own(add_path: Path,
+                                                                                 own_stream: bool) -> None:
+    """OrtEngine.capture: the graph-mode runs on zeros now, so this thread's first run replays; ONNX Runtime keeps
+    graphs per thread, so a thread that has not run the engine takes its own capture runs (under the lock)."""
+    import threading
+
+    stream = torch.cuda.Stream() if own_stream else None
+    with OrtEngine(add_path, STATIC_SPEC, name="unet", device="cuda", stream=stream, cuda_graph=True) as engine:
+        assert engine.prime() is True
+        assert engine.capture() is True
+        assert engine.capture() is False  # captured on this thread already
+        assert not engine._capturing()
+        results: list[Any] = []
+
+        def other() -> None:
+            assert engine._capturing()
+            for seed in range(3):
+                f = feeds(b=2, h=8, w=8, seed=seed)
+                results.append((engine.run({k: v.cuda() for k, v in f.items()})["y"].cpu(), expected(f)))
+
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join()
+        for seed in range(3, 6):
+            f = feeds(b=2, h=8, w=8, seed=seed)
+            results.append((engine.run({k: v.cuda() for k, v in f.items()})["y"].cpu(), expected(f)))
+        assert len(results) == 6
+        for got, want in results:
+            torch.testing.assert_close(got, want)
+        assert engine.cuda_graph, engine.cuda_graph_reason
+
+
+def test_from_artifacts_captures_the_graphs_on_the_callers_thread(static_artifact: Path) -> None:
+    """from_artifacts captures each static engine's graph on its own thread while diffusers is imported on
+    another, so the caller's first call replays from its first step; the image equals an eager pipeline's."""
+    with (
+        EnginePipeline.from_artifacts(static_artifact, provider_options=NO_TF32) as pipe,
+        EnginePipeline.from_artifacts(static_artifact, provider_options=NO_TF32, cuda_graph=False) as eager,
+    ):
+        for name in ("text_encoder", "unet", "vae_decoder"):
+            assert pipe.engines[name].cuda_graph, pipe.engines[name].cuda_graph_reason
+            assert not pipe.engines[name]._capturing(), name  # captured here already
+        got = pipe(**CALL, output_type="np").images
+        want = eager(**CALL, output_type="np").images
+        np.testing.assert_allclose(got, want, atol=2e-3, rtol=0)

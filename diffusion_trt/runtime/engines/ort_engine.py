@@ -39,6 +39,7 @@ import logging
 import os
 import stat
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -48,12 +49,15 @@ import torch
 
 from ...artifact.reader import OnnxBytes
 from ...errors import ArtifactError, RuntimeInputError
-from .capture_lock import exclusive_if, shared_if
+from .capture_lock import CAPTURE_LOCK, exclusive_if, shared_if
 from .engine import EngineBase, EngineSpec, _fmt_shape
 
 logger = logging.getLogger(__name__)
 
-#: Calls before ORT replays a graph: one regular run (arena allocations), then the capturing run.
+#: Calls before ORT replays a graph: one regular run (arena allocations), then the capturing run. Counted per
+#: thread: the CUDA provider keeps its graph in a per-thread context (``CUDAExecutionProvider::PerThreadContext``,
+#: onnxruntime ``core/providers/cuda/cuda_execution_provider.h``), so a thread that has not run the engine yet
+#: captures a graph of its own.
 _GRAPH_CAPTURE_RUNS = 2
 
 #: ``graph_optimization_level`` names -> ONNX Runtime's GraphOptimizationLevel member names. Our passes already made
@@ -235,7 +239,7 @@ class OrtEngine(EngineBase):
         self._graph_requested = bool(cuda_graph)
         self._graph = False  # in use (decided on open)
         self._graph_reason: str | None = None
-        self._graph_runs = 0
+        self._graph_runs: dict[int, int] = {}  # thread ident -> its graph-mode runs (see _GRAPH_CAPTURE_RUNS)
         self._graph_bound = False
         self._static_inputs: dict[str, torch.Tensor] = {}
 
@@ -296,7 +300,7 @@ class OrtEngine(EngineBase):
         self._outputs = {}
         self._live_inputs = {}
         self._static_inputs = {}
-        self._graph_runs = 0
+        self._graph_runs = {}
         self._graph_bound = False
         self._depth = 0
 
@@ -324,7 +328,7 @@ class OrtEngine(EngineBase):
         if self._graph:
             # the capturing runs allocate their buffers under the lock too: no other thread's CUDA call may land
             # inside ORT's global-mode capture
-            with exclusive_if(self._graph_runs < _GRAPH_CAPTURE_RUNS):
+            with exclusive_if(self._capturing()):
                 return self._run_graph(feeds, shapes)
         if self._io_binding:
             return self._run_bound(feeds, shapes)
@@ -362,6 +366,35 @@ class OrtEngine(EngineBase):
             if cuda:
                 self._current_torch_stream().synchronize()
         return True
+
+    def capture(self) -> bool:
+        """Capture the CUDA graph on the calling thread now: the graph-mode runs on zeros (at the static input
+        shapes) that a first call would make, holding :data:`~.capture_lock.CAPTURE_LOCK` exclusive, then wait for
+        the device. The thread that later calls :meth:`run` replays from its first run, if it is this thread (ONNX
+        Runtime keeps the graph per thread; another thread captures its own on its first runs, as before).
+
+        Returns:
+            Whether it captured: only engines in CUDA-graph mode, not yet captured on this thread. ``False`` also
+            when the capture failed and the engine fell back to eager runs (after its one warning).
+
+        Raises:
+            RuntimeError: the engine is not open.
+        """
+        if self._session is None:
+            raise RuntimeError(f"engine {self._name!r} is not open; use `with engine:` first")
+        if not self._graph or not self._capturing():
+            return False
+        with CAPTURE_LOCK.exclusive():  # the zeros' allocation too (reentrant: run() takes it again)
+            feeds = self._spec.zero_feeds(self._device)
+            while self._graph and self._capturing():
+                self.run(feeds)
+            self._current_torch_stream().synchronize()
+        return self._graph
+
+    def _capturing(self) -> bool:
+        """Whether this thread's next graph-mode run is one of ORT's runs before its replays (see
+        :data:`_GRAPH_CAPTURE_RUNS`)."""
+        return self._graph_runs.get(threading.get_ident(), 0) < _GRAPH_CAPTURE_RUNS
 
     def _run_uncaptured(self, feeds: Mapping[str, torch.Tensor]) -> None:
         """A graph-mode session's run on ``feeds`` through a binding of its own (fresh output buffers), with
@@ -685,7 +718,7 @@ class OrtEngine(EngineBase):
                 buf, _ = self._output_buffer(info.name, shapes[info.name])
                 binding.bind_output(info.name, kind, dev, info.numpy_dtype.type, tuple(buf.shape), buf.data_ptr())
             self._graph_bound = True
-        capturing = self._graph_runs < _GRAPH_CAPTURE_RUNS
+        capturing = self._capturing()
         try:
             with exclusive_if(capturing):
                 self._session.run_with_iobinding(binding, self._run_options)
@@ -693,7 +726,8 @@ class OrtEngine(EngineBase):
             if not capturing:
                 raise
             return self._rebuild_eager(f"ONNX Runtime failed to capture the CUDA graph: {e}", feeds, shapes)
-        self._graph_runs += 1
+        thread = threading.get_ident()
+        self._graph_runs[thread] = self._graph_runs.get(thread, 0) + 1
         if self._async and caller != self._stream:
             caller.wait_stream(self._stream)
         self._live_inputs = dict(feeds)  # the copies above may still read them
