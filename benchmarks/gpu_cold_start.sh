@@ -21,6 +21,9 @@
 #   bash benchmarks/gpu_cold_start.sh dyn-sizes OUT    bench of the dyn artifact at 512x512, 768x768, 640x384
 #                                                       (--size-buckets auto, HEURISTIC): first call per new size
 #   bash benchmarks/gpu_cold_start.sh dyn-sizes-noprime OUT   the same with the specialised sessions not primed
+#   bash benchmarks/gpu_cold_start.sh profiles OUT     (ARTS="base cnlite refit" prep) kernel profiles of the ControlNet
+#                                                       components (cond_embed_a too, if there) and of base's and
+#                                                       refit's UNet
 #   bash benchmarks/gpu_cold_start.sh cn-profile OUT   kernel profile of unet, unet_controlnet and controlnet_a
 #                                                       (ARTS=cnlite prep: those three components only, ~3 min)
 #   bash benchmarks/gpu_cold_start.sh bytecode OUT     compile $SITE's bytecode (pip does at install; the wheel
@@ -152,6 +155,18 @@ case $phase in
     timeout ${PROFILE_TIMEOUT:-200} $py benchmarks/profile_kernels.py /tmp/cs/art-cnlite --component unet \
       --component unet_controlnet --component controlnet_a --iters 5 --top 15 --json "$out/cn_profile.json" 2>&1 \
       | tail -60 ;;
+  profiles)  # issues 25 and 26 in one call (ARTS="base cnlite refit" prep): the ControlNet's per-step engine next to
+             # the UNet's, its once-per-call cond_embed_a where the artifact has one; the refittable UNet against base
+    comps="--component unet --component unet_controlnet --component controlnet_a"
+    [ -d /tmp/cs/art-cnlite/cond_embed_a ] && comps="$comps --component cond_embed_a"
+    log "kernel profile: $comps"
+    timeout ${PROFILE_TIMEOUT:-200} $py benchmarks/profile_kernels.py /tmp/cs/art-cnlite $comps --iters 5 --top 12 \
+      --json "$out/cn_profile.json" 2>&1 | tail -50
+    for a in base refit; do
+      log "kernel profile: $a unet"
+      timeout ${PROFILE_TIMEOUT:-200} $py benchmarks/profile_kernels.py $W/art-$a --component unet --iters 5 --top 8 \
+        --json "$out/unet_profile_$a.json" 2>&1 | tail -14
+    done ;;
   cn-profile-noalign)  # controlnet_a without align_shapes (no Pad of the 3-channel control image): ARTS=cnnoalign
     log "kernel profile: controlnet_a, align_shapes off"
     timeout ${PROFILE_TIMEOUT:-200} $py benchmarks/profile_kernels.py /tmp/cs/art-cnnoalign --component controlnet_a \
