@@ -6,6 +6,8 @@ weights bound as ``W[:, :, 0, 0].T`` ([C, O]) and compared with the Conv graph o
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -129,3 +131,52 @@ def test_is_pointwise() -> None:
     assert not is_pointwise({}, [O, C, 3, 3]) and not is_pointwise({"strides": [2, 2]}, [O, C, 1, 1])
     assert not is_pointwise({"group": 2}, [O, C, 1, 1]) and not is_pointwise({"pads": [1, 1, 1, 1]}, [O, C, 1, 1])
     assert not is_pointwise({"dilations": (2, 2)}, [O, C, 1, 1]) and not is_pointwise({}, None)
+
+
+# -- the tiny UNet, compiled static (64x64, batch 1) for ORT CPU: refittable against baked -------------------------
+
+STATIC = {f"{k}{d}": 64 for k in ("", "min_", "max_") for d in ("height", "width")}
+
+
+@pytest.fixture(scope="module")
+def tiny_unets(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, onnx.GraphProto]:
+    """The tiny UNet's graph compiled ``--refittable`` and baked (no LoRA slots), static profile."""
+    from diffusion_trt.compiler.pipeline import compile_pipeline
+    from diffusion_trt.config import CompileConfig
+
+    out = {}
+    for kind, refittable in (("refittable", True), ("baked", False)):
+        config = CompileConfig(refittable=refittable, batch_size=1, min_batch_size=1, max_batch_size=1,
+                               components=("unet",), **STATIC)
+        art = compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp(kind) / "art", config)
+        out[kind] = onnx.load(str(art / "unet" / "model.onnx")).graph
+    return out
+
+
+def test_the_tiny_static_refittable_unet_has_the_baked_graph_plus_bias_adds_and_lone_transposes(
+    tiny_pipeline_dir: Path, tiny_unets: dict[str, onnx.GraphProto]
+) -> None:
+    """Machine-independent facts of the rewrite on the whole tiny UNet (1233 nodes against the baked 1162; the
+    Reshape-MatMul form before it: 1522): no Conv reads a weight input; no Shape/Slice/Concat/Reshape beyond the
+    baked graph's; one MatMul (+ one bias Add) per 1x1 Conv; Transposes beyond the baked graph's only at the 1x1
+    Convs with no permute beside them (``conv_shortcut``: one pair each; proj_in/proj_out: none)."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_pipeline_dir, subfolder="unet", local_files_only=True)
+    pointwise = [n for n, m in unet.named_modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (1, 1)]
+    lone = [n for n in pointwise if not n.endswith(("proj_in", "proj_out"))]
+    assert lone and len(pointwise) > len(lone) and all(n.endswith("conv_shortcut") for n in lone)
+    refit, baked = (graphs.op_counts(onnx.ModelProto(graph=tiny_unets[k])) for k in ("refittable", "baked"))
+    graph = tiny_unets["refittable"]
+    inputs = {i.name for i in graph.input}
+    assert not [n.name for n in graph.node if n.op_type == "Conv" and n.input[1] in inputs]
+    for op in ("Shape", "Slice", "Concat", "Reshape", "Gather"):
+        assert refit.get(op, 0) <= baked.get(op, 0), op
+    assert refit["Conv"] == baked["Conv"] - len(pointwise) and refit["MatMul"] == baked["MatMul"] + len(pointwise)
+    assert refit["Add"] == baked["Add"] + len(pointwise)  # the Conv's bias, now an Add over the channels
+    assert refit["Transpose"] == baked["Transpose"] + 2 * len(lone)
+    assert sum(refit.values()) == sum(baked.values()) + len(pointwise) + 2 * len(lone)
+    weights = {n.input[1] for n in graph.node if n.op_type == "MatMul"} & inputs
+    dims = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
+    assert sum(len(dims[w]) == 2 for w in weights) >= len(pointwise)  # [C, O] inputs (the Linears' are 2-D too)
