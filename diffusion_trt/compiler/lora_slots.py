@@ -130,16 +130,24 @@ def write_weight_inputs(name: str, model: onnx.ModelProto, rmap: dict[str, Any],
 
     Returns:
         The rewritten model (drop ``model``), and the manifest entry's ``{"weight_inputs":
-        "<name>/lora_base.safetensors", "spatial_conv_inputs": bool}`` (``spatial_conv_inputs``: some weight input is
-        a spatial Conv's, so the engine must run NCHW on CUDA).
+        "<name>/lora_base.safetensors", "spatial_conv_inputs": bool}`` (``spatial_conv_inputs``: some Conv still reads
+        a weight input, a spatial Conv's with ``refit_convs`` or a 1x1 one the rewrite turned down, so the engine must
+        run NCHW on CUDA).
     """
     from safetensors.numpy import save_file
 
-    spatial = spatial_conv_weights(model)
+    from .pointwise_convs import is_pointwise
+
     model, values = expose_weights(model, rmap, refit_convs=refit_convs, component=name)
+    convs = [n for n in model.graph.node if n.op_type == "Conv" and len(n.input) > 1 and n.input[1] in values]
+    stuck = sorted({n.input[1] for n in convs if is_pointwise(
+        {a.name: helper.get_attribute_value(a) for a in n.attribute}, values[n.input[1]].shape)})
+    if stuck:
+        logger.warning("%s: %d 1x1 Conv(s) over weight inputs stayed Convs (%s; the reasons: -v), so the engine runs "
+                       "NCHW on CUDA", name, len(stuck), ", ".join(stuck[:3]))
     (staging / name).mkdir(parents=True, exist_ok=True)
     save_file(values, str(staging / name / BASE_FILE))
     kept = len({e["initializer"] for e in rmap["weights"].values()} - set(values))
     logger.info("%s: %d LoRA-targetable weight(s) are graph inputs (%.1f MB in %s), %d spatial Conv weight(s) "
                 "constant", name, len(values), sum(a.nbytes for a in values.values()) / 1e6, BASE_FILE, kept)
-    return model, {"weight_inputs": f"{name}/{BASE_FILE}", "spatial_conv_inputs": bool(spatial & set(values))}
+    return model, {"weight_inputs": f"{name}/{BASE_FILE}", "spatial_conv_inputs": bool(convs)}

@@ -19,8 +19,10 @@ Why:      ONNX Runtime's constant-weight Conv fusions and its NHWC layout transf
           MatMul on [N,H,W,C] needs no Reshape (it broadcasts over N, H, W), so static and dynamic graphs alike gain
           no Shape/Slice/Concat/Reshape nodes. The same arithmetic: ``y[n,o,h,w] = sum_c W[o,c] x[n,c,h,w] + b[o]``
           is ``(x^T[n,h,w,:] @ W^T)[o] + b[o]``, ONNX ``Conv`` and ``MatMul`` semantics (numpy broadcasting).
-Requires: the weight a graph input (not an initializer) of static shape [O,C,1,1], read by that Conv alone (its
-          layout changes); shapes inferred for the cancelling (ranks; the emitted tensors carry permuted shapes).
+Requires: the weight a graph input (not an initializer) of static shape [O,C,1,1], read only as the weight of such
+          Convs (its layout changes for every reader); shapes inferred for the cancelling (ranks; the emitted
+          tensors carry permuted shapes). A Conv turned down stays a Conv over the input (the caller then runs the
+          engine NCHW: :func:`~.lora_slots.write_weight_inputs`).
 
 The caller binds W as ``W[:, :, 0, 0].T`` ([C, O], the graph's dtype): ``lora_base.safetensors`` holds it so and the
 refit map records ``"transpose": true, "pointwise": true`` for it (:func:`~.lora_slots.expose_weights`); the
@@ -83,10 +85,14 @@ def pointwise_convs_as_matmul(graph: gs.Graph, ctx: PassContext) -> PassResult:
     (see the module docstring), in place. The weight inputs of the rewritten Convs change shape to [C, O]: the
     caller binds ``W[:, :, 0, 0].T`` there."""
     before = sum(node.op == "Transpose" for node in graph.nodes)
-    inputs = {id(t) for t in graph.inputs}
+    shared = _reader_problems(graph)
     names = Namer(graph)
-    tally = fuse_each(graph, NAME, match=lambda node: _match(node, inputs),
-                      rewrite=lambda site: _rewrite(graph, site, names))
+    weights: dict[int, gs.Variable] = {}  # relaid out once every reader is rewritten (their match reads the shape)
+    tally = fuse_each(graph, NAME, match=lambda node: _match(node, shared),
+                      rewrite=lambda site: _rewrite(graph, site, names, weights))
+    for weight in weights.values():
+        out_channels, in_channels = weight.shape[0], weight.shape[1]
+        weight.shape = [in_channels, out_channels]
     done = tally.counts["MatMul"]
     if done:
         graph.cleanup().toposort()
@@ -99,32 +105,41 @@ def pointwise_convs_as_matmul(graph: gs.Graph, ctx: PassContext) -> PassResult:
                                                  "rejected": tally.rejected})
 
 
-def _match(node: gs.Node, inputs: set[int]) -> _Site | str | None:
+def _match(node: gs.Node, shared: dict[int, str | None]) -> _Site | str | None:
     """A 1x1 Conv over a graph input (None: no candidate; a str: why it stays a Conv)."""
     if node.op != "Conv" or not in_onnx_domain(node) or len(node.inputs) < 2:
         return None
     weight = node.inputs[1]
-    if id(weight) not in inputs or not isinstance(weight, gs.Variable):
+    if id(weight) not in shared or not isinstance(weight, gs.Variable):
         return None  # a constant weight: ORT's own Conv handles it (NHWC included)
     shape = weight.shape
     if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape):
         return f"weight input {weight.name!r} has no static 4-D shape ({shape})"
     if not is_pointwise(node.attrs, shape):
         return None  # a spatial Conv (--refit-convs): stays a Conv, run NCHW
-    if len(weight.outputs) != 1:
-        return f"weight input {weight.name!r} is read by {len(weight.outputs)} nodes (its layout would change)"
-    if node.inputs[0] is weight or (len(node.inputs) > 2 and node.inputs[2] is weight):
-        return f"weight input {weight.name!r} is also the Conv's data or bias"
-    if len(node.outputs) != 1:
-        return f"Conv {node.name!r} has {len(node.outputs)} outputs"
-    return _Site(node, weight)
+    return shared[id(weight)] or _Site(node, weight)
+
+
+def _reader_problems(graph: gs.Graph) -> dict[int, str | None]:
+    """Per graph input (by id): why its layout cannot change (a reader that is not a 1x1 Conv taking it as its weight
+    alone), or None; read on the graph as it is before any rewrite."""
+    out: dict[int, str | None] = {}
+    for weight in graph.inputs:
+        out[id(weight)] = None
+        for reader in weight.outputs:
+            if (reader.op != "Conv" or not in_onnx_domain(reader) or not is_pointwise(reader.attrs, weight.shape)
+                    or [i for i, t in enumerate(reader.inputs) if t is weight] != [1] or len(reader.outputs) != 1):
+                out[id(weight)] = (f"weight input {weight.name!r} is also read by {reader.op} {reader.name!r}, not "
+                                   "as the weight of a 1x1 Conv: its layout cannot change")
+                break
+    return out
 
 
 def _permuted(shape: Sequence[Any] | None, perm: Sequence[int]) -> list[Any] | None:
     return None if shape is None or len(shape) != len(perm) else [shape[axis] for axis in perm]
 
 
-def _rewrite(graph: gs.Graph, site: _Site, names: Namer) -> str:
+def _rewrite(graph: gs.Graph, site: _Site, names: Namer, weights: dict[int, gs.Variable]) -> str:
     conv, weight = site.conv, site.weight
     x, y = conv.inputs[0], conv.outputs[0]
     bias = conv.inputs[2] if len(conv.inputs) > 2 and conv.inputs[2].name else None
@@ -145,6 +160,5 @@ def _rewrite(graph: gs.Graph, site: _Site, names: Namer) -> str:
     nodes.append(gs.Node(op="Transpose", name=names(f"{base}_to_nchw"), attrs={"perm": list(TO_NCHW)},
                          inputs=[product], outputs=[y]))
     graph.nodes.extend(nodes)
-    out_channels, in_channels = weight.shape[0], weight.shape[1]
-    weight.shape = [in_channels, out_channels]
+    weights[id(weight)] = weight
     return "MatMul"

@@ -111,19 +111,27 @@ def test_dynamic_shapes_add_no_shape_nodes() -> None:
                                graphs.run(model, {"x": x, "w": w})[0], rtol=RTOL, atol=ATOL)
 
 
-def test_must_not_fire_on_constant_spatial_strided_or_shared_weights() -> None:
+def test_must_not_fire_on_constant_spatial_or_strided_weights_nor_one_read_otherwise() -> None:
     """A constant 1x1 weight (ORT's own Conv takes it), a 3x3 and a strided 1x1 over weight inputs (spatial Convs,
-    --refit-convs), and a 1x1 weight input read twice (its layout cannot change for one reader) stay Convs."""
+    --refit-convs), and a 1x1 weight input that something else reads too (its layout cannot change) stay Convs; a
+    weight input two 1x1 Convs read is relaid out once, both rewritten."""
     rng = np.random.default_rng(0)
     nodes = [_conv("x", "k", "a"),
              helper.make_node("Conv", ["a", "w3"], ["b"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
              _conv("b", "ws", "c", strides=[2, 2]),
-             _conv("c", "wd", "d"), _conv("d", "wd", "y")]
-    before = _model(nodes, {"w3": [C, C, 3, 3], "ws": [C, C, 1, 1], "wd": [C, C, 1, 1]},
-                    [graphs.const("k", rng.standard_normal((C, C, 1, 1)))], ("y", [N, C, 2, 3]))
-    after, counts, _ = _check(before)
-    assert counts == {"MatMul": 0, "Transpose_added": 0, "rejected": 2}  # wd's two readers
-    assert graphs.op_counts(after) == {"Conv": 5}
+             _conv("c", "we", "d"), helper.make_node("Identity", ["we"], ["z"]),
+             _conv("d", "wd", "e"), _conv("e", "wd", "y")]
+    inputs = [graphs.tensor_info("x", [N, C, H, W])] + [
+        graphs.tensor_info(n, s) for n, s in (("w3", [C, C, 3, 3]), ("ws", [C, C, 1, 1]), ("we", [C, C, 1, 1]),
+                                              ("wd", [C, C, 1, 1]))]
+    before = onnx.shape_inference.infer_shapes(graphs.make_model(
+        nodes, inputs, [graphs.tensor_info("y", [N, C, 2, 3]), graphs.tensor_info("z", [C, C, 1, 1])],
+        [graphs.const("k", rng.standard_normal((C, C, 1, 1)))]))
+    after, counts, bound = _check(before)
+    assert counts == {"MatMul": 2, "Transpose_added": 2, "rejected": 1}  # wd's two readers; we's Conv
+    # wd's two MatMuls: Transpose -> MatMul -> MatMul -> Transpose (the pair between them cancelled)
+    assert graphs.op_counts(after) == {"Conv": 4, "Identity": 1, "Transpose": 2, "MatMul": 2}
+    assert bound["wd"].shape == (C, C) and bound["we"].shape == (C, C, 1, 1)
 
 
 def test_is_pointwise() -> None:
