@@ -623,6 +623,13 @@ def test_a_cuda_target_refit_map_keeps_the_1x1_convs_rewritten_as_matmuls(
     assert {k for k in kinds if any(w.endswith(k) for w in pointwise)} == set(kinds), pointwise
     assert all(w.endswith(kinds) for w in pointwise), pointwise
     assert all(rmap["weights"][w]["transpose"] for w in pointwise)
+    import onnx
+
+    graph = onnx.load(str(cuda_target_refittable / "unet" / "model.onnx")).graph
+    inputs = {i.name for i in graph.input}
+    ops = {n.op_type for n in graph.node}
+    assert not [n.name for n in graph.node if n.op_type == "Conv" and n.input[1] in inputs]  # every 1x1: a MatMul
+    assert "Shape" not in ops  # static: no shape arithmetic around them (the Reshape-MatMul form had 24 Shapes)
     unet = UNet2DConditionModel.from_pretrained(tiny_pipeline_dir, subfolder="unet", local_files_only=True)
     slot_kinds = {f"{n}.weight" for n, m in unet.named_modules() if isinstance(m, torch.nn.Linear)
                   or (isinstance(m, torch.nn.Conv2d) and tuple(m.kernel_size) == (1, 1))}
