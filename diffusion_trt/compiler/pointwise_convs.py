@@ -82,8 +82,15 @@ class _Site:
 
 def pointwise_convs_as_matmul(graph: gs.Graph, ctx: PassContext) -> PassResult:
     """Rewrite every 1x1 Conv over a weight input as a channels-last MatMul and cancel the Transposes that meet
-    (see the module docstring), in place. The weight inputs of the rewritten Convs change shape to [C, O]: the
-    caller binds ``W[:, :, 0, 0].T`` there."""
+    (see the module docstring), in place.
+
+    Shapes: x ``[N, C, H, W]`` (symbolic N, H, W fine), the weight input ``[O, C, 1, 1]`` -> ``[C, O]`` (its graph
+    input is declared so; the caller binds ``W[:, :, 0, 0].T`` there), bias ``[O]``, y ``[N, O, H, W]`` as before.
+    Dtypes: unchanged (fp32 or fp16, the Conv's); the emitted tensors take the Conv output's.
+
+    Raises:
+        Nothing of its own: a Conv it cannot rewrite stays as it is, counted in ``rejected`` (reason at DEBUG).
+    """
     before = sum(node.op == "Transpose" for node in graph.nodes)
     shared = _reader_problems(graph)
     names = Namer(graph)
