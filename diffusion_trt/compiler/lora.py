@@ -192,6 +192,10 @@ def refit_map(model: Any, module: Any, find_dead: Callable[[list[str]], Collecti
         "unmapped": [weights found in no initializer, or in one shared with another weight, that are not dead],
         "dead": [weights no output depends on: a LoRA's layers on them change nothing and are ignored]}``
         (maps written before ``dead`` existed lack it: none dead).
+
+    This is the map TensorRT refits from, as it is. An ORT ``--refittable`` compile then rewrites the 1x1 Convs over
+    weight inputs as channels-last MatMuls and updates their entries (``transpose``, ``pointwise``, ``sha256`` of the
+    ``[C, O]`` layout; :func:`~.lora_slots.expose_weights`) before the map is written for the runtime.
     """
     import torch
     from onnx import TensorProto, numpy_helper

@@ -683,7 +683,10 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
         release_modules(models, done_with)
         if job.config.backend is Backend.ORT:  # the mapped weights become graph inputs (see lora_slots.py)
             rmap = json.loads((staging / entry["refit_map"]).read_text())
-            entry.update(lora_slots.write_weight_inputs(name, model, rmap, staging, refit_convs=job.config.refit_convs))
+            model, slots = lora_slots.write_weight_inputs(name, model, rmap, staging,
+                                                          refit_convs=job.config.refit_convs)
+            entry.update(slots)
+            (staging / entry["refit_map"]).write_text(json.dumps(rmap, indent=1))  # the 1x1 Convs' now [C, O]
     bar.update()
     bar.set_postfix_str(f"{name}: build")
     entry["inputs"] = [tensor_manifest(t, plan.precision, job.profile, spec.symbols) for t in spec.inputs]

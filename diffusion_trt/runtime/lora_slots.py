@@ -67,8 +67,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Slot:
-    """One weight input: the torch weight it holds and how (``transpose``: Linear exported as MatMul;
-    ``pointwise``: a 1x1 Conv ``[O, C, 1, 1]`` held as the ``[C, O]`` matrix of a MatMul)."""
+    """One weight input: the torch weight it holds and how (``transpose``: Linear exported as MatMul, ``[in, out]``;
+    ``pointwise``: a 1x1 Conv ``[O, C, 1, 1]`` held as the ``[C, O]`` matrix of a channels-last MatMul,
+    ``W[:, :, 0, 0].T``: :mod:`diffusion_trt.compiler.pointwise_convs`). Both false when the map lacks them (maps
+    written before ``pointwise`` existed bound a 1x1 Conv's weight as ``[O, C, 1, 1]``: still read so)."""
 
     torch_name: str
     input_name: str
@@ -105,7 +107,7 @@ class WeightSlots(Mapping[str, torch.Tensor]):
                  device: torch.device, spatial_conv_inputs: bool = True) -> None:
         self.component = component
         self.device = device
-        slots = [_Slot(w, e["initializer"], bool(e["transpose"]), bool(e.get("pointwise", False)))
+        slots = [_Slot(w, e["initializer"], bool(e.get("transpose", False)), bool(e.get("pointwise", False)))
                  for w, e in refit_map["weights"].items()]
         missing = [s for s in slots if s.input_name not in base]
         if missing and spatial_conv_inputs:
@@ -140,7 +142,9 @@ class WeightSlots(Mapping[str, torch.Tensor]):
 
     def merged(self, deltas: Sequence[Mapping[str, torch.Tensor]], what: str) -> dict[str, torch.Tensor]:
         """input name -> ``base + sum(deltas)`` in the input's dtype and layout, on the device, for every weight a
-        delta touches; nothing bound changes.
+        delta touches; nothing bound changes. Each delta has the torch weight's shape (fp32; ``[O, C, 1, 1]`` for a 1x1
+        Conv, ``up @ down`` as peft's ``get_delta_weight``); a ``transpose`` slot adds ``delta.flatten(1).T``
+        (``[in, out]``; a ``pointwise`` one ``[C, O]``, the 1x1 dims squeezed), summed in fp32 and cast once.
 
         Raises:
             LoraError: NaN/Inf in a merged weight (``what`` names the LoRAs in the message).

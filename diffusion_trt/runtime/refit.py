@@ -48,8 +48,10 @@ def array_key(arr: Any) -> str:
 def as_initializer(weight: torch.Tensor, transpose: bool, dtype: str) -> np.ndarray:
     """A torch weight as the ONNX initializer holds it (numpy, transposed for MatMul, in the graph's dtype).
 
-    ``transpose`` on a 1x1 Conv2d weight ``[O, C, 1, 1]`` gives the ``[C, O]`` matrix a MatMul over the channels
-    reads (``passes/cancel_transposes`` rewrites NHWC-sandwiched 1x1 Convs so: SD-1.5's ``proj_in``/``proj_out``)."""
+    ``transpose`` on a 1x1 Conv2d weight ``[O, C, 1, 1]`` gives the ``[C, O]`` matrix ``W[:, :, 0, 0].T`` a MatMul
+    over the channels reads (the refit map's ``pointwise``: ``passes/cancel_transposes`` rewrites NHWC-sandwiched 1x1
+    Convs so, SD-1.5's ``proj_in``/``proj_out`` on CUDA targets; an ORT ``--refittable`` compile every 1x1 Conv over
+    a weight input, ``compiler/pointwise_convs.py``)."""
     w = weight.detach().to("cpu", dtype=torch.float32)
     w = w.flatten(1).T if transpose else w
     return np.ascontiguousarray(w.numpy().astype(np.dtype(dtype)))

@@ -607,7 +607,8 @@ def test_a_cuda_target_refit_map_keeps_the_1x1_convs_rewritten_as_matmuls(
     """On the H200 the refittable SD-1.5 UNet refused a rank-64 LoRA on attention and proj_in/proj_out ("only 243
     of its 264 LoRA layers match ... proj_in"): the 21 1x1 Convs cancel_transposes made MatMuls ([C, O] weights)
     were in no refit-map entry. They are now ``pointwise`` entries, bound as inputs, and a LoRA merges into them as
-    the merged torch weight would read."""
+    the merged torch weight would read. The other 1x1 Convs (``conv_shortcut``) are too, by the refittable rewrite
+    (compiler/pointwise_convs.py): every 1x1 Conv weight is a ``[C, O]`` MatMul input."""
     from diffusers import UNet2DConditionModel
     from safetensors.torch import load_file
 
@@ -618,7 +619,17 @@ def test_a_cuda_target_refit_map_keeps_the_1x1_convs_rewritten_as_matmuls(
 
     rmap = json.loads((cuda_target_refittable / "unet" / "refit_map.json").read_text())
     pointwise = sorted(w for w, e in rmap["weights"].items() if e.get("pointwise"))
-    assert pointwise and all(w.endswith(("proj_in.weight", "proj_out.weight")) for w in pointwise), pointwise
+    kinds = ("proj_in.weight", "proj_out.weight", "conv_shortcut.weight")
+    assert {k for k in kinds if any(w.endswith(k) for w in pointwise)} == set(kinds), pointwise
+    assert all(w.endswith(kinds) for w in pointwise), pointwise
+    assert all(rmap["weights"][w]["transpose"] for w in pointwise)
+    import onnx
+
+    graph = onnx.load(str(cuda_target_refittable / "unet" / "model.onnx")).graph
+    inputs = {i.name for i in graph.input}
+    ops = {n.op_type for n in graph.node}
+    assert not [n.name for n in graph.node if n.op_type == "Conv" and n.input[1] in inputs]  # every 1x1: a MatMul
+    assert "Shape" not in ops  # static: no shape arithmetic around them (the Reshape-MatMul form had 24 Shapes)
     unet = UNet2DConditionModel.from_pretrained(tiny_pipeline_dir, subfolder="unet", local_files_only=True)
     slot_kinds = {f"{n}.weight" for n, m in unet.named_modules() if isinstance(m, torch.nn.Linear)
                   or (isinstance(m, torch.nn.Conv2d) and tuple(m.kernel_size) == (1, 1))}
@@ -626,7 +637,7 @@ def test_a_cuda_target_refit_map_keeps_the_1x1_convs_rewritten_as_matmuls(
     base = load_file(str(cuda_target_refittable / "unet" / "lora_base.safetensors"))
     assert all(rmap["weights"][w]["initializer"] in base for w in pointwise)  # graph inputs: bound per request
     tensors = {}
-    for name, (a, b) in _lora_tensors(unet, ["to_q", "proj_in", "proj_out"], 4, seed=5).items():
+    for name, (a, b) in _lora_tensors(unet, ["to_q", "proj_in", "proj_out", "conv_shortcut"], 4, seed=5).items():
         tensors[f"unet.{name}.lora_A.weight"], tensors[f"unet.{name}.lora_B.weight"] = a, b
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "proj.safetensors"))
     slots = WeightSlots("unet", rmap, base, torch.device("cpu"), spatial_conv_inputs=False)

@@ -3,6 +3,8 @@ MatMuls (compiler/lora_slots.py)."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -10,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from diffusion_trt.compiler.lora_slots import expose_weights, spatial_conv_weights
+from diffusion_trt.runtime.refit import array_key
 
 RMAP = {"weights": {"proj.weight": {"initializer": "pw"}, "conv3.weight": {"initializer": "k3"},
                     "down.weight": {"initializer": "s1"}, "lin.weight": {"initializer": "lw"}}}
@@ -49,7 +52,9 @@ def test_a_pointwise_conv_reading_a_weight_input_becomes_a_matmul_with_the_same_
     model = _graph(bias)
     x = np.random.default_rng(1).standard_normal((2, 4, 6, 6)).astype(np.float32)
     expected = _run(model, {"x": x})
-    values = expose_weights(model, RMAP, refit_convs=refit_convs)
+    conv_weight = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "pw"))
+    rmap = copy.deepcopy(RMAP)
+    model, values = expose_weights(model, rmap, refit_convs=refit_convs)
     onnx.checker.check_model(model, full_check=True)
     inputs = {i.name for i in model.graph.input}
     # by default the spatial Convs keep constant weights (NHWC-safe); --refit-convs makes them inputs too
@@ -58,10 +63,23 @@ def test_a_pointwise_conv_reading_a_weight_input_becomes_a_matmul_with_the_same_
     convs = [n for n in model.graph.node if n.op_type == "Conv"]
     assert [n.input[1] for n in convs] == ["k3", "s1"]  # the 1x1 stride-1 Conv is gone
     assert all((n.input[1] in inputs) == refit_convs for n in convs)
-    assert any(n.op_type == "MatMul" and n.input[0] == "proj_pointwise_w" for n in model.graph.node)
-    assert "pb" not in {i.name for i in model.graph.initializer}  # the bias now lives reshaped, not twice
-    assert values["pw"].shape == (6, 4, 1, 1)  # the bound tensor keeps the Conv layout: the runtime is unchanged
+    assert any(n.op_type == "MatMul" and n.input[1] == "pw" for n in model.graph.node)  # the input itself
+    assert not {"Shape", "Slice", "Concat", "Reshape"} & {n.op_type for n in model.graph.node}
+    # the bound tensor is the MatMul's [C, O] matrix, and the refit map says so (the runtime transposes deltas)
+    np.testing.assert_array_equal(values["pw"], conv_weight[:, :, 0, 0].T)
+    assert rmap["weights"]["proj.weight"] == {"initializer": "pw", "transpose": True, "pointwise": True,
+                                              "sha256": array_key(values["pw"])}
+    assert rmap["weights"]["lin.weight"] == RMAP["weights"]["lin.weight"]  # the others unchanged
     got = _run(model, {"x": x, **values})
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     other = {**values, "pw": values["pw"] * 2}  # a LoRA'd weight bound later reaches the MatMul
     assert not np.allclose(_run(model, {"x": x, **other}), expected)
+
+
+def test_a_graph_with_no_pointwise_conv_input_is_left_as_it_was() -> None:
+    """Only the Linear weight is mapped: no rewrite runs, the model is the one given (no copy of its weights)."""
+    model = _graph(bias=True)
+    rmap = {"weights": {"lin.weight": {"initializer": "lw", "transpose": False}}}
+    out, values = expose_weights(model, rmap)
+    assert out is model and set(values) == {"lw"} and values["lw"].shape == (3, 5)
+    assert [n.op_type for n in out.graph.node].count("Conv") == 3

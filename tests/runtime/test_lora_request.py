@@ -137,6 +137,42 @@ def test_default_refittable_lora_equals_the_merged_compile(
     assert info["changed"]["text_encoder"] == 4 and info["changed"]["unet"] > 0
 
 
+def test_default_refittable_1x1_conv_lora_equals_the_merged_compile(
+    tiny_pipeline_dir: Path, refittable_nhwc: Path, tmp_path: Path
+) -> None:
+    """A LoRA on every kind of 1x1 Conv (proj_in, proj_out, conv_shortcut): their weights are [C, O] inputs of
+    channels-last MatMuls (compiler/pointwise_convs.py), the deltas bound transposed; the image equals the merged
+    compile's, where they are Convs on constant [O, C, 1, 1] weights."""
+    from diffusers import UNet2DConditionModel
+
+    from tests.compiler.test_lora import _lora_tensors
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_pipeline_dir, subfolder="unet", local_files_only=True)
+    layers = _lora_tensors(unet, ["proj_in", "proj_out", "conv_shortcut"], 4, seed=9)
+    assert {n.rsplit(".", 1)[-1] for n in layers} == {"proj_in", "proj_out", "conv_shortcut"}
+    tensors = {}
+    for name, (a, b) in layers.items():
+        tensors[f"unet.{name}.lora_A.weight"], tensors[f"unet.{name}.lora_B.weight"] = a * 4, b * 4
+    path = tmp_path / "pointwise.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    rmap = json.loads((refittable_nhwc / "unet" / "refit_map.json").read_text())
+    assert all(rmap["weights"][f"{n}.weight"].get("pointwise") for n in layers)  # all bound as [C, O]
+    merged = compile_pipeline(tiny_pipeline_dir, tmp_path / "merged",
+                              CompileConfig(loras=((str(path), 1.0),), components=COMPONENTS))
+    with EnginePipeline.from_artifacts(merged) as pipe:
+        want = pipe(**CALL).images
+    with EnginePipeline.from_artifacts(refittable_nhwc) as pipe:
+        base = pipe(**CALL).images
+        info = pipe.load_lora(path, 1.0)
+        got = pipe(**CALL).images
+        pipe.unload_lora()
+        again = pipe(**CALL).images
+    assert info["changed"] == {"text_encoder": 0, "unet": len(layers)}
+    assert float(np.abs(got - want).max()) <= 1e-5
+    assert float(np.abs(got - base).max()) > 1e-2
+    assert np.array_equal(again, base)
+
+
 def test_a_conv_lora_on_a_default_refittable_artifact_is_refused(
     refittable_nhwc: Path, loras: dict[str, Path], linear_lora: Path, tmp_path: Path
 ) -> None:
