@@ -151,6 +151,13 @@ class Component:
     spatial_conv_inputs: bool = False
 
     @property
+    def input_names(self) -> tuple[str, ...]:
+        """The component's ONNX / engine input names, in manifest order (``components.<name>.inputs``): e.g. a
+        ``controlnet_<name>`` takes ``controlnet_cond_embedding`` when compiled with its ``cond_embed_<name>``,
+        ``controlnet_cond`` (the image) before that split."""
+        return tuple(str(t["name"]) for t in self.spec.get("inputs", ()))
+
+    @property
     def dtypes(self) -> dict[str, str]:
         """Tensor name -> manifest dtype ("float32"...) of every input and output, in manifest order."""
         return {t["name"]: t["dtype"] for t in [*self.spec.get("inputs", ()), *self.spec.get("outputs", ())]}
