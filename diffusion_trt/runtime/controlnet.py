@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..artifact.manifest import control_component_problems
 from ..errors import ArtifactError, RuntimeInputError
 from .cuda import nvtx_range
 from .engines.engine import Engine
@@ -78,7 +79,8 @@ def takes_embedding(input_names: Sequence[str]) -> bool:
 
 
 def check_control_components(inputs: Mapping[str, Sequence[str]]) -> None:
-    """Refuse an artifact whose ``controlnet_<name>`` takes the embedding but which has no ``cond_embed_<name>``.
+    """Refuse an artifact whose ``controlnet_<name>`` takes the embedding but which has no ``cond_embed_<name>``
+    (:func:`~diffusion_trt.artifact.manifest.control_component_problems`, which ``verify`` reports too).
 
     Args:
         inputs: each component's input names, by component (the manifest's).
@@ -86,15 +88,9 @@ def check_control_components(inputs: Mapping[str, Sequence[str]]) -> None:
     Raises:
         ArtifactError: naming the ControlNet, the missing component and the fix.
     """
-    for component, names in inputs.items():
-        if not component.startswith(PREFIX) or not takes_embedding(names):
-            continue
-        name = component[len(PREFIX):]
-        if EMBED_PREFIX + name not in inputs:
-            raise ArtifactError(
-                f"{component} takes {EMBEDDING} but the artifact has no {EMBED_PREFIX}{name}, which computes it from "
-                f"the control image; the artifact is incomplete: recompile it with --controlnet, or run "
-                f"add-controlnet ARTIFACT MODEL {name}=FOLDER --replace")
+    problems = control_component_problems(inputs)
+    if problems:
+        raise ArtifactError(problems[0])
 
 
 def _as_list(value: Any, n: int, what: str) -> list[Any]:

@@ -338,6 +338,12 @@ def test_a_split_controlnet_without_its_cond_embed_is_an_artifact_error(controln
     errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and message in errors[0] and "add-controlnet" in errors[0], result.output
     assert not (tmp_path / "out.png").exists()
+    from click.testing import CliRunner
+
+    from diffusion_trt.cli import main
+
+    verify = CliRunner().invoke(main, ["verify", str(art)])  # reported as a problem too
+    assert verify.exit_code == 3 and message in verify.output, verify.output
 
 
 @pytest.fixture(scope="module")
