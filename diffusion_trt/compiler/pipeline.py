@@ -528,8 +528,8 @@ def prepare(model_dir: str | Path, out: Path, config: CompileConfig) -> CompileJ
 
 def _controlnet_specs(config: CompileConfig, folder: export.ModelFolder, specs: Mapping[str, ComponentSpec]
                       ) -> tuple[tuple[controlnet.ControlNetSource, ...], dict[str, ComponentSpec]]:
-    """The checked ``config.controlnets`` and the specs of ``unet_controlnet`` and each ``controlnet_<name>``
-    (:mod:`.controlnet`); nothing without ControlNets.
+    """The checked ``config.controlnets`` and the specs of ``unet_controlnet`` and each ``cond_embed_<name>`` and
+    ``controlnet_<name>`` (:mod:`.controlnet`); nothing without ControlNets.
 
     Raises:
         ModelFolderError, RuntimeInputError: as :func:`~.controlnet.check_controlnets`.
