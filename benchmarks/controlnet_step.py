@@ -5,7 +5,13 @@ For each count n it measures, in one process on the same weights and seed:
 * ``step_ms``: one denoising step's network work (median of --step-iters, synchronised wall clock): ours = the
   ControlNet engines then ``unet_controlnet`` (n >= 1) or the plain ``unet`` (n = 0); diffusers = its ControlNets
   then its UNet (with residuals), eager or with the UNet replayed from a CUDA graph (ControlNets eager, as users run
-  them);
+  them). An artifact compiled after the conditioning-embedding split feeds each ``controlnet_<name>`` the embedding
+  its ``cond_embed_<name>`` made once (as the runtime does, once per call); an older artifact's ControlNets take
+  the image and embed it at every step;
+* ours, n >= 1: ``controlnet_ms`` (the n ControlNet engines of one step alone, median), ``controlnet_share_of_unet``
+  (``controlnet_ms`` over n plain ``unet`` steps: issue 25's goal is <= 0.35 per ControlNet) and, for split
+  artifacts, ``cond_embed_ms`` (the n ``cond_embed_<name>`` runs of one call: a one-off cost per generation, not per
+  step) and ``split: true``;
 * ``e2e_ms``: one whole generation (median of --e2e-iters): ``EnginePipeline(...)`` vs diffusers'
   ``StableDiffusionControlNetPipeline`` (``StableDiffusionPipeline`` for n = 0);
 * ``step_cost_vs_0``: each count's step time over the same system's step time without ControlNets;
@@ -33,7 +39,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -111,8 +117,25 @@ def control_images(n: int, size: tuple[int, int], seed: int = 0) -> list[Any]:
     return [Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)) for _ in range(n)]
 
 
-def ours_step(pipe: Any, names: list[str], size: tuple[int, int], device: str) -> Callable[[], Any]:
-    """One step's engine work on our artifact: ControlNets then ``unet_controlnet``, or the plain ``unet``."""
+class OursStep(NamedTuple):
+    """Our artifact's engine work (:func:`ours_step`): ``step`` (one denoising step: the ControlNets then
+    ``unet_controlnet``, or the plain ``unet``), ``controlnets`` (the step's ControlNets alone), ``embed`` (the
+    once-per-call ``cond_embed_<name>`` runs; ``None`` for an artifact compiled before the split, or n = 0) and
+    ``split`` (whether the ControlNets take the embedding)."""
+
+    step: Callable[[], Any]
+    controlnets: Callable[[], Any]
+    embed: Callable[[], Any] | None
+    split: bool
+
+
+def ours_step(pipe: Any, names: list[str], size: tuple[int, int], device: str) -> OursStep:
+    """:class:`OursStep` of the ControlNets ``names`` at ``size`` (CFG batch 2, random inputs).
+
+    A split artifact's ``controlnet_<name>`` takes ``controlnet_cond_embedding`` [2, C0, h, w], made here once by
+    ``cond_embed_<name>`` from the control image (as the runtime does once per call); an unsplit one takes
+    ``controlnet_cond`` [2, 3, H, W], the image.
+    """
     h, w = size[0] // 8, size[1] // 8
     dt = pipe.engine("unet").spec.input("sample").torch_dtype
     dev = pipe.device
@@ -122,20 +145,33 @@ def ours_step(pipe: Any, names: list[str], size: tuple[int, int], device: str) -
                  "encoder_hidden_states").shape[2], device=dev, dtype=dt)}
     if not names:
         unet = pipe.engine("unet")
-        return lambda: unet.run(feeds)
+        return OursStep(lambda: unet.run(feeds), lambda: None, None, False)
     unet = pipe.engine("unet_controlnet")
     nets = [pipe.engine(f"controlnet_{n}") for n in names]
-    cond = torch.rand(2, 3, *size, device=dev, dtype=dt)
+    embeds = [pipe.engine(f"cond_embed_{n}") if "controlnet_cond_embedding" in net.spec.input_names else None
+              for n, net in zip(names, nets, strict=True)]
+    cond = torch.rand(2, 3, *size, device=dev, dtype=(embeds[0] or nets[0]).spec.input("controlnet_cond").torch_dtype)
     n_res = sum("residual" in t.name for t in unet.spec.inputs)
     scale = torch.ones(n_res, device=dev)
 
-    def step() -> Any:
+    def embed() -> list[dict[str, torch.Tensor]]:  # once per call in the runtime (runtime/controlnet.py)
+        return [{"controlnet_cond": cond} if e is None else
+                {"controlnet_cond_embedding": e.run({"controlnet_cond": cond})["controlnet_cond_embedding"].clone()}
+                for e in embeds]
+
+    conds = embed()
+
+    def controlnets() -> dict[str, torch.Tensor] | None:
         total: dict[str, torch.Tensor] | None = None
-        for net in nets:
-            out = net.run({**feeds, "controlnet_cond": cond, "conditioning_scale": scale})
+        for net, c in zip(nets, conds, strict=True):
+            out = net.run({**feeds, **c, "conditioning_scale": scale})
             total = dict(out) if total is None else {k: total[k] + out[k] for k in total}
-        return unet.run({**feeds, **(total or {})})
-    return step
+        return total
+
+    def step() -> Any:
+        return unet.run({**feeds, **(controlnets() or {})})
+    split = any(e is not None for e in embeds)
+    return OursStep(step, controlnets, embed if split else None, split)
 
 
 def diffusers_step(unet: Any, controlnets: list[Any], size: tuple[int, int], dtype: torch.dtype,
@@ -199,11 +235,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for n in counts:
             images = control_images(n, size)
             kw = {} if n == 0 else {"control_image": images if n > 1 else images[0], "controlnet": names[:n]}
-            results.append({"system": "ours", "controlnets": n,
-                            "step_ms": median_ms(ours_step(pipe, names[:n], size, dev), dev, args.warmup,
-                                                 args.step_iters),
-                            "e2e_ms": median_ms(lambda kw=kw: pipe(**gen, **kw, seed=0, progress=False), dev, 1,
-                                                args.e2e_iters)})
+            step = ours_step(pipe, names[:n], size, dev)
+            row: dict[str, Any] = {"system": "ours", "controlnets": n,
+                                   "step_ms": median_ms(step.step, dev, args.warmup, args.step_iters)}
+            if n:
+                row["split"] = step.split
+                row["controlnet_ms"] = median_ms(step.controlnets, dev, args.warmup, args.step_iters)
+                if step.embed is not None:
+                    row["cond_embed_ms"] = median_ms(step.embed, dev, args.warmup, args.step_iters)
+            row["e2e_ms"] = median_ms(lambda kw=kw: pipe(**gen, **kw, seed=0, progress=False), dev, 1,
+                                      args.e2e_iters)
+            results.append(row)
             ours_images[n] = pipe(**gen, **kw, generator=torch.Generator("cpu").manual_seed(0), output_type="np",
                                   progress=False).images
     for system in ("diffusers_eager", "diffusers_cuda_graph"):
@@ -245,12 +287,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _ratios(results: list[dict[str, Any]]) -> None:
-    """``step_cost_vs_0`` (step time over the same system's without ControlNets) and ``e2e_speedup_vs_<system>``."""
+    """``step_cost_vs_0`` (step time over the same system's without ControlNets), ``controlnet_share_of_unet`` (ours:
+    the ControlNets' time over n plain UNet steps) and ``e2e_speedup_vs_<system>``."""
     by = {(r["system"], r["controlnets"]): r for r in results if "step_ms" in r}
     for (system, n), r in by.items():
         zero = by.get((system, 0))
         if zero is not None:
             r["step_cost_vs_0"] = round(r["step_ms"] / zero["step_ms"], 3)
+            if "controlnet_ms" in r:
+                r["controlnet_share_of_unet"] = round(r["controlnet_ms"] / (n * zero["step_ms"]), 3)
         if system == "ours":
             for other in ("diffusers_eager", "diffusers_cuda_graph"):
                 if (other, n) in by:

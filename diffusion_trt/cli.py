@@ -498,7 +498,8 @@ def dummy_controlnet(out_dir: Path, arch: str, seed: int, overwrite: bool) -> No
 @_handle_errors
 def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[str, ...], replace: bool) -> None:
     """Add ControlNets to ARTIFACT_DIR (compiled with --controlnet, so it has unet_controlnet) without rebuilding the
-    UNet: each is compiled with the artifact's own settings as controlnet_NAME and the manifest is resealed.
+    UNet: each is compiled with the artifact's own settings as cond_embed_NAME and controlnet_NAME and the manifest
+    is resealed.
 
     MODEL_DIR is the diffusers folder the artifact was compiled from (checked by its sha256).
 
@@ -591,8 +592,9 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
                    "default 1; repeatable, merged in order. Recorded in the manifest.")
 @click.option("--controlnet", "controlnets", multiple=True, metavar="[NAME=]FOLDER|FILE.safetensors",
               help="Add a diffusers ControlNetModel folder, or a single-file ControlNet (A1111/LDM layout, its config "
-                   "from FILE.yaml or a config.json beside it), as the component controlnet_NAME (NAME default: the "
-                   "folder's or file's name), and the UNet with ControlNet residual inputs as unet_controlnet (the "
+                   "from FILE.yaml or a config.json beside it), as the components cond_embed_NAME (its control-image "
+                   "embedding, run once per call) and controlnet_NAME (NAME default: the folder's or file's name), "
+                   "and the UNet with ControlNet residual inputs as unet_controlnet (the "
                    "plain unet stays); repeatable.")
 @click.option("--refittable", is_flag=True,
               help="LoRAs per request without a rebuild (run --lora, EnginePipeline.load_lora): TensorRT: refittable "

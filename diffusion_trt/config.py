@@ -332,10 +332,11 @@ class CompileConfig:
             textual-inversion vectors one pipeline loads at once (``run --embedding``; EasyNegative has 8,
             ng_deepnegative_v1_75t 75); 0 = no such input (the text encoder of before, which refuses embeddings).
             Costs nothing per run but a [N, D] input. SDXL: both text encoders (the clip_l / clip_g vectors).
-        controlnets: ``(name, folder)`` pairs: each diffusers ControlNetModel folder becomes the component
-            ``controlnet_<name>``, and the UNet is compiled a second time with the residual inputs as
-            ``unet_controlnet`` (see :mod:`diffusion_trt.compiler.controlnet`). Saved in the manifest only when
-            given (an artifact without ControlNets is as before).
+        controlnets: ``(name, folder)`` pairs: each diffusers ControlNetModel folder becomes the components
+            ``cond_embed_<name>`` (its control-image embedding) and ``controlnet_<name>``, and the UNet is compiled
+            a second time with the residual inputs as ``unet_controlnet`` (see
+            :mod:`diffusion_trt.compiler.controlnet`). Saved in the manifest only when given (an artifact without
+            ControlNets is as before).
         pass_options: ``PassContext.options`` for every component, over the ones compile derives itself (each
             pass's docstring lists the options it reads, e.g. ``{"pack_qkv": True}``,
             ``{"fuse_attention_emit": "none"}``); for experiments and A/B timings (``--pass-option``).

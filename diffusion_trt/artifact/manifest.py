@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import enum
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -149,6 +149,13 @@ class Component:
     build: Mapping[str, Any]
     spec: Mapping[str, Any] = field(repr=False)
     spatial_conv_inputs: bool = False
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """The component's ONNX / engine input names, in manifest order (``components.<name>.inputs``): e.g. a
+        ``controlnet_<name>`` takes ``controlnet_cond_embedding`` when compiled with its ``cond_embed_<name>``,
+        ``controlnet_cond`` (the image) before that split."""
+        return tuple(str(t["name"]) for t in self.spec.get("inputs", ()))
 
     @property
     def dtypes(self) -> dict[str, str]:
@@ -319,6 +326,28 @@ def _component(name: str, entry: Mapping[str, Any], precision: str) -> Component
                      spec=MappingProxyType(copy.deepcopy(dict(entry))),
                      spatial_conv_inputs=entry.get("spatial_conv_inputs",
                                                    entry.get("weight_inputs") is not None) is True)
+
+
+def control_component_problems(inputs: Mapping[str, Sequence[str]]) -> list[str]:
+    """What a ControlNet artifact lacks: a ``controlnet_<name>`` that takes ``controlnet_cond_embedding`` (compiled
+    with its conditioning embedding as a component of its own) needs ``cond_embed_<name>``, which computes that input
+    from the control image. One message per such ControlNet (cause, and the fix); ``[]`` when complete. A
+    ``controlnet_<name>`` compiled before that split takes the image (``controlnet_cond``) and needs none.
+
+    Args:
+        inputs: each component's input names (``components.<name>.inputs``), by component name.
+    """
+    problems = []
+    for component, names in inputs.items():
+        if not component.startswith("controlnet_") or "controlnet_cond_embedding" not in names:
+            continue
+        name = component[len("controlnet_"):]
+        if f"cond_embed_{name}" not in inputs:
+            problems.append(
+                f"{component} takes controlnet_cond_embedding but the artifact has no cond_embed_{name}, which "
+                f"computes it from the control image; the artifact is incomplete: recompile it with --controlnet, or "
+                f"run add-controlnet ARTIFACT MODEL {name}=FOLDER --replace")
+    return problems
 
 
 def amend_source(manifest: dict[str, Any], **fields: Any) -> None:

@@ -6,10 +6,21 @@
   ``mid_block_additional_residual`` as graph inputs ``down_block_residual_{i}`` [B2, C_i, h/k_i, w/k_i] and
   ``mid_block_residual`` [B2, C_mid, h/k, w/k] (SD 1.x/2.x: 12 + 1, SDXL: 9 + 1; ``h/k`` = ceil(h / k), see
   :mod:`.components`). It serves every ControlNet of the base model: one can be added or swapped without rebuilding it.
+* ``cond_embed_<NAME>`` per ControlNet: ``controlnet_cond`` [B2, 3, H, W] (the control image in [0, 1], the
+  component's float type) -> ``controlnet_cond_embedding`` [B2, C0, h, w] (C0 = the ControlNet's
+  ``block_out_channels[0]``; h = H / 8): diffusers' ``controlnet_cond_embedding`` (``ControlNetConditioningEmbedding``,
+  the conv stack over the full-resolution image), after the RGB -> BGR channel flip of a ControlNet whose
+  ``controlnet_conditioning_channel_order`` is ``"bgr"``. Its input is the same at every denoising step, so the runtime
+  runs it once per call (per chunk of rows) instead of once a step.
 * ``controlnet_<NAME>`` per ControlNet: the UNet's inputs (``sample``, ``timestep``, ``encoder_hidden_states``; SDXL
-  also ``text_embeds``, ``time_ids``) plus ``controlnet_cond`` [B2, 3, H, W] (the control image in [0, 1]) and
-  ``conditioning_scale`` [R] float32 (one factor per residual, R = 13 for SD 1.x/2.x: ``scale`` everywhere, or
-  diffusers' guess-mode ramp ``logspace(-1, 0, R) * scale``) -> the residuals, each already times its factor.
+  also ``text_embeds``, ``time_ids``) plus ``controlnet_cond_embedding`` [B2, C0, h, w] (``cond_embed_<NAME>``'s
+  output) and ``conditioning_scale`` [R] float32 (one factor per residual, R = 13 for SD 1.x/2.x: ``scale``
+  everywhere, or diffusers' guess-mode ramp ``logspace(-1, 0, R) * scale``) -> the residuals, each already times its
+  factor. It is diffusers' ``ControlNetModel.forward`` with the embedding given: ``conv_in(sample) + embedding``.
+
+Artifacts compiled before the split have no ``cond_embed_<NAME>``, and their ``controlnet_<NAME>`` takes the image
+``controlnet_cond`` [B2, 3, H, W] itself (the embedding inside); the runtime tells them apart by that input's name
+(``runtime/controlnet.py``). ``controlnet_specs(..., split_embedding=False)`` still gives that layout.
 
 The manifest keeps the plain ``unet`` (no residual inputs) for calls without a ControlNet, so a ControlNet never costs
 a call that uses none. This is the only module that knows ``ControlNetModel``; the export wrappers live here too.
@@ -17,24 +28,30 @@ a call that uses none. This is the only module that knows ``ControlNetModel``; t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import ModelFolderError, RuntimeInputError
+from ..errors import ExportError, ModelFolderError, RuntimeInputError
 from .components import ComponentSpec, TensorSpec
 from .controlnet_file import is_single_file, load_single_file, single_file_config
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "controlnet_"
+#: ``cond_embed_<name>``: the conditioning embedding of ControlNet ``<name>``, a component of its own.
+EMBED_PREFIX = "cond_embed_"
 UNET_CONTROLNET = "unet_controlnet"
+#: The control image input (``cond_embed_<name>``'s; an unsplit ``controlnet_<name>``'s) and the embedding.
+COND = "controlnet_cond"
+EMBEDDING = "controlnet_cond_embedding"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_]*$")
 #: UNet config keys a ControlNet must share with its base model (the residuals' count, widths and the conditioning).
 _BASE_KEYS = ("block_out_channels", "layers_per_block", "down_block_types", "cross_attention_dim",
@@ -54,6 +71,11 @@ class ControlNetSource:
     @property
     def component(self) -> str:
         return PREFIX + self.name
+
+    @property
+    def embed_component(self) -> str:
+        """``cond_embed_<name>``: the conditioning embedding, run once per call."""
+        return EMBED_PREFIX + self.name
 
 
 def parse_controlnet_arg(value: str) -> tuple[str, str]:
@@ -198,21 +220,49 @@ def residual_specs(unet_config: Mapping[str, Any]) -> tuple[TensorSpec, ...]:
     return tuple(TensorSpec(n, "float", ("B2", c, *_dims(k))) for n, (c, k) in zip(names, layout, strict=True))
 
 
-def controlnet_specs(unet: ComponentSpec, unet_config: Mapping[str, Any],
-                     sources: Sequence[ControlNetSource]) -> dict[str, ComponentSpec]:
-    """``unet_controlnet`` and one ``controlnet_<name>`` per source, from the model's ``unet`` spec (its own symbol
-    ranges too: the context length ``S`` of long prompts)."""
+def controlnet_specs(unet: ComponentSpec, unet_config: Mapping[str, Any], sources: Sequence[ControlNetSource],
+                     *, split_embedding: bool = True) -> dict[str, ComponentSpec]:
+    """``unet_controlnet``, then per source ``cond_embed_<name>`` and ``controlnet_<name>``, from the model's ``unet``
+    spec (its own symbol ranges too: the context length ``S`` of long prompts).
+
+    ``split_embedding=False``: the layout before the split (no ``cond_embed_<name>``; ``controlnet_<name>`` takes the
+    image ``controlnet_cond`` [B2, 3, H, W]), kept to make such artifacts in tests.
+    """
     residuals = residual_specs(unet_config)
     specs = {UNET_CONTROLNET: ComponentSpec(UNET_CONTROLNET, (*unet.inputs, *residuals), unet.outputs,
                                             symbols=unet.symbols)}
     for src in sources:
         inputs = [t if t.name != "sample" else TensorSpec("sample", "float", ("B2", int(src.config.get(
             "in_channels", 4)), "h", "w")) for t in unet.inputs]
-        channels = int(src.config.get("conditioning_channels", 3))
-        inputs += [TensorSpec("controlnet_cond", "float", ("B2", channels, "H", "W")),
-                   TensorSpec("conditioning_scale", "float32", (len(residuals),))]
+        image = TensorSpec(COND, "float", ("B2", int(src.config.get("conditioning_channels", 3)), "H", "W"))
+        if split_embedding:
+            embedding = TensorSpec(EMBEDDING, "float", ("B2", embedding_channels(src.config), "h", "w"))
+            specs[src.embed_component] = ComponentSpec(src.embed_component, (image,), (embedding,))
+            inputs.append(embedding)
+        else:
+            inputs.append(image)
+        inputs.append(TensorSpec("conditioning_scale", "float32", (len(residuals),)))
         specs[src.component] = ComponentSpec(src.component, tuple(inputs), residuals, symbols=unet.symbols)
     return specs
+
+
+def embedding_channels(config: Mapping[str, Any]) -> int:
+    """C0 of the conditioning embedding [B2, C0, h, w]: the ControlNet's ``block_out_channels[0]`` (its ``conv_in``'s
+    width, which the embedding is added to)."""
+    return int(config.get("block_out_channels", (320, 640, 1280, 1280))[0])
+
+
+def with_embeddings(names: Sequence[str], specs: Mapping[str, ComponentSpec]) -> tuple[str, ...]:
+    """``names`` with ``cond_embed_<name>`` right before each ``controlnet_<name>`` that takes its embedding (asking
+    for a ControlNet brings the embedding it cannot run without), each once."""
+    out: list[str] = []
+    for n in names:
+        embed = EMBED_PREFIX + n[len(PREFIX):]
+        if n.startswith(PREFIX) and embed in specs and embed not in out and embed not in names:
+            out.append(embed)
+        if n not in out:
+            out.append(n)
+    return tuple(out)
 
 
 def load_controlnets(sources: Sequence[ControlNetSource], device: str) -> dict[str, torch.nn.Module]:
@@ -238,21 +288,75 @@ def load_controlnets(sources: Sequence[ControlNetSource], device: str) -> dict[s
     return out
 
 
-class ControlNetExport(torch.nn.Module):
-    """(sample, timestep, encoder_hidden_states, [text_embeds, time_ids,] controlnet_cond, conditioning_scale[R])
-    -> R residuals, residual i times ``conditioning_scale[i]`` (diffusers' ``ControlNetModel`` at scale 1, then the
-    per-residual factors: its plain and guess-mode scalings are both such factors)."""
+def channel_flip(controlnet: torch.nn.Module) -> bool:
+    """Whether the ControlNet flips the control image's channels first (``controlnet_conditioning_channel_order``
+    "bgr": diffusers' ``torch.flip(cond, dims=[1])``); "rgb" (the default) does not.
 
-    def __init__(self, controlnet: torch.nn.Module, sdxl: bool) -> None:
+    Raises:
+        ExportError: any other value (diffusers refuses it too, at its first forward).
+    """
+    order = controlnet.config.get("controlnet_conditioning_channel_order", "rgb")
+    if order not in ("rgb", "bgr"):
+        raise ExportError(f"the ControlNet's controlnet_conditioning_channel_order={order!r} is unknown; diffusers "
+                          "takes 'rgb' or 'bgr'")
+    return order == "bgr"
+
+
+class CondEmbedExport(torch.nn.Module):
+    """controlnet_cond [B2, 3, H, W] -> controlnet_cond_embedding [B2, C0, H/8, W/8]: what diffusers'
+    ``ControlNetModel.forward`` does to the control image before adding it to ``conv_in(sample)``: the channel flip
+    of a "bgr" ControlNet, then ``controlnet_cond_embedding``."""
+
+    def __init__(self, controlnet: torch.nn.Module) -> None:
         super().__init__()
-        self.controlnet, self.sdxl = controlnet, sdxl
+        self.embedding, self.flip = controlnet.controlnet_cond_embedding, channel_flip(controlnet)
+
+    def forward(self, controlnet_cond: torch.Tensor) -> torch.Tensor:
+        if self.flip:
+            controlnet_cond = torch.flip(controlnet_cond, dims=[1])
+        return self.embedding(controlnet_cond)
+
+
+class _Given(torch.nn.Module):
+    """Stands in for ``controlnet_cond_embedding`` while the embedding is given: returns its input."""
+
+    def forward(self, embedding: torch.Tensor) -> torch.Tensor:
+        return embedding
+
+
+@contextlib.contextmanager
+def embedding_given(controlnet: torch.nn.Module) -> Iterator[None]:
+    """Inside: ``controlnet``'s forward takes the conditioning embedding as ``controlnet_cond`` (its embedding module
+    returns its input, and its channel order is "rgb": :class:`CondEmbedExport` flipped the image already); the
+    module and config are restored on exit."""
+    module, config = controlnet.controlnet_cond_embedding, controlnet._internal_dict
+    from diffusers.configuration_utils import FrozenDict
+
+    controlnet.controlnet_cond_embedding = _Given()
+    controlnet._internal_dict = FrozenDict({**config, "controlnet_conditioning_channel_order": "rgb"})
+    try:
+        yield
+    finally:
+        controlnet.controlnet_cond_embedding, controlnet._internal_dict = module, config
+
+
+class ControlNetExport(torch.nn.Module):
+    """(sample, timestep, encoder_hidden_states, [text_embeds, time_ids,] controlnet_cond_embedding,
+    conditioning_scale[R]) -> R residuals, residual i times ``conditioning_scale[i]`` (diffusers' ``ControlNetModel``
+    at scale 1 with the embedding given, then the per-residual factors: its plain and guess-mode scalings are both
+    such factors). ``embedded=False``: the layout before the split, ``controlnet_cond`` (the image) in its place."""
+
+    def __init__(self, controlnet: torch.nn.Module, sdxl: bool, embedded: bool = True) -> None:
+        super().__init__()
+        self.controlnet, self.sdxl, self.embedded = controlnet, sdxl, embedded
 
     def forward(self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
         added = {"text_embeds": rest[0], "time_ids": rest[1]} if self.sdxl else None
         cond, scale = rest[-2], rest[-1]
-        down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond=cond,
-                                    conditioning_scale=1.0, added_cond_kwargs=added, return_dict=False)
+        with embedding_given(self.controlnet) if self.embedded else contextlib.nullcontext():
+            down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond=cond,
+                                        conditioning_scale=1.0, added_cond_kwargs=added, return_dict=False)
         out = (*down, mid)
         return tuple(r * scale[i] for i, r in enumerate(out))
 
@@ -274,11 +378,17 @@ class UNetWithResiduals(torch.nn.Module):
                          return_dict=False)[0]
 
 
-def wrap(component: str, models: Mapping[str, Any], architecture: str) -> torch.nn.Module | None:
-    """The export wrapper of ``unet_controlnet`` / ``controlnet_<name>``; ``None`` for any other component."""
+def wrap(component: str, models: Mapping[str, Any], architecture: str,
+         spec: ComponentSpec | None = None) -> torch.nn.Module | None:
+    """The export wrapper of ``unet_controlnet`` / ``cond_embed_<name>`` / ``controlnet_<name>``; ``None`` for any
+    other component. A ``controlnet_<name>`` takes the embedding unless ``spec`` has the image input ``controlnet_cond``
+    (``split_embedding=False``)."""
     sdxl = architecture == "sdxl"
     if component == UNET_CONTROLNET:
         return UNetWithResiduals(models["unet"], sdxl, len(residual_layout(models["unet"].config)))
+    if component.startswith(EMBED_PREFIX) and PREFIX + component[len(EMBED_PREFIX):] in models:
+        return CondEmbedExport(models[PREFIX + component[len(EMBED_PREFIX):]])
     if component.startswith(PREFIX) and component in models:
-        return ControlNetExport(models[component], sdxl)
+        embedded = spec is None or all(t.name != COND for t in spec.inputs)
+        return ControlNetExport(models[component], sdxl, embedded=embedded)
     return None

@@ -2,9 +2,13 @@
 
 ::
 
-    read + verify the artifact ──► same model? (source sha256) ──► compile only controlnet_<name> with the artifact's
-    own CompileConfig (same backend, precision, profile) into a scratch artifact ──► copy the artifact, put the new
-    component's files in, add its manifest entry and ``config.controlnets`` ──► reseal ──► swap into place
+    read + verify the artifact ──► same model? (source sha256) ──► compile only cond_embed_<name> and controlnet_<name>
+    with the artifact's own CompileConfig (same backend, precision, profile) into a scratch artifact ──► copy the
+    artifact, put the new components' files in, add their manifest entries and ``config.controlnets`` ──► reseal
+    ──► swap into place
+
+An artifact compiled before the conditioning-embedding split (its ControlNets take the image, no ``cond_embed_``)
+gets split ControlNets beside its old ones; the runtime tells each apart by its input names.
 
 The result is one sealed artifact, as if compiled with every ``--controlnet`` at once (``verify`` passes); a failure
 leaves the artifact as it was.
@@ -30,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 def add_controlnets(artifact: str | Path, model_dir: str | Path, controlnets: Sequence[tuple[str, str]], *,
                     replace: bool = False, progress: bool = False) -> Path:
-    """Compile each ``(name, folder)`` as ``controlnet_<name>`` into ``artifact`` (resealed in place).
+    """Compile each ``(name, folder)`` as ``cond_embed_<name>`` and ``controlnet_<name>`` into ``artifact`` (resealed
+    in place; a swap replaces both).
 
     Args:
         artifact: an artifact compiled with ``--controlnet`` (it has ``unet_controlnet``).

@@ -338,16 +338,21 @@ class _VaeEncoder(torch.nn.Module):
 
 def module_keys(component: str) -> tuple[str, ...]:
     """The keys of :func:`load_models`' dict (and of the loaded ControlNets) that exporting ``component`` reads:
-    ``unet`` and ``unet_controlnet`` read ``"unet"``, both VAE halves ``"vae"``, a ControlNet its own name."""
+    ``unet`` and ``unet_controlnet`` read ``"unet"``, both VAE halves ``"vae"``, a ControlNet its own name and its
+    ``cond_embed_<name>`` the ControlNet's (``controlnet_<name>``)."""
     if component in ("vae_decoder", "vae_encoder"):
         return ("vae",)
     if component == "unet_controlnet":
         return ("unet",)
+    from .controlnet import EMBED_PREFIX, PREFIX
+
+    if component.startswith(EMBED_PREFIX):
+        return (PREFIX + component[len(EMBED_PREFIX):],)
     return (component,)
 
 
-def _wrap(component: str, models: dict[str, Any], architecture: str = "sd", clip_skip: int = 0, vectors: int = 0
-          ) -> torch.nn.Module:
+def _wrap(component: str, models: dict[str, Any], architecture: str = "sd", clip_skip: int = 0, vectors: int = 0,
+          spec: ComponentSpec | None = None) -> torch.nn.Module:
     if architecture == "sdxl":
         if component == "text_encoder":
             return _TextEncoderPenultimate(models["text_encoder"], clip_skip, vectors)
@@ -357,7 +362,7 @@ def _wrap(component: str, models: dict[str, Any], architecture: str = "sd", clip
             return _UNetXL(models["unet"])
     from . import controlnet
 
-    wrapped = controlnet.wrap(component, models, architecture)  # unet_controlnet, controlnet_<name>
+    wrapped = controlnet.wrap(component, models, architecture, spec)  # unet_controlnet, cond_embed_/controlnet_<name>
     if wrapped is not None:
         return wrapped
     if component == "text_encoder":
@@ -475,7 +480,7 @@ def onnx_from_component(
 
     clip_skip = next((int(t.shape[1]) for t in spec.outputs if t.name == "clip_skip_states"), 0)
     vectors = next((int(t.shape[1]) for t in spec.inputs if t.name == "embedding_vectors"), 0)
-    module = _wrap(component, models, architecture, clip_skip, vectors)
+    module = _wrap(component, models, architecture, clip_skip, vectors, spec)
     args = sample_inputs(spec, precision, {**profile_ranges, **dict(spec.symbols)}, device)
     dynamic_axes = {t.name: t.dynamic_axes() for t in (*spec.inputs, *spec.outputs)}
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -516,6 +516,7 @@ def prepare(model_dir: str | Path, out: Path, config: CompileConfig) -> CompileJ
     names = component_names(config.components, facts)
     if control_specs and not any(n in control_specs for n in names):
         names = (*names, *control_specs)  # --controlnet without naming its components in --components: all of them
+    names = controlnet.with_embeddings(names, control_specs)  # controlnet_<name> brings its cond_embed_<name>
     unknown = [c for c in names if c not in specs]
     if unknown or not names:
         raise RuntimeInputError(f"--components: unknown component(s) {unknown or 'none given'}; choose from "
@@ -527,8 +528,8 @@ def prepare(model_dir: str | Path, out: Path, config: CompileConfig) -> CompileJ
 
 def _controlnet_specs(config: CompileConfig, folder: export.ModelFolder, specs: Mapping[str, ComponentSpec]
                       ) -> tuple[tuple[controlnet.ControlNetSource, ...], dict[str, ComponentSpec]]:
-    """The checked ``config.controlnets`` and the specs of ``unet_controlnet`` and each ``controlnet_<name>``
-    (:mod:`.controlnet`); nothing without ControlNets.
+    """The checked ``config.controlnets`` and the specs of ``unet_controlnet`` and each ``cond_embed_<name>`` and
+    ``controlnet_<name>`` (:mod:`.controlnet`); nothing without ControlNets.
 
     Raises:
         ModelFolderError, RuntimeInputError: as :func:`~.controlnet.check_controlnets`.

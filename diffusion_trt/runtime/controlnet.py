@@ -1,9 +1,18 @@
 """ControlNets at run time: the checked request (:class:`ControlPlan`) and the residuals of each step.
 
-An artifact compiled with ``--controlnet`` has ``unet_controlnet`` (the UNet with the residual inputs) and one
-``controlnet_<name>`` engine per ControlNet (see ``compiler/controlnet.py``). A call with control images runs the
-loop on ``unet_controlnet`` and, before each UNet step, every ControlNet whose factor is not 0 at that step, summing
-their residuals (diffusers' ``MultiControlNetModel``); calls without control images run the plain ``unet``.
+An artifact compiled with ``--controlnet`` has ``unet_controlnet`` (the UNet with the residual inputs) and, per
+ControlNet, ``cond_embed_<name>`` (control image -> its conditioning embedding) and ``controlnet_<name>`` (see
+``compiler/controlnet.py``). A call with control images runs each ``cond_embed_<name>`` once per chunk of rows, then
+the loop on ``unet_controlnet`` and, before each UNet step, every ControlNet whose factor is not 0 at that step on the
+chunk's embedding, summing their residuals (diffusers' ``MultiControlNetModel``); calls without control images run
+the plain ``unet``.
+
+Artifacts compiled before the split have no ``cond_embed_<name>``: their ``controlnet_<name>`` takes the image
+(input ``controlnet_cond``) and embeds it at every step, as before. Which kind a ControlNet is comes from its
+engine's input names (``controlnet_cond`` or ``controlnet_cond_embedding``), per ControlNet (``add-controlnet`` into
+an old artifact gives a new-style ControlNet beside old ones). A ``controlnet_<name>`` that takes the embedding
+without its ``cond_embed_<name>`` in the artifact is an :class:`~diffusion_trt.errors.ArtifactError`
+(:func:`check_control_components`, before any engine opens).
 
 Step for step as diffusers' ``StableDiffusionControlNetPipeline.__call__`` (0.3x-0.4x):
 
@@ -16,7 +25,8 @@ Step for step as diffusers' ``StableDiffusionControlNetPipeline.__call__`` (0.3x
   the positive embeddings) and the unconditional rows get zero residuals; the residual factors ramp
   ``logspace(-1, 0, R) * factor`` (diffusers' ``ControlNetModel`` in guess mode).
 
-Shapes: residual ``i`` [B2, C_i, ceil(h / k_i), ceil(w / k_i)] in the UNet's float dtype.
+Shapes: control image [B2, 3, H, W] and embedding [B2, C0, h, w] (C0 = the ControlNet's ``block_out_channels[0]``,
+h = H / 8) in the engines' float dtype; residual ``i`` [B2, C_i, ceil(h / k_i), ceil(w / k_i)] in the UNet's.
 """
 
 from __future__ import annotations
@@ -28,7 +38,9 @@ from typing import Any
 
 import torch
 
-from ..errors import RuntimeInputError
+from ..artifact.manifest import control_component_problems
+from ..errors import ArtifactError, RuntimeInputError
+from .cuda import nvtx_range
 from .engines.engine import Engine
 from .finite import check_finite
 from .float_range import finite_in_float32
@@ -37,7 +49,12 @@ from .image_inputs import image_rows_and_size
 logger = logging.getLogger(__name__)
 
 PREFIX = "controlnet_"
+#: ``cond_embed_<name>``: ControlNet ``<name>``'s conditioning embedding (artifacts compiled after the split).
+EMBED_PREFIX = "cond_embed_"
 UNET_CONTROLNET = "unet_controlnet"
+#: The control image input (``cond_embed_<name>``'s, or an old ``controlnet_<name>``'s) and the embedding.
+COND = "controlnet_cond"
+EMBEDDING = "controlnet_cond_embedding"
 #: ``controlnet_conditioning_scale``'s default per mode, as diffusers' ControlNet pipelines (txt2img, Img2Img, Inpaint)
 DEFAULT_CONTROL_SCALE: dict[str, float] = {"txt2img": 1.0, "img2img": 0.8, "inpaint": 0.5}
 
@@ -48,11 +65,32 @@ def controlnet_names(components: Sequence[str]) -> tuple[str, ...]:
 
 
 def control_components(components: Sequence[str]) -> tuple[str, ...]:
-    """The components a ControlNet call opens (``unet_controlnet`` and every ``controlnet_<name>``) present in
-    ``components``; none without ``unet_controlnet``."""
+    """The components a ControlNet call opens (``unet_controlnet``, every ``cond_embed_<name>`` and
+    ``controlnet_<name>``) present in ``components``; none without ``unet_controlnet``."""
     if UNET_CONTROLNET not in components:
         return ()
-    return (UNET_CONTROLNET, *(c for c in components if c.startswith(PREFIX)))
+    return (UNET_CONTROLNET, *(c for c in components if c.startswith((EMBED_PREFIX, PREFIX))))
+
+
+def takes_embedding(input_names: Sequence[str]) -> bool:
+    """Whether a ``controlnet_<name>`` of these inputs takes the conditioning embedding (``controlnet_cond_embedding``,
+    compiled after the split) rather than the control image (``controlnet_cond``, before)."""
+    return EMBEDDING in input_names
+
+
+def check_control_components(inputs: Mapping[str, Sequence[str]]) -> None:
+    """Refuse an artifact whose ``controlnet_<name>`` takes the embedding but which has no ``cond_embed_<name>``
+    (:func:`~diffusion_trt.artifact.manifest.control_component_problems`, which ``verify`` reports too).
+
+    Args:
+        inputs: each component's input names, by component (the manifest's).
+
+    Raises:
+        ArtifactError: naming the ControlNet, the missing component and the fix.
+    """
+    problems = control_component_problems(inputs)
+    if problems:
+        raise ArtifactError(problems[0])
 
 
 def _as_list(value: Any, n: int, what: str) -> list[Any]:
@@ -75,7 +113,12 @@ def _finite(value: Any, what: str, example: float) -> float:
 
 @dataclass(frozen=True)
 class ControlUnit:
-    """One ControlNet of a call: its engine, control image [n, 3, H, W] (its dtype, device), factor and window."""
+    """One ControlNet of a call: its engine, control image [n, 3, H, W] (its dtype, device), factor and window.
+
+    Attributes:
+        embed: the ``cond_embed_<name>`` engine (the image -> ``controlnet_cond_embedding``, run once per chunk), or
+            ``None`` for a ControlNet compiled before the split, whose ``engine`` takes the image ``controlnet_cond``.
+    """
 
     name: str
     engine: Engine
@@ -83,6 +126,7 @@ class ControlUnit:
     scale: float
     start: float
     end: float
+    embed: Engine | None = None
 
     def keep(self, i: int, steps: int) -> float:
         """diffusers' ``controlnet_keep[i]``: 0.0 outside [start, end] of the schedule, else 1.0."""
@@ -106,22 +150,35 @@ class ControlPlan:
     residual_names: tuple[str, ...]
 
     def rows(self, rows: range, batch: int, num_images_per_prompt: int, do_cfg: bool) -> ChunkControl:
-        """The images of one chunk of rows (of ``batch`` images), doubled for CFG unless guess mode."""
-        images = []
+        """The ControlNet conditioning of one chunk of rows (of ``batch`` images): each control image, doubled for
+        CFG unless guess mode, and for a split ControlNet its embedding, computed here once for the chunk's steps.
+
+        The embedding is a copy of the ``cond_embed_<name>`` output buffer, in the ControlNet's input dtype (the
+        buffer's next run, for another unit of the same ControlNet or the next chunk, overwrites it while the steps
+        still read the copy): [B2, C0, h, w], B2 = 2 x the chunk's images with CFG (not in guess mode), else 1 x."""
+        conds: list[dict[str, torch.Tensor]] = []
         for u in self.units:
             img = u.image
             reps = batch if img.shape[0] == 1 else num_images_per_prompt
             img = img.repeat_interleave(reps, dim=0)[rows.start: rows.stop]
-            images.append(torch.cat([img, img]) if do_cfg and not self.guess_mode else img)
-        return ChunkControl(self, tuple(images), do_cfg)
+            img = torch.cat([img, img]) if do_cfg and not self.guess_mode else img
+            if u.embed is None:  # compiled before the split: the ControlNet embeds the image at every step
+                conds.append({COND: img})
+                continue
+            with nvtx_range(f"cond_embed {u.name}", u.embed.device):
+                out = u.embed.run({COND: img})[EMBEDDING]
+                conds.append({EMBEDDING: out.to(u.engine.spec.input(EMBEDDING).torch_dtype, copy=True)})
+        return ChunkControl(self, tuple(conds), do_cfg)
 
 
 @dataclass(frozen=True)
 class ChunkControl:
-    """A :class:`ControlPlan` for one chunk: the images per unit, and the residuals of each step."""
+    """A :class:`ControlPlan` for one chunk: per unit its conditioning feed (``{"controlnet_cond_embedding":
+    [B2, C0, h, w]}``, or ``{"controlnet_cond": [B2, 3, H, W]}`` for a ControlNet compiled before the split; B2 = b in
+    guess mode), and the residuals of each step."""
 
     plan: ControlPlan
-    images: tuple[torch.Tensor, ...]
+    conds: tuple[Mapping[str, torch.Tensor], ...]
     do_cfg: bool
     #: ``conditioning_scale`` feeds by (factor, n, device), made once per chunk instead of once a step and ControlNet
     #: (an allocation and a fill kernel each); never written to, so the engines may keep reading them.
@@ -152,13 +209,13 @@ class ChunkControl:
             added = dict(added_inputs or {})
         total: list[torch.Tensor] | None = None
         names = self.plan.residual_names
-        for unit, image in zip(self.plan.units, self.images, strict=True):
+        for unit, cond in zip(self.plan.units, self.conds, strict=True):
             factor = unit.scale * unit.keep(i, steps)
             if factor == 0.0:
                 continue
             out = unit.engine.run({
                 "sample": sample.to(unit.engine.spec.input("sample").torch_dtype), "timestep": ts,
-                "encoder_hidden_states": embeds, **added, "controlnet_cond": image,
+                "encoder_hidden_states": embeds, **added, **cond,
                 "conditioning_scale": self._factors(factor, len(names), sample.device),
             })
             res = [out[n] for n in names]
@@ -238,6 +295,7 @@ def control_plan(engines: Mapping[str, Engine], control_image: Any, controlnet: 
     Raises:
         RuntimeInputError: an artifact without ControlNets, an unknown name, more control images than ControlNets,
             a control image of another size or batch, a non-finite scale, a bad guidance window.
+        ArtifactError: a ControlNet that takes the embedding without its ``cond_embed_<name>`` engine.
     """
     have = controlnet_names(list(engines))
     if control_image is None:
@@ -261,7 +319,7 @@ def control_plan(engines: Mapping[str, Engine], control_image: Any, controlnet: 
                                     "<= 1")
     if not isinstance(guess_mode, bool):
         raise RuntimeInputError(f"guess_mode={guess_mode!r} must be True or False")
-    units = tuple(_unit(engines[PREFIX + n], n, img, sc, s, e, height, width, prompts)
+    units = tuple(_unit(engines[PREFIX + n], _embed_engine(engines, n), n, img, sc, s, e, height, width, prompts)
                   for n, img, sc, s, e in zip(names, images, scales, starts, ends, strict=True))
     unet = engines[UNET_CONTROLNET]
     residuals = tuple(t.name for t in unet.spec.inputs if "residual" in t.name)
@@ -281,9 +339,24 @@ def _names(controlnet: str | Sequence[str] | None, have: Sequence[str]) -> list[
     return names
 
 
-def _unit(engine: Engine, name: str, image: Any, scale: float, start: float, end: float, height: int, width: int,
-          prompts: int) -> ControlUnit:
-    """One checked ControlNet: its image preprocessed as diffusers' control image processor does.
+def _embed_engine(engines: Mapping[str, Engine], name: str) -> Engine | None:
+    """``cond_embed_<name>`` for a ControlNet that takes the embedding; ``None`` for one that takes the image.
+
+    Raises:
+        ArtifactError: the ControlNet takes the embedding and there is no ``cond_embed_<name>`` engine.
+    """
+    engine = engines[PREFIX + name]
+    if not takes_embedding(engine.spec.input_names):
+        return None
+    check_control_components({n: e.spec.input_names for n, e in engines.items()
+                              if n in (PREFIX + name, EMBED_PREFIX + name)})
+    return engines[EMBED_PREFIX + name]
+
+
+def _unit(engine: Engine, embed: Engine | None, name: str, image: Any, scale: float, start: float, end: float,
+          height: int, width: int, prompts: int) -> ControlUnit:
+    """One checked ControlNet: its image preprocessed as diffusers' control image processor does, in the dtype and
+    on the device of the engine that takes it (``embed``, else ``engine``).
 
     Raises:
         RuntimeInputError: the image is not the output's size, there are neither 1 nor ``prompts`` of them, or it
@@ -300,5 +373,7 @@ def _unit(engine: Engine, name: str, image: Any, scale: float, start: float, end
                                 "per prompt")
     tensor = VaeImageProcessor(do_convert_rgb=True, do_normalize=False).preprocess(image, height=h, width=w)
     check_finite(f"control_image (ControlNet {name!r})", tensor)
-    info = engine.spec.input("controlnet_cond")
-    return ControlUnit(name, engine, tensor.to(device=engine.device, dtype=info.torch_dtype), scale, start, end)
+    taker = embed if embed is not None else engine
+    info = taker.spec.input(COND)
+    return ControlUnit(name, engine, tensor.to(device=taker.device, dtype=info.torch_dtype), scale, start, end,
+                       embed=embed)

@@ -44,6 +44,7 @@ from .call_guard import CallGuard, one_call_at_a_time
 from .controlnet import (
     DEFAULT_CONTROL_SCALE,
     ControlPlan,
+    check_control_components,
     check_no_control_options,
     control_components,
     control_plan,
@@ -84,13 +85,16 @@ LAZY_COMPONENTS: tuple[str, ...] = ("vae_encoder",)
 #: out. Figures: benchmarks/results/README.md, "Figures behind code defaults". The ControlNet engines
 #: (``controlnet_<name>``, :func:`runs_nhwc`) and the residual-input UNet are the same layers: until 2026-12-02 they
 #: were left NCHW, and on the H200 ``unet_controlnet`` took ~10.5 ms a step against the plain UNet's 6.9 ms, the
-#: NCHW UNet's 10.2 ms (``h200-2026-12-02-s9-controlnet-step.json``, ``-ort-offline-nchw.json``).
+#: NCHW UNet's 10.2 ms (``h200-2026-12-02-s9-controlnet-step.json``, ``-ort-offline-nchw.json``). A ControlNet's
+#: conditioning embedding (``cond_embed_<name>``, a conv stack over the control image) ran NHWC inside its
+#: ``controlnet_<name>`` until it became a component of its own, and keeps that layout (not measured apart).
 NHWC_COMPONENTS: frozenset[str] = frozenset({"unet", "unet_controlnet", "vae_decoder", "vae_encoder"})
 
 
 def runs_nhwc(component: str) -> bool:
-    """Whether ``component`` gets ``prefer_nhwc`` on CUDA: :data:`NHWC_COMPONENTS` and every ControlNet engine."""
-    return component in NHWC_COMPONENTS or component.startswith("controlnet_")
+    """Whether ``component`` gets ``prefer_nhwc`` on CUDA: :data:`NHWC_COMPONENTS` and every ControlNet engine
+    (``controlnet_<name>``, ``cond_embed_<name>``)."""
+    return component in NHWC_COMPONENTS or component.startswith(("controlnet_", "cond_embed_"))
 
 
 #: ORT's attention backend for every CUDA engine: ``sdpa_kernel`` bit 8 = cuDNN flash attention (ORT's
@@ -889,9 +893,12 @@ class EnginePipeline:
         return EnginePipelineOutput(images=images, seed=request.seed, parameters=self._parameters(request))
 
     def _open_control(self, control: ControlPlan) -> ControlPlan:
-        """``control`` on the entered engines (``unet_controlnet`` and its ControlNets entered on first use)."""
+        """``control`` on the entered engines (``unet_controlnet``, its ControlNets and their ``cond_embed_<name>``
+        entered on first use)."""
         unet = self._engine(control.unet.name)  # inside the call: its guard is held already
-        units = tuple(dataclasses.replace(u, engine=self._engine(u.engine.name)) for u in control.units)
+        units = tuple(dataclasses.replace(u, engine=self._engine(u.engine.name),
+                                          embed=None if u.embed is None else self._engine(u.embed.name))
+                      for u in control.units)
         return dataclasses.replace(control, unet=unet, units=units)
 
     def _generate(self, request: Request, control: ControlPlan | None = None) -> Any:
@@ -1335,7 +1342,9 @@ def _components_to_open(manifest: Manifest) -> tuple[str, ...]:
     """The text-to-image components, then the lazily opened ones the artifact has.
 
     Raises:
-        ArtifactError: a partial artifact (``compile --components``) that lacks a text-to-image component.
+        ArtifactError: a partial artifact (``compile --components``) that lacks a text-to-image component; a
+            ``controlnet_<name>`` that takes the conditioning embedding without its ``cond_embed_<name>``
+            (:func:`~.controlnet.check_control_components`).
     """
     have = manifest.components
     missing = [c for c in txt2img_components(manifest) if c not in have]
@@ -1344,4 +1353,5 @@ def _components_to_open(manifest: Manifest) -> tuple[str, ...]:
             f"the artifact has only the component(s) {sorted(have)} and lacks {missing}, which generating images "
             "needs (it was compiled with --components); recompile without --components"
         )
+    check_control_components({name: entry.input_names for name, entry in have.items()})
     return (*txt2img_components(manifest), *(c for c in LAZY_COMPONENTS if c in have), *control_components(list(have)))

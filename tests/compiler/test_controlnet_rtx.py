@@ -1,4 +1,5 @@
-"""The ControlNet and the residual-input UNet through NVIDIA's real TensorRT-RTX builder, on a machine without a GPU
+"""The ControlNet (its conditioning embedding and its steps) and the residual-input UNet through NVIDIA's real
+TensorRT-RTX builder, on a machine without a GPU
 (as tests/compiler/test_build_rtx.py: plans are compiled ahead of time for a named compute capability; none runs)."""
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ def test_controlnet_and_residual_unet_build_for_tensorrt_rtx(tiny_pipeline_dir: 
         "--min-height", "64", "--max-height", "64", "--min-width", "64", "--max-width", "64", "--max-batch-size", "1"])
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())
-    assert list(manifest["components"]) == ["unet", "unet_controlnet", "controlnet_canny"]
-    for name in ("unet_controlnet", "controlnet_canny"):
+    assert list(manifest["components"]) == ["unet", "unet_controlnet", "cond_embed_canny", "controlnet_canny"]
+    for name in ("unet_controlnet", "cond_embed_canny", "controlnet_canny"):
         entry = manifest["components"][name]
         assert entry["build"]["library"] == "tensorrt-rtx" and entry["build"]["num_layers"] > 0
         assert (out / entry["plan"]).stat().st_size > 0
@@ -33,4 +34,14 @@ def test_controlnet_and_residual_unet_build_for_tensorrt_rtx(tiny_pipeline_dir: 
     assert len(residuals) == 13 and residuals[-1]["shape"] == ["B2", 32, "h/8", "w/8"]
     assert [t["name"] for t in manifest["components"]["controlnet_canny"]["outputs"]] == \
         [t["name"] for t in residuals]
+    embed = manifest["components"]["cond_embed_canny"]  # the control image's embedding, once per call (issue 25)
+    assert [(t["name"], t["shape"], t["dtype"]) for t in embed["inputs"]] == [
+        ("controlnet_cond", ["B2", 3, "H", "W"], "float16")]
+    assert [(t["name"], t["shape"]) for t in embed["outputs"]] == [("controlnet_cond_embedding", ["B2", 16, "h", "w"])]
+    cn_inputs = {t["name"]: t for t in manifest["components"]["controlnet_canny"]["inputs"]}
+    for key in ("min", "opt", "max"):  # the ControlNet's profile: its CFG batch, the image of its latent
+        b2, h, w = (cn_inputs["sample"][key][i] for i in (0, 2, 3))
+        assert embed["inputs"][0][key] == [b2, 3, 8 * h, 8 * w], key
+        assert cn_inputs["controlnet_cond_embedding"][key] == [b2, 16, h, w], key
+    assert "controlnet_cond" not in cn_inputs
     assert CliRunner().invoke(main, ["verify", "--no-host", str(out)]).exit_code == 0

@@ -60,6 +60,7 @@ def test_the_module_keys_follow_the_export_wrappers() -> None:
     assert export.module_keys("unet_controlnet") == ("unet",)
     assert export.module_keys("vae_encoder") == export.module_keys("vae_decoder") == ("vae",)
     assert export.module_keys("controlnet_canny") == ("controlnet_canny",)
+    assert export.module_keys("cond_embed_canny") == ("controlnet_canny",)  # the ControlNet's embedding module
     assert export.module_keys("text_encoder_2") == ("text_encoder_2",)
 
 

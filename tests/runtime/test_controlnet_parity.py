@@ -211,6 +211,202 @@ def test_bad_control_arguments(pipe: EnginePipeline, kwargs: dict[str, Any], mes
     assert message in str(e.value)
 
 
+# --- the conditioning embedding, a component of its own (issue 25) ------------------------------------------------
+
+
+def test_each_controlnet_has_its_cond_embed_component(controlnet_artifact: Path) -> None:
+    """``cond_embed_<name>``: the control image [B2, 3, H, W] -> ``controlnet_cond_embedding`` [B2, C0, h, w] (the
+    tiny ControlNet's C0 = block_out_channels[0] = 16), which ``controlnet_<name>`` takes instead of the image; the
+    manifest's input names are the ONNX graphs' own."""
+    import onnx
+
+    from diffusion_trt.artifact.manifest import Manifest
+
+    manifest = Manifest.read(controlnet_artifact)
+    comps = list(manifest.components)
+    assert comps[comps.index("unet_controlnet"):] == ["unet_controlnet", "cond_embed_a", "controlnet_a",
+                                                      "cond_embed_b", "controlnet_b"]
+    for name in ("a", "b"):
+        embed, net = manifest.components[f"cond_embed_{name}"], manifest.components[f"controlnet_{name}"]
+        assert [(t["name"], t["shape"], t["dtype"]) for t in embed.spec["inputs"]] == [
+            ("controlnet_cond", ["B2", 3, "H", "W"], "float32")]
+        assert [(t["name"], t["shape"]) for t in embed.spec["outputs"]] == [
+            ("controlnet_cond_embedding", ["B2", 16, "h", "w"])]
+        assert net.input_names == ("sample", "timestep", "encoder_hidden_states", "controlnet_cond_embedding",
+                                   "conditioning_scale")
+        assert next(t["shape"] for t in net.spec["inputs"] if t["name"] == "controlnet_cond_embedding") == \
+            ["B2", 16, "h", "w"]
+        for entry in (embed, net):
+            graph = onnx.load(controlnet_artifact / entry.onnx, load_external_data=False).graph
+            assert tuple(i.name for i in graph.input) == entry.input_names, entry.name
+        sample = next(t for t in net.spec["inputs"] if t["name"] == "sample")
+        for key in ("min", "opt", "max"):  # the ControlNet's profile: its CFG batch, the image of its latent
+            b2, h, w = (sample[key][i] for i in (0, 2, 3))
+            assert embed.spec["inputs"][0][key] == [b2, 3, 8 * h, 8 * w], key
+
+
+def test_the_embedding_runs_once_per_chunk(pipe: EnginePipeline, tiny_pipeline_dir: Path,
+                                           controlnet_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """5 images are two chunks (the profile's max batch is 4): cond_embed_a runs twice, once per chunk, and
+    controlnet_a once a step and chunk on that chunk's embedding; the images still match diffusers' one batch of 5."""
+    embed, net = pipe.engine("cond_embed_a"), pipe.engine("controlnet_a")
+    runs: dict[str, list[tuple[int, ...]]] = {"cond_embed_a": [], "controlnet_a": []}
+    for engine, key in ((embed, "controlnet_cond"), (net, "controlnet_cond_embedding")):
+        def counted(feeds: dict[str, torch.Tensor], _run: Any = engine.run, _name: str = engine.name,
+                    _key: str = key) -> dict[str, torch.Tensor]:
+            runs[_name].append(tuple(feeds[_key].shape))
+            return _run(feeds)
+        monkeypatch.setattr(engine, "run", counted)
+    common = {"prompt": "a lake", "num_inference_steps": 3, "num_images_per_prompt": 5}
+    got = pipe(control_image=_image(2), controlnet="a", seed=3, output_type="np", progress=False, **common).images
+    rows = [shape[0] for shape in runs["cond_embed_a"]]
+    assert len(rows) == 2 and sum(rows) == 2 * 5  # the CFG rows of the two chunks
+    assert runs["cond_embed_a"] == [(b2, 3, 64, 64) for b2 in rows]
+    steps = len(runs["controlnet_a"]) // 2  # the scheduler's timesteps (PNDM's: one more than asked)
+    assert steps >= 3 and runs["controlnet_a"] == [(b2, 16, 8, 8) for b2 in rows for _ in range(steps)]
+    want = _reference(tiny_pipeline_dir, controlnet_dirs, ["a"])(
+        image=_image(2), generator=torch.Generator("cpu").manual_seed(3), output_type="np", **common).images
+    assert got.shape == want.shape == (5, 64, 64, 3)
+    assert np.abs(got - want).max() <= TOL
+
+
+def test_a_bgr_controlnet_flips_the_image_in_its_cond_embed(controlnet_dirs: dict[str, Path], tiny_pipeline_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """``controlnet_conditioning_channel_order: "bgr"``: diffusers flips the control image's channels before the
+    embedding; the flip moved into cond_embed_<name> with it: cond_embed then controlnet give diffusers' residuals."""
+    import shutil
+
+    import onnxruntime as ort
+
+    folder = tmp_path / "bgr"
+    shutil.copytree(controlnet_dirs["a"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "controlnet_conditioning_channel_order": "bgr"}))
+    art = compile_pipeline(tiny_pipeline_dir, tmp_path / "art", CompileConfig(
+        components=("controlnet_g",), controlnets=(("g", str(folder)),)))
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert list(manifest["components"]) == ["cond_embed_g", "controlnet_g"]  # the ControlNet brought its embedding
+    gen = torch.Generator().manual_seed(0)
+    image, sample = torch.rand(2, 3, 64, 64, generator=gen), torch.randn(2, 4, 8, 8, generator=gen)
+    t, ehs = torch.full((2,), 500.0), torch.randn(2, 77, 32, generator=gen)
+
+    def session(name: str) -> Any:
+        return ort.InferenceSession(str(art / manifest["components"][name]["onnx"]),
+                                    providers=["CPUExecutionProvider"])
+    (embedding,) = session("cond_embed_g").run(None, {"controlnet_cond": image.numpy()})
+    got = session("controlnet_g").run(None, {"sample": sample.numpy(), "timestep": t.numpy(),
+                                             "encoder_hidden_states": ehs.numpy(),
+                                             "controlnet_cond_embedding": embedding,
+                                             "conditioning_scale": np.ones(13, np.float32)})
+    model = diffusers.ControlNetModel.from_pretrained(folder, local_files_only=True).eval()
+    with torch.no_grad():
+        down, mid = model(sample, t, ehs, controlnet_cond=image, return_dict=False)
+        flipped = model.controlnet_cond_embedding(image.flip(1))
+        unflipped = model.controlnet_cond_embedding(image)
+    assert np.abs(embedding - flipped.numpy()).max() <= TOL < np.abs(embedding - unflipped.numpy()).max()
+    for ours, theirs in zip(got, (*down, mid), strict=True):
+        np.testing.assert_allclose(ours, theirs.numpy(), rtol=0, atol=TOL * max(1.0, float(theirs.abs().max())))
+
+
+def _resealed_without(artifact: Path, dest: Path, component: str) -> Path:
+    """A copy of ``artifact`` whose manifest lacks ``component`` (entry and files), resealed: a consistent artifact
+    that ``verify`` passes, as an incomplete copy or a hand-made manifest would be."""
+    import shutil
+
+    from diffusion_trt.artifact import folder as artifacts
+
+    shutil.copytree(artifact, dest)
+    manifest = {k: v for k, v in json.loads((dest / "manifest.json").read_text()).items()
+                if k not in (artifacts.SEAL_KEY, "cache")}
+    for rel in manifest["components"].pop(component)["files"]:
+        manifest["files"].pop(rel)
+    shutil.rmtree(dest / component)
+    artifacts.write_manifest(dest, manifest)
+    return dest
+
+
+def test_a_split_controlnet_without_its_cond_embed_is_an_artifact_error(controlnet_artifact: Path,
+                                                                         tmp_path: Path) -> None:
+    from diffusion_trt.errors import ArtifactError
+
+    art = _resealed_without(controlnet_artifact, tmp_path / "art", "cond_embed_a")
+    message = "controlnet_a takes controlnet_cond_embedding but the artifact has no cond_embed_a"
+    with pytest.raises(ArtifactError, match=message):
+        EnginePipeline.from_artifacts(art)
+    result = _run(art, tmp_path, "--controlnet", "a", "--control-image", _control_png(tmp_path, "a.png"))
+    assert result.exit_code == 3, result.output
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0] and "add-controlnet" in errors[0], result.output
+    assert not (tmp_path / "out.png").exists()
+    from click.testing import CliRunner
+
+    from diffusion_trt.cli import main
+
+    verify = CliRunner().invoke(main, ["verify", str(art)])  # reported as a problem too
+    assert verify.exit_code == 3 and message in verify.output, verify.output
+
+
+@pytest.fixture(scope="module")
+def unsplit_artifact(tiny_pipeline_dir: Path, controlnet_dirs: dict[str, Path],
+                     tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The artifact as compiled before the embedding split: controlnet_a and _b take the image (controlnet_cond)."""
+    import functools
+
+    from diffusion_trt.compiler import controlnet as compiler_controlnet
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(compiler_controlnet, "controlnet_specs",
+               functools.partial(compiler_controlnet.controlnet_specs, split_embedding=False))
+    try:
+        config = CompileConfig(components=("text_encoder", "unet", "vae_decoder"),
+                               controlnets=tuple((n, str(p)) for n, p in controlnet_dirs.items()))
+        return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("cn-unsplit") / "art", config)
+    finally:
+        mp.undo()
+
+
+def test_an_artifact_compiled_before_the_split_still_runs(unsplit_artifact: Path, pipe: EnginePipeline) -> None:
+    """Its ControlNets take the image and embed it at every step (the old path, chosen by their input names): the
+    same images as the split artifact's, which match diffusers (above)."""
+    from diffusion_trt.artifact.manifest import Manifest
+
+    manifest = Manifest.read(unsplit_artifact)
+    assert not [c for c in manifest.components if c.startswith("cond_embed_")]
+    assert "controlnet_cond" in manifest.components["controlnet_a"].input_names
+    common = {"prompt": "an ink painting of a mountain", "num_inference_steps": 4, "seed": 7, "output_type": "np",
+              "progress": False, "controlnet": ["a", "b"], "control_image": [_image(0), _image(1)],
+              "controlnet_conditioning_scale": [0.7, 1.2]}
+    with EnginePipeline.from_artifacts(unsplit_artifact) as old:
+        got = old(**common).images
+        guess = old(**{**common, "guess_mode": True}).images
+    assert np.abs(got - pipe(**common).images).max() <= TOL
+    assert np.abs(guess - pipe(**{**common, "guess_mode": True}).images).max() <= TOL
+
+
+def test_add_controlnet_to_an_unsplit_artifact_stacks_old_and_new(unsplit_artifact: Path, tiny_pipeline_dir: Path,
+                                                                  controlnet_dirs: dict[str, Path],
+                                                                  tmp_path: Path) -> None:
+    """add-controlnet into an artifact compiled before the split adds a split ControlNet (cond_embed_c and
+    controlnet_c) beside the old ones; a call stacks the two kinds and matches diffusers."""
+    import shutil
+
+    from diffusion_trt.compiler.controlnet_add import add_controlnets
+
+    art = tmp_path / "art"
+    shutil.copytree(unsplit_artifact, art)
+    add_controlnets(art, tiny_pipeline_dir, [("c", str(controlnet_dirs["b"]))])
+    comps = list(json.loads((art / "manifest.json").read_text())["components"])
+    assert comps[-2:] == ["cond_embed_c", "controlnet_c"] and "cond_embed_a" not in comps
+    common = {"prompt": "a cat", "num_inference_steps": 3, "controlnet_conditioning_scale": [0.7, 1.2]}
+    with EnginePipeline.from_artifacts(art) as p:
+        got = p(control_image=[_image(0), _image(1)], controlnet=["a", "c"], seed=2, output_type="np",
+                progress=False, **common).images
+    want = _reference(tiny_pipeline_dir, {"a": controlnet_dirs["a"], "c": controlnet_dirs["b"]}, ["a", "c"])(
+        image=[_image(0), _image(1)], generator=torch.Generator("cpu").manual_seed(2), output_type="np",
+        **common).images
+    assert np.abs(got - want).max() <= TOL
+
+
 # --- the command line --------------------------------------------------------------------------------------------
 
 
@@ -292,11 +488,12 @@ def test_add_controlnet_adds_and_swaps_without_rebuilding_the_unet(controlnet_ar
                                        f"a={new}", "--replace"])
     assert result.exit_code == 0, result.output
     after = json.loads((art / "manifest.json").read_text())
-    assert list(after["components"]) == [*before["components"], "controlnet_c"]
-    for name in ("unet", "unet_controlnet", "controlnet_b"):  # untouched
+    assert list(after["components"]) == [*before["components"], "cond_embed_c", "controlnet_c"]
+    for name in ("unet", "unet_controlnet", "cond_embed_b", "controlnet_b"):  # untouched
         assert after["components"][name] == before["components"][name]
-    onnx_a = after["components"]["controlnet_a"]["onnx"]
-    assert after["files"][onnx_a]["sha256"] != before["files"][onnx_a]["sha256"]  # swapped
+    for name in ("cond_embed_a", "controlnet_a"):  # swapped, the embedding with its ControlNet
+        onnx = after["components"][name]["onnx"]
+        assert after["files"][onnx]["sha256"] != before["files"][onnx]["sha256"], name
     assert [c[0] for c in after["config"]["controlnets"]] == ["b", "c", "a"]  # a given again: last
     assert CliRunner().invoke(main, ["verify", str(art)]).exit_code == 0
     with EnginePipeline.from_artifacts(art) as p:
@@ -348,6 +545,11 @@ def test_controlnet_benchmark_runs_on_the_tiny_arch(controlnet_artifact: Path, t
     assert set(measured) == {(s, n) for s in ("ours", "diffusers_eager") for n in (0, 1, 2)}
     assert all(r["step_ms"] > 0 and r["e2e_ms"] > 0 for r in measured.values())
     assert measured[("ours", 0)]["step_cost_vs_0"] == 1.0 and "e2e_speedup_vs_diffusers_eager" in measured[("ours", 2)]
+    for n in (1, 2):  # the split artifact: the embedding's one-off cost, and the ControlNets' share of a UNet step
+        row = measured[("ours", n)]
+        assert row["split"] is True and row["cond_embed_ms"] > 0 and row["controlnet_ms"] > 0, row
+        assert row["controlnet_share_of_unet"] > 0
+    assert "cond_embed_ms" not in measured[("ours", 0)] and "cond_embed_ms" not in measured[("diffusers_eager", 1)]
     skipped = [r for r in out["results"] if r.get("status") == "skipped"]
     assert {r["system"] for r in skipped} == {"diffusers_cuda_graph"}
     parity = {r["controlnets"]: r["max_abs_vs_diffusers_eager"] for r in out["results"] if r["system"] == "parity"}

@@ -43,10 +43,11 @@ def test_profile_ranges_of_the_downsampled_symbols() -> None:
 class _RecordingEngine:
     """A ControlNet (and residual UNet) stand-in: records its feeds, returns ones for each residual."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], embedding: bool = False) -> None:
         residuals = [_t(n, ["B2", 4, "h", "w"]) for n in names]
+        cond = [_t("controlnet_cond_embedding", ["B2", 4, "h", "w"])] if embedding else []
         self.spec = EngineSpec.from_manifest("controlnet_a", {
-            "inputs": [_t("sample", ["B2", 4, "h", "w"]), *residuals], "outputs": residuals})
+            "inputs": [_t("sample", ["B2", 4, "h", "w"]), *cond, *residuals], "outputs": residuals})
         self.names = names
         self.feeds: list[dict] = []
 
@@ -69,3 +70,55 @@ def test_the_scale_feed_is_made_once_per_chunk_not_once_a_step(guess_mode: bool)
     assert len(scales) == 2 and scales[0] is scales[1]
     want = torch.logspace(-1, 0, 2) * 0.5 if guess_mode else torch.full((2,), 0.5)
     torch.testing.assert_close(scales[0], want, rtol=0, atol=0)
+
+
+class _EmbedEngine:
+    """A ``cond_embed_<name>`` stand-in: counts its runs, returns a fresh embedding each time (a buffer it reuses)."""
+
+    def __init__(self) -> None:
+        self.spec = EngineSpec.from_manifest("cond_embed_a", {
+            "inputs": [_t("controlnet_cond", ["B2", 3, "H", "W"])],
+            "outputs": [_t("controlnet_cond_embedding", ["B2", 4, "h", "w"])]})
+        self.name, self.device, self.images = "cond_embed_a", torch.device("cpu"), []
+        self._buffer = torch.zeros(2, 4, 3, 3)
+
+    def run(self, feeds: dict) -> dict:
+        self.images.append(feeds["controlnet_cond"])
+        self._buffer.fill_(float(len(self.images)))  # overwritten by the next run, as engine buffers are
+        return {"controlnet_cond_embedding": self._buffer}
+
+
+def test_the_embedding_is_computed_once_per_chunk_and_fed_at_every_step() -> None:
+    """Issue 25: ``cond_embed_<name>`` runs once per chunk of rows; every step of the chunk feeds its output (a copy:
+    the next chunk's run overwrites the engine's buffer) to ``controlnet_<name>`` as ``controlnet_cond_embedding``."""
+    names = ["down_block_residual_0", "mid_block_residual"]
+    engine, embed = _RecordingEngine(names, embedding=True), _EmbedEngine()
+    image = torch.arange(2 * 3 * 24 * 24, dtype=torch.float32).reshape(2, 3, 24, 24)
+    unit = ControlUnit("a", engine, image, scale=1.0, start=0.0, end=1.0, embed=embed)
+    plan = ControlPlan(engine, (unit,), False, tuple(names))
+    sample, latents = torch.zeros(2, 4, 3, 3), torch.zeros(1, 4, 3, 3)
+    chunks = [plan.rows(range(k, k + 1), 2, 1, do_cfg=True) for k in range(2)]  # two chunks of one image
+    assert len(embed.images) == 2  # once per chunk, before any step
+    for k, chunk in enumerate(chunks):
+        torch.testing.assert_close(embed.images[k], torch.cat([image[k:k + 1]] * 2))  # doubled for CFG
+        for i in range(3):
+            chunk.residuals(i, 3, sample, latents, object(), torch.tensor(1.0), torch.ones(2), torch.zeros(2, 77, 8))
+    assert len(embed.images) == 2  # not once a step
+    feeds = engine.feeds
+    assert len(feeds) == 6 and all("controlnet_cond" not in f for f in feeds)
+    got = [float(f["controlnet_cond_embedding"].max()) for f in feeds]
+    assert got == [1.0] * 3 + [2.0] * 3  # chunk 0 kept its own embedding after chunk 1's run
+    assert all(f["controlnet_cond_embedding"] is feeds[3 * (k // 3)]["controlnet_cond_embedding"]
+               for k, f in enumerate(feeds))
+
+
+def test_an_unsplit_controlnet_takes_the_image_at_every_step() -> None:
+    """A ControlNet compiled before the split (no ``cond_embed_<name>``): the image, as ``controlnet_cond``."""
+    names = ["down_block_residual_0", "mid_block_residual"]
+    engine = _RecordingEngine(names)
+    unit = ControlUnit("a", engine, torch.ones(1, 3, 24, 24), scale=1.0, start=0.0, end=1.0)
+    chunk = ControlPlan(engine, (unit,), False, tuple(names)).rows(range(0, 1), 1, 1, do_cfg=True)
+    chunk.residuals(0, 1, torch.zeros(2, 4, 3, 3), torch.zeros(1, 4, 3, 3), object(), torch.tensor(1.0),
+                    torch.ones(2), torch.zeros(2, 77, 8))
+    (feed,) = engine.feeds
+    assert "controlnet_cond_embedding" not in feed and feed["controlnet_cond"].shape == (2, 3, 24, 24)

@@ -131,8 +131,8 @@ def test_cuda_default_provider_options() -> None:
     # the H200; a default --refittable UNet (no such inputs) keeps NHWC (tests/runtime/test_lora_request.py)
     assert cuda_layout_options("unet", "cuda", spatial_conv_inputs=True) == {"sdpa_kernel": "8"}
     assert cuda_layout_options("unet", "cuda", spatial_conv_inputs=False) == {"sdpa_kernel": "8", "prefer_nhwc": "1"}
-    # the ControlNets and the residual-input UNet are UNet layers: NHWC too
-    for name in ("unet_controlnet", "controlnet_canny"):
+    # the ControlNets (their conditioning embedding too) and the residual-input UNet are UNet layers: NHWC too
+    for name in ("unet_controlnet", "cond_embed_canny", "controlnet_canny"):
         assert cuda_layout_options(name, "cuda") == {"sdpa_kernel": "8", "prefer_nhwc": "1"}
 
 
