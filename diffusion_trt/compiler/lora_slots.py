@@ -78,6 +78,14 @@ def expose_weights(model: onnx.ModelProto, rmap: dict[str, Any], *, refit_convs:
     Raises:
         PassError: the rewrite failed (the message names the pass).
     """
+    model, values, _ = _expose(model, rmap, refit_convs, component)
+    return model, values
+
+
+def _expose(model: onnx.ModelProto, rmap: dict[str, Any], refit_convs: bool,
+            component: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray], list[dict[str, Any]]]:
+    """:func:`expose_weights`, and the pointwise rewrite's pass record as JSON ([] when no 1x1 Conv read a weight
+    input) for the manifest's ``passes``."""
     from ..passes.base import PassContext, optimize_model
     from ..runtime.refit import array_key
     from .pointwise_convs import pointwise_convs_as_matmul
@@ -98,7 +106,7 @@ def expose_weights(model: onnx.ModelProto, rmap: dict[str, Any], *, refit_convs:
         elem = helper.np_dtype_to_tensor_dtype(arr.dtype)
         model.graph.input.append(helper.make_tensor_value_info(name, elem, list(arr.shape)))
     if not any(n.op_type == "Conv" and len(n.input) > 1 and n.input[1] in values for n in model.graph.node):
-        return model, values
+        return model, values, []
     ctx = PassContext(component=component, backend="ort", device="cpu", precision="fp32")  # read for logs only
     model, records = optimize_model(model, (pointwise_convs_as_matmul,), ctx)
     logger.info("%s: %s", component, records[0].summary())
@@ -109,7 +117,7 @@ def expose_weights(model: onnx.ModelProto, rmap: dict[str, Any], *, refit_convs:
     for entry in rmap["weights"].values():
         if entry["initializer"] in transposed:
             entry.update(transpose=True, pointwise=True, sha256=array_key(values[entry["initializer"]]))
-    return model, values
+    return model, values, [r.to_json() for r in records]
 
 
 def spatial_conv_weights(model: onnx.ModelProto) -> set[str]:
@@ -130,15 +138,16 @@ def write_weight_inputs(name: str, model: onnx.ModelProto, rmap: dict[str, Any],
 
     Returns:
         The rewritten model (drop ``model``), and the manifest entry's ``{"weight_inputs":
-        "<name>/lora_base.safetensors", "spatial_conv_inputs": bool}`` (``spatial_conv_inputs``: some Conv still reads
-        a weight input, a spatial Conv's with ``refit_convs`` or a 1x1 one the rewrite turned down, so the engine must
-        run NCHW on CUDA).
+        "<name>/lora_base.safetensors", "spatial_conv_inputs": bool, "passes": [record]}`` (``spatial_conv_inputs``:
+        some Conv still reads a weight input, a spatial Conv's with ``refit_convs`` or a 1x1 one the rewrite turned
+        down, so the engine must run NCHW on CUDA; ``passes``: the pointwise rewrite's record, for the entry's
+        ``passes`` after the others).
     """
     from safetensors.numpy import save_file
 
     from .pointwise_convs import is_pointwise
 
-    model, values = expose_weights(model, rmap, refit_convs=refit_convs, component=name)
+    model, values, records = _expose(model, rmap, refit_convs, name)
     convs = [n for n in model.graph.node if n.op_type == "Conv" and len(n.input) > 1 and n.input[1] in values]
     stuck = sorted({n.input[1] for n in convs if is_pointwise(
         {a.name: helper.get_attribute_value(a) for a in n.attribute}, values[n.input[1]].shape)})
@@ -150,4 +159,4 @@ def write_weight_inputs(name: str, model: onnx.ModelProto, rmap: dict[str, Any],
     kept = len({e["initializer"] for e in rmap["weights"].values()} - set(values))
     logger.info("%s: %d LoRA-targetable weight(s) are graph inputs (%.1f MB in %s), %d spatial Conv weight(s) "
                 "constant", name, len(values), sum(a.nbytes for a in values.values()) / 1e6, BASE_FILE, kept)
-    return model, {"weight_inputs": f"{name}/{BASE_FILE}", "spatial_conv_inputs": bool(convs)}
+    return model, {"weight_inputs": f"{name}/{BASE_FILE}", "spatial_conv_inputs": bool(convs), "passes": records}

@@ -686,6 +686,7 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
             rmap = json.loads((staging / entry["refit_map"]).read_text())
             model, slots = lora_slots.write_weight_inputs(name, model, rmap, staging,
                                                           refit_convs=job.config.refit_convs)
+            entry["passes"] = [*entry.get("passes", []), *slots.pop("passes")]  # the pointwise rewrite's record
             entry.update(slots)
             (staging / entry["refit_map"]).write_text(json.dumps(rmap, indent=1))  # the 1x1 Convs' now [C, O]
     bar.update()

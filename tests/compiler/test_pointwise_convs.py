@@ -6,7 +6,9 @@ weights bound as ``W[:, :, 0, 0].T`` ([C, O]) and compared with the Conv graph o
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -147,7 +149,7 @@ STATIC = {f"{k}{d}": 64 for k in ("", "min_", "max_") for d in ("height", "width
 
 
 @pytest.fixture(scope="module")
-def tiny_unets(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, onnx.GraphProto]:
+def tiny_unets(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The tiny UNet's graph compiled ``--refittable`` and baked (no LoRA slots), static profile."""
     from diffusion_trt.compiler.pipeline import compile_pipeline
     from diffusion_trt.config import CompileConfig
@@ -158,11 +160,25 @@ def tiny_unets(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory
                                components=("unet",), **STATIC)
         art = compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp(kind) / "art", config)
         out[kind] = onnx.load(str(art / "unet" / "model.onnx")).graph
+        out[f"{kind}-manifest"] = json.loads((art / "manifest.json").read_text())
     return out
 
 
+def test_the_rewrite_is_recorded_in_the_manifests_passes(tiny_unets: dict[str, Any]) -> None:
+    """``inspect`` reads the component's ``passes``: the rewrite's record comes last there, with a count per 1x1 Conv
+    rewritten; a baked compile has none."""
+    def records(kind: str) -> list[dict[str, Any]]:
+        unet = tiny_unets[f"{kind}-manifest"]["components"]["unet"]
+        return [r for r in unet["passes"] if r["name"] == "pointwise_convs_as_matmul"]
+
+    (record,) = records("refittable")
+    assert tiny_unets["refittable-manifest"]["components"]["unet"]["passes"][-1] is record
+    assert record["modified"] and sum(record["counts"].values()) > 0, record
+    assert records("baked") == []
+
+
 def test_the_tiny_static_refittable_unet_has_the_baked_graph_plus_bias_adds_and_lone_transposes(
-    tiny_pipeline_dir: Path, tiny_unets: dict[str, onnx.GraphProto]
+    tiny_pipeline_dir: Path, tiny_unets: dict[str, Any]
 ) -> None:
     """Machine-independent facts of the rewrite on the whole tiny UNet (1233 nodes against the baked 1162; the
     Reshape-MatMul form before it: 1522): no Conv reads a weight input; no Shape/Slice/Concat/Reshape beyond the
