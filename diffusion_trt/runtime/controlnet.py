@@ -295,11 +295,20 @@ def control_plan(engines: Mapping[str, Engine], control_image: Any, controlnet: 
     Raises:
         RuntimeInputError: an artifact without ControlNets, an unknown name, more control images than ControlNets,
             a control image of another size or batch, a non-finite scale, a bad guidance window.
-        ArtifactError: a ControlNet that takes the embedding without its ``cond_embed_<name>`` engine.
+        ArtifactError: a ControlNet that takes the embedding without its ``cond_embed_<name>`` engine; ControlNet
+            components without ``unet_controlnet``, or a ``cond_embed_<name>`` without any ``controlnet_<name>``.
     """
     have = controlnet_names(list(engines))
     if control_image is None:
         return None
+    parts = [n for n in engines if n.startswith((PREFIX, EMBED_PREFIX))]
+    if parts and (UNET_CONTROLNET not in engines or not have):
+        # compiled with --controlnet, but not whole (--components, a copy or a manifest that lost a component): the
+        # artifact is at fault, not the call, and "compile it with --controlnet" would not be the fix
+        lacks = UNET_CONTROLNET if UNET_CONTROLNET not in engines else PREFIX + parts[0][len(EMBED_PREFIX):]
+        raise ArtifactError(f"the artifact has the ControlNet component(s) {', '.join(parts)} but no {lacks}, which "
+                            "a call with a control image needs; it is incomplete (compiled with --components, or a "
+                            "partial copy): recompile it with --controlnet and without --components")
     if not have or UNET_CONTROLNET not in engines:
         raise RuntimeInputError("this artifact has no ControlNet; compile it with --controlnet [NAME=]FOLDER")
     names = _names(controlnet, have)
@@ -372,6 +381,11 @@ def _unit(engine: Engine, embed: Engine | None, name: str, image: Any, scale: fl
         raise RuntimeInputError(f"{n} control images for {name!r} and {prompts} prompt(s); pass one image, or one "
                                 "per prompt")
     tensor = VaeImageProcessor(do_convert_rgb=True, do_normalize=False).preprocess(image, height=h, width=w)
+    if tensor.ndim != 4 or tensor.shape[1] != 3:
+        # else the engine refused it after the text encoder ran, naming its CFG-doubled batch and its own input
+        raise RuntimeInputError(f"control image for {name!r} has {tensor.shape[1] if tensor.ndim == 4 else '?'} "
+                                "channels; a ControlNet takes an RGB image (3 channels: [H, W, 3] numpy, "
+                                "[3, H, W] or [n, 3, H, W] tensor, or a PIL image)")
     check_finite(f"control_image (ControlNet {name!r})", tensor)
     taker = embed if embed is not None else engine
     info = taker.spec.input(COND)

@@ -194,6 +194,12 @@ def test_image_is_the_control_image_as_in_diffusers(pipe: EnginePipeline) -> Non
       "controlnet": ["a", "b"]}, "control_image (ControlNet 'b') contains NaN/Inf values (192 of 12288)"),
     ({"control_image": [_image(0), _image(1), _image(2)], "controlnet": ["a", "b"]},
      "3 control images for 2 ControlNet(s)"),
+    # an RGBA array / a 1-channel tensor were refused by the cond_embed engine after the text encoder ran, naming
+    # its CFG-doubled batch (2, 4, 64, 64)
+    ({"control_image": np.zeros((64, 64, 4), np.float32), "controlnet": "a"},
+     "control image for 'a' has 4 channels; a ControlNet takes an RGB image"),
+    ({"control_image": torch.zeros(1, 1, 64, 64), "controlnet": "a"},
+     "control image for 'a' has 1 channels; a ControlNet takes an RGB image"),
     ({"control_image": _image(0)}, "this artifact has 2 ControlNets (a, b)"),
     ({"control_image": _image(0), "controlnet": "c"}, "ControlNet 'c' is not in this artifact; it has a, b"),
     ({"control_image": _image(0), "controlnet": "a", "control_guidance_start": 0.7, "control_guidance_end": 0.2},
@@ -344,6 +350,24 @@ def test_a_split_controlnet_without_its_cond_embed_is_an_artifact_error(controln
 
     verify = CliRunner().invoke(main, ["verify", str(art)])  # reported as a problem too
     assert verify.exit_code == 3 and message in verify.output, verify.output
+
+
+@pytest.mark.parametrize("component", ["unet_controlnet", "controlnet_a"])
+def test_controlnet_components_without_unet_controlnet_or_controlnet_are_an_artifact_error(
+        controlnet_artifact: Path, tmp_path: Path, component: str) -> None:
+    """An artifact that lost unet_controlnet (or keeps cond_embed_a without controlnet_a; as --components
+    controlnet_a builds) is at fault: exit 3 naming what it lacks, not exit 2 "has no ControlNet; compile it with
+    --controlnet", which it was."""
+    art = _resealed_without(controlnet_artifact, tmp_path / "art", component)
+    if component == "controlnet_a":  # b too, so that only cond_embed_a / cond_embed_b are left
+        art = _resealed_without(art, tmp_path / "art2", "controlnet_b")
+    result = _run(art, tmp_path, "--controlnet", "a", "--control-image", _control_png(tmp_path, "a.png"))
+    assert result.exit_code == 3, result.output
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    lacks = "unet_controlnet" if component == "unet_controlnet" else "controlnet_a"
+    assert len(errors) == 1 and f"but no {lacks}, which a call with a control image needs" in errors[0], \
+        result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out.png").exists()
 
 
 @pytest.fixture(scope="module")
