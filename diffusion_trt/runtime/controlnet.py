@@ -93,6 +93,30 @@ def check_control_components(inputs: Mapping[str, Sequence[str]]) -> None:
         raise ArtifactError(problems[0])
 
 
+def check_lora_reaches_unet_controlnet(lora: Mapping[str, Any] | None) -> None:
+    """Refuse a call with a control image while a run-time LoRA (:meth:`EnginePipeline.load_lora`'s record,
+    ``pipe.lora``) changes the plain ``unet`` but not ``unet_controlnet``, the UNet such a call runs: ``--refittable``
+    makes ``unet`` and the text encoders' weights inputs, never ``unet_controlnet``'s, so the image would be the base
+    model's (plus the LoRA's text encoder part) with no word said. A LoRA of the text encoder only, or at scale 0,
+    passes.
+
+    Raises:
+        RuntimeInputError: naming the LoRA(s) and the fixes.
+    """
+    if not lora:
+        return
+    changed = lora.get("changed", lora.get("refitted")) or {}
+    records = lora.get("loras", [lora])
+    if not changed.get("unet") or changed.get(UNET_CONTROLNET) or all(r.get("scale") == 0 for r in records):
+        return
+    names = ", ".join(str(r.get("file")) for r in records)
+    raise RuntimeInputError(
+        f"the LoRA {names} loaded at run time changes the UNet, but a call with a control image runs "
+        f"{UNET_CONTROLNET}, whose weights this artifact keeps constant (--refittable covers unet and the text "
+        "encoders only): the image would not have the LoRA; merge it at compile time (compile MODEL --lora "
+        "FILE:SCALE --controlnet ...), or unload it (unload_lora(), run without --lora) for ControlNet calls")
+
+
 def _as_list(value: Any, n: int, what: str) -> list[Any]:
     """One value for every ControlNet, or a list of exactly ``n``."""
     if isinstance(value, list | tuple):

@@ -45,6 +45,7 @@ from .controlnet import (
     DEFAULT_CONTROL_SCALE,
     ControlPlan,
     check_control_components,
+    check_lora_reaches_unet_controlnet,
     check_no_control_options,
     control_components,
     control_plan,
@@ -885,6 +886,8 @@ class EnginePipeline:
         control = control_plan({**self._lazy, **self.engines}, control_image, controlnet,
                                controlnet_conditioning_scale, control_guidance_start, control_guidance_end,
                                guess_mode, request.height, request.width, len(request.prompts))
+        if control is not None:
+            check_lora_reaches_unet_controlnet(self.lora)
         if isinstance(request.conditioning, ImageRequest):
             self._engine("vae_encoder")  # opened on first use, after the checks
         if control is not None:  # the ControlNet engines, opened on first use

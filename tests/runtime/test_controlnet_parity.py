@@ -594,3 +594,49 @@ def test_controlnet_flops_counts_the_down_and_mid_blocks_share_of_the_unet() -> 
     assert row["latent"] == [64, 64]
     assert round(row["unet_tflop"], 3) == 1.607 and round(row["controlnet_share_of_unet"], 3) == 0.353
     assert round(row["cond_embedding_share_of_controlnet"], 3) == 0.052
+
+
+# --- --refittable with --controlnet: run-time LoRAs and the ControlNet UNet --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def refittable_controlnet_artifact(tiny_pipeline_dir: Path, controlnet_dirs: dict[str, Path],
+                                   tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = CompileConfig(components=("text_encoder", "unet", "vae_decoder"), refittable=True,
+                           controlnets=(("a", str(controlnet_dirs["a"])),))
+    return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("cn-refit") / "art", config)
+
+
+def test_a_run_time_unet_lora_is_refused_for_controlnet_calls_not_silently_dropped(
+        refittable_controlnet_artifact: Path, tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """unet_controlnet of a --refittable artifact takes no weight inputs: a UNet LoRA loaded at run time gave the
+    base model's image under a ControlNet, with no word said (equal to no LoRA, not to compile --lora). Refused
+    (exit 2, one error line, no image); the text encoder's part alone, scale 0, or no control image still run."""
+    from safetensors.torch import load_file, save_file
+
+    from diffusion_trt.compiler.dummy_lora import write_dummy_lora
+
+    lora = tmp_path / "style.safetensors"
+    write_dummy_lora(tiny_pipeline_dir, lora, seed=1)
+    te_only = tmp_path / "te.safetensors"
+    save_file({k: v for k, v in load_file(str(lora)).items() if k.startswith("text_encoder.")}, str(te_only))
+    common = {"prompt": "a cat", "num_inference_steps": 2, "seed": 0, "output_type": "np", "progress": False}
+    control = {"control_image": _image(0), "controlnet": "a"}
+    with EnginePipeline.from_artifacts(refittable_controlnet_artifact) as p:
+        p.load_lora(lora, 0.8)
+        with pytest.raises(RuntimeInputError, match=r"the LoRA style\.safetensors loaded at run time changes the UNet, "
+                                                    r"but a call with a control image runs unet_controlnet"):
+            p(**common, **control)
+        p(**common)  # no control image: the plain, refittable unet
+        p.load_lora(lora, 0.0)
+        p(**common, **control)
+        p.load_lora(te_only, 0.8)
+        p(**common, **control)
+        p.unload_lora()
+        p(**common, **control)
+    result = _run(refittable_controlnet_artifact, tmp_path, "--lora", f"{lora}:0.8", "--controlnet", "a",
+                  "--control-image", _control_png(tmp_path, "a.png"))
+    assert result.exit_code == 2, result.output
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "changes the UNet, but a call with a control image runs unet_controlnet" in errors[0]
+    assert "Traceback" not in result.output and not (tmp_path / "out.png").exists()
