@@ -883,7 +883,11 @@ class EnginePipeline:
             # conditioning says "sdxl": its text-to-image default)
             controlnet_conditioning_scale = DEFAULT_CONTROL_SCALE.get(getattr(request.conditioning, "mode", "txt2img"),
                                                                       DEFAULT_CONTROL_SCALE["txt2img"])
-        control = control_plan({**self._lazy, **self.engines}, control_image, controlnet,
+        opened = {**self._lazy, **self.engines}  # in the manifest's order, whichever engines are open already (else
+        # a call that opened controlnet_b only listed the ControlNets as "b, a" in later messages)
+        order = {n: i for i, n in enumerate(self.manifest.components)}
+        opened = dict(sorted(opened.items(), key=lambda kv: order.get(kv[0], len(order))))
+        control = control_plan(opened, control_image, controlnet,
                                controlnet_conditioning_scale, control_guidance_start, control_guidance_end,
                                guess_mode, request.height, request.width, len(request.prompts))
         if control is not None:

@@ -217,6 +217,16 @@ def test_bad_control_arguments(pipe: EnginePipeline, kwargs: dict[str, Any], mes
     assert message in str(e.value)
 
 
+def test_the_controlnets_are_listed_in_the_artifacts_order_after_one_opened(controlnet_artifact: Path) -> None:
+    """ControlNet engines open on first use: a call with a alone made later messages list "b, a"."""
+    with EnginePipeline.from_artifacts(controlnet_artifact) as p:
+        p(prompt="a cat", num_inference_steps=1, seed=0, progress=False, control_image=_image(0), controlnet="a")
+        with pytest.raises(RuntimeInputError, match=r"this artifact has 2 ControlNets \(a, b\)"):
+            p(prompt="a cat", num_inference_steps=1, seed=0, progress=False, control_image=_image(0))
+        with pytest.raises(RuntimeInputError, match="ControlNet 'c' is not in this artifact; it has a, b"):
+            p(prompt="a cat", num_inference_steps=1, seed=0, progress=False, control_image=_image(0), controlnet="c")
+
+
 # --- the conditioning embedding, a component of its own (issue 25) ------------------------------------------------
 
 
