@@ -365,6 +365,10 @@ def _names(controlnet: str | Sequence[str] | None, have: Sequence[str]) -> list[
             raise RuntimeInputError(f"this artifact has {len(have)} ControlNets ({', '.join(have)}); name the one(s) "
                                     "to use with controlnet= (--controlnet NAME)")
         return list(have)
+    if not (isinstance(controlnet, str) or (isinstance(controlnet, list | tuple)
+                                            and all(isinstance(n, str) for n in controlnet))):
+        raise RuntimeInputError(f"controlnet={controlnet!r} must be a ControlNet's name or a list of names (a str, "
+                                f"or a list of str); this artifact has {', '.join(have) or 'none'}")
     names = [controlnet] if isinstance(controlnet, str) else list(controlnet)
     unknown = [n for n in names if n not in have]
     if unknown:

@@ -202,6 +202,10 @@ def test_image_is_the_control_image_as_in_diffusers(pipe: EnginePipeline) -> Non
      "control image for 'a' has 1 channels; a ControlNet takes an RGB image"),
     ({"control_image": _image(0)}, "this artifact has 2 ControlNets (a, b)"),
     ({"control_image": _image(0), "controlnet": "c"}, "ControlNet 'c' is not in this artifact; it has a, b"),
+    # a TypeError ('int' object is not iterable) before
+    ({"control_image": _image(0), "controlnet": 3}, "controlnet=3 must be a ControlNet's name or a list of names"),
+    ({"control_image": [_image(0), _image(1)], "controlnet": ["a", None]},
+     "controlnet=['a', None] must be a ControlNet's name or a list of names"),
     ({"control_image": _image(0), "controlnet": "a", "control_guidance_start": 0.7, "control_guidance_end": 0.2},
      "need 0 <= start < end <= 1"),
     # ControlNet arguments without a control image would be ignored (diffusers' txt2img pipeline has none of them)
