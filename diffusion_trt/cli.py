@@ -535,7 +535,8 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
                    "TensorRT backends].")
 @click.option("--components", default=None, metavar="NAME[,NAME...]",
               help="Build only these components (text_encoder, unet, vae_decoder, vae_encoder; SDXL adds "
-                   "text_encoder_2 with text_encoder) [default: all].")
+                   "text_encoder_2 with text_encoder; with --controlnet also unet_controlnet, cond_embed_NAME and "
+                   "controlnet_NAME, which brings its cond_embed_NAME) [default: all].")
 @click.option("--compute-capability", "compute_capabilities", default=None, metavar="CC[,CC...]|current",
               help="tensorrt-rtx: the GPUs to build for, e.g. 8.6,8.9,12.0 (RTX 30xx, 40xx, 50xx), or 'current' "
                    "for this machine's GPU [default: TensorRT-RTX's portable set 8.0,8.6,8.9,12.0].")

@@ -53,6 +53,14 @@ def test_help_has_examples() -> None:
         assert code == 0 and "Examples:" in out
 
 
+def test_compile_help_names_the_controlnet_components() -> None:
+    """--components takes unet_controlnet, cond_embed_NAME and controlnet_NAME with --controlnet; its help named the
+    four plain components only."""
+    code, out = _invoke("compile", "--help")
+    text = " ".join(out.split())
+    assert code == 0 and "with --controlnet also unet_controlnet, cond_embed_NAME and controlnet_NAME" in text, out
+
+
 def test_run_writes_png_with_parameters(tiny_artifact: Path, tmp_path: Path) -> None:
     code, out = _invoke("run", tiny_artifact, "-p", "a guohua landscape", "--steps", "3", "--seed", "5",
                         "--batch-size", "2", "-o", tmp_path / "img.png")
