@@ -465,7 +465,7 @@ def dummy_lora(model_dir: Path, out: Path, rank: int, seed: int, overwrite: bool
     _refuse_missing_folder(out, "OUT")  # as run -o: a typo'd folder is not made silently
     _check_writable_file(out, "OUT", ".safetensors")
     if not overwrite:
-        _refuse_existing_outputs(out, 1)
+        _refuse_existing_outputs(out, 1, "OUT")  # a positional argument: there is no -o to choose
     counts = write_dummy_lora(model_dir, out, rank=rank, seed=seed)
     click.echo(f"lora: {out} ({', '.join(f'{c} {n} layers' for c, n in counts.items())})")
 @main.command("dummy-controlnet")
@@ -1002,7 +1002,7 @@ def _output_path(out: Path, index: int) -> Path:
     return out if index == 0 else out.with_name(f"{out.stem}-{index}{out.suffix}")
 
 
-def _refuse_existing_outputs(out: Path, count: int) -> None:
+def _refuse_existing_outputs(out: Path, count: int, flag: str = "-o") -> None:
     """Refuse a ``run`` whose ``count`` PNGs (:func:`_output_path`; ``optimize``'s one OUTPUT: ``count=1``) would
     replace files that exist (without ``--overwrite``). Lists the folder once, so ``--batch-size 100000000`` costs
     no 10^8 checks.
@@ -1023,10 +1023,10 @@ def _refuse_existing_outputs(out: Path, count: int) -> None:
             if m and int(m.group(1)) < count:
                 existing.append(out.parent / entry)
     if len(existing) == 1:
-        raise OutputPathError(f"{existing[0]} already exists; pass --overwrite to replace it, or choose another -o")
+        raise OutputPathError(f"{existing[0]} already exists; pass --overwrite to replace it, or choose another {flag}")
     if existing:
         raise OutputPathError(f"{existing[0]} and {len(existing) - 1} more of the {count} PNGs this run writes already "
-                              "exist; pass --overwrite to replace them, or choose another -o")
+                              f"exist; pass --overwrite to replace them, or choose another {flag}")
 
 
 def _print_pass_table(path: Path) -> None:

@@ -61,6 +61,14 @@ def test_compile_help_names_the_controlnet_components() -> None:
     assert code == 0 and "with --controlnet also unet_controlnet, cond_embed_NAME and controlnet_NAME" in text, out
 
 
+def test_dummy_lora_onto_an_existing_file_names_its_argument(tmp_path: Path) -> None:
+    """dummy-lora's OUT is positional: "choose another -o" named an option it does not have."""
+    (tmp_path / "ink.safetensors").write_bytes(b"x")
+    code, out = _invoke("dummy-lora", tmp_path, tmp_path / "ink.safetensors")
+    assert code == 2 and out.strip() == (f"error: {tmp_path / 'ink.safetensors'} already exists; pass --overwrite "
+                                         "to replace it, or choose another OUT"), out
+
+
 def test_run_writes_png_with_parameters(tiny_artifact: Path, tmp_path: Path) -> None:
     code, out = _invoke("run", tiny_artifact, "-p", "a guohua landscape", "--steps", "3", "--seed", "5",
                         "--batch-size", "2", "-o", tmp_path / "img.png")
