@@ -35,7 +35,7 @@ import torch
 from .. import trt_compat
 from ..artifact import folder as artifacts
 from ..artifact.folder import safe_join
-from ..artifact.manifest import Backend, Manifest, ModelFacts
+from ..artifact.manifest import Backend, Manifest, ModelFacts, embedding_shape_problems
 from ..artifact.reader import ArtifactReader, ArtifactReplacedError
 from ..artifact.values import check_scheduler_config
 from ..errors import ArtifactError, LoraError, RuntimeInputError, names_arguments, names_parameters
@@ -1361,4 +1361,7 @@ def _components_to_open(manifest: Manifest) -> tuple[str, ...]:
             "needs (it was compiled with --components); recompile without --components"
         )
     check_control_components({name: entry.input_names for name, entry in have.items()})
+    embedding = embedding_shape_problems({name: entry.spec for name, entry in have.items()})
+    if embedding:
+        raise ArtifactError(embedding[0])
     return (*txt2img_components(manifest), *(c for c in LAZY_COMPONENTS if c in have), *control_components(list(have)))

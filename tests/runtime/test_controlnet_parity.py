@@ -366,6 +366,38 @@ def test_a_split_controlnet_without_its_cond_embed_is_an_artifact_error(controln
     assert verify.exit_code == 3 and message in verify.output, verify.output
 
 
+def test_a_cond_embed_whose_embedding_controlnet_does_not_take_is_an_artifact_error(controlnet_artifact: Path,
+                                                                                    tmp_path: Path) -> None:
+    """cond_embed_a giving another shape than controlnet_a takes (a mixed or hand-made artifact, resealed): verify
+    passed it and a run failed only after the text encoder and cond_embed_a ran; now verify reports it and the load
+    refuses it (exit 3) before any engine runs."""
+    import shutil
+
+    from diffusion_trt.artifact import folder as artifacts
+
+    art = tmp_path / "art"
+    shutil.copytree(controlnet_artifact, art)
+    manifest = {k: v for k, v in json.loads((art / "manifest.json").read_text()).items()
+                if k not in (artifacts.SEAL_KEY, "cache")}
+    out = next(t for t in manifest["components"]["cond_embed_a"]["outputs"]
+               if t["name"] == "controlnet_cond_embedding")
+    for key in ("shape", "min", "opt", "max"):
+        out[key][1] = 8
+    artifacts.write_manifest(art, manifest)
+    message = "cond_embed_a gives controlnet_cond_embedding ['B2', 8, 'h', 'w'] but controlnet_a takes ['B2', 16, 'h',"
+    result = _run(art, tmp_path, "--controlnet", "a", "--control-image", _control_png(tmp_path, "a.png"))
+    assert result.exit_code == 3, result.output
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0] and "add-controlnet" in errors[0], result.output
+    assert not (tmp_path / "out.png").exists()
+    from click.testing import CliRunner
+
+    from diffusion_trt.cli import main
+
+    verify = CliRunner().invoke(main, ["verify", str(art)])
+    assert verify.exit_code == 3 and message in verify.output, verify.output
+
+
 @pytest.mark.parametrize("component", ["unet_controlnet", "controlnet_a"])
 def test_controlnet_components_without_unet_controlnet_or_controlnet_are_an_artifact_error(
         controlnet_artifact: Path, tmp_path: Path, component: str) -> None:
