@@ -465,7 +465,7 @@ def dummy_lora(model_dir: Path, out: Path, rank: int, seed: int, overwrite: bool
     _refuse_missing_folder(out, "OUT")  # as run -o: a typo'd folder is not made silently
     _check_writable_file(out, "OUT", ".safetensors")
     if not overwrite:
-        _refuse_existing_outputs(out, 1)
+        _refuse_existing_outputs(out, 1, "OUT")  # a positional argument: there is no -o to choose
     counts = write_dummy_lora(model_dir, out, rank=rank, seed=seed)
     click.echo(f"lora: {out} ({', '.join(f'{c} {n} layers' for c, n in counts.items())})")
 @main.command("dummy-controlnet")
@@ -535,7 +535,8 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
                    "TensorRT backends].")
 @click.option("--components", default=None, metavar="NAME[,NAME...]",
               help="Build only these components (text_encoder, unet, vae_decoder, vae_encoder; SDXL adds "
-                   "text_encoder_2 with text_encoder) [default: all].")
+                   "text_encoder_2 with text_encoder; with --controlnet also unet_controlnet, cond_embed_NAME and "
+                   "controlnet_NAME, which brings its cond_embed_NAME) [default: all].")
 @click.option("--compute-capability", "compute_capabilities", default=None, metavar="CC[,CC...]|current",
               help="tensorrt-rtx: the GPUs to build for, e.g. 8.6,8.9,12.0 (RTX 30xx, 40xx, 50xx), or 'current' "
                    "for this machine's GPU [default: TensorRT-RTX's portable set 8.0,8.6,8.9,12.0].")
@@ -795,6 +796,10 @@ def _warn_unused_compile_options(options: dict[str, Any]) -> None:
     if backend is not Backend.TENSORRT and _given(("timing_cache",)):
         logger.warning("--timing-cache: no effect with --backend %s (it caches full TensorRT's kernel timings; "
                        "TensorRT-RTX times no kernels at build)", backend)
+    if options.get("refittable") and options.get("controlnets"):
+        logger.warning("--refittable with --controlnet: run-time LoRAs reach unet and the text encoders, not "
+                       "unet_controlnet (the UNet a call with a control image runs), so such a call is refused while "
+                       "a LoRA changes the UNet; for ControlNet calls merge the LoRA with --lora FILE:SCALE")
     if backend is Backend.TENSORRT_RTX and _given(("target_compute_capability",)):
         logger.warning("--target-compute-capability: no effect with --backend tensorrt-rtx (the plans are built for "
                        "--compute-capability)")
@@ -997,7 +1002,7 @@ def _output_path(out: Path, index: int) -> Path:
     return out if index == 0 else out.with_name(f"{out.stem}-{index}{out.suffix}")
 
 
-def _refuse_existing_outputs(out: Path, count: int) -> None:
+def _refuse_existing_outputs(out: Path, count: int, flag: str = "-o") -> None:
     """Refuse a ``run`` whose ``count`` PNGs (:func:`_output_path`; ``optimize``'s one OUTPUT: ``count=1``) would
     replace files that exist (without ``--overwrite``). Lists the folder once, so ``--batch-size 100000000`` costs
     no 10^8 checks.
@@ -1018,10 +1023,10 @@ def _refuse_existing_outputs(out: Path, count: int) -> None:
             if m and int(m.group(1)) < count:
                 existing.append(out.parent / entry)
     if len(existing) == 1:
-        raise OutputPathError(f"{existing[0]} already exists; pass --overwrite to replace it, or choose another -o")
+        raise OutputPathError(f"{existing[0]} already exists; pass --overwrite to replace it, or choose another {flag}")
     if existing:
         raise OutputPathError(f"{existing[0]} and {len(existing) - 1} more of the {count} PNGs this run writes already "
-                              "exist; pass --overwrite to replace them, or choose another -o")
+                              f"exist; pass --overwrite to replace them, or choose another {flag}")
 
 
 def _print_pass_table(path: Path) -> None:

@@ -53,6 +53,22 @@ def test_help_has_examples() -> None:
         assert code == 0 and "Examples:" in out
 
 
+def test_compile_help_names_the_controlnet_components() -> None:
+    """--components takes unet_controlnet, cond_embed_NAME and controlnet_NAME with --controlnet; its help named the
+    four plain components only."""
+    code, out = _invoke("compile", "--help")
+    text = " ".join(out.split())
+    assert code == 0 and "with --controlnet also unet_controlnet, cond_embed_NAME and controlnet_NAME" in text, out
+
+
+def test_dummy_lora_onto_an_existing_file_names_its_argument(tmp_path: Path) -> None:
+    """dummy-lora's OUT is positional: "choose another -o" named an option it does not have."""
+    (tmp_path / "ink.safetensors").write_bytes(b"x")
+    code, out = _invoke("dummy-lora", tmp_path, tmp_path / "ink.safetensors")
+    assert code == 2 and out.strip() == (f"error: {tmp_path / 'ink.safetensors'} already exists; pass --overwrite "
+                                         "to replace it, or choose another OUT"), out
+
+
 def test_run_writes_png_with_parameters(tiny_artifact: Path, tmp_path: Path) -> None:
     code, out = _invoke("run", tiny_artifact, "-p", "a guohua landscape", "--steps", "3", "--seed", "5",
                         "--batch-size", "2", "-o", tmp_path / "img.png")
@@ -941,6 +957,13 @@ def test_options_without_effect_warn(tiny_pipeline_dir: Path, tiny_artifact: Pat
     assert "--fp16-safe-vae: no effect on an SD 1.x/2.x model" in out
     code, out = _invoke("compile", tiny_pipeline_dir, "-o", tiny_artifact)
     assert code == 2 and "no effect" not in out
+    # run-time LoRAs never reach unet_controlnet: said at compile, not first at the refused ControlNet call
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tiny_artifact, "--refittable", "--controlnet",
+                        f"a={tmp_path / 'cn'}")
+    assert code == 2 and "warning: --refittable with --controlnet: run-time LoRAs reach unet and the text " \
+        "encoders, not unet_controlnet" in out, out
+    code, out = _invoke("compile", tiny_pipeline_dir, "-o", tiny_artifact, "--refittable")
+    assert code == 2 and "--refittable with --controlnet" not in out
     code, out = _invoke("run", tiny_artifact, "-p", "x", "-n", "blurry", "--guidance", "1", "--steps", "1",
                         "-o", tmp_path / "o.png")
     assert code == 0 and "--negative-prompt: no effect with --guidance 1" in out

@@ -350,6 +350,38 @@ def control_component_problems(inputs: Mapping[str, Sequence[str]]) -> list[str]
     return problems
 
 
+def embedding_shape_problems(components: Mapping[str, Any]) -> list[str]:
+    """Where ``cond_embed_<name>``'s output ``controlnet_cond_embedding`` is not the shape ``controlnet_<name>`` takes
+    (e.g. C0 = 8 against 16): both are compiled together from one ControlNet, so a mismatch is
+    a hand-made or mixed artifact, which ran the text encoder and ``cond_embed_<name>`` before an engine refused it.
+    One message per such ControlNet; ``[]`` when they agree (or either side is absent or malformed: other checks say).
+
+    Args:
+        components: the manifest's ``components`` (JSON), by component name.
+    """
+    def tensor(entry: Any, key: str) -> Mapping[str, Any] | None:
+        items = entry.get(key) if isinstance(entry, Mapping) else None
+        found = [t for t in items if isinstance(t, Mapping) and t.get("name") == "controlnet_cond_embedding"] \
+            if isinstance(items, list) else []
+        return found[0] if found else None
+
+    problems = []
+    for component, entry in components.items():
+        if not component.startswith("cond_embed_"):
+            continue
+        name = component[len("cond_embed_"):]
+        out, taken = tensor(entry, "outputs"), tensor(components.get(f"controlnet_{name}"), "inputs")
+        if out is None or taken is None:
+            continue
+        got, want = out.get("shape"), taken.get("shape")  # the dtype may differ: the runtime casts the feed
+        if got != want:
+            problems.append(
+                f"{component} gives controlnet_cond_embedding {got} but controlnet_{name} takes {want}; the two "
+                f"are not from one ControlNet: run add-controlnet ARTIFACT MODEL {name}=FOLDER --replace, or "
+                "recompile with --controlnet")
+    return problems
+
+
 def amend_source(manifest: dict[str, Any], **fields: Any) -> None:
     """Update the ``source`` record of a manifest's JSON before it is (re)sealed, in place: the fields given replace
     their keys, the others stay (``path`` of a cached artifact's new model folder, ``single_file``, ``hub``). The one

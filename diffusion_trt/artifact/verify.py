@@ -30,7 +30,7 @@ from typing import Any
 from .. import trt_compat
 from ..errors import ArtifactError, DiffusionTrtError
 from . import folder
-from .manifest import control_component_problems
+from .manifest import control_component_problems, embedding_shape_problems
 from .values import parse_json, scheduler_config_problems
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ def integrity_problems(root: str | os.PathLike[str], check_hashes: bool = True) 
             name: [t.get("name") for t in entry["inputs"] if isinstance(t, dict)] if isinstance(entry.get("inputs"),
                                                                                              list) else []
             for name, entry in manifest["components"].items()})
+        problems += embedding_shape_problems(manifest["components"])
     problems += folder.link_problems(root)
     for rel in folder.unlisted_files(root, manifest):
         problems.append(f"{rel}: not listed in the manifest (added after compile?); remove it or recompile")

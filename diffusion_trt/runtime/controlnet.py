@@ -93,6 +93,30 @@ def check_control_components(inputs: Mapping[str, Sequence[str]]) -> None:
         raise ArtifactError(problems[0])
 
 
+def check_lora_reaches_unet_controlnet(lora: Mapping[str, Any] | None) -> None:
+    """Refuse a call with a control image while a run-time LoRA (:meth:`EnginePipeline.load_lora`'s record,
+    ``pipe.lora``) changes the plain ``unet`` but not ``unet_controlnet``, the UNet such a call runs: ``--refittable``
+    makes ``unet`` and the text encoders' weights inputs, never ``unet_controlnet``'s, so the image would be the base
+    model's (plus the LoRA's text encoder part) with no word said. A LoRA of the text encoder only, or at scale 0,
+    passes.
+
+    Raises:
+        RuntimeInputError: naming the LoRA(s) and the fixes.
+    """
+    if not lora:
+        return
+    changed = lora.get("changed", lora.get("refitted")) or {}
+    records = lora.get("loras", [lora])
+    if not changed.get("unet") or changed.get(UNET_CONTROLNET) or all(r.get("scale") == 0 for r in records):
+        return
+    names = ", ".join(str(r.get("file")) for r in records)
+    raise RuntimeInputError(
+        f"the LoRA {names} loaded at run time changes the UNet, but a call with a control image runs "
+        f"{UNET_CONTROLNET}, whose weights this artifact keeps constant (--refittable covers unet and the text "
+        "encoders only): the image would not have the LoRA; merge it at compile time (compile MODEL --lora "
+        "FILE:SCALE --controlnet ...), or unload it (unload_lora(), run without --lora) for ControlNet calls")
+
+
 def _as_list(value: Any, n: int, what: str) -> list[Any]:
     """One value for every ControlNet, or a list of exactly ``n``."""
     if isinstance(value, list | tuple):
@@ -295,11 +319,20 @@ def control_plan(engines: Mapping[str, Engine], control_image: Any, controlnet: 
     Raises:
         RuntimeInputError: an artifact without ControlNets, an unknown name, more control images than ControlNets,
             a control image of another size or batch, a non-finite scale, a bad guidance window.
-        ArtifactError: a ControlNet that takes the embedding without its ``cond_embed_<name>`` engine.
+        ArtifactError: a ControlNet that takes the embedding without its ``cond_embed_<name>`` engine; ControlNet
+            components without ``unet_controlnet``, or a ``cond_embed_<name>`` without any ``controlnet_<name>``.
     """
     have = controlnet_names(list(engines))
     if control_image is None:
         return None
+    parts = [n for n in engines if n.startswith((PREFIX, EMBED_PREFIX))]
+    if parts and (UNET_CONTROLNET not in engines or not have):
+        # compiled with --controlnet, but not whole (--components, a copy or a manifest that lost a component): the
+        # artifact is at fault, not the call, and "compile it with --controlnet" would not be the fix
+        lacks = UNET_CONTROLNET if UNET_CONTROLNET not in engines else PREFIX + parts[0][len(EMBED_PREFIX):]
+        raise ArtifactError(f"the artifact has the ControlNet component(s) {', '.join(parts)} but no {lacks}, which "
+                            "a call with a control image needs; it is incomplete (compiled with --components, or a "
+                            "partial copy): recompile it with --controlnet and without --components")
     if not have or UNET_CONTROLNET not in engines:
         raise RuntimeInputError("this artifact has no ControlNet; compile it with --controlnet [NAME=]FOLDER")
     names = _names(controlnet, have)
@@ -332,6 +365,10 @@ def _names(controlnet: str | Sequence[str] | None, have: Sequence[str]) -> list[
             raise RuntimeInputError(f"this artifact has {len(have)} ControlNets ({', '.join(have)}); name the one(s) "
                                     "to use with controlnet= (--controlnet NAME)")
         return list(have)
+    if not (isinstance(controlnet, str) or (isinstance(controlnet, list | tuple)
+                                            and all(isinstance(n, str) for n in controlnet))):
+        raise RuntimeInputError(f"controlnet={controlnet!r} must be a ControlNet's name or a list of names (a str, "
+                                f"or a list of str); this artifact has {', '.join(have) or 'none'}")
     names = [controlnet] if isinstance(controlnet, str) else list(controlnet)
     unknown = [n for n in names if n not in have]
     if unknown:
@@ -372,6 +409,11 @@ def _unit(engine: Engine, embed: Engine | None, name: str, image: Any, scale: fl
         raise RuntimeInputError(f"{n} control images for {name!r} and {prompts} prompt(s); pass one image, or one "
                                 "per prompt")
     tensor = VaeImageProcessor(do_convert_rgb=True, do_normalize=False).preprocess(image, height=h, width=w)
+    if tensor.ndim != 4 or tensor.shape[1] != 3:
+        # else the engine refused it after the text encoder ran, naming its CFG-doubled batch and its own input
+        raise RuntimeInputError(f"control image for {name!r} has {tensor.shape[1] if tensor.ndim == 4 else '?'} "
+                                "channels; a ControlNet takes an RGB image (3 channels: [H, W, 3] numpy, "
+                                "[3, H, W] or [n, 3, H, W] tensor, or a PIL image)")
     check_finite(f"control_image (ControlNet {name!r})", tensor)
     taker = embed if embed is not None else engine
     info = taker.spec.input(COND)

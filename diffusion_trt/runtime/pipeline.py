@@ -35,7 +35,7 @@ import torch
 from .. import trt_compat
 from ..artifact import folder as artifacts
 from ..artifact.folder import safe_join
-from ..artifact.manifest import Backend, Manifest, ModelFacts
+from ..artifact.manifest import Backend, Manifest, ModelFacts, embedding_shape_problems
 from ..artifact.reader import ArtifactReader, ArtifactReplacedError
 from ..artifact.values import check_scheduler_config
 from ..errors import ArtifactError, LoraError, RuntimeInputError, names_arguments, names_parameters
@@ -45,6 +45,7 @@ from .controlnet import (
     DEFAULT_CONTROL_SCALE,
     ControlPlan,
     check_control_components,
+    check_lora_reaches_unet_controlnet,
     check_no_control_options,
     control_components,
     control_plan,
@@ -882,9 +883,15 @@ class EnginePipeline:
             # conditioning says "sdxl": its text-to-image default)
             controlnet_conditioning_scale = DEFAULT_CONTROL_SCALE.get(getattr(request.conditioning, "mode", "txt2img"),
                                                                       DEFAULT_CONTROL_SCALE["txt2img"])
-        control = control_plan({**self._lazy, **self.engines}, control_image, controlnet,
+        opened = {**self._lazy, **self.engines}  # in the manifest's order, whichever engines are open already (else
+        # a call that opened controlnet_b only listed the ControlNets as "b, a" in later messages)
+        order = {n: i for i, n in enumerate(self.manifest.components)}
+        opened = dict(sorted(opened.items(), key=lambda kv: order.get(kv[0], len(order))))
+        control = control_plan(opened, control_image, controlnet,
                                controlnet_conditioning_scale, control_guidance_start, control_guidance_end,
                                guess_mode, request.height, request.width, len(request.prompts))
+        if control is not None:
+            check_lora_reaches_unet_controlnet(self.lora)
         if isinstance(request.conditioning, ImageRequest):
             self._engine("vae_encoder")  # opened on first use, after the checks
         if control is not None:  # the ControlNet engines, opened on first use
@@ -1354,4 +1361,7 @@ def _components_to_open(manifest: Manifest) -> tuple[str, ...]:
             "needs (it was compiled with --components); recompile without --components"
         )
     check_control_components({name: entry.input_names for name, entry in have.items()})
+    embedding = embedding_shape_problems({name: entry.spec for name, entry in have.items()})
+    if embedding:
+        raise ArtifactError(embedding[0])
     return (*txt2img_components(manifest), *(c for c in LAZY_COMPONENTS if c in have), *control_components(list(have)))

@@ -194,8 +194,18 @@ def test_image_is_the_control_image_as_in_diffusers(pipe: EnginePipeline) -> Non
       "controlnet": ["a", "b"]}, "control_image (ControlNet 'b') contains NaN/Inf values (192 of 12288)"),
     ({"control_image": [_image(0), _image(1), _image(2)], "controlnet": ["a", "b"]},
      "3 control images for 2 ControlNet(s)"),
+    # an RGBA array / a 1-channel tensor were refused by the cond_embed engine after the text encoder ran, naming
+    # its CFG-doubled batch (2, 4, 64, 64)
+    ({"control_image": np.zeros((64, 64, 4), np.float32), "controlnet": "a"},
+     "control image for 'a' has 4 channels; a ControlNet takes an RGB image"),
+    ({"control_image": torch.zeros(1, 1, 64, 64), "controlnet": "a"},
+     "control image for 'a' has 1 channels; a ControlNet takes an RGB image"),
     ({"control_image": _image(0)}, "this artifact has 2 ControlNets (a, b)"),
     ({"control_image": _image(0), "controlnet": "c"}, "ControlNet 'c' is not in this artifact; it has a, b"),
+    # a TypeError ('int' object is not iterable) before
+    ({"control_image": _image(0), "controlnet": 3}, "controlnet=3 must be a ControlNet's name or a list of names"),
+    ({"control_image": [_image(0), _image(1)], "controlnet": ["a", None]},
+     "controlnet=['a', None] must be a ControlNet's name or a list of names"),
     ({"control_image": _image(0), "controlnet": "a", "control_guidance_start": 0.7, "control_guidance_end": 0.2},
      "need 0 <= start < end <= 1"),
     # ControlNet arguments without a control image would be ignored (diffusers' txt2img pipeline has none of them)
@@ -209,6 +219,16 @@ def test_bad_control_arguments(pipe: EnginePipeline, kwargs: dict[str, Any], mes
     with pytest.raises(RuntimeInputError) as e:
         pipe(prompt="a cat", num_inference_steps=2, seed=0, progress=False, **kwargs)
     assert message in str(e.value)
+
+
+def test_the_controlnets_are_listed_in_the_artifacts_order_after_one_opened(controlnet_artifact: Path) -> None:
+    """ControlNet engines open on first use: a call with a alone made later messages list "b, a"."""
+    with EnginePipeline.from_artifacts(controlnet_artifact) as p:
+        p(prompt="a cat", num_inference_steps=1, seed=0, progress=False, control_image=_image(0), controlnet="a")
+        with pytest.raises(RuntimeInputError, match=r"this artifact has 2 ControlNets \(a, b\)"):
+            p(prompt="a cat", num_inference_steps=1, seed=0, progress=False, control_image=_image(0))
+        with pytest.raises(RuntimeInputError, match="ControlNet 'c' is not in this artifact; it has a, b"):
+            p(prompt="a cat", num_inference_steps=1, seed=0, progress=False, control_image=_image(0), controlnet="c")
 
 
 # --- the conditioning embedding, a component of its own (issue 25) ------------------------------------------------
@@ -344,6 +364,56 @@ def test_a_split_controlnet_without_its_cond_embed_is_an_artifact_error(controln
 
     verify = CliRunner().invoke(main, ["verify", str(art)])  # reported as a problem too
     assert verify.exit_code == 3 and message in verify.output, verify.output
+
+
+def test_a_cond_embed_whose_embedding_controlnet_does_not_take_is_an_artifact_error(controlnet_artifact: Path,
+                                                                                    tmp_path: Path) -> None:
+    """cond_embed_a giving another shape than controlnet_a takes (a mixed or hand-made artifact, resealed): verify
+    passed it and a run failed only after the text encoder and cond_embed_a ran; now verify reports it and the load
+    refuses it (exit 3) before any engine runs."""
+    import shutil
+
+    from diffusion_trt.artifact import folder as artifacts
+
+    art = tmp_path / "art"
+    shutil.copytree(controlnet_artifact, art)
+    manifest = {k: v for k, v in json.loads((art / "manifest.json").read_text()).items()
+                if k not in (artifacts.SEAL_KEY, "cache")}
+    out = next(t for t in manifest["components"]["cond_embed_a"]["outputs"]
+               if t["name"] == "controlnet_cond_embedding")
+    for key in ("shape", "min", "opt", "max"):
+        out[key][1] = 8
+    artifacts.write_manifest(art, manifest)
+    message = "cond_embed_a gives controlnet_cond_embedding ['B2', 8, 'h', 'w'] but controlnet_a takes ['B2', 16, 'h',"
+    result = _run(art, tmp_path, "--controlnet", "a", "--control-image", _control_png(tmp_path, "a.png"))
+    assert result.exit_code == 3, result.output
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0] and "add-controlnet" in errors[0], result.output
+    assert not (tmp_path / "out.png").exists()
+    from click.testing import CliRunner
+
+    from diffusion_trt.cli import main
+
+    verify = CliRunner().invoke(main, ["verify", str(art)])
+    assert verify.exit_code == 3 and message in verify.output, verify.output
+
+
+@pytest.mark.parametrize("component", ["unet_controlnet", "controlnet_a"])
+def test_controlnet_components_without_unet_controlnet_or_controlnet_are_an_artifact_error(
+        controlnet_artifact: Path, tmp_path: Path, component: str) -> None:
+    """An artifact that lost unet_controlnet (or keeps cond_embed_a without controlnet_a; as --components
+    controlnet_a builds) is at fault: exit 3 naming what it lacks, not exit 2 "has no ControlNet; compile it with
+    --controlnet", which it was."""
+    art = _resealed_without(controlnet_artifact, tmp_path / "art", component)
+    if component == "controlnet_a":  # b too, so that only cond_embed_a / cond_embed_b are left
+        art = _resealed_without(art, tmp_path / "art2", "controlnet_b")
+    result = _run(art, tmp_path, "--controlnet", "a", "--control-image", _control_png(tmp_path, "a.png"))
+    assert result.exit_code == 3, result.output
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    lacks = "unet_controlnet" if component == "unet_controlnet" else "controlnet_a"
+    assert len(errors) == 1 and f"but no {lacks}, which a call with a control image needs" in errors[0], \
+        result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out.png").exists()
 
 
 @pytest.fixture(scope="module")
@@ -570,3 +640,49 @@ def test_controlnet_flops_counts_the_down_and_mid_blocks_share_of_the_unet() -> 
     assert row["latent"] == [64, 64]
     assert round(row["unet_tflop"], 3) == 1.607 and round(row["controlnet_share_of_unet"], 3) == 0.353
     assert round(row["cond_embedding_share_of_controlnet"], 3) == 0.052
+
+
+# --- --refittable with --controlnet: run-time LoRAs and the ControlNet UNet --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def refittable_controlnet_artifact(tiny_pipeline_dir: Path, controlnet_dirs: dict[str, Path],
+                                   tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = CompileConfig(components=("text_encoder", "unet", "vae_decoder"), refittable=True,
+                           controlnets=(("a", str(controlnet_dirs["a"])),))
+    return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("cn-refit") / "art", config)
+
+
+def test_a_run_time_unet_lora_is_refused_for_controlnet_calls_not_silently_dropped(
+        refittable_controlnet_artifact: Path, tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """unet_controlnet of a --refittable artifact takes no weight inputs: a UNet LoRA loaded at run time gave the
+    base model's image under a ControlNet, with no word said (equal to no LoRA, not to compile --lora). Refused
+    (exit 2, one error line, no image); the text encoder's part alone, scale 0, or no control image still run."""
+    from safetensors.torch import load_file, save_file
+
+    from diffusion_trt.compiler.dummy_lora import write_dummy_lora
+
+    lora = tmp_path / "style.safetensors"
+    write_dummy_lora(tiny_pipeline_dir, lora, seed=1)
+    te_only = tmp_path / "te.safetensors"
+    save_file({k: v for k, v in load_file(str(lora)).items() if k.startswith("text_encoder.")}, str(te_only))
+    common = {"prompt": "a cat", "num_inference_steps": 2, "seed": 0, "output_type": "np", "progress": False}
+    control = {"control_image": _image(0), "controlnet": "a"}
+    with EnginePipeline.from_artifacts(refittable_controlnet_artifact) as p:
+        p.load_lora(lora, 0.8)
+        with pytest.raises(RuntimeInputError, match=r"the LoRA style\.safetensors loaded at run time changes the UNet, "
+                                                    r"but a call with a control image runs unet_controlnet"):
+            p(**common, **control)
+        p(**common)  # no control image: the plain, refittable unet
+        p.load_lora(lora, 0.0)
+        p(**common, **control)
+        p.load_lora(te_only, 0.8)
+        p(**common, **control)
+        p.unload_lora()
+        p(**common, **control)
+    result = _run(refittable_controlnet_artifact, tmp_path, "--lora", f"{lora}:0.8", "--controlnet", "a",
+                  "--control-image", _control_png(tmp_path, "a.png"))
+    assert result.exit_code == 2, result.output
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "changes the UNet, but a call with a control image runs unet_controlnet" in errors[0]
+    assert "Traceback" not in result.output and not (tmp_path / "out.png").exists()
