@@ -229,7 +229,10 @@ class MicroBatcher:
             for job, image in zip(batch, out.images, strict=True):
                 job.future.set_result(np.asarray(image, dtype=np.uint8))
         except Exception as e:  # every waiting request must hear about it
-            logger.exception("pipeline call of %d request(s) failed", len(batch))
+            if isinstance(e, (RuntimeInputError, LoraError)):  # the client's error (400, see _image): one line
+                logger.warning("refused a batch of %d request(s): %s", len(batch), e)
+            else:
+                logger.exception("pipeline call of %d request(s) failed", len(batch))
             for job in batch:
                 job.future.set_exception(e)
 

@@ -97,3 +97,26 @@ def test_the_body_and_input_bounds_make_room_for_one_control_image() -> None:
     plain, with_image = config.front_limits(), config.front_limits(control_images=True)
     assert with_image.max_body_bytes - plain.max_body_bytes > control.MAX_IMAGE_BYTES
 
+
+
+def test_a_batch_the_runtime_refuses_logs_one_line_and_each_request_hears_why(
+    pipe: EnginePipeline, caplog: pytest.LogCaptureFixture  # noqa: F811
+) -> None:
+    """A refusal of the client's making (here a control image of another size than the request's, which the runtime
+    refuses: RuntimeInputError, a 400 for the client) is one WARNING line in the server's log, no traceback; an
+    error of the server's own keeps its traceback (``logger.exception``)."""
+    from diffusion_trt.errors import RuntimeInputError
+
+    nets = control.ControlNets(["a", "b"])
+    cn = nets.resolve({"controlnet": np.array([b"a"]), "control_image": _b64(_image(1))}, 64, 64)
+    batcher = MicroBatcher(pipe, max_batch_size=1, max_delay_s=0.0, max_queue=8)
+    try:
+        with caplog.at_level("WARNING", logger="diffusion_trt.serve.server"):
+            future = batcher.submit({**_params(0, cn), "height": 32, "width": 32})
+            with pytest.raises(RuntimeInputError, match="control image"):
+                future.result(timeout=300)
+    finally:
+        batcher.close()
+    records = [r for r in caplog.records if r.name == "diffusion_trt.serve.server"]
+    assert [r.levelname for r in records] == ["WARNING"], records
+    assert records[0].exc_info is None and "refused a batch of 1 request(s): " in records[0].getMessage()
