@@ -90,6 +90,7 @@ class OpenTogether:
     def _open(self, name: str, engine: Engine) -> bool:
         engine.__enter__()
         marks = {"opened_s": time.perf_counter() - self._t0}
+        marks.update(getattr(engine, "open_parts", None) or {})  # ORT: how long its read, session and clean-up took
         try:
             if self._warm and warm_up(engine):
                 marks["warmed_s"] = time.perf_counter() - self._t0

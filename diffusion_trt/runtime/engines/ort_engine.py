@@ -40,6 +40,7 @@ import os
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -230,6 +231,9 @@ class OrtEngine(EngineBase):
         self._deterministic = bool(deterministic)
 
         self._session: Any = None
+        #: seconds the last open's parts took: "read_s" (read + hash, into the private folder's files),
+        #: "session_s" (ONNX Runtime's session), "cleanup_s" (the private folder's removal); the load timeline
+        self.open_parts: dict[str, float] = {}
         self._binding: Any = None
         self._run_options: Any = None
         self._async = False
@@ -481,14 +485,18 @@ class OrtEngine(EngineBase):
                 f"engine {self._name!r}: device='cuda' but torch sees no CUDA device "
                 f"(torch {torch.__version__}); install a CUDA build of torch or run with device='cpu'"
             )
+        t0 = time.perf_counter()
         with self._spill_folder() as spill:
             # read (and hashed) before any session; with external data, into files of our own private folder
             data = self._source(spill=spill) if self._source is not None else None
             model: str | bytes = str(self.path) if data is None else (
                 data.model if data.model_path is None else str(data.model_path))
+            t1 = time.perf_counter()
             with shared_if(self._kind == "cuda"):  # side by side with other loads, never inside a capture
                 session = self._create_session(ort, model, data, providers)
+            t2 = time.perf_counter()
             del data
+        self.open_parts = {"read_s": t1 - t0, "session_s": t2 - t1, "cleanup_s": time.perf_counter() - t2}
         self._finish_open(ort, session)
 
     def _spill_folder(self) -> contextlib.AbstractContextManager[Path | None]:
