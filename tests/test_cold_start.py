@@ -160,6 +160,9 @@ def test_external_data_is_read_into_a_private_folder_that_onnx_runtime_opens_and
         assert model.name == "model.onnx" and seen.modes == [(0o700, 0o600)]
         assert not model.parent.exists()  # removed once the session was made, while the session runs on
         assert sum(isinstance(m, bytes) for m in seen.models) == len(seen.models) - 1
+        # the removal ran on a thread of its own that the load waited for; its time is in the load's timeline
+        parts = pipe.engines["unet"].open_parts
+        assert set(parts) == {"read_s", "session_s", "cleanup_s"} and min(parts.values()) >= 0
 
 
 def test_a_data_file_altered_after_it_was_read_is_not_what_runs(expected: np.ndarray, chunked: Path,

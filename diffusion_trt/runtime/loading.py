@@ -90,13 +90,15 @@ class OpenTogether:
     def _open(self, name: str, engine: Engine) -> bool:
         engine.__enter__()
         marks = {"opened_s": time.perf_counter() - self._t0}
-        marks.update(getattr(engine, "open_parts", None) or {})  # ORT: how long its read, session and clean-up took
         try:
             if self._warm and warm_up(engine):
                 marks["warmed_s"] = time.perf_counter() - self._t0
+            if (settle := getattr(engine, "settle", None)) is not None:  # ORT: its private folder removed meanwhile
+                settle()
         except BaseException:
             engine.__exit__(None, None, None)
             raise
+        marks.update(getattr(engine, "open_parts", None) or {})  # ORT: how long its read, session and clean-up took
         with self._lock:
             self.timeline[name] = marks
         return True

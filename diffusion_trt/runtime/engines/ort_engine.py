@@ -41,7 +41,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
@@ -234,6 +234,7 @@ class OrtEngine(EngineBase):
         #: seconds the last open's parts took: "read_s" (read + hash, into the private folder's files),
         #: "session_s" (ONNX Runtime's session), "cleanup_s" (the private folder's removal); the load timeline
         self.open_parts: dict[str, float] = {}
+        self._removing: threading.Thread | None = None  # the private folder's removal (_remove_later)
         self._binding: Any = None
         self._run_options: Any = None
         self._async = False
@@ -295,6 +296,7 @@ class OrtEngine(EngineBase):
 
     def close(self) -> None:
         """Free the session and every buffer (idempotent)."""
+        self.settle()
         if self._session is not None and self._async:
             # queued kernels may still read the inputs we keep alive / write our buffers
             self._current_torch_stream().synchronize()
@@ -486,23 +488,52 @@ class OrtEngine(EngineBase):
                 f"(torch {torch.__version__}); install a CUDA build of torch or run with device='cpu'"
             )
         t0 = time.perf_counter()
-        with self._spill_folder() as spill:
+        folder = self._spill_folder()
+        try:
             # read (and hashed) before any session; with external data, into files of our own private folder
+            spill = None if folder is None else Path(folder.name)
             data = self._source(spill=spill) if self._source is not None else None
             model: str | bytes = str(self.path) if data is None else (
                 data.model if data.model_path is None else str(data.model_path))
             t1 = time.perf_counter()
             with shared_if(self._kind == "cuda"):  # side by side with other loads, never inside a capture
                 session = self._create_session(ort, model, data, providers)
-            t2 = time.perf_counter()
             del data
-        self.open_parts = {"read_s": t1 - t0, "session_s": t2 - t1, "cleanup_s": time.perf_counter() - t2}
+        except BaseException:
+            if folder is not None:
+                folder.cleanup()
+            raise
+        self.open_parts = {"read_s": t1 - t0, "session_s": time.perf_counter() - t1}
+        self._remove_later(folder)
         self._finish_open(ort, session)
 
-    def _spill_folder(self) -> contextlib.AbstractContextManager[Path | None]:
+    def _remove_later(self, folder: tempfile.TemporaryDirectory[str] | None) -> None:
+        """Remove the private folder on a thread of its own (:meth:`settle` waits for it): ONNX Runtime is done with
+        its files once the session exists, and freeing the pages of a just-written 1.7 GB file (the SD-1.5 UNet's)
+        takes long enough to matter when it sits between the session and the first run. The thread is not a daemon,
+        so the folder is gone before the interpreter exits."""
+        if folder is None:
+            return
+        self.settle()  # a previous open's removal (a rebuild without CUDA graphs)
+
+        def remove() -> None:
+            t = time.perf_counter()
+            folder.cleanup()
+            self.open_parts["cleanup_s"] = time.perf_counter() - t
+
+        self._removing = threading.Thread(target=remove, name=f"diffusion-trt-remove-{self._name}")
+        self._removing.start()
+
+    def settle(self) -> None:
+        """Wait until the last open's private folder is removed (at once when there was none)."""
+        if self._removing is not None:
+            self._removing.join()
+            self._removing = None
+
+    def _spill_folder(self) -> tempfile.TemporaryDirectory[str] | None:
         """A new private folder (``tempfile``'s, mode 0700, under ``$TMPDIR``) for the source to write the model and
         its external data into while a session is made, removed right after (ONNX Runtime has copied the weights to
-        the device, or maps the files, which outlive their names); ``None`` without a source.
+        the device, or maps the files, which outlive their names: :meth:`_remove_later`); ``None`` without a source.
 
         Why: ONNX Runtime built the SD-1.5 UNet's session in 0.59-0.69 s from files against 2.8-3.3 s from the same
         bytes in memory (``add_external_initializers_from_files_in_memory``, or OrtValue initializers over them;
@@ -512,7 +543,7 @@ class OrtEngine(EngineBase):
         Runtime takes a path only as UTF-8 text, or one where another user may rename entries: writable by group or
         others without the sticky bit, or owned by another user than us or root) the weights load from memory."""
         if self._source is None:
-            return contextlib.nullcontext()
+            return None
         try:
             where = tempfile.gettempdir()
             where.encode("utf-8")  # a name of other bytes (surrogate escapes) cannot reach ORT
@@ -524,8 +555,8 @@ class OrtEngine(EngineBase):
             folder = tempfile.TemporaryDirectory(prefix="diffusion-trt-weights-", ignore_cleanup_errors=True)
         except (OSError, UnicodeEncodeError) as e:  # no writable temporary folder: the bytes go to ORT from memory
             logger.info("%s: no private folder for the weights (%s); loading them from memory", self._name, e)
-            return contextlib.nullcontext()
-        return _spill_path(folder)
+            return None
+        return folder
 
     def _create_session(self, ort: Any, model: str | bytes, data: OnnxBytes | None, providers: list[Any]) -> Any:
         """The InferenceSession (a refused CUDA graph: again without it, after one warning).
@@ -760,8 +791,3 @@ class OrtEngine(EngineBase):
         state = "open" if self.is_open else "closed"
         return f"OrtEngine({self._name!r}, {str(self.path)!r}, device={self._device}, {state})"
 
-
-@contextlib.contextmanager
-def _spill_path(folder: tempfile.TemporaryDirectory[str]) -> Iterator[Path]:
-    with folder as name:
-        yield Path(name)
