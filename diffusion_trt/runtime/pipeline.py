@@ -441,6 +441,11 @@ class EnginePipeline:
         scheduler_config = reader.json(manifest.scheduler_config)
         class_name = _scheduler_class_name(manifest, scheduler_config)  # refused here, before any engine opens
         scheduler_for(check_scheduler_config(scheduler_config, class_name=class_name), options.scheduler, class_name)
+        # diffusers' import (seconds) on a thread of its own from here on, so that it overlaps the whole load and this
+        # thread captures the engines' CUDA graphs as they come (ONNX Runtime keeps them per thread: the caller's
+        # first call then replays)
+        named = options.scheduler if isinstance(options.scheduler, str) else None
+        importing = start_scheduler_import(scheduler_config, named, class_name)
         stream: torch.cuda.Stream | None = None
         if device == "cuda" and torch.cuda.is_available():
             # one stream shared by ONNX Runtime and torch: the loop runs without host syncs
@@ -453,10 +458,6 @@ class EnginePipeline:
             tokenizer_2 = None
             if manifest.model.is_sdxl:
                 tokenizer_2 = load_tokenizer(reader, manifest.tokenizer_2, "SDXL tokenizer_2")
-            # diffusers' import (seconds) on a thread of its own, so that this thread captures the engines' CUDA
-            # graphs as they come (ONNX Runtime keeps them per thread: the caller's first call then replays)
-            named = options.scheduler if isinstance(options.scheduler, str) else None
-            importing = start_scheduler_import(scheduler_config, named, class_name)
             opening.wait(capture=device == "cuda")
             importing.join()
             pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=options.scheduler, stream=stream,
