@@ -15,6 +15,8 @@ compute cache are warm after the first repeat):
 * ``profile``: cProfile of ``from_artifacts`` + the first image (top functions by cumulative time, and those of
   diffusion_trt alone);
 * ``levels``: from_artifacts per ONNX Runtime graph optimisation level: UNet session time and warm step;
+* ``first-image-no-prime`` (``--no-prime-variant unet``): first-image (HEURISTIC) with those components not primed
+  on their loader threads (the caller's CUDA-graph runs at load make their first run);
 * ``first-image-options`` (``--option-variants '{"sdpa_kernel": "1"};{...}'``): first-image (HEURISTIC) with those
   CUDA provider options on every component, one process each.
 
@@ -123,9 +125,20 @@ def _load_timeline() -> dict:
     return got
 
 
-def first_image(art: str, cudnn: str, steps: int, level: str = "all", provider_options: dict | None = None) -> dict:
+def _skip_prime(components: set[str]) -> None:
+    """A variant of the load, for this benchmark only: ``components`` are not primed on their loader threads, so
+    the caller's own CUDA-graph runs at load (``OpenTogether.wait(capture=True)``) make their first run, on the
+    thread that replays (no second per-thread first run)."""
+    from diffusion_trt.runtime.engines.ort_engine import OrtEngine
+
+    prime = OrtEngine.prime
+    OrtEngine.prime = lambda self: False if self.name in components else prime(self)
+
+
+def first_image(art: str, cudnn: str, steps: int, level: str = "all", provider_options: dict | None = None,
+                no_prime: str = "") -> dict:
     """from_artifacts + the first image (and a second), with marks since the process started; ``provider_options``
-    go to ``from_artifacts`` (every component)."""
+    go to ``from_artifacts`` (every component); ``no_prime``: components not primed at load (:func:`_skip_prime`)."""
     marks = {}
     import torch
 
@@ -135,13 +148,16 @@ def first_image(art: str, cudnn: str, steps: int, level: str = "all", provider_o
     marks["import_diffusion_trt"] = time.perf_counter() - T0
     marks["package"] = os.path.dirname(diffusion_trt.__file__)
     timeline = _load_timeline()
+    if no_prime:
+        _skip_prime(set(no_prime.split(",")))
     t_load = time.perf_counter()
     extra = {"graph_optimization_level": level} if level != "all" else {}  # a tree before the option had "all"
     if provider_options:
         extra["provider_options"] = provider_options
     pipe = diffusion_trt.EnginePipeline.from_artifacts(art, cudnn_conv_algo_search=cudnn, **extra)
     marks["from_artifacts"] = time.perf_counter() - T0
-    out: dict = {"cudnn": cudnn, "graph_optimization_level": level, "provider_options": provider_options or {}}
+    out: dict = {"cudnn": cudnn, "graph_optimization_level": level, "provider_options": provider_options or {},
+                 "no_prime": no_prime}
     out["load_timeline_s"] = dict(timeline)
     out["from_artifacts_s"] = time.perf_counter() - t_load
     images = []
@@ -274,6 +290,9 @@ def run_all(ns: argparse.Namespace) -> dict:
     for variant in filter(None, ns.option_variants.split(";")):
         add("first-image-options", ["first-image", ns.artifact, "--cudnn", "HEURISTIC", "--steps", str(ns.steps),
                                     "--provider-options", variant], options=json.loads(variant))
+    for rep in range(ns.repeat if ns.no_prime_variant else 0):
+        add("first-image-no-prime", ["first-image", ns.artifact, "--cudnn", "HEURISTIC", "--steps", str(ns.steps),
+                                     "--no-prime", ns.no_prime_variant], repeat=rep, no_prime=ns.no_prime_variant)
     add("profile", ["profile", ns.artifact, "--cudnn", "HEURISTIC", "--steps", str(ns.steps)])
     if ns.code_before:  # the same measurement with another tree's package (e.g. main before these changes)
         path = os.pathsep.join(p for p in (os.path.abspath(ns.code_before), os.environ.get("SITE", "")) if p)
@@ -299,6 +318,9 @@ def main() -> None:
     ap.add_argument("--option-variants", default="",
                     help="all: ';'-separated JSON objects of CUDA provider options, one first-image row each")
     ap.add_argument("--provider-options", default="", help="first-image: a JSON object of CUDA provider options")
+    ap.add_argument("--no-prime", default="", help="first-image: components (comma-separated) not primed at load")
+    ap.add_argument("--no-prime-variant", default="",
+                    help="all: also first-image rows (HEURISTIC, --repeat of them) with --no-prime of these components")
     ns = ap.parse_args()
     if ns.what == "all":
         res = run_all(ns)
@@ -308,7 +330,8 @@ def main() -> None:
         return
     fn = {"phases": lambda: phases(ns.path, ns.cudnn),
           "first-image": lambda: first_image(ns.path, ns.cudnn, ns.steps, ns.level,
-                                             json.loads(ns.provider_options) if ns.provider_options else None),
+                                             json.loads(ns.provider_options) if ns.provider_options else None,
+                                             ns.no_prime),
           "profile": lambda: profile(ns.path, ns.cudnn, ns.steps),
           "diffusers": lambda: diffusers_oneshot(ns.path, ns.steps, ns.png)}[ns.what]
     print(json.dumps(fn()), flush=True)
