@@ -16,7 +16,8 @@ compute cache are warm after the first repeat):
   diffusion_trt alone);
 * ``levels``: from_artifacts per ONNX Runtime graph optimisation level: UNet session time and warm step;
 * ``first-image-no-prime`` (``--no-prime-variant unet``): first-image (HEURISTIC) with those components not primed
-  on their loader threads (the caller's CUDA-graph runs at load make their first run);
+  on their loader threads (the caller's CUDA-graph runs at load make their first run); ``--no-prime-variant none``:
+  every component primed on its loader thread (``runtime.loading.CALLER_FIRST_RUN`` emptied: the load before it);
 * ``first-image-options`` (``--option-variants '{"sdpa_kernel": "1"};{...}'``): first-image (HEURISTIC) with those
   CUDA provider options on every component, one process each.
 
@@ -129,8 +130,16 @@ def _skip_prime(components: set[str]) -> None:
     """A variant of the load, for this benchmark only: ``components`` are not primed on their loader threads, so
     the caller's own CUDA-graph runs at load (``OpenTogether.wait(capture=True)``) make their first run, on the
     thread that replays (no second per-thread first run)."""
+    from diffusion_trt.runtime import loading
     from diffusion_trt.runtime.engines.ort_engine import OrtEngine
 
+    if components == {"none"}:  # every engine primed where it loads
+        from diffusion_trt.runtime import pipeline
+
+        for module in (loading, pipeline):
+            if hasattr(module, "CALLER_FIRST_RUN"):
+                module.CALLER_FIRST_RUN = frozenset()
+        return
     prime = OrtEngine.prime
     OrtEngine.prime = lambda self: False if self.name in components else prime(self)
 

@@ -127,7 +127,7 @@ case $phase in
   cold-base)
     log cold start
     $py benchmarks/cold_start.py all $W/art-base --model-dir $W/model-sd15 --repeat 2 ${BEFORE:+--code-before "$BEFORE"} \
-      --levels "" --no-prime-variant unet --json "$out/cold_start.json" 2>&1 | tail -40
+      --levels "" --no-prime-variant none --json "$out/cold_start.json" 2>&1 | tail -40
     log bench b1
     timeout 150 $D bench $W/art-base --baseline none --steps 50 --json "$out/bench_b1.json" 2>&1 \
       | grep -v -E "it/s|stage/s" | tail -12 ;;

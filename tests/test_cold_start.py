@@ -395,6 +395,10 @@ class _Warms(_Opens):
         super().__init__(fail)
         self.graph, self.primed_on, self.captured_on = graph, None, []
 
+    @property
+    def cuda_graph(self) -> bool:
+        return self.graph
+
     def prime(self) -> bool:
         self.primed_on = threading.get_ident()
         return True
@@ -413,6 +417,24 @@ def test_open_together_captures_each_warmed_engine_on_the_callers_thread() -> No
     assert all(e.primed_on not in (None, me) for e in engines.values())  # the warm-ups ran on the loader threads
     assert "captured_s" in opening.timeline["unet"]
     assert "captured_s" not in opening.timeline["vae_decoder"]  # not in CUDA-graph mode: nothing captured
+
+
+def test_the_callers_capture_makes_the_unets_first_run_and_the_others_are_primed_on_their_threads() -> None:
+    """CALLER_FIRST_RUN: the UNet in CUDA-graph mode is not primed on its loader thread (its first run on the thread
+    that replays is the one that counts); an engine of that name without a graph, and every other one, is primed."""
+    from diffusion_trt.runtime.loading import CALLER_FIRST_RUN
+
+    engines = {"unet": _Warms(), "text_encoder": _Warms()}
+    with OpenTogether(engines, warm=True, caller_first_run=CALLER_FIRST_RUN) as opening:
+        opening.wait(capture=True)
+    me = threading.get_ident()
+    assert engines["unet"].primed_on is None and engines["unet"].captured_on == [me]
+    assert engines["text_encoder"].primed_on not in (None, me) and engines["text_encoder"].captured_on == [me]
+    assert "warmed_s" not in opening.timeline["unet"] and "captured_s" in opening.timeline["unet"]
+    eager = {"unet": _Warms(graph=False)}
+    with OpenTogether(eager, warm=True, caller_first_run=CALLER_FIRST_RUN) as opening:
+        opening.wait(capture=True)
+    assert eager["unet"].primed_on not in (None, me)  # nothing to capture: warmed where it loaded, as before
 
 
 def test_open_together_captures_nothing_unless_asked_and_closes_all_after_a_failure() -> None:

@@ -11,11 +11,12 @@ runs each engine whose profile is static once on zeros (:func:`warm_up`); the ca
 With ``enable_cuda_graph`` the graphs are captured in ``from_artifacts`` too, on the caller's thread (ONNX Runtime's
 CUDA provider keeps a graph per thread: only the thread that will call can capture the graph it replays), as each
 engine comes warm from its loader thread, while diffusers is imported on a thread of its own
-(:meth:`OpenTogether.wait` with ``capture``); the first image then replays from its first step. ONNX Runtime captures
-in ``cudaStreamCaptureModeGlobal``: a ``cudaMalloc`` or copy from any other thread during the capture breaks it
+(:meth:`OpenTogether.wait` with ``capture``); the first image then replays from its first step. The UNet is not
+primed on its loader thread then: the caller's capture makes its first run (:data:`CALLER_FIRST_RUN`). ONNX Runtime
+captures in ``cudaStreamCaptureModeGlobal``: a ``cudaMalloc`` or copy from any other thread during the capture breaks it
 ("operation not permitted when stream is capturing", seen on the H200 when the warm-ups ran unguarded). So every CUDA
-session creation and uncaptured warm-up holds :data:`~.engines.capture_lock.CAPTURE_LOCK` shared, side by side, and
-only the captures (milliseconds) hold it exclusive.
+session creation, uncaptured warm-up and regular run before a capture holds :data:`~.engines.capture_lock.CAPTURE_LOCK`
+shared, side by side, and only the capturing runs (milliseconds) hold it exclusive.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from types import TracebackType
 
@@ -32,6 +33,17 @@ import torch
 from .engines.engine import Engine
 
 logger = logging.getLogger(__name__)
+
+
+#: In CUDA-graph mode, the components whose first run the caller's capture at load makes (:meth:`OpenTogether.wait`
+#: with ``capture``), instead of a prime on their loader thread. A prime settles only what a session shares across
+#: threads; the thread that replays still pays a first run of its own in graph mode (ONNX Runtime's per-thread CUDA
+#: context: its cuDNN / cuBLAS handles and what hangs on them). For the UNet, the last engine to open and the critical
+#: path of the load, that made two first runs in a row: a prime (0.77-1.0 s alone, ``benchmarks/cold_start.py``
+#: phases) and 0.5 s of the caller's graph-mode runs after it (H100, ``h100-2026-12-05-s17-cold-start.json``,
+#: profile of the first call), against a capture run of 8 ms. The smaller engines open earlier and keep their prime
+#: on their own threads, so the caller's thread is free when the UNet arrives.
+CALLER_FIRST_RUN = frozenset({"unet", "unet_controlnet"})
 
 
 def warm_up(engine: Engine) -> bool:
@@ -67,11 +79,15 @@ class OpenTogether:
     Args:
         engines: name -> unopened engine.
         warm: warm each static CUDA engine after it opens.
+        caller_first_run: names of engines whose first run the caller makes in :meth:`wait` with ``capture``
+            (e.g. :data:`CALLER_FIRST_RUN`): not warmed on their loader thread when they are in CUDA-graph mode; only
+            for a caller that waits with ``capture``.
     """
 
-    def __init__(self, engines: Mapping[str, Engine], *, warm: bool) -> None:
+    def __init__(self, engines: Mapping[str, Engine], *, warm: bool, caller_first_run: Collection[str] = ()) -> None:
         self._engines = dict(engines)
         self._warm = warm
+        self._caller_first_run = frozenset(caller_first_run)
         self._pool = ThreadPoolExecutor(max(1, len(self._engines)), thread_name_prefix="diffusion-trt-open")
         self._futures: dict[str, Future[bool]] = {}
         self._lock = threading.Lock()
@@ -91,7 +107,7 @@ class OpenTogether:
         engine.__enter__()
         marks = {"opened_s": time.perf_counter() - self._t0}
         try:
-            if self._warm and warm_up(engine):
+            if self._warm and not self._first_run_by_caller(name) and warm_up(engine):
                 marks["warmed_s"] = time.perf_counter() - self._t0
             if (settle := getattr(engine, "settle", None)) is not None:  # ORT: its private folder removed meanwhile
                 settle()
@@ -102,6 +118,11 @@ class OpenTogether:
         with self._lock:
             self.timeline[name] = marks
         return True
+
+    def _first_run_by_caller(self, name: str) -> bool:
+        """Whether the caller's capture makes ``name``'s first run (see ``caller_first_run``): an open engine in
+        CUDA-graph mode."""
+        return name in self._caller_first_run and bool(getattr(self._engines[name], "cuda_graph", False))
 
     def wait(self, *, capture: bool = False) -> None:
         """Block until every engine is open (and warmed).
@@ -132,7 +153,7 @@ class OpenTogether:
         """Capture ``name``'s graph on this thread, if it was warmed and can (see :meth:`wait`)."""
         marks = self.timeline.get(name, {})
         capture = getattr(self._engines[name], "capture", None)
-        if "warmed_s" in marks and capture is not None and capture():
+        if ("warmed_s" in marks or self._first_run_by_caller(name)) and capture is not None and capture():
             with self._lock:
                 marks["captured_s"] = time.perf_counter() - self._t0
 

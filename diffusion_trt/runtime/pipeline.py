@@ -59,7 +59,7 @@ from .generation_args import GENERATION_ARGS
 from .geometry import LatentGeometry
 from .image_inputs import ImageRequest
 from .latents import Generator, StepCallback
-from .loading import OpenTogether
+from .loading import CALLER_FIRST_RUN, OpenTogether
 from .lora_slots import apply_loras, load_slots, lora_list
 from .memory.residency import Residency
 from .memory.stages import Stages
@@ -453,12 +453,14 @@ class EnginePipeline:
         slots = load_slots(reader, device, options.device_id)  # ORT --refittable: LoRA per request
         engines = _open_engines(reader, device, options, stream, residency, slots)
         together = {n: engines[n] for n in txt2img_components(manifest)} if _opens_together(manifest, residency) else {}
-        with OpenTogether(together, warm=device == "cuda") as opening:  # the engines load while the rest is read
+        capture = device == "cuda"  # the static engines' CUDA graphs, on this thread (the one that will replay)
+        with OpenTogether(together, warm=capture, caller_first_run=CALLER_FIRST_RUN if capture else ()) as opening:
+            # the engines load while the rest is read
             tokenizer = load_tokenizer(reader, manifest.tokenizer, "tokenizer")
             tokenizer_2 = None
             if manifest.model.is_sdxl:
                 tokenizer_2 = load_tokenizer(reader, manifest.tokenizer_2, "SDXL tokenizer_2")
-            opening.wait(capture=device == "cuda")
+            opening.wait(capture=capture)
             importing.join()
             pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=options.scheduler, stream=stream,
                        root=root, tokenizer_2=tokenizer_2, residency=residency)

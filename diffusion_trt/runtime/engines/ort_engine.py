@@ -50,7 +50,7 @@ import torch
 
 from ...artifact.reader import OnnxBytes
 from ...errors import ArtifactError, RuntimeInputError
-from .capture_lock import CAPTURE_LOCK, exclusive_if, shared_if
+from .capture_lock import CAPTURE_LOCK, shared_if
 from .engine import EngineBase, EngineSpec, _fmt_shape
 
 logger = logging.getLogger(__name__)
@@ -332,9 +332,8 @@ class OrtEngine(EngineBase):
         symbols = self.validate(feeds)
         shapes = self._spec.output_shapes(symbols)
         if self._graph:
-            # the capturing runs allocate their buffers under the lock too: no other thread's CUDA call may land
-            # inside ORT's global-mode capture
-            with exclusive_if(self._capturing()):
+            # the runs before the replays allocate their buffers under the lock too (see _graph_lock)
+            with self._graph_lock():
                 return self._run_graph(feeds, shapes)
         if self._io_binding:
             return self._run_bound(feeds, shapes)
@@ -348,9 +347,9 @@ class OrtEngine(EngineBase):
         goes through its own IO binding with ORT's run option ``gpu_graph_id=-1`` (no capture, no replay, and ORT's
         count of runs before the capture left as it was; onnxruntime ``core/providers/cuda/cuda_graph.h``,
         ``kCudaGraphAnnotationSkip``), so the engine's own first runs, on the thread that replays, still run
-        and capture holding :data:`~.capture_lock.CAPTURE_LOCK` exclusive. This run holds it shared: a regular run
-        allocates, which would break another thread's capture in ``cudaStreamCaptureModeGlobal``, but it may overlap
-        other engines' session creations and first runs.
+        and capture (the capturing run holding :data:`~.capture_lock.CAPTURE_LOCK` exclusive). This run holds it
+        shared: a regular run allocates, which would break another thread's capture in
+        ``cudaStreamCaptureModeGlobal``, but it may overlap other engines' session creations and first runs.
 
         Returns:
             Whether it ran: only engines whose every input shape is fixed (a static spec).
@@ -375,9 +374,10 @@ class OrtEngine(EngineBase):
 
     def capture(self) -> bool:
         """Capture the CUDA graph on the calling thread now: the graph-mode runs on zeros (at the static input
-        shapes) that a first call would make, holding :data:`~.capture_lock.CAPTURE_LOCK` exclusive, then wait for
-        the device. The thread that later calls :meth:`run` replays from its first run, if it is this thread (ONNX
-        Runtime keeps the graph per thread; another thread captures its own on its first runs, as before).
+        shapes) that a first call would make (the regular one holding :data:`~.capture_lock.CAPTURE_LOCK` shared, the
+        capturing one exclusive: :meth:`_graph_lock`), then wait for the device. The thread that later calls
+        :meth:`run` replays from its first run, if it is this thread (ONNX Runtime keeps the graph per thread;
+        another thread captures its own on its first runs, as before).
 
         Returns:
             Whether it captured: only engines in CUDA-graph mode, not yet captured on this thread. ``False`` also
@@ -390,12 +390,22 @@ class OrtEngine(EngineBase):
             raise RuntimeError(f"engine {self._name!r} is not open; use `with engine:` first")
         if not self._graph or not self._capturing():
             return False
-        with CAPTURE_LOCK.exclusive():  # the zeros' allocation too (reentrant: run() takes it again)
+        with CAPTURE_LOCK.shared():  # an allocation: never inside another thread's capture
             feeds = self._spec.zero_feeds(self._device)
-            while self._graph and self._capturing():
-                self.run(feeds)
-            self._current_torch_stream().synchronize()
+        while self._graph and self._capturing():
+            self.run(feeds)  # the regular run (the first on this thread) shared, the capturing run exclusive
+        self._current_torch_stream().synchronize()
         return self._graph
+
+    def _graph_lock(self) -> contextlib.AbstractContextManager[None]:
+        """What a graph-mode run on this thread holds of :data:`~.capture_lock.CAPTURE_LOCK`: the capturing run holds it
+        exclusive (ORT captures in ``cudaStreamCaptureModeGlobal``: no other thread's CUDA call may land inside); the
+        regular run before it holds it shared (it allocates, so never inside another thread's capture, but it may
+        overlap other engines' loads: the UNet's first run, made here at load, takes a second); replays hold nothing."""
+        runs = self._graph_runs.get(threading.get_ident(), 0)
+        if runs >= _GRAPH_CAPTURE_RUNS:
+            return contextlib.nullcontext()
+        return CAPTURE_LOCK.exclusive() if runs == _GRAPH_CAPTURE_RUNS - 1 else CAPTURE_LOCK.shared()
 
     def _capturing(self) -> bool:
         """Whether this thread's next graph-mode run is one of ORT's runs before its replays (see
@@ -759,7 +769,7 @@ class OrtEngine(EngineBase):
             self._graph_bound = True
         capturing = self._capturing()
         try:
-            with exclusive_if(capturing):
+            with self._graph_lock():
                 self._session.run_with_iobinding(binding, self._run_options)
         except Exception as e:  # ORT's capture failures come as its own exception types
             if not capturing:
