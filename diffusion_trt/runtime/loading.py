@@ -109,8 +109,8 @@ class OpenTogether:
         try:
             if self._warm and not self._first_run_by_caller(name) and warm_up(engine):
                 marks["warmed_s"] = time.perf_counter() - self._t0
-            if (settle := getattr(engine, "settle", None)) is not None:  # ORT: its private folder removed meanwhile
-                settle()
+            if (removal := getattr(engine, "wait_removal", None)) is not None:  # ORT: its private folder, meanwhile
+                removal()
         except BaseException:
             engine.__exit__(None, None, None)
             raise

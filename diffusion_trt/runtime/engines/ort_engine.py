@@ -296,7 +296,7 @@ class OrtEngine(EngineBase):
 
     def close(self) -> None:
         """Free the session and every buffer (idempotent)."""
-        self.settle()
+        self.wait_removal()
         if self._session is not None and self._async:
             # queued kernels may still read the inputs we keep alive / write our buffers
             self._current_torch_stream().synchronize()
@@ -518,13 +518,13 @@ class OrtEngine(EngineBase):
         self._finish_open(ort, session)
 
     def _remove_later(self, folder: tempfile.TemporaryDirectory[str] | None) -> None:
-        """Remove the private folder on a thread of its own (:meth:`settle` waits for it): ONNX Runtime is done with
-        its files once the session exists, and freeing the pages of a just-written 1.7 GB file (the SD-1.5 UNet's)
+        """Remove the private folder on a thread of its own (:meth:`wait_removal` waits for it): ONNX Runtime is done
+        with its files once the session exists, and freeing the pages of a just-written 1.7 GB file (the SD-1.5 UNet's)
         takes long enough to matter when it sits between the session and the first run. The thread is not a daemon,
         so the folder is gone before the interpreter exits."""
         if folder is None:
             return
-        self.settle()  # a previous open's removal (a rebuild without CUDA graphs)
+        self.wait_removal()  # a previous open's removal (a rebuild without CUDA graphs)
 
         def remove() -> None:
             t = time.perf_counter()
@@ -534,7 +534,7 @@ class OrtEngine(EngineBase):
         self._removing = threading.Thread(target=remove, name=f"diffusion-trt-remove-{self._name}")
         self._removing.start()
 
-    def settle(self) -> None:
+    def wait_removal(self) -> None:
         """Wait until the last open's private folder is removed (at once when there was none)."""
         if self._removing is not None:
             self._removing.join()
