@@ -8,6 +8,11 @@
 #   bash benchmarks/gpu_cold_start.sh compile-b4 OUT   static 512 b4 compile with its memory profile; bench b4
 # Four artifacts at once, then the measurements on a quiet host:
 #   bash benchmarks/gpu_cold_start.sh prep OUT         models, then compiles (below) in one call
+#   bash benchmarks/gpu_cold_start.sh prep-tests OUT   prep started in a process session of its own (setsid: it
+#                                                       outlives the device call, and its files stay under OUT/prep,
+#                                                       OUT on /tmp, not $OUT) while `pytest -m gpu tests` runs; waits
+#                                                       for prep until PREP_UNTIL seconds (default 560) into the call;
+#                                                       a later phase's call waits for the rest (WAIT_PREP=1)
 #   bash benchmarks/gpu_cold_start.sh models OUT       sd15 pipeline, ControlNets a/b, rank-64 LoRAs a/b
 #   bash benchmarks/gpu_cold_start.sh compiles OUT     compiles side by side, waited for (a process left in the
 #                                                       background does not outlive the device call); ARTS picks
@@ -109,8 +114,23 @@ bytecode_all() {  # into $PYTHONPYCACHEPREFIX, in the background of the compiles
     ( t=$(date +%s); $py -m compileall -q -j 0 "$system" "$SITE" "$PWD/diffusion_trt" > /dev/null 2>&1
       echo "compileall into $PYTHONPYCACHEPREFIX rc $? in $(( $(date +%s) - t )) s ($system)" ) &
 }
+prep_running() { pgrep -f "gpu_cold_start.sh prep " > /dev/null; }
+if [ "${WAIT_PREP:-0}" = 1 ]; then  # a phase after prep-tests: its compiles may still run
+  while prep_running && [ $SECONDS -lt ${PREP_UNTIL:-560} ]; do sleep 3; done
+  prep_running && { echo "prep still running after ${SECONDS}s"; exit 1; }
+fi
 case $phase in
   prep) bytecode_all; models; compiles ;;
+  prep-tests)
+    mkdir -p "$out/prep"
+    setsid nohup bash "$0" prep "$out/prep" > "$out/prep.log" 2>&1 < /dev/null &
+    sleep 1
+    log "gpu tests beside the compiles"
+    timeout ${TESTS_TIMEOUT:-420} $py -m pytest -q -m gpu tests -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1
+    echo "gpu tests rc $?"; grep -E "passed|failed|FAILED|ERROR" "$out/gpu_tests.log" | tail -25
+    while prep_running && [ $SECONDS -lt ${PREP_UNTIL:-560} ]; do sleep 3; done
+    echo "prep running: $(prep_running && echo yes || echo no) at ${SECONDS}s"
+    grep -v -E "it/s|stage/s" "$out/prep.log" | tail -30 ;;
   models) models ;;
   compiles) compiles ;;
   bytecode)
