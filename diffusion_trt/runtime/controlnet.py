@@ -38,7 +38,10 @@ from typing import Any
 
 import torch
 
-from ..artifact.manifest import control_component_problems
+from ..artifact.manifest import CONTROL_COND as COND
+from ..artifact.manifest import CONTROL_EMBEDDING as EMBEDDING
+from ..artifact.manifest import CONTROLNET_PREFIX as PREFIX
+from ..artifact.manifest import EMBED_PREFIX, UNET_CONTROLNET, control_component_problems
 from ..errors import ArtifactError, RuntimeInputError
 from .cuda import nvtx_range
 from .engines.engine import Engine
@@ -48,13 +51,6 @@ from .image_inputs import image_rows_and_size
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "controlnet_"
-#: ``cond_embed_<name>``: ControlNet ``<name>``'s conditioning embedding (artifacts compiled after the split).
-EMBED_PREFIX = "cond_embed_"
-UNET_CONTROLNET = "unet_controlnet"
-#: The control image input (``cond_embed_<name>``'s, or an old ``controlnet_<name>``'s) and the embedding.
-COND = "controlnet_cond"
-EMBEDDING = "controlnet_cond_embedding"
 #: ``controlnet_conditioning_scale``'s default per mode, as diffusers' ControlNet pipelines (txt2img, Img2Img, Inpaint)
 DEFAULT_CONTROL_SCALE: dict[str, float] = {"txt2img": 1.0, "img2img": 0.8, "inpaint": 0.5}
 

@@ -35,7 +35,15 @@ import torch
 from .. import trt_compat
 from ..artifact import folder as artifacts
 from ..artifact.folder import safe_join
-from ..artifact.manifest import Backend, Manifest, ModelFacts, embedding_shape_problems
+from ..artifact.manifest import (
+    CONTROLNET_PREFIX,
+    EMBED_PREFIX,
+    UNET_CONTROLNET,
+    Backend,
+    Manifest,
+    ModelFacts,
+    embedding_shape_problems,
+)
 from ..artifact.reader import ArtifactReader, ArtifactReplacedError
 from ..artifact.values import check_scheduler_config
 from ..errors import ArtifactError, LoraError, RuntimeInputError, names_arguments, names_parameters
@@ -89,13 +97,13 @@ LAZY_COMPONENTS: tuple[str, ...] = ("vae_encoder",)
 #: NCHW UNet's 10.2 ms (``h200-2026-12-02-s9-controlnet-step.json``, ``-ort-offline-nchw.json``). A ControlNet's
 #: conditioning embedding (``cond_embed_<name>``, a conv stack over the control image) ran NHWC inside its
 #: ``controlnet_<name>`` until it became a component of its own, and keeps that layout (not measured apart).
-NHWC_COMPONENTS: frozenset[str] = frozenset({"unet", "unet_controlnet", "vae_decoder", "vae_encoder"})
+NHWC_COMPONENTS: frozenset[str] = frozenset({"unet", UNET_CONTROLNET, "vae_decoder", "vae_encoder"})
 
 
 def runs_nhwc(component: str) -> bool:
     """Whether ``component`` gets ``prefer_nhwc`` on CUDA: :data:`NHWC_COMPONENTS` and every ControlNet engine
     (``controlnet_<name>``, ``cond_embed_<name>``)."""
-    return component in NHWC_COMPONENTS or component.startswith(("controlnet_", "cond_embed_"))
+    return component in NHWC_COMPONENTS or component.startswith((CONTROLNET_PREFIX, EMBED_PREFIX))
 
 
 #: ORT's attention backend for every CUDA engine: ``sdpa_kernel`` bit 8 = cuDNN flash attention (ORT's
