@@ -33,6 +33,14 @@ CONTROL_COND = "controlnet_cond"
 CONTROL_EMBEDDING = "controlnet_cond_embedding"
 
 
+def lora_source(component: str) -> str | None:
+    """The model a LoRA file names for ``component``'s weights (its keys' ``unet.`` / ``text_encoder.`` prefix):
+    the component itself for ``unet``, ``text_encoder`` and ``text_encoder_2``, ``unet`` for ``unet_controlnet``
+    (the same UNet with the ControlNet residuals as inputs); ``None`` for components no LoRA changes."""
+    if component in ("unet", "text_encoder", "text_encoder_2"):
+        return component
+    return "unet" if component == UNET_CONTROLNET else None
+
 class Backend(enum.StrEnum):
     """The engine library an artifact was built for; ``.value`` is what ``manifest.json`` holds.
 
