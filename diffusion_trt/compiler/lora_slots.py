@@ -7,7 +7,9 @@ Convs' weights: ``[C, O]``, below); their values go to ``<component>/lora_base.s
 array, in the input's layout and the graph's dtype). The runtime binds those inputs on every run: the base values
 when no LoRA is loaded, ``W + sum(scale * B @ A)`` computed on the device when one is
 (:mod:`diffusion_trt.runtime.lora_slots`, which says why this mechanism and not ORT's own LoRA adapters).
-The artifact is no bigger: the weights moved, they are not copied.
+The artifact is no bigger: the weights moved, they are not copied. ``unet_controlnet`` (``--controlnet``: the UNet
+with the ControlNet residual inputs, the same weights) gets the same treatment, its inputs renamed to ``unet``'s and
+its base values read from ``unet/lora_base.safetensors`` (``write_weight_inputs(share_with="unet")``): stored once.
 
 Which weights (:func:`expose_weights`):
 

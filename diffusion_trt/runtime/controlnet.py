@@ -91,10 +91,12 @@ def check_control_components(inputs: Mapping[str, Sequence[str]]) -> None:
 
 def check_lora_reaches_unet_controlnet(lora: Mapping[str, Any] | None) -> None:
     """Refuse a call with a control image while a run-time LoRA (:meth:`EnginePipeline.load_lora`'s record,
-    ``pipe.lora``) changes the plain ``unet`` but not ``unet_controlnet``, the UNet such a call runs: ``--refittable``
-    makes ``unet`` and the text encoders' weights inputs, never ``unet_controlnet``'s, so the image would be the base
-    model's (plus the LoRA's text encoder part) with no word said. A LoRA of the text encoder only, or at scale 0,
-    passes.
+    ``pipe.lora``) changes the plain ``unet`` but not ``unet_controlnet``, the UNet such a call runs, so the image
+    would be the base model's (plus the LoRA's text encoder part) with no word said. That is an ONNX Runtime artifact
+    compiled with ``--refittable --controlnet`` before ``unet_controlnet`` took weight inputs (its manifest entry has
+    no ``weight_inputs``, so :func:`~.lora_slots.load_slots` gives it none and no weight of it changes), or a
+    TensorRT one (refit reaches ``unet`` and the text encoders only). Artifacts compiled since bind the LoRA in
+    ``unet_controlnet`` too, and pass; so do a LoRA of the text encoder only, and one at scale 0.
 
     Raises:
         RuntimeInputError: naming the LoRA(s) and the fixes.
@@ -107,10 +109,12 @@ def check_lora_reaches_unet_controlnet(lora: Mapping[str, Any] | None) -> None:
         return
     names = ", ".join(str(r.get("file")) for r in records)
     raise RuntimeInputError(
-        f"the LoRA {names} loaded at run time changes the UNet, but a call with a control image runs "
-        f"{UNET_CONTROLNET}, whose weights this artifact keeps constant (--refittable covers unet and the text "
-        "encoders only): the image would not have the LoRA; merge it at compile time (compile MODEL --lora "
-        "FILE:SCALE --controlnet ...), or unload it (unload_lora(), run without --lora) for ControlNet calls")
+        f"the LoRA {names} loaded at run time changes the UNet, but a call with a control image "
+        f"runs {UNET_CONTROLNET}, whose weights this artifact keeps constant (an ONNX Runtime artifact compiled with "
+        "--refittable --controlnet before unet_controlnet took the LoRA weights as inputs, or a TensorRT one): the "
+        "image would not have the LoRA; recompile it with --refittable --controlnet (ONNX Runtime), merge the LoRA at "
+        "compile time (compile MODEL --lora FILE:SCALE --controlnet ...), or unload it (unload_lora(), run without "
+        "--lora) for ControlNet calls")
 
 
 def _as_list(value: Any, n: int, what: str) -> list[Any]:

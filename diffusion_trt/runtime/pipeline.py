@@ -68,7 +68,7 @@ from .geometry import LatentGeometry
 from .image_inputs import ImageRequest
 from .latents import Generator, StepCallback
 from .loading import OpenTogether
-from .lora_slots import apply_loras, load_slots, lora_list
+from .lora_slots import apply_loras, distinct, load_slots, lora_list
 from .memory.residency import Residency
 from .memory.stages import Stages
 from .png import save_png
@@ -513,10 +513,13 @@ class EnginePipeline:
         of paths, ``"FILE:SCALE"`` strings or ``(path, scale)`` pairs, applied together (``W + sum(scale_i *
         delta_i)``); the base weights come from the artifact (``model_dir`` is not read); the deltas are computed
         on the engines' device and the weight inputs updated in place. Everything is checked before any weight
-        changes: a refused LoRA leaves the pipeline as it was. Returns ``{"loras": [{"file", "sha256", "scale"}],
-        "changed": {component: weights changed}}``.
+        changes: a refused LoRA leaves the pipeline as it was. With ``--controlnet``, ``unet_controlnet`` (the UNet
+        of control-image calls) binds the plain ``unet``'s weight inputs, so the LoRA reaches those calls too
+        (artifacts compiled before that refuse a control-image call while a LoRA changes the UNet). Returns
+        ``{"loras": [{"file", "sha256", "scale"}], "changed": {component: weights changed}}``.
 
-        TensorRT ``--refittable`` artifacts: one LoRA, refitted as follows.
+        TensorRT ``--refittable`` artifacts: one LoRA, refitted as follows (``unet`` and the text encoder(s);
+        ``unet_controlnet`` keeps its weights, so a control-image call is refused while the LoRA changes the UNet).
 
         How (see :mod:`diffusion_trt.runtime.refit`): the base weights of the UNet and text encoder(s) are read from
         ``model_dir``'s safetensors (checked weight by weight against the artifact's refit maps; no model class is
@@ -618,7 +621,7 @@ class EnginePipeline:
                 EnginePipeline.load_lora.__wrapped__(self, self._trt_lora_path, 0.0)  # type: ignore[attr-defined]
                 self.lora = None
             return
-        for slots in self._weight_slots.values():
+        for slots in distinct(self._weight_slots):  # unet and unet_controlnet may share theirs
             slots.bind({})
         self.embedding_cache.clear()
         self.lora = None
