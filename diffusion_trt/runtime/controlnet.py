@@ -43,6 +43,7 @@ from ..artifact.manifest import CONTROL_EMBEDDING as EMBEDDING
 from ..artifact.manifest import CONTROLNET_PREFIX as PREFIX
 from ..artifact.manifest import EMBED_PREFIX, UNET_CONTROLNET, control_component_problems
 from ..errors import ArtifactError, RuntimeInputError
+from ..lora import LoadedLoras
 from .cuda import nvtx_range
 from .engines.engine import Engine
 from .finite import check_finite
@@ -89,9 +90,10 @@ def check_control_components(inputs: Mapping[str, Sequence[str]]) -> None:
         raise ArtifactError(problems[0])
 
 
-def check_lora_reaches_unet_controlnet(lora: Mapping[str, Any] | None) -> None:
-    """Refuse a call with a control image while a run-time LoRA (:meth:`EnginePipeline.load_lora`'s record,
-    ``pipe.lora``) changes the plain ``unet`` but not ``unet_controlnet``, the UNet such a call runs, so the image
+def check_lora_reaches_unet_controlnet(loaded: LoadedLoras | None) -> None:
+    """Refuse a call with a control image while the run-time LoRA(s) ``loaded`` (what
+    :meth:`EnginePipeline.load_lora` loaded, as one value for both backends) change the plain ``unet`` but not
+    ``unet_controlnet``, the UNet such a call runs, so the image
     would be the base model's (plus the LoRA's text encoder part) with no word said. That is an ONNX Runtime artifact
     compiled with ``--refittable --controlnet`` before ``unet_controlnet`` took weight inputs (its manifest entry has
     no ``weight_inputs``, so :func:`~.lora_slots.load_slots` gives it none and no weight of it changes), or a
@@ -101,15 +103,10 @@ def check_lora_reaches_unet_controlnet(lora: Mapping[str, Any] | None) -> None:
     Raises:
         RuntimeInputError: naming the LoRA(s) and the fixes.
     """
-    if not lora:
+    if loaded is None or not loaded.changed.get("unet") or loaded.changed.get(UNET_CONTROLNET):
         return
-    changed = lora.get("changed", lora.get("refitted")) or {}
-    records = lora.get("loras", [lora])
-    if not changed.get("unet") or changed.get(UNET_CONTROLNET) or all(r.get("scale") == 0 for r in records):
-        return
-    names = ", ".join(str(r.get("file")) for r in records)
     raise RuntimeInputError(
-        f"the LoRA {names} loaded at run time changes the UNet, but a call with a control image "
+        f"the LoRA {', '.join(loaded.files)} loaded at run time changes the UNet, but a call with a control image "
         f"runs {UNET_CONTROLNET}, whose weights this artifact keeps constant (an ONNX Runtime artifact compiled with "
         "--refittable --controlnet before unet_controlnet took the LoRA weights as inputs, or a TensorRT one): the "
         "image would not have the LoRA; recompile it with --refittable --controlnet (ONNX Runtime), merge the LoRA at "

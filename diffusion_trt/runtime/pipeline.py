@@ -47,6 +47,7 @@ from ..artifact.manifest import (
 from ..artifact.reader import ArtifactReader, ArtifactReplacedError
 from ..artifact.values import check_scheduler_config
 from ..errors import ArtifactError, LoraError, RuntimeInputError, names_arguments, names_parameters
+from ..lora import LoadedLoras
 from . import denoise
 from .call_guard import CallGuard, one_call_at_a_time
 from .controlnet import (
@@ -307,6 +308,9 @@ class EnginePipeline:
         #: the LoRA :meth:`load_lora` refitted (``{"file", "sha256", "scale"}``), ``None`` = the compiled weights
         self.lora: dict[str, Any] | None = None
         self._lora_weights: dict[str, dict[str, Any]] = {}  # what the last refit changed, per component
+        #: what the LoRA(s) loaded now change, per component: one value whichever backend loaded them (``lora``,
+        #: the public record, differs); ``None`` = none loaded
+        self._loaded_loras: LoadedLoras | None = None
         #: ORT --refittable: the weight inputs of the UNet / text encoder(s) (runtime/lora_slots.py); {} otherwise
         self._weight_slots: Mapping[str, Any] = {}
         self._trt_lora_path: Path | None = None  # TensorRT: the LoRA refitted last (unload_lora refits it at 0)
@@ -582,6 +586,7 @@ class EnginePipeline:
         self._trt_lora_path = lora.path
         self.lora = {**lora.record({}), "refitted": {c: len(v) for c, v in weights.items()}}
         self.lora.pop("layers")
+        self._loaded_loras = LoadedLoras.of([lora], self.lora["refitted"])
         logger.info("LoRA %s (scale %g): refitted %s", lora.path.name, lora.scale, self.lora["refitted"])
         return dict(self.lora)
 
@@ -604,6 +609,7 @@ class EnginePipeline:
         self.embedding_cache.clear()  # the text encoder may have changed
         records = [{"file": f.path.name, "sha256": f.sha256, "scale": f.scale} for f in files]
         self.lora = {"loras": records, "changed": changed}
+        self._loaded_loras = LoadedLoras.of(files, changed)
         logger.info("LoRA %s: %s", " + ".join(f"{f.path.name}:{f.scale:g}" for f in files), changed)
         return dict(self.lora)
 
@@ -619,12 +625,12 @@ class EnginePipeline:
         if not self._weight_slots:
             if self.lora is not None:  # load_lora itself, under the guard this method holds already
                 EnginePipeline.load_lora.__wrapped__(self, self._trt_lora_path, 0.0)  # type: ignore[attr-defined]
-                self.lora = None
+                self.lora = self._loaded_loras = None
             return
         for slots in distinct(self._weight_slots):  # unet and unet_controlnet may share theirs
             slots.bind({})
         self.embedding_cache.clear()
-        self.lora = None
+        self.lora = self._loaded_loras = None
 
     @one_call_at_a_time("load_textual_inversion()")
     def load_textual_inversion(self, pretrained_model_name_or_path: str | Path | Sequence[str | Path],
@@ -902,7 +908,7 @@ class EnginePipeline:
                                controlnet_conditioning_scale, control_guidance_start, control_guidance_end,
                                guess_mode, request.height, request.width, len(request.prompts))
         if control is not None:
-            check_lora_reaches_unet_controlnet(self.lora)
+            check_lora_reaches_unet_controlnet(self._loaded_loras)
         if isinstance(request.conditioning, ImageRequest):
             self._engine("vae_encoder")  # opened on first use, after the checks
         if control is not None:  # the ControlNet engines, opened on first use
