@@ -796,10 +796,11 @@ def _warn_unused_compile_options(options: dict[str, Any]) -> None:
     if backend is not Backend.TENSORRT and _given(("timing_cache",)):
         logger.warning("--timing-cache: no effect with --backend %s (it caches full TensorRT's kernel timings; "
                        "TensorRT-RTX times no kernels at build)", backend)
-    if options.get("refittable") and options.get("controlnets"):
-        logger.warning("--refittable with --controlnet: run-time LoRAs reach unet and the text encoders, not "
-                       "unet_controlnet (the UNet a call with a control image runs), so such a call is refused while "
-                       "a LoRA changes the UNet; for ControlNet calls merge the LoRA with --lora FILE:SCALE")
+    if options.get("refittable") and options.get("controlnets") and backend is not Backend.ORT:
+        logger.warning("--refittable with --controlnet: on --backend %s run-time LoRAs reach unet and the text "
+                       "encoders, not unet_controlnet (the UNet a call with a control image runs), so such a call is "
+                       "refused while a LoRA changes the UNet; for ControlNet calls merge the LoRA with --lora "
+                       "FILE:SCALE, or compile for --backend ort, whose unet_controlnet takes them", backend)
     if backend is Backend.TENSORRT_RTX and _given(("target_compute_capability",)):
         logger.warning("--target-compute-capability: no effect with --backend tensorrt-rtx (the plans are built for "
                        "--compute-capability)")

@@ -11,10 +11,11 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from .config import split_scale
@@ -48,6 +49,29 @@ class LoraFile:
     def record(self, layers: dict[str, int]) -> dict[str, Any]:
         """The manifest entry: file name, sha256, scale and the layers merged per component."""
         return {"file": self.path.name, "sha256": self.sha256, "scale": self.scale, "layers": layers}
+
+
+@dataclass(frozen=True)
+class LoadedLoras:
+    """What the run-time LoRA(s) loaded now do to a pipeline's engines, the same value for both ways of loading
+    them (ONNX Runtime weight inputs, TensorRT refit), whose records differ (``EnginePipeline.lora``).
+
+    Attributes:
+        files: the LoRA file names, in load order.
+        changed: component -> how many of its weights now differ from the base; 0 everywhere when every scale is 0
+            (the weights bound or refitted then equal the base).
+    """
+
+    files: tuple[str, ...]
+    changed: Mapping[str, int]
+
+    @classmethod
+    def of(cls, files: Sequence[LoraFile], changed: Mapping[str, int]) -> LoadedLoras:
+        """From the checked files and what loading them changed per component (bound other than the base, or
+        refitted)."""
+        zero = all(f.scale == 0 for f in files)
+        return cls(tuple(f.path.name for f in files), MappingProxyType({c: 0 if zero else int(n)
+                                                                      for c, n in changed.items()}))
 
 
 def looks_like_lora(keys: Iterable[Any]) -> bool:

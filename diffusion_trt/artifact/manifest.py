@@ -19,6 +19,27 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+#: ControlNet component and tensor names, defined here once: the compiler writes them into artifacts, the runtime and
+#: ``verify`` read them back (``compiler/controlnet.py``, ``runtime/controlnet.py``).
+#: ``controlnet_<name>``: ControlNet ``<name>``, the residuals from the latent and its conditioning.
+CONTROLNET_PREFIX = "controlnet_"
+#: ``cond_embed_<name>``: ControlNet ``<name>``'s conditioning embedding, a component of its own (after the split).
+EMBED_PREFIX = "cond_embed_"
+#: The UNet with the ControlNet residuals as inputs (the plain ``unet`` has none).
+UNET_CONTROLNET = "unet_controlnet"
+#: The control image input (``cond_embed_<name>``'s; a ``controlnet_<name>``'s compiled before the split).
+CONTROL_COND = "controlnet_cond"
+#: ``cond_embed_<name>``'s output, ``controlnet_<name>``'s input (compiled after the split).
+CONTROL_EMBEDDING = "controlnet_cond_embedding"
+
+
+def lora_source(component: str) -> str | None:
+    """The model a LoRA file names for ``component``'s weights (its keys' ``unet.`` / ``text_encoder.`` prefix):
+    the component itself for ``unet``, ``text_encoder`` and ``text_encoder_2``, ``unet`` for ``unet_controlnet``
+    (the same UNet with the ControlNet residuals as inputs); ``None`` for components no LoRA changes."""
+    if component in ("unet", "text_encoder", "text_encoder_2"):
+        return component
+    return "unet" if component == UNET_CONTROLNET else None
 
 class Backend(enum.StrEnum):
     """The engine library an artifact was built for; ``.value`` is what ``manifest.json`` holds.
@@ -339,12 +360,12 @@ def control_component_problems(inputs: Mapping[str, Sequence[str]]) -> list[str]
     """
     problems = []
     for component, names in inputs.items():
-        if not component.startswith("controlnet_") or "controlnet_cond_embedding" not in names:
+        if not component.startswith(CONTROLNET_PREFIX) or CONTROL_EMBEDDING not in names:
             continue
-        name = component[len("controlnet_"):]
-        if f"cond_embed_{name}" not in inputs:
+        name = component[len(CONTROLNET_PREFIX):]
+        if EMBED_PREFIX + name not in inputs:
             problems.append(
-                f"{component} takes controlnet_cond_embedding but the artifact has no cond_embed_{name}, which "
+                f"{component} takes {CONTROL_EMBEDDING} but the artifact has no {EMBED_PREFIX}{name}, which "
                 f"computes it from the control image; the artifact is incomplete: recompile it with --controlnet, or "
                 f"run add-controlnet ARTIFACT MODEL {name}=FOLDER --replace")
     return problems
@@ -361,22 +382,22 @@ def embedding_shape_problems(components: Mapping[str, Any]) -> list[str]:
     """
     def tensor(entry: Any, key: str) -> Mapping[str, Any] | None:
         items = entry.get(key) if isinstance(entry, Mapping) else None
-        found = [t for t in items if isinstance(t, Mapping) and t.get("name") == "controlnet_cond_embedding"] \
+        found = [t for t in items if isinstance(t, Mapping) and t.get("name") == CONTROL_EMBEDDING] \
             if isinstance(items, list) else []
         return found[0] if found else None
 
     problems = []
     for component, entry in components.items():
-        if not component.startswith("cond_embed_"):
+        if not component.startswith(EMBED_PREFIX):
             continue
-        name = component[len("cond_embed_"):]
-        out, taken = tensor(entry, "outputs"), tensor(components.get(f"controlnet_{name}"), "inputs")
+        name = component[len(EMBED_PREFIX):]
+        out, taken = tensor(entry, "outputs"), tensor(components.get(CONTROLNET_PREFIX + name), "inputs")
         if out is None or taken is None:
             continue
         got, want = out.get("shape"), taken.get("shape")  # the dtype may differ: the runtime casts the feed
         if got != want:
             problems.append(
-                f"{component} gives controlnet_cond_embedding {got} but controlnet_{name} takes {want}; the two "
+                f"{component} gives {CONTROL_EMBEDDING} {got} but {CONTROLNET_PREFIX}{name} takes {want}; the two "
                 f"are not from one ControlNet: run add-controlnet ARTIFACT MODEL {name}=FOLDER --replace, or "
                 "recompile with --controlnet")
     return problems

@@ -39,19 +39,16 @@ from typing import Any
 
 import torch
 
+from ..artifact.manifest import CONTROL_COND as COND
+from ..artifact.manifest import CONTROL_EMBEDDING as EMBEDDING
+from ..artifact.manifest import CONTROLNET_PREFIX as PREFIX
+from ..artifact.manifest import EMBED_PREFIX, UNET_CONTROLNET
 from ..errors import ExportError, ModelFolderError, RuntimeInputError
 from .components import ComponentSpec, TensorSpec
 from .controlnet_file import is_single_file, load_single_file, single_file_config
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "controlnet_"
-#: ``cond_embed_<name>``: the conditioning embedding of ControlNet ``<name>``, a component of its own.
-EMBED_PREFIX = "cond_embed_"
-UNET_CONTROLNET = "unet_controlnet"
-#: The control image input (``cond_embed_<name>``'s; an unsplit ``controlnet_<name>``'s) and the embedding.
-COND = "controlnet_cond"
-EMBEDDING = "controlnet_cond_embedding"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_]*$")
 #: UNet config keys a ControlNet must share with its base model (the residuals' count, widths and the conditioning).
 _BASE_KEYS = ("block_out_channels", "layers_per_block", "down_block_types", "cross_attention_dim",

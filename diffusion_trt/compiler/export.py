@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..artifact import folder as artifacts
+from ..artifact.manifest import CONTROLNET_PREFIX, EMBED_PREFIX, UNET_CONTROLNET
 from ..errors import ExportError, ModelFolderError
 from .components import ComponentSpec, symbol_ranges
 
@@ -342,12 +343,10 @@ def module_keys(component: str) -> tuple[str, ...]:
     ``cond_embed_<name>`` the ControlNet's (``controlnet_<name>``)."""
     if component in ("vae_decoder", "vae_encoder"):
         return ("vae",)
-    if component == "unet_controlnet":
+    if component == UNET_CONTROLNET:
         return ("unet",)
-    from .controlnet import EMBED_PREFIX, PREFIX
-
     if component.startswith(EMBED_PREFIX):
-        return (PREFIX + component[len(EMBED_PREFIX):],)
+        return (CONTROLNET_PREFIX + component[len(EMBED_PREFIX):],)
     return (component,)
 
 
@@ -431,7 +430,7 @@ def sample_inputs(spec: ComponentSpec, precision: str, ranges: dict[str, tuple[i
 
     args = []
     opt = {k: v[1] for k, v in ranges.items()}
-    if spec.name in ("unet", "unet_controlnet"):
+    if spec.name in ("unet", UNET_CONTROLNET):
         # Trace at a latent size that is not a multiple of 2**num_upsamplers: diffusers then forwards
         # each skip connection's size to its Upsample2D (F.interpolate(size=...)), which traces to a
         # shape-driven Resize. Traced at a multiple of 8 it would freeze scale_factor=2 and every

@@ -7,7 +7,9 @@ Convs' weights: ``[C, O]``, below); their values go to ``<component>/lora_base.s
 array, in the input's layout and the graph's dtype). The runtime binds those inputs on every run: the base values
 when no LoRA is loaded, ``W + sum(scale * B @ A)`` computed on the device when one is
 (:mod:`diffusion_trt.runtime.lora_slots`, which says why this mechanism and not ORT's own LoRA adapters).
-The artifact is no bigger: the weights moved, they are not copied.
+The artifact is no bigger: the weights moved, they are not copied. ``unet_controlnet`` (``--controlnet``: the UNet
+with the ControlNet residual inputs, the same weights) gets the same treatment, its inputs renamed to ``unet``'s and
+its base values read from ``unet/lora_base.safetensors`` (``write_weight_inputs(share_with="unet")``): stored once.
 
 Which weights (:func:`expose_weights`):
 
@@ -132,22 +134,50 @@ def spatial_conv_weights(model: onnx.ModelProto) -> set[str]:
 
 
 def write_weight_inputs(name: str, model: onnx.ModelProto, rmap: dict[str, Any], staging: Path, *,
-                        refit_convs: bool = False) -> tuple[onnx.ModelProto, dict[str, Any]]:
+                        refit_convs: bool = False, share_with: str | None = None
+                        ) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """:func:`expose_weights` on ``model`` and its values written to ``<name>/lora_base.safetensors``; ``rmap``
     updated in place (the 1x1 Convs' weights now ``pointwise``: the caller writes it out again).
 
+    ``share_with``: another component of the same weights compiled before into ``staging`` (``unet`` for
+    ``unet_controlnet``, the UNet with the ControlNet residual inputs). When every weight input of ``name`` holds the
+    very bytes of one of ``share_with``'s (same torch weight, layout, dtype and sha256 in both refit maps) and the two
+    sets of weight inputs are the same, ``name``'s inputs are renamed to ``share_with``'s initializer names (the
+    exporter names them anew in each graph) and no file is written: the entry's ``weight_inputs`` is
+    ``share_with``'s file, so the base weights are stored once and the runtime binds one set of tensors to both
+    engines (:func:`~diffusion_trt.runtime.lora_slots.load_slots`). Otherwise (another precision, a refit map that
+    differs) ``name`` gets its own file, with one INFO line saying why.
+
     Returns:
         The rewritten model (drop ``model``), and the manifest entry's ``{"weight_inputs":
-        "<name>/lora_base.safetensors", "spatial_conv_inputs": bool, "passes": [record]}`` (``spatial_conv_inputs``:
-        some Conv still reads a weight input, a spatial Conv's with ``refit_convs`` or a 1x1 one the rewrite turned
-        down, so the engine must run NCHW on CUDA; ``passes``: the pointwise rewrite's record, for the entry's
-        ``passes`` after the others).
+        "<name or share_with>/lora_base.safetensors", "spatial_conv_inputs": bool, "passes": [record]}``
+        (``spatial_conv_inputs``: some Conv still reads a weight input, a spatial Conv's with ``refit_convs`` or a 1x1
+        one the rewrite turned down, so the engine must run NCHW on CUDA; ``passes``: the pointwise rewrite's record,
+        for the entry's ``passes`` after the others).
     """
     from safetensors.numpy import save_file
 
     from .pointwise_convs import is_pointwise
 
     model, values, records = _expose(model, rmap, refit_convs, name)
+    if share_with is not None:
+        renames, why = shared_inputs(rmap, values, staging / share_with)
+        try:
+            if renames is not None:
+                rename_tensors(model, renames)
+        except ValueError as e:
+            renames, why = None, f"renaming its inputs: {e}"
+        if renames is not None:
+            for entry in rmap["weights"].values():
+                entry["initializer"] = renames.get(entry["initializer"], entry["initializer"])
+            convs = [n for n in model.graph.node if n.op_type == "Conv" and len(n.input) > 1
+                     and n.input[1] in renames.values()]
+            logger.info("%s: %d LoRA-targetable weight(s) are graph inputs, their base values %s/%s's (the same "
+                        "bytes, stored once)", name, len(values), share_with, BASE_FILE)
+            return model, {"weight_inputs": f"{share_with}/{BASE_FILE}", "spatial_conv_inputs": bool(convs),
+                           "passes": records}
+        logger.info("%s: its weight inputs are not %s's (%s): their base values go to %s/%s", name, share_with, why,
+                    name, BASE_FILE)
     convs = [n for n in model.graph.node if n.op_type == "Conv" and len(n.input) > 1 and n.input[1] in values]
     stuck = sorted({n.input[1] for n in convs if is_pointwise(
         {a.name: helper.get_attribute_value(a) for a in n.attribute}, values[n.input[1]].shape)})
@@ -160,3 +190,76 @@ def write_weight_inputs(name: str, model: onnx.ModelProto, rmap: dict[str, Any],
     logger.info("%s: %d LoRA-targetable weight(s) are graph inputs (%.1f MB in %s), %d spatial Conv weight(s) "
                 "constant", name, len(values), sum(a.nbytes for a in values.values()) / 1e6, BASE_FILE, kept)
     return model, {"weight_inputs": f"{name}/{BASE_FILE}", "spatial_conv_inputs": bool(convs), "passes": records}
+
+
+def shared_inputs(rmap: dict[str, Any], values: dict[str, np.ndarray], other: Path
+                  ) -> tuple[dict[str, str] | None, str]:
+    """Whether the weight inputs ``values`` (a component's, its refit map ``rmap``) are those of the component
+    compiled into the folder ``other`` (its ``refit_map.json`` and ``lora_base.safetensors``), weight for weight.
+
+    Returns:
+        (this component's input name -> ``other``'s input name of the same torch weight, ``""``) when every input
+        holds the same bytes as one of ``other``'s (the refit maps' ``initializer`` layout, ``transpose``,
+        ``pointwise``, ``dtype`` and ``sha256`` agree) and both have the same weights as inputs; else (``None``,
+        the first reason it is not so).
+    """
+    import json
+
+    from safetensors import safe_open
+
+    if not (other / "refit_map.json").is_file() or not (other / BASE_FILE).is_file():
+        return None, f"{other.name} has no weight inputs"
+    theirs = json.loads((other / "refit_map.json").read_text())["weights"]
+    with safe_open(str(other / BASE_FILE), framework="numpy") as f:
+        their_inputs = set(f.keys())
+    mine = {w: e for w, e in rmap["weights"].items() if e["initializer"] in values}
+    theirs = {w: e for w, e in theirs.items() if e["initializer"] in their_inputs}
+    if set(mine) != set(theirs):
+        first = sorted(set(mine) ^ set(theirs))[0]
+        return None, f"{first} is an input of one and not of the other"
+    keys = ("transpose", "pointwise", "dtype", "sha256")
+    for w, e in mine.items():
+        if any(e.get(k) != theirs[w].get(k) for k in keys):
+            return None, f"{w} differs ({', '.join(k for k in keys if e.get(k) != theirs[w].get(k))})"
+    return {e["initializer"]: theirs[w]["initializer"] for w, e in mine.items()}, ""
+
+
+def rename_tensors(model: onnx.ModelProto, renames: dict[str, str]) -> None:
+    """Rename tensors of ``model``'s top-level graph (inputs, initializers, value infos, node inputs and outputs) in
+    place, all at once (``{a: b, b: c}`` swaps nothing into a clash). A tensor that is not renamed but holds a new
+    name already is moved aside first (``<name>__<i>``): the exporter numbers tensors anew in each graph, so
+    ``onnx::MatMul_5704`` can be a weight in one and another tensor in the next.
+
+    Raises:
+        ValueError: a new name is a graph input's or output's that is not renamed (they are the component's
+            contract), two tensors would get one name, or a node has a subgraph (its outer-scope references are not
+            followed); nothing is renamed then.
+    """
+    graph = model.graph
+    if len(set(renames.values())) != len(renames):
+        raise ValueError("two tensors would get one name")
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
+        raise ValueError("a node has a subgraph")
+    taken = {*(i.name for i in graph.input), *(o.name for o in graph.output), *(t.name for t in graph.initializer),
+             *(v.name for v in graph.value_info), *(n for node in graph.node for n in (*node.input, *node.output))}
+    contract = {o.name for o in graph.output} | {i.name for i in graph.input}
+    moved: dict[str, str] = {}
+    for new in renames.values():
+        if new in contract and new not in renames:
+            raise ValueError(f"{new!r} is a graph input or output")
+        if new in taken and new not in renames:
+            i = 0
+            while f"{new}__{i}" in taken or f"{new}__{i}" in renames.values():
+                i += 1
+            moved[new] = f"{new}__{i}"
+    full = {**moved, **renames}
+
+    def rn(name: str) -> str:
+        return full.get(name, name) if name else name
+
+    for seq in (graph.input, graph.initializer, graph.value_info):
+        for item in seq:
+            item.name = rn(item.name)
+    for node in graph.node:
+        node.input[:] = [rn(n) for n in node.input]
+        node.output[:] = [rn(n) for n in node.output]

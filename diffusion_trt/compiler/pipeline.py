@@ -30,6 +30,7 @@ from typing import Any
 import onnx
 
 from ..artifact import folder as artifacts
+from ..artifact.manifest import lora_source
 from ..artifact.values import scheduler_config_problems
 from ..config import IMAGE_ALIGNMENT, QUANTIZED_PRECISIONS, Backend, CompileConfig, ShapeProfile
 from ..errors import (
@@ -672,7 +673,8 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
         entry["precision_note"] = plan.precision_note
     bar.set_postfix_str(f"{name}: export")
     model, entry["export_seconds"] = export_component(job, plan, models, staging)
-    refit = job.config.refittable and name in lora.REFIT_COMPONENTS and name in models
+    source = refit_source(job, name)
+    refit = source is not None and source in models
     if not refit:
         release_modules(models, done_with)
     bar.update()
@@ -680,12 +682,13 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
     model, optimized = optimize_component(job, plan, model)
     entry.update(optimized)
     if refit:
-        entry.update(write_refit_map(name, model, models[name], staging, find_dead(job, plan, models)))
+        entry.update(write_refit_map(name, model, models[source], staging, find_dead(job, plan, models)))
         release_modules(models, done_with)
         if job.config.backend is Backend.ORT:  # the mapped weights become graph inputs (see lora_slots.py)
             rmap = json.loads((staging / entry["refit_map"]).read_text())
+            share = source if source != name and source in job.names else None  # unet_controlnet: unet's file
             model, slots = lora_slots.write_weight_inputs(name, model, rmap, staging,
-                                                          refit_convs=job.config.refit_convs)
+                                                          refit_convs=job.config.refit_convs, share_with=share)
             entry["passes"] = [*entry.get("passes", []), *slots.pop("passes")]  # the pointwise rewrite's record
             entry.update(slots)
             (staging / entry["refit_map"]).write_text(json.dumps(rmap, indent=1))  # the 1x1 Convs' now [C, O]
@@ -705,10 +708,22 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
     bar.update()
     entry["onnx"] = f"{name}/model.onnx"
     entry["files"] = [f.relative_to(staging).as_posix() for f in files]
-    if "weight_inputs" in entry:
+    if entry.get("weight_inputs", "").startswith(f"{name}/"):  # not another component's file it shares
         entry["files"].append(entry["weight_inputs"])
     entry["outputs"] = [tensor_manifest(t, plan.precision, job.profile, spec.symbols) for t in spec.outputs]
     return entry
+
+
+def refit_source(job: CompileJob, name: str) -> str | None:
+    """The model (``models`` key) whose weights ``--refittable`` maps for component ``name``, ``None`` when it gets
+    no refit map: ``unet`` and the text encoders their own; ``unet_controlnet`` the ``unet``'s, on ONNX Runtime only
+    (its weights become inputs like the plain UNet's, so run-time LoRAs reach ControlNet calls; TensorRT's refit
+    reads the base weights of ``unet`` and the text encoders from the model folder and refits those engines alone,
+    so a TensorRT ``unet_controlnet`` stays constant and the runtime refuses a UNet LoRA for control-image calls)."""
+    source = lora_source(name) if job.config.refittable else None
+    if source is None or source not in lora.REFIT_COMPONENTS:
+        return None
+    return source if source == name or job.config.backend is Backend.ORT else None
 
 
 def export_component(job: CompileJob, plan: ComponentPlan, models: dict[str, Any],

@@ -38,8 +38,12 @@ from typing import Any
 
 import torch
 
-from ..artifact.manifest import control_component_problems
+from ..artifact.manifest import CONTROL_COND as COND
+from ..artifact.manifest import CONTROL_EMBEDDING as EMBEDDING
+from ..artifact.manifest import CONTROLNET_PREFIX as PREFIX
+from ..artifact.manifest import EMBED_PREFIX, UNET_CONTROLNET, control_component_problems
 from ..errors import ArtifactError, RuntimeInputError
+from ..lora import LoadedLoras
 from .cuda import nvtx_range
 from .engines.engine import Engine
 from .finite import check_finite
@@ -48,13 +52,6 @@ from .image_inputs import image_rows_and_size
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "controlnet_"
-#: ``cond_embed_<name>``: ControlNet ``<name>``'s conditioning embedding (artifacts compiled after the split).
-EMBED_PREFIX = "cond_embed_"
-UNET_CONTROLNET = "unet_controlnet"
-#: The control image input (``cond_embed_<name>``'s, or an old ``controlnet_<name>``'s) and the embedding.
-COND = "controlnet_cond"
-EMBEDDING = "controlnet_cond_embedding"
 #: ``controlnet_conditioning_scale``'s default per mode, as diffusers' ControlNet pipelines (txt2img, Img2Img, Inpaint)
 DEFAULT_CONTROL_SCALE: dict[str, float] = {"txt2img": 1.0, "img2img": 0.8, "inpaint": 0.5}
 
@@ -93,28 +90,28 @@ def check_control_components(inputs: Mapping[str, Sequence[str]]) -> None:
         raise ArtifactError(problems[0])
 
 
-def check_lora_reaches_unet_controlnet(lora: Mapping[str, Any] | None) -> None:
-    """Refuse a call with a control image while a run-time LoRA (:meth:`EnginePipeline.load_lora`'s record,
-    ``pipe.lora``) changes the plain ``unet`` but not ``unet_controlnet``, the UNet such a call runs: ``--refittable``
-    makes ``unet`` and the text encoders' weights inputs, never ``unet_controlnet``'s, so the image would be the base
-    model's (plus the LoRA's text encoder part) with no word said. A LoRA of the text encoder only, or at scale 0,
-    passes.
+def check_lora_reaches_unet_controlnet(loaded: LoadedLoras | None) -> None:
+    """Refuse a call with a control image while the run-time LoRA(s) ``loaded`` (what
+    :meth:`EnginePipeline.load_lora` loaded, as one value for both backends) change the plain ``unet`` but not
+    ``unet_controlnet``, the UNet such a call runs, so the image
+    would be the base model's (plus the LoRA's text encoder part) with no word said. That is an ONNX Runtime artifact
+    compiled with ``--refittable --controlnet`` before ``unet_controlnet`` took weight inputs (its manifest entry has
+    no ``weight_inputs``, so :func:`~.lora_slots.load_slots` gives it none and no weight of it changes), or a
+    TensorRT one (refit reaches ``unet`` and the text encoders only). Artifacts compiled since bind the LoRA in
+    ``unet_controlnet`` too, and pass; so do a LoRA of the text encoder only, and one at scale 0.
 
     Raises:
         RuntimeInputError: naming the LoRA(s) and the fixes.
     """
-    if not lora:
+    if loaded is None or not loaded.changed.get("unet") or loaded.changed.get(UNET_CONTROLNET):
         return
-    changed = lora.get("changed", lora.get("refitted")) or {}
-    records = lora.get("loras", [lora])
-    if not changed.get("unet") or changed.get(UNET_CONTROLNET) or all(r.get("scale") == 0 for r in records):
-        return
-    names = ", ".join(str(r.get("file")) for r in records)
     raise RuntimeInputError(
-        f"the LoRA {names} loaded at run time changes the UNet, but a call with a control image runs "
-        f"{UNET_CONTROLNET}, whose weights this artifact keeps constant (--refittable covers unet and the text "
-        "encoders only): the image would not have the LoRA; merge it at compile time (compile MODEL --lora "
-        "FILE:SCALE --controlnet ...), or unload it (unload_lora(), run without --lora) for ControlNet calls")
+        f"the LoRA {', '.join(loaded.files)} loaded at run time changes the UNet, but a call with a control image "
+        f"runs {UNET_CONTROLNET}, whose weights this artifact keeps constant (an ONNX Runtime artifact compiled with "
+        "--refittable --controlnet before unet_controlnet took the LoRA weights as inputs, or a TensorRT one): the "
+        "image would not have the LoRA; recompile it with --refittable --controlnet (ONNX Runtime), merge the LoRA at "
+        "compile time (compile MODEL --lora FILE:SCALE --controlnet ...), or unload it (unload_lora(), run without "
+        "--lora) for ControlNet calls")
 
 
 def _as_list(value: Any, n: int, what: str) -> list[Any]:

@@ -5,7 +5,9 @@ encoder as graph inputs (with ``--refit-convs`` also the spatial Conv weights;
 :mod:`diffusion_trt.compiler.lora_slots`), their base values in ``<component>/lora_base.safetensors`` and, in
 ``refit_map.json``, which torch weight each input holds (name, transpose, dtype). A :class:`WeightSlots` per
 component owns the tensors the engine binds on every run (ORT IO binding by pointer; numpy views on the plain CPU
-path):
+path); ``unet_controlnet`` (``--refittable --controlnet``) shares the plain ``unet``'s, its inputs named as
+``unet``'s and its manifest entry naming ``unet/lora_base.safetensors`` (:func:`load_slots`), and a LoRA's ``unet.``
+layers apply to both (:attr:`WeightSlots.source`):
 
 * no LoRA: the base tensors are bound; nothing is computed, nothing copied (a pointer per weight per run);
 * ``load_lora``: for every weight the LoRAs target, ``base + sum_i(scale_i * alpha_i / r_i * B_i @ A_i)`` is computed
@@ -58,7 +60,8 @@ from typing import Any
 
 import torch
 
-from ..errors import LoraError
+from ..artifact.manifest import lora_source
+from ..errors import ArtifactError, LoraError
 from ..lora import LoraFile, refuse_repeats
 from .lora_deltas import lora_deltas
 
@@ -84,12 +87,24 @@ class _Slot:
         return (*input_shape[::-1], *((1, 1) if self.pointwise else ()))
 
 
+def _map_slots(refit_map: Mapping[str, Any]) -> list[_Slot]:
+    return [_Slot(w, e["initializer"], bool(e.get("transpose", False)), bool(e.get("pointwise", False)))
+            for w, e in refit_map["weights"].items()]
+
+
+def refit_signature(refit_map: Mapping[str, Any]) -> tuple[frozenset[_Slot], frozenset[str]]:
+    """What binding a set of weight inputs by ``refit_map`` means: each torch weight's input name and layout, and
+    the weights no output reads. Two components may share a :class:`WeightSlots` only when theirs are equal."""
+    return frozenset(_map_slots(refit_map)), frozenset(refit_map.get("dead", ()))
+
+
 class WeightSlots(Mapping[str, torch.Tensor]):
     """The weight inputs of one component: input name -> the tensor its engine binds (the live mapping the engine
     reads at every run; see ``OrtEngine(weight_inputs=...)``).
 
     Args:
-        component: "unet", "text_encoder"...
+        component: "unet", "text_encoder"... (the first component binding these tensors: ``unet_controlnet`` binds
+            ``unet``'s when its manifest entry names ``unet``'s ``lora_base.safetensors``, :func:`load_slots`).
         refit_map: the component's ``refit_map.json`` (``{"weights": {torch name: {"initializer", "transpose",
             "dtype", ...}}}``).
         base: input name -> base value (CPU tensor, the graph's dtype and layout), from ``lora_base.safetensors``.
@@ -97,6 +112,8 @@ class WeightSlots(Mapping[str, torch.Tensor]):
         spatial_conv_inputs: the manifest's fact (:attr:`~diffusion_trt.artifact.manifest.Component.
             spatial_conv_inputs`): every weight of the map is an input. False: the map's weights that ``base`` lacks
             are the spatial Conv weights the artifact keeps constant (:attr:`constants`).
+        source: the model whose layers a LoRA file names for these weights (its keys' prefix: ``unet`` for
+            ``unet_controlnet``); ``None`` = :func:`~diffusion_trt.artifact.manifest.lora_source` of ``component``.
 
     Raises:
         LoraError: ``spatial_conv_inputs`` and the map names an input ``base`` lacks (an artifact made by another
@@ -104,11 +121,12 @@ class WeightSlots(Mapping[str, torch.Tensor]):
     """
 
     def __init__(self, component: str, refit_map: Mapping[str, Any], base: Mapping[str, torch.Tensor],
-                 device: torch.device, spatial_conv_inputs: bool = True) -> None:
+                 device: torch.device, spatial_conv_inputs: bool = True, source: str | None = None) -> None:
         self.component = component
+        #: the LoRA keys' component these weights are (``unet``, ``text_encoder``, ``text_encoder_2``)
+        self.source = source or lora_source(component) or component
         self.device = device
-        slots = [_Slot(w, e["initializer"], bool(e.get("transpose", False)), bool(e.get("pointwise", False)))
-                 for w, e in refit_map["weights"].items()]
+        slots = _map_slots(refit_map)
         missing = [s for s in slots if s.input_name not in base]
         if missing and spatial_conv_inputs:
             raise LoraError(f"{component}: lora_base.safetensors lacks the weight input {missing[0].input_name!r}; "
@@ -118,6 +136,8 @@ class WeightSlots(Mapping[str, torch.Tensor]):
         #: torch weight names no output reads (the map's ``dead``; absent from maps written before it: none)
         self.dead = frozenset(refit_map.get("dead", ()))
         self._slots = [s for s in slots if s.input_name in base]
+        #: what a refit map must say for another component to bind these very tensors (:func:`load_slots`)
+        self.signature = refit_signature(refit_map)
         cuda = device.type == "cuda"
         self._base = {s.input_name: base[s.input_name].pin_memory() if cuda else base[s.input_name]
                       for s in self._slots}
@@ -189,19 +209,41 @@ class WeightSlots(Mapping[str, torch.Tensor]):
 
 def load_slots(reader: Any, device: str, device_id: int = 0) -> dict[str, WeightSlots]:
     """The :class:`WeightSlots` of every component with ``weight_inputs`` in the manifest (read through ``reader``,
-    an :class:`~diffusion_trt.artifact.reader.ArtifactReader`: hashed bytes); empty for any other artifact."""
+    an :class:`~diffusion_trt.artifact.reader.ArtifactReader`: hashed bytes); empty for any other artifact.
+
+    Components whose entries name the same ``weight_inputs`` file share one :class:`WeightSlots` (the same bound
+    tensors): ``unet_controlnet`` compiled with ``--refittable`` binds ``unet``'s, its weight inputs renamed to
+    ``unet``'s at compile time (:func:`~diffusion_trt.compiler.lora_slots.write_weight_inputs`), so a LoRA is merged
+    once for both UNets and the base is held once.
+
+    Raises:
+        ArtifactError: a component names another's ``weight_inputs`` but its refit map ties other inputs or layouts
+            to them (a hand-made or mixed artifact: recompile).
+        LoraError: as :class:`WeightSlots`.
+    """
     import json
 
     from safetensors.torch import load as load_safetensors
 
     dev = torch.device("cuda", device_id) if device == "cuda" else torch.device("cpu")
-    out = {}
+    out: dict[str, WeightSlots] = {}
+    by_file: dict[str, WeightSlots] = {}
     for name, entry in reader.manifest.components.items():
-        if entry.weight_inputs is not None:
-            rmap = json.loads(bytes(reader.read(str(entry.refit_map))))
-            # safetensors takes bytes only: a file of CHUNK_BYTES or more arrives as a memoryview (one copy here)
-            out[name] = WeightSlots(name, rmap, load_safetensors(bytes(reader.read(entry.weight_inputs))), dev,
-                                    entry.spatial_conv_inputs)
+        if entry.weight_inputs is None:
+            continue
+        rmap = json.loads(bytes(reader.read(str(entry.refit_map))))
+        shared = by_file.get(entry.weight_inputs)
+        if shared is not None:
+            if refit_signature(rmap) != shared.signature or (lora_source(name) or name) != shared.source:
+                raise ArtifactError(
+                    f"{name} binds {entry.weight_inputs} ({shared.component}'s base weights) but its refit map "
+                    f"{entry.refit_map} ties other weights or layouts to them; the artifact is damaged or mixed: "
+                    "recompile it")
+            out[name] = shared
+            continue
+        # safetensors takes bytes only: a file of CHUNK_BYTES or more arrives as a memoryview (one copy here)
+        out[name] = by_file[entry.weight_inputs] = WeightSlots(
+            name, rmap, load_safetensors(bytes(reader.read(entry.weight_inputs))), dev, entry.spatial_conv_inputs)
     return out
 
 
@@ -237,8 +279,11 @@ def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile],
                 check: Callable[[Sequence[LoraFile]], None] | None = None) -> dict[str, int]:
     """Bind base + every LoRA of ``loras`` in every component of ``slots``; all checked before anything is bound.
 
-    The deltas are computed first, so the files' sha256 (``check_lora_file(background=True)``) is computed meanwhile;
-    the checks that need it (the same file twice, ``check``) come after, still before anything is bound.
+    A LoRA's layers are read per model (:attr:`WeightSlots.source`: its ``unet.`` keys apply to ``unet`` and to
+    ``unet_controlnet`` alike) and merged once per set of bound tensors (components sharing one :class:`WeightSlots`
+    get the same values). The deltas are computed first, so the files' sha256 (``check_lora_file(background=True)``)
+    is computed meanwhile; the checks that need it (the same file twice, ``check``) come after, still before anything
+    is bound.
 
     Args:
         slots: component -> its weight inputs (:func:`load_slots`).
@@ -246,7 +291,7 @@ def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile],
         check: the caller's own refusal of ``loras`` (raising ``LoraError``), run before anything is bound.
 
     Returns:
-        component -> weights that now differ from the base.
+        component -> weights that now differ from the base (a count for every component of ``slots``).
 
     Raises:
         LoraError: a LoRA matching no layer, or only part of them (naming the first that matches none; layers on
@@ -254,16 +299,26 @@ def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile],
             a weight the artifact keeps constant (naming it and the fix), a variant that is not ``W + delta`` (DoRA,
             LoKr, LoRA bias), NaN/Inf after the merge; the same file twice; what ``check`` raises.
     """
-    shapes = {c: s.torch_shapes() for c, s in slots.items()}
-    device = next(iter(slots.values())).device
-    constants = {c: s.constants for c, s in slots.items()}
-    dead = {c: s.dead for c, s in slots.items()}
-    deltas = [lora_deltas(lora, shapes, device=device, constants=constants, dead=dead) for lora in loras]
+    unique = distinct(slots)
+    groups: dict[str, list[WeightSlots]] = {}
+    for s in unique:
+        groups.setdefault(s.source, []).append(s)
+    # per model: the union of the weights its components bind; a layer refused if constant in any of them, ignored
+    # only where no component reads it
+    shapes = {src: {w: t for s in group for w, t in s.torch_shapes().items()} for src, group in groups.items()}
+    constants = {src: frozenset().union(*(s.constants for s in group)) for src, group in groups.items()}
+    dead = {src: frozenset.intersection(*(s.dead for s in group)) for src, group in groups.items()}
+    deltas = [lora_deltas(lora, shapes, device=unique[0].device, constants=constants, dead=dead) for lora in loras]
     refuse_repeats(loras)
     if check is not None:
         check(loras)
     what = " + ".join(f"LoRA {lora.path.name} at scale {lora.scale:g}" for lora in loras)
-    values = {c: s.merged([d.get(c, {}) for d in deltas], what) for c, s in slots.items()}
-    for comp, s in slots.items():  # nothing failed: bind
-        s.bind(values[comp])
-    return {c: len(v) for c, v in values.items()}
+    values = {id(s): s.merged([d.get(s.source, {}) for d in deltas], what) for s in unique}
+    for s in unique:  # nothing failed: bind
+        s.bind(values[id(s)])
+    return {c: len(values[id(s)]) for c, s in slots.items()}
+
+
+def distinct(slots: Mapping[str, WeightSlots]) -> list[WeightSlots]:
+    """The :class:`WeightSlots` of ``slots`` once each (components may share one), in order."""
+    return list({id(s): s for s in slots.values()}.values())

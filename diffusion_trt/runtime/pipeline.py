@@ -35,10 +35,19 @@ import torch
 from .. import trt_compat
 from ..artifact import folder as artifacts
 from ..artifact.folder import safe_join
-from ..artifact.manifest import Backend, Manifest, ModelFacts, embedding_shape_problems
+from ..artifact.manifest import (
+    CONTROLNET_PREFIX,
+    EMBED_PREFIX,
+    UNET_CONTROLNET,
+    Backend,
+    Manifest,
+    ModelFacts,
+    embedding_shape_problems,
+)
 from ..artifact.reader import ArtifactReader, ArtifactReplacedError
 from ..artifact.values import check_scheduler_config
 from ..errors import ArtifactError, LoraError, RuntimeInputError, names_arguments, names_parameters
+from ..lora import LoadedLoras
 from . import denoise
 from .call_guard import CallGuard, one_call_at_a_time
 from .controlnet import (
@@ -60,7 +69,7 @@ from .geometry import LatentGeometry
 from .image_inputs import ImageRequest
 from .latents import Generator, StepCallback
 from .loading import CALLER_FIRST_RUN, OpenTogether
-from .lora_slots import apply_loras, load_slots, lora_list
+from .lora_slots import apply_loras, distinct, load_slots, lora_list
 from .memory.residency import Residency
 from .memory.stages import Stages
 from .png import save_png
@@ -89,13 +98,13 @@ LAZY_COMPONENTS: tuple[str, ...] = ("vae_encoder",)
 #: NCHW UNet's 10.2 ms (``h200-2026-12-02-s9-controlnet-step.json``, ``-ort-offline-nchw.json``). A ControlNet's
 #: conditioning embedding (``cond_embed_<name>``, a conv stack over the control image) ran NHWC inside its
 #: ``controlnet_<name>`` until it became a component of its own, and keeps that layout (not measured apart).
-NHWC_COMPONENTS: frozenset[str] = frozenset({"unet", "unet_controlnet", "vae_decoder", "vae_encoder"})
+NHWC_COMPONENTS: frozenset[str] = frozenset({"unet", UNET_CONTROLNET, "vae_decoder", "vae_encoder"})
 
 
 def runs_nhwc(component: str) -> bool:
     """Whether ``component`` gets ``prefer_nhwc`` on CUDA: :data:`NHWC_COMPONENTS` and every ControlNet engine
     (``controlnet_<name>``, ``cond_embed_<name>``)."""
-    return component in NHWC_COMPONENTS or component.startswith(("controlnet_", "cond_embed_"))
+    return component in NHWC_COMPONENTS or component.startswith((CONTROLNET_PREFIX, EMBED_PREFIX))
 
 
 #: ORT's attention backend for every CUDA engine: ``sdpa_kernel`` bit 8 = cuDNN flash attention (ORT's
@@ -299,6 +308,9 @@ class EnginePipeline:
         #: the LoRA :meth:`load_lora` refitted (``{"file", "sha256", "scale"}``), ``None`` = the compiled weights
         self.lora: dict[str, Any] | None = None
         self._lora_weights: dict[str, dict[str, Any]] = {}  # what the last refit changed, per component
+        #: what the LoRA(s) loaded now change, per component: one value whichever backend loaded them (``lora``,
+        #: the public record, differs); ``None`` = none loaded
+        self._loaded_loras: LoadedLoras | None = None
         #: ORT --refittable: the weight inputs of the UNet / text encoder(s) (runtime/lora_slots.py); {} otherwise
         self._weight_slots: Mapping[str, Any] = {}
         self._trt_lora_path: Path | None = None  # TensorRT: the LoRA refitted last (unload_lora refits it at 0)
@@ -508,10 +520,13 @@ class EnginePipeline:
         of paths, ``"FILE:SCALE"`` strings or ``(path, scale)`` pairs, applied together (``W + sum(scale_i *
         delta_i)``); the base weights come from the artifact (``model_dir`` is not read); the deltas are computed
         on the engines' device and the weight inputs updated in place. Everything is checked before any weight
-        changes: a refused LoRA leaves the pipeline as it was. Returns ``{"loras": [{"file", "sha256", "scale"}],
-        "changed": {component: weights changed}}``.
+        changes: a refused LoRA leaves the pipeline as it was. With ``--controlnet``, ``unet_controlnet`` (the UNet
+        of control-image calls) binds the plain ``unet``'s weight inputs, so the LoRA reaches those calls too
+        (artifacts compiled before that refuse a control-image call while a LoRA changes the UNet). Returns
+        ``{"loras": [{"file", "sha256", "scale"}], "changed": {component: weights changed}}``.
 
-        TensorRT ``--refittable`` artifacts: one LoRA, refitted as follows.
+        TensorRT ``--refittable`` artifacts: one LoRA, refitted as follows (``unet`` and the text encoder(s);
+        ``unet_controlnet`` keeps its weights, so a control-image call is refused while the LoRA changes the UNet).
 
         How (see :mod:`diffusion_trt.runtime.refit`): the base weights of the UNet and text encoder(s) are read from
         ``model_dir``'s safetensors (checked weight by weight against the artifact's refit maps; no model class is
@@ -574,6 +589,7 @@ class EnginePipeline:
         self._trt_lora_path = lora.path
         self.lora = {**lora.record({}), "refitted": {c: len(v) for c, v in weights.items()}}
         self.lora.pop("layers")
+        self._loaded_loras = LoadedLoras.of([lora], self.lora["refitted"])
         logger.info("LoRA %s (scale %g): refitted %s", lora.path.name, lora.scale, self.lora["refitted"])
         return dict(self.lora)
 
@@ -596,6 +612,7 @@ class EnginePipeline:
         self.embedding_cache.clear()  # the text encoder may have changed
         records = [{"file": f.path.name, "sha256": f.sha256, "scale": f.scale} for f in files]
         self.lora = {"loras": records, "changed": changed}
+        self._loaded_loras = LoadedLoras.of(files, changed)
         logger.info("LoRA %s: %s", " + ".join(f"{f.path.name}:{f.scale:g}" for f in files), changed)
         return dict(self.lora)
 
@@ -611,12 +628,12 @@ class EnginePipeline:
         if not self._weight_slots:
             if self.lora is not None:  # load_lora itself, under the guard this method holds already
                 EnginePipeline.load_lora.__wrapped__(self, self._trt_lora_path, 0.0)  # type: ignore[attr-defined]
-                self.lora = None
+                self.lora = self._loaded_loras = None
             return
-        for slots in self._weight_slots.values():
+        for slots in distinct(self._weight_slots):  # unet and unet_controlnet may share theirs
             slots.bind({})
         self.embedding_cache.clear()
-        self.lora = None
+        self.lora = self._loaded_loras = None
 
     @one_call_at_a_time("load_textual_inversion()")
     def load_textual_inversion(self, pretrained_model_name_or_path: str | Path | Sequence[str | Path],
@@ -894,7 +911,7 @@ class EnginePipeline:
                                controlnet_conditioning_scale, control_guidance_start, control_guidance_end,
                                guess_mode, request.height, request.width, len(request.prompts))
         if control is not None:
-            check_lora_reaches_unet_controlnet(self.lora)
+            check_lora_reaches_unet_controlnet(self._loaded_loras)
         if isinstance(request.conditioning, ImageRequest):
             self._engine("vae_encoder")  # opened on first use, after the checks
         if control is not None:  # the ControlNet engines, opened on first use

@@ -83,3 +83,29 @@ def test_a_graph_with_no_pointwise_conv_input_is_left_as_it_was() -> None:
     out, values = expose_weights(model, rmap)
     assert out is model and set(values) == {"lw"} and values["lw"].shape == (3, 5)
     assert [n.op_type for n in out.graph.node].count("Conv") == 3
+
+
+# -- unet_controlnet's weight inputs named as unet's (write_weight_inputs(share_with=...)) --------------------------
+
+
+def test_rename_tensors_moves_a_clashing_tensor_aside_and_keeps_the_outputs() -> None:
+    """The exporter numbers tensors anew per graph: the name a weight input takes (unet's) can be another tensor's
+    in unet_controlnet's graph. That tensor moves aside, a swap of two names renames both, the graph computes the
+    same, and a graph input or output is never taken."""
+    from diffusion_trt.compiler.lora_slots import rename_tensors
+
+    model, values = expose_weights(_graph(bias=False), copy.deepcopy(RMAP))  # pw, lw inputs; h, h3, hs tensors
+    x = np.random.default_rng(1).standard_normal((2, 4, 6, 6)).astype(np.float32)
+    want = _run(model, {"x": x, **values})
+    renamed = copy.deepcopy(model)
+    rename_tensors(renamed, {"pw": "lw", "lw": "h3"})  # a swap, and a name the 3x3 Conv's output holds
+    inputs = [i.name for i in renamed.graph.input]
+    assert "pw" not in inputs and {"lw", "h3", "x"} <= set(inputs)
+    assert "h3__0" in {o for n in renamed.graph.node for o in n.output}  # the Conv's output, moved aside
+    np.testing.assert_array_equal(_run(renamed, {"x": x, "lw": values["pw"], "h3": values["lw"]}), want)
+    for bad, message in [({"pw": "x"}, "'x' is a graph input or output"), ({"pw": "y"}, "'y' is a graph input"),
+                         ({"pw": "a", "lw": "a"}, "two tensors would get one name")]:
+        untouched = copy.deepcopy(model)
+        with pytest.raises(ValueError, match=message):
+            rename_tensors(untouched, bad)
+        assert untouched == model

@@ -1,4 +1,5 @@
-"""Runtime fixtures: the toy artifact (hand-built graphs, milliseconds) and a loaded pipeline on it."""
+"""Runtime fixtures: the toy artifact (hand-built graphs, milliseconds) and a loaded pipeline on it; the tiny
+ControlNets and the artifacts compiled with them that several test modules share (session-scoped: compiled once)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,58 @@ def old_sdxl_artifact(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFact
 
     return compile_pipeline(tiny_sdxl_dir, tmp_path_factory.mktemp("old-sdxl") / "tiny-sdxl",
                             CompileConfig(max_clip_skip=0, max_embedding_vectors=0))
+
+
+# -- ControlNets (tests/runtime/test_controlnet_parity.py, test_controlnet_serve.py) -----------------------------
+
+#: The components of the --refittable ControlNet artifacts (and of their merged-LoRA reference).
+CN_LORA_COMPONENTS = ("text_encoder", "unet", "vae_decoder")
+
+
+@pytest.fixture(scope="session")
+def controlnet_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from diffusion_trt.compiler.dummy_controlnet import write_dummy_controlnet
+
+    root = tmp_path_factory.mktemp("controlnets")
+    return {"a": write_dummy_controlnet(root / "a", "tiny", seed=0), "b": write_dummy_controlnet(root / "b", "tiny",
+                                                                                                   seed=5)}
+
+
+@pytest.fixture(scope="session")
+def controlnet_artifact(tiny_pipeline_dir: Path, controlnet_dirs: dict[str, Path],
+                        tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from diffusion_trt.compiler.pipeline import compile_pipeline
+    from diffusion_trt.config import CompileConfig
+
+    config = CompileConfig(components=("text_encoder", "unet", "vae_decoder", "vae_encoder"),
+                           controlnets=tuple((n, str(p)) for n, p in controlnet_dirs.items()))
+    return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("cn-artifact") / "tiny-cn", config)
+
+
+@pytest.fixture(scope="session")
+def cn_lora(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A peft-key LoRA on the tiny UNet's attention q/k/v/out (Linear) and proj_in (1x1 Conv: the channels-last
+    MatMul of --refittable) and the text encoder's q/v; tests/compiler/test_lora.py's, less its 3x3 conv1 layers."""
+    pytest.importorskip("peft", reason="the merged compile needs peft (pip install -e '.[test]')")
+    from safetensors.torch import load_file, save_file
+
+    from tests.compiler.test_lora import make_lora
+
+    d = tmp_path_factory.mktemp("cn-lora")
+    full = make_lora(tiny_pipeline_dir, d / "full.safetensors", "peft", seed=1)
+    path = d / "style.safetensors"
+    save_file({k: v for k, v in load_file(str(full)).items() if ".conv1." not in k}, str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def refittable_controlnet_artifact(tiny_pipeline_dir: Path, controlnet_dirs: dict[str, Path],
+                                   tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny pipeline compiled with --refittable --controlnet a=... (ORT CPU): unet_controlnet binds unet's
+    LoRA weight inputs."""
+    from diffusion_trt.compiler.pipeline import compile_pipeline
+    from diffusion_trt.config import CompileConfig
+
+    config = CompileConfig(components=CN_LORA_COMPONENTS, refittable=True,
+                           controlnets=(("a", str(controlnet_dirs["a"])),))
+    return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("cn-refit") / "art", config)

@@ -22,23 +22,9 @@ from diffusion_trt.compiler.pipeline import compile_pipeline
 from diffusion_trt.config import CompileConfig
 from diffusion_trt.errors import RuntimeInputError
 from diffusion_trt.runtime import EnginePipeline
+from tests.runtime.conftest import CN_LORA_COMPONENTS
 
 TOL = 1e-5
-
-
-@pytest.fixture(scope="session")
-def controlnet_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("controlnets")
-    return {"a": write_dummy_controlnet(root / "a", "tiny", seed=0), "b": write_dummy_controlnet(root / "b", "tiny",
-                                                                                                   seed=5)}
-
-
-@pytest.fixture(scope="session")
-def controlnet_artifact(tiny_pipeline_dir: Path, controlnet_dirs: dict[str, Path],
-                        tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = CompileConfig(components=("text_encoder", "unet", "vae_decoder", "vae_encoder"),
-                           controlnets=tuple((n, str(p)) for n, p in controlnet_dirs.items()))
-    return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("cn-artifact") / "tiny-cn", config)
 
 
 @pytest.fixture(scope="module")
@@ -644,20 +630,118 @@ def test_controlnet_flops_counts_the_down_and_mid_blocks_share_of_the_unet() -> 
 
 # --- --refittable with --controlnet: run-time LoRAs and the ControlNet UNet --------------------------------------
 
+LORA_CALL: dict[str, Any] = {"prompt": "a cat", "num_inference_steps": 3, "seed": 0, "output_type": "np",
+                             "progress": False}
+CONTROL: dict[str, Any] = {"control_image": _image(0), "controlnet": "a", "controlnet_conditioning_scale": 0.8}
+
 
 @pytest.fixture(scope="module")
-def refittable_controlnet_artifact(tiny_pipeline_dir: Path, controlnet_dirs: dict[str, Path],
-                                   tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = CompileConfig(components=("text_encoder", "unet", "vae_decoder"), refittable=True,
+def old_refittable_controlnet_artifact(tiny_pipeline_dir: Path, controlnet_dirs: dict[str, Path],
+                                       tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """As compiled before unet_controlnet took weight inputs: the compiler's rule of then (a refit map and weight
+    inputs for unet and the text encoders only), the rest of today's compile unchanged."""
+    from diffusion_trt.compiler import lora, pipeline
+
+    def old_rule(job: Any, name: str) -> str | None:
+        return name if job.config.refittable and name in lora.REFIT_COMPONENTS else None
+
+    config = CompileConfig(components=CN_LORA_COMPONENTS, refittable=True,
                            controlnets=(("a", str(controlnet_dirs["a"])),))
-    return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("cn-refit") / "art", config)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "refit_source", old_rule)
+        art = compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("cn-refit-old") / "art", config)
+    assert "weight_inputs" not in json.loads((art / "manifest.json").read_text())["components"]["unet_controlnet"]
+    return art
 
 
-def test_a_run_time_unet_lora_is_refused_for_controlnet_calls_not_silently_dropped(
-        refittable_controlnet_artifact: Path, tiny_pipeline_dir: Path, tmp_path: Path) -> None:
-    """unet_controlnet of a --refittable artifact takes no weight inputs: a UNet LoRA loaded at run time gave the
-    base model's image under a ControlNet, with no word said (equal to no LoRA, not to compile --lora). Refused
-    (exit 2, one error line, no image); the text encoder's part alone, scale 0, or no control image still run."""
+@pytest.fixture(scope="module")
+def merged_controlnet_artifact(tiny_pipeline_dir: Path, controlnet_dirs: dict[str, Path], cn_lora: Path,
+                               tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = CompileConfig(components=CN_LORA_COMPONENTS, loras=((str(cn_lora), 0.8),),
+                           controlnets=(("a", str(controlnet_dirs["a"])),))
+    return compile_pipeline(tiny_pipeline_dir, tmp_path_factory.mktemp("cn-merged") / "art", config)
+
+
+def test_unet_controlnet_binds_the_unets_weight_inputs_stored_once(refittable_controlnet_artifact: Path) -> None:
+    """--refittable gives unet_controlnet the plain unet's weight inputs: the same names (renamed from the
+    exporter's), the channels-last 1x1 MatMuls, and unet/lora_base.safetensors as its base (no second copy)."""
+    import onnx
+    from safetensors import safe_open
+
+    art = refittable_controlnet_artifact
+    comps = json.loads((art / "manifest.json").read_text())["components"]
+    cn, unet = comps["unet_controlnet"], comps["unet"]
+    assert cn["weight_inputs"] == unet["weight_inputs"] == "unet/lora_base.safetensors"
+    assert cn["spatial_conv_inputs"] is False and "unet/lora_base.safetensors" not in cn["files"]
+    assert not (art / "unet_controlnet" / "lora_base.safetensors").exists()
+    assert any(p["name"] == "pointwise_convs_as_matmul" and p["modified"] for p in cn["passes"]), cn["passes"]
+    with safe_open(str(art / "unet" / "lora_base.safetensors"), framework="numpy") as f:
+        base = set(f.keys())
+    graph = onnx.load(str(art / "unet_controlnet" / "model.onnx"), load_external_data=False).graph
+    spec = {t["name"] for t in cn["inputs"]}
+    assert {i.name for i in graph.input} - spec == base and not base & {i.name for i in graph.initializer}
+    cn_map = json.loads((art / cn["refit_map"]).read_text())
+    assert cn_map == json.loads((art / unet["refit_map"]).read_text())
+    assert any(e.get("pointwise") for e in cn_map["weights"].values())
+    with EnginePipeline.from_artifacts(art) as p:
+        assert p._weight_slots["unet_controlnet"] is p._weight_slots["unet"]  # one set of bound tensors
+
+
+def test_a_run_time_lora_with_a_control_image_equals_the_merged_compile(
+        refittable_controlnet_artifact: Path, merged_controlnet_artifact: Path, cn_lora: Path) -> None:
+    """load_lora reaches unet_controlnet: a control-image call equals compile --lora FILE:0.8 --controlnet (CPU
+    fp32, 1e-5), so does a call without one; unload_lora gives the base image bit for bit."""
+    with EnginePipeline.from_artifacts(merged_controlnet_artifact) as p:
+        want_control, want_plain = p(**LORA_CALL, **CONTROL).images, p(**LORA_CALL).images
+    with EnginePipeline.from_artifacts(refittable_controlnet_artifact) as p:
+        base_control, base_plain = p(**LORA_CALL, **CONTROL).images, p(**LORA_CALL).images
+        info = p.load_lora(cn_lora, 0.8)
+        assert info["changed"]["unet_controlnet"] == info["changed"]["unet"] > 0
+        got_control, got_plain = p(**LORA_CALL, **CONTROL).images, p(**LORA_CALL).images
+        p.unload_lora()
+        assert np.array_equal(p(**LORA_CALL, **CONTROL).images, base_control)
+        assert np.array_equal(p(**LORA_CALL).images, base_plain)
+    assert np.abs(got_control - want_control).max() <= TOL
+    assert np.abs(got_plain - want_plain).max() <= TOL
+    assert np.abs(base_control - want_control).max() > 100 * TOL  # the LoRA acted under the ControlNet
+
+
+def test_a_refused_lora_leaves_both_unets_as_they_were(refittable_controlnet_artifact: Path, cn_lora: Path,
+                                                       tmp_path: Path) -> None:
+    """A LoRA refused at load (NaN/Inf after the merge in one UNet layer) changes no bound weight of unet or
+    unet_controlnet: the previous LoRA's images, bit for bit."""
+    from safetensors.torch import load_file, save_file
+
+    from diffusion_trt.errors import LoraError
+
+    tensors = load_file(str(cn_lora))
+    key = next(k for k in tensors if k.startswith("unet.") and k.endswith("lora_B.weight"))
+    tensors[key] = torch.full_like(tensors[key], float("inf"))
+    bad = tmp_path / "broken.safetensors"
+    save_file(tensors, str(bad))
+    with EnginePipeline.from_artifacts(refittable_controlnet_artifact) as p:
+        p.load_lora(cn_lora, 0.8)
+        before = p(**LORA_CALL, **CONTROL).images, p(**LORA_CALL).images
+        with pytest.raises(LoraError, match=r"leaves NaN/Inf in unet\."):
+            p.load_lora(bad, 0.8)
+        assert p.lora is not None and p.lora["loras"][0]["file"] == "style.safetensors"
+        assert np.array_equal(p(**LORA_CALL, **CONTROL).images, before[0])
+        assert np.array_equal(p(**LORA_CALL).images, before[1])
+
+
+def test_run_lora_with_a_control_image_cli(refittable_controlnet_artifact: Path, cn_lora: Path,
+                                           tmp_path: Path) -> None:
+    result = _run(refittable_controlnet_artifact, tmp_path, "--lora", f"{cn_lora}:0.8", "--controlnet", "a",
+                  "--control-image", _control_png(tmp_path, "a.png"))
+    assert result.exit_code == 0, result.output
+    assert Image.open(tmp_path / "out.png").size == (64, 64)
+
+
+def test_an_artifact_compiled_before_unet_controlnet_took_weight_inputs_refuses_a_unet_lora_with_a_control_image(
+        old_refittable_controlnet_artifact: Path, tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """Its unet_controlnet takes no weight inputs (no weight_inputs in its manifest entry): a UNet LoRA loaded at run
+    time would give the base model's image under a ControlNet, with no word said. Refused (exit 2, one error line, no
+    image); the text encoder's part alone, scale 0, or no control image still run."""
     from safetensors.torch import load_file, save_file
 
     from diffusion_trt.compiler.dummy_lora import write_dummy_lora
@@ -668,7 +752,8 @@ def test_a_run_time_unet_lora_is_refused_for_controlnet_calls_not_silently_dropp
     save_file({k: v for k, v in load_file(str(lora)).items() if k.startswith("text_encoder.")}, str(te_only))
     common = {"prompt": "a cat", "num_inference_steps": 2, "seed": 0, "output_type": "np", "progress": False}
     control = {"control_image": _image(0), "controlnet": "a"}
-    with EnginePipeline.from_artifacts(refittable_controlnet_artifact) as p:
+    with EnginePipeline.from_artifacts(old_refittable_controlnet_artifact) as p:
+        assert "unet_controlnet" not in p._weight_slots
         p.load_lora(lora, 0.8)
         with pytest.raises(RuntimeInputError, match=r"the LoRA style\.safetensors loaded at run time changes the UNet, "
                                                     r"but a call with a control image runs unet_controlnet"):
@@ -680,9 +765,10 @@ def test_a_run_time_unet_lora_is_refused_for_controlnet_calls_not_silently_dropp
         p(**common, **control)
         p.unload_lora()
         p(**common, **control)
-    result = _run(refittable_controlnet_artifact, tmp_path, "--lora", f"{lora}:0.8", "--controlnet", "a",
+    result = _run(old_refittable_controlnet_artifact, tmp_path, "--lora", f"{lora}:0.8", "--controlnet", "a",
                   "--control-image", _control_png(tmp_path, "a.png"))
     assert result.exit_code == 2, result.output
     errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "changes the UNet, but a call with a control image runs unet_controlnet" in errors[0]
+    assert "recompile it with --refittable --controlnet" in errors[0]
     assert "Traceback" not in result.output and not (tmp_path / "out.png").exists()

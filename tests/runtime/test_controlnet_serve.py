@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from diffusion_trt.runtime import EnginePipeline
 from diffusion_trt.serve import control
 from diffusion_trt.serve.server import MicroBatcher, ServeConfig
 from diffusion_trt.serve.triton_model import RequestError
-from tests.runtime.test_controlnet_parity import _image, controlnet_artifact, controlnet_dirs, pipe  # noqa: F401
+from tests.runtime.test_controlnet_parity import _image, pipe  # noqa: F401
 
 STEPS = 3
 
@@ -120,3 +121,30 @@ def test_a_batch_the_runtime_refuses_logs_one_line_and_each_request_hears_why(
     records = [r for r in caplog.records if r.name == "diffusion_trt.serve.server"]
     assert [r.levelname for r in records] == ["WARNING"], records
     assert records[0].exc_info is None and "refused a batch of 1 request(s): " in records[0].getMessage()
+
+
+def test_serve_lora_dir_with_control_images(refittable_controlnet_artifact: Path, cn_lora: Path) -> None:
+    """``serve --lora-dir`` on a --refittable ControlNet artifact: a request's LoRA reaches the control-image calls
+    (unet_controlnet), and never the requests after it; each image equals EnginePipeline's own call."""
+    from diffusion_trt.serve.loras import LoraLibrary
+
+    library = LoraLibrary(cn_lora.parent)
+    nets = control.ControlNets(["a"])
+    cn = nets.resolve({"controlnet": np.array([b"a:0.8"]), "control_image": _b64(_image(1))}, 64, 64)
+    asks = [("style:0.8", cn), (None, cn), ("style:0.8", None), ("style:0.8", cn)]
+    with EnginePipeline.from_artifacts(refittable_controlnet_artifact) as p:
+        direct = {"controlnet": "a", "control_image": _image(1), "controlnet_conditioning_scale": 0.8}
+        call = {"prompt": "a guohua landscape", "num_inference_steps": STEPS, "seed": 7, "progress": False}
+        base_cn = np.asarray(p(**call, **direct).images[0])
+        p.load_lora(cn_lora, 0.8)
+        lora_cn, lora_plain = np.asarray(p(**call, **direct).images[0]), np.asarray(p(**call).images[0])
+        p.unload_lora()
+        batcher = MicroBatcher(p, max_batch_size=1, max_delay_s=0.0, max_queue=8)
+        try:
+            images = [batcher.submit({**_params(7, c), "lora": library.resolve(
+                None if lo is None else np.array([lo.encode()]))}).result(timeout=300) for lo, c in asks]
+        finally:
+            batcher.close()
+    assert np.array_equal(images[0], lora_cn) and np.array_equal(images[3], lora_cn)
+    assert np.array_equal(images[1], base_cn) and np.array_equal(images[2], lora_plain)
+    assert np.abs(lora_cn.astype(int) - base_cn.astype(int)).max() > 2  # the LoRA acted under the ControlNet

@@ -45,3 +45,31 @@ def test_a_pointwise_slot_keeps_the_graphs_dtype() -> None:
     merged = slots.merged([{"c.weight": torch.ones(O, C, 1, 1)}], "test")["w"]
     assert merged.dtype == torch.float16 and merged.shape == (C, O)
     assert torch.equal(merged, (base.float() + 1).half())  # summed in fp32 over the stored base, cast once
+
+
+def test_unet_controlnet_of_its_own_file_takes_the_loras_unet_layers(tmp_path: object) -> None:
+    """apply_loras reads a LoRA's ``unet.`` layers for every component whose weights are the UNet's
+    (``WeightSlots.source``): unet_controlnet with a base file of its own (compiled without unet, or where the bytes
+    differ) gets the same merged values as unet, and one shared WeightSlots is merged and bound once."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from diffusion_trt.lora import check_lora_file
+    from diffusion_trt.runtime.lora_slots import apply_loras
+
+    w = torch.randn(O, C, generator=torch.Generator().manual_seed(1))
+    rmap = {"weights": {"down_blocks.0.attentions.0.proj_out.weight": {"initializer": "w", "transpose": True}}}
+    lora = Path(str(tmp_path)) / "l.safetensors"
+    save_file({"unet.down_blocks.0.attentions.0.proj_out.lora_A.weight": torch.randn(2, C),
+               "unet.down_blocks.0.attentions.0.proj_out.lora_B.weight": torch.randn(O, 2)}, str(lora))
+    cpu = torch.device("cpu")
+    unet = WeightSlots("unet", rmap, {"w": w.T.contiguous()}, cpu)
+    own = WeightSlots("unet_controlnet", rmap, {"w": w.T.contiguous()}, cpu)
+    assert (unet.source, own.source) == ("unet", "unet")
+    changed = apply_loras({"unet": unet, "unet_controlnet": own}, [check_lora_file(lora, 0.5)])
+    assert changed == {"unet": 1, "unet_controlnet": 1}
+    assert torch.equal(unet["w"], own["w"]) and not torch.equal(unet["w"], w.T)
+    shared = WeightSlots("unet", rmap, {"w": w.T.contiguous()}, cpu)
+    changed = apply_loras({"unet": shared, "unet_controlnet": shared}, [check_lora_file(lora, 0.5)])
+    assert changed == {"unet": 1, "unet_controlnet": 1} and torch.equal(shared["w"], unet["w"])
