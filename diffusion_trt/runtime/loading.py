@@ -15,8 +15,8 @@ engine comes warm from its loader thread, while diffusers is imported on a threa
 primed on its loader thread then: the caller's capture makes its first run (:data:`CALLER_FIRST_RUN`). ONNX Runtime
 captures in ``cudaStreamCaptureModeGlobal``: a ``cudaMalloc`` or copy from any other thread during the capture breaks it
 ("operation not permitted when stream is capturing", seen on the H200 when the warm-ups ran unguarded). So every CUDA
-session creation, uncaptured warm-up and regular run before a capture holds :data:`~.engines.capture_lock.CAPTURE_LOCK`
-shared, side by side, and only the capturing runs (milliseconds) hold it exclusive.
+session creation and uncaptured warm-up holds :data:`~.engines.capture_lock.CAPTURE_LOCK` shared, side by side, and
+only the graph-mode runs before the replays (the capture and the regular run before it) hold it exclusive.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ logger = logging.getLogger(__name__)
 #: path of the load, that made two first runs in a row: a prime (0.77-1.0 s alone, ``benchmarks/cold_start.py``
 #: phases) and 0.5 s of the caller's graph-mode runs after it (H100, ``h100-2026-12-05-s17-cold-start.json``,
 #: profile of the first call), against a capture run of 8 ms. The smaller engines open earlier and keep their prime
-#: on their own threads, so the caller's thread is free when the UNet arrives.
+#: on their own threads, so the caller's thread is free when the UNet arrives. Measured once so far (H100,
+#: ``h100-2026-12-07-s20-cold-start.json``, EXHAUSTIVE): the first call 0.37 s after such a load, 1.06-1.12 s after
+#: the load of 581819c (no capture at load).
 CALLER_FIRST_RUN = frozenset({"unet", "unet_controlnet"})
 
 

@@ -347,7 +347,7 @@ class OrtEngine(EngineBase):
         goes through its own IO binding with ORT's run option ``gpu_graph_id=-1`` (no capture, no replay, and ORT's
         count of runs before the capture left as it was; onnxruntime ``core/providers/cuda/cuda_graph.h``,
         ``kCudaGraphAnnotationSkip``), so the engine's own first runs, on the thread that replays, still run
-        and capture (the capturing run holding :data:`~.capture_lock.CAPTURE_LOCK` exclusive). This run holds it
+        and capture holding :data:`~.capture_lock.CAPTURE_LOCK` exclusive. This run holds it
         shared: a regular run allocates, which would break another thread's capture in
         ``cudaStreamCaptureModeGlobal``, but it may overlap other engines' session creations and first runs.
 
@@ -374,8 +374,8 @@ class OrtEngine(EngineBase):
 
     def capture(self) -> bool:
         """Capture the CUDA graph on the calling thread now: the graph-mode runs on zeros (at the static input
-        shapes) that a first call would make (the regular one holding :data:`~.capture_lock.CAPTURE_LOCK` shared, the
-        capturing one exclusive: :meth:`_graph_lock`), then wait for the device. The thread that later calls
+        shapes) that a first call would make, holding :data:`~.capture_lock.CAPTURE_LOCK` exclusive
+        (:meth:`_graph_lock`), then wait for the device. The thread that later calls
         :meth:`run` replays from its first run, if it is this thread (ONNX Runtime keeps the graph per thread;
         another thread captures its own on its first runs, as before).
 
@@ -390,22 +390,22 @@ class OrtEngine(EngineBase):
             raise RuntimeError(f"engine {self._name!r} is not open; use `with engine:` first")
         if not self._graph or not self._capturing():
             return False
-        with CAPTURE_LOCK.shared():  # an allocation: never inside another thread's capture
+        with CAPTURE_LOCK.exclusive():  # the zeros' allocation too (reentrant: run() takes it again)
             feeds = self._spec.zero_feeds(self._device)
-        while self._graph and self._capturing():
-            self.run(feeds)  # the regular run (the first on this thread) shared, the capturing run exclusive
-        self._current_torch_stream().synchronize()
+            while self._graph and self._capturing():
+                self.run(feeds)
+            self._current_torch_stream().synchronize()
         return self._graph
 
     def _graph_lock(self) -> contextlib.AbstractContextManager[None]:
-        """What a graph-mode run on this thread holds of :data:`~.capture_lock.CAPTURE_LOCK`: the capturing run holds it
-        exclusive (ORT captures in ``cudaStreamCaptureModeGlobal``: no other thread's CUDA call may land inside); the
-        regular run before it holds it shared (it allocates, so never inside another thread's capture, but it may
-        overlap other engines' loads: the UNet's first run, made here at load, takes a second); replays hold nothing."""
-        runs = self._graph_runs.get(threading.get_ident(), 0)
-        if runs >= _GRAPH_CAPTURE_RUNS:
+        """What a graph-mode run on this thread holds of :data:`~.capture_lock.CAPTURE_LOCK`: every run before the
+        replays holds it exclusive (ORT captures in ``cudaStreamCaptureModeGlobal``: no other thread's CUDA call may
+        land inside), replays nothing. The regular run before the capture too: with it shared (2026-12-07, H100),
+        other engines' session creations failed in ORT's external-data loader with "operation not permitted when
+        stream is capturing" in 3 of 4 loads, so a capture did run inside a run counted as regular here."""
+        if self._graph_runs.get(threading.get_ident(), 0) >= _GRAPH_CAPTURE_RUNS:
             return contextlib.nullcontext()
-        return CAPTURE_LOCK.exclusive() if runs == _GRAPH_CAPTURE_RUNS - 1 else CAPTURE_LOCK.shared()
+        return CAPTURE_LOCK.exclusive()
 
     def _capturing(self) -> bool:
         """Whether this thread's next graph-mode run is one of ORT's runs before its replays (see
