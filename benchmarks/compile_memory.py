@@ -7,7 +7,13 @@ Runs ``diffusion-trt`` in this process with a thread sampling the resident set s
 ``passes of unet``, ``build of unet``...) records the RSS when it starts and ends and the largest RSS sampled while it
 ran. Stages nest (a component's passes run inside its compile), so a parent's peak includes its children's.
 The JSON also has the process's ``VmHWM`` (the kernel's own peak) and the wall time. ``--per-pass`` adds a stage
-per pass (``pass convert_fp16``) and per step of the fp16 range check (``activation_peaks``, ``ORT session``...).
+per pass (``pass convert_fp16``) and per step of the fp16 range check (``activation_peaks``, ``ORT session``...),
+and splits the export stage (``torch.onnx.export``, inside it ``trace and constant folding``; the rest of the
+export stage reads the exported files back).
+
+The JSON is rewritten every few seconds while the compile runs (``"complete": false``, the stages still open under
+``open_stages`` with their peak so far), so a compile killed for memory (an OOM kill in a memory cgroup) still
+leaves the stage it died in and the RSS it had reached.
 """
 
 from __future__ import annotations
@@ -41,21 +47,27 @@ def vm_hwm_bytes() -> int:
 class Sampler(threading.Thread):
     """Samples RSS; every open stage keeps the largest sample seen since it opened."""
 
-    def __init__(self, period: float = 0.02) -> None:
+    def __init__(self, period: float = 0.02, on_tick=None, tick_every: int = 100) -> None:
         super().__init__(daemon=True)
         self.period = period
+        self.on_tick = on_tick  # called every tick_every samples, outside the lock (the partial JSON)
+        self.tick_every = tick_every
         self.open: dict[int, dict] = {}
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.peak = 0
 
     def run(self) -> None:
+        n = 0
         while not self.stop.wait(self.period):
             rss = rss_bytes()
             with self.lock:
                 self.peak = max(self.peak, rss)
                 for row in self.open.values():
                     row["peak_rss_gb"] = max(row["peak_rss_gb"], rss / 1e9)
+            n += 1
+            if self.on_tick is not None and n % self.tick_every == 0:
+                self.on_tick()
 
 
 def measure_passes(pipeline) -> None:
@@ -78,6 +90,13 @@ def measure_passes(pipeline) -> None:
         setattr(fp16_check, name, staged(getattr(fp16_check, name), f"fp16_check.{name}"))
     _ort.activation_peaks = staged(_ort.activation_peaks, "activation_peaks")
     _ort._session = staged(_ort._session, "ORT session")
+    # the export stage's parts: torch's exporter (of which trace + constant folding), then reading its files back
+    from torch.onnx._internal.torchscript_exporter import utils as ts_utils
+
+    from diffusion_trt.compiler import export
+
+    export.onnx_from_component = staged(export.onnx_from_component, "torch.onnx.export")
+    ts_utils._model_to_graph = staged(ts_utils._model_to_graph, "trace and constant folding")
 
 
 def main() -> None:
@@ -93,9 +112,27 @@ def main() -> None:
     from diffusion_trt import cli
     from diffusion_trt.compiler import pipeline
 
-    sampler = Sampler()
     rows: list[dict] = []
     real_stage = pipeline.stage
+
+    def result(complete: bool) -> dict:
+        with sampler.lock:
+            open_rows = sorted((dict(r, rss_now_gb=rss_bytes() / 1e9) for r in sampler.open.values()),
+                               key=lambda r: r["t_start_s"])
+            done = sorted((dict(r) for r in rows), key=lambda r: r["t_start_s"])
+        res = {"argv": args, "complete": complete, "wall_s": time.perf_counter() - t0,
+               "vm_hwm_gb": vm_hwm_bytes() / 1e9, "sampled_peak_gb": sampler.peak / 1e9, "stages": done}
+        if open_rows:
+            res["open_stages"] = open_rows
+        return res
+
+    def write(res: dict) -> None:
+        tmp = ns.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(tmp, ns.json)
+
+    sampler = Sampler(on_tick=lambda: write(result(False)))
 
     @contextlib.contextmanager
     def measured(name: str, component: str | None = None) -> Iterator[None]:
@@ -113,7 +150,8 @@ def main() -> None:
             row["end_rss_gb"] = rss_bytes() / 1e9
             row["peak_rss_gb"] = max(row["peak_rss_gb"], row["end_rss_gb"])
             row["seconds"] = time.perf_counter() - t0 - row["t_start_s"]
-            rows.append(row)
+            with sampler.lock:
+                rows.append(row)
 
     pipeline.stage = measured
     if ns.per_pass:
@@ -129,10 +167,9 @@ def main() -> None:
         rc = 1
         print(f"compile failed: {type(e).__name__}: {e}", file=sys.stderr)
     sampler.stop.set()
-    res = {"argv": args, "rc": rc, "wall_s": time.perf_counter() - t0, "vm_hwm_gb": vm_hwm_bytes() / 1e9,
-           "sampled_peak_gb": sampler.peak / 1e9, "stages": sorted(rows, key=lambda r: r["t_start_s"])}
-    with open(ns.json, "w") as f:
-        json.dump(res, f, indent=1)
+    sampler.join()
+    res = {"rc": rc, **result(True)}
+    write(res)
     print(f"rc={rc} wall {res['wall_s']:.1f} s, VmHWM {res['vm_hwm_gb']:.2f} GB")
     for r in res["stages"]:
         print(f"  {r['stage']:<28} {r['component'] or '':<14} peak {r['peak_rss_gb']:6.2f} GB  "
