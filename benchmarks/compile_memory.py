@@ -36,6 +36,15 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * PAGE
 
 
+def rss_split_bytes() -> tuple[int, int]:
+    """(resident, of which file-backed or shared): ``statm``'s resident and shared pages. Weights torch maps from
+    safetensors files are file-backed pages: counted in the RSS, but clean, so the kernel may drop them under
+    memory pressure (a memory cgroup's limit) and read them again; anonymous pages it cannot drop without swap."""
+    with open("/proc/self/statm") as f:
+        fields = f.read().split()
+    return int(fields[1]) * PAGE, int(fields[2]) * PAGE
+
+
 def vm_hwm_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -56,15 +65,18 @@ class Sampler(threading.Thread):
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.peak = 0
+        self.peak_anon = 0
 
     def run(self) -> None:
         n = 0
         while not self.stop.wait(self.period):
-            rss = rss_bytes()
+            rss, shared = rss_split_bytes()
             with self.lock:
                 self.peak = max(self.peak, rss)
+                self.peak_anon = max(self.peak_anon, rss - shared)
                 for row in self.open.values():
                     row["peak_rss_gb"] = max(row["peak_rss_gb"], rss / 1e9)
+                    row["peak_anon_gb"] = max(row.get("peak_anon_gb", 0.0), (rss - shared) / 1e9)
             n += 1
             if self.on_tick is not None and n % self.tick_every == 0:
                 self.on_tick()
@@ -121,7 +133,8 @@ def main() -> None:
                                key=lambda r: r["t_start_s"])
             done = sorted((dict(r) for r in rows), key=lambda r: r["t_start_s"])
         res = {"argv": args, "complete": complete, "wall_s": time.perf_counter() - t0,
-               "vm_hwm_gb": vm_hwm_bytes() / 1e9, "sampled_peak_gb": sampler.peak / 1e9, "stages": done}
+               "vm_hwm_gb": vm_hwm_bytes() / 1e9, "sampled_peak_gb": sampler.peak / 1e9,
+               "sampled_peak_anon_gb": sampler.peak_anon / 1e9, "stages": done}
         if open_rows:
             res["open_stages"] = open_rows
         return res
@@ -149,6 +162,7 @@ def main() -> None:
                 sampler.open.pop(id(row), None)
             row["end_rss_gb"] = rss_bytes() / 1e9
             row["peak_rss_gb"] = max(row["peak_rss_gb"], row["end_rss_gb"])
+            row.setdefault("peak_anon_gb", 0.0)
             row["seconds"] = time.perf_counter() - t0 - row["t_start_s"]
             with sampler.lock:
                 rows.append(row)
@@ -170,9 +184,11 @@ def main() -> None:
     sampler.join()
     res = {"rc": rc, **result(True)}
     write(res)
-    print(f"rc={rc} wall {res['wall_s']:.1f} s, VmHWM {res['vm_hwm_gb']:.2f} GB")
+    print(f"rc={rc} wall {res['wall_s']:.1f} s, VmHWM {res['vm_hwm_gb']:.2f} GB, "
+          f"anonymous peak {res['sampled_peak_anon_gb']:.2f} GB")
     for r in res["stages"]:
         print(f"  {r['stage']:<28} {r['component'] or '':<14} peak {r['peak_rss_gb']:6.2f} GB  "
+              f"(anon {r['peak_anon_gb']:6.2f})  "
               f"start {r['start_rss_gb']:6.2f}  end {r['end_rss_gb']:6.2f}  {r['seconds']:7.1f} s")
     sys.exit(rc)
 

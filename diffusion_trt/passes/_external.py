@@ -1,0 +1,138 @@
+"""Weights left in the exporter's external-data files until a pass or the export reads them, one at a time.
+
+``torch.onnx.export`` writes a model of 2 GB or more (the SD-1.5 and SDXL UNets, SDXL's second text encoder) as a
+``model.onnx`` whose initializers name one file each beside it. ``onnx.load`` reads every one of them into the
+ModelProto, and that proto stays whole until the passes stage ends: the protobuf runtime (upb) frees a parsed
+model's bytes only with the whole model. For the SDXL UNet that is 10.3 GB of fp32 weights held beside the fp16 ones
+``convert_fp16`` makes (benchmarks/results/README.md, twentieth session).
+
+Loaded with ``load_external_data=False`` instead, and imported with :func:`import_graph`, each such weight becomes a
+gs constant whose values are :class:`ExternalValues`: its stub TensorProto (name, dtype, dims and the file it lies
+in) and the folder. Reading ``Constant.values`` reads the file (the NumPy array gs keeps, as for any weight it
+loads); :func:`._export.export_model` writes the weights no pass touched by copying the file's bytes into the new
+model, exactly as ``onnx.load`` would have put them there (``raw_data`` set, ``data_location`` DEFAULT, no
+``external_data``), so the exported model is the same, byte for byte.
+
+The files must stay in place until the passes' output model is made (``compile`` removes its ``.raw/<component>/``
+folder after the build).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import external_data_helper, numpy_helper
+from onnx_graphsurgeon.ir.tensor import LazyValues
+
+
+class ExternalValues(LazyValues):
+    """The values of a weight whose data lies in an external-data file of ``base_dir`` (``tensor`` is its stub:
+    ``data_location`` EXTERNAL, no data). ``shape``, ``dtype`` and ``nbytes`` come from the stub; nothing is read
+    until :meth:`load` or :meth:`write_into`."""
+
+    def __init__(self, tensor: onnx.TensorProto, base_dir: str | Path) -> None:
+        super().__init__(tensor)
+        self.base_dir = str(base_dir)
+
+    def load(self) -> np.ndarray:
+        """The values, read from the file (a new array each call; gs keeps the one ``Constant.values`` reads)."""
+        return np.array(numpy_helper.to_array(self.tensor, self.base_dir))
+
+    def write_into(self, out: onnx.TensorProto) -> None:
+        """Make ``out`` the tensor ``onnx.load`` would have made of the stub: its fields, ``raw_data`` read from the
+        file, ``data_location`` DEFAULT and no ``external_data``."""
+        out.CopyFrom(self.tensor)
+        external_data_helper.load_external_data_for_tensor(out, self.base_dir)
+
+    def loaded(self) -> onnx.TensorProto:
+        """A new TensorProto with the data (:meth:`write_into`)."""
+        out = onnx.TensorProto()
+        self.write_into(out)
+        return out
+
+    def __str__(self) -> str:
+        return f"ExternalValues (shape={self.shape}, dtype={self.dtype})"
+
+
+def external_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor of ``model`` (initializers, attributes, subgraphs, functions) whose data is external."""
+    return (t for t in external_data_helper._get_all_tensors(model) if external_data_helper.uses_external_data(t))
+
+
+def external_nbytes(tensor: onnx.TensorProto) -> int:
+    """Bytes of an external tensor's data: its ``length`` entry, else dims x item size (0 for a tensor with its
+    data inline)."""
+    if not external_data_helper.uses_external_data(tensor):
+        return 0
+    length = next((e.value for e in tensor.external_data if e.key == "length"), "")
+    if length:
+        return int(length)
+    itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+    return int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+
+
+def with_external_data(model: onnx.ModelProto, base_dir: str | Path | None) -> onnx.ModelProto:
+    """``model`` itself when it holds all its data, else a copy with every external tensor read from ``base_dir``
+    (as ``onnx.load`` would have read it)."""
+    if base_dir is None or next(external_tensors(model), None) is None:
+        return model
+    loaded = onnx.ModelProto()
+    loaded.CopyFrom(model)
+    external_data_helper.load_external_data_for_model(loaded, str(base_dir))
+    return loaded
+
+
+def import_graph(model: onnx.ModelProto, base_dir: str | Path | None = None) -> gs.Graph:
+    """``gs.import_onnx(model)``, with the weights whose data lies in files of ``base_dir`` left there as
+    :class:`ExternalValues` (see the module's docstring).
+
+    Only the main graph's initializers are left external (where the exporters put weights); a model with external
+    tensors anywhere else (a Constant node's attribute, a subgraph, a function) is imported from a copy with all its
+    data read (:func:`with_external_data`), as before. ``base_dir`` None: ``gs.import_onnx(model)``.
+    """
+    if base_dir is None:
+        return gs.import_onnx(model)
+    external = sum(1 for _ in external_tensors(model))
+    if not external:
+        return gs.import_onnx(model)
+    if external != sum(external_data_helper.uses_external_data(t) for t in model.graph.initializer):
+        return gs.import_onnx(with_external_data(model, base_dir))
+    graph = gs.import_onnx(model)
+    for tensor in graph.tensors().values():
+        values = tensor._values if isinstance(tensor, gs.Constant) else None
+        if type(values) is LazyValues and external_data_helper.uses_external_data(values.tensor):
+            tensor._values = ExternalValues(values.tensor, base_dir)
+            # gs writes a constant's data_location into the proto it exports from an array (a pass's new values):
+            # what onnx.load leaves in a tensor it read, not the stub's EXTERNAL
+            tensor.data_location = onnx.TensorProto.DEFAULT
+    return graph
+
+
+def read_foldable(graph: gs.Graph) -> int:
+    """Read into memory each external weight that a node with only constant inputs reads; returns how many.
+
+    ``gs.Graph.fold_constants`` hands each foldable part to ONNX Runtime as a model it exports with every
+    LazyValues' proto as it is: a stub would name a file ONNX Runtime looks for in the working directory. Such weights
+    get the proto ``onnx.load`` would have made (:meth:`ExternalValues.loaded`), so the part folds as before. Nodes
+    count as foldable when every input is a constant or the output of a foldable node, or is a ``Shape``/``Size`` of
+    a tensor of static shape (gs folds those too): a superset of what gs folds, which only costs memory. ``graph``
+    must be topologically sorted.
+    """
+    constant: set[str] = set()
+    read = 0
+    for node in graph.nodes:
+        inputs = [t for t in node.inputs if t is not None and t.name]
+        static_shape = node.op in ("Shape", "Size") and len(inputs) == 1 and inputs[0].shape is not None and all(
+            isinstance(d, int) for d in inputs[0].shape)
+        if not inputs or not (static_shape or all(isinstance(t, gs.Constant) or t.name in constant for t in inputs)):
+            continue
+        constant.update(t.name for t in node.outputs)
+        for tensor in inputs:
+            if isinstance(tensor, gs.Constant) and isinstance(tensor._values, ExternalValues):
+                tensor._values = LazyValues(tensor._values.loaded())
+                read += 1
+    return read
