@@ -19,6 +19,7 @@ folder after the build).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import external_data_helper, numpy_helper
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 
@@ -112,27 +114,29 @@ def import_graph(model: onnx.ModelProto, base_dir: str | Path | None = None) -> 
     return graph
 
 
-def read_foldable(graph: gs.Graph) -> int:
-    """Read into memory each external weight that a node with only constant inputs reads; returns how many.
 
-    ``gs.Graph.fold_constants`` hands each foldable part to ONNX Runtime as a model it exports with every
-    LazyValues' proto as it is: a stub would name a file ONNX Runtime looks for in the working directory. Such weights
-    get the proto ``onnx.load`` would have made (:meth:`ExternalValues.loaded`), so the part folds as before. Nodes
-    count as foldable when every input is a constant or the output of a foldable node, or is a ``Shape``/``Size`` of
-    a tensor of static shape (gs folds those too): a superset of what gs folds, which only costs memory. ``graph``
-    must be topologically sorted.
+@contextlib.contextmanager
+def exported_with_data() -> Iterator[None]:
+    """Inside the block onnx-graphsurgeon's own export writes an :class:`ExternalValues` constant with its data
+    (:meth:`ExternalValues.loaded`), as it wrote the proto ``onnx.load`` had read, instead of the stub.
+
+    Why: ``gs.Graph.fold_constants`` exports each foldable part with ``gs.export_onnx`` and runs it in ONNX Runtime;
+    a stub names a file ONNX Runtime looks for in its working directory and the fold fails (specialize_shapes then
+    falls back to the partitioned fold, which gives another graph: seen on the SDXL UNet, whose exporter
+    deduplicated equal weights into Identity nodes). Only what gs exports is read. Patches
+    ``OnnxExporter.export_tensor_proto`` for the block: not thread-safe (the passes run on one thread).
     """
-    constant: set[str] = set()
-    read = 0
-    for node in graph.nodes:
-        inputs = [t for t in node.inputs if t is not None and t.name]
-        static_shape = node.op in ("Shape", "Size") and len(inputs) == 1 and inputs[0].shape is not None and all(
-            isinstance(d, int) for d in inputs[0].shape)
-        if not inputs or not (static_shape or all(isinstance(t, gs.Constant) or t.name in constant for t in inputs)):
-            continue
-        constant.update(t.name for t in node.outputs)
-        for tensor in inputs:
-            if isinstance(tensor, gs.Constant) and isinstance(tensor._values, ExternalValues):
-                tensor._values = LazyValues(tensor._values.loaded())
-                read += 1
-    return read
+    real = OnnxExporter.export_tensor_proto
+
+    def export_tensor_proto(tensor: gs.Constant) -> onnx.TensorProto:
+        if isinstance(tensor._values, ExternalValues):
+            out = tensor._values.loaded()
+            out.name = tensor.name
+            return out
+        return real(tensor)
+
+    OnnxExporter.export_tensor_proto = staticmethod(export_tensor_proto)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        OnnxExporter.export_tensor_proto = staticmethod(real)  # type: ignore[method-assign]

@@ -9,6 +9,7 @@ after each pass, and errors that name the pass and the passes before it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -24,7 +25,7 @@ from diffusion_trt.errors import PassError
 
 from ._dump import GraphDumper
 from ._export import export_model
-from ._external import import_graph
+from ._external import exported_with_data, import_graph
 from ._match import Tally, collect_rejections, rejection_reasons
 
 logger = logging.getLogger(__name__)
@@ -309,7 +310,8 @@ def optimize_model(
                      ctx.component, ctx.opset, opset, opset)
         ctx = dataclasses.replace(ctx, opset=opset)
     graph = import_graph(model, ctx.external_data_dir)
-    records = PassManager(passes).run(graph, ctx)
+    with exported_with_data() if ctx.external_data_dir is not None else contextlib.nullcontext():
+        records = PassManager(passes).run(graph, ctx)
     out = export_model(graph)
     # gs carries ir_version, the default-domain opset and the other imported domains (graph.import_domains);
     # a pass may add a domain or raise the opset, so merge rather than overwrite.

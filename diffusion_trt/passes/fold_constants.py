@@ -10,7 +10,6 @@ import onnx_graphsurgeon as gs
 
 from diffusion_trt.errors import PassError
 
-from ._external import read_foldable
 from ._match import const_value, in_onnx_domain
 from .base import PassContext, PassResult, option
 
@@ -93,7 +92,6 @@ def fold(graph: gs.Graph, options: FoldConstantsOptions) -> int:
     _lower_constant_nodes(graph)
     constant_bytes = _constant_bytes(graph)
     graph.toposort()
-    read_foldable(graph)  # weights still in the exporter's files, where ONNX Runtime evaluates them
     quiet_onnxruntime()
     try:
         graph.fold_constants(
