@@ -6,7 +6,7 @@ Runs ``diffusion-trt`` in this process with a thread sampling the resident set s
 20 ms, and wraps :func:`diffusion_trt.compiler.pipeline.stage` so every stage (``load models``, ``export of unet``,
 ``passes of unet``, ``build of unet``...) records the RSS when it starts and ends and the largest RSS sampled while it
 ran. Stages nest (a component's passes run inside its compile), so a parent's peak includes its children's.
-Each stage also gets ``peak_anon_gb``, the largest anonymous share sampled (RSS less its file-backed pages: torch maps
+Each stage also gets ``disk_read_gb`` (what the disk gave it, the page cache apart) and ``peak_anon_gb``, the largest anonymous share sampled (RSS less its file-backed pages: torch maps
 the safetensors weights, which count in the RSS but are clean pages the kernel may drop under memory pressure, as
 in a memory cgroup at its limit, and read again). The JSON also has the process's ``VmHWM`` (the kernel's own peak)
 and the wall time. ``--per-pass`` adds a stage
@@ -46,6 +46,19 @@ def rss_split_bytes() -> tuple[int, int]:
     with open("/proc/self/statm") as f:
         fields = f.read().split()
     return int(fields[1]) * PAGE, int(fields[2]) * PAGE
+
+
+def disk_read_bytes() -> int:
+    """Bytes this process made the kernel read from the disk (``/proc/self/io`` read_bytes: page-cache misses, not
+    reads the cache served)."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def vm_hwm_bytes() -> int:
@@ -153,6 +166,7 @@ def main() -> None:
     @contextlib.contextmanager
     def measured(name: str, component: str | None = None) -> Iterator[None]:
         row = {"stage": name, "component": component, "start_rss_gb": rss_bytes() / 1e9, "t_start_s": 0.0}
+        read0 = disk_read_bytes()
         row["peak_rss_gb"] = row["start_rss_gb"]
         row["t_start_s"] = time.perf_counter() - t0
         with sampler.lock:
@@ -167,6 +181,7 @@ def main() -> None:
             row["peak_rss_gb"] = max(row["peak_rss_gb"], row["end_rss_gb"])
             row.setdefault("peak_anon_gb", 0.0)
             row["seconds"] = time.perf_counter() - t0 - row["t_start_s"]
+            row["disk_read_gb"] = (disk_read_bytes() - read0) / 1e9
             with sampler.lock:
                 rows.append(row)
 

@@ -20,6 +20,7 @@ folder after the build).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +30,23 @@ import onnx_graphsurgeon as gs
 from onnx import external_data_helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 from onnx_graphsurgeon.ir.tensor import LazyValues
+
+
+#: ONNX data types read straight into a NumPy array (little-endian, as ``raw_data`` holds them).
+_NUMPY_DTYPES = {t: np.dtype(n) for t, n in (
+    (onnx.TensorProto.FLOAT, "<f4"), (onnx.TensorProto.FLOAT16, "<f2"), (onnx.TensorProto.DOUBLE, "<f8"),
+    (onnx.TensorProto.INT64, "<i8"), (onnx.TensorProto.INT32, "<i4"), (onnx.TensorProto.INT16, "<i2"),
+    (onnx.TensorProto.INT8, "i1"), (onnx.TensorProto.UINT8, "u1"), (onnx.TensorProto.BOOL, "?"))}
+
+
+def _inside(base_dir: str, location: str) -> Path | None:
+    """``base_dir/location`` when it is a regular file inside ``base_dir`` (no absolute path, no ``..``), else None
+    (``numpy_helper.to_array`` then reads it, with onnx's own checks and errors)."""
+    if not location or Path(location).is_absolute():
+        return None
+    base = Path(base_dir).resolve()
+    path = (base / location).resolve()
+    return path if path.is_relative_to(base) and path.is_file() else None
 
 
 class ExternalValues(LazyValues):
@@ -41,8 +59,22 @@ class ExternalValues(LazyValues):
         self.base_dir = str(base_dir)
 
     def load(self) -> np.ndarray:
-        """The values, read from the file (a new array each call; gs keeps the one ``Constant.values`` reads)."""
-        return np.array(numpy_helper.to_array(self.tensor, self.base_dir))
+        """The values, read from the file (a new array each call; gs keeps the one ``Constant.values`` reads): read
+        straight into the array (one copy) where NumPy has the dtype, else through ``numpy_helper.to_array``."""
+        info = external_data_helper.ExternalDataInfo(self.tensor)
+        dtype = _NUMPY_DTYPES.get(self.tensor.data_type)
+        path = _inside(self.base_dir, info.location)
+        if dtype is None or path is None or sys.byteorder != "little":
+            return np.array(numpy_helper.to_array(self.tensor, self.base_dir))
+        count = int(np.prod(self.tensor.dims, dtype=np.int64))
+        if info.length and info.length != count * dtype.itemsize:
+            raise ValueError(f"{self.tensor.name}: {info.length} bytes in {info.location}, expected "
+                             f"{count * dtype.itemsize} for dims {list(self.tensor.dims)}")
+        return np.fromfile(path, dtype=dtype, count=count, offset=info.offset or 0).reshape(tuple(self.tensor.dims))
+
+    def raw_data(self) -> bytes:
+        """The tensor's bytes as its ``raw_data`` would hold them (one read, no proto)."""
+        return external_data_helper._read_external_data_bytes(self.tensor, self.base_dir)
 
     def write_into(self, out: onnx.TensorProto) -> None:
         """Make ``out`` the tensor ``onnx.load`` would have made of the stub: its fields, ``raw_data`` read from the

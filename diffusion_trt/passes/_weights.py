@@ -69,6 +69,8 @@ def raw_bytes(const: gs.Constant) -> bytes | None:
     Returns None when the bytes cannot be had cheaply and exactly: sparse or string tensors, and weights that
     live in an external data file that was not loaded.
     """
+    if isinstance(const._values, ExternalValues):  # one read of its file, no proto made
+        return const._values.raw_data()
     proto = constant_proto(const)
     return None if proto is None else proto_raw_bytes(proto)
 

@@ -108,3 +108,23 @@ def test_the_range_check_sees_the_weights_bytes_and_runs_the_model_with_its_data
     feeds = graphs.random_feeds(full)
     for a, b in zip(graphs.run(loaded, feeds), graphs.run(full, feeds), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, np.int64, np.int32, np.int8, np.uint8, np.bool_])
+def test_a_weight_read_from_its_file_equals_what_onnx_reads(dtype, tmp_path: Path) -> None:
+    from onnx import helper
+
+    from diffusion_trt.passes._weights import raw_bytes
+
+    values = (np.arange(600).reshape(20, 30) % 7).astype(dtype)
+    model = graphs.make_model([helper.make_node("Identity", ["w"], ["y"])], [],
+                              [graphs.tensor_info("y", [20, 30], helper.np_dtype_to_tensor_dtype(values.dtype))],
+                              [onnx.numpy_helper.from_array(values, "w")])
+    path = as_torch_writes_it(model, tmp_path)
+    (weight,) = [t for t in import_graph(onnx.load(str(path), load_external_data=False), tmp_path).tensors().values()
+                 if t.name == "w"]
+    assert isinstance(weight._values, ExternalValues)
+    loaded = weight._values.load()
+    assert loaded.dtype == values.dtype and loaded.flags.writeable
+    np.testing.assert_array_equal(loaded, values)
+    assert raw_bytes(weight) == onnx.load(str(path)).graph.initializer[0].raw_data
