@@ -6,13 +6,13 @@ Runs ``diffusion-trt`` in this process with a thread sampling the resident set s
 20 ms, and wraps :func:`diffusion_trt.compiler.pipeline.stage` so every stage (``load models``, ``export of unet``,
 ``passes of unet``, ``build of unet``...) records the RSS when it starts and ends and the largest RSS sampled while it
 ran. Stages nest (a component's passes run inside its compile), so a parent's peak includes its children's.
-Each stage also gets ``disk_read_gb`` (what the disk gave it, the page cache apart) and ``peak_anon_gb``, the largest anonymous share sampled (RSS less its file-backed pages: torch maps
-the safetensors weights, which count in the RSS but are clean pages the kernel may drop under memory pressure, as
-in a memory cgroup at its limit, and read again). The JSON also has the process's ``VmHWM`` (the kernel's own peak)
-and the wall time. ``--per-pass`` adds a stage
-per pass (``pass convert_fp16``) and per step of the fp16 range check (``activation_peaks``, ``ORT session``...),
-and splits the export stage (``torch.onnx.export``, inside it ``trace and constant folding``; the rest of the
-export stage reads the exported files back).
+Each stage also gets ``disk_read_gb`` (what the disk gave it, the page cache apart) and ``peak_anon_gb``, the
+largest anonymous share sampled (RSS less its file-backed pages: torch maps the safetensors weights, which count in
+the RSS but are clean pages the kernel may drop under memory pressure, as in a memory cgroup at its limit, and read
+again). The JSON also has the process's ``VmHWM`` (the kernel's own peak) and the wall time. ``--per-pass`` adds a
+stage per pass (``pass convert_fp16``) and per step of the fp16 range check (``activation_peaks``, ``ORT
+session``...), and splits the export stage (``torch.onnx.export``, inside it ``trace and constant folding``; the
+rest of the export stage reads the exported files back).
 
 The JSON is rewritten every few seconds while the compile runs (``"complete": false``, the stages still open under
 ``open_stages`` with their peak so far), so a compile killed for memory (an OOM kill in a memory cgroup) still

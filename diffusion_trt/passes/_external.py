@@ -31,7 +31,6 @@ from onnx import external_data_helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-
 #: ONNX data types read straight into a NumPy array (little-endian, as ``raw_data`` holds them).
 _NUMPY_DTYPES = {t: np.dtype(n) for t, n in (
     (onnx.TensorProto.FLOAT, "<f4"), (onnx.TensorProto.FLOAT16, "<f2"), (onnx.TensorProto.DOUBLE, "<f8"),
