@@ -11,7 +11,8 @@ gs constant whose values are :class:`ExternalValues`: its stub TensorProto (name
 in) and the folder. Reading ``Constant.values`` reads the file (the NumPy array gs keeps, as for any weight it
 loads); :func:`._export.export_model` writes the weights no pass touched by copying the file's bytes into the new
 model, exactly as ``onnx.load`` would have put them there (``raw_data`` set, ``data_location`` DEFAULT, no
-``external_data``), so the exported model is the same, byte for byte.
+``external_data``), so the exported model is the same, byte for byte. While the passes run, gs's own export (the
+constant folds' parts for ONNX Runtime) writes such weights with their data too (:func:`exported_with_data`).
 
 The files must stay in place until the passes' output model is made (``compile`` removes its ``.raw/<component>/``
 folder after the build).
@@ -143,7 +144,6 @@ def import_graph(model: onnx.ModelProto, base_dir: str | Path | None = None) -> 
             # what onnx.load leaves in a tensor it read, not the stub's EXTERNAL
             tensor.data_location = onnx.TensorProto.DEFAULT
     return graph
-
 
 
 @contextlib.contextmanager
