@@ -679,7 +679,7 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
         release_modules(models, done_with)
     bar.update()
     bar.set_postfix_str(f"{name}: passes")
-    model, optimized = optimize_component(job, plan, model)
+    model, optimized = optimize_component(job, plan, model, external_data_dir=staging / ".raw" / name)
     entry.update(optimized)
     if refit:
         entry.update(write_refit_map(name, model, models[source], staging, find_dead(job, plan, models)))
@@ -728,7 +728,13 @@ def refit_source(job: CompileJob, name: str) -> str | None:
 
 def export_component(job: CompileJob, plan: ComponentPlan, models: dict[str, Any],
                      staging: Path) -> tuple[onnx.ModelProto, float]:
-    """The export stage: the torch module -> raw ONNX (``.raw/<name>/``), loaded; and the seconds it took."""
+    """The export stage: the torch module -> raw ONNX (``.raw/<name>/``), loaded without its external data (the
+    weights torch writes to files of their own for a model of 2 GB or more stay there: the passes read them one at a
+    time, :mod:`diffusion_trt.passes._external`); and the seconds it took.
+
+    Why: loaded whole, the SDXL UNet's 10.3 GB of fp32 weights sat in one protobuf arena beside the torch module's
+    (mapped from the safetensors) and then through the passes beside the 5.1 GB of fp16 ones: the passes stage held
+    16.4 GB (benchmarks/results/README.md, twentieth session)."""
     raw = staging / ".raw" / plan.name / "model.onnx"
     t0 = time.perf_counter()
     with stage("export", plan.name):
@@ -737,14 +743,15 @@ def export_component(job: CompileJob, plan: ComponentPlan, models: dict[str, Any
             precision=plan.export_dtype, profile_ranges=job.ranges, opset=job.config.opset, device=job.torch_device,
             architecture=job.folder.architecture,
         )
-        model = onnx.load(str(raw))
+        model = onnx.load(str(raw), load_external_data=False)
     return model, round(time.perf_counter() - t0, 3)
 
 
-def optimize_component(job: CompileJob, plan: ComponentPlan,
-                       model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, Any]]:
+def optimize_component(job: CompileJob, plan: ComponentPlan, model: onnx.ModelProto,
+                       external_data_dir: Path | None = None) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """The passes stage: the plan's pass pipeline (fp16: with the activation range check); the optimized graph and
-    the manifest's ``passes`` (and ``fp16_check``)."""
+    the manifest's ``passes`` (and ``fp16_check``). ``external_data_dir``: the export's folder, where the weights of
+    ``model`` (loaded without its external data) are read from."""
     from ..passes import PassContext, pipeline_for
     from ..passes.fp16_check import optimize_fp16_checked
     from .fp16_calibration import calibration_feeds, first_sample
@@ -760,6 +767,7 @@ def optimize_component(job: CompileJob, plan: ComponentPlan,
             dump_dir=Path(config.dump_passes) if config.dump_passes else None,
             options={**pass_options(spec, job.profile, job.facts), **job.deterministic_options,
                      **config.pass_options},
+            external_data_dir=external_data_dir,
         )
         passes = pipeline_for(plan.pass_backend, config.device, plan.pass_precision, name,
                               static=job.profile.is_static())

@@ -7,7 +7,9 @@ made (convert_fp16's fp16 weights) stay alive until the end as well. :func:`expo
 with the weights left out, then copies each initializer into it one at a time, and points each constant a pass made
 (numpy-backed) at its exported copy, so its array is freed as soon as it is written. Shape inference
 (:func:`.infer_shapes.annotate_shapes`, run by several passes) exports the graph with only the weights it reads
-(``data``): the large float weights go out as dtype and dims alone, never copied.
+(``data``): the large float weights go out as dtype and dims alone, never copied. A weight still in an
+external-data file (:class:`._external.ExternalValues`) is read into the new model as ``onnx.load`` would have read
+it.
 
 The imported model is only read: the weights gs still loads lazily from it are copied, never moved. (Moving would
 not free memory anyway: the protobuf runtime here, upb, keeps a parsed model's bytes in one arena that is released
@@ -27,6 +29,8 @@ from onnx_graphsurgeon.exporters.onnx_exporter import (
     update_import_domains,
 )
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
+
+from ._external import ExternalValues
 
 #: Whether to write the data of an initializer of this ONNX data type and dims (:func:`export_model`'s ``data``).
 DataFilter = Callable[[int, Sequence[int]], bool]
@@ -83,7 +87,10 @@ def _write_initializers(body: onnx.GraphProto, constants: list[gs.Constant], dat
                 out.name, out.data_type = tensor.name, dtype
                 out.dims.extend(tensor.shape)
                 continue
-        if isinstance(values, LazyValues):
+        if isinstance(values, ExternalValues):  # still in the exporter's file: read into the model, as onnx.load would
+            values.write_into(out)
+            out.name = tensor.name
+        elif isinstance(values, LazyValues):
             out.CopyFrom(values.tensor)
             out.name = tensor.name
         else:

@@ -16,6 +16,8 @@ from onnx import numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
+from ._external import ExternalValues
+
 
 def constant_nbytes(const: gs.Constant) -> int:
     """Size of the constant's values in bytes, without loading them."""
@@ -28,10 +30,13 @@ def constant_nbytes(const: gs.Constant) -> int:
 def constant_proto(const: gs.Constant) -> onnx.TensorProto | None:
     """The TensorProto gs would export for ``const``, or None for sparse constants.
 
-    For lazily loaded weights this is the caller's original proto (shared): read it, never change it.
+    For lazily loaded weights this is the caller's original proto (shared): read it, never change it. A weight still
+    in an external-data file (:class:`._external.ExternalValues`) comes back as a new proto with its data read.
     """
     if isinstance(const._values, SparseValues):
         return None
+    if isinstance(const._values, ExternalValues):
+        return const._values.loaded()
     return OnnxExporter.export_tensor_proto(const)
 
 
@@ -64,6 +69,8 @@ def raw_bytes(const: gs.Constant) -> bytes | None:
     Returns None when the bytes cannot be had cheaply and exactly: sparse or string tensors, and weights that
     live in an external data file that was not loaded.
     """
+    if isinstance(const._values, ExternalValues):  # one read of its file, no proto made
+        return const._values.raw_data()
     proto = constant_proto(const)
     return None if proto is None else proto_raw_bytes(proto)
 

@@ -9,6 +9,7 @@ after each pass, and errors that name the pass and the passes before it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -24,6 +25,7 @@ from diffusion_trt.errors import PassError
 
 from ._dump import GraphDumper
 from ._export import export_model
+from ._external import exported_with_data, import_graph
 from ._match import Tally, collect_rejections, rejection_reasons
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,9 @@ class PassContext:
         dump_dir: if set, the graph is written before the first pass as ``{dump_dir}/{component}/00_input.onnx``
             and after each pass as ``{NN}_{pass}.onnx`` next to it (NN from 01), with the weights stored once
             per run in ``weights.bin`` there; see :mod:`._dump`.
+        external_data_dir: the folder the model's external-data weights are read from, one at a time, when a pass or
+            the export reads them (:mod:`._external`: the model was loaded with ``load_external_data=False``); None:
+            the model holds all its data.
         options: per-pass options by key, as ``--pass-option KEY=VALUE`` and ``CompileConfig.pass_options`` give
             them, e.g. ``{"fold_constants_size_threshold_bytes": 1 << 20}``; a pass reads its own as a typed, frozen
             dataclass with :meth:`options_for` (each field of it names its key: :func:`option`).
@@ -87,6 +92,7 @@ class PassContext:
     opset: int = MIN_OPSET
     dump_dir: Path | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    external_data_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.dump_dir is not None:
@@ -289,8 +295,10 @@ def optimize_model(
     domain a pass added), producer, doc_string and metadata_props. ``model`` is only read (callers may run it again,
     as the fp16 range check does): the result is a new ModelProto with its own copy of the weights, so memory peaks
     at ``model`` + the result + the arrays the passes made and export has not yet written (convert_fp16's). Drop
-    ``model`` after the call (``model, records = optimize_model(model, ...)``) to keep one copy. ``ctx`` is not
-    changed: the passes get a copy whose ``opset`` is the model's default-domain opset.
+    ``model`` after the call (``model, records = optimize_model(model, ...)``) to keep one copy. With
+    ``ctx.external_data_dir`` a model loaded without its external data is imported with its weights left in their
+    files (:func:`._external.import_graph`): then no second copy is held at all, only the arrays the passes made.
+    ``ctx`` is not changed: the passes get a copy whose ``opset`` is the model's default-domain opset.
 
     Raises:
         PassError: the model's default-domain opset is below 17 or above what the installed onnx knows
@@ -301,8 +309,9 @@ def optimize_model(
         logger.debug("%s: PassContext.opset=%d but the model uses opset %d; passes see %d",
                      ctx.component, ctx.opset, opset, opset)
         ctx = dataclasses.replace(ctx, opset=opset)
-    graph = gs.import_onnx(model)
-    records = PassManager(passes).run(graph, ctx)
+    graph = import_graph(model, ctx.external_data_dir)
+    with exported_with_data() if ctx.external_data_dir is not None else contextlib.nullcontext():
+        records = PassManager(passes).run(graph, ctx)
     out = export_model(graph)
     # gs carries ir_version, the default-domain opset and the other imported domains (graph.import_domains);
     # a pass may add a domain or raise the opset, so merge rather than overwrite.

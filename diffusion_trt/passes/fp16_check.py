@@ -38,6 +38,7 @@ import onnx
 from diffusion_trt.errors import PassError
 
 from . import _ort
+from ._external import external_nbytes, with_external_data
 from .base import Pass, PassContext, PassRecord, optimize_model, pass_name
 from .convert_fp16 import ConvertFp16Options
 from .parity import failures as parity_failures
@@ -128,8 +129,9 @@ class Fp16Check:
 
 
 def _weight_bytes(model: onnx.ModelProto) -> int:
-    """Bytes of the graph's initializers (each serialised alone: no 2 GiB limit on the whole)."""
-    return sum(t.ByteSize() for t in model.graph.initializer)
+    """Bytes of the graph's initializers (each serialised alone: no 2 GiB limit on the whole), external data
+    included (a model loaded without it: :mod:`._external`)."""
+    return sum(t.ByteSize() + external_nbytes(t) for t in model.graph.initializer)
 
 
 def optimize_fp16_checked(
@@ -169,6 +171,7 @@ def optimize_fp16_checked(
                        "convert_fp16_range_check_max_bytes")
         model, records = optimize_model(model, passes, ctx)
         return model, records, None
+    model = with_external_data(model, ctx.external_data_dir)  # ONNX Runtime runs it: its weights (<= limit) read
     start = time.perf_counter()
     split = names.index("convert_fp16")
     fp32, records = optimize_model(model, passes[:split], ctx)

@@ -82,3 +82,57 @@ def test_a_stage_lets_an_interrupt_a_library_wrapped_through() -> None:
                 raise ValueError("inner")
             except ValueError:
                 raise RuntimeError("bad") from None
+
+
+def test_an_export_with_its_weights_in_files_of_their_own_compiles_to_the_same_bytes(
+        tiny_pipeline_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.onnx.export writes a model of 2 GB or more (the SD-1.5 and SDXL UNets) as one file per weight; compile
+    loads it without them and the passes read each weight from its file (passes/_external.py). Forced here on the
+    tiny pipeline: the same graphs and weights come out, byte for byte, as from that export loaded whole (as compile
+    loaded it before), with the fp16 range check (which runs the export itself in ONNX Runtime) on every component."""
+    from onnx.external_data_helper import load_external_data_for_model, uses_external_data
+
+    from diffusion_trt.compiler import pipeline
+    from diffusion_trt.config import CompileConfig
+
+    config = CompileConfig(device="cuda", precision="fp16", components=("text_encoder", "unet", "vae_decoder"))
+    real_export, real_load, real_optimize = export.onnx_from_component, pipeline.export_component, \
+        pipeline.optimize_component
+    external: dict[str, int] = {}
+
+    def as_big_models_are_exported(*args, **kwargs):  # type: ignore[no-untyped-def]
+        path = real_export(*args, **kwargs)
+        # every tensor in a file (torch: those of 1 KiB or more), so the tiny graphs' norm weights, which torch
+        # deduplicates into Identity nodes that the folds evaluate, are in files too
+        onnx.save_model(onnx.load(str(path)), str(path), save_as_external_data=True, all_tensors_to_one_file=False,
+                        size_threshold=0)
+        return path
+
+    def loaded_whole(job, plan, models, staging):  # type: ignore[no-untyped-def]
+        model, seconds = real_load(job, plan, models, staging)
+        load_external_data_for_model(model, str(staging / ".raw" / plan.name))  # what onnx.load(raw) did
+        return model, seconds
+
+    def spy(job, plan, model, external_data_dir=None):  # type: ignore[no-untyped-def]
+        external[plan.name] = sum(uses_external_data(t) for t in model.graph.initializer)
+        return real_optimize(job, plan, model, external_data_dir)
+
+    monkeypatch.setattr(export, "onnx_from_component", as_big_models_are_exported)
+    monkeypatch.setattr(pipeline, "optimize_component", spy)
+    with monkeypatch.context() as before:
+        before.setattr(pipeline, "export_component", loaded_whole)
+        whole = pipeline.compile_pipeline(tiny_pipeline_dir, tmp_path / "whole", config)
+    assert not any(external.values())
+    split = pipeline.compile_pipeline(tiny_pipeline_dir, tmp_path / "split", config)
+    assert all(external[name] > 0 for name in config.components)  # the passes got the weights in their files
+    for name in config.components:
+        files = sorted(p.relative_to(whole).as_posix() for p in (whole / name).rglob("*") if p.is_file())
+        assert files and files == sorted(p.relative_to(split).as_posix() for p in (split / name).rglob("*")
+                                         if p.is_file())
+        for file in files:
+            assert (whole / file).read_bytes() == (split / file).read_bytes(), file
+    manifests = [json.loads((a / "manifest.json").read_text())["components"] for a in (whole, split)]
+    for name in config.components:
+        counts = [[p["counts"] for p in manifest[name]["passes"]] for manifest in manifests]
+        assert counts[0] == counts[1]
+        assert manifests[0][name]["fp16_check"]["hot"] == manifests[1][name]["fp16_check"]["hot"]
