@@ -41,6 +41,7 @@ def lora_source(component: str) -> str | None:
         return component
     return "unet" if component == UNET_CONTROLNET else None
 
+
 class Backend(enum.StrEnum):
     """The engine library an artifact was built for; ``.value`` is what ``manifest.json`` holds.
 

@@ -50,7 +50,7 @@ import torch
 
 from ...artifact.reader import OnnxBytes
 from ...errors import ArtifactError, RuntimeInputError
-from .capture_lock import CAPTURE_LOCK, shared_if
+from .capture_lock import CAPTURE_LOCK, exclusive_if, shared_if
 from .engine import EngineBase, EngineSpec, _fmt_shape
 
 logger = logging.getLogger(__name__)
@@ -332,8 +332,11 @@ class OrtEngine(EngineBase):
         symbols = self.validate(feeds)
         shapes = self._spec.output_shapes(symbols)
         if self._graph:
-            # the runs before the replays allocate their buffers under the lock too (see _graph_lock)
-            with self._graph_lock():
+            # the capturing runs allocate their buffers under the lock too: no other thread's CUDA call may land
+            # inside ORT's global-mode capture. The regular run before the capture too: with it shared (H100,
+            # 2026-12-07) other engines' session creations failed with "operation not permitted when stream is
+            # capturing" in 3 of 4 loads
+            with exclusive_if(self._capturing()):
                 return self._run_graph(feeds, shapes)
         if self._io_binding:
             return self._run_bound(feeds, shapes)
@@ -347,9 +350,9 @@ class OrtEngine(EngineBase):
         goes through its own IO binding with ORT's run option ``gpu_graph_id=-1`` (no capture, no replay, and ORT's
         count of runs before the capture left as it was; onnxruntime ``core/providers/cuda/cuda_graph.h``,
         ``kCudaGraphAnnotationSkip``), so the engine's own first runs, on the thread that replays, still run
-        and capture holding :data:`~.capture_lock.CAPTURE_LOCK` exclusive. This run holds it
-        shared: a regular run allocates, which would break another thread's capture in
-        ``cudaStreamCaptureModeGlobal``, but it may overlap other engines' session creations and first runs.
+        and capture holding :data:`~.capture_lock.CAPTURE_LOCK` exclusive. This run holds it shared: a regular run
+        allocates, which would break another thread's capture in ``cudaStreamCaptureModeGlobal``, but it may overlap
+        other engines' session creations and first runs.
 
         Returns:
             Whether it ran: only engines whose every input shape is fixed (a static spec).
@@ -374,10 +377,9 @@ class OrtEngine(EngineBase):
 
     def capture(self) -> bool:
         """Capture the CUDA graph on the calling thread now: the graph-mode runs on zeros (at the static input
-        shapes) that a first call would make, holding :data:`~.capture_lock.CAPTURE_LOCK` exclusive
-        (:meth:`_graph_lock`), then wait for the device. The thread that later calls
-        :meth:`run` replays from its first run, if it is this thread (ONNX Runtime keeps the graph per thread;
-        another thread captures its own on its first runs, as before).
+        shapes) that a first call would make, holding :data:`~.capture_lock.CAPTURE_LOCK` exclusive, then wait for
+        the device. The thread that later calls :meth:`run` replays from its first run, if it is this thread (ONNX
+        Runtime keeps the graph per thread; another thread captures its own on its first runs, as before).
 
         Returns:
             Whether it captured: only engines in CUDA-graph mode, not yet captured on this thread. ``False`` also
@@ -396,16 +398,6 @@ class OrtEngine(EngineBase):
                 self.run(feeds)
             self._current_torch_stream().synchronize()
         return self._graph
-
-    def _graph_lock(self) -> contextlib.AbstractContextManager[None]:
-        """What a graph-mode run on this thread holds of :data:`~.capture_lock.CAPTURE_LOCK`: every run before the
-        replays holds it exclusive (ORT captures in ``cudaStreamCaptureModeGlobal``: no other thread's CUDA call may
-        land inside), replays nothing. The regular run before the capture too: with it shared (2026-12-07, H100),
-        other engines' session creations failed in ORT's external-data loader with "operation not permitted when
-        stream is capturing" in 3 of 4 loads, so a capture did run inside a run counted as regular here."""
-        if self._graph_runs.get(threading.get_ident(), 0) >= _GRAPH_CAPTURE_RUNS:
-            return contextlib.nullcontext()
-        return CAPTURE_LOCK.exclusive()
 
     def _capturing(self) -> bool:
         """Whether this thread's next graph-mode run is one of ORT's runs before its replays (see
@@ -519,9 +511,9 @@ class OrtEngine(EngineBase):
 
     def _remove_later(self, folder: tempfile.TemporaryDirectory[str] | None) -> None:
         """Remove the private folder on a thread of its own (:meth:`wait_removal` waits for it): ONNX Runtime is done
-        with its files once the session exists, and freeing the pages of a just-written 1.7 GB file (the SD-1.5 UNet's)
-        takes long enough to matter when it sits between the session and the first run. The thread is not a daemon,
-        so the folder is gone before the interpreter exits."""
+        with its files once the session exists, and freeing the pages of a just-written 1.7 GB file (the SD-1.5 UNet's:
+        0.11 s on the H100, ``h100-2026-12-07-s20-cold-start.json``) need not sit between the session and the first
+        run. The thread is not a daemon, so the folder is gone before the interpreter exits."""
         if folder is None:
             return
         self.wait_removal()  # a previous open's removal (a rebuild without CUDA graphs)
@@ -769,7 +761,7 @@ class OrtEngine(EngineBase):
             self._graph_bound = True
         capturing = self._capturing()
         try:
-            with self._graph_lock():
+            with exclusive_if(capturing):
                 self._session.run_with_iobinding(binding, self._run_options)
         except Exception as e:  # ORT's capture failures come as its own exception types
             if not capturing:
