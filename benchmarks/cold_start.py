@@ -18,6 +18,10 @@ compute cache are warm after the first repeat):
 * ``first-image-no-prime`` (``--no-prime-variant unet``): first-image (HEURISTIC) with those components not primed
   on their loader threads (the caller's CUDA-graph runs at load make their first run); ``--no-prime-variant none``:
   every component primed on its loader thread (``runtime.loading.CALLER_FIRST_RUN`` emptied: the load before it);
+* ``first-image-set`` (``--set-variants 'runtime.schedulers.DEFER_DYNAMO=0;...'``): first-image (HEURISTIC) with
+  those module constants set (``--set MODULE.NAME=VALUE``, see ``_apply_sets``), the variants' repeats interleaved;
+* ``first-image-sampled`` (``--sample``): first-image (HEURISTIC) with every thread's frame sampled each 10 ms during
+  the load and the first call: where each thread's time goes;
 * ``first-image-options`` (``--option-variants '{"sdpa_kernel": "1"};{...}'``): first-image (HEURISTIC) with those
   CUDA provider options on every component, one process each.
 
@@ -144,10 +148,83 @@ def _skip_prime(components: set[str]) -> None:
     OrtEngine.prime = lambda self: False if self.name in components else prime(self)
 
 
+def _apply_sets(sets: list[str]) -> dict:
+    """A variant of the load, for this benchmark only: each ``MODULE.NAME=VALUE`` (``MODULE`` under diffusion_trt,
+    e.g. ``runtime.schedulers.DEFER_DYNAMO=0``) sets that module constant, and the same name in
+    ``runtime.pipeline`` where it imported it. VALUE is read as the constant's type: a bool from 0/1, a frozenset
+    from comma-separated names, else int, float or str. Returns what was set."""
+    import importlib
+
+    done = {}
+    for item in sets:
+        target, _, value = item.partition("=")
+        module_name, _, name = target.rpartition(".")
+        module = importlib.import_module(f"diffusion_trt.{module_name}")
+        current = getattr(module, name)
+        if isinstance(current, bool):
+            new = value.strip().lower() in ("1", "true", "yes")
+        elif isinstance(current, frozenset):
+            new = frozenset(filter(None, value.split(",")))
+        else:
+            new = type(current)(value)
+        for m in (module, importlib.import_module("diffusion_trt.runtime.pipeline")):
+            if hasattr(m, name):
+                setattr(m, name, new)
+        done[target] = sorted(new) if isinstance(new, frozenset) else new
+    return done
+
+
+class _ThreadSampler:
+    """Every ``interval`` seconds, the innermost frame of every thread (``sys._current_frames()``), counted per
+    thread name: where each thread of the load spends its time (a thread waiting for the GIL shows the line it
+    waits at). For this benchmark only: the sampling takes the GIL itself."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        import threading
+
+        self._interval, self._stop = interval, threading.Event()
+        self._counts: dict[str, dict[str, int]] = {}
+        self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
+
+    def _loop(self) -> None:
+        import threading
+
+        me = threading.get_ident()
+        while not self._stop.wait(self._interval):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                code = frame.f_code
+                where = f"{os.path.basename(code.co_filename)}:{frame.f_lineno}:{code.co_name}"
+                ours = frame
+                while ours is not None and "diffusion_trt" not in ours.f_code.co_filename:
+                    ours = ours.f_back
+                if ours is not None and ours is not frame:
+                    where += f" <- {os.path.basename(ours.f_code.co_filename)}:{ours.f_lineno}:{ours.f_code.co_name}"
+                per = self._counts.setdefault(names.get(ident, str(ident)), {})
+                per[where] = per.get(where, 0) + 1
+
+    def __enter__(self) -> "_ThreadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self, top: int = 8) -> dict:
+        """thread name -> {"samples", "interval_s", "top": [[where, count], ...]}."""
+        return {name: {"samples": sum(c.values()), "interval_s": self._interval,
+                       "top": sorted(c.items(), key=lambda kv: -kv[1])[:top]} for name, c in self._counts.items()}
+
+
 def first_image(art: str, cudnn: str, steps: int, level: str = "all", provider_options: dict | None = None,
-                no_prime: str = "") -> dict:
+                no_prime: str = "", sets: list[str] | None = None, sample: bool = False) -> dict:
     """from_artifacts + the first image (and a second), with marks since the process started; ``provider_options``
-    go to ``from_artifacts`` (every component); ``no_prime``: components not primed at load (:func:`_skip_prime`)."""
+    go to ``from_artifacts`` (every component); ``no_prime``: components not primed at load (:func:`_skip_prime`);
+    ``sets``: module constants set first (:func:`_apply_sets`); ``sample``: where each thread spends the load and the
+    first call (:class:`_ThreadSampler`)."""
     marks = {}
     import torch
 
@@ -159,6 +236,10 @@ def first_image(art: str, cudnn: str, steps: int, level: str = "all", provider_o
     timeline = _load_timeline()
     if no_prime:
         _skip_prime(set(no_prime.split(",")))
+    applied = _apply_sets(sets or [])
+    sampler = _ThreadSampler() if sample else None
+    if sampler is not None:
+        sampler.__enter__()
     t_load = time.perf_counter()
     extra = {"graph_optimization_level": level} if level != "all" else {}  # a tree before the option had "all"
     if provider_options:
@@ -166,7 +247,7 @@ def first_image(art: str, cudnn: str, steps: int, level: str = "all", provider_o
     pipe = diffusion_trt.EnginePipeline.from_artifacts(art, cudnn_conv_algo_search=cudnn, **extra)
     marks["from_artifacts"] = time.perf_counter() - T0
     out: dict = {"cudnn": cudnn, "graph_optimization_level": level, "provider_options": provider_options or {},
-                 "no_prime": no_prime}
+                 "no_prime": no_prime, "sets": applied}
     out["load_timeline_s"] = dict(timeline)
     out["from_artifacts_s"] = time.perf_counter() - t_load
     images = []
@@ -177,6 +258,9 @@ def first_image(art: str, cudnn: str, steps: int, level: str = "all", provider_o
         images.append(res.images)
         out[key] = time.perf_counter() - t
         marks[key.replace("_s", "")] = time.perf_counter() - T0
+        if sampler is not None:
+            sampler.__exit__()
+            out["thread_samples"], sampler = sampler.summary(), None
     out["time_to_first_image_s"] = out["from_artifacts_s"] + out["first_call_s"]
     out["first_call_overhead_s"] = out["first_call_s"] - out["second_call_s"]
     out["unet_warm_ms"] = _timed_runs(pipe.engine("unet"))
@@ -299,6 +383,14 @@ def run_all(ns: argparse.Namespace) -> dict:
     for variant in filter(None, ns.option_variants.split(";")):
         add("first-image-options", ["first-image", ns.artifact, "--cudnn", "HEURISTIC", "--steps", str(ns.steps),
                                     "--provider-options", variant], options=json.loads(variant))
+    for rep in range(ns.repeat):  # interleaved: each variant's repeats see the same host drift
+        for variant in filter(None, ns.set_variants.split(";")):
+            sets = [a for item in variant.split() for a in ("--set", item)]
+            add("first-image-set", ["first-image", ns.artifact, "--cudnn", "HEURISTIC", "--steps", str(ns.steps),
+                                    *sets], repeat=rep, variant=variant)
+    if ns.sample:
+        add("first-image-sampled", ["first-image", ns.artifact, "--cudnn", "HEURISTIC", "--steps", str(ns.steps),
+                                    "--sample"])
     for rep in range(ns.repeat if ns.no_prime_variant else 0):
         add("first-image-no-prime", ["first-image", ns.artifact, "--cudnn", "HEURISTIC", "--steps", str(ns.steps),
                                      "--no-prime", ns.no_prime_variant], repeat=rep, no_prime=ns.no_prime_variant)
@@ -330,6 +422,13 @@ def main() -> None:
     ap.add_argument("--no-prime", default="", help="first-image: components (comma-separated) not primed at load")
     ap.add_argument("--no-prime-variant", default="",
                     help="all: also first-image rows (HEURISTIC, --repeat of them) with --no-prime of these components")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="first-image: set a module constant under diffusion_trt first (benchmark variants)")
+    ap.add_argument("--set-variants", default="",
+                    help="all: ';'-separated variants, each space-separated --set items: first-image rows "
+                         "(HEURISTIC, --repeat of each, interleaved)")
+    ap.add_argument("--sample", action="store_true",
+                    help="first-image: sample every thread's frame during the load and first call; all: one such row")
     ns = ap.parse_args()
     if ns.what == "all":
         res = run_all(ns)
@@ -340,7 +439,7 @@ def main() -> None:
     fn = {"phases": lambda: phases(ns.path, ns.cudnn),
           "first-image": lambda: first_image(ns.path, ns.cudnn, ns.steps, ns.level,
                                              json.loads(ns.provider_options) if ns.provider_options else None,
-                                             ns.no_prime),
+                                             ns.no_prime, ns.set, ns.sample),
           "profile": lambda: profile(ns.path, ns.cudnn, ns.steps),
           "diffusers": lambda: diffusers_oneshot(ns.path, ns.steps, ns.png)}[ns.what]
     print(json.dumps(fn()), flush=True)

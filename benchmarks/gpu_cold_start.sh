@@ -13,6 +13,9 @@
 #                                                       OUT on /tmp, not $OUT) while `pytest -m gpu tests` runs; waits
 #                                                       for prep until PREP_UNTIL seconds (default 560) into the call;
 #                                                       a later phase's call waits for the rest (WAIT_PREP=1)
+#   bash benchmarks/gpu_cold_start.sh diag OUT         one call: base compiled, then first-image rows with every
+#                                                       thread sampled (cold_start.py --sample), the load variants
+#                                                       (--set), phases, profile, `run`, diffusers' one-shot
 #   bash benchmarks/gpu_cold_start.sh models OUT       sd15 pipeline, ControlNets a/b, rank-64 LoRAs a/b
 #   bash benchmarks/gpu_cold_start.sh compiles OUT     compiles side by side, waited for (a process left in the
 #                                                       background does not outlive the device call); ARTS picks
@@ -131,6 +134,36 @@ case $phase in
     while prep_running && [ $SECONDS -lt ${PREP_UNTIL:-560} ]; do sleep 3; done
     echo "prep running: $(prep_running && echo yes || echo no) at ${SECONDS}s"
     grep -v -E "it/s|stage/s" "$out/prep.log" | tail -30 ;;
+  diag)  # one call: base compiled, then where the load's time goes (issue 28): host facts; first-image rows with
+         # every thread sampled (the first process on this host first), the load variants, phases, profile, `run`
+         # and diffusers' one-shot; each row one fresh process, its JSON line in OUT/rows.jsonl
+    log "host facts"
+    { nproc; free -g | head -2; df -hT /tmp "$PWD" | cat; cat /sys/kernel/mm/transparent_hugepage/enabled \
+        /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>&1; uname -r; nvidia-smi -L; } > "$out/host.txt" 2>&1
+    cat "$out/host.txt"
+    bytecode_all; ARTS=base; models
+    log compile base
+    $py benchmarks/compile_memory.py --json "$out/compile_memory_b1.json" -- compile $W/model-sd15 -o $W/art-base \
+      $common $(static 512 1) > "$out/compile_base.log" 2>&1; echo "compile rc $?"; tail -3 "$out/compile_base.log"
+    wait
+    cs() { local tag=$1; shift; local t=$EPOCHREALTIME
+      timeout 120 $py benchmarks/cold_start.py "$@" > "$out/row_$tag.out" 2> "$out/row_$tag.err"
+      local rc=$?; echo "$tag rc $rc wall $(awk "BEGIN{print $EPOCHREALTIME - $t}")"
+      grep '^{' "$out/row_$tag.out" | tail -1 | sed "s/^{/{\"tag\": \"$tag\", \"rc\": $rc, /" >> "$out/rows.jsonl"; }
+    A=$W/art-base; H="--cudnn HEURISTIC --steps 30"
+    cs fresh-host first-image $A $H --sample
+    for i in 1 2; do
+      cs default-$i first-image $A $H --sample
+      cs nodefer-$i first-image $A $H --sample --set runtime.schedulers.DEFER_DYNAMO=0
+    done
+    cs callerall first-image $A $H --sample --set runtime.loading.CALLER_FIRST_RUN=text_encoder,unet,unet_controlnet,vae_decoder
+    cs primeall first-image $A $H --sample --set runtime.loading.CALLER_FIRST_RUN=
+    cs exhaustive first-image $A --cudnn EXHAUSTIVE --steps 30 --sample
+    cs phases phases $A --cudnn HEURISTIC
+    cs profile profile $A $H
+    t=$EPOCHREALTIME; timeout 120 $D run $A --prompt "an ink painting" --steps 30 -o /tmp/cli.png --overwrite \
+      > "$out/cli.log" 2>&1; echo "cli rc $? wall $(awk "BEGIN{print $EPOCHREALTIME - $t}")"
+    cs diffusers diffusers $W/model-sd15 --steps 30 --png /tmp/diffusers.png ;;
   models) models ;;
   compiles) compiles ;;
   bytecode)

@@ -94,8 +94,8 @@ class OpenTogether:
         self._futures: dict[str, Future[bool]] = {}
         self._lock = threading.Lock()
         #: name -> {"opened_s", "warmed_s"}: seconds from the block's start to each engine's open and warm-up end;
-        #: "caller" -> {"wait_from_s", "wait_to_s"}: when :meth:`wait` was called and returned (logged at DEBUG when
-        #: the block ends; benchmarks/cold_start.py reads them there)
+        #: "caller" -> {"wait_from_s", "wait_to_s"}: when :meth:`wait` was called and returned; what the caller adds
+        #: (:meth:`add_marks`). Logged at DEBUG when the block ends; benchmarks/cold_start.py reads them there.
         self.timeline: dict[str, dict[str, float]] = {}
         self._t0 = 0.0
 
@@ -134,7 +134,8 @@ class OpenTogether:
                 ``capture()``: ONNX Runtime engines in CUDA-graph mode), so that this thread's first call replays
                 from its first run. Graphs live per thread in ONNX Runtime's CUDA provider, so only the thread that
                 will call the pipeline can capture them; the other engines keep loading meanwhile. Captured engines
-                get a ``captured_s`` mark in :attr:`timeline`.
+                get ``capture_from_s`` (the capture's start, before it waits for the lock) and ``captured_s`` marks
+                in :attr:`timeline`.
 
         Raises:
             The first failure of an engine, in ``engines`` order (e.g. ``ArtifactError`` for an altered file).
@@ -151,13 +152,21 @@ class OpenTogether:
         for future in self._futures.values():
             future.result()
 
+    def add_marks(self, name: str, **at: float | None) -> None:
+        """Put ``name``'s marks in :attr:`timeline`: each a ``time.perf_counter()`` value (``None``: left out), kept
+        as seconds from the block's start (e.g. the scheduler import's start and end)."""
+        with self._lock:
+            self.timeline.setdefault(name, {}).update({k: v - self._t0 for k, v in at.items() if v is not None})
+
     def _capture(self, name: str) -> None:
         """Capture ``name``'s graph on this thread, if it was warmed and can (see :meth:`wait`)."""
         marks = self.timeline.get(name, {})
         capture = getattr(self._engines[name], "capture", None)
-        if ("warmed_s" in marks or self._first_run_by_caller(name)) and capture is not None and capture():
-            with self._lock:
-                marks["captured_s"] = time.perf_counter() - self._t0
+        if ("warmed_s" in marks or self._first_run_by_caller(name)) and capture is not None:
+            start = time.perf_counter() - self._t0  # before the capture lock: the wait for other loads is in it
+            if capture():
+                with self._lock:
+                    marks.update(capture_from_s=start, captured_s=time.perf_counter() - self._t0)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

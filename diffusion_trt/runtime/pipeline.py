@@ -474,6 +474,7 @@ class EnginePipeline:
                 tokenizer_2 = load_tokenizer(reader, manifest.tokenizer_2, "SDXL tokenizer_2")
             opening.wait(capture=capture)
             importing.join()
+            opening.add_marks("scheduler_import", from_s=importing.started_at, to_s=importing.ended_at)
             pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=options.scheduler, stream=stream,
                        root=root, tokenizer_2=tokenizer_2, residency=residency)
         pipe._weight_slots = slots

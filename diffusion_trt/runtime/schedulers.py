@@ -14,11 +14,13 @@ import contextlib
 import inspect
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from ..artifact.values import scheduler_config_problems
 from ..errors import ArtifactError, DiffusionTrtError, MissingPackageError, RuntimeInputError, names_arguments
+from .deferred_dynamo import deferred_dynamo
 
 logger = logging.getLogger(__name__)
 
@@ -133,22 +135,45 @@ def check_step_count(num_inference_steps: int, class_name: str, config: Mapping[
                                 f"{class_name} was trained with; use at most {train}")
 
 
+#: Whether :func:`start_scheduler_import` imports diffusers with ``torch._dynamo`` deferred
+#: (:func:`~.deferred_dynamo.deferred_dynamo`); a switch for ``benchmarks/cold_start.py`` to compare both.
+DEFER_DYNAMO = True
+
+
+class SchedulerImport(threading.Thread):
+    """The daemon thread of :func:`start_scheduler_import`; ``started_at`` / ``ended_at``: ``time.perf_counter()``
+    when the import began and ended (``None`` until then), for the load's timeline."""
+
+    def __init__(self, cls_name: str | None) -> None:
+        super().__init__(daemon=True, name="diffusion-trt-scheduler-import")
+        self._cls_name = cls_name
+        self.started_at: float | None = None
+        self.ended_at: float | None = None
+
+    def run(self) -> None:
+        self.started_at = time.perf_counter()
+        try:
+            if self._cls_name is not None:
+                with contextlib.suppress(ImportError, AttributeError), \
+                        deferred_dynamo() if DEFER_DYNAMO else contextlib.nullcontext():
+                    _scheduler_class(self._cls_name)
+        finally:
+            self.ended_at = time.perf_counter()
+
+
 def start_scheduler_import(config: Mapping[str, Any], name: str | None = None,
-                           class_name: str | None = None) -> threading.Thread:
+                           class_name: str | None = None) -> SchedulerImport:
     """Import the diffusers class :func:`make_scheduler` will build, on a daemon thread of its own (started; join
     it before the scheduler is built), so that ``from_artifacts`` pays diffusers' import (seconds: it checks the
-    versions of dozens of packages and imports ``torch._dynamo``) while its engines load and its own thread captures
-    their CUDA graphs. A failure is left for :func:`make_scheduler` to report."""
-    thread = threading.Thread(target=_import_scheduler_class, args=(config, name, class_name), daemon=True,
-                              name="diffusion-trt-scheduler-import")
+    versions of dozens of packages) while its engines load and its own thread captures their CUDA graphs; without
+    importing ``torch._dynamo`` (:mod:`~.deferred_dynamo`: most of that import). A failure is left for
+    :func:`make_scheduler` to report."""
+    cls_name: str | None = None
+    with contextlib.suppress(DiffusionTrtError):
+        cls_name = (class_name or str(config.get("_class_name", ""))) if name is None else resolve_scheduler(name)[0]
+    thread = SchedulerImport(cls_name)
     thread.start()
     return thread
-
-
-def _import_scheduler_class(config: Mapping[str, Any], name: str | None, class_name: str | None) -> None:
-    with contextlib.suppress(DiffusionTrtError, ImportError, AttributeError):
-        cls_name = (class_name or str(config.get("_class_name", ""))) if name is None else resolve_scheduler(name)[0]
-        _scheduler_class(cls_name)
 
 
 def make_scheduler(config: Mapping[str, Any], name: str | None = None, class_name: str | None = None) -> Any:
