@@ -205,7 +205,7 @@ class _ThreadSampler:
                 per = self._counts.setdefault(names.get(ident, str(ident)), {})
                 per[where] = per.get(where, 0) + 1
 
-    def __enter__(self) -> "_ThreadSampler":
+    def __enter__(self) -> _ThreadSampler:
         self._thread.start()
         return self
 
