@@ -23,10 +23,11 @@
 #                                                       base (peak RSS per stage: compile_memory.py), refit
 #                                                       (--refittable), merged (--lora a), cn (--controlnet a,b),
 #                                                       b4 (static b4, compile_memory.py), dyn (256..1024, b1..4),
+#                                                       dynrefit (dyn with --refittable),
 #                                                       cnlite (unet, unet_controlnet, controlnet_a only),
 #                                                       cnnoalign (controlnet_a, align_shapes off)
 #   bash benchmarks/gpu_cold_start.sh bench-b4 OUT     bench of the b4 artifact (batch 4, 50 steps)
-#   bash benchmarks/gpu_cold_start.sh dyn-sizes OUT    bench of the dyn artifact at 512x512, 768x768, 640x384
+#   bash benchmarks/gpu_cold_start.sh dyn-sizes OUT    bench of the dyn (and dynrefit) artifact at 512x512, 768x768, 640x384
 #                                                       (--size-buckets auto, HEURISTIC): first call per new size
 #   bash benchmarks/gpu_cold_start.sh dyn-sizes-noprime OUT   the same with the specialised sessions not primed
 #   bash benchmarks/gpu_cold_start.sh profiles OUT     (ARTS="base cnlite refit" prep) kernel profiles of the ControlNet
@@ -102,9 +103,9 @@ compiles() {  # ARTS: which of base refit merged cn b4 dyn (default: the first f
                 --components controlnet_a --pass-option align_shapes_channels=1 > /tmp/cs/c-cnnoalign.log 2>&1 & ;;
       b4) $py benchmarks/compile_memory.py --json "$out/compile_memory_b4.json" -- compile $W/model-sd15 \
             -o /tmp/cs/art_b4 $common $(static 512 4) > /tmp/cs/c-b4.log 2>&1 & ;;
-      dyn) $D compile $W/model-sd15 -o /tmp/cs/art-dyn $common --height 512 --width 512 --min-height 256 \
+      dyn|dynrefit) $D compile $W/model-sd15 -o /tmp/cs/art-$a $common --height 512 --width 512 --min-height 256 \
              --max-height 1024 --min-width 256 --max-width 1024 --batch-size 1 --min-batch-size 1 --max-batch-size 4 \
-             > /tmp/cs/c-dyn.log 2>&1 & ;;
+             $([ $a = dynrefit ] && echo --refittable) > /tmp/cs/c-$a.log 2>&1 & ;;
       *) echo "unknown artifact $a" ;;
     esac; done
     wait
@@ -158,6 +159,7 @@ case $phase in
     done
     cs callerall first-image $A $H --sample --set runtime.loading.CALLER_FIRST_RUN=text_encoder,unet,unet_controlnet,vae_decoder
     cs primeall first-image $A $H --sample --set runtime.loading.CALLER_FIRST_RUN=
+    cs intra1 first-image $A $H --sample --set runtime.engines.ort_engine.CUDA_INTRA_OP_THREADS=1
     cs exhaustive first-image $A --cudnn EXHAUSTIVE --steps 30 --sample
     cs phases phases $A --cudnn HEURISTIC
     cs profile profile $A $H
@@ -198,11 +200,15 @@ case $phase in
     log bench b4
     timeout ${B4_TIMEOUT:-150} $D bench /tmp/cs/art_b4 --baseline none --steps 50 --batch-size 4 \
       --json "$out/bench_b4.json" 2>&1 | grep -v -E "it/s|stage/s" | tail -25 ;;
-  dyn-sizes)
-    log "dynamic artifact at new sizes (size buckets auto, HEURISTIC: run's default)"
-    timeout ${DYN_TIMEOUT:-200} $D bench /tmp/cs/art-dyn --baseline none --steps 30 --sizes 512x512,768x768,640x384 \
-      --size-buckets auto --cudnn-algo-search heuristic --json "$out/bench_dyn_sizes.json" 2>&1 \
-      | grep -v -E "it/s|stage/s" | tail -30 ;;
+  dyn-sizes)  # each dynamic artifact there: art-dyn, art-dynrefit (--refittable: the size sessions bind one copy of
+              # the weight inputs)
+    for a in dyn dynrefit; do
+      [ -f /tmp/cs/art-$a/manifest.json ] || continue
+      log "dynamic artifact $a at new sizes (size buckets auto, HEURISTIC: run's default)"
+      timeout ${DYN_TIMEOUT:-200} $D bench /tmp/cs/art-$a --baseline none --steps 30 --sizes 512x512,768x768,640x384 \
+        --size-buckets auto --cudnn-algo-search heuristic --json "$out/bench_${a}_sizes.json" 2>&1 \
+        | grep -v -E "it/s|stage/s" | tail -30
+    done ;;
   cn-profile)  # where a ControlNet step's GPU time goes, next to the UNet's (issue 25): ARTS=cnlite prep first
     log "kernel profile: unet, unet_controlnet, controlnet_a"
     timeout ${PROFILE_TIMEOUT:-200} $py benchmarks/profile_kernels.py /tmp/cs/art-cnlite --component unet \

@@ -67,6 +67,11 @@ _GRAPH_CAPTURE_RUNS = 2
 OPTIMIZATION_LEVELS: dict[str, str] = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
                                        "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 
+#: ``intra_op_num_threads`` of CUDA sessions when the caller gives none; 0 = ONNX Runtime's default (a pool of one
+#: thread per core per session). A switch for ``benchmarks/cold_start.py`` (``--set``): whether the pools' threads
+#: slow the load, where three sessions are made side by side beside the weights' reading threads.
+CUDA_INTRA_OP_THREADS = 0
+
 ConvAlgoSearch = Literal["AUTO", "EXHAUSTIVE", "HEURISTIC", "DEFAULT"]
 CONV_ALGO_SEARCH: tuple[str, ...] = ("AUTO", "EXHAUSTIVE", "HEURISTIC", "DEFAULT")
 
@@ -635,8 +640,9 @@ class OrtEngine(EngineBase):
             so.graph_optimization_level = getattr(ort.GraphOptimizationLevel,
                                                   OPTIMIZATION_LEVELS[self._optimization_level])
             so.log_severity_level = 2  # warning
-            if self._threads is not None:
-                so.intra_op_num_threads = self._threads
+            threads = self._threads if self._threads is not None or self._kind != "cuda" else CUDA_INTRA_OP_THREADS
+            if threads:
+                so.intra_op_num_threads = threads
         for dim, value in self._free_dimensions.items():
             so.add_free_dimension_override_by_name(dim, value)
         if self._deterministic:
