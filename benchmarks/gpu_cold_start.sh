@@ -152,6 +152,8 @@ case $phase in
       local rc=$?; echo "$tag rc $rc wall $(awk "BEGIN{print $EPOCHREALTIME - $t}")"
       grep '^{' "$out/row_$tag.out" | tail -1 | sed "s/^{/{\"tag\": \"$tag\", \"rc\": $rc, /" >> "$out/rows.jsonl"; }
     A=$W/art-base; H="--cudnn HEURISTIC --steps 30"
+    log "spill write throughput"
+    timeout 120 $py benchmarks/spill_write_throughput.py $A/unet/model.onnx.data --repeat 2 --json "$out/spill.json"
     cs fresh-host first-image $A $H --sample
     for i in 1 2; do
       cs default-$i first-image $A $H --sample
