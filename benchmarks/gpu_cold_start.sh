@@ -135,18 +135,20 @@ case $phase in
     while prep_running && [ $SECONDS -lt ${PREP_UNTIL:-560} ]; do sleep 3; done
     echo "prep running: $(prep_running && echo yes || echo no) at ${SECONDS}s"
     grep -v -E "it/s|stage/s" "$out/prep.log" | tail -30 ;;
-  diag)  # one call: base compiled, then where the load's time goes (issue 28): host facts; first-image rows with
+  diag)  # one call: base compiled (unless a prep made it), then where the load's time goes (issue 28): host facts; first-image rows with
          # every thread sampled (the first process on this host first), the load variants, phases, profile, `run`
          # and diffusers' one-shot; each row one fresh process, its JSON line in OUT/rows.jsonl
     log "host facts"
     { nproc; free -g | head -2; df -hT /tmp "$PWD" | cat; cat /sys/kernel/mm/transparent_hugepage/enabled \
         /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>&1; uname -r; nvidia-smi -L; } > "$out/host.txt" 2>&1
     cat "$out/host.txt"
-    bytecode_all; ARTS=base; models
-    log compile base
-    $py benchmarks/compile_memory.py --json "$out/compile_memory_b1.json" -- compile $W/model-sd15 -o $W/art-base \
-      $common $(static 512 1) > "$out/compile_base.log" 2>&1; echo "compile rc $?"; tail -3 "$out/compile_base.log"
-    wait
+    if [ ! -f $W/art-base/manifest.json ]; then  # not made by an earlier prep
+      bytecode_all; ARTS=base; models
+      log compile base
+      $py benchmarks/compile_memory.py --json "$out/compile_memory_b1.json" -- compile $W/model-sd15 -o $W/art-base \
+        $common $(static 512 1) > "$out/compile_base.log" 2>&1; echo "compile rc $?"; tail -3 "$out/compile_base.log"
+      wait
+    fi
     cs() { local tag=$1; shift; local t=$EPOCHREALTIME
       timeout 120 $py benchmarks/cold_start.py "$@" > "$out/row_$tag.out" 2> "$out/row_$tag.err"
       local rc=$?; echo "$tag rc $rc wall $(awk "BEGIN{print $EPOCHREALTIME - $t}")"
