@@ -157,12 +157,10 @@ case $phase in
     log "spill write throughput"
     timeout 120 $py benchmarks/spill_write_throughput.py $A/unet/model.onnx.data --repeat 2 --json "$out/spill.json"
     cs fresh-host first-image $A $H --sample
-    for i in 1 2; do
-      cs default-$i first-image $A $H --sample
-      cs nodefer-$i first-image $A $H --sample --set runtime.schedulers.DEFER_DYNAMO=0
-    done
+    cs default-1 first-image $A $H --sample
+    cs nodefer first-image $A $H --sample --set runtime.schedulers.DEFER_DYNAMO=0
+    cs default-2 first-image $A $H --sample
     cs callerall first-image $A $H --sample --set runtime.loading.CALLER_FIRST_RUN=text_encoder,unet,unet_controlnet,vae_decoder
-    cs primeall first-image $A $H --sample --set runtime.loading.CALLER_FIRST_RUN=
     cs intra1 first-image $A $H --sample --set runtime.engines.ort_engine.CUDA_INTRA_OP_THREADS=1
     cs exhaustive first-image $A --cudnn EXHAUSTIVE --steps 30 --sample
     cs phases phases $A --cudnn HEURISTIC
