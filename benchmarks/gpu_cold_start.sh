@@ -162,6 +162,8 @@ case $phase in
     cs default-2 first-image $A $H --sample
     cs callerall first-image $A $H --sample --set runtime.loading.CALLER_FIRST_RUN=text_encoder,unet,unet_controlnet,vae_decoder
     cs intra1 first-image $A $H --sample --set runtime.engines.ort_engine.CUDA_INTRA_OP_THREADS=1
+    cs shm first-image $A $H --sample --set runtime.engines.ort_engine.SPILL_DIR=/dev/shm \
+      --set artifact.digests.SPILL_HUGE_PAGES=1
     cs exhaustive first-image $A --cudnn EXHAUSTIVE --steps 30 --sample
     cs phases phases $A --cudnn HEURISTIC
     cs profile profile $A $H

@@ -25,6 +25,7 @@ from diffusion_trt.cli import ALGO_SEARCH_DEFAULT, main
 from diffusion_trt.errors import ArtifactError, RuntimeInputError
 from diffusion_trt.passes import _ort
 from diffusion_trt.runtime import EnginePipeline
+from diffusion_trt.runtime.engines import ort_engine
 from diffusion_trt.runtime.loading import OpenTogether
 from tests.test_artifact_hardening import _unet_output
 
@@ -163,6 +164,37 @@ def test_external_data_is_read_into_a_private_folder_that_onnx_runtime_opens_and
         # the removal ran on a thread of its own that the load waited for; its time is in the load's timeline
         parts = pipe.engines["unet"].open_parts
         assert set(parts) == {"read_s", "session_s", "cleanup_s"} and min(parts.values()) >= 0
+
+
+def test_the_private_folder_goes_where_spill_dir_says_with_huge_pages_asked_for(
+        expected: np.ndarray, chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ort_engine.SPILL_DIR`` / ``digests.SPILL_HUGE_PAGES`` (the cold-start benchmark's switches): the folder is made
+    there, the mapping asks for huge pages, and the session still runs the hashed bytes."""
+    import mmap
+
+    where = tmp_path / "spill"
+    where.mkdir(mode=0o700)
+    monkeypatch.setattr(ort_engine, "SPILL_DIR", str(where))
+    monkeypatch.setattr(digests, "SPILL_HUGE_PAGES", True)
+    monkeypatch.setattr(digests, "HUGE_PAGE_MIN_BYTES", 1)
+    advised: list[tuple[bool, int]] = []  # (a mapping of a file, the advice)
+    real = mmap.mmap.madvise
+
+    class Mapping(mmap.mmap):
+        def __new__(cls, fileno: int, *args: Any, **kwargs: Any) -> Mapping:
+            mapping = super().__new__(cls, fileno, *args, **kwargs)
+            mapping.of_file = fileno != -1
+            return mapping
+
+        def madvise(self, option: int, *args: Any) -> None:
+            advised.append((self.of_file, option))
+            real(self, option, *args)
+
+    monkeypatch.setattr(digests.mmap, "mmap", Mapping)
+    seen = _loads_alike(chunked, expected, monkeypatch)
+    [model] = seen.spilled()
+    assert model.parent.parent == where and not model.parent.exists()
+    assert (True, mmap.MADV_HUGEPAGE) in advised  # the private file's mapping
 
 
 def test_a_data_file_altered_after_it_was_read_is_not_what_runs(expected: np.ndarray, chunked: Path,

@@ -129,6 +129,11 @@ def read_into(fd: int, size: int, check: Callable[[int, memoryview], None] | Non
     return view
 
 
+#: Whether :func:`spill_buffer` asks for transparent huge pages on its mapping (``MADV_HUGEPAGE``: 2 MiB pages on a
+#: tmpfs whose ``shmem_enabled`` allows them). A switch for ``benchmarks/cold_start.py`` (``--set``).
+SPILL_HUGE_PAGES = False
+
+
 def spill_buffer(path: str | os.PathLike[str], size: int) -> mmap.mmap | None:
     """A new file at ``path`` (``O_EXCL``, mode 0600) of ``size`` bytes and a writable shared mapping of it: bytes
     written into the mapping are the file's, with no copy (:func:`read_into`'s ``into``). ``None`` for 0 bytes (the
@@ -148,7 +153,11 @@ def spill_buffer(path: str | os.PathLike[str], size: int) -> mmap.mmap | None:
             os.posix_fallocate(fd, 0, size)
         else:  # pragma: no cover - not Linux
             os.ftruncate(fd, size)
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if SPILL_HUGE_PAGES and size >= HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):  # huge pages only where the file system offers them (a tmpfs)
+                mapping.madvise(mmap.MADV_HUGEPAGE)
+        return mapping
     finally:
         os.close(fd)
 

@@ -67,6 +67,11 @@ _GRAPH_CAPTURE_RUNS = 2
 OPTIMIZATION_LEVELS: dict[str, str] = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
                                        "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 
+#: Where the private weight folders are made (:meth:`OrtEngine._spill_folder`); "" = ``tempfile.gettempdir()``
+#: (``$TMPDIR``). A switch for ``benchmarks/cold_start.py`` (``--set``): a tmpfs such as ``/dev/shm`` against the
+#: temporary folder's file system (``benchmarks/spill_write_throughput.py``).
+SPILL_DIR = ""
+
 #: ``intra_op_num_threads`` of CUDA sessions when the caller gives none; 0 = ONNX Runtime's default (a pool of one
 #: thread per core per session). A switch for ``benchmarks/cold_start.py`` (``--set``): whether the pools' threads
 #: slow the load, where three sessions are made side by side beside the weights' reading threads.
@@ -552,14 +557,14 @@ class OrtEngine(EngineBase):
         if self._source is None:
             return None
         try:
-            where = tempfile.gettempdir()
+            where = SPILL_DIR or tempfile.gettempdir()
             where.encode("utf-8")  # a name of other bytes (surrogate escapes) cannot reach ORT
             st = os.stat(where)
             if st.st_uid not in (0, os.getuid()) or (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
                                                       and not st.st_mode & stat.S_ISVTX):
                 # another user could rename our folder away and put one of theirs in its place before ORT opens it
                 raise PermissionError(f"{where} lets other users rename what is in it (no sticky bit, or not ours)")
-            folder = tempfile.TemporaryDirectory(prefix="diffusion-trt-weights-", ignore_cleanup_errors=True)
+            folder = tempfile.TemporaryDirectory(prefix="diffusion-trt-weights-", dir=where, ignore_cleanup_errors=True)
         except (OSError, UnicodeEncodeError) as e:  # no writable temporary folder: the bytes go to ORT from memory
             logger.info("%s: no private folder for the weights (%s); loading them from memory", self._name, e)
             return None
