@@ -60,6 +60,10 @@ class FiniteFloat(click.FloatRange):
             self.fail(f"{value!r} is not a finite number; use a finite one{bounds}{example}", param, ctx)
         return super().convert(number, param, ctx)
 
+    def _describe_range(self) -> str:
+        """Click's range text for ``--help`` ("x<=None" without bounds: nothing then)."""
+        return "" if self.min is None and self.max is None else super()._describe_range()
+
 
 def _run_default(name: str) -> Any:
     """``run``'s default of generation argument ``name`` (runtime/generation_args.py: the CLI's and serve's)."""
@@ -1254,7 +1258,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         sdxl = read[0].model.is_sdxl if read[0] is not None else None
         for path in embeddings:  # a missing / pickled / malformed file fails before the engines load
             check_embedding_file(path, sdxl)
-        _check_embeddings_before_load(read, embeddings, artifact_dir)
+        _check_embeddings_before_load(read, embeddings, artifact_dir, (prompt, negative_prompt))
         if len(_parse_devices(devices, device)) >= 2:
             raise click.UsageError("--embedding runs on one device; drop --devices (or give one device)")
     max_hw = _profile_max_hw(_needed(read)) if image_path is not None else None
@@ -1373,10 +1377,11 @@ def _run_scheduler(read: tuple[Manifest | None, DiffusionTrtError | None], artif
 
 
 def _check_embeddings_before_load(read: tuple[Manifest | None, DiffusionTrtError | None],
-                                  embeddings: tuple[Path, ...], artifact_dir: Path) -> None:
+                                  embeddings: tuple[Path, ...], artifact_dir: Path,
+                                  texts: tuple[str | None, ...] = ()) -> None:
     """Refuse ``--embedding`` files the loaded pipeline would refuse (a vector size that is not the text encoder's,
     the artifact's rows full, a name taken twice, an artifact whose text encoder takes none) from its manifest, before
-    the engines load.
+    the engines load; warn of each that none of ``texts`` (the prompts) names.
 
     Raises:
         RuntimeInputError: as :meth:`~.runtime.pipeline.EnginePipeline.load_textual_inversion`.
@@ -1389,7 +1394,11 @@ def _check_embeddings_before_load(read: tuple[Manifest | None, DiffusionTrtError
     engines = unopened_engines(read[0])
     encoders = ("text_encoder", "text_encoder_2")[: 1 + read[0].model.is_sdxl]
     if all(name in engines for name in encoders):
-        load_embeddings([None] * len(encoders), [engines[n] for n in encoders], list(embeddings), None, artifact_dir)
+        tables = load_embeddings([None] * len(encoders), [engines[n] for n in encoders], list(embeddings), None,
+                                 artifact_dir, announce=False)
+        for name in tables[0].unused(texts):
+            logger.warning("--embedding: %r is named in neither --prompt nor --negative-prompt, so it changes nothing "
+                           "(an embedding is used by its file name, as a whole word)", name)
 
 
 def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], controlnets: tuple[str, ...],

@@ -273,6 +273,13 @@ class EmbeddingTable:
                 ids.extend(tokenize(piece))
         return ids
 
+    def unused(self, texts: Sequence[str | None]) -> list[str]:
+        """The names of the embeddings that no text of ``texts`` names (as :meth:`tokenize` matches them: a whole
+        word, case-insensitive): they would change no image."""
+        return [e.name for e in self.embeddings
+                if not any(t and re.search(r"(?<!\w)" + re.escape(e.name) + r"(?!\w)", t, re.IGNORECASE)
+                           for t in texts)]
+
     def _pattern(self) -> re.Pattern[str]:
         names = sorted((e.name for e in self.embeddings), key=len, reverse=True)  # longest first: "bad" in "bad_v2"
         return re.compile(r"(?<!\w)(" + "|".join(map(re.escape, names)) + r")(?!\w)", re.IGNORECASE)
@@ -312,11 +319,11 @@ def refusal(artifact: str | Path, sdxl: bool) -> str:
 
 def load_embeddings(tables: Sequence[EmbeddingTable | None], text_encoders: Sequence[Any],
                     paths: str | Path | Sequence[str | Path], tokens: str | Sequence[str | None] | None,
-                    artifact: str | Path) -> tuple[EmbeddingTable, ...]:
+                    artifact: str | Path, *, announce: bool = True) -> tuple[EmbeddingTable, ...]:
     """``tables`` (one per text encoder, ``None`` = an empty one sized from it) with the embeddings of ``paths``
     added, all or none: the arguments of diffusers' ``load_textual_inversion`` (one path or a list; ``tokens`` one
     name or one per path, ``None`` = the file stems). Two text encoders (SDXL) take two-encoder files, one the
-    one-encoder forms.
+    one-encoder forms. ``announce``: log one line per file (off for a check before the real load).
 
     Raises:
         RuntimeInputError: an engine takes no embeddings (:func:`refusal`), ``tokens`` do not pair with ``paths``,
@@ -340,7 +347,9 @@ def load_embeddings(tables: Sequence[EmbeddingTable | None], text_encoders: Sequ
         if len(found) != len(out):
             raise RuntimeInputError(_wrong_family(path, sdxl))
         out = tuple(t.add(e) for t, e in zip(out, found, strict=True))
-        logger.info("embedding %r: %s vector(s) from %s", found[0].name, "+".join(str(e.count) for e in found), path)
+        if announce:
+            logger.info("embedding %r: %s vector(s) from %s", found[0].name, "+".join(str(e.count) for e in found),
+                        path)
     return out
 
 

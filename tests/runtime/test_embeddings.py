@@ -227,6 +227,15 @@ def test_run_with_embeddings(tiny_artifact: Path, files: dict[str, Path], tmp_pa
                                        "--steps", "2", "-o", str(out)])
     assert result.exit_code == 0, result.output
     assert out.is_file()
+    assert result.output.count("embedding 'easynegative': ") == 1  # the check before the load says nothing
+    assert "changes nothing" not in result.output
+    # a misspelt name: the embedding would change nothing, and the run says so (it still runs: plain text is valid)
+    typo = CliRunner().invoke(main, ["run", str(tiny_artifact), "-p", "a fox", "-n", "easy_negative, lowres",
+                                     "--embedding", str(files["easynegative"]), "--steps", "1", "-o",
+                                     str(tmp_path / "t.png")])
+    assert typo.exit_code == 0, typo.output
+    assert "warning: --embedding: 'easynegative' is named in neither --prompt nor --negative-prompt, so it changes " \
+        "nothing" in typo.output
 
 
 def test_table_rows_are_bounded_and_loading_is_all_or_nothing(pipe: EnginePipeline, files: dict[str, Path]) -> None:
