@@ -42,12 +42,15 @@ CUDA path.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+
+from ..artifact.folder import umask_mode
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +189,7 @@ def write_weight_inputs(name: str, model: onnx.ModelProto, rmap: dict[str, Any],
                        "NCHW on CUDA", name, len(stuck), ", ".join(stuck[:3]))
     (staging / name).mkdir(parents=True, exist_ok=True)
     save_file(values, str(staging / name / BASE_FILE))
+    os.chmod(staging / name / BASE_FILE, umask_mode("file"))  # safetensors writes 0600; artifacts go to other users
     kept = len({e["initializer"] for e in rmap["weights"].values()} - set(values))
     logger.info("%s: %d LoRA-targetable weight(s) are graph inputs (%.1f MB in %s), %d spatial Conv weight(s) "
                 "constant", name, len(values), sum(a.nbytes for a in values.values()) / 1e6, BASE_FILE, kept)

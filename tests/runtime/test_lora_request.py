@@ -91,6 +91,9 @@ def test_weights_are_graph_inputs_with_their_base_values(refittable: Path) -> No
         base = load_file(str(refittable / entry["weight_inputs"]))
         assert names and names <= inputs and not names & inits and set(base) == names
         assert entry["weight_inputs"] in manifest["files"]
+        # readable by whoever may read the model (safetensors writes 0600; an artifact is served by other users)
+        assert (refittable / entry["weight_inputs"]).stat().st_mode & 0o777 == \
+            (refittable / entry["onnx"]).stat().st_mode & 0o777
     assert "weight_inputs" not in manifest["components"]["vae_decoder"]
 
 
