@@ -243,16 +243,17 @@ def clip_skip_for(config: CompileConfig, facts: Mapping[str, Any]) -> int:
     if facts.get("architecture") == "sdxl":
         layers = min(layers, int(facts.get("text_encoder_2_layers", layers)))
     most = max(0, layers - 1)
-    if k > most:  # said at INFO only when asked for: the default (2) exceeds what a tiny test model has
+    if k > most:  # a warning only when asked for: the default (2) exceeds what a tiny test model has
         logger.log(_level_for(config, "max_clip_skip"), "max_clip_skip=%d: the text encoder has %d layers; clip skip "
                    "goes up to %d", k, most + 1, most)
     return min(k, most)
 
 
 def _level_for(config: CompileConfig, field: str) -> int:
-    """INFO for a setting the user changed, DEBUG for its default (a default that does not apply is no news)."""
+    """WARNING for a setting the user changed that is cut back (a ``warning:`` line: what was asked is not what is
+    built), DEBUG for its default (a default that does not apply is no news)."""
     default = CompileConfig.__dataclass_fields__[field].default
-    return logging.DEBUG if getattr(config, field) == default else logging.INFO
+    return logging.DEBUG if getattr(config, field) == default else logging.WARNING
 
 
 def prompt_chunks_for(config: CompileConfig, profile: ShapeProfile, facts: Mapping[str, Any]) -> int:

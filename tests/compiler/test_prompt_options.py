@@ -65,6 +65,7 @@ def test_clip_skip_is_capped_at_the_layers_less_one(caplog: pytest.LogCaptureFix
         assert "clip skip" not in caplog.text  # the default is capped quietly (INFO lines reach the CLI's output)
         assert clip_skip_for(CompileConfig(max_clip_skip=3), {"architecture": "sd", "text_encoder_layers": 2}) == 1
     assert "max_clip_skip=3: the text encoder has 2 layers; clip skip goes up to 1" in caplog.text
+    assert [r.levelno for r in caplog.records if "max_clip_skip=3" in r.getMessage()] == [logging.WARNING]
     outputs = component_specs(**SIZES, clip_skip=2)["text_encoder"].outputs
     assert [(t.name, t.shape) for t in outputs] == [("last_hidden_state", ("B2", 77, 32)),
                                                      ("clip_skip_states", ("B2", 2, 77, 32))]
