@@ -1429,8 +1429,8 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
     for value in controlnets:
         name, scale, number = split_scale(value, DEFAULT_CONTROL_SCALE[mode])
         if not finite_in_float32(number):
-            raise click.UsageError(f"--controlnet {value!r}: the scale {scale!r} is not a finite number; use e.g. "
-                                   f"{name}:0.8")
+            raise click.UsageError(f"--controlnet {value!r}: the scale {scale!r} is not a finite number in float32's "
+                                   f"range; use e.g. {name}:0.8")
         names.append(name)
         scales.append(number)
     max_hw = _profile_max_hw(_needed(read))

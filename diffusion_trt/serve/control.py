@@ -91,8 +91,8 @@ class ControlNets:
             raise RequestError(NAME_FIELD, f"ControlNet {name!r} is not in this artifact; it has "
                                f"{', '.join(self.names)}")
         if not finite_in_float32(scale):
-            raise RequestError(NAME_FIELD, f"controlnet={text!r}: the scale {scale_text!r} is not a finite number; "
-                               f"use e.g. {name}:0.8")
+            raise RequestError(NAME_FIELD, f"controlnet={text!r}: the scale {scale_text!r} is not a finite number in "
+                               f"float32's range; use e.g. {name}:0.8")
         return name, scale
 
 

@@ -73,8 +73,10 @@ def test_the_only_controlnet_is_the_default_and_jpeg_and_data_urls_are_read() ->
 @pytest.mark.parametrize(("fields", "message"), [
     ({"controlnet": b"a"}, "controlnet='a' was sent without control_image"),
     ({"controlnet": b"c", "control_image": "png"}, "ControlNet 'c' is not in this artifact; it has a, b"),
-    ({"controlnet": b"a:lots", "control_image": "png"}, "the scale 'lots' is not a finite number; use e.g. a:0.8"),
-    ({"controlnet": b"a:1e39", "control_image": "png"}, "the scale '1e39' is not a finite number; use e.g. a:0.8"),
+    ({"controlnet": b"a:lots", "control_image": "png"},
+     "the scale 'lots' is not a finite number in float32's range; use e.g. a:0.8"),
+    ({"controlnet": b"a:1e39", "control_image": "png"},
+     "the scale '1e39' is not a finite number in float32's range; use e.g. a:0.8"),
     ({"controlnet": b"a:inf", "control_image": "png"}, "is not a finite number"),
     ({"control_image": "png"}, "this server has 2 ControlNets (a, b); name the one"),
     ({"controlnet": b"a", "control_image": "small"}, "control image for 'a' is 32x32 (WxH) but the output is 64x64"),
