@@ -84,7 +84,9 @@ def snapshot_for(model_id: str, revision: str | None = None, variant: str | None
         hint = ("HF_HUB_OFFLINE=1: download it first (huggingface-cli download "
                 f"{model_id}{' --revision ' + revision if revision else ''}) or unset HF_HUB_OFFLINE"
                 if offline else "check the id and --revision, and that the Hub is reachable")
-        raise ModelFolderError(f"model {model_id!r} (revision {revision or 'main'}) is not in {where}"
+        # an id is also a relative path: a mistyped folder lands here, so say that no such folder exists either
+        raise ModelFolderError(f"model {model_id!r}: there is no folder {os.path.abspath(model_id)}, and as a Hugging "
+                               f"Face model id (revision {revision or 'main'}) it is not in {where}"
                                f"{'' if offline else ' and could not be downloaded'}: {hint}") from e
     if not (path / "model_index.json").is_file():
         raise ModelFolderError(f"model {model_id!r}: {path} has no model_index.json; it is not a diffusers pipeline")

@@ -109,12 +109,13 @@ NOT_CACHED_FIX = "HF_HUB_OFFLINE=1: download it first (huggingface-cli download 
 @pytest.mark.parametrize(
     ("args", "message", "fix"),
     [
-        (["org/missing"], "model 'org/missing' (revision main) is not in the Hugging Face cache", NOT_CACHED_FIX),
-        (["org/tiny", "--revision", "v9"], "model 'org/tiny' (revision v9) is not in the Hugging Face cache",
+        (["org/missing"], "model 'org/missing': there is no folder ", NOT_CACHED_FIX),
+        (["org/missing"], "as a Hugging Face model id (revision main) it is not in the Hugging Face cache",
          NOT_CACHED_FIX),
+        (["org/tiny", "--revision", "v9"], "(revision v9) it is not in the Hugging Face cache", NOT_CACHED_FIX),
         (["MODEL_DIR", "--revision", "main"], "--revision / --variant apply to a Hugging Face model id", "drop them"),
     ],
-    ids=["not-cached", "unknown-revision", "revision-with-a-folder"],
+    ids=["not-a-folder", "not-cached", "unknown-revision", "revision-with-a-folder"],
 )
 def test_model_id_errors(offline: Path, tiny_pipeline_dir: Path, tmp_path: Path, args: list[str],
                          message: str, fix: str) -> None:
