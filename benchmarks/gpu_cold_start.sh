@@ -135,40 +135,43 @@ case $phase in
     while prep_running && [ $SECONDS -lt ${PREP_UNTIL:-560} ]; do sleep 3; done
     echo "prep running: $(prep_running && echo yes || echo no) at ${SECONDS}s"
     grep -v -E "it/s|stage/s" "$out/prep.log" | tail -30 ;;
-  diag)  # one call: base compiled (unless a prep made it), then where the load's time goes (issue 28): host facts; first-image rows with
-         # every thread sampled (the first process on this host first), the load variants, phases, profile, `run`
-         # and diffusers' one-shot; each row one fresh process, its JSON line in OUT/rows.jsonl
+  diag)  # one call: base compiled (unless a prep made it), then where the load's time goes (issue 28): host facts;
+         # first-image rows with every thread sampled (the first process on this host first), the load variants
+         # (--set), profile, phases, `run`, spill throughput, diffusers' one-shot, most telling first (a call cut
+         # short keeps the rows before). OUT may be the device call's $OUT: at most 7 files land there (each row's
+         # JSON line in rows.jsonl, its stderr in rows.err)
     log "host facts"
-    { nproc; free -g | head -2; df -hT /tmp "$PWD" | cat; cat /sys/kernel/mm/transparent_hugepage/enabled \
-        /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>&1; uname -r; nvidia-smi -L; } > "$out/host.txt" 2>&1
-    cat "$out/host.txt"
+    { nproc; free -g | head -2; df -hT /tmp "$PWD" /dev/shm | cat; cat /sys/kernel/mm/transparent_hugepage/enabled \
+        /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>&1; uname -r; nvidia-smi -L; } 2>&1
     if [ ! -f $W/art-base/manifest.json ]; then  # not made by an earlier prep
       bytecode_all; ARTS=base; models
       log compile base
       $py benchmarks/compile_memory.py --json "$out/compile_memory_b1.json" -- compile $W/model-sd15 -o $W/art-base \
-        $common $(static 512 1) > "$out/compile_base.log" 2>&1; echo "compile rc $?"; tail -3 "$out/compile_base.log"
+        $common $(static 512 1) > /tmp/compile_base.log 2>&1; echo "compile rc $?"
+      grep -v -E "it/s|stage/s" /tmp/compile_base.log | tail -4
       wait
     fi
     cs() { local tag=$1; shift; local t=$EPOCHREALTIME
-      timeout 120 $py benchmarks/cold_start.py "$@" > "$out/row_$tag.out" 2> "$out/row_$tag.err"
+      echo "=== $tag" >> "$out/rows.err"
+      timeout 120 $py benchmarks/cold_start.py "$@" > /tmp/row_$tag.out 2>> "$out/rows.err"
       local rc=$?; echo "$tag rc $rc wall $(awk "BEGIN{print $EPOCHREALTIME - $t}")"
-      grep '^{' "$out/row_$tag.out" | tail -1 | sed "s/^{/{\"tag\": \"$tag\", \"rc\": $rc, /" >> "$out/rows.jsonl"; }
+      grep '^{' /tmp/row_$tag.out | tail -1 | sed "s/^{/{\"tag\": \"$tag\", \"rc\": $rc, /" >> "$out/rows.jsonl"; }
     A=$W/art-base; H="--cudnn HEURISTIC --steps 30"
-    log "spill write throughput"
-    timeout 120 $py benchmarks/spill_write_throughput.py $A/unet/model.onnx.data --repeat 2 --json "$out/spill.json"
     cs fresh-host first-image $A $H --sample
     cs default-1 first-image $A $H --sample
     cs nodefer first-image $A $H --sample --set runtime.schedulers.DEFER_DYNAMO=0
-    cs default-2 first-image $A $H --sample
-    cs callerall first-image $A $H --sample --set runtime.loading.CALLER_FIRST_RUN=text_encoder,unet,unet_controlnet,vae_decoder
-    cs intra1 first-image $A $H --sample --set runtime.engines.ort_engine.CUDA_INTRA_OP_THREADS=1
     cs shm first-image $A $H --sample --set runtime.engines.ort_engine.SPILL_DIR=/dev/shm \
       --set artifact.digests.SPILL_HUGE_PAGES=1
-    cs exhaustive first-image $A --cudnn EXHAUSTIVE --steps 30 --sample
-    cs phases phases $A --cudnn HEURISTIC
+    cs callerall first-image $A $H --sample --set runtime.loading.CALLER_FIRST_RUN=text_encoder,unet,unet_controlnet,vae_decoder
+    cs default-2 first-image $A $H --sample
     cs profile profile $A $H
+    cs phases phases $A --cudnn HEURISTIC
     t=$EPOCHREALTIME; timeout 120 $D run $A --prompt "an ink painting" --steps 30 -o /tmp/cli.png --overwrite \
       > "$out/cli.log" 2>&1; echo "cli rc $? wall $(awk "BEGIN{print $EPOCHREALTIME - $t}")"
+    log "spill write throughput"
+    timeout 60 $py benchmarks/spill_write_throughput.py $A/unet/model.onnx.data --repeat 2 --json "$out/spill.json"
+    cs intra1 first-image $A $H --sample --set runtime.engines.ort_engine.CUDA_INTRA_OP_THREADS=1
+    cs exhaustive first-image $A --cudnn EXHAUSTIVE --steps 30 --sample
     cs diffusers diffusers $W/model-sd15 --steps 30 --png /tmp/diffusers.png ;;
   models) models ;;
   compiles) compiles ;;
