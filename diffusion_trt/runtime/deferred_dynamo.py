@@ -12,14 +12,16 @@ decorator's result, so diffusers behaves as before. Any other attribute of the s
 and answers from it. The stand-in leaves ``sys.modules`` when the block ends; a later ``import torch._dynamo`` is
 the real one. Nothing is deferred when ``torch._dynamo`` or ``diffusers.utils.torch_utils`` is already imported.
 
-Limit: for the block's length (the scheduler's import, ~0.5 s), another thread's ``import torch._dynamo.<sub>``
-would find a module that is not a package and fail; the runtime's own threads import no TorchDynamo meanwhile.
+Another thread that imports TorchDynamo during the block (~0.4 s) gets what it asks for: a name of the module
+imports the real one; a submodule (``import torch._dynamo.config``) is found through the stand-in's ``__path__``,
+the real package's folder.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import sys
 import threading
 import types
@@ -59,8 +61,10 @@ def deferred_dynamo() -> Iterator[bool]:
     """Hold the stand-in in ``sys.modules`` for the block (see the module docstring); yields whether it did."""
     with _lock:
         defer = _DYNAMO not in sys.modules and "diffusers.utils.torch_utils" not in sys.modules
-        stand_in = _StandIn(_DYNAMO, __doc__) if defer else None
+        spec = importlib.util.find_spec(_DYNAMO) if defer else None  # the package's folder; imports nothing of it
+        stand_in = _StandIn(_DYNAMO, __doc__) if spec is not None else None
         if stand_in is not None:
+            stand_in.__path__ = list(spec.submodule_search_locations or [])
             sys.modules[_DYNAMO] = stand_in
     try:
         yield stand_in is not None

@@ -50,6 +50,8 @@ def test_nothing_is_deferred_once_dynamo_is_imported_and_other_names_reach_the_r
         with deferred_dynamo() as deferred:
             stand_in = sys.modules["torch._dynamo"]
             print("stand-in", isinstance(stand_in, _StandIn), deferred)
+            import torch._dynamo.config as config  # a submodule: found through the stand-in's __path__
+            print("submodule", config.__name__, isinstance(sys.modules["torch._dynamo"], _StandIn))
             reset = stand_in.reset  # any other name: the real module, imported now; the stand-in leaves
             print("other name", callable(reset), isinstance(sys.modules["torch._dynamo"], _StandIn))
         print("after", type(sys.modules["torch._dynamo"]).__name__)
@@ -57,6 +59,7 @@ def test_nothing_is_deferred_once_dynamo_is_imported_and_other_names_reach_the_r
             print("again", deferred, isinstance(sys.modules["torch._dynamo"], _StandIn))
     """)
     assert "stand-in True True" in out
+    assert "submodule torch._dynamo.config True" in out
     assert "other name True False" in out
     assert "after module" in out
     assert "again False False" in out
