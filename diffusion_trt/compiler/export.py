@@ -411,18 +411,35 @@ def load_models(folder: ModelFolder, precision: str, device: str) -> dict[str, A
     ]
     if folder.architecture == "sdxl":
         todo.insert(1, ("text_encoder_2", CLIPTextModelWithProjection, "text_encoder_2"))
-    for name, cls, sub in todo:
-        use_st = sub not in folder.pickled
-        try:
-            if cls in (CLIPTextModel, CLIPTextModelWithProjection):
-                # eager attention: traces to plain MatMul/Softmax that every backend parses
-                m = cls.from_pretrained(folder.path / sub, use_safetensors=use_st, attn_implementation="eager", **kw)
-            else:
-                m = cls.from_pretrained(folder.path, subfolder=sub, use_safetensors=use_st, **kw)
-        except Exception as e:
-            raise ModelFolderError(f"could not load {sub}/ from {folder.path}: {e}") from e
-        models[name] = m.to(device).eval()
+    with _without_transformers_bars():  # compile's own stage bar says what loads
+        for name, cls, sub in todo:
+            use_st = sub not in folder.pickled
+            try:
+                if cls in (CLIPTextModel, CLIPTextModelWithProjection):
+                    # eager attention: traces to plain MatMul/Softmax that every backend parses
+                    m = cls.from_pretrained(folder.path / sub, use_safetensors=use_st, attn_implementation="eager",
+                                            **kw)
+                else:
+                    m = cls.from_pretrained(folder.path, subfolder=sub, use_safetensors=use_st, **kw)
+            except Exception as e:
+                raise ModelFolderError(f"could not load {sub}/ from {folder.path}: {e}") from e
+            models[name] = m.to(device).eval()
     return models
+
+
+@contextlib.contextmanager
+def _without_transformers_bars() -> Iterator[None]:
+    """transformers' own progress bars (its "Loading weights" bar per text encoder) off for the block, as they were
+    after it."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def sample_inputs(spec: ComponentSpec, precision: str, ranges: dict[str, tuple[int, int, int]], device: str) -> tuple:

@@ -136,3 +136,30 @@ def test_an_export_with_its_weights_in_files_of_their_own_compiles_to_the_same_b
         counts = [[p["counts"] for p in manifest[name]["passes"]] for manifest in manifests]
         assert counts[0] == counts[1]
         assert manifests[0][name]["fp16_check"]["hot"] == manifests[1][name]["fp16_check"]["hot"]
+
+
+def test_loading_the_models_keeps_transformers_bars_off_and_restores_them(tiny_pipeline_dir: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' "Loading weights" bar would run beside compile's own stage bar: off while the models load,
+    as it was after."""
+    from transformers import CLIPTextModel
+    from transformers.utils import logging as hf_logging
+
+    seen: list[bool] = []
+    real = CLIPTextModel.from_pretrained.__func__
+
+    def spy(cls: type, *args: object, **kwargs: object) -> object:
+        seen.append(hf_logging.is_progress_bar_enabled())
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(CLIPTextModel, "from_pretrained", classmethod(spy))
+    before = hf_logging.is_progress_bar_enabled()
+    try:
+        hf_logging.enable_progress_bar()
+        export.load_models(export.check_model_folder(tiny_pipeline_dir), "fp32", "cpu")
+        assert seen == [False] and hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        export.load_models(export.check_model_folder(tiny_pipeline_dir), "fp32", "cpu")
+        assert not hf_logging.is_progress_bar_enabled()  # left as it was
+    finally:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
