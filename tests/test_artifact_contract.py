@@ -286,6 +286,9 @@ def test_external_data_inside_the_folder_must_be_listed(art: Path) -> None:
 def test_verify_reports_a_missing_folder(tmp_path: Path) -> None:
     code, out = _invoke("verify", tmp_path / "nothing")
     assert code == 3 and "artifact folder does not exist" in out
+    (tmp_path / "a.png").write_bytes(b"x")
+    code, out = _invoke("verify", tmp_path / "a.png")
+    assert code == 3 and "a.png: a file, not an artifact folder" in out and "does not exist" not in out
 
 
 # -- inspect ---------------------------------------------------------------------------------------------------

@@ -66,6 +66,8 @@ def load_manifest_json(root: Path) -> tuple[dict[str, Any] | None, list[str]]:
     read_manifest_bytes`, :func:`~diffusion_trt.artifact.values.parse_json`), never a traceback.
     """
     path = root / folder.MANIFEST_NAME
+    if root.exists() and not root.is_dir():
+        return None, [f"{root}: a file, not an artifact folder; pass the folder `diffusion-trt compile` wrote"]
     if not root.is_dir():
         return None, [f"{root}: artifact folder does not exist"]
     if not path.is_file():
