@@ -13,7 +13,7 @@
 #                                                       OUT on /tmp, not $OUT) while `pytest -m gpu tests` runs; waits
 #                                                       for prep until PREP_UNTIL seconds (default 560) into the call;
 #                                                       a later phase's call waits for the rest (WAIT_PREP=1)
-#   bash benchmarks/gpu_cold_start.sh diag OUT         one call: base compiled, then first-image rows with every
+#   bash benchmarks/gpu_cold_start.sh diag OUT         (read: benchmarks/cold_start_report.py OUT/rows.jsonl) one call: base compiled, then first-image rows with every
 #                                                       thread sampled (cold_start.py --sample), the load variants
 #                                                       (--set), phases, profile, `run`, diffusers' one-shot
 #   bash benchmarks/gpu_cold_start.sh models OUT       sd15 pipeline, ControlNets a/b, rank-64 LoRAs a/b
