@@ -43,7 +43,7 @@ class _StandIn(types.ModuleType):
     allow_in_graph = staticmethod(allow_in_graph)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):  # the import system's questions (``__path__``: a package?) stay unanswered
+        if name.startswith("__"):  # the import system's questions (``__spec__``, ``__file__``...) stay unanswered
             raise AttributeError(name)
         return getattr(_real_dynamo(), name)
 

@@ -276,9 +276,10 @@ class EmbeddingTable:
     def unused(self, texts: Sequence[str | None]) -> list[str]:
         """The names of the embeddings that no text of ``texts`` names (as :meth:`tokenize` matches them: a whole
         word, case-insensitive): they would change no image."""
-        return [e.name for e in self.embeddings
-                if not any(t and re.search(r"(?<!\w)" + re.escape(e.name) + r"(?!\w)", t, re.IGNORECASE)
-                           for t in texts)]
+        if not self.embeddings:
+            return []
+        named = {m.lower() for t in texts if t for m in self._pattern().findall(t)}
+        return [e.name for e in self.embeddings if e.name.lower() not in named]
 
     def _pattern(self) -> re.Pattern[str]:
         names = sorted((e.name for e in self.embeddings), key=len, reverse=True)  # longest first: "bad" in "bad_v2"

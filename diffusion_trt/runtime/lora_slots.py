@@ -136,8 +136,9 @@ class WeightSlots(Mapping[str, torch.Tensor]):
         #: torch weight names no output reads (the map's ``dead``; absent from maps written before it: none)
         self.dead = frozenset(refit_map.get("dead", ()))
         self._slots = [s for s in slots if s.input_name in base]
-        #: what a refit map must say for another component to bind these very tensors (:func:`load_slots`)
-        self.signature = refit_signature(refit_map)
+        #: what a refit map must say for another component to bind these very tensors (:func:`load_slots`;
+        #: :func:`refit_signature` of ``refit_map``)
+        self.signature = (frozenset(slots), self.dead)
         cuda = device.type == "cuda"
         self._base = {s.input_name: base[s.input_name].pin_memory() if cuda else base[s.input_name]
                       for s in self._slots}
