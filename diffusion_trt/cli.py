@@ -1322,13 +1322,15 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
                           controlnet_conditioning_scale=control["controlnet_conditioning_scale"])
         if image_path is not None:
             params.update(image=str(image_path), **({"mask": str(mask_path)} if mask_path is not None else {}))
-    paths = []
-    for i, image in enumerate(result.images):
-        path = _output_path(out, i)
-        save_png(image, path, {**params, "index": i})
-        paths.append(path)
-    for path in paths:
-        click.echo(f"image: {path}")
+        # written before the engines close: their release (device memory, sessions) is no part of the wait for
+        # the image
+        paths = []
+        for i, image in enumerate(result.images):
+            path = _output_path(out, i)
+            save_png(image, path, {**params, "index": i})
+            paths.append(path)
+        for path in paths:
+            click.echo(f"image: {path}")
 
 
 def _check_before_load(read: tuple[Manifest | None, DiffusionTrtError | None], prompt: str, **arguments: Any

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -425,14 +426,16 @@ class _Warms(_Opens):
 
     def __init__(self, fail: bool = False, graph: bool = True) -> None:
         super().__init__(fail)
-        self.graph, self.primed_on, self.captured_on = graph, None, []
+        self.graph, self.primed_on, self.captured_on, self.primes = graph, None, [], []
 
     @property
     def cuda_graph(self) -> bool:
         return self.graph
 
     def prime(self) -> bool:
-        self.primed_on = threading.get_ident()
+        if self.primed_on is None:
+            self.primed_on = threading.get_ident()  # the first prime's thread
+        self.primes.append(threading.get_ident())
         return True
 
     def capture(self) -> bool:
@@ -445,10 +448,14 @@ def test_open_together_captures_each_warmed_engine_on_the_callers_thread() -> No
     with OpenTogether(engines, warm=True) as opening:
         opening.wait(capture=True)
     me = threading.get_ident()
-    assert [e.captured_on for e in engines.values()] == [[me], [me]]  # once each, on the thread that will call
+    assert engines["unet"].captured_on == [me]  # once, on the thread that will call
     assert all(e.primed_on not in (None, me) for e in engines.values())  # the warm-ups ran on the loader threads
     assert "captured_s" in opening.timeline["unet"]
-    assert "captured_s" not in opening.timeline["vae_decoder"]  # not in CUDA-graph mode: nothing captured
+    # not in CUDA-graph mode: nothing captured; run once more on the caller's thread instead (its per-thread first
+    # run, out of the first call)
+    vae = engines["vae_decoder"]
+    assert vae.captured_on == [] and vae.primes[1:] == [me] and vae.primes[0] != me
+    assert "captured_s" not in opening.timeline["vae_decoder"] and "caller_warmed_s" in opening.timeline["vae_decoder"]
 
 
 def test_the_callers_capture_makes_the_unets_first_run_and_the_others_are_primed_on_their_threads() -> None:
@@ -508,3 +515,40 @@ def test_run_defaults_to_heuristic_and_bench_to_auto() -> None:
     bench_help = CliRunner().invoke(main, ["bench", "--help"], terminal_width=200).output
     assert "[default: HEURISTIC]" in " ".join(run_help.split())
     assert "[default: AUTO]" in " ".join(bench_help.split())
+
+
+def test_start_imports_imports_on_a_thread_of_its_own_and_skips_what_is_imported(monkeypatch: pytest.MonkeyPatch
+                                                                                  ) -> None:
+    import types
+
+    from diffusion_trt.runtime import loading
+
+    seen: list[tuple[str, int]] = []
+    monkeypatch.setattr(loading.importlib, "import_module", lambda name: seen.append((name, threading.get_ident())))
+    monkeypatch.setitem(sys.modules, "dtrt_already_here", types.ModuleType("dtrt_already_here"))
+    thread = loading.start_imports({"zz_not_here", "aa_not_here", "dtrt_already_here"})
+    assert thread is not None
+    thread.join()
+    assert [name for name, _ in seen] == ["aa_not_here", "zz_not_here"]  # sorted, the imported one left out
+    assert {tid for _, tid in seen} == {thread.ident} != {threading.get_ident()}
+    assert loading.start_imports({"dtrt_already_here"}) is None
+
+
+def test_start_imports_leaves_a_failing_import_to_its_user() -> None:
+    from diffusion_trt.runtime import loading
+
+    thread = loading.start_imports({"dtrt_no_such_module_anywhere"})
+    assert thread is not None
+    thread.join()  # no exception escapes the thread; the module simply is not there
+    assert "dtrt_no_such_module_anywhere" not in sys.modules
+
+
+def test_switch_interval_is_set_within_the_block_and_restored() -> None:
+    from diffusion_trt.runtime.loading import switch_interval
+
+    before = sys.getswitchinterval()
+    with switch_interval(0.0005):
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    assert sys.getswitchinterval() == before
+    with switch_interval(0.0):  # the default: Python's own, untouched
+        assert sys.getswitchinterval() == before

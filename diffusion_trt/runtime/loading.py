@@ -21,10 +21,13 @@ only the graph-mode runs before the replays (the capture and the regular run bef
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
+import sys
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from types import TracebackType
 
@@ -46,6 +49,54 @@ logger = logging.getLogger(__name__)
 #: ``h100-2026-12-07-s20-cold-start.json``, EXHAUSTIVE): the first call 0.37 s after such a load, 1.06-1.12 s after
 #: the load of 581819c (no capture at load).
 CALLER_FIRST_RUN = frozenset({"unet", "unet_controlnet"})
+
+
+#: Modules every loader thread of an ONNX Runtime load imports (``onnx`` to list a model's external-data files,
+#: ``onnxruntime`` for the session), imported by :func:`start_imports` on a thread of their own from the load's start,
+#: while the caller still checks the artifact and initialises CUDA. Imported by the loaders themselves, the second and
+#: third loader each waited 0.27 s on the first one's import of ``onnx`` before reading a byte (H100, 2026-12-07,
+#: ``benchmarks/cold_start.py --sample``: ``importlib._bootstrap acquire <- reader.onnx``). Imported in sorted order.
+PREIMPORT = frozenset({"onnx", "onnxruntime"})
+
+#: ``sys.setswitchinterval`` during the load when > 0 (seconds), else Python's own (5 ms). A switch for
+#: ``benchmarks/cold_start.py --set``: with a thread running pure Python (diffusers' import), every other thread that
+#: wants the GIL back after a read, a hash or an ONNX Runtime call may wait up to one interval.
+LOAD_SWITCH_INTERVAL_S = 0.0
+
+
+def start_imports(names: Collection[str] = PREIMPORT) -> threading.Thread | None:
+    """Import ``names`` (those not yet imported, in sorted order) on a thread of its own, started now; ``None`` when
+    there is nothing to import. An import that fails is left to the code that needs the module (it raises its own,
+    clearer error there)."""
+    missing = sorted(n for n in names if n not in sys.modules)
+    if not missing:
+        return None
+
+    def run() -> None:
+        for name in missing:
+            try:
+                importlib.import_module(name)
+            except Exception as e:  # noqa: BLE001 - e.g. no onnxruntime: the engine that needs it says so
+                logger.debug("pre-import of %s failed: %s", name, e)
+
+    thread = threading.Thread(target=run, name="diffusion-trt-preimport")
+    thread.start()
+    return thread
+
+
+@contextlib.contextmanager
+def switch_interval(seconds: float = 0.0) -> Iterator[None]:
+    """Within the block, ``sys.setswitchinterval(seconds)`` (restored after), or nothing when ``seconds`` <= 0
+    (:data:`LOAD_SWITCH_INTERVAL_S`)."""
+    if seconds <= 0:
+        yield
+        return
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def warm_up(engine: Engine) -> bool:
@@ -159,14 +210,23 @@ class OpenTogether:
             self.timeline.setdefault(name, {}).update({k: v - self._t0 for k, v in at.items() if v is not None})
 
     def _capture(self, name: str) -> None:
-        """Capture ``name``'s graph on this thread, if it was warmed and can (see :meth:`wait`)."""
+        """Capture ``name``'s graph on this thread, if it was warmed and can (see :meth:`wait`); a warmed engine
+        outside CUDA-graph mode runs once more here instead (its ``prime``, holding the capture lock shared only), so
+        that the first call does not pay this thread's own first run of it (ONNX Runtime's per-thread CUDA
+        handles)."""
         marks = self.timeline.get(name, {})
-        capture = getattr(self._engines[name], "capture", None)
-        if ("warmed_s" in marks or self._first_run_by_caller(name)) and capture is not None:
-            start = time.perf_counter() - self._t0  # before the capture lock: the wait for other loads is in it
-            if capture():
-                with self._lock:
-                    marks.update(capture_from_s=start, captured_s=time.perf_counter() - self._t0)
+        engine = self._engines[name]
+        capture = getattr(engine, "capture", None)
+        if not ("warmed_s" in marks or self._first_run_by_caller(name)) or capture is None:
+            return
+        start = time.perf_counter() - self._t0  # before the capture lock: the wait for other loads is in it
+        if getattr(engine, "cuda_graph", False):
+            done = capture() and "captured_s"
+        else:
+            done = engine.prime() and "caller_warmed_s"
+        if done:
+            with self._lock:
+                marks.update(capture_from_s=start, **{done: time.perf_counter() - self._t0})
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

@@ -68,7 +68,7 @@ from .generation_args import GENERATION_ARGS
 from .geometry import LatentGeometry
 from .image_inputs import ImageRequest
 from .latents import Generator, StepCallback
-from .loading import CALLER_FIRST_RUN, OpenTogether
+from .loading import CALLER_FIRST_RUN, LOAD_SWITCH_INTERVAL_S, PREIMPORT, OpenTogether, start_imports, switch_interval
 from .lora_slots import apply_loras, distinct, load_slots, lora_list
 from .memory.residency import Residency
 from .memory.stages import Stages
@@ -441,8 +441,16 @@ class EnginePipeline:
         """:meth:`from_artifacts` on an open reader: every file comes through it (one folder, hashed bytes); the
         text-to-image engines of an ONNX Runtime artifact open side by side while the tokenizers and the scheduler
         config are read (:class:`~.loading.OpenTogether`)."""
+        with switch_interval(LOAD_SWITCH_INTERVAL_S):
+            return cls._load_engines(reader, options)
+
+    @classmethod
+    def _load_engines(cls, reader: ArtifactReader, options: LoadOptions) -> EnginePipeline:
+        """:meth:`_from_reader` within its switch interval."""
         root, manifest = reader.root, reader.manifest
         device = _check_device(root, manifest, options.device)
+        if device == "cuda" and not manifest.backend.is_tensorrt:  # while CUDA starts (loading.PREIMPORT)
+            start_imports(PREIMPORT)
         _check_device_id(device, options.device_id)
         residency = None
         if options.vram_budget is not None:  # refused here, before anything opens
@@ -1274,6 +1282,12 @@ def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, str
     return engines
 
 
+#: ONNX Runtime components that run without a CUDA graph even where the others use one. A switch for
+#: ``benchmarks/cold_start.py --set`` (e.g. the text encoder, which runs once per image: its capture at load costs more
+#: than its replays save in a one-shot ``run``).
+EAGER_COMPONENTS: frozenset[str] = frozenset()
+
+
 def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stream: torch.cuda.Stream | None,
                  derived: Mapping[str, tuple[str, int]], cuda_graph: bool,
                  residency: Residency | None, weight_slots: Mapping[str, Any]) -> dict[str, Engine]:
@@ -1300,7 +1314,7 @@ def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stre
                               **(options.provider_options or {}),
                               **(residency.provider_options(name, device) if residency else {})},
             derived=derived,
-            cuda_graph=cuda_graph,
+            cuda_graph=cuda_graph and name not in EAGER_COMPONENTS,
             source=functools.partial(reader.onnx, entry.onnx),
             deterministic=options.deterministic,
             graph_optimization_level=options.graph_optimization_level,
