@@ -1159,7 +1159,8 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
 @click.option("--devices", default=None,
               help="CUDA devices, e.g. 0,1 or all: data-parallel, the images split across them [default: one].")
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
-              help="Replay engines as CUDA graphs [default: on for static CUDA artifacts and TensorRT].")
+              help="Replay engines as CUDA graphs; --cuda-graph: every engine [default: on for static CUDA artifacts "
+                   "and TensorRT; ONNX Runtime: the UNet and ControlNets, the text encoder and VAE eager].")
 @click.option("--runtime-cache", "runtime_cache", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="TensorRT-RTX: folder of the artifact's runtime cache (kernels compiled for this GPU on first load) "
                    "[default: ~/.cache/diffusion-trt/runtime-cache/<manifest sha256[:16]>].")
@@ -1611,7 +1612,8 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
 @click.option("--devices", default=None, help="CUDA devices, e.g. 0,1: ours on the first, multi-GPU on all.")
 @click.option("--scheduler", default=None, help=f"{SCHEDULER_HELP} for both sides [default: the model's].")
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
-              help="Our engines as CUDA graphs [default: on for static CUDA artifacts and TensorRT].")
+              help="Our engines as CUDA graphs; --cuda-graph: every engine [default: on for static CUDA artifacts and "
+                   "TensorRT; ONNX Runtime: the UNet and ControlNets, the text encoder and VAE eager].")
 @click.option("--runtime-cache", "runtime_cache", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="TensorRT-RTX: folder of the artifact's runtime cache (kernels compiled for this GPU on first load) "
                    "[default: ~/.cache/diffusion-trt/runtime-cache/<manifest sha256[:16]>].")

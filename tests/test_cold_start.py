@@ -552,3 +552,24 @@ def test_switch_interval_is_set_within_the_block_and_restored() -> None:
     assert sys.getswitchinterval() == before
     with switch_interval(0.0):  # the default: Python's own, untouched
         assert sys.getswitchinterval() == before
+
+
+def test_cuda_graphs_by_default_for_the_per_step_engines_only_and_for_all_when_asked(tiny_artifact: Path) -> None:
+    """pipeline.EAGER_COMPONENTS: cuda_graph=None asks a CUDA graph of the UNet only (the text encoder and VAE run
+    once per image); cuda_graph=True of every engine. The engines are built, not opened (no GPU here)."""
+    from diffusion_trt.artifact.reader import ArtifactReader
+    from diffusion_trt.runtime import pipeline
+    from diffusion_trt.runtime.geometry import LatentGeometry
+
+    reader = ArtifactReader.open(tiny_artifact)
+    try:
+        derived = LatentGeometry.from_manifest(reader.manifest).derived_dims
+        asked = {}
+        for option in (None, True):
+            engines = pipeline._ort_engines(reader, "cuda", pipeline.LoadOptions(device="cuda", cuda_graph=option),
+                                            None, derived, True, None, {})
+            asked[option] = {name for name, e in engines.items() if e._graph_requested}  # type: ignore[attr-defined]
+    finally:
+        reader.close()
+    assert asked[None] == {"unet"}
+    assert asked[True] == set(engines) >= {"text_encoder", "unet", "vae_decoder"}

@@ -1013,7 +1013,9 @@ class LoadOptions:
             CUDA only, through :class:`~diffusion_trt.runtime.engines.trt_engine.TrtEngine`).
         cuda_graph: replay each engine as a CUDA graph (ORT: ``enable_cuda_graph`` with engine-owned input
             buffers; TensorRT: captured enqueues). ``None`` = on for CUDA artifacts with a static profile
-            (ORT) and for every TensorRT artifact; ``True`` where it cannot work falls back to eager runs
+            (ORT: the engines that run every step, the UNet and ControlNets; the text encoders and VAE, once per
+            image, run eager: :data:`EAGER_COMPONENTS`) and for every TensorRT artifact; ``True`` = every engine;
+            ``True`` where it cannot work falls back to eager runs
             with one warning per engine naming the cause. TensorRT-RTX: its own capture of static profiles.
         runtime_cache_dir: TensorRT-RTX: the folder of this artifact's runtime-cache files (kernels compiled for
             this GPU on first load, read on later loads); ``None`` =
@@ -1282,10 +1284,13 @@ def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, str
     return engines
 
 
-#: ONNX Runtime components that run without a CUDA graph even where the others use one. A switch for
-#: ``benchmarks/cold_start.py --set`` (e.g. the text encoder, which runs once per image: its capture at load costs more
-#: than its replays save in a one-shot ``run``).
-EAGER_COMPONENTS: frozenset[str] = frozenset()
+#: ONNX Runtime components that run without a CUDA graph by default (``cuda_graph=None``; ``True`` graphs them too):
+#: those that run once per image, where a replay saves about a millisecond, while their captures at load (on the
+#: caller's thread, holding the capture lock alone) stood on the path to the first image. H100, SD-1.5 static 512 b1,
+#: ``from_artifacts`` + a first 30-step image, 2026-12-07 (``benchmarks/gpu_cold_start.sh diag2``,
+#: ``h100-2026-12-07-s22-cold-start-variants.json``): 4.16 / 4.44 / 4.50 s with every engine graphed, 3.77 / 3.90 s
+#: with the text encoder and VAE decoder eager (the second call 0.233-0.255 s either way).
+EAGER_COMPONENTS: frozenset[str] = frozenset({"text_encoder", "text_encoder_2", "vae_decoder", "vae_encoder"})
 
 
 def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stream: torch.cuda.Stream | None,
@@ -1314,7 +1319,7 @@ def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stre
                               **(options.provider_options or {}),
                               **(residency.provider_options(name, device) if residency else {})},
             derived=derived,
-            cuda_graph=cuda_graph and name not in EAGER_COMPONENTS,
+            cuda_graph=cuda_graph and (options.cuda_graph is True or name not in EAGER_COMPONENTS),
             source=functools.partial(reader.onnx, entry.onnx),
             deterministic=options.deterministic,
             graph_optimization_level=options.graph_optimization_level,
