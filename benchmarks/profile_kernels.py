@@ -52,10 +52,16 @@ def profile_component(art: Path, comp: str, options: dict[str, str], iters: int,
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from components import feeds_for  # the same inputs as the timing benchmark
 
+    from diffusion_trt.artifact.reader import ArtifactReader
+    from diffusion_trt.runtime.lora_slots import load_slots
+
     manifest = artifacts.load_verified(art, check_hashes=False)
     entry = manifest["components"][comp]
     feeds = feeds_for(entry)
-    with OrtEngine(art / entry["onnx"], entry, name=comp, device="cuda", provider_options=options) as eng:
+    with ArtifactReader.open(art, check_hashes=False) as reader:  # --refittable: its weight inputs, bound as at run
+        slots = load_slots(reader, "cuda")
+    with OrtEngine(art / entry["onnx"], entry, name=comp, device="cuda", provider_options=options,
+                   weight_inputs=slots.get(comp)) as eng:
         for _ in range(3):
             eng.run(feeds)
         torch.cuda.synchronize()
