@@ -117,6 +117,23 @@ compiles() {  # ARTS: which of base refit merged cn b4 dyn (default: the first f
     for f in /tmp/cs/c-*.log; do echo "--- $f"; grep -v -E "it/s|stage/s" "$f" | tail -3; done
     ls $W/art-*/manifest.json /tmp/cs/art-*/manifest.json /tmp/cs/art_b4/manifest.json 2>/dev/null
 }
+base_compiled() {  # the static 512 b1 base artifact, unless an earlier prep made it (its peak RSS per stage in OUT)
+  if [ ! -f $W/art-base/manifest.json ]; then
+    bytecode_all; ARTS=base; models
+    log compile base
+    $py benchmarks/compile_memory.py --json "$out/compile_memory_b1.json" -- compile $W/model-sd15 -o $W/art-base \
+      $common $(static 512 1) > /tmp/compile_base.log 2>&1; echo "compile rc $?"
+    grep -v -E "it/s|stage/s" /tmp/compile_base.log | tail -4
+    wait
+  fi
+}
+cs() {  # one cold_start.py row TAG ARGS...: its JSON line (tagged) into OUT/rows.jsonl, its stderr into OUT/rows.err
+  local tag=$1; shift; local t=$EPOCHREALTIME
+  echo "=== $tag" >> "$out/rows.err"
+  timeout 120 $py benchmarks/cold_start.py "$@" > /tmp/row_$tag.out 2>> "$out/rows.err"
+  local rc=$?; echo "$tag rc $rc wall $(awk "BEGIN{print $EPOCHREALTIME - $t}")"
+  grep '^{' /tmp/row_$tag.out | tail -1 | sed "s/^{/{\"tag\": \"$tag\", \"rc\": $rc, /" >> "$out/rows.jsonl"
+}
 bytecode_all() {  # into $PYTHONPYCACHEPREFIX, in the background of the compiles
     local system; system=$($py -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
     ( t=$(date +%s); $py -m compileall -q -j 0 "$system" "$SITE" "$PWD/diffusion_trt" > /dev/null 2>&1
@@ -147,19 +164,7 @@ case $phase in
     log "host facts"
     { nproc; free -g | head -2; df -hT /tmp "$PWD" /dev/shm | cat; cat /sys/kernel/mm/transparent_hugepage/enabled \
         /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>&1; uname -r; nvidia-smi -L; } 2>&1
-    if [ ! -f $W/art-base/manifest.json ]; then  # not made by an earlier prep
-      bytecode_all; ARTS=base; models
-      log compile base
-      $py benchmarks/compile_memory.py --json "$out/compile_memory_b1.json" -- compile $W/model-sd15 -o $W/art-base \
-        $common $(static 512 1) > /tmp/compile_base.log 2>&1; echo "compile rc $?"
-      grep -v -E "it/s|stage/s" /tmp/compile_base.log | tail -4
-      wait
-    fi
-    cs() { local tag=$1; shift; local t=$EPOCHREALTIME
-      echo "=== $tag" >> "$out/rows.err"
-      timeout 120 $py benchmarks/cold_start.py "$@" > /tmp/row_$tag.out 2>> "$out/rows.err"
-      local rc=$?; echo "$tag rc $rc wall $(awk "BEGIN{print $EPOCHREALTIME - $t}")"
-      grep '^{' /tmp/row_$tag.out | tail -1 | sed "s/^{/{\"tag\": \"$tag\", \"rc\": $rc, /" >> "$out/rows.jsonl"; }
+    base_compiled
     A=$W/art-base; H="--cudnn HEURISTIC --steps 30"
     cs fresh-host first-image $A $H --sample
     cs default-1 first-image $A $H --sample
@@ -182,18 +187,7 @@ case $phase in
           # decoder) without a CUDA graph, a 0.5 ms GIL switch interval; `run` timed to its "image:" line and to its
           # exit; diffusers' one-shot. Files in OUT: rows.jsonl, rows.err, cli.log, compile_memory_b1.json, dummy.log
     log "host facts"; { nproc; nvidia-smi -L; } 2>&1
-    if [ ! -f $W/art-base/manifest.json ]; then
-      bytecode_all; ARTS=base; models
-      log compile base
-      $py benchmarks/compile_memory.py --json "$out/compile_memory_b1.json" -- compile $W/model-sd15 -o $W/art-base \
-        $common $(static 512 1) > /tmp/compile_base.log 2>&1; echo "compile rc $?"
-      wait
-    fi
-    cs() { local tag=$1; shift; local t=$EPOCHREALTIME
-      echo "=== $tag" >> "$out/rows.err"
-      timeout 120 $py benchmarks/cold_start.py "$@" > /tmp/row_$tag.out 2>> "$out/rows.err"
-      local rc=$?; echo "$tag rc $rc wall $(awk "BEGIN{print $EPOCHREALTIME - $t}")"
-      grep '^{' /tmp/row_$tag.out | tail -1 | sed "s/^{/{\"tag\": \"$tag\", \"rc\": $rc, /" >> "$out/rows.jsonl"; }
+    base_compiled
     cli() { local t=$EPOCHREALTIME
       timeout 120 $D run $A --prompt "an ink painting" --steps 30 -o /tmp/cli.png --overwrite 2>> "$out/cli.log" \
         | while IFS= read -r line; do echo "$1 at $(awk "BEGIN{print $EPOCHREALTIME - $t}") s: $line"; done
