@@ -1014,9 +1014,9 @@ class LoadOptions:
         cuda_graph: replay each engine as a CUDA graph (ORT: ``enable_cuda_graph`` with engine-owned input
             buffers; TensorRT: captured enqueues). ``None`` = on for CUDA artifacts with a static profile
             (ORT: the engines that run every step, the UNet and ControlNets; the text encoders and VAE, once per
-            image, run eager: :data:`EAGER_COMPONENTS`) and for every TensorRT artifact; ``True`` = every engine;
-            ``True`` where it cannot work falls back to eager runs
-            with one warning per engine naming the cause. TensorRT-RTX: its own capture of static profiles.
+            image, run eager: :data:`EAGER_COMPONENTS`) and for every TensorRT artifact; ``True`` = every engine
+            (an engine where it cannot work falls back to eager runs with one warning naming the cause).
+            TensorRT-RTX: its own capture of static profiles.
         runtime_cache_dir: TensorRT-RTX: the folder of this artifact's runtime-cache files (kernels compiled for
             this GPU on first load, read on later loads); ``None`` =
             ``$XDG_CACHE_HOME/diffusion-trt/runtime-cache/<manifest_sha256[:16]>`` (see
