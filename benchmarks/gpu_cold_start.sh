@@ -18,8 +18,8 @@
 #                                                       (--set), phases, profile, `run`, diffusers' one-shot
 #   bash benchmarks/gpu_cold_start.sh diag2 OUT        (read: cold_start_report.py OUT/rows.jsonl) one call: base compiled,
 #                                                       first-image rows of the defaults against load variants (no
-#                                                       pre-import, text encoder / VAE without CUDA graph, GIL switch
-#                                                       interval), `run` timed to its image line, diffusers' one-shot
+#                                                       pre-import, every engine graphed, GIL switch interval), `run`
+#                                                       timed to its image line, diffusers' one-shot
 #   bash benchmarks/gpu_cold_start.sh models OUT       sd15 pipeline, ControlNets a/b, rank-64 LoRAs a/b
 #   bash benchmarks/gpu_cold_start.sh compiles OUT     compiles side by side, waited for (a process left in the
 #                                                       background does not outlive the device call); ARTS picks
@@ -182,32 +182,33 @@ case $phase in
     cs intra1 first-image $A $H --sample --set runtime.engines.ort_engine.CUDA_INTRA_OP_THREADS=1
     cs exhaustive first-image $A --cudnn EXHAUSTIVE --steps 30 --sample
     cs diffusers diffusers $W/model-sd15 --steps 30 --png /tmp/diffusers.png ;;
-  diag2)  # one call (issue 28, session 22): base compiled, then the first-image rows of this tree's defaults (onnx and
-          # onnxruntime imported from the load's start) against the variants: no pre-import, text encoder (and VAE
-          # decoder) without a CUDA graph, a 0.5 ms GIL switch interval; `run` timed to its "image:" line and to its
-          # exit; diffusers' one-shot. Files in OUT: rows.jsonl, rows.err, cli.log, compile_memory_b1.json, dummy.log
+  diag2)  # one call (issue 28): base compiled, then first-image rows of this tree's defaults (onnx and onnxruntime
+          # imported from the load's start; text encoders and VAE eager) against the variants: no pre-import, every
+          # engine graphed, only the text encoder eager, a 0.5 ms GIL switch interval; `run` timed to its "image:"
+          # line and to its exit; diffusers' one-shot (session 22 ran it with every engine graphed by default and the
+          # eager rows as variants). Files in OUT: rows.jsonl, rows.err, cli.log, compile_memory_b1.json, dummy.log
     log "host facts"; { nproc; nvidia-smi -L; } 2>&1
     base_compiled
     cli() { local t=$EPOCHREALTIME
       timeout 120 $D run $A --prompt "an ink painting" --steps 30 -o /tmp/cli.png --overwrite 2>> "$out/cli.log" \
         | while IFS= read -r line; do echo "$1 at $(awk "BEGIN{print $EPOCHREALTIME - $t}") s: $line"; done
       echo "$1 exit at $(awk "BEGIN{print $EPOCHREALTIME - $t}") s"; }
-    A=$W/art-base; H="--cudnn HEURISTIC --steps 30"; L=runtime.loading; P=runtime.pipeline
+    A=$W/art-base; H="--cudnn HEURISTIC --steps 30"; L=runtime.loading
     cs fresh-host first-image $A $H --sample
     cs default-1 first-image $A $H --sample
     cs nopre-1 first-image $A $H --sample --set $L.PREIMPORT=
-    cs eagerte-1 first-image $A $H --sample --set $P.EAGER_COMPONENTS=text_encoder
-    cs eagertv-1 first-image $A $H --sample --set $P.EAGER_COMPONENTS=text_encoder,vae_decoder
+    cs allgraph-1 first-image $A $H --sample --set $L.EAGER_COMPONENTS=
+    cs eagerte-1 first-image $A $H --sample --set $L.EAGER_COMPONENTS=text_encoder
     cs swi-1 first-image $A $H --sample --set $L.LOAD_SWITCH_INTERVAL_S=0.0005
     cli cli-1
     cs default-2 first-image $A $H --sample
     cs nopre-2 first-image $A $H --sample --set $L.PREIMPORT=
-    cs eagertv-2 first-image $A $H --sample --set $P.EAGER_COMPONENTS=text_encoder,vae_decoder
+    cs allgraph-2 first-image $A $H --sample --set $L.EAGER_COMPONENTS=
     cs swi-2 first-image $A $H --sample --set $L.LOAD_SWITCH_INTERVAL_S=0.0005
     cli cli-2
     cs diffusers diffusers $W/model-sd15 --steps 30 --png /tmp/diffusers.png
     cs default-3 first-image $A $H --sample
-    cs eagerte-2 first-image $A $H --sample --set $P.EAGER_COMPONENTS=text_encoder ;;
+    cs eagerte-2 first-image $A $H --sample --set $L.EAGER_COMPONENTS=text_encoder ;;
   models) models ;;
   compiles) compiles ;;
   bytecode)

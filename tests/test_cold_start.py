@@ -445,17 +445,22 @@ class _Warms(_Opens):
 
 def test_open_together_captures_each_warmed_engine_on_the_callers_thread() -> None:
     engines = {"unet": _Warms(), "vae_decoder": _Warms(graph=False)}
-    with OpenTogether(engines, warm=True) as opening:
+    with OpenTogether(engines, warm=True, caller_warm={"vae_decoder"}) as opening:
         opening.wait(capture=True)
     me = threading.get_ident()
     assert engines["unet"].captured_on == [me]  # once, on the thread that will call
     assert all(e.primed_on not in (None, me) for e in engines.values())  # the warm-ups ran on the loader threads
     assert "captured_s" in opening.timeline["unet"]
-    # not in CUDA-graph mode: nothing captured; run once more on the caller's thread instead (its per-thread first
-    # run, out of the first call)
+    # not in CUDA-graph mode: nothing captured; one of caller_warm, so run once more on the caller's thread instead
+    # (its per-thread first run, out of the first call)
     vae = engines["vae_decoder"]
     assert vae.captured_on == [] and vae.primes[1:] == [me] and vae.primes[0] != me
     assert "captured_s" not in opening.timeline["vae_decoder"] and "caller_warmed_s" in opening.timeline["vae_decoder"]
+    plain = {"vae_decoder": _Warms(graph=False)}  # not one of caller_warm (e.g. cuda_graph=False): loader thread only
+    with OpenTogether(plain, warm=True) as opening:
+        opening.wait(capture=True)
+    assert plain["vae_decoder"].primes == [plain["vae_decoder"].primed_on] != [me]
+    assert "caller_warmed_s" not in opening.timeline["vae_decoder"]
 
 
 def test_the_callers_capture_makes_the_unets_first_run_and_the_others_are_primed_on_their_threads() -> None:
@@ -552,10 +557,26 @@ def test_switch_interval_is_set_within_the_block_and_restored() -> None:
     assert sys.getswitchinterval() == before
     with switch_interval(0.0):  # the default: Python's own, untouched
         assert sys.getswitchinterval() == before
+    # two loads side by side, closing in the order they opened: the last to close restores the interval
+    first, second = switch_interval(0.0005), switch_interval(0.0005)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert sys.getswitchinterval() == pytest.approx(0.0005)  # the second load still runs
+    second.__exit__(None, None, None)
+    assert sys.getswitchinterval() == before
+
+
+def test_wants_graph_by_option() -> None:
+    from diffusion_trt.runtime.loading import EAGER_COMPONENTS, wants_graph
+
+    assert wants_graph("unet", None) and not wants_graph("text_encoder", None)
+    assert {"text_encoder", "vae_decoder"} <= EAGER_COMPONENTS and "unet" not in EAGER_COMPONENTS
+    assert wants_graph("text_encoder", True) and not wants_graph("unet", False)
 
 
 def test_cuda_graphs_by_default_for_the_per_step_engines_only_and_for_all_when_asked(tiny_artifact: Path) -> None:
-    """pipeline.EAGER_COMPONENTS: cuda_graph=None asks a CUDA graph of the UNet only (the text encoder and VAE run
+    """loading.EAGER_COMPONENTS: cuda_graph=None asks a CUDA graph of the UNet only (the text encoder and VAE run
     once per image); cuda_graph=True of every engine. The engines are built, not opened (no GPU here)."""
     from diffusion_trt.artifact.reader import ArtifactReader
     from diffusion_trt.runtime import pipeline

@@ -51,6 +51,23 @@ logger = logging.getLogger(__name__)
 CALLER_FIRST_RUN = frozenset({"unet", "unet_controlnet"})
 
 
+#: ONNX Runtime components that run without a CUDA graph by default (``cuda_graph=None``; ``True`` graphs them too;
+#: :func:`wants_graph`): those that run once per image, where a replay saves about a millisecond, while their captures
+#: at load (on the caller's thread, holding the capture lock alone) stood on the path to the first image. H100, SD-1.5
+#: static 512 b1, ``from_artifacts`` + a first 30-step image, 2026-12-07 (``benchmarks/gpu_cold_start.sh diag2``,
+#: ``h100-2026-12-07-s22-cold-start-variants.json``): 4.16 / 4.44 / 4.50 s with every engine graphed, 3.77 / 3.90 s
+#: with the text encoder and VAE decoder eager (the second call 0.233-0.255 s either way).
+EAGER_COMPONENTS = frozenset({"text_encoder", "text_encoder_2", "vae_decoder", "vae_encoder"})
+
+
+def wants_graph(name: str, cuda_graph: bool | None) -> bool:
+    """Whether component ``name`` replays a CUDA graph where graphs can run, given the load's ``cuda_graph`` option:
+    ``True`` every component, ``False`` none, ``None`` all but :data:`EAGER_COMPONENTS`."""
+    if cuda_graph is None:
+        return name not in EAGER_COMPONENTS
+    return bool(cuda_graph)
+
+
 #: Modules every loader thread of an ONNX Runtime load imports (``onnx`` to list a model's external-data files,
 #: ``onnxruntime`` for the session), imported by :func:`start_imports` on a thread of their own from the load's start,
 #: while the caller still checks the artifact and initialises CUDA. Imported by the loaders themselves, the second and
@@ -84,19 +101,30 @@ def start_imports(names: Collection[str] = PREIMPORT) -> threading.Thread | None
     return thread
 
 
+_switch_lock = threading.Lock()
+_switch_state: dict[str, float] = {"depth": 0, "before": 0.0}  # blocks open now; the interval before the first
+
+
 @contextlib.contextmanager
 def switch_interval(seconds: float = 0.0) -> Iterator[None]:
-    """Within the block, ``sys.setswitchinterval(seconds)`` (restored after), or nothing when ``seconds`` <= 0
-    (:data:`LOAD_SWITCH_INTERVAL_S`)."""
+    """Within the block, ``sys.setswitchinterval(seconds)``, or nothing when ``seconds`` <= 0
+    (:data:`LOAD_SWITCH_INTERVAL_S`). The interval is process-wide: blocks open on several threads at once (loads
+    side by side) share it, and the one that closes last restores the interval from before the first."""
     if seconds <= 0:
         yield
         return
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(seconds)
+    with _switch_lock:
+        if not _switch_state["depth"]:
+            _switch_state["before"] = sys.getswitchinterval()
+        _switch_state["depth"] += 1
+        sys.setswitchinterval(seconds)
     try:
         yield
     finally:
-        sys.setswitchinterval(before)
+        with _switch_lock:
+            _switch_state["depth"] -= 1
+            if not _switch_state["depth"]:
+                sys.setswitchinterval(_switch_state["before"])
 
 
 def warm_up(engine: Engine) -> bool:
@@ -135,12 +163,18 @@ class OpenTogether:
         caller_first_run: names of engines whose first run the caller makes in :meth:`wait` with ``capture``
             (e.g. :data:`CALLER_FIRST_RUN`): not warmed on their loader thread when they are in CUDA-graph mode; only
             for a caller that waits with ``capture``.
+        caller_warm: names of engines outside CUDA-graph mode (e.g. :data:`EAGER_COMPONENTS`) that, once warmed on
+            their loader thread, run once more on the caller's thread in :meth:`wait` with ``capture`` (their
+            ``prime``, holding the capture lock shared only), so that the first call does not pay that thread's own
+            first run of them (ONNX Runtime's per-thread CUDA handles).
     """
 
-    def __init__(self, engines: Mapping[str, Engine], *, warm: bool, caller_first_run: Collection[str] = ()) -> None:
+    def __init__(self, engines: Mapping[str, Engine], *, warm: bool, caller_first_run: Collection[str] = (),
+                 caller_warm: Collection[str] = ()) -> None:
         self._engines = dict(engines)
         self._warm = warm
         self._caller_first_run = frozenset(caller_first_run)
+        self._caller_warm = frozenset(caller_warm)
         self._pool = ThreadPoolExecutor(max(1, len(self._engines)), thread_name_prefix="diffusion-trt-open")
         self._futures: dict[str, Future[bool]] = {}
         self._lock = threading.Lock()
@@ -210,10 +244,8 @@ class OpenTogether:
             self.timeline.setdefault(name, {}).update({k: v - self._t0 for k, v in at.items() if v is not None})
 
     def _capture(self, name: str) -> None:
-        """Capture ``name``'s graph on this thread, if it was warmed and can (see :meth:`wait`); a warmed engine
-        outside CUDA-graph mode runs once more here instead (its ``prime``, holding the capture lock shared only), so
-        that the first call does not pay this thread's own first run of it (ONNX Runtime's per-thread CUDA
-        handles)."""
+        """Capture ``name``'s graph on this thread, if it was warmed and can (see :meth:`wait`), or run it once here
+        if it is one of ``caller_warm``."""
         marks = self.timeline.get(name, {})
         engine = self._engines[name]
         capture = getattr(engine, "capture", None)
@@ -222,8 +254,10 @@ class OpenTogether:
         start = time.perf_counter() - self._t0  # before the capture lock: the wait for other loads is in it
         if getattr(engine, "cuda_graph", False):
             done = capture() and "captured_s"
-        else:
+        elif name in self._caller_warm:
             done = engine.prime() and "caller_warmed_s"
+        else:
+            return
         if done:
             with self._lock:
                 marks.update(capture_from_s=start, **{done: time.perf_counter() - self._t0})

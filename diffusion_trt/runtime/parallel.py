@@ -176,7 +176,8 @@ class DataParallelPipeline:
         each on the pipeline's own thread (the one its later calls run on).
 
         Two calls of ``num_inference_steps`` steps at the default size and the profile's opt batch: ORT
-        captures an engine's graph on its second run, so text encoder, UNet and VAE decoder are all captured.
+        captures an engine's graph on its second run, so every engine in CUDA-graph mode is captured (by default
+        the UNet; the text encoder and VAE run eager: :data:`~.loading.EAGER_COMPONENTS`).
         Calls at other shapes later (dynamic artifacts) run eagerly anyway: ORT graphs need static profiles.
         """
         def warm(pipe: EnginePipeline) -> None:

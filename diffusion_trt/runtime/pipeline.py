@@ -68,7 +68,16 @@ from .generation_args import GENERATION_ARGS
 from .geometry import LatentGeometry
 from .image_inputs import ImageRequest
 from .latents import Generator, StepCallback
-from .loading import CALLER_FIRST_RUN, LOAD_SWITCH_INTERVAL_S, PREIMPORT, OpenTogether, start_imports, switch_interval
+from .loading import (
+    CALLER_FIRST_RUN,
+    EAGER_COMPONENTS,
+    LOAD_SWITCH_INTERVAL_S,
+    PREIMPORT,
+    OpenTogether,
+    start_imports,
+    switch_interval,
+    wants_graph,
+)
 from .lora_slots import apply_loras, distinct, load_slots, lora_list
 from .memory.residency import Residency
 from .memory.stages import Stages
@@ -474,7 +483,9 @@ class EnginePipeline:
         engines = _open_engines(reader, device, options, stream, residency, slots)
         together = {n: engines[n] for n in txt2img_components(manifest)} if _opens_together(manifest, residency) else {}
         capture = device == "cuda"  # the static engines' CUDA graphs, on this thread (the one that will replay)
-        with OpenTogether(together, warm=capture, caller_first_run=CALLER_FIRST_RUN if capture else ()) as opening:
+        caller_warm = EAGER_COMPONENTS if capture and options.cuda_graph is None else ()  # their captures' stead
+        with OpenTogether(together, warm=capture, caller_first_run=CALLER_FIRST_RUN if capture else (),
+                          caller_warm=caller_warm) as opening:
             # the engines load while the rest is read
             tokenizer = load_tokenizer(reader, manifest.tokenizer, "tokenizer")
             tokenizer_2 = None
@@ -1014,8 +1025,8 @@ class LoadOptions:
         cuda_graph: replay each engine as a CUDA graph (ORT: ``enable_cuda_graph`` with engine-owned input
             buffers; TensorRT: captured enqueues). ``None`` = on for CUDA artifacts with a static profile
             (ORT: the engines that run every step, the UNet and ControlNets; the text encoders and VAE, once per
-            image, run eager: :data:`EAGER_COMPONENTS`) and for every TensorRT artifact; ``True`` = every engine
-            (an engine where it cannot work falls back to eager runs with one warning naming the cause).
+            image, run eager: :data:`~.loading.EAGER_COMPONENTS`) and for every TensorRT artifact; ``True`` = every
+            engine (an engine where it cannot work falls back to eager runs with one warning naming the cause).
             TensorRT-RTX: its own capture of static profiles.
         runtime_cache_dir: TensorRT-RTX: the folder of this artifact's runtime-cache files (kernels compiled for
             this GPU on first load, read on later loads); ``None`` =
@@ -1284,15 +1295,6 @@ def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, str
     return engines
 
 
-#: ONNX Runtime components that run without a CUDA graph by default (``cuda_graph=None``; ``True`` graphs them too):
-#: those that run once per image, where a replay saves about a millisecond, while their captures at load (on the
-#: caller's thread, holding the capture lock alone) stood on the path to the first image. H100, SD-1.5 static 512 b1,
-#: ``from_artifacts`` + a first 30-step image, 2026-12-07 (``benchmarks/gpu_cold_start.sh diag2``,
-#: ``h100-2026-12-07-s22-cold-start-variants.json``): 4.16 / 4.44 / 4.50 s with every engine graphed, 3.77 / 3.90 s
-#: with the text encoder and VAE decoder eager (the second call 0.233-0.255 s either way).
-EAGER_COMPONENTS: frozenset[str] = frozenset({"text_encoder", "text_encoder_2", "vae_decoder", "vae_encoder"})
-
-
 def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stream: torch.cuda.Stream | None,
                  derived: Mapping[str, tuple[str, int]], cuda_graph: bool,
                  residency: Residency | None, weight_slots: Mapping[str, Any]) -> dict[str, Engine]:
@@ -1319,7 +1321,7 @@ def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stre
                               **(options.provider_options or {}),
                               **(residency.provider_options(name, device) if residency else {})},
             derived=derived,
-            cuda_graph=cuda_graph and (options.cuda_graph is True or name not in EAGER_COMPONENTS),
+            cuda_graph=cuda_graph and wants_graph(name, options.cuda_graph),
             source=functools.partial(reader.onnx, entry.onnx),
             deterministic=options.deterministic,
             graph_optimization_level=options.graph_optimization_level,

@@ -203,9 +203,10 @@ def test_capture_on_one_thread_replays_there_and_another_thread_captures_its_own
 
 def test_from_artifacts_captures_the_graphs_on_the_callers_thread(static_artifact: Path) -> None:
     """from_artifacts captures each static engine's graph on its own thread while diffusers is imported on
-    another, so the caller's first call replays from its first step; the image equals an eager pipeline's."""
+    another, so the caller's first call replays from its first step; the image equals an eager pipeline's.
+    cuda_graph=True: every engine graphed (the default leaves the text encoder and VAE eager)."""
     with (
-        EnginePipeline.from_artifacts(static_artifact, provider_options=NO_TF32) as pipe,
+        EnginePipeline.from_artifacts(static_artifact, provider_options=NO_TF32, cuda_graph=True) as pipe,
         EnginePipeline.from_artifacts(static_artifact, provider_options=NO_TF32, cuda_graph=False) as eager,
     ):
         for name in ("text_encoder", "unet", "vae_decoder"):
@@ -217,7 +218,7 @@ def test_from_artifacts_captures_the_graphs_on_the_callers_thread(static_artifac
 
 
 def test_by_default_the_unet_replays_a_graph_and_the_once_per_image_engines_run_eager(static_artifact: Path) -> None:
-    """pipeline.EAGER_COMPONENTS: with cuda_graph=None the text encoder and VAE decoder run eager (their captures at
+    """loading.EAGER_COMPONENTS: with cuda_graph=None the text encoder and VAE decoder run eager (their captures at
     load cost more of the first image than their replays save), each run once on this thread at load."""
     with EnginePipeline.from_artifacts(static_artifact) as pipe:
         assert pipe.engines["unet"].cuda_graph

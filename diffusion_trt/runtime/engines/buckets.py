@@ -59,6 +59,7 @@ from ...artifact.manifest import Manifest
 from ...config import ShapeProfile
 from ...errors import RuntimeInputError, names_arguments
 from ..geometry import LatentGeometry
+from ..loading import wants_graph
 from .engine import EngineBase, EngineSpec, TensorInfo
 
 logger = logging.getLogger(__name__)
@@ -572,7 +573,8 @@ def bucket_engines(
     """Wrap the :data:`BUCKET_COMPONENTS` of a dynamic-profile ORT artifact in :class:`BucketedEngine`.
 
     Each engine must offer ``variant(spec, free_dimensions=..., cuda_graph=...)`` (:class:`OrtEngine` does). The
-    specialised engines replay CUDA graphs on CUDA unless ``cuda_graph`` is ``False``.
+    specialised engines replay CUDA graphs on CUDA unless ``cuda_graph`` is ``False`` (with ``None``, all but
+    the once-per-image components: :func:`~diffusion_trt.runtime.loading.wants_graph`).
 
     Raises:
         RuntimeInputError: a listed size outside the profile or not a multiple of the VAE scale factor.
@@ -593,10 +595,11 @@ def bucket_engines(
         if name not in BUCKET_COMPONENTS or not hasattr(engine, "variant"):
             continue
 
-        def make(spec: EngineSpec, free: Mapping[str, int] | None, base: Any = engine) -> Any:
+        def make(spec: EngineSpec, free: Mapping[str, int] | None, base: Any = engine,
+                 graph: bool = graphs and wants_graph(name, cuda_graph)) -> Any:
             if free is None:
                 return base  # the dynamic engine as built (unopened until a call needs it)
-            return base.variant(spec, free_dimensions=free, cuda_graph=graphs)
+            return base.variant(spec, free_dimensions=free, cuda_graph=graph)
 
         out[name] = BucketedEngine(
             engine.spec, make, device=engine.device, buckets=buckets, latent_sizes=latent,
