@@ -483,7 +483,8 @@ class EnginePipeline:
         engines = _open_engines(reader, device, options, stream, residency, slots)
         together = {n: engines[n] for n in txt2img_components(manifest)} if _opens_together(manifest, residency) else {}
         capture = device == "cuda"  # the static engines' CUDA graphs, on this thread (the one that will replay)
-        caller_warm = EAGER_COMPONENTS if capture and options.cuda_graph is None else ()  # their captures' stead
+        # the engines eager by default run once on this thread at load, as the graphed ones capture here
+        caller_warm = EAGER_COMPONENTS if capture and options.cuda_graph is None else ()
         with OpenTogether(together, warm=capture, caller_first_run=CALLER_FIRST_RUN if capture else (),
                           caller_warm=caller_warm) as opening:
             # the engines load while the rest is read
