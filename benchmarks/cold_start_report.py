@@ -1,6 +1,9 @@
 """Print the rows of ``gpu_cold_start.sh diag`` (``rows.jsonl``: one ``cold_start.py`` JSON line per row) for reading.
 
     python benchmarks/cold_start_report.py rows.jsonl [--frames 6]
+    python benchmarks/cold_start_report.py benchmarks/results/h100-2026-12-07-s22-cold-start-variants.json
+
+A results file (one JSON object whose ``rows`` are those lines) reads the same.
 
 Per first-image row: its tag and variant (``--set``), ``from_artifacts`` + first call = time to the first image, the
 warm UNet step, the marks since process start and the load timeline (seconds from the opening's start); with
@@ -40,15 +43,24 @@ def main() -> None:
     ap.add_argument("rows")
     ap.add_argument("--frames", type=int, default=0)
     ns = ap.parse_args()
-    with open(ns.rows) as f:
-        for line in f:
-            r = json.loads(line)
-            if "from_artifacts_s" in r:
-                first_image(r, ns.frames)
-            elif "total_s" in r:
-                profile(r)
-            else:
-                print(f"== {r.get('tag')} rc={r.get('rc')}", json.dumps(r)[:1500])
+    for r in _rows(ns.rows):
+        if "from_artifacts_s" in r:
+            first_image(r, ns.frames)
+        elif "total_s" in r:
+            profile(r)
+        else:
+            print(f"== {r.get('tag')} rc={r.get('rc')}", json.dumps(r)[:1500])
+
+
+def _rows(path: str) -> list[dict]:
+    """The rows of a ``rows.jsonl`` file, or the ``rows`` of a results JSON file."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:  # several lines: JSON lines
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return whole["rows"] if isinstance(whole, dict) and "rows" in whole else [whole]
 
 
 if __name__ == "__main__":
