@@ -26,7 +26,8 @@ class BenchConfig:
         steps: denoising steps per image; batch_sizes: images per call, each measured.
         iters / warmup: end-to-end calls timed / run before timing; stage_iters: calls per stage timing.
         height, width: image size; ``None`` = the artifact's default.
-        cuda_graph: passed to ``EnginePipeline.from_artifacts`` (``None``: on for static CUDA artifacts).
+        cuda_graph: passed to ``EnginePipeline.from_artifacts`` (``None``: on for static CUDA artifacts, ONNX
+            Runtime's text encoder and VAE eager; ``True``: every engine).
         runtime_cache_dir: passed to ``EnginePipeline.from_artifacts`` (TensorRT-RTX; ``None``: the user cache).
         vram_budget: also run ``ours_vram_budget`` under this budget ("4GB", bytes); ``None`` = not.
         sizes: image sizes ``(height, width)`` to measure, each with one cold call first; ``()`` = ``height``/``width``.
