@@ -18,8 +18,8 @@
 #                                                       (--set), phases, profile, `run`, diffusers' one-shot
 #   bash benchmarks/gpu_cold_start.sh diag2 OUT        (read: cold_start_report.py OUT/rows.jsonl) one call: base compiled,
 #                                                       first-image rows of the defaults against load variants (no
-#                                                       pre-import, every engine graphed, GIL switch interval), `run`
-#                                                       timed to its image line, diffusers' one-shot
+#                                                       pre-import, every engine graphed, text encoder only eager),
+#                                                       `run` timed to its image line, diffusers' one-shot
 #   bash benchmarks/gpu_cold_start.sh models OUT       sd15 pipeline, ControlNets a/b, rank-64 LoRAs a/b
 #   bash benchmarks/gpu_cold_start.sh compiles OUT     compiles side by side, waited for (a process left in the
 #                                                       background does not outlive the device call); ARTS picks
@@ -184,9 +184,10 @@ case $phase in
     cs diffusers diffusers $W/model-sd15 --steps 30 --png /tmp/diffusers.png ;;
   diag2)  # one call (issue 28): base compiled, then first-image rows of this tree's defaults (onnx and onnxruntime
           # imported from the load's start; text encoders and VAE eager) against the variants: no pre-import, every
-          # engine graphed, only the text encoder eager, a 0.5 ms GIL switch interval; `run` timed to its "image:"
-          # line and to its exit; diffusers' one-shot (session 22 ran it with every engine graphed by default and the
-          # eager rows as variants). Files in OUT: rows.jsonl, rows.err, cli.log, compile_memory_b1.json, dummy.log
+          # engine graphed, only the text encoder eager; `run` timed to its "image:" line and to its exit; diffusers'
+          # one-shot (session 22 ran it with every engine graphed by default, the eager rows and a GIL switch interval
+          # as variants; the switch was dropped after: no gain). Files in OUT: rows.jsonl, rows.err, cli.log,
+          # compile_memory_b1.json, dummy.log
     log "host facts"; { nproc; nvidia-smi -L; } 2>&1
     base_compiled
     cli() { local t=$EPOCHREALTIME
@@ -199,12 +200,10 @@ case $phase in
     cs nopre-1 first-image $A $H --sample --set $L.PREIMPORT=
     cs allgraph-1 first-image $A $H --sample --set $L.EAGER_COMPONENTS=
     cs eagerte-1 first-image $A $H --sample --set $L.EAGER_COMPONENTS=text_encoder
-    cs swi-1 first-image $A $H --sample --set $L.LOAD_SWITCH_INTERVAL_S=0.0005
     cli cli-1
     cs default-2 first-image $A $H --sample
     cs nopre-2 first-image $A $H --sample --set $L.PREIMPORT=
     cs allgraph-2 first-image $A $H --sample --set $L.EAGER_COMPONENTS=
-    cs swi-2 first-image $A $H --sample --set $L.LOAD_SWITCH_INTERVAL_S=0.0005
     cli cli-2
     cs diffusers diffusers $W/model-sd15 --steps 30 --png /tmp/diffusers.png
     cs default-3 first-image $A $H --sample

@@ -548,25 +548,6 @@ def test_start_imports_leaves_a_failing_import_to_its_user() -> None:
     assert "dtrt_no_such_module_anywhere" not in sys.modules
 
 
-def test_switch_interval_is_set_within_the_block_and_restored() -> None:
-    from diffusion_trt.runtime.loading import switch_interval
-
-    before = sys.getswitchinterval()
-    with switch_interval(0.0005):
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-    assert sys.getswitchinterval() == before
-    with switch_interval(0.0):  # the default: Python's own, untouched
-        assert sys.getswitchinterval() == before
-    # two loads side by side, closing in the order they opened: the last to close restores the interval
-    first, second = switch_interval(0.0005), switch_interval(0.0005)
-    first.__enter__()
-    second.__enter__()
-    first.__exit__(None, None, None)
-    assert sys.getswitchinterval() == pytest.approx(0.0005)  # the second load still runs
-    second.__exit__(None, None, None)
-    assert sys.getswitchinterval() == before
-
-
 def test_wants_graph_by_option() -> None:
     from diffusion_trt.runtime.loading import EAGER_COMPONENTS, wants_graph
 

@@ -21,13 +21,12 @@ only the graph-mode runs before the replays (the capture and the regular run bef
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import sys
 import threading
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from types import TracebackType
 
@@ -75,12 +74,6 @@ def wants_graph(name: str, cuda_graph: bool | None) -> bool:
 #: ``benchmarks/cold_start.py --sample``: ``importlib._bootstrap acquire <- reader.onnx``). Imported in sorted order.
 PREIMPORT = frozenset({"onnx", "onnxruntime"})
 
-#: ``sys.setswitchinterval`` during the load when > 0 (seconds), else Python's own (5 ms). A switch for
-#: ``benchmarks/cold_start.py --set``: with a thread running pure Python (diffusers' import), every other thread that
-#: wants the GIL back after a read, a hash or an ONNX Runtime call may wait up to one interval.
-LOAD_SWITCH_INTERVAL_S = 0.0
-
-
 def start_imports(names: Collection[str] = PREIMPORT) -> threading.Thread | None:
     """Import ``names`` (those not yet imported, in sorted order) on a thread of its own, started now; ``None`` when
     there is nothing to import. An import that fails is left to the code that needs the module (it raises its own,
@@ -100,32 +93,6 @@ def start_imports(names: Collection[str] = PREIMPORT) -> threading.Thread | None
     thread = threading.Thread(target=run, name="diffusion-trt-preimport")
     thread.start()
     return thread
-
-
-_switch_lock = threading.Lock()
-_switch_state: dict[str, float] = {"depth": 0, "before": 0.0}  # blocks open now; the interval before the first
-
-
-@contextlib.contextmanager
-def switch_interval(seconds: float = 0.0) -> Iterator[None]:
-    """Within the block, ``sys.setswitchinterval(seconds)``, or nothing when ``seconds`` <= 0
-    (:data:`LOAD_SWITCH_INTERVAL_S`). The interval is process-wide: blocks open on several threads at once (loads
-    side by side) share it, and the one that closes last restores the interval from before the first."""
-    if seconds <= 0:
-        yield
-        return
-    with _switch_lock:
-        if not _switch_state["depth"]:
-            _switch_state["before"] = sys.getswitchinterval()
-        _switch_state["depth"] += 1
-        sys.setswitchinterval(seconds)
-    try:
-        yield
-    finally:
-        with _switch_lock:
-            _switch_state["depth"] -= 1
-            if not _switch_state["depth"]:
-                sys.setswitchinterval(_switch_state["before"])
 
 
 def warm_up(engine: Engine) -> bool:

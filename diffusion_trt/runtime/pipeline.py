@@ -71,11 +71,9 @@ from .latents import Generator, StepCallback
 from .loading import (
     CALLER_FIRST_RUN,
     EAGER_COMPONENTS,
-    LOAD_SWITCH_INTERVAL_S,
     PREIMPORT,
     OpenTogether,
     start_imports,
-    switch_interval,
     wants_graph,
 )
 from .lora_slots import apply_loras, distinct, load_slots, lora_list
@@ -450,12 +448,6 @@ class EnginePipeline:
         """:meth:`from_artifacts` on an open reader: every file comes through it (one folder, hashed bytes); the
         text-to-image engines of an ONNX Runtime artifact open side by side while the tokenizers and the scheduler
         config are read (:class:`~.loading.OpenTogether`)."""
-        with switch_interval(LOAD_SWITCH_INTERVAL_S):
-            return cls._load_engines(reader, options)
-
-    @classmethod
-    def _load_engines(cls, reader: ArtifactReader, options: LoadOptions) -> EnginePipeline:
-        """:meth:`_from_reader` within its switch interval."""
         root, manifest = reader.root, reader.manifest
         device = _check_device(root, manifest, options.device)
         if device == "cuda" and not manifest.backend.is_tensorrt:  # while CUDA starts (loading.PREIMPORT)
