@@ -169,8 +169,7 @@ case $phase in
     cs fresh-host first-image $A $H --sample
     cs default-1 first-image $A $H --sample
     cs nodefer first-image $A $H --sample --set runtime.schedulers.DEFER_DYNAMO=0
-    cs shm first-image $A $H --sample --set runtime.engines.ort_engine.SPILL_DIR=/dev/shm \
-      --set artifact.digests.SPILL_HUGE_PAGES=1
+    TMPDIR=/dev/shm cs shm first-image $A $H --sample --set artifact.digests.SPILL_HUGE_PAGES=1
     cs callerall first-image $A $H --sample --set runtime.loading.CALLER_FIRST_RUN=text_encoder,unet,unet_controlnet,vae_decoder
     cs default-2 first-image $A $H --sample
     cs profile profile $A $H

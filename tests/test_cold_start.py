@@ -26,7 +26,6 @@ from diffusion_trt.cli import ALGO_SEARCH_DEFAULT, main
 from diffusion_trt.errors import ArtifactError, RuntimeInputError
 from diffusion_trt.passes import _ort
 from diffusion_trt.runtime import EnginePipeline
-from diffusion_trt.runtime.engines import ort_engine
 from diffusion_trt.runtime.loading import OpenTogether
 from tests.test_artifact_hardening import _unet_output
 
@@ -167,15 +166,16 @@ def test_external_data_is_read_into_a_private_folder_that_onnx_runtime_opens_and
         assert set(parts) == {"read_s", "session_s", "cleanup_s"} and min(parts.values()) >= 0
 
 
-def test_the_private_folder_goes_where_spill_dir_says_with_huge_pages_asked_for(
+def test_the_private_folder_goes_where_tmpdir_says_with_huge_pages_asked_for(
         expected: np.ndarray, chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``ort_engine.SPILL_DIR`` / ``digests.SPILL_HUGE_PAGES`` (the cold-start benchmark's switches): the folder is made
-    there, the mapping asks for huge pages, and the session still runs the hashed bytes."""
+    """``$TMPDIR`` (``tempfile.gettempdir()``) and ``digests.SPILL_HUGE_PAGES`` (a switch of the cold-start benchmark):
+    the folder is made there, the mapping asks for huge pages, and the session still runs the hashed bytes."""
     import mmap
+    import tempfile
 
     where = tmp_path / "spill"
     where.mkdir(mode=0o700)
-    monkeypatch.setattr(ort_engine, "SPILL_DIR", str(where))
+    monkeypatch.setattr(tempfile, "tempdir", str(where))  # what $TMPDIR sets, read once per process
     monkeypatch.setattr(digests, "SPILL_HUGE_PAGES", True)
     monkeypatch.setattr(digests, "HUGE_PAGE_MIN_BYTES", 1)
     advised: list[tuple[bool, int]] = []  # (a mapping of a file, the advice)

@@ -67,11 +67,6 @@ _GRAPH_CAPTURE_RUNS = 2
 OPTIMIZATION_LEVELS: dict[str, str] = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
                                        "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 
-#: Where the private weight folders are made (:meth:`OrtEngine._spill_folder`); "" = ``tempfile.gettempdir()``
-#: (``$TMPDIR``). A switch for ``benchmarks/cold_start.py`` (``--set``): a tmpfs such as ``/dev/shm`` against the
-#: temporary folder's file system (``benchmarks/spill_write_throughput.py``).
-SPILL_DIR = ""
-
 #: ``intra_op_num_threads`` of CUDA sessions when the caller gives none; 0 = ONNX Runtime's default (a pool of one
 #: thread per core per session). A switch for ``benchmarks/cold_start.py`` (``--set``): whether the pools' threads
 #: slow the load, where three sessions are made side by side beside the weights' reading threads.
@@ -557,7 +552,7 @@ class OrtEngine(EngineBase):
         if self._source is None:
             return None
         try:
-            where = SPILL_DIR or tempfile.gettempdir()
+            where = tempfile.gettempdir()  # $TMPDIR
             where.encode("utf-8")  # a name of other bytes (surrogate escapes) cannot reach ORT
             st = os.stat(where)
             if st.st_uid not in (0, os.getuid()) or (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
