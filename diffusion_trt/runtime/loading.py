@@ -74,11 +74,11 @@ def wants_graph(name: str, cuda_graph: bool | None) -> bool:
 #: ``benchmarks/cold_start.py --sample``: ``importlib._bootstrap acquire <- reader.onnx``). Imported in sorted order.
 PREIMPORT = frozenset({"onnx", "onnxruntime"})
 
-def start_imports(names: Collection[str] = PREIMPORT) -> threading.Thread | None:
-    """Import ``names`` (those not yet imported, in sorted order) on a thread of its own, started now; ``None`` when
-    there is nothing to import. An import that fails is left to the code that needs the module (it raises its own,
-    clearer error there). Not a daemon thread: an exit right after (a load refused early) waits for the import to end
-    (under a second) rather than cutting it short in interpreter shutdown."""
+def start_imports(names: Collection[str]) -> threading.Thread | None:
+    """Import ``names`` (e.g. :data:`PREIMPORT`; those not yet imported, in sorted order) on a thread of its own,
+    started now; ``None`` when there is nothing to import. An import that fails is left to the code that needs the
+    module (it raises its own, clearer error there). Not a daemon thread: an exit right after (a load refused early)
+    waits for the import to end (under a second) rather than cutting it short in interpreter shutdown."""
     missing = sorted(n for n in names if n not in sys.modules)
     if not missing:
         return None
