@@ -162,9 +162,12 @@ class OpenTogether:
         engine.__enter__()
         marks = {"opened_s": time.perf_counter() - self._t0}
         try:
-            if self._warm and not self._first_run_by_caller(name) and warm_up(engine):
+            by_caller = self._first_run_by_caller(name)
+            if self._warm and not by_caller and warm_up(engine):
                 marks["warmed_s"] = time.perf_counter() - self._t0
-            if (removal := getattr(engine, "wait_removal", None)) is not None:  # ORT: its private folder, meanwhile
+            # ORT: its private folder's removal, during the warm-up; during the caller's first run (:meth:`wait`)
+            # when the caller makes it, so that it is ready for the caller at once
+            if not by_caller and (removal := getattr(engine, "wait_removal", None)) is not None:
                 removal()
         except BaseException:
             engine.__exit__(None, None, None)
@@ -200,6 +203,12 @@ class OpenTogether:
             failed = failed or future.exception() is not None
             if capture and not failed:
                 self._capture(names[future])
+        for name, future in self._futures.items():  # the private folders the caller's first runs left to remove
+            if future.exception() is None and (removal := getattr(self._engines[name], "wait_removal", None)):
+                removal()
+                if cleanup := getattr(self._engines[name], "open_parts", {}).get("cleanup_s"):
+                    with self._lock:
+                        self.timeline[name]["cleanup_s"] = cleanup
         with self._lock:
             self.timeline["caller"] = {"wait_from_s": start, "wait_to_s": time.perf_counter() - self._t0}
         for future in self._futures.values():

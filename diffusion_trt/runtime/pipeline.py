@@ -24,6 +24,7 @@ import functools
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -448,6 +449,7 @@ class EnginePipeline:
         """:meth:`from_artifacts` on an open reader: every file comes through it (one folder, hashed bytes); the
         text-to-image engines of an ONNX Runtime artifact open side by side while the tokenizers and the scheduler
         config are read (:class:`~.loading.OpenTogether`)."""
+        started = time.perf_counter()
         root, manifest = reader.root, reader.manifest
         device = _check_device(root, manifest, options.device)
         if device == "cuda" and not manifest.backend.is_tensorrt:  # while CUDA starts (loading.PREIMPORT)
@@ -489,6 +491,8 @@ class EnginePipeline:
             opening.add_marks("scheduler_import", from_s=importing.started_at, to_s=importing.ended_at)
             pipe = cls(manifest, engines, tokenizer, scheduler_config, scheduler=options.scheduler, stream=stream,
                        root=root, tokenizer_2=tokenizer_2, residency=residency)
+            # what the load did before the engines started (negative) and after they were ready
+            opening.add_marks("caller", load_from_s=started, pipeline_s=time.perf_counter())
         pipe._weight_slots = slots
         pipe.deterministic = bool(options.deterministic)
         logger.info("loaded %s (%s, %s, %s; profile %s; scheduler %s)", root, manifest.backend,
