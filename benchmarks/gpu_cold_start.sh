@@ -213,8 +213,8 @@ case $phase in
     cs default-3 first-image $A $H --sample
     cs eagerte-2 first-image $A $H --sample --set $L.EAGER_COMPONENTS=text_encoder ;;
   anatomy)  # one call (issue 28): base compiled, then what the UNet's first run is made of (first_run_anatomy.py),
-            # first-image rows of this tree against BEFORE (a folder holding an older diffusion_trt package),
-            # interleaved; the first call's profile; `run` timed to its image line; diffusers' one-shot. Files in OUT:
+            # first-image rows of this tree against BEFORE (a folder holding an older diffusion_trt package) and
+            # against itself without the read-ahead (loading.READ_AHEAD), interleaved; the first call's profile; `run` timed to its image line; diffusers' one-shot. Files in OUT:
             # anatomy.json, rows.jsonl, rows.err, cli.log, compile_memory_b1.json, dummy.log
     log "host facts"; { nproc; nvidia-smi -L; } 2>&1
     base_compiled
@@ -225,6 +225,7 @@ case $phase in
     for i in 1 2 3; do
       PYTHONPATH=$SITE:$PWD/${BEFORE:-.before} cs before-$i first-image $A $H --sample
       cs after-$i first-image $A $H --sample
+      cs noread-$i first-image $A $H --sample --set runtime.loading.READ_AHEAD=0
     done
     cs profile profile $A $H
     t=$EPOCHREALTIME

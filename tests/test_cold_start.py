@@ -4,11 +4,15 @@ tests'."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
 import sys
+import tempfile
 import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -163,7 +167,61 @@ def test_external_data_is_read_into_a_private_folder_that_onnx_runtime_opens_and
         assert sum(isinstance(m, bytes) for m in seen.models) == len(seen.models) - 1
         # the removal ran on a thread of its own that the load waited for; its time is in the load's timeline
         parts = pipe.engines["unet"].open_parts
-        assert set(parts) == {"read_s", "session_s", "cleanup_s"} and min(parts.values()) >= 0
+        assert set(parts) == {"read_s", "read_ahead_s", "session_s", "cleanup_s"} and min(parts.values()) >= 0
+
+
+def test_the_load_reads_the_engines_bytes_from_its_start_unless_switched_off(
+        expected: np.ndarray, chunked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``loading.READ_AHEAD``: each engine opened side by side gets the bytes a read started before it existed
+    (``read_ahead_s``: the read's own time); switched off, each open reads for itself."""
+    from diffusion_trt.runtime import pipeline as pipeline_module
+
+    for ahead in (True, False):
+        monkeypatch.setattr(pipeline_module, "READ_AHEAD", ahead)
+        seen = _SessionsSeen(monkeypatch)
+        with EnginePipeline.from_artifacts(chunked, device="cpu") as pipe:
+            np.testing.assert_array_equal(_unet_output(pipe), expected)
+            for name in ("text_encoder", "unet", "vae_decoder"):
+                assert ("read_ahead_s" in pipe.engines[name].open_parts) == ahead
+        assert len(seen.spilled()) == 1
+
+
+def _empty_soon(folder: Path, seconds: float = 20) -> bool:
+    """Whether ``folder`` is empty now or within ``seconds`` (a discarded read's folder goes when the read ends)."""
+    end = time.monotonic() + seconds
+    while any(folder.iterdir()):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_load_refused_after_its_reads_started_leaves_no_private_folder(
+        chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spills = tmp_path / "spills"
+    spills.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spills))
+    with pytest.raises(RuntimeInputError, match="nope"):  # refused after the reads began: the weights' folders go
+        EnginePipeline.from_artifacts(chunked, device="cpu", scheduler="nope")
+    assert _empty_soon(spills)
+
+
+def test_an_engine_closed_before_it_used_its_read_removes_the_reads_folder(
+        chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffusion_trt.runtime.engines.ort_engine import OrtEngine, read_private
+
+    spills = tmp_path / "spills"
+    spills.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spills))
+    with ArtifactReader.open(chunked) as reader:
+        entry = reader.manifest.components["unet"]
+        source = functools.partial(reader.onnx, entry.onnx)
+        read: Future = Future()
+        read.set_result(read_private(source, "unet"))
+        assert (Path(read.result().folder.name) / "model.onnx").is_file()
+        engine = OrtEngine(chunked / entry.onnx, entry.spec, name="unet", source=source, read_ahead=read)
+        engine.close()  # never opened
+    assert _empty_soon(spills, 0)
 
 
 def test_the_private_folder_goes_where_tmpdir_says_with_huge_pages_asked_for(

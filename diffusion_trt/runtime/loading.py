@@ -26,13 +26,18 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import torch
 
 from .engines.engine import Engine
+
+if TYPE_CHECKING:
+    from ..artifact.reader import OnnxBytes
+    from .engines.ort_engine import PrivateRead
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +98,27 @@ def start_imports(names: Collection[str]) -> threading.Thread | None:
     thread = threading.Thread(target=run, name="diffusion-trt-preimport")
     thread.start()
     return thread
+
+
+#: Whether ``from_artifacts`` starts reading (and hashing) the engines it opens together from its start, on threads of
+#: their own (:func:`start_reads`), while it checks the artifact, starts CUDA and builds the engines; each engine's open
+#: then waits for its bytes instead of reading them (``OrtEngine(read_ahead=...)``). A switch for
+#: ``benchmarks/cold_start.py`` (``--set``).
+READ_AHEAD = True
+
+
+def start_reads(sources: Mapping[str, Callable[..., OnnxBytes]]) -> dict[str, Future[PrivateRead]]:
+    """Start reading each named model through its source (``ArtifactReader.onnx``'s partial) into a private folder
+    (:func:`~.engines.ort_engine.read_private`), one thread each, now; returns name -> its read. Hand each to its
+    engine (``read_ahead=``); a read no engine takes goes to :func:`~.engines.ort_engine.discard_read`."""
+    from .engines.ort_engine import read_private
+
+    if not sources:
+        return {}
+    pool = ThreadPoolExecutor(len(sources), thread_name_prefix="diffusion-trt-read")
+    reads = {name: pool.submit(read_private, source, name) for name, source in sources.items()}
+    pool.shutdown(wait=False)  # its threads end with their reads
+    return reads
 
 
 def warm_up(engine: Engine) -> bool:

@@ -26,10 +26,11 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -73,8 +74,10 @@ from .loading import (
     CALLER_FIRST_RUN,
     EAGER_COMPONENTS,
     PREIMPORT,
+    READ_AHEAD,
     OpenTogether,
     start_imports,
+    start_reads,
     wants_graph,
 )
 from .lora_slots import apply_loras, distinct, load_slots, lora_list
@@ -89,6 +92,9 @@ from .tokenizer import load_tokenizer
 
 __all__ = ["OUTPUT_TYPES", "SDXL_ARGUMENTS", "EnginePipeline", "EnginePipelineOutput", "LoadOptions", "check_text",
            "save_png"]
+
+if TYPE_CHECKING:
+    from .engines.ort_engine import PrivateRead
 
 logger = logging.getLogger(__name__)
 
@@ -454,6 +460,22 @@ class EnginePipeline:
         device = _check_device(root, manifest, options.device)
         if device == "cuda" and not manifest.backend.is_tensorrt:  # while CUDA starts (loading.PREIMPORT)
             start_imports(PREIMPORT)
+        reads = _read_ahead(reader, options)  # the engines' bytes from here on, while the rest is checked
+        try:
+            return cls._open_read(reader, options, device, reads, started)
+        except BaseException:
+            from .engines.ort_engine import discard_read
+
+            for read in reads.values():  # what no engine took, or every one after a failure: their folders go
+                discard_read(read)
+            raise
+
+    @classmethod
+    def _open_read(cls, reader: ArtifactReader, options: LoadOptions, device: str,
+                   reads: Mapping[str, Future[PrivateRead]], started: float) -> EnginePipeline:
+        """:meth:`_from_reader` once the device is known and the engines' reads have started (``reads``, handed to
+        their engines); ``started``: when the load began (``time.perf_counter()``), for the load timeline."""
+        root, manifest = reader.root, reader.manifest
         _check_device_id(device, options.device_id)
         residency = None
         if options.vram_budget is not None:  # refused here, before anything opens
@@ -474,7 +496,7 @@ class EnginePipeline:
             # one stream shared by ONNX Runtime and torch: the loop runs without host syncs
             stream = torch.cuda.Stream(device=torch.device("cuda", options.device_id))
         slots = load_slots(reader, device, options.device_id)  # ORT --refittable: LoRA per request
-        engines = _open_engines(reader, device, options, stream, residency, slots)
+        engines = _open_engines(reader, device, options, stream, residency, slots, reads)
         together = {n: engines[n] for n in txt2img_components(manifest)} if _opens_together(manifest, residency) else {}
         capture = device == "cuda"  # the static engines' CUDA graphs, on this thread (the one that will replay)
         # the engines eager by default run once on this thread at load, as the graphed ones capture here
@@ -1255,9 +1277,11 @@ def _check_device(root: Path, manifest: Manifest, device: str | None) -> str:
 
 
 def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, stream: torch.cuda.Stream | None,
-                  residency: Residency | None, weight_slots: Mapping[str, Any] | None = None) -> dict[str, Engine]:
+                  residency: Residency | None, weight_slots: Mapping[str, Any] | None = None,
+                  reads: Mapping[str, Future[PrivateRead]] | None = None) -> dict[str, Engine]:
     """The artifact's engines (unopened, plain engines), as ``options`` and the VRAM plan ``residency`` say (ORT
-    arena caps, TensorRT weight-streaming budgets)."""
+    arena caps, TensorRT weight-streaming budgets); ``reads``: ORT components' bytes already being read
+    (:func:`_read_ahead`), each handed to its engine."""
     manifest = reader.manifest
     backend = manifest.backend
     is_trt = backend.is_tensorrt
@@ -1282,7 +1306,7 @@ def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, str
         if options.deterministic and (note := compile_time_note(manifest, device)) is not None:
             logger.warning("%s", note)
         engines = _ort_engines(reader, device, options, stream, derived, bool(cuda_graph), residency,
-                               weight_slots or {})
+                               weight_slots or {}, reads)
         # Synchronous buckets under a VRAM budget (no extra dynamic copy of the weights) and in deterministic mode
         # (a shape's first call would run on the dynamic session and later ones on the static: other kernels, other
         # low bits).
@@ -1294,8 +1318,10 @@ def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, str
 
 def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stream: torch.cuda.Stream | None,
                  derived: Mapping[str, tuple[str, int]], cuda_graph: bool,
-                 residency: Residency | None, weight_slots: Mapping[str, Any]) -> dict[str, Engine]:
-    """The ONNX Runtime engines of a verified artifact, with the CUDA provider options of each component."""
+                 residency: Residency | None, weight_slots: Mapping[str, Any],
+                 reads: Mapping[str, Future[PrivateRead]] | None = None) -> dict[str, Engine]:
+    """The ONNX Runtime engines of a verified artifact, with the CUDA provider options of each component (and its
+    read from ``reads``, if one started)."""
     from .engines.ort_engine import OrtEngine
 
     root, manifest = reader.root, reader.manifest
@@ -1320,6 +1346,7 @@ def _ort_engines(reader: ArtifactReader, device: str, options: LoadOptions, stre
             derived=derived,
             cuda_graph=cuda_graph and wants_graph(name, options.cuda_graph),
             source=functools.partial(reader.onnx, entry.onnx),
+            read_ahead=(reads or {}).get(name),
             deterministic=options.deterministic,
             graph_optimization_level=options.graph_optimization_level,
             weight_inputs=weight_slots.get(name),
@@ -1369,6 +1396,18 @@ def _trt_engines(
                else {}),
         )
     return engines
+
+
+def _read_ahead(reader: ArtifactReader, options: LoadOptions) -> dict[str, Future[PrivateRead]]:
+    """Start reading the models of the engines ``from_artifacts`` will open side by side (:func:`_opens_together`),
+    now (:data:`~.loading.READ_AHEAD`, :func:`~.loading.start_reads`): none for TensorRT or a VRAM budget, or a
+    component the manifest lacks (its engine refuses it later)."""
+    manifest = reader.manifest
+    if not READ_AHEAD or manifest.backend is not Backend.ORT or options.vram_budget is not None:
+        return {}
+    sources = {name: functools.partial(reader.onnx, entry.onnx) for name in txt2img_components(manifest)
+               if (entry := manifest.components.get(name)) is not None and entry.onnx is not None}
+    return start_reads(sources)
 
 
 def _opens_together(manifest: Manifest, residency: Residency | None) -> bool:

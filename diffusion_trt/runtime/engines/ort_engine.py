@@ -42,6 +42,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
@@ -157,8 +159,12 @@ class OrtEngine(EngineBase):
             builds the session from those bytes and opens no file of the artifact by name, so what was hashed is
             what runs. Called as ``source(spill=FOLDER)`` (``ArtifactReader.onnx``'s argument): a model with
             external data is read into files of that private folder and the session opens them there (see
-            :meth:`_spill_folder`); otherwise from memory (``add_external_initializers_from_files_in_memory``).
+            :func:`private_folder`); otherwise from memory (``add_external_initializers_from_files_in_memory``).
             ``None`` = ONNX Runtime opens ``path`` itself.
+        read_ahead: the first open's bytes, already being read from ``source`` (:func:`read_private` on another
+            thread, started before this engine existed: ``from_artifacts`` starts it before CUDA initialises); that
+            open waits for it instead of reading (and raises its error, e.g. an altered file), later opens read
+            again. Dropped, its folder removed, when the engine closes without having used it.
         free_dimensions: fix symbolic dims of the graph (``{"B2": 2, "h": 64, "w": 64}``) through
             ``SessionOptions.add_free_dimension_override_by_name``: ORT's optimiser then folds the shape arithmetic
             (see :mod:`~diffusion_trt.runtime.engines.buckets`); ``spec`` should then be static at those values.
@@ -201,6 +207,7 @@ class OrtEngine(EngineBase):
         derived: Mapping[str, tuple[str, int]] | None = None,
         cuda_graph: bool = False,
         source: Callable[..., OnnxBytes] | None = None,
+        read_ahead: Future[PrivateRead] | None = None,
         free_dimensions: Mapping[str, int] | None = None,
         deterministic: bool = False,
         graph_optimization_level: str = "all",
@@ -209,6 +216,7 @@ class OrtEngine(EngineBase):
         self.path = Path(path)
         self._weights: Mapping[str, torch.Tensor] = weight_inputs if weight_inputs is not None else {}
         self._source = source
+        self._read_ahead = read_ahead
         self._name_and_spec(self.path, spec, name, derived)
         if device not in ("cpu", "cuda"):
             raise ArtifactError(f"device={device!r} is not supported by the ONNX Runtime engine; use 'cpu' or 'cuda'")
@@ -300,8 +308,11 @@ class OrtEngine(EngineBase):
         return self._graph_reason
 
     def close(self) -> None:
-        """Free the session and every buffer (idempotent)."""
+        """Free the session and every buffer (idempotent); remove the folder of a read-ahead no open used."""
         self.wait_removal()
+        if self._read_ahead is not None:
+            discard_read(self._read_ahead)
+            self._read_ahead = None
         if self._session is not None and self._async:
             # queued kernels may still read the inputs we keep alive / write our buffers
             self._current_torch_stream().synchronize()
@@ -495,22 +506,24 @@ class OrtEngine(EngineBase):
                 f"(torch {torch.__version__}); install a CUDA build of torch or run with device='cpu'"
             )
         t0 = time.perf_counter()
-        folder = self._spill_folder()
+        ahead, self._read_ahead = self._read_ahead, None
+        # read (and hashed) before any session; with external data, into files of our own private folder
+        read = ahead.result() if ahead is not None else read_private(self._source, self._name)
+        folder, data = read.folder, read.data
         try:
-            # read (and hashed) before any session; with external data, into files of our own private folder
-            spill = None if folder is None else Path(folder.name)
-            data = self._source(spill=spill) if self._source is not None else None
             model: str | bytes = str(self.path) if data is None else (
                 data.model if data.model_path is None else str(data.model_path))
             t1 = time.perf_counter()
             with shared_if(self._kind == "cuda"):  # side by side with other loads, never inside a capture
                 session = self._create_session(ort, model, data, providers)
-            del data
+            del data, read
         except BaseException:
             if folder is not None:
                 folder.cleanup()
             raise
         self.open_parts = {"read_s": t1 - t0, "session_s": time.perf_counter() - t1}
+        if ahead is not None:  # the read's own time, and how long this open waited for it ("read_s")
+            self.open_parts["read_ahead_s"] = ahead.result().seconds
         self._remove_later(folder)
         self._finish_open(ort, session)
 
@@ -536,34 +549,6 @@ class OrtEngine(EngineBase):
         if self._removing is not None:
             self._removing.join()
             self._removing = None
-
-    def _spill_folder(self) -> tempfile.TemporaryDirectory[str] | None:
-        """A new private folder (``tempfile``'s, mode 0700, under ``$TMPDIR``) for the source to write the model and
-        its external data into while a session is made, removed right after (ONNX Runtime has copied the weights to
-        the device, or maps the files, which outlive their names: :meth:`_remove_later`); ``None`` without a source.
-
-        Why: ONNX Runtime built the SD-1.5 UNet's session in 0.59-0.69 s from files against 2.8-3.3 s from the same
-        bytes in memory (``add_external_initializers_from_files_in_memory``, or OrtValue initializers over them;
-        H200, onnxruntime-gpu 1.31.1, ``benchmarks/results/h200-2026-12-04-s16-session-sources-*.json``). Only this
-        process's user can reach the folder, so the bytes ORT reads are the bytes the reader hashed. ``$TMPDIR``
-        picks where it is made; without room there (or without a writable one, one whose name is not UTF-8: ONNX
-        Runtime takes a path only as UTF-8 text, or one where another user may rename entries: writable by group or
-        others without the sticky bit, or owned by another user than us or root) the weights load from memory."""
-        if self._source is None:
-            return None
-        try:
-            where = tempfile.gettempdir()  # $TMPDIR
-            where.encode("utf-8")  # a name of other bytes (surrogate escapes) cannot reach ORT
-            st = os.stat(where)
-            if st.st_uid not in (0, os.getuid()) or (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-                                                      and not st.st_mode & stat.S_ISVTX):
-                # another user could rename our folder away and put one of theirs in its place before ORT opens it
-                raise PermissionError(f"{where} lets other users rename what is in it (no sticky bit, or not ours)")
-            folder = tempfile.TemporaryDirectory(prefix="diffusion-trt-weights-", dir=where, ignore_cleanup_errors=True)
-        except (OSError, UnicodeEncodeError) as e:  # no writable temporary folder: the bytes go to ORT from memory
-            logger.info("%s: no private folder for the weights (%s); loading them from memory", self._name, e)
-            return None
-        return folder
 
     def _create_session(self, ort: Any, model: str | bytes, data: OnnxBytes | None, providers: list[Any]) -> Any:
         """The InferenceSession (a refused CUDA graph: again without it, after one warning).
@@ -799,3 +784,78 @@ class OrtEngine(EngineBase):
         state = "open" if self.is_open else "closed"
         return f"OrtEngine({self._name!r}, {str(self.path)!r}, device={self._device}, {state})"
 
+
+@dataclass
+class PrivateRead:
+    """A model's bytes, read (and hashed) for one session: :func:`read_private`.
+
+    Attributes:
+        folder: the private folder its files were written into (the session's to remove once made), or ``None``.
+        data: the bytes (their files in ``folder`` when written there); ``None`` without a source (ONNX Runtime
+            opens the model's path itself).
+        seconds: how long the read took.
+    """
+
+    folder: tempfile.TemporaryDirectory[str] | None
+    data: OnnxBytes | None
+    seconds: float
+
+
+def read_private(source: Callable[..., OnnxBytes] | None, name: str) -> PrivateRead:
+    """Read a model through ``source`` (``ArtifactReader.onnx``'s partial; ``None``: nothing to read) into a new
+    :func:`private_folder`, on the calling thread: what an :class:`OrtEngine` open reads before its session, and what
+    ``read_ahead=`` hands it from another thread.
+
+    Raises:
+        ArtifactError: as ``source`` (an altered or missing file...); the folder is removed first.
+    """
+    t = time.perf_counter()
+    if source is None:
+        return PrivateRead(None, None, 0.0)
+    folder = private_folder(name)
+    try:
+        data = source(spill=None if folder is None else Path(folder.name))
+    except BaseException:
+        if folder is not None:
+            folder.cleanup()
+        raise
+    return PrivateRead(folder, data, time.perf_counter() - t)
+
+
+def discard_read(read: Future[PrivateRead]) -> None:
+    """Remove the folder of a read no session will use, once it ends (at once when it has; its error, if any, is
+    dropped: nothing waits for these bytes)."""
+
+    def remove(done: Future[PrivateRead]) -> None:
+        if not done.cancelled() and done.exception() is None and (folder := done.result().folder) is not None:
+            folder.cleanup()
+
+    read.add_done_callback(remove)
+
+
+def private_folder(name: str) -> tempfile.TemporaryDirectory[str] | None:
+    """A new private folder (``tempfile``'s, mode 0700, under ``$TMPDIR``) for the source to write the model and
+    its external data into while a session is made, removed right after (ONNX Runtime has copied the weights to
+    the device, or maps the files, which outlive their names: :meth:`OrtEngine._remove_later`); ``None`` where
+    there is none to be had (below). ``name``: the component, for the log line.
+
+    Why: ONNX Runtime built the SD-1.5 UNet's session in 0.59-0.69 s from files against 2.8-3.3 s from the same
+    bytes in memory (``add_external_initializers_from_files_in_memory``, or OrtValue initializers over them;
+    H200, onnxruntime-gpu 1.31.1, ``benchmarks/results/h200-2026-12-04-s16-session-sources-*.json``). Only this
+    process's user can reach the folder, so the bytes ORT reads are the bytes the reader hashed. ``$TMPDIR``
+    picks where it is made; without room there (or without a writable one, one whose name is not UTF-8: ONNX
+    Runtime takes a path only as UTF-8 text, or one where another user may rename entries: writable by group or
+    others without the sticky bit, or owned by another user than us or root) the weights load from memory."""
+    try:
+        where = tempfile.gettempdir()  # $TMPDIR
+        where.encode("utf-8")  # a name of other bytes (surrogate escapes) cannot reach ORT
+        st = os.stat(where)
+        if st.st_uid not in (0, os.getuid()) or (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+                                                  and not st.st_mode & stat.S_ISVTX):
+            # another user could rename our folder away and put one of theirs in its place before ORT opens it
+            raise PermissionError(f"{where} lets other users rename what is in it (no sticky bit, or not ours)")
+        folder = tempfile.TemporaryDirectory(prefix="diffusion-trt-weights-", dir=where, ignore_cleanup_errors=True)
+    except (OSError, UnicodeEncodeError) as e:  # no writable temporary folder: the bytes go to ORT from memory
+        logger.info("%s: no private folder for the weights (%s); loading them from memory", name, e)
+        return None
+    return folder
