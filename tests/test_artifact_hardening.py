@@ -177,14 +177,14 @@ def test_a_file_swapped_after_it_was_read_is_not_what_runs(art: Path, tiny_artif
 
 def test_a_file_swapped_before_it_is_read_is_refused(art: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tampered = _tamper_unet(art)
-    real_open = ort_engine_module.OrtEngine._open
+    real_read = ort_engine_module.read_private  # the engine's read, at its open or ahead of it (loading.READ_AHEAD)
 
-    def swap_then_open(self: Any) -> None:
-        if self.name == "unet" and tampered.exists():
+    def swap_then_read(source: Any, name: str) -> Any:
+        if name == "unet" and tampered.exists():
             os.replace(tampered, art / "unet" / "model.onnx")  # after from_artifacts' checks, before the read
-        real_open(self)
+        return real_read(source, name)
 
-    monkeypatch.setattr(ort_engine_module.OrtEngine, "_open", swap_then_open)
+    monkeypatch.setattr(ort_engine_module, "read_private", swap_then_read)
     with pytest.raises(ArtifactError, match=r"unet/model\.onnx: sha256 .* the file was altered"):
         _load(art)
 
