@@ -214,7 +214,8 @@ case $phase in
     cs eagerte-2 first-image $A $H --sample --set $L.EAGER_COMPONENTS=text_encoder ;;
   anatomy)  # one call (issue 28): base compiled, then what the UNet's first run is made of (first_run_anatomy.py),
             # first-image rows of this tree against BEFORE (a folder holding an older diffusion_trt package) and
-            # against itself without the read-ahead (loading.READ_AHEAD), interleaved; the first call's profile; `run` timed to its image line; diffusers' one-shot. Files in OUT:
+            # against itself without the read-ahead (loading.READ_AHEAD) or the loop's warm-up (WARM_LOOP),
+            # interleaved; one row with the arena growing by what is asked; the first call's profile; `run` timed to its image line; diffusers' one-shot. Files in OUT:
             # anatomy.json, rows.jsonl, rows.err, cli.log, compile_memory_b1.json, dummy.log
     log "host facts"; { nproc; nvidia-smi -L; } 2>&1
     base_compiled
@@ -226,7 +227,9 @@ case $phase in
       PYTHONPATH=$SITE:$PWD/${BEFORE:-.before} cs before-$i first-image $A $H --sample
       cs after-$i first-image $A $H --sample
       cs noread-$i first-image $A $H --sample --set runtime.loading.READ_AHEAD=0
+      cs nowarm-$i first-image $A $H --sample --set runtime.loading.WARM_LOOP=0
     done
+    cs arena first-image $A $H --provider-options '{"arena_extend_strategy": "kSameAsRequested"}'
     cs profile profile $A $H
     t=$EPOCHREALTIME
     timeout 120 $D run $A --prompt "an ink painting" --steps 30 -o /tmp/cli.png --overwrite 2>> "$out/cli.log" \

@@ -4,6 +4,7 @@ tests'."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -665,3 +666,28 @@ def test_cuda_graphs_by_default_for_the_per_step_engines_only_and_for_all_when_a
         reader.close()
     assert asked[None] == {"unet"}
     assert asked[True] == set(engines) >= {"text_encoder", "unet", "vae_decoder"}
+
+
+def test_the_loops_kernels_warm_up_at_the_artifacts_shapes(tiny_artifact: Path) -> None:
+    """``denoise.warm_loop_kernels`` (``loading.WARM_LOOP``, run on CUDA by ``from_artifacts`` while the engines open)
+    runs at the static specs' shapes and dtypes (here on the CPU, where it only costs time); a dynamic spec: no run."""
+    from diffusion_trt.runtime.denoise import warm_loop_kernels
+    from diffusion_trt.runtime.engines.engine import EngineSpec
+
+    from diffusion_trt.runtime.geometry import LatentGeometry
+
+    with ArtifactReader.open(tiny_artifact) as reader:
+        derived = LatentGeometry.from_manifest(reader.manifest).derived_dims
+        dynamic_unet, dynamic_vae = (EngineSpec.from_manifest(n, reader.manifest.components[n].spec, derived)
+                                     for n in ("unet", "vae_decoder"))
+
+    def static(spec: EngineSpec) -> EngineSpec:  # the profile's min shapes only, as a static artifact has
+        pin = functools.partial(map, lambda t: dataclasses.replace(t, max=t.min))
+        return dataclasses.replace(spec, inputs=tuple(pin(spec.inputs)), outputs=tuple(pin(spec.outputs)))
+
+    unet, vae = static(dynamic_unet), static(dynamic_vae)
+    assert unet.is_static and vae.is_static and not dynamic_unet.is_static
+    assert warm_loop_kernels(unet, vae, torch.device("cpu"), 0.18215)
+    assert warm_loop_kernels(unet, None, torch.device("cpu"), 0.18215)
+    assert not warm_loop_kernels(dynamic_unet, vae, torch.device("cpu"), 0.18215)
+    assert not warm_loop_kernels(unet, dynamic_vae, torch.device("cpu"), 0.18215)

@@ -63,7 +63,7 @@ from tqdm.auto import tqdm
 from ..errors import RuntimeInputError
 from .cuda import HostBuffers, HostImageSink, images_float, images_uint8, nvtx_range, to_pil
 from .embeddings import EmbeddingTable
-from .engines.engine import Engine
+from .engines.engine import Engine, EngineSpec
 from .latents import Generator, StepCallback
 from .memory.stages import Stages
 from .prompt_encoding import PromptReader
@@ -105,6 +105,38 @@ def _nonfinite_flag(x: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor:
     """``flag`` or-ed with "``x`` holds a NaN or Inf", kept on the device (no host sync)."""
     bad = ~torch.isfinite(x).all()
     return bad if flag is None else flag | bad
+
+
+def warm_loop_kernels(unet: EngineSpec, vae_decoder: EngineSpec | None, device: torch.device,
+                      scaling_factor: float) -> bool:
+    """Run once, on zeros, the torch work of a text-to-image call around its engines (the CFG batch and its split,
+    the casts, the NaN/Inf flag, the decode's scaling, both host-output conversions, a CPU generator's latents
+    copied over), at the shapes of static ``unet`` / ``vae_decoder`` specs, on the current stream; waits for the
+    device. So a process's first call does not load those CUDA kernels itself (each kernel is loaded on its first
+    launch: CUDA's lazy loading): ``from_artifacts`` runs it on the calling thread while the engines still open (on
+    the CPU it only costs time). The scheduler's own arithmetic is left out (diffusers may not be imported yet).
+    Returns whether it ran: static specs only."""
+    if not unet.is_static or (vae_decoder is not None and not vae_decoder.is_static):
+        return False
+    sample = unet.input("sample")
+    batch, channels, h, w = sample.min
+    latents = torch.randn((max(1, batch // 2), channels, h, w), generator=torch.Generator().manual_seed(0))
+    latents = latents.to(device) * 1.0  # diffusers' randn_tensor with a CPU generator, then init_noise_sigma
+    cfg = torch.cat([latents] * 2).to(sample.torch_dtype)
+    uncond, text = cfg.chunk(2)
+    noise = uncond + 7.5 * (text - uncond)
+    flag = _nonfinite_flag(noise.float(), None)
+    timesteps = torch.arange(4, dtype=torch.int64).to(device=device, dtype=torch.float32)
+    timesteps[:, None].expand(-1, cfg.shape[0]).contiguous()
+    if vae_decoder is not None:
+        (latents / scaling_factor).to(vae_decoder.input("latent_sample").torch_dtype)
+        out = vae_decoder.output("sample")
+        image = torch.zeros(tuple(out.min), dtype=out.torch_dtype, device=device)
+        flag = _nonfinite_flag(image, flag)
+        images_uint8(image)
+        images_float(image)
+    bool(flag)  # the device flag read back: the first call's one sync
+    return True
 
 
 def _warn_nonfinite(flag: torch.Tensor | None) -> None:

@@ -100,6 +100,11 @@ def start_imports(names: Collection[str]) -> threading.Thread | None:
     return thread
 
 
+#: Whether ``from_artifacts`` on CUDA runs the torch work of a call around its engines once on its own thread while
+#: the engines open (:func:`~.denoise.warm_loop_kernels`): the first call then loads none of those kernels. A switch for
+#: ``benchmarks/cold_start.py`` (``--set``).
+WARM_LOOP = True
+
 #: Whether ``from_artifacts`` starts reading (and hashing) the engines it opens together from its start, on threads of
 #: their own (:func:`start_reads`), while it checks the artifact, starts CUDA and builds the engines; each engine's open
 #: then waits for its bytes instead of reading them (``OrtEngine(read_ahead=...)``). A switch for

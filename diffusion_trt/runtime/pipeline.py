@@ -75,6 +75,7 @@ from .loading import (
     EAGER_COMPONENTS,
     PREIMPORT,
     READ_AHEAD,
+    WARM_LOOP,
     OpenTogether,
     start_imports,
     start_reads,
@@ -508,6 +509,8 @@ class EnginePipeline:
             tokenizer_2 = None
             if manifest.model.is_sdxl:
                 tokenizer_2 = load_tokenizer(reader, manifest.tokenizer_2, "SDXL tokenizer_2")
+            if capture and WARM_LOOP and stream is not None:
+                _warm_loop(engines, manifest, stream, opening)
             opening.wait(capture=capture)
             importing.join()
             opening.add_marks("scheduler_import", from_s=importing.started_at, to_s=importing.ended_at)
@@ -1396,6 +1399,23 @@ def _trt_engines(
                else {}),
         )
     return engines
+
+
+def _warm_loop(engines: Mapping[str, Engine], manifest: Manifest, stream: torch.cuda.Stream,
+               opening: OpenTogether) -> None:
+    """:data:`~.loading.WARM_LOOP`: :func:`~.denoise.warm_loop_kernels` on ``stream`` while the engines open, holding
+    the capture lock shared (its allocations must not land inside a capture); its span in the load timeline."""
+    from .engines.capture_lock import CAPTURE_LOCK
+
+    unet, vae = engines.get("unet"), engines.get("vae_decoder")
+    if unet is None:
+        return
+    t = time.perf_counter()
+    with CAPTURE_LOCK.shared(), torch.cuda.stream(stream):
+        done = denoise.warm_loop_kernels(unet.spec, None if vae is None else vae.spec, stream.device,
+                                 LatentGeometry.from_manifest(manifest).scaling_factor)
+    if done:
+        opening.add_marks("caller", loop_warm_from_s=t, loop_warmed_s=time.perf_counter())
 
 
 def _read_ahead(reader: ArtifactReader, options: LoadOptions) -> dict[str, Future[PrivateRead]]:
