@@ -21,10 +21,11 @@
 #                                                       pre-import, every engine graphed, text encoder only eager),
 #                                                       `run` timed to its image line, diffusers' one-shot
 #   bash benchmarks/gpu_cold_start.sh anatomy OUT      (read: cold_start_report.py OUT/rows.jsonl) one call: base
-#                                                       compiled, the UNet's first run taken apart
-#                                                       (first_run_anatomy.py), first-image rows of this tree against
-#                                                       BEFORE (default .before: an older package), the first call's
-#                                                       profile, `run` to its image line, diffusers' one-shot
+#                                                       compiled, first-image rows of this tree against BEFORE
+#                                                       (default .before: an older package) and its own variants
+#   bash benchmarks/gpu_cold_start.sh anatomy-parts OUT the UNet's first run taken apart (first_run_anatomy.py), the
+#                                                       first call's profile, `run` to its image line, diffusers'
+#                                                       one-shot
 #   bash benchmarks/gpu_cold_start.sh models OUT       sd15 pipeline, ControlNets a/b, rank-64 LoRAs a/b
 #   bash benchmarks/gpu_cold_start.sh compiles OUT     compiles side by side, waited for (a process left in the
 #                                                       background does not outlive the device call); ARTS picks
@@ -212,24 +213,28 @@ case $phase in
     cs diffusers diffusers $W/model-sd15 --steps 30 --png /tmp/diffusers.png
     cs default-3 first-image $A $H --sample
     cs eagerte-2 first-image $A $H --sample --set $L.EAGER_COMPONENTS=text_encoder ;;
-  anatomy)  # one call (issue 28): base compiled, then what the UNet's first run is made of (first_run_anatomy.py),
-            # first-image rows of this tree against BEFORE (a folder holding an older diffusion_trt package) and
-            # against itself without the read-ahead (loading.READ_AHEAD) or the loop's warm-up (WARM_LOOP),
-            # interleaved; one row with the arena growing by what is asked; the first call's profile; `run` timed to its image line; diffusers' one-shot. Files in OUT:
-            # anatomy.json, rows.jsonl, rows.err, cli.log, compile_memory_b1.json, dummy.log
+  anatomy)  # one call (issue 28): base compiled, then first-image rows of this tree against BEFORE (a folder holding
+            # an older diffusion_trt package, default .before) and against itself without the read-ahead
+            # (loading.READ_AHEAD) or the loop's warm-up (WARM_LOOP), interleaved; one row with the arena growing by
+            # what is asked. Files in OUT: rows.jsonl, rows.err, compile_memory_b1.json, dummy.log
     log "host facts"; { nproc; nvidia-smi -L; } 2>&1
     base_compiled
     A=$W/art-base; H="--cudnn HEURISTIC --steps 30"
     cs fresh-host first-image $A $H --sample
-    log "first-run anatomy"
-    timeout 300 $py benchmarks/first_run_anatomy.py $A --json "$out/anatomy.json" 2>&1 | tail -60
     for i in 1 2 3; do
       PYTHONPATH=$SITE:$PWD/${BEFORE:-.before} cs before-$i first-image $A $H --sample
       cs after-$i first-image $A $H --sample
+      [ $i = 3 ] && break
       cs noread-$i first-image $A $H --sample --set runtime.loading.READ_AHEAD=0
       cs nowarm-$i first-image $A $H --sample --set runtime.loading.WARM_LOOP=0
     done
-    cs arena first-image $A $H --provider-options '{"arena_extend_strategy": "kSameAsRequested"}'
+    cs arena first-image $A $H --provider-options '{"arena_extend_strategy": "kSameAsRequested"}' ;;
+  anatomy-parts)  # after anatomy, one call: what the UNet's first run is made of (first_run_anatomy.py), the first
+                  # call's profile, `run` timed to its image line, diffusers' one-shot. Files in OUT: anatomy.json,
+                  # rows.jsonl, rows.err, cli.log
+    A=$W/art-base; H="--cudnn HEURISTIC --steps 30"
+    log "first-run anatomy"
+    timeout 300 $py benchmarks/first_run_anatomy.py $A --json "$out/anatomy.json" 2>&1 | tail -70
     cs profile profile $A $H
     t=$EPOCHREALTIME
     timeout 120 $D run $A --prompt "an ink painting" --steps 30 -o /tmp/cli.png --overwrite 2>> "$out/cli.log" \
