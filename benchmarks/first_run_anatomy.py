@@ -22,7 +22,12 @@ the pipeline opens it (``OrtEngine``, the runtime's CUDA provider options, one u
 * ``eager-modules``: ``CUDA_MODULE_LOADING=EAGER`` (every kernel loaded with its library), then the first run;
 * ``arena-same``: the CUDA provider's ``arena_extend_strategy=kSameAsRequested`` (the arena grows by what is asked,
   not by powers of two);
-* ``cudnn-default``: ``cudnn_conv_algo_search=DEFAULT`` (no cuDNN query per convolution: a fixed algorithm).
+* ``cudnn-default``: ``cudnn_conv_algo_search=DEFAULT`` (no cuDNN query per convolution: a fixed algorithm);
+* ``workspace0``: ``cudnn_conv_use_max_workspace=0`` (cuDNN's algorithms limited to a small workspace: fewer and
+  smaller allocations in the first run).
+
+The plain cases (``torch-warm`` and after) also time the warm run (median of 10, ``warm_ms``): an option that
+shortens the first run must not slow every later one.
 
 A benchmark for a GPU host, not a test. Seconds unless named ``_ms``.
 """
@@ -33,15 +38,17 @@ import argparse
 import collections
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
 import time
 
 CASES = ("profile", "sessions", "threads", "graph", "graph-primed", "torch-warm", "eager-modules", "arena-same",
-         "cudnn-default")
+         "cudnn-default", "workspace0")
 #: CUDA provider options of a case, over the runtime's own
-CASE_OPTIONS = {"arena-same": {"arena_extend_strategy": "kSameAsRequested"}}
+CASE_OPTIONS = {"arena-same": {"arena_extend_strategy": "kSameAsRequested"},
+                "workspace0": {"cudnn_conv_use_max_workspace": "0"}}
 
 
 def _engine(art: str, component: str, cudnn: str, *, graph: bool = False, session_options=None, options=None):
@@ -159,13 +166,14 @@ def one(art: str, component: str, case: str, cudnn: str, top: int) -> dict:
             row["prime_thread_s"] = _on_thread(engine.prime)
         row["capture_main_s"] = _timed(engine.capture)
         row["replay_s"] = _timed(_run(engine))
-    else:  # torch-warm, eager-modules, arena-same, cudnn-default
+    else:  # torch-warm, eager-modules, arena-same, cudnn-default, workspace0
         if case == "torch-warm":
             row["torch_warm_s"] = _torch_warm()
         engine = _engine(art, component, "DEFAULT" if case == "cudnn-default" else cudnn,
                          options=CASE_OPTIONS.get(case))
         row["session_s"] = _open(engine)
         row["first_run_s"], row["second_run_s"] = _timed(_run(engine)), _timed(_run(engine))
+        row["warm_ms"] = statistics.median(_timed(_run(engine)) * 1e3 for _ in range(10))
     return row
 
 
