@@ -202,9 +202,33 @@ def test_a_load_refused_after_its_reads_started_leaves_no_private_folder(
     spills = tmp_path / "spills"
     spills.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(spills))
+    from diffusion_trt.runtime import pipeline as pipeline_module
+
+    started: list[Future] = []
+
+    def start_reads(sources: Any) -> dict[str, Future]:
+        reads = real_start_reads(sources)
+        started.extend(reads.values())
+        return reads
+
+    real_start_reads = pipeline_module.start_reads
+    monkeypatch.setattr(pipeline_module, "start_reads", start_reads)
     with pytest.raises(RuntimeInputError, match="nope"):  # refused after the reads began: the weights' folders go
         EnginePipeline.from_artifacts(chunked, device="cpu", scheduler="nope")
-    assert _empty_soon(spills)
+    # the reads ended before the load returned: none reads through the reader the load closed
+    assert len(started) == 3 and all(read.done() for read in started)
+    assert _empty_soon(spills, 0)
+
+
+def test_synchronous_size_buckets_hold_no_read_for_the_dynamic_engine(
+        chunked: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deterministic mode specialises sessions synchronously: the dynamic UNet opens only if a call needs it, so the
+    read started ahead of it is dropped at once rather than held (1.7 GB for SD-1.5) in ``$TMPDIR``."""
+    spills = tmp_path / "spills"
+    spills.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spills))
+    with EnginePipeline.from_artifacts(chunked, device="cpu", size_buckets=[(64, 64)], deterministic=True):
+        assert _empty_soon(spills)
 
 
 def test_an_engine_closed_before_it_used_its_read_removes_the_reads_folder(

@@ -18,6 +18,7 @@ needs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -467,7 +468,10 @@ class EnginePipeline:
         except BaseException:
             from .engines.ort_engine import discard_read
 
-            for read in reads.values():  # what no engine took, or every one after a failure: their folders go
+            # what no engine took, or every one after a failure: their folders go, and the reads end before the
+            # caller closes the reader they read through
+            concurrent.futures.wait(reads.values())
+            for read in reads.values():
                 discard_read(read)
             raise
 
@@ -1425,6 +1429,7 @@ def _read_ahead(reader: ArtifactReader, options: LoadOptions) -> dict[str, Futur
     manifest = reader.manifest
     if not READ_AHEAD or manifest.backend is not Backend.ORT or options.vram_budget is not None:
         return {}
+    _components_to_open(manifest)  # a partial artifact is refused before any read
     sources = {name: functools.partial(reader.onnx, entry.onnx) for name in txt2img_components(manifest)
                if (entry := manifest.components.get(name)) is not None and entry.onnx is not None}
     return start_reads(sources)

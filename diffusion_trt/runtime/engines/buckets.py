@@ -601,6 +601,8 @@ def bucket_engines(
                 return base  # the dynamic engine as built (unopened until a call needs it)
             return base.variant(spec, free_dimensions=free, cuda_graph=graph)
 
+        if not buckets.background and (close := getattr(engine, "close", None)) is not None:
+            close()  # the dynamic engine opens only if a call needs it: a read started ahead of it goes meanwhile
         out[name] = BucketedEngine(
             engine.spec, make, device=engine.device, buckets=buckets, latent_sizes=latent,
             preload=preload_symbols(name, engine.spec, buckets, profile, scale), prime=name in PRIMED_COMPONENTS,
