@@ -172,7 +172,7 @@ Exit codes:
   3  the artifact is missing, damaged or incompatible with this machine (verify found problems)
   4  a quantized build failed the quality gate (--accept-quality-loss writes it anyway)
   130  interrupted (Ctrl-C); a compile leaves no half-written artifact
-  143  terminated (SIGTERM); a compile cleans up as for Ctrl-C"""
+  143  terminated (SIGTERM); a compile or run cleans up as for Ctrl-C"""
 
 #: errno -> the fix for an OS error on a path the user gave.
 _OS_ERROR_FIXES = {
@@ -1290,8 +1290,9 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
                        scheduler=_run_scheduler(read, artifact_dir, scheduler))
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    # log lines (a truncated prompt...) go through tqdm.write: they never cut the step bar on a terminal
-    with logging_redirect_tqdm(loggers=[logger]), \
+    # log lines (a truncated prompt...) go through tqdm.write: they never cut the step bar on a terminal; SIGTERM
+    # unwinds like Ctrl-C (the weights' private folders in $TMPDIR go)
+    with _terminate_like_interrupt(), logging_redirect_tqdm(loggers=[logger]), \
             _open_pipeline(artifact_dir, device, scheduler, device_list, cuda_graph, runtime_cache_dir=runtime_cache,
                            **budget, **engine_options) as pipe:
         if lora_specs:

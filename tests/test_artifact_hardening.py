@@ -520,6 +520,32 @@ def test_sigterm_during_compile_leaves_nothing(tiny_pipeline_dir: Path, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # not even the lock file
 
 
+def test_sigterm_during_a_runs_load_leaves_no_private_folder(art: Path, tmp_path: Path) -> None:
+    """``run`` reads the weights into private folders under ``$TMPDIR`` from the load's start: SIGTERM there unwinds
+    like Ctrl-C (exit 143), and the folders go with it."""
+    spills = tmp_path / "spills"
+    spills.mkdir()
+    exe = Path(sys.executable).parent / "diffusion-trt"
+    proc = subprocess.Popen([str(exe), "run", str(art), "--prompt", "a cat", "--steps", "50", "--device", "cpu",
+                             "-o", str(tmp_path / "out.png")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "TMPDIR": str(spills)})
+    try:
+        deadline, seen = time.monotonic() + 120, False
+        while time.monotonic() < deadline and proc.poll() is None and not seen:
+            seen = any(spills.glob("diffusion-trt-weights-*"))
+            time.sleep(0.005)
+        assert seen and proc.poll() is None, "the run ended before its load made a private folder"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 143, err
+    assert "terminated" in err and "Traceback" not in err
+    assert list(spills.glob("diffusion-trt-weights-*")) == []  # (onnxruntime's import writes a .ses file there)
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait(timeout=30)
