@@ -60,7 +60,9 @@ CALLER_FIRST_RUN = frozenset({"unet", "unet_controlnet"})
 #: at load (on the caller's thread, holding the capture lock alone) stood on the path to the first image. H100, SD-1.5
 #: static 512 b1, ``from_artifacts`` + a first 30-step image, 2026-12-07 (``benchmarks/gpu_cold_start.sh diag2``,
 #: ``h100-2026-12-07-s22-cold-start-variants.json``): 4.16 / 4.44 / 4.50 s with every engine graphed, 3.77 / 3.90 s
-#: with the text encoder and VAE decoder eager (the second call 0.233-0.255 s either way).
+#: with the text encoder and VAE decoder eager (the second call 0.233-0.255 s either way). Those eager rows were
+#: ``--set`` variants, which then imported ``runtime.pipeline`` before the timed load while the graphed rows imported
+#: it inside (0.18 s on the 2-core CPU machine; fixed in ``cold_start.py`` since): part of that gap is the benchmark's.
 EAGER_COMPONENTS = frozenset({"text_encoder", "text_encoder_2", "vae_decoder", "vae_encoder"})
 
 
@@ -101,14 +103,21 @@ def start_imports(names: Collection[str]) -> threading.Thread | None:
 
 
 #: Whether ``from_artifacts`` on CUDA runs the torch work of a call around its engines once on its own thread while
-#: the engines open (:func:`~.denoise.warm_loop_kernels`): the first call then loads none of those kernels. A switch for
+#: the engines open (:func:`~.denoise.warm_loop_kernels`): the first call then loads none of those kernels. H100,
+#: SD-1.5 static 512 b1, 30 steps, 2026-12-07 (``gpu_cold_start.sh anatomy``,
+#: ``h100-2026-12-07-s23-cold-start-variants.json``): the first call 0.24 s (0.01 s over a warm one) against 0.36-0.37 s
+#: without it; the load 0.03-0.07 s longer (the warm-up itself, 0.5-0.7 s of first kernel launches, runs while the UNet
+#: still opens); ``from_artifacts`` + first image 2.25-2.32 s against 2.31-2.36 s. A switch for
 #: ``benchmarks/cold_start.py`` (``--set``).
 WARM_LOOP = True
 
 #: Whether ``from_artifacts`` starts reading (and hashing) the engines it opens together from its start, on threads of
 #: their own (:func:`start_reads`), while it checks the artifact, starts CUDA and builds the engines; each engine's open
-#: then waits for its bytes instead of reading them (``OrtEngine(read_ahead=...)``). A switch for
-#: ``benchmarks/cold_start.py`` (``--set``).
+#: then waits for its bytes instead of reading them (``OrtEngine(read_ahead=...)``). Same H100 rows as
+#: :data:`WARM_LOOP`: the UNet's session ready 1.02-1.07 s after the engines' start against 1.11 s without (its read,
+#: started 0.2-0.3 s earlier, takes longer beside CUDA's start and the imports: 0.80-0.94 s against 0.57-0.58 s);
+#: first image 2.25-2.32 s against 2.27 / 2.46 s; on the 2-core CPU machine no change (tiny artifact, 0.79-0.84 s
+#: against 0.77-0.87 s). A switch for ``benchmarks/cold_start.py`` (``--set``).
 READ_AHEAD = True
 
 
