@@ -495,19 +495,15 @@ def test_compiling_into_a_symlink_is_refused_even_while_its_target_is_locked(
 # -- 7. SIGTERM and kill -9 during compile -----------------------------------------------------------------
 
 
-def test_sigterm_during_compile_leaves_nothing(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
-    out = tmp_path / "art"
-    exe = Path(sys.executable).parent / "diffusion-trt"
-    proc = subprocess.Popen([str(exe), "compile", str(tiny_pipeline_dir), "-o", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def _terminate_once(proc: subprocess.Popen[str], ready: Callable[[], Any], what: str) -> Any:
+    """SIGTERM ``proc`` as soon as ``ready()`` gives something true (polled for up to 120 s) and return that; the
+    process must then exit 143 with one ``terminated`` line and no traceback."""
     try:
-        deadline = time.monotonic() + 120
-        staged: list[Path] = []
-        while time.monotonic() < deadline and proc.poll() is None and not staged:
-            staged = [p for p in tmp_path.glob(".art.staging-*") if (p / "tokenizer").is_dir()]
-            time.sleep(0.05)
-        assert staged, "the compile never reached its staging folder"
-        assert staged[0].name.startswith(f".art.staging-{proc.pid}-")  # the owner's pid is recorded
+        deadline, got = time.monotonic() + 120, None
+        while time.monotonic() < deadline and proc.poll() is None and not got:
+            got = ready()
+            time.sleep(0.005)
+        assert got and proc.poll() is None, f"the process ended before {what}"
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -516,6 +512,17 @@ def test_sigterm_during_compile_leaves_nothing(tiny_pipeline_dir: Path, tmp_path
             proc.wait(timeout=30)
     assert proc.returncode == 143, err
     assert "terminated" in err and "Traceback" not in err
+    return got
+
+
+def test_sigterm_during_compile_leaves_nothing(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "art"
+    exe = Path(sys.executable).parent / "diffusion-trt"
+    proc = subprocess.Popen([str(exe), "compile", str(tiny_pipeline_dir), "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    staged = _terminate_once(proc, lambda: [p for p in tmp_path.glob(".art.staging-*") if (p / "tokenizer").is_dir()],
+                             "the compile reached its staging folder")
+    assert staged[0].name.startswith(f".art.staging-{proc.pid}-")  # the owner's pid is recorded
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # not even the lock file
 
@@ -529,20 +536,7 @@ def test_sigterm_during_a_runs_load_leaves_no_private_folder(art: Path, tmp_path
     proc = subprocess.Popen([str(exe), "run", str(art), "--prompt", "a cat", "--steps", "50", "--device", "cpu",
                              "-o", str(tmp_path / "out.png")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "TMPDIR": str(spills)})
-    try:
-        deadline, seen = time.monotonic() + 120, False
-        while time.monotonic() < deadline and proc.poll() is None and not seen:
-            seen = any(spills.glob("diffusion-trt-weights-*"))
-            time.sleep(0.005)
-        assert seen and proc.poll() is None, "the run ended before its load made a private folder"
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-    assert proc.returncode == 143, err
-    assert "terminated" in err and "Traceback" not in err
+    _terminate_once(proc, lambda: any(spills.glob("diffusion-trt-weights-*")), "its load made a private folder")
     assert list(spills.glob("diffusion-trt-weights-*")) == []  # (onnxruntime's import writes a .ses file there)
 
 
