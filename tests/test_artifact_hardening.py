@@ -262,15 +262,19 @@ def test_a_folder_exchanged_while_loading_gives_one_whole_artifact(art: Path,
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="renameat2(RENAME_EXCHANGE) is Linux only")
-def test_a_folder_replaced_and_deleted_while_loading_is_loaded_again(art: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("prefix", ["tokenizer/", "unet/", "scheduler/"])
+def test_a_folder_replaced_and_deleted_while_loading_is_loaded_again(art: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     prefix: str) -> None:
+    """The exchange and delete come on the first read under ``prefix``: the first tokenizer read (on the calling
+    thread while the engines open on theirs: it fails for sure, whatever the engine threads had read already), the
+    UNet's (on a read thread, beside the others' reads) or the scheduler config's (before the engines). Through the
+    descriptor of a deleted folder every path looks as if it led outside: the load must see the replacement for what
+    it is and load the new folder, never report a link leading outside."""
     other = _other_artifact(art, "other")
     with _load(other) as pipe:
         new_output = _unet_output(pipe)
     new_seal = _manifest(other)["manifest_sha256"]
-    # the exchange and delete come on the first tokenizer read, made on the calling thread while the engines open on
-    # theirs (runtime/loading.py): that read fails for sure, whatever the engine threads had read already
-    _exchange_on_first_read(monkeypatch, "tokenizer/", art, other, then=lambda: shutil.rmtree(other))
+    _exchange_on_first_read(monkeypatch, prefix, art, other, then=lambda: shutil.rmtree(other))
     with _load(art) as pipe:
         assert pipe.manifest.seal == new_seal
         np.testing.assert_array_equal(_unet_output(pipe), new_output)

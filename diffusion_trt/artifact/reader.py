@@ -126,7 +126,7 @@ class ArtifactReader:
             problems = [p.replace(str(pinned), str(root)) for p in
                         folder.folder_problems(pinned, reader._json, check_hashes=False, parse_onnx=False)]
             if problems:
-                raise folder.verification_failed(root, problems)
+                raise reader._unless_replaced(folder.verification_failed(root, problems))
         except BaseException:
             reader.close()  # not os.close(fd): the reader's __del__ would close the number again, by then reused
             raise
@@ -220,7 +220,7 @@ class ArtifactReader:
         problems = [p.replace(str(pinned), str(self.root)) for p in
                     folder.external_location_problems(pinned, rel, locations, self._json["files"])]
         if problems:
-            raise folder.verification_failed(self.root, problems)
+            raise self._unless_replaced(folder.verification_failed(self.root, problems))
         targets = {loc: str(folder.external_data_target(rel, loc)) for loc in locations}
         if (spill is not None and locations and not self._holds(spill)
                 and self._room_for(spill, set(targets.values()))):
@@ -346,17 +346,17 @@ class ArtifactReader:
         :data:`~diffusion_trt.artifact.digests.CHUNK_BYTES` or more, each checked against ``chunks`` (the manifest's
         chunk digests) when given."""
         fd = self._require_fd()
-        folder.safe_join(self.pinned_root, rel)  # lexical checks and links (raises ArtifactError)
+        try:
+            folder.safe_join(self.pinned_root, rel)  # lexical checks and links
+        except ArtifactReplacedError:
+            raise
+        except ArtifactError as e:
+            raise self._unless_replaced(e) from None
         try:
             f = os.open(rel, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=fd)
         except FileNotFoundError:
-            if self._replaced():
-                raise ArtifactReplacedError(
-                    f"artifact {self.root} was deleted or replaced while it loaded (a compile --overwrite?); load it "
-                    "again"
-                ) from None
-            raise ArtifactError(f"{self.root}/{rel}: file is missing; copy the whole artifact folder or recompile"
-                                ) from None
+            raise self._unless_replaced(ArtifactError(
+                f"{self.root}/{rel}: file is missing; copy the whole artifact folder or recompile")) from None
         except OSError as e:
             raise ArtifactError(f"{self.root}/{rel}: cannot be opened ({e.strerror}); recopy the artifact") from None
         try:
@@ -403,6 +403,16 @@ class ArtifactReader:
             raise ArtifactError(f"{self.root}/{rel} changed size while it was read; recopy the artifact")
         return data
 
+    def _unless_replaced(self, error: ArtifactError) -> ArtifactError:
+        """``error`` (a file missing, a path seen leading out of the folder), or an :class:`ArtifactReplacedError`
+        when the folder itself was deleted or replaced meanwhile (a ``compile --overwrite``): through the descriptor of
+        a deleted folder files are missing and every path looks as if it led outside, and the load should start
+        again on the new folder rather than report damage."""
+        if not self._replaced():
+            return error
+        return ArtifactReplacedError(f"artifact {self.root} was deleted or replaced while it loaded (a compile "
+                                     "--overwrite?); load it again")
+
     def _replaced(self) -> bool:
         """The folder the descriptor holds was deleted, or its path now names another folder."""
         held = os.fstat(self._require_fd())
@@ -423,8 +433,9 @@ class ArtifactReader:
         except OSError:
             return
         if not where.is_relative_to(top):
-            raise ArtifactError(f"{self.root}/{rel} resolves to {where}, outside the artifact folder; replace the "
-                                "symbolic link with the file itself")
+            raise self._unless_replaced(ArtifactError(
+                f"{self.root}/{rel} resolves to {where}, outside the artifact folder; replace the symbolic link with "
+                "the file itself"))
 
 
 def _empty(spill: Path) -> None:

@@ -436,17 +436,20 @@ class EnginePipeline:
         for attempt in (1, 2):
             # schema, seal, pin, paths, sizes, external data and links (never read outside the folder); the
             # hashes are checked on the bytes each loader gets
-            reader = ArtifactReader.open(root, check_hashes=verify, expect_sha256=expect_sha256)
+            reader: ArtifactReader | None = None
             try:
+                reader = ArtifactReader.open(root, check_hashes=verify, expect_sha256=expect_sha256)
                 pipe = cls._from_reader(reader, opts)
-            except ArtifactReplacedError:
-                reader.close()
+            except ArtifactReplacedError:  # deleted or exchanged meanwhile (compile --overwrite): once more, anew
+                if reader is not None:
+                    reader.close()
                 if attempt == 2:
                     raise
                 logger.warning("artifact %s was replaced while it loaded; loading the new one", root)
                 continue
             except BaseException:
-                reader.close()
+                if reader is not None:
+                    reader.close()
                 raise
             pipe._stack.callback(reader.close)  # lazily opened engines read through it
             return pipe

@@ -120,8 +120,9 @@ def load_tokenizer(reader: Any, rel: str, what: str) -> Any:
     from tokenizers import Tokenizer
 
     config = reader.json(config_rel)
+    data = reader.read(json_rel)  # its own errors as they are (an altered file; a folder replaced meanwhile)
     try:
-        backend = Tokenizer.from_str(bytes(reader.read(json_rel)).decode("utf-8"))
+        backend = Tokenizer.from_str(bytes(data).decode("utf-8"))
     except Exception as e:  # noqa: BLE001 - tokenizers raises a plain Exception on a bad file
         raise ArtifactError(f"cannot load the {what} from {reader.root / json_rel} ({type(e).__name__}: {e}); "
                             "recompile the artifact") from None
