@@ -348,8 +348,6 @@ class ArtifactReader:
         fd = self._require_fd()
         try:
             folder.safe_join(self.pinned_root, rel)  # lexical checks and links
-        except ArtifactReplacedError:
-            raise
         except ArtifactError as e:
             raise self._unless_replaced(e) from None
         try:

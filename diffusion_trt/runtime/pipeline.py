@@ -1420,21 +1420,24 @@ def _warm_loop(engines: Mapping[str, Engine], manifest: Manifest, stream: torch.
     t = time.perf_counter()
     with CAPTURE_LOCK.shared(), torch.cuda.stream(stream):
         done = denoise.warm_loop_kernels(unet.spec, None if vae is None else vae.spec, stream.device,
-                                 LatentGeometry.from_manifest(manifest).scaling_factor)
+                                         LatentGeometry.from_manifest(manifest).scaling_factor)
     if done:
         opening.add_marks("caller", loop_warm_from_s=t, loop_warmed_s=time.perf_counter())
 
 
 def _read_ahead(reader: ArtifactReader, options: LoadOptions) -> dict[str, Future[PrivateRead]]:
-    """Start reading the models of the engines ``from_artifacts`` will open side by side (:func:`_opens_together`),
-    now (:data:`~.loading.READ_AHEAD`, :func:`~.loading.start_reads`): none for TensorRT or a VRAM budget, or a
-    component the manifest lacks (its engine refuses it later)."""
+    """Start reading the models of the engines ``from_artifacts`` will open side by side (:func:`_opens_together`:
+    none for TensorRT or a VRAM budget, whose plan the load makes later), now (:data:`~.loading.READ_AHEAD`,
+    :func:`~.loading.start_reads`); none for a component without an ``onnx`` path (its engine refuses it later).
+
+    Raises:
+        ArtifactError: a partial artifact that lacks a text-to-image component, before any read."""
     manifest = reader.manifest
-    if not READ_AHEAD or manifest.backend is not Backend.ORT or options.vram_budget is not None:
+    if not READ_AHEAD or options.vram_budget is not None or not _opens_together(manifest, None):
         return {}
-    _components_to_open(manifest)  # a partial artifact is refused before any read
-    sources = {name: functools.partial(reader.onnx, entry.onnx) for name in txt2img_components(manifest)
-               if (entry := manifest.components.get(name)) is not None and entry.onnx is not None}
+    _components_to_open(manifest)
+    sources = {name: functools.partial(reader.onnx, onnx) for name in txt2img_components(manifest)
+               if (onnx := manifest.components[name].onnx) is not None}
     return start_reads(sources)
 
 

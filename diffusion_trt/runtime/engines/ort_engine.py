@@ -509,7 +509,7 @@ class OrtEngine(EngineBase):
         ahead, self._read_ahead = self._read_ahead, None
         # read (and hashed) before any session; with external data, into files of our own private folder
         read = ahead.result() if ahead is not None else read_private(self._source, self._name)
-        folder, data = read.folder, read.data
+        folder, data, read_seconds = read.folder, read.data, read.seconds
         try:
             model: str | bytes = str(self.path) if data is None else (
                 data.model if data.model_path is None else str(data.model_path))
@@ -523,7 +523,7 @@ class OrtEngine(EngineBase):
             raise
         self.open_parts = {"read_s": t1 - t0, "session_s": time.perf_counter() - t1}
         if ahead is not None:  # the read's own time, and how long this open waited for it ("read_s")
-            self.open_parts["read_ahead_s"] = ahead.result().seconds
+            self.open_parts["read_ahead_s"] = read_seconds
         self._remove_later(folder)
         self._finish_open(ort, session)
 
