@@ -26,6 +26,9 @@
 #   bash benchmarks/gpu_cold_start.sh anatomy-parts OUT the UNet's first run taken apart (first_run_anatomy.py), the
 #                                                       first call's profile, `run` to its image line, diffusers'
 #                                                       one-shot
+#   bash benchmarks/gpu_cold_start.sh goals OUT        (after ARTS="base b4 det dyn refit" prep-tests) one call:
+#                                                       first-image rows, `run` against diffusers' one-shot, bench of
+#                                                       the static b1, --deterministic and b4 artifacts
 #   bash benchmarks/gpu_cold_start.sh models OUT       sd15 pipeline, ControlNets a/b, rank-64 LoRAs a/b
 #   bash benchmarks/gpu_cold_start.sh compiles OUT     compiles side by side, waited for (a process left in the
 #                                                       background does not outlive the device call); ARTS picks
@@ -33,7 +36,8 @@
 #                                                       base (peak RSS per stage: compile_memory.py), refit
 #                                                       (--refittable), merged (--lora a), cn (--controlnet a,b),
 #                                                       b4 (static b4, compile_memory.py), dyn (256..1024, b1..4),
-#                                                       dynrefit (dyn with --refittable),
+#                                                       dynrefit (dyn with --refittable), det (base with
+#                                                       --deterministic),
 #                                                       cnlite (unet, unet_controlnet, controlnet_a only),
 #                                                       cnnoalign (controlnet_a, align_shapes off)
 #   bash benchmarks/gpu_cold_start.sh bench-b4 OUT     bench of the b4 artifact (batch 4, 50 steps)
@@ -103,6 +107,7 @@ compiles() {  # ARTS: which of base refit merged cn b4 dyn (default: the first f
       base) $py benchmarks/compile_memory.py --json "$out/compile_memory_b1.json" -- compile $W/model-sd15 \
               -o $W/art-base $base > /tmp/cs/c-base.log 2>&1 & ;;
       refit) $D compile $W/model-sd15 -o $W/art-refit $base --refittable > /tmp/cs/c-refit.log 2>&1 & ;;
+      det) $D compile $W/model-sd15 -o /tmp/cs/art-det $base --deterministic > /tmp/cs/c-det.log 2>&1 & ;;
       merged) $D compile $W/model-sd15 -o $W/art-merged $base --lora $W/lora_a_r64.safetensors \
                 > /tmp/cs/c-merged.log 2>&1 & ;;
       cn) $D compile $W/model-sd15 -o /tmp/cs/art-cn $base --controlnet a=/tmp/cs/cn-a --controlnet b=/tmp/cs/cn-b \
@@ -140,6 +145,15 @@ cs() {  # one cold_start.py row TAG ARGS...: its JSON line (tagged) into OUT/row
   local rc=$?; echo "$tag rc $rc wall $(awk "BEGIN{print $EPOCHREALTIME - $t}")"
   grep '^{' /tmp/row_$tag.out | tail -1 | sed "s/^{/{\"tag\": \"$tag\", \"rc\": $rc, /" >> "$out/rows.jsonl"
 }
+cli() {  # `run` of one 30-step image TAG, timed from process start to each line it prints (the PNG: "image:") and exit
+  local t=$EPOCHREALTIME
+  timeout 120 $D run $A --prompt "an ink painting" --steps 30 -o /tmp/cli.png --overwrite 2>> "$out/cli.log" \
+    | while IFS= read -r line; do echo "$1 at $(awk "BEGIN{print $EPOCHREALTIME - $t}") s: $line"; done
+  echo "$1 exit at $(awk "BEGIN{print $EPOCHREALTIME - $t}") s"; }
+bench() {  # bench TAG ARTIFACT ARGS...: `bench` of one artifact, its JSON in OUT/bench_TAG.json
+  local tag=$1 art=$2; shift 2; log "bench $tag"
+  timeout ${BENCH_TIMEOUT:-150} $D bench $art --baseline none --json "$out/bench_$tag.json" "$@" 2>&1 \
+    | grep -v -E "it/s|stage/s" | tail -12; }
 bytecode_all() {  # into $PYTHONPYCACHEPREFIX, in the background of the compiles
     local system; system=$($py -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
     ( t=$(date +%s); $py -m compileall -q -j 0 "$system" "$SITE" "$PWD/diffusion_trt" > /dev/null 2>&1
@@ -195,10 +209,6 @@ case $phase in
           # compile_memory_b1.json, dummy.log
     log "host facts"; { nproc; nvidia-smi -L; } 2>&1
     base_compiled
-    cli() { local t=$EPOCHREALTIME
-      timeout 120 $D run $A --prompt "an ink painting" --steps 30 -o /tmp/cli.png --overwrite 2>> "$out/cli.log" \
-        | while IFS= read -r line; do echo "$1 at $(awk "BEGIN{print $EPOCHREALTIME - $t}") s: $line"; done
-      echo "$1 exit at $(awk "BEGIN{print $EPOCHREALTIME - $t}") s"; }
     A=$W/art-base; H="--cudnn HEURISTIC --steps 30"; L=runtime.loading
     cs fresh-host first-image $A $H --sample
     cs default-1 first-image $A $H --sample
@@ -213,6 +223,25 @@ case $phase in
     cs diffusers diffusers $W/model-sd15 --steps 30 --png /tmp/diffusers.png
     cs default-3 first-image $A $H --sample
     cs eagerte-2 first-image $A $H --sample --set $L.EAGER_COMPONENTS=text_encoder ;;
+  goals)  # one call (issue 28's goal table for this tree, after ARTS="base b4 det dyn refit" prep-tests): first-image
+          # rows (the first process after the compiles first), `run` timed to its image line against diffusers'
+          # one-shot, then bench of the static b1 (warm s/image, UNet step), the --deterministic compile run with
+          # --deterministic (its cost; two identical calls) and the static b4 artifact (img/s). Files in OUT:
+          # rows.jsonl, rows.err, cli.log, bench_{b1,det,b4}.json
+    log "host facts"; { nproc; nvidia-smi -L; } 2>&1
+    base_compiled
+    A=$W/art-base; H="--cudnn HEURISTIC --steps 30"
+    cs fresh-host first-image $A $H --sample
+    cs default-1 first-image $A $H --sample
+    cli cli-1
+    cs diffusers diffusers $W/model-sd15 --steps 30 --png /tmp/diffusers.png
+    cs default-2 first-image $A $H --sample
+    cli cli-2
+    cs default-3 first-image $A $H --sample
+    bench b1 $A --steps 50
+    [ -f /tmp/cs/art-det/manifest.json ] && bench det /tmp/cs/art-det --steps 50 --deterministic
+    [ -f /tmp/cs/art_b4/manifest.json ] && bench b4 /tmp/cs/art_b4 --steps 50 --batch-size 4
+    true ;;
   anatomy)  # one call (issue 28): base compiled, then first-image rows of this tree against BEFORE (a folder holding
             # an older diffusion_trt package, default .before) and against itself without the read-ahead
             # (loading.READ_AHEAD) or the loop's warm-up (WARM_LOOP), interleaved; one row with the arena growing by
@@ -291,15 +320,16 @@ case $phase in
       | tail -60 ;;
   profiles)  # issues 25 and 26 in one call (ARTS="base cnlite refit" prep): the ControlNet's per-step engine next to
              # the UNet's, its once-per-call cond_embed_a where the artifact has one; the refittable UNet against base
+             # (without cnlite: the two UNets only)
     comps="--component unet --component unet_controlnet --component controlnet_a"
     [ -d /tmp/cs/art-cnlite/cond_embed_a ] && comps="$comps --component cond_embed_a"
-    log "kernel profile: $comps"
-    timeout ${PROFILE_TIMEOUT:-200} $py benchmarks/profile_kernels.py /tmp/cs/art-cnlite $comps --iters 5 --top 12 \
-      --json "$out/cn_profile.json" 2>&1 | tail -50
+    [ -f /tmp/cs/art-cnlite/manifest.json ] && { log "kernel profile: $comps"
+      timeout ${PROFILE_TIMEOUT:-200} $py benchmarks/profile_kernels.py /tmp/cs/art-cnlite $comps --iters 5 --top 12 \
+        --json "$out/cn_profile.json" 2>&1 | tail -50; }
     for a in base refit; do
       log "kernel profile: $a unet"
-      timeout ${PROFILE_TIMEOUT:-200} $py benchmarks/profile_kernels.py $W/art-$a --component unet --iters 5 --top 8 \
-        --json "$out/unet_profile_$a.json" 2>&1 | tail -14
+      timeout ${PROFILE_TIMEOUT:-200} $py benchmarks/profile_kernels.py $W/art-$a --component unet --iters 5 --top 20 \
+        --json "$out/unet_profile_$a.json" 2>&1 | tail -26
     done ;;
   cn-profile-noalign)  # controlnet_a without align_shapes (no Pad of the 3-channel control image): ARTS=cnnoalign
     log "kernel profile: controlnet_a, align_shapes off"
