@@ -437,8 +437,10 @@ def test_cuda_graph_replays_the_updated_weights(tiny_pipeline_dir: Path, loras: 
     assert float(np.abs(got - base).max()) > 1e-2
     # CPU fp32: exact (above). On the H100 (2026-12-07) the image after unload differed from the first base image by
     # up to 5e-4, which the equality here refused; CUDA fp16 engines need not be run-to-run deterministic (e.g. ORT's
-    # fused GroupNorm), so the bound is the base's own spread between two calls (not separated on the GPU yet)
-    assert float(np.abs(again - base).max()) <= max(noise, 1e-3)
+    # fused GroupNorm), so the bound is the base's own spread between two calls, twice over: one pair of calls is one
+    # sample of that spread (on another H100, 2026-12-07: 0.0022 between two base calls, 0.0024 after the unload),
+    # and a LoRA left half-applied moves the image by more than 1e-2 (asserted of the loaded one above)
+    assert float(np.abs(again - base).max()) <= max(2 * noise, 1e-3) < 1e-2
 
 
 def test_a_merge_that_overflows_the_weights_dtype_is_refused() -> None:
