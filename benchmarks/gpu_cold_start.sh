@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_cold_start.sh prep-tests OUT   prep started in a process session of its own (setsid: it
 #                                                       outlives the device call, and its files stay under OUT/prep,
 #                                                       OUT on /tmp, not $OUT) while `pytest -m gpu tests` runs; waits
-#                                                       for prep until PREP_UNTIL seconds (default 560) into the call;
+#                                                       for prep until PREP_UNTIL seconds (default 560) into the call
+#                                                       (TESTS: the test paths, default tests);
 #                                                       a later phase's call waits for the rest (WAIT_PREP=1)
 #   bash benchmarks/gpu_cold_start.sh diag OUT         (read: benchmarks/cold_start_report.py OUT/rows.jsonl) one call: base compiled, then first-image rows with every
 #                                                       thread sampled (cold_start.py --sample), the load variants
@@ -44,6 +45,8 @@
 #   bash benchmarks/gpu_cold_start.sh dyn-sizes OUT    bench of the dyn (and dynrefit) artifact at 512x512, 768x768, 640x384
 #                                                       (--size-buckets auto, HEURISTIC): first call per new size
 #   bash benchmarks/gpu_cold_start.sh dyn-sizes-noprime OUT   the same with the specialised sessions not primed
+#   bash benchmarks/gpu_cold_start.sh dyn-sizes-prime OUT     the default against the UNet's sessions primed too,
+#                                                       alternating, twice each
 #   bash benchmarks/gpu_cold_start.sh profiles OUT     (ARTS="base cnlite refit" prep) kernel profiles of the ControlNet
 #                                                       components (cond_embed_a too, if there) and of base's and
 #                                                       refit's UNet
@@ -171,7 +174,7 @@ case $phase in
     setsid nohup bash "$0" prep "$out/prep" > "$out/prep.log" 2>&1 < /dev/null &
     sleep 1
     log "gpu tests beside the compiles"
-    timeout ${TESTS_TIMEOUT:-420} $py -m pytest -q -m gpu tests -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1
+    timeout ${TESTS_TIMEOUT:-420} $py -m pytest -q -m gpu ${TESTS:-tests} -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1
     echo "gpu tests rc $?"; grep -E "passed|failed|FAILED|ERROR" "$out/gpu_tests.log" | tail -25
     while prep_running && [ $SECONDS -lt ${PREP_UNTIL:-560} ]; do sleep 3; done
     echo "prep running: $(prep_running && echo yes || echo no) at ${SECONDS}s"
@@ -335,6 +338,17 @@ case $phase in
     log "kernel profile: controlnet_a, align_shapes off"
     timeout ${PROFILE_TIMEOUT:-200} $py benchmarks/profile_kernels.py /tmp/cs/art-cnnoalign --component controlnet_a \
       --iters 5 --top 15 --json "$out/cn_profile_noalign.json" 2>&1 | tail -25 ;;
+  dyn-sizes-prime)  # the dyn artifact at new sizes with the UNet's specialised sessions primed on the worker thread
+                   # too (buckets.PRIMED_COMPONENTS + unet) against the default (VAE decoder only), alternating
+    for i in 1 2; do for v in default unet; do
+      log "dynamic artifact at new sizes, primed: $v ($i)"
+      timeout ${DYN_TIMEOUT:-200} $py -c "
+import sys; from diffusion_trt.runtime.engines import buckets
+if '$v' == 'unet': buckets.PRIMED_COMPONENTS = buckets.PRIMED_COMPONENTS | {'unet'}
+from diffusion_trt.cli import main; sys.argv[0] = 'diffusion-trt'; main()" bench /tmp/cs/art-dyn --baseline none \
+        --steps 30 --sizes 512x512,768x768,640x384 --size-buckets auto --cudnn-algo-search heuristic \
+        --json "$out/bench_dyn_prime_${v}_$i.json" 2>&1 | grep -E "first|unet:|^ours " | grep -v multi
+    done; done ;;
   dyn-sizes-noprime)  # the same bench with OrtEngine.prime turned off: the run before the priming, side by side
     log "dynamic artifact at new sizes, sessions not primed"
     timeout ${DYN_TIMEOUT:-200} $py -c "

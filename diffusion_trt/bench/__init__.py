@@ -45,8 +45,11 @@ size measured, in order; rows then carry ``height``/``width``), ``config.cudnn_c
 (``[{"system", "batch_size", "height", "width", "first_call_s", "warm_e2e_s", "overhead_s"}]``: the first call at
 each size and batch, before any other work at that shape, timed on the wall clock: cuDNN's algorithm search, ORT's
 per-shape set-up, a size bucket's session creation and CUDA-graph capture all land in it; the first size also pays
-the process's lazy CUDA initialisation; with size buckets made in the background, ``specialised_wait_s`` is the
-wait after it until their static sessions were ready, so the warm figures are the static sessions');
+the process's lazy CUDA initialisation; ``next_calls_s``: the calls timed right after it (``run.NEXT_CALLS``, no
+wait between: a size bucket's static session made in the background may be adopted and captured in one of them) and
+``overhead_total_s``, all of them over the warm end to end, summed (what a new size costs a user calling back to
+back); with size buckets made in the background, ``specialised_wait_s`` is the wait after those calls until their
+static sessions were ready, so the warm figures are the static sessions');
 ``repeatability`` (``[{"system", "batch_size", "height", "width",
 "max_abs_diff", "identical"}]``: two identical calls, same seed, float images in [0, 1], at the first batch size).
 

@@ -115,6 +115,8 @@ def _first_call_lines(result: Mapping[str, Any]) -> list[str]:
             f"  {f['system']:<6} {f['height']}x{f['width']} b={f['batch_size']:<3}"
             f" first {_num(f['first_call_s'], '.3f')} s"
             f"  warm {_num(f['warm_e2e_s'], '.3f')} s  overhead {_num(f['overhead_s'], '.3f')} s"
+            + (f"; next calls {', '.join(_num(t, '.3f') for t in f['next_calls_s'])} s, overhead of all "
+               f"{_num(f.get('overhead_total_s'), '.3f')} s" if f.get("next_calls_s") else "")
             + (f"  (static sessions ready {f['specialised_wait_s']:.3f} s later)" if "specialised_wait_s" in f else "")
         )
         lines.extend(_bucket_part_lines(f.get("bucket_parts", {})))

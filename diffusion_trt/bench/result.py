@@ -59,11 +59,17 @@ def finish_e2e(run: Run, samples: list[float]) -> None:
     run.images_per_s = run.batch_size / run.e2e_s
 
 
-def first_call_row(system: str, run: Run, cold: float) -> dict[str, Any]:
-    """A ``first_calls`` row: the cold call at ``run``'s shape next to its warm end to end."""
+def first_call_row(system: str, run: Run, cold: float, following: Sequence[float] = ()) -> dict[str, Any]:
+    """A ``first_calls`` row: the cold call at ``run``'s shape next to its warm end to end; with ``following`` (the
+    calls timed right after it, seconds), those too and ``overhead_total_s``: every one of these calls' time over the
+    warm end to end, summed."""
     warm = run.e2e_s
-    return {"system": system, "batch_size": run.batch_size, "height": run.height, "width": run.width,
-            "first_call_s": cold, "warm_e2e_s": warm, "overhead_s": (cold - warm) if warm is not None else None}
+    row = {"system": system, "batch_size": run.batch_size, "height": run.height, "width": run.width,
+           "first_call_s": cold, "warm_e2e_s": warm, "overhead_s": (cold - warm) if warm is not None else None}
+    if following:
+        row["next_calls_s"] = list(following)
+        row["overhead_total_s"] = (cold + sum(following) - warm * (1 + len(following))) if warm is not None else None
+    return row
 
 
 def ratios(runs: Sequence[Run]) -> list[dict[str, Any]]:

@@ -33,6 +33,11 @@ def test_bench_sizes_first_calls_and_repeatability(toy_artifact: Path, tmp_path:
     assert ours == [(64, 64), (48, 80)]
     assert [(f["height"], f["width"]) for f in data["first_calls"]] == ours
     assert all(f["first_call_s"] > 0 and f["overhead_s"] is not None for f in data["first_calls"])
+    for f in data["first_calls"]:  # the calls right after the first, and every one's time over warm, summed
+        assert len(f["next_calls_s"]) == 2 and all(t > 0 for t in f["next_calls_s"])
+        want = f["first_call_s"] + sum(f["next_calls_s"]) - 3 * f["warm_e2e_s"]
+        assert f["overhead_total_s"] == pytest.approx(want)
+    assert "next calls " in result.output and "overhead of all " in result.output
     for f in data["first_calls"]:  # deterministic: synchronous buckets, so each size's UNet session is made in its call
         unet = f["bucket_parts"]["unet"]
         assert unet["dynamic_runs"] == 0 and len(unet["session_s"]) == 1
