@@ -85,6 +85,11 @@ py=python3
 D="$py -m diffusion_trt.cli"
 M=/tmp/cs/sd15
 log() { echo "=== $(date +%T) $*"; }
+# Preflight: stop at once (exit 3) where $SITE lacks what every phase imports, e.g. after an install whose wheel parts
+# did not all reach this host (session 24 lost a whole call to that: the install failed, the phases ran on and failed)
+$py -c "import diffusers, onnxruntime, onnx_graphsurgeon" 2> /tmp/preflight.err || {
+  echo "preflight: diffusers / onnxruntime / onnx_graphsurgeon do not import from SITE=$SITE (was the install complete?):"
+  tail -2 /tmp/preflight.err; exit 3; }
 static() { echo "--height $1 --width $1 --min-height $1 --max-height $1 --min-width $1 --max-width $1 --batch-size $2 --min-batch-size $2 --max-batch-size $2"; }
 common="--device cuda --precision fp16 --no-cache --overwrite --components text_encoder,unet,vae_decoder"
 W=/tmp/lora-switch
