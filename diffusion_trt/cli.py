@@ -1321,7 +1321,10 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
             params["embeddings"] = [p.name for p in embeddings]
         if control:
             params.update(controlnet=list(control["controlnet"]), control_image=[str(p) for p in control_images],
-                          controlnet_conditioning_scale=control["controlnet_conditioning_scale"])
+                          controlnet_conditioning_scale=control["controlnet_conditioning_scale"],
+                          control_guidance_start=control["control_guidance_start"],
+                          control_guidance_end=control["control_guidance_end"], guess_mode=control["guess_mode"],
+                          control_preprocess=control_preprocess)
         if image_path is not None:
             params.update(image=str(image_path), **({"mask": str(mask_path)} if mask_path is not None else {}))
         # written before the engines close: their release (device memory, sessions) is no part of the wait for

@@ -489,6 +489,9 @@ def test_run_with_two_controlnets_writes_the_image_and_parameters(controlnet_art
     assert f"image: {tmp_path / 'out.png'}" in result.output
     params = json.loads(Image.open(tmp_path / "out.png").text["parameters"])
     assert params["controlnet"] == ["a", "b"] and params["controlnet_conditioning_scale"] == [0.5, 1.0]
+    # everything that changes the image, so the PNG's parameters reproduce it
+    assert (params["control_guidance_start"], params["control_guidance_end"]) == (0.0, 0.5)
+    assert params["guess_mode"] is False and params["control_preprocess"] == "none"
 
 
 @pytest.mark.parametrize(("args", "message"), [
