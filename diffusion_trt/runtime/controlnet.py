@@ -48,7 +48,7 @@ from .cuda import nvtx_range
 from .engines.engine import Engine
 from .finite import check_finite
 from .float_range import finite_in_float32
-from .image_inputs import image_rows_and_size
+from .image_inputs import check_control_image, image_rows_and_size
 
 logger = logging.getLogger(__name__)
 
@@ -393,8 +393,9 @@ def _unit(engine: Engine, embed: Engine | None, name: str, image: Any, scale: fl
     on the device of the engine that takes it (``embed``, else ``engine``).
 
     Raises:
-        RuntimeInputError: the image is not the output's size, there are neither 1 nor ``prompts`` of them, or it
-            holds NaN/Inf (an array or tensor; :func:`~.finite.check_finite`).
+        RuntimeInputError: the image is not the output's size, there are neither 1 nor ``prompts`` of them, it
+            holds NaN/Inf or values outside [0, 1] (an array or tensor; :func:`~.finite.check_finite`), or it is a
+            PIL image that converting to RGB would change silently (:func:`~.image_inputs.check_control_image`).
     """
     from diffusers.image_processor import VaeImageProcessor
 
@@ -405,6 +406,7 @@ def _unit(engine: Engine, embed: Engine | None, name: str, image: Any, scale: fl
     if n not in (1, prompts):
         raise RuntimeInputError(f"{n} control images for {name!r} and {prompts} prompt(s); pass one image, or one "
                                 "per prompt")
+    check_control_image(image, f"control_image (ControlNet {name!r})")
     tensor = VaeImageProcessor(do_convert_rgb=True, do_normalize=False).preprocess(image, height=h, width=w)
     if tensor.ndim != 4 or tensor.shape[1] != 3:
         # else the engine refused it after the text encoder ran, naming its CFG-doubled batch and its own input

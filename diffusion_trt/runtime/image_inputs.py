@@ -221,6 +221,34 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
         raise RuntimeInputError(f"cannot read {str(path)!r} as an image ({e}); pass a PNG or JPEG file") from None
 
 
+def check_control_image(image: Any, name: str = "control_image") -> None:
+    """Refuse a ControlNet image that diffusers' control image processor (``VaeImageProcessor(do_convert_rgb=True,
+    do_normalize=False)``) would read as another picture without a word: an array or tensor outside [0, 1] (it is
+    not rescaled: 0..255 values reach the ControlNet 255 times too strong, [-1, 1] ones with negative pixels), a PIL
+    image whose ``convert("RGB")`` drops transparency or clips 16/32-bit and float values to 0..255 (a 16-bit depth
+    map turns white). 8-bit modes (``L``, ``P`` without transparency, ``CMYK``...) convert as they do in diffusers.
+
+    Raises:
+        RuntimeInputError: naming the image (and its index in a list), what was found and the fix.
+    """
+    check_range(name, image, 0.0, 1.0, "a ControlNet reads control images in [0, 1] (e.g. array / 255)")
+    items = image if isinstance(image, list) else [image]
+    for i, x in enumerate(items):
+        if _kind(x) != "pil":
+            continue
+        what = f"{name}[{i}]" if len(items) > 1 else name
+        if _has_transparency(x):
+            raise RuntimeInputError(
+                f"{what} has transparency (mode {x.mode}), which converting it to RGB would drop silently (transparent "
+                "pixels keep whatever colour they hold, often black); flatten it onto a background first, e.g. "
+                "Image.alpha_composite(Image.new('RGBA', im.size, 'white'), im).convert('RGB')")
+        if x.mode in ("I", "F") or x.mode.startswith("I;"):
+            raise RuntimeInputError(
+                f"{what} is a {x.mode} (16/32-bit or float) image, which converting it to RGB would clip to 0..255 "
+                "(a 16-bit depth map turns white); pass it as a float array in [0, 1] (e.g. np.asarray(im) / 65535 "
+                "for 16 bits), or convert it to 8 bits first")
+
+
 def image_rows_and_size(image: Any, name: str = "image", mask: bool = False) -> tuple[int, int, int]:
     """The number of images ``n`` and their size (H, W) in pixels, as diffusers' processor would read them.
 
@@ -257,7 +285,7 @@ def preprocess_image(image: Any, vae_scale_factor: int = 8) -> torch.Tensor:
     """
     from diffusers.image_processor import VaeImageProcessor
 
-    _check_range("image", image, -1.0, 1.0, "scale it to [0, 1] (diffusers' range)")
+    check_range("image", image, -1.0, 1.0, "scale it to [0, 1] (diffusers' range)")
     items = image if isinstance(image, list) else [image]
     if _kind(items[0]) == "pil":
         modes = {x.mode for x in items}
@@ -283,7 +311,7 @@ def preprocess_mask(mask_image: Any, height: int, width: int, vae_scale_factor: 
     """
     from diffusers.image_processor import VaeImageProcessor
 
-    _check_range("mask_image", mask_image, 0.0, 1.0, "pass a mask in [0, 1] (white = repaint)")
+    check_range("mask_image", mask_image, 0.0, 1.0, "pass a mask in [0, 1] (white = repaint)")
     if isinstance(mask_image, list):
         mask_image = [mask_to_grayscale(m) if _kind(m) == "pil" else m for m in mask_image]
     elif _kind(mask_image) == "pil":
@@ -294,7 +322,7 @@ def preprocess_mask(mask_image: Any, height: int, width: int, vae_scale_factor: 
     return proc.preprocess(mask_image, height=height, width=width).float()
 
 
-def _check_range(name: str, image: Any, lo: float, hi: float, fix: str) -> None:
+def check_range(name: str, image: Any, lo: float, hi: float, fix: str) -> None:
     """Refuse an array or tensor image (or mask) holding NaN/Inf (:func:`~.finite.check_finite`) or values outside
     [``lo``, ``hi``], the message ending with ``fix``.
 

@@ -187,6 +187,16 @@ def test_image_is_the_control_image_as_in_diffusers(pipe: EnginePipeline) -> Non
     ({"control_image": torch.zeros(1, 1, 64, 64), "controlnet": "a"},
      "control image for 'a' has 1 channels; a ControlNet takes an RGB image"),
     ({"control_image": _image(0)}, "this artifact has 2 ControlNets (a, b)"),
+    # read as another picture without a word before: values are not rescaled, convert("RGB") drops alpha and clips
+    # 16-bit values
+    ({"control_image": np.full((64, 64, 3), 255.0, np.float32), "controlnet": "a"},
+     "control_image (ControlNet 'a') has values in [255, 255], outside [0, 1]; a ControlNet reads control images "
+     "in [0, 1]"),
+    ({"control_image": torch.full((3, 64, 64), -1.0), "controlnet": "a"}, "has values in [-1, -1], outside [0, 1]"),
+    ({"control_image": Image.new("RGBA", (64, 64), (0, 0, 0, 0)), "controlnet": "a"},
+     "control_image (ControlNet 'a') has transparency (mode RGBA), which converting it to RGB would drop"),
+    ({"control_image": [_image(0), Image.fromarray(np.full((64, 64), 40000, np.uint16))], "controlnet": ["a", "b"]},
+     "control_image (ControlNet 'b') is a I;16 (16/32-bit or float) image, which converting it to RGB would clip"),
     ({"control_image": _image(0), "controlnet": "c"}, "ControlNet 'c' is not in this artifact; it has a, b"),
     # a TypeError ('int' object is not iterable) before
     ({"control_image": _image(0), "controlnet": 3}, "controlnet=3 must be a ControlNet's name or a list of names"),
