@@ -184,7 +184,7 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
 
     Raises:
         RuntimeInputError: the file is not an image Pillow can read, is larger than ``max_hw``, is an image (not a
-            mask) with transparency, or holds 32-bit values outside 0..65535.
+            mask) with transparency, holds 32-bit values outside 0..65535, or is a float image (mode F).
     """
     import warnings
 
@@ -212,6 +212,10 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
                         f"{str(path)!r} is a 32-bit integer image with values in [{values.min()}, {values.max()}]; "
                         "save it as an 8- or 16-bit PNG")
                 im = Image.fromarray(((values + 128) // 257).astype(np.uint8))  # 16 -> 8 bits ("L"), rounded
+            elif im.mode == "F":  # convert clips the floats to 0..255: a [0, 1] depth map turns black
+                raise RuntimeInputError(
+                    f"{str(path)!r} is a 32-bit float image (mode F), whose values have no fixed range; save it as "
+                    "an 8- or 16-bit PNG")
             return mask_to_grayscale(im, repr(str(path))) if mode == "L" else im.convert(mode)
     except Image.DecompressionBombError as e:  # Pillow's own refusal, at open: a header claiming > 2 x its limit
         raise RuntimeInputError(

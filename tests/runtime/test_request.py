@@ -171,6 +171,10 @@ def test_read_image_file_refuses_with_the_reason(tmp_path: Path) -> None:
     assert read_image_file(path, "RGB").size == (16, 8)
     with pytest.raises(RuntimeInputError, match=r"is 16x8 \(WxH\), larger than the 8x8"):
         read_image_file(path, "RGB", (8, 8))
+    Image.fromarray(np.full((8, 16), 0.5, np.float32)).save(tmp_path / "depth.tiff")  # convert read it as black
+    for mode in ("RGB", "L"):
+        with pytest.raises(RuntimeInputError, match=r"is a 32-bit float image \(mode F\)"):
+            read_image_file(tmp_path / "depth.tiff", mode)
     (tmp_path / "b.png").write_bytes(b"not an image")
     with pytest.raises(RuntimeInputError, match="cannot read"):
         read_image_file(tmp_path / "b.png", "L")
