@@ -238,6 +238,27 @@ def test_run_with_embeddings(tiny_artifact: Path, files: dict[str, Path], tmp_pa
         "nothing" in typo.output
 
 
+def test_run_warns_of_an_embedding_name_the_prompt_syntax_reads_as_weights(files: dict[str, Path], tiny_artifact: Path,
+                                                                          tmp_path: Path) -> None:
+    """`neg(v2)` in an A1111 prompt is `neg` and a weighted `v2`, so the embedding `neg(v2).safetensors` changed
+    nothing, and no warning said so (the check read the raw text, where the name is)."""
+    path = tmp_path / "neg(v2).safetensors"
+    path.write_bytes(files["inkstyle"].read_bytes())
+
+    def run(negative: str, *args: str) -> str:
+        result = CliRunner().invoke(main, ["run", str(tiny_artifact), "-p", "a fox", "-n", negative, "--embedding",
+                                           str(path), "--steps", "1", "-o", str(tmp_path / "o.png"), "--overwrite",
+                                           *args])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    assert "warning: --embedding: 'neg(v2)' is written in the prompts, but the A1111 prompt syntax reads its " \
+        "brackets as weights (or BREAK as a chunk break), so it changes nothing; write it neg\\(v2\\), or pass " \
+        "--prompt-syntax plain" in run("neg(v2), lowres")
+    assert "changes nothing" not in run("neg\\(v2\\), lowres")
+    assert "changes nothing" not in run("neg(v2), lowres", "--prompt-syntax", "plain")
+
+
 def test_table_rows_are_bounded_and_loading_is_all_or_nothing(pipe: EnginePipeline, files: dict[str, Path]) -> None:
     full = EmbeddingTable(10, HIDDEN).add(read_embedding(files["easynegative"]))
     with pytest.raises(RuntimeInputError, match="fill 8 of the artifact's 10 rows; recompile with a larger"):
