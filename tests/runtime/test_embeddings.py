@@ -140,6 +140,23 @@ def test_names_are_split_as_words_before_tokenizing(tiny_pipeline_dir: Path, fil
     assert ids[4 + n] == -13 and chunk.weights[0, 4 + n] == 1.0 and ids[5 + n] == tok.eos_token_id
 
 
+def test_an_embedding_is_never_split_across_chunks(tiny_pipeline_dir: Path, files: dict[str, Path]) -> None:
+    """A1111 moves an embedding that would cross a chunk's end to the next chunk; its 8 vectors were cut 2 + 6 and
+    encoded in two unrelated contexts."""
+    tok = CLIPTokenizer.from_pretrained(tiny_pipeline_dir / "tokenizer", local_files_only=True)
+    table = EmbeddingTable(16, HIDDEN).add(read_embedding(files["easynegative"]))  # 8 vectors: ids -16..-9
+    reader = PromptReader(tok, "a1111", 3, embeddings=table)
+    word = tok("fox", add_special_tokens=False).input_ids
+    assert len(word) == 1
+    chunks = reader.chunks("fox " * 73 + "easynegative fox")
+    ids = chunks.ids.tolist()
+    assert chunks.chunks == 2
+    assert ids[0][1:74] == word * 73 and ids[0][74] == tok.eos_token_id  # the 2 places left stay padding
+    assert ids[1][1:11] == [*range(-16, -8), word[0], tok.eos_token_id]
+    fits = reader.chunks("fox " * 67 + "easynegative")  # 67 + 8 = 75: fills the chunk
+    assert fits.chunks == 1 and fits.ids[0, 68:76].tolist() == list(range(-16, -8))
+
+
 @pytest.mark.parametrize("name", ["inkstyle", "easynegative", "cattoy", "foxy"])
 def test_file_forms(files: dict[str, Path], name: str) -> None:
     emb = read_embedding(files[name])
