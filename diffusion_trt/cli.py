@@ -87,6 +87,7 @@ def _progress_enabled() -> bool:
 _QUIET_WARNINGS = (
     (r".*torch_dtype.*", None),  # transformers/diffusers: `torch_dtype` is deprecated, use `dtype`
     (r".*torchvision.*", None),  # image processors falling back to PIL without torchvision
+    (r".*local_dir_use_symlinks.*", None),  # huggingface_hub, called so by diffusers' single-file loading
     (r".*", "accelerate"),
     (r".*", "torchvision"),
 )
