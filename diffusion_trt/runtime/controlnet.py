@@ -170,6 +170,16 @@ class ControlPlan:
     guess_mode: bool
     residual_names: tuple[str, ...]
 
+    def warn_idle(self, steps: int) -> None:
+        """Warn of each ControlNet whose guidance window holds none of the ``steps`` denoising steps (e.g. start 0.6,
+        end 0.9 over 2 steps): it would run on no step, so the image is the one without it, which nothing said."""
+        for u in self.units:
+            if not any(u.keep(i, steps) for i in range(steps)):
+                logger.warning("ControlNet %r acts on no step: its window control_guidance_start=%g .. "
+                               "control_guidance_end=%g holds none of the %d steps the scheduler runs (step i counts "
+                               "when i/%d >= start and (i+1)/%d <= end, as in diffusers); widen the window or run "
+                               "more steps", u.name, u.start, u.end, steps, steps, steps)
+
     def rows(self, rows: range, batch: int, num_images_per_prompt: int, do_cfg: bool) -> ChunkControl:
         """The ControlNet conditioning of one chunk of rows (of ``batch`` images): each control image, doubled for
         CFG unless guess mode, and for a split ControlNet its embedding, computed here once for the chunk's steps.

@@ -504,6 +504,20 @@ def test_run_with_two_controlnets_writes_the_image_and_parameters(controlnet_art
     assert params["guess_mode"] is False and params["control_preprocess"] == "none"
 
 
+def test_a_guidance_window_that_holds_no_step_warns(controlnet_artifact: Path, tmp_path: Path) -> None:
+    """start 0.6, end 0.9 over 2 steps (PNDM: 3 scheduler steps, 0/3, 1/3 and 2/3 before 0.6 or 3/3 after 0.9): the
+    ControlNet ran on no step, so the image was the one without it, and nothing said so."""
+    window = ["--control-guidance-start", "0.6", "--control-guidance-end", "0.9"]
+    result = _run(controlnet_artifact, tmp_path, "--controlnet", "a", "--control-image",
+                  _control_png(tmp_path, "a.png"), *window)
+    assert result.exit_code == 0, result.output
+    assert ("warning: ControlNet 'a' acts on no step: its window control_guidance_start=0.6 .. "
+            "control_guidance_end=0.9 holds none of the 3 steps the scheduler runs") in result.output
+    wide = _run(controlnet_artifact, tmp_path, "--controlnet", "a", "--control-image", _control_png(tmp_path, "a.png"),
+                "--steps", "20", "--overwrite", *window)
+    assert wide.exit_code == 0 and "acts on no step" not in wide.output, wide.output
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--controlnet", "a"], "0 --control-image for 1 --controlnet"),
     (["--controlnet", "a:nan", "--control-image", "{a}"], "the scale 'nan' is not a finite number"),
