@@ -187,10 +187,14 @@ def _sdxl_vectors(path: Path, state: Mapping[str, Any], key: str) -> torch.Tenso
 
 def _checked(path: Path, value: Any, what: str) -> torch.Tensor:
     """``value`` as [n, D] float32 vectors (a [D] vector is n = 1); refused unless a non-empty, finite [D] / [n, D]
-    tensor."""
+    floating-point tensor (integer or bool values are token ids or masks, never learned vectors)."""
     if not isinstance(value, torch.Tensor) or value.ndim not in (1, 2) or value.numel() == 0:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise RuntimeInputError(f"embedding file {path}: {what} are {shape}; expected [D] or [n, D]")
+    if not value.is_floating_point():
+        raise RuntimeInputError(f"embedding file {path}: {what} are {str(value.dtype).removeprefix('torch.')} "
+                                "values; textual-inversion vectors are floats (fp32, fp16 or bf16): it is not an "
+                                "embedding")
     vectors = value.detach().reshape(-1, value.shape[-1]).to(torch.float32).contiguous()
     if not bool(torch.isfinite(vectors).all()):  # NaN/Inf rows would only give black images
         raise RuntimeInputError(f"embedding file {path}: {what} hold NaN/Inf values; the file is damaged or was "

@@ -179,12 +179,13 @@ def _bad_files(d: Path) -> dict[str, Path]:
     save_file({"emb_params": torch.zeros(1, HIDDEN)}, str(d / "other" / "inkstyle.safetensors"))
     save_file({"a": torch.zeros(1, HIDDEN), "b": torch.zeros(1, HIDDEN)}, str(d / "twokeys.safetensors"))
     save_file({"emb_params": torch.zeros(200, HIDDEN)}, str(d / "many.safetensors"))
+    save_file({"emb_params": torch.ones(2, HIDDEN, dtype=torch.int64)}, str(d / "ints.safetensors"))
     save_file({"text_encoder.x.q_proj.lora_A.weight": torch.zeros(2, HIDDEN),
                "text_encoder.x.q_proj.lora_B.weight": torch.zeros(HIDDEN, 2)}, str(d / "lora.safetensors"))
     return {"lora": d / "lora.safetensors", "wide": d / "wide.safetensors", "evil": d / "evil.pt",
             "xl": d / "xl.safetensors", "many": d / "many.safetensors",
             "clash": d / "other" / "inkstyle.safetensors", "twokeys": d / "twokeys.safetensors",
-            "missing": d / "nope.safetensors", "folder": d / "other"}
+            "missing": d / "nope.safetensors", "folder": d / "other", "ints": d / "ints.safetensors"}
 
 
 @pytest.mark.parametrize(("case", "message"), [
@@ -197,6 +198,7 @@ def _bad_files(d: Path) -> dict[str, Path]:
     # a LoRA given as --embedding listed its first keys and "none of the textual-inversion forms"
     ("lora", "is a LoRA (lora_* keys), not a textual-inversion embedding: pass it with --lora"),
     ("missing", "nope.safetensors does not exist"),
+    ("ints", "the vectors are int64 values; textual-inversion vectors are floats"),  # ran as vectors before
     ("folder", "other is a directory; pass one embedding file in it (.safetensors, or .pt/.bin"),
 ])
 def test_bad_embedding_is_one_error_line(tiny_artifact: Path, files: dict[str, Path], tmp_path: Path, case: str,
