@@ -122,8 +122,8 @@ def _refuse_other_kinds(file: Path) -> None:
                                "ControlNet .safetensors or a diffusers ControlNetModel folder") from e
     if any(part in k for k in keys for part in CONTROLNET_KEY_PARTS):
         return
-    what = ("it holds LoRA layers: pass it with --lora (compile) or run --lora" if any("lora" in k.lower() for k in keys)
-            else "it is not a ControlNet")
+    lora = any("lora" in k.lower() for k in keys)
+    what = "it holds LoRA layers: pass it with --lora (compile) or run --lora" if lora else "it is not a ControlNet"
     example = f" (keys like {keys[0]!r})" if keys else " (no tensors)"
     raise ModelFolderError(f"--controlnet {file} holds no ControlNet weights{example}: none of its keys has "
                            f"{', '.join(p.rstrip('.') for p in CONTROLNET_KEY_PARTS)}; {what}")

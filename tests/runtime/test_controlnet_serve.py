@@ -84,7 +84,7 @@ def test_the_only_controlnet_is_the_default_and_jpeg_and_data_urls_are_read() ->
     ({"controlnet": b"a", "control_image": base64.b64encode(b"GIF89a....")}, "control_image is not a PNG or JPEG"),
     ({"controlnet": np.array([1], dtype=np.int32), "control_image": "png"}, "controlnet must be one BYTES value"),
     # converted silently before: the alpha dropped, 16-bit values clipped to 255 (white)
-    ({"controlnet": b"a", "control_image": "rgba"}, "control_image has transparency (mode RGBA), which would be dropped"),
+    ({"controlnet": b"a", "control_image": "rgba"}, "control_image has transparency (mode RGBA), which would be"),
     ({"controlnet": b"a", "control_image": "16bit"}, "control_image is a I;16 (16-bit) image, whose values converting"),
 ])
 def test_bad_control_inputs_are_refused_naming_the_field(fields: dict, message: str) -> None:
