@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -175,9 +176,10 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
     ``--mask``).
 
     The size in the file's header is checked against ``max_hw`` (height, width: the artifact profile's largest;
-    default :data:`~diffusion_trt.config.MAX_IMAGE_SIZE` squared) before a pixel is decoded, so a decompression
-    bomb (a small file whose header claims 100000x100000) costs nothing. 16-bit grayscale (PIL modes "I;16*", and
-    "I" holding 0..65535) is scaled to 8 bits (``v / 257``) first: a plain ``convert`` clips it to 255 (a white
+    default :data:`~diffusion_trt.config.MAX_IMAGE_SIZE` squared) before a pixel is decoded, so a decompression bomb
+    (a small file whose header claims 100000x100000) costs nothing. The EXIF orientation is applied, as diffusers'
+    ``load_image`` applies it (a phone's portrait photo is stored on its side). 16-bit grayscale (PIL modes "I;16*",
+    and "I" holding 0..65535) is scaled to 8 bits (``v / 257``) first: a plain ``convert`` clips it to 255 (a white
     image). Images with transparency are refused, as ``EnginePipeline`` refuses RGBA: dropping the alpha channel
     would silently change the picture. A mask ("L") is read by :func:`mask_to_grayscale`, the rule of
     ``mask_image=``: its alpha is ignored (with a warning), as diffusers ignores it.
@@ -197,6 +199,8 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
             im_file = Image.open(path)
         with im_file as im:
             width, height = im.size  # from the header: nothing is decoded yet
+            if _exif_turned(im):  # shown (and read below) turned a quarter: its size is the other way round
+                width, height = height, width
             if height > max_h or width > max_w:
                 raise RuntimeInputError(
                     f"{str(path)!r} is {width}x{height} (WxH), larger than the {max_w}x{max_h} the artifact's "
@@ -205,6 +209,7 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
                 raise RuntimeInputError(
                     f"{str(path)!r} has transparency (mode {im.mode}), which would be dropped silently; flatten it "
                     "onto a background first and save it without alpha (RGB PNG or JPEG)")
+            im = _exif_upright(im)
             if im.mode == "I" or im.mode.startswith("I;16"):
                 values = np.asarray(im).astype(np.int64)
                 if values.size and (values.min() < 0 or values.max() > 65535):
@@ -251,6 +256,31 @@ def check_control_image(image: Any, name: str = "control_image") -> None:
                 f"{what} is a {x.mode} (16/32-bit or float) image, which converting it to RGB would clip to 0..255 "
                 "(a 16-bit depth map turns white); pass it as a float array in [0, 1] (e.g. np.asarray(im) / 65535 "
                 "for 16 bits), or convert it to 8 bits first")
+
+
+#: EXIF Orientation values (tag 0x0112) that turn the picture a quarter (its width and height swap when shown).
+_QUARTER_TURNS = (5, 6, 7, 8)
+#: What Pillow raises for a damaged EXIF block (its parser's struct, key and value errors).
+_EXIF_ERRORS = (ValueError, TypeError, KeyError, SyntaxError, struct.error)
+
+
+def _exif_turned(im: Any) -> bool:
+    """The file's EXIF orientation turns it a quarter (from the header; a camera's portrait photo)."""
+    try:
+        return im.getexif().get(0x0112) in _QUARTER_TURNS
+    except _EXIF_ERRORS:  # a damaged EXIF block: the picture is read as stored
+        return False
+
+
+def _exif_upright(im: Any) -> Any:
+    """``im`` the way viewers show it: its EXIF orientation applied (``ImageOps.exif_transpose``, as diffusers'
+    ``load_image`` reads files), so a phone's portrait photo is not read lying on its side."""
+    from PIL import ImageOps
+
+    try:
+        return ImageOps.exif_transpose(im) or im
+    except _EXIF_ERRORS:  # a damaged EXIF block: read as stored (a damaged picture is an OSError: not read)
+        return im
 
 
 def image_rows_and_size(image: Any, name: str = "image", mask: bool = False) -> tuple[int, int, int]:
