@@ -198,18 +198,18 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             im_file = Image.open(path)
         with im_file as im:
-            width, height = im.size  # from the header: nothing is decoded yet
-            if _exif_turned(im):  # shown (and read below) turned a quarter: its size is the other way round
-                width, height = height, width
-            if height > max_h or width > max_w:
-                raise RuntimeInputError(
-                    f"{str(path)!r} is {width}x{height} (WxH), larger than the {max_w}x{max_h} the artifact's "
-                    "profile allows; resize it into the profile (or recompile with --max-height/--max-width)")
+            # from the header: nothing is decoded yet (reading a PNG's EXIF would decode it); either way round,
+            # as its EXIF orientation may turn it a quarter, which is checked once it is decoded (bounded now)
+            width, height = im.size
+            if not (height <= max_h and width <= max_w) and not (width <= max_h and height <= max_w):
+                raise _too_large(path, width, height, max_w, max_h)
             if mode != "L" and (im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info):
                 raise RuntimeInputError(
                     f"{str(path)!r} has transparency (mode {im.mode}), which would be dropped silently; flatten it "
                     "onto a background first and save it without alpha (RGB PNG or JPEG)")
             im = _exif_upright(im)
+            if im.height > max_h or im.width > max_w:  # upright, it does not fit
+                raise _too_large(path, im.width, im.height, max_w, max_h)
             if im.mode == "I" or im.mode.startswith("I;16"):
                 values = np.asarray(im).astype(np.int64)
                 if values.size and (values.min() < 0 or values.max() > 65535):
@@ -258,18 +258,14 @@ def check_control_image(image: Any, name: str = "control_image") -> None:
                 "for 16 bits), or convert it to 8 bits first")
 
 
-#: EXIF Orientation values (tag 0x0112) that turn the picture a quarter (its width and height swap when shown).
-_QUARTER_TURNS = (5, 6, 7, 8)
 #: What Pillow raises for a damaged EXIF block (its parser's struct, key and value errors).
 _EXIF_ERRORS = (ValueError, TypeError, KeyError, SyntaxError, struct.error)
 
 
-def _exif_turned(im: Any) -> bool:
-    """The file's EXIF orientation turns it a quarter (from the header; a camera's portrait photo)."""
-    try:
-        return im.getexif().get(0x0112) in _QUARTER_TURNS
-    except _EXIF_ERRORS:  # a damaged EXIF block: the picture is read as stored
-        return False
+def _too_large(path: str | os.PathLike[str], width: int, height: int, max_w: int, max_h: int) -> RuntimeInputError:
+    return RuntimeInputError(
+        f"{str(path)!r} is {width}x{height} (WxH), larger than the {max_w}x{max_h} the artifact's profile allows; "
+        "resize it into the profile (or recompile with --max-height/--max-width)")
 
 
 def _exif_upright(im: Any) -> Any:
