@@ -87,6 +87,7 @@ def _progress_enabled() -> bool:
 _QUIET_WARNINGS = (
     (r".*torch_dtype.*", None),  # transformers/diffusers: `torch_dtype` is deprecated, use `dtype`
     (r".*torchvision.*", None),  # image processors falling back to PIL without torchvision
+    (r".*local_dir_use_symlinks.*", None),  # huggingface_hub, called so by diffusers' single-file loading
     (r".*", "accelerate"),
     (r".*", "torchvision"),
 )
@@ -1259,7 +1260,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         sdxl = read[0].model.is_sdxl if read[0] is not None else None
         for path in embeddings:  # a missing / pickled / malformed file fails before the engines load
             check_embedding_file(path, sdxl)
-        _check_embeddings_before_load(read, embeddings, artifact_dir, (prompt, negative_prompt))
+        _check_embeddings_before_load(read, embeddings, artifact_dir, (prompt, negative_prompt), prompt_syntax)
         if len(_parse_devices(devices, device)) >= 2:
             raise click.UsageError("--embedding runs on one device; drop --devices (or give one device)")
     max_hw = _profile_max_hw(_needed(read)) if image_path is not None else None
@@ -1321,7 +1322,10 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
             params["embeddings"] = [p.name for p in embeddings]
         if control:
             params.update(controlnet=list(control["controlnet"]), control_image=[str(p) for p in control_images],
-                          controlnet_conditioning_scale=control["controlnet_conditioning_scale"])
+                          controlnet_conditioning_scale=control["controlnet_conditioning_scale"],
+                          control_guidance_start=control["control_guidance_start"],
+                          control_guidance_end=control["control_guidance_end"], guess_mode=control["guess_mode"],
+                          control_preprocess=control_preprocess)
         if image_path is not None:
             params.update(image=str(image_path), **({"mask": str(mask_path)} if mask_path is not None else {}))
         # written before the engines close: their release (device memory, sessions) is no part of the wait for
@@ -1382,10 +1386,12 @@ def _run_scheduler(read: tuple[Manifest | None, DiffusionTrtError | None], artif
 
 def _check_embeddings_before_load(read: tuple[Manifest | None, DiffusionTrtError | None],
                                   embeddings: tuple[Path, ...], artifact_dir: Path,
-                                  texts: tuple[str | None, ...] = ()) -> None:
+                                  texts: tuple[str | None, ...] = (), prompt_syntax: str = "a1111") -> None:
     """Refuse ``--embedding`` files the loaded pipeline would refuse (a vector size that is not the text encoder's,
     the artifact's rows full, a name taken twice, an artifact whose text encoder takes none) from its manifest, before
-    the engines load; warn of each that none of ``texts`` (the prompts) names.
+    the engines load; warn of each that none of ``texts`` (the prompts, read in ``prompt_syntax`` as the encoder
+    reads them: an embedding's name is matched in the parsed text, so ``neg(v2)`` in A1111 syntax is ``neg`` and a
+    weighted ``v2``) names.
 
     Raises:
         RuntimeInputError: as :meth:`~.runtime.pipeline.EnginePipeline.load_textual_inversion`.
@@ -1400,9 +1406,24 @@ def _check_embeddings_before_load(read: tuple[Manifest | None, DiffusionTrtError
     if all(name in engines for name in encoders):
         tables = load_embeddings([None] * len(encoders), [engines[n] for n in encoders], list(embeddings), None,
                                  artifact_dir, announce=False)
-        for name in tables[0].unused(texts):
-            logger.warning("--embedding: %r is named in neither --prompt nor --negative-prompt, so it changes nothing "
-                           "(an embedding is used by its file name, as a whole word)", name)
+        from .runtime.prompt_syntax import parse_prompt
+
+        parsed = [s.text for t in texts if t for part in parse_prompt(t, prompt_syntax).parts for s in part]
+        as_written = set(tables[0].unused(parsed)) - set(tables[0].unused(texts))
+        for name in tables[0].unused(parsed):
+            if name in as_written:  # a name with brackets or BREAK in it, which the A1111 syntax reads as its own
+                fix = f"write it {_escaped(name)}" if _escaped(name) != name else "rename the file"
+                logger.warning("--embedding: %r is written in the prompts, but the A1111 prompt syntax reads its "
+                               "brackets as weights (or BREAK as a chunk break), so it changes nothing; %s, or pass "
+                               "--prompt-syntax plain", name, fix)
+            else:
+                logger.warning("--embedding: %r is named in neither --prompt nor --negative-prompt, so it changes "
+                               "nothing (an embedding is used by its file name, as a whole word)", name)
+
+
+def _escaped(text: str) -> str:
+    """``text`` with the A1111 prompt syntax's brackets and backslashes escaped (``neg(v2)`` -> ``neg\\(v2\\)``)."""
+    return re.sub(r"([\\()\[\]])", r"\\\1", text)
 
 
 def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], controlnets: tuple[str, ...],

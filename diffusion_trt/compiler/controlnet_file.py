@@ -28,6 +28,8 @@ from ..errors import ModelFolderError
 logger = logging.getLogger(__name__)
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".pkl")
+#: Key parts only a ControlNet has: the LDM layout's hint encoder and zero convolutions, diffusers' names for them.
+CONTROLNET_KEY_PARTS = ("input_hint_block.", "zero_convs.", "controlnet_cond_embedding.", "controlnet_down_blocks.")
 
 
 def is_single_file(path: str | Path) -> bool:
@@ -62,7 +64,8 @@ def load_single_file(path: str | Path, dtype: torch.dtype = torch.float32) -> to
 
     Raises:
         ModelFolderError: the file is missing, pickled (``.pt``/``.pth``/``.ckpt``/``.bin``: convert it to
-            safetensors), not safetensors, or diffusers cannot find its config offline or load it (its message kept).
+            safetensors), not safetensors, holds no ControlNet (a LoRA, a checkpoint...: none of
+            :data:`CONTROLNET_KEY_PARTS`), or diffusers cannot find its config offline or load it (its message kept).
     """
     from diffusers import ControlNetModel
 
@@ -77,6 +80,7 @@ def load_single_file(path: str | Path, dtype: torch.dtype = torch.float32) -> to
     if file.suffix.lower() != ".safetensors":
         raise ModelFolderError(f"--controlnet {file} is neither a .safetensors file nor a diffusers ControlNetModel "
                                "folder")
+    _refuse_other_kinds(file)
     route = config_route(file)
     try:
         model = ControlNetModel.from_single_file(str(file), local_files_only=True, torch_dtype=dtype, **route)
@@ -98,6 +102,31 @@ def single_file_config(path: str | Path) -> dict[str, Any]:
     config.setdefault("_class_name", "ControlNetModel")
     del model
     return config
+
+
+def _refuse_other_kinds(file: Path) -> None:
+    """Refuse a safetensors file that is no ControlNet (a LoRA given to --controlnet instead of --lora, an SD
+    checkpoint...) from its header's keys, before diffusers guesses a config for it (whose message then spoke of a
+    Hub repo's config.json missing from the cache).
+
+    Raises:
+        ModelFolderError: the header cannot be read, or no key holds a part of :data:`CONTROLNET_KEY_PARTS`.
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            keys = list(f.keys())
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for a damaged header
+        raise ModelFolderError(f"--controlnet {file} is not a readable safetensors file ({_one_line(e)}); pass a "
+                               "ControlNet .safetensors or a diffusers ControlNetModel folder") from e
+    if any(part in k for k in keys for part in CONTROLNET_KEY_PARTS):
+        return
+    lora = any("lora" in k.lower() for k in keys)
+    what = "it holds LoRA layers: pass it with --lora (compile) or run --lora" if lora else "it is not a ControlNet"
+    example = f" (keys like {keys[0]!r})" if keys else " (no tensors)"
+    raise ModelFolderError(f"--controlnet {file} holds no ControlNet weights{example}: none of its keys has "
+                           f"{', '.join(p.rstrip('.') for p in CONTROLNET_KEY_PARTS)}; {what}")
 
 
 def _route_label(route: dict[str, str]) -> str:

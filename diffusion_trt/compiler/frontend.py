@@ -70,6 +70,8 @@ def _materialize(cache: CompileCache, cached: Path, out: Path, key: str, model: 
     """Write the cache hit ``cached`` to ``out``; False (a warning, nothing written) when its entry no longer proves
     its origin: its manifest was replaced after :meth:`~.cache.CompileCache.lookup` proved it."""
     pipeline.deterministic_pass_options(config)  # its "no effect" warning, which compile_pipeline would log
+    if model.is_dir():  # what compile_pipeline's prepare says of settings cut back or without effect, from the configs
+        pipeline.replay_model_warnings(model, config)
     try:
         cache.materialize(cached, out, key, str(model.resolve()), overwrite=overwrite, lock_timeout=lock_timeout)
     except UnprovenEntry as e:

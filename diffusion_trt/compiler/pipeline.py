@@ -565,6 +565,23 @@ def check_quantizable(config: CompileConfig, facts: Mapping[str, Any]) -> None:
         )
 
 
+def replay_model_warnings(model_dir: Path, config: CompileConfig) -> None:
+    """The warnings :func:`prepare` logs about ``config`` on this model (a setting cut back: ``--max-clip-skip``
+    beyond the text encoder's layers, ``--max-prompt-chunks`` on a static profile; ``--fp16-safe-vae`` without
+    effect), for a compile cache hit, which runs no :func:`prepare` but builds the same artifact: what was asked is
+    still not what is built. Reads the component configs only; a folder they cannot be read from says nothing here
+    (the entry was compiled from it)."""
+    try:
+        facts = model_facts(export.check_model_folder(model_dir, trust_pickle=config.trust_pickle))
+        profile = config.resolve_profile(facts["default_height"])
+    except DiffusionTrtError as e:
+        logger.debug("compile cache hit: the model's warnings are not repeated (%s)", e)
+        return
+    _warn_fp16_safe_vae(config, facts)
+    prompt_chunks_for(config, profile, facts)
+    clip_skip_for(config, facts)
+
+
 def _warn_fp16_safe_vae(config: CompileConfig, facts: Mapping[str, Any]) -> None:
     """``--fp16-safe-vae`` only changes an SDXL fp16 build: say so when it has no effect."""
     if config.fp16_safe_vae and (facts["architecture"] != "sdxl" or config.precision != "fp16"):

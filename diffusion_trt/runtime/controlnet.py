@@ -48,7 +48,7 @@ from .cuda import nvtx_range
 from .engines.engine import Engine
 from .finite import check_finite
 from .float_range import finite_in_float32
-from .image_inputs import image_rows_and_size
+from .image_inputs import check_control_image, image_rows_and_size
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +169,16 @@ class ControlPlan:
     units: tuple[ControlUnit, ...]
     guess_mode: bool
     residual_names: tuple[str, ...]
+
+    def warn_idle(self, steps: int) -> None:
+        """Warn of each ControlNet whose guidance window holds none of the ``steps`` denoising steps (e.g. start 0.6,
+        end 0.9 over 2 steps): it would run on no step, so the image is the one without it, which nothing said."""
+        for u in self.units:
+            if not any(u.keep(i, steps) for i in range(steps)):
+                logger.warning("ControlNet %r acts on no step: its window control_guidance_start=%g .. "
+                               "control_guidance_end=%g holds none of the %d steps the scheduler runs (step i counts "
+                               "when i/%d >= start and (i+1)/%d <= end, as in diffusers); widen the window or run "
+                               "more steps", u.name, u.start, u.end, steps, steps, steps)
 
     def rows(self, rows: range, batch: int, num_images_per_prompt: int, do_cfg: bool) -> ChunkControl:
         """The ControlNet conditioning of one chunk of rows (of ``batch`` images): each control image, doubled for
@@ -393,8 +403,9 @@ def _unit(engine: Engine, embed: Engine | None, name: str, image: Any, scale: fl
     on the device of the engine that takes it (``embed``, else ``engine``).
 
     Raises:
-        RuntimeInputError: the image is not the output's size, there are neither 1 nor ``prompts`` of them, or it
-            holds NaN/Inf (an array or tensor; :func:`~.finite.check_finite`).
+        RuntimeInputError: the image is not the output's size, there are neither 1 nor ``prompts`` of them, it
+            holds NaN/Inf or values outside [0, 1] (an array or tensor; :func:`~.finite.check_finite`), or it is a
+            PIL image that converting to RGB would change silently (:func:`~.image_inputs.check_control_image`).
     """
     from diffusers.image_processor import VaeImageProcessor
 
@@ -405,6 +416,7 @@ def _unit(engine: Engine, embed: Engine | None, name: str, image: Any, scale: fl
     if n not in (1, prompts):
         raise RuntimeInputError(f"{n} control images for {name!r} and {prompts} prompt(s); pass one image, or one "
                                 "per prompt")
+    check_control_image(image, f"control_image (ControlNet {name!r})")
     tensor = VaeImageProcessor(do_convert_rgb=True, do_normalize=False).preprocess(image, height=h, width=w)
     if tensor.ndim != 4 or tensor.shape[1] != 3:
         # else the engine refused it after the text encoder ran, naming its CFG-doubled batch and its own input

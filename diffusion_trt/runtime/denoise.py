@@ -338,6 +338,8 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any, control: Co
     timesteps = set_schedule(scheduler, request.num_inference_steps, device)
     timesteps, begin_index = cond.start(scheduler, request.num_inference_steps, timesteps)
     timestep_values = timesteps.to(device=device, dtype=torch.float32)
+    if control is not None:
+        control.warn_idle(len(timesteps))
     prepared = cond.prepare(scheduler, timesteps, request.latent_shape, sample_dtype, device, request.generator,
                             request.latents)
     _expect_decodes(request, engines, prepared.latents)

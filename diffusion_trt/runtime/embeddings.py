@@ -187,10 +187,14 @@ def _sdxl_vectors(path: Path, state: Mapping[str, Any], key: str) -> torch.Tenso
 
 def _checked(path: Path, value: Any, what: str) -> torch.Tensor:
     """``value`` as [n, D] float32 vectors (a [D] vector is n = 1); refused unless a non-empty, finite [D] / [n, D]
-    tensor."""
+    floating-point tensor (integer or bool values are token ids or masks, never learned vectors)."""
     if not isinstance(value, torch.Tensor) or value.ndim not in (1, 2) or value.numel() == 0:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise RuntimeInputError(f"embedding file {path}: {what} are {shape}; expected [D] or [n, D]")
+    if not value.is_floating_point():
+        raise RuntimeInputError(f"embedding file {path}: {what} are {str(value.dtype).removeprefix('torch.')} "
+                                "values; textual-inversion vectors are floats (fp32, fp16 or bf16): it is not an "
+                                "embedding")
     vectors = value.detach().reshape(-1, value.shape[-1]).to(torch.float32).contiguous()
     if not bool(torch.isfinite(vectors).all()):  # NaN/Inf rows would only give black images
         raise RuntimeInputError(f"embedding file {path}: {what} hold NaN/Inf values; the file is damaged or was "
@@ -259,22 +263,24 @@ class EmbeddingTable:
             start += e.count
         raise KeyError(name)
 
-    def tokenize(self, text: str, tokenize: Callable[[str], Sequence[int]]) -> list[int]:
+    def tokenize_units(self, text: str, tokenize: Callable[[str], Sequence[int]]) -> list[list[int]]:
         """The token ids of ``text``: ``tokenize`` on the pieces between embedding names, each name (a whole word,
-        case-insensitive) replaced by its :meth:`token_ids`."""
+        case-insensitive) replaced by its :meth:`token_ids`; in the units a prompt chunk must not split: one list per
+        token, and one for all the ids of each embedding named (A1111 moves an embedding that does not fit a chunk's
+        end to the next chunk, :mod:`.prompt_encoding`)."""
         if not self.embeddings:
-            return list(tokenize(text))
-        ids: list[int] = []
+            return [[t] for t in tokenize(text)]
+        units: list[list[int]] = []
         pieces = self._pattern().split(text)
         for i, piece in enumerate(pieces):  # re.split with one group: text, name, text, name, ..., text
             if i % 2:
-                ids.extend(self.token_ids(piece))
+                units.append(self.token_ids(piece))
             elif piece:
-                ids.extend(tokenize(piece))
-        return ids
+                units.extend([t] for t in tokenize(piece))
+        return units
 
     def unused(self, texts: Sequence[str | None]) -> list[str]:
-        """The names of the embeddings that no text of ``texts`` names (as :meth:`tokenize` matches them: a whole
+        """The names of the embeddings that no text of ``texts`` names (as :meth:`tokenize_units` matches them: a whole
         word, case-insensitive): they would change no image."""
         if not self.embeddings:
             return []

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -175,16 +176,17 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
     ``--mask``).
 
     The size in the file's header is checked against ``max_hw`` (height, width: the artifact profile's largest;
-    default :data:`~diffusion_trt.config.MAX_IMAGE_SIZE` squared) before a pixel is decoded, so a decompression
-    bomb (a small file whose header claims 100000x100000) costs nothing. 16-bit grayscale (PIL modes "I;16*", and
-    "I" holding 0..65535) is scaled to 8 bits (``v / 257``) first: a plain ``convert`` clips it to 255 (a white
+    default :data:`~diffusion_trt.config.MAX_IMAGE_SIZE` squared) before a pixel is decoded, so a decompression bomb
+    (a small file whose header claims 100000x100000) costs nothing. The EXIF orientation is applied, as diffusers'
+    ``load_image`` applies it (a phone's portrait photo is stored on its side). 16-bit grayscale (PIL modes "I;16*",
+    and "I" holding 0..65535) is scaled to 8 bits (``v / 257``) first: a plain ``convert`` clips it to 255 (a white
     image). Images with transparency are refused, as ``EnginePipeline`` refuses RGBA: dropping the alpha channel
     would silently change the picture. A mask ("L") is read by :func:`mask_to_grayscale`, the rule of
     ``mask_image=``: its alpha is ignored (with a warning), as diffusers ignores it.
 
     Raises:
         RuntimeInputError: the file is not an image Pillow can read, is larger than ``max_hw``, is an image (not a
-            mask) with transparency, or holds 32-bit values outside 0..65535.
+            mask) with transparency, holds 32-bit values outside 0..65535, or is a float image (mode F).
     """
     import warnings
 
@@ -196,15 +198,18 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             im_file = Image.open(path)
         with im_file as im:
-            width, height = im.size  # from the header: nothing is decoded yet
-            if height > max_h or width > max_w:
-                raise RuntimeInputError(
-                    f"{str(path)!r} is {width}x{height} (WxH), larger than the {max_w}x{max_h} the artifact's "
-                    "profile allows; resize it into the profile (or recompile with --max-height/--max-width)")
+            # from the header: nothing is decoded yet (reading a PNG's EXIF would decode it); either way round,
+            # as its EXIF orientation may turn it a quarter, which is checked once it is decoded (bounded now)
+            width, height = im.size
+            if not (height <= max_h and width <= max_w) and not (width <= max_h and height <= max_w):
+                raise _too_large(path, width, height, max_w, max_h)
             if mode != "L" and (im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info):
                 raise RuntimeInputError(
                     f"{str(path)!r} has transparency (mode {im.mode}), which would be dropped silently; flatten it "
                     "onto a background first and save it without alpha (RGB PNG or JPEG)")
+            im = _exif_upright(im)
+            if im.height > max_h or im.width > max_w:  # upright, it does not fit
+                raise _too_large(path, im.width, im.height, max_w, max_h)
             if im.mode == "I" or im.mode.startswith("I;16"):
                 values = np.asarray(im).astype(np.int64)
                 if values.size and (values.min() < 0 or values.max() > 65535):
@@ -212,6 +217,10 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
                         f"{str(path)!r} is a 32-bit integer image with values in [{values.min()}, {values.max()}]; "
                         "save it as an 8- or 16-bit PNG")
                 im = Image.fromarray(((values + 128) // 257).astype(np.uint8))  # 16 -> 8 bits ("L"), rounded
+            elif im.mode == "F":  # convert clips the floats to 0..255: a [0, 1] depth map turns black
+                raise RuntimeInputError(
+                    f"{str(path)!r} is a 32-bit float image (mode F), whose values have no fixed range; save it as "
+                    "an 8- or 16-bit PNG")
             return mask_to_grayscale(im, repr(str(path))) if mode == "L" else im.convert(mode)
     except Image.DecompressionBombError as e:  # Pillow's own refusal, at open: a header claiming > 2 x its limit
         raise RuntimeInputError(
@@ -219,6 +228,55 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
             f"decompression bomb: pass a real image of at most {max_w}x{max_h} (WxH)") from None
     except (UnidentifiedImageError, OSError) as e:
         raise RuntimeInputError(f"cannot read {str(path)!r} as an image ({e}); pass a PNG or JPEG file") from None
+
+
+def check_control_image(image: Any, name: str = "control_image") -> None:
+    """Refuse a ControlNet image that diffusers' control image processor (``VaeImageProcessor(do_convert_rgb=True,
+    do_normalize=False)``) would read as another picture without a word: an array or tensor outside [0, 1] (it is
+    not rescaled: 0..255 values reach the ControlNet 255 times too strong, [-1, 1] ones with negative pixels), a PIL
+    image whose ``convert("RGB")`` drops transparency or clips 16/32-bit and float values to 0..255 (a 16-bit depth
+    map turns white). 8-bit modes (``L``, ``P`` without transparency, ``CMYK``...) convert as they do in diffusers.
+
+    Raises:
+        RuntimeInputError: naming the image (and its index in a list), what was found and the fix.
+    """
+    check_range(name, image, 0.0, 1.0, "a ControlNet reads control images in [0, 1] (e.g. array / 255)")
+    items = image if isinstance(image, list) else [image]
+    for i, x in enumerate(items):
+        if _kind(x) != "pil":
+            continue
+        what = f"{name}[{i}]" if len(items) > 1 else name
+        if _has_transparency(x):
+            raise RuntimeInputError(
+                f"{what} has transparency (mode {x.mode}), which converting it to RGB would drop silently (transparent "
+                "pixels keep whatever colour they hold, often black); flatten it onto a background first, e.g. "
+                "Image.alpha_composite(Image.new('RGBA', im.size, 'white'), im).convert('RGB')")
+        if x.mode in ("I", "F") or x.mode.startswith("I;"):
+            raise RuntimeInputError(
+                f"{what} is a {x.mode} (16/32-bit or float) image, which converting it to RGB would clip to 0..255 "
+                "(a 16-bit depth map turns white); pass it as a float array in [0, 1] (e.g. np.asarray(im) / 65535 "
+                "for 16 bits), or convert it to 8 bits first")
+
+
+#: What Pillow raises for a damaged EXIF block (its parser's struct, key and value errors).
+_EXIF_ERRORS = (ValueError, TypeError, KeyError, SyntaxError, struct.error)
+
+
+def _too_large(path: str | os.PathLike[str], width: int, height: int, max_w: int, max_h: int) -> RuntimeInputError:
+    return RuntimeInputError(
+        f"{str(path)!r} is {width}x{height} (WxH), larger than the {max_w}x{max_h} the artifact's profile allows; "
+        "resize it into the profile (or recompile with --max-height/--max-width)")
+
+
+def _exif_upright(im: Any) -> Any:
+    """``im`` the way viewers show it: its EXIF orientation applied (``ImageOps.exif_transpose``, as diffusers'
+    ``load_image`` reads files), so a phone's portrait photo is not read lying on its side."""
+    from PIL import ImageOps
+
+    try:
+        return ImageOps.exif_transpose(im) or im
+    except _EXIF_ERRORS:  # a damaged EXIF block: read as stored (a damaged picture is an OSError: not read)
+        return im
 
 
 def image_rows_and_size(image: Any, name: str = "image", mask: bool = False) -> tuple[int, int, int]:
@@ -257,7 +315,7 @@ def preprocess_image(image: Any, vae_scale_factor: int = 8) -> torch.Tensor:
     """
     from diffusers.image_processor import VaeImageProcessor
 
-    _check_range("image", image, -1.0, 1.0, "scale it to [0, 1] (diffusers' range)")
+    check_range("image", image, -1.0, 1.0, "scale it to [0, 1] (diffusers' range)")
     items = image if isinstance(image, list) else [image]
     if _kind(items[0]) == "pil":
         modes = {x.mode for x in items}
@@ -283,7 +341,7 @@ def preprocess_mask(mask_image: Any, height: int, width: int, vae_scale_factor: 
     """
     from diffusers.image_processor import VaeImageProcessor
 
-    _check_range("mask_image", mask_image, 0.0, 1.0, "pass a mask in [0, 1] (white = repaint)")
+    check_range("mask_image", mask_image, 0.0, 1.0, "pass a mask in [0, 1] (white = repaint)")
     if isinstance(mask_image, list):
         mask_image = [mask_to_grayscale(m) if _kind(m) == "pil" else m for m in mask_image]
     elif _kind(mask_image) == "pil":
@@ -294,7 +352,7 @@ def preprocess_mask(mask_image: Any, height: int, width: int, vae_scale_factor: 
     return proc.preprocess(mask_image, height=height, width=width).float()
 
 
-def _check_range(name: str, image: Any, lo: float, hi: float, fix: str) -> None:
+def check_range(name: str, image: Any, lo: float, hi: float, fix: str) -> None:
     """Refuse an array or tensor image (or mask) holding NaN/Inf (:func:`~.finite.check_finite`) or values outside
     [``lo``, ``hi``], the message ending with ``fix``.
 

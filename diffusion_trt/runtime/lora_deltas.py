@@ -64,7 +64,8 @@ def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]],
     Raises:
         LoraError: diffusers cannot convert the file's keys; a LoRA variant refit cannot merge; its layers match
             none (or only part) of the components' layers (a LoRA for another architecture; the message names the
-            first layer that matches none); a layer on a weight of ``constants`` (naming it and the fix).
+            first layer that matches none); a layer on a weight of ``constants`` (naming it and the fix); a
+            layer whose A and B matrices do not multiply into its weight.
     """
     state, alphas, metadata = _lora_state_dict(lora.path, unet_config)
     if device is not None:
@@ -171,7 +172,14 @@ def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapp
         elif wname in base and f"{module}.lora_B.weight" in peft_state:
             scaling = _scaling(config, module) * lora.scale  # fuse_lora's scale_layer: scaling *= lora_scale
             a, b = peft_state[f"{module}.lora_A.weight"], peft_state[f"{module}.lora_B.weight"]
-            out[wname] = _delta_weight(a.to(torch.float32), b.to(torch.float32), base[wname], scaling)
+            try:
+                out[wname] = _delta_weight(a.to(torch.float32), b.to(torch.float32), base[wname], scaling)
+            except (RuntimeError, IndexError) as e:  # A and B do not multiply (ranks or dimensions differ)
+                raise LoraError(
+                    f"LoRA file {lora.path}: its layer {comp}.{module} has a {tuple(a.shape)} down (A) and a "
+                    f"{tuple(b.shape)} up (B) matrix, which give no update for its {tuple(base[wname].shape)} weight "
+                    "(their ranks or widths disagree); the file is damaged or was made for another architecture"
+                ) from e
             if tuple(out[wname].shape) != tuple(base[wname].shape):
                 raise LoraError(
                     f"LoRA file {lora.path}: its layer {comp}.{module} gives a {tuple(out[wname].shape)} update for a "

@@ -15,6 +15,9 @@ prompt. A chunk whose weights are all 1.0 is left as the encoder gave it, and on
 weighting is ~0 (below :data:`MEAN_FLOOR` of its mean absolute value, where the ratio is inf, NaN or wildly off) is
 left weighted but not rescaled.
 
+An embedding's vectors (:mod:`.embeddings`) stay in one chunk, as A1111 keeps them: one that would cross a chunk's
+end starts the next chunk (the rest of the chunk is padding); only one longer than a chunk is split.
+
 Differences from A1111 kept on purpose: no "comma backtrack" (A1111 moves a chunk break back to a comma within 20
 tokens); the EOS follows the last token, not at position 76 (the same for SD 1.x, whose pad is EOS).
 """
@@ -114,8 +117,16 @@ class PromptReader:
         tok, body = self.tokenizer, self.length - 2
         parts: list[list[tuple[int, float]]] = []
         for part in self.parse(text).parts:
-            tokens = [(t, seg.weight) for seg in part for t in self.token_ids(seg.text)]
-            parts.extend([tokens[i:i + body] for i in range(0, len(tokens), body)] or [[]])
+            rows: list[list[tuple[int, float]]] = [[]]
+            for seg in part:
+                for unit in self.token_units(seg.text):
+                    if rows[-1] and len(rows[-1]) + len(unit) > body and len(unit) <= body:
+                        rows.append([])  # an embedding that would cross the chunk's end starts the next one
+                    for t in unit:
+                        if len(rows[-1]) == body:
+                            rows.append([])
+                        rows[-1].append((t, seg.weight))
+            parts.extend(rows)
         truncated = len(parts) > self.max_chunks
         ids = torch.full((min(len(parts), self.max_chunks), self.length), tok.pad_token_id, dtype=torch.int64)
         weights = torch.ones(ids.shape, dtype=torch.float32)
@@ -127,12 +138,15 @@ class PromptReader:
                 weights[row, 1 : len(tokens) + 1] = torch.tensor([w for _, w in tokens])
         return TokenChunks(ids, weights, truncated)
 
-    def token_ids(self, text: str) -> list[int]:
-        """The token ids of one segment text, without BOS/EOS; embedding names become their (negative) ids."""
+    def token_units(self, text: str) -> list[list[int]]:
+        """The token ids of one segment text, without BOS/EOS, in the units a chunk must not split: one list per
+        token, one per embedding named (its negative ids, :meth:`~.embeddings.EmbeddingTable.tokenize_units`)."""
         def tokenize(piece: str) -> list[int]:
             return self.tokenizer(piece, add_special_tokens=False, truncation=False, verbose=False).input_ids
 
-        return self.embeddings.tokenize(text, tokenize) if self.embeddings is not None else tokenize(text)
+        if self.embeddings is not None:
+            return self.embeddings.tokenize_units(text, tokenize)
+        return [[t] for t in tokenize(text)]
 
     def empty_chunk(self) -> torch.Tensor:
         """[1, 77] ids of an empty chunk ``[BOS, EOS, pad...]``: what shorter texts are padded with."""

@@ -10,6 +10,8 @@
   only round brackets take a number, as in A1111);
 * ``\\(`` ``\\)`` ``\\[`` ``\\]`` ``\\\\`` are the literal characters;
 * ``BREAK`` (upper case, a word of its own) ends the current 75-token chunk (see :mod:`.prompt_encoding`);
+* a weight written like a number that is none (``(fox:1,3)`` with a decimal comma, ``(fox:1.2.3)``) is no weight
+  either: the bracket keeps its default factor 1.1 and ``:1,3`` stays text, as in A1111, with a warning;
 * a bracket without its partner is kept as literal text, and reported in :attr:`ParsedPrompt.warnings` (A1111
   instead weights the rest of the prompt by an unclosed bracket); never an exception;
 * a weight that is not a finite number (``(fox:nan)``, ``(fox:inf)``, a number too large for a float32, the weights'
@@ -49,6 +51,7 @@ _TOKEN = re.compile(
     r"|\(|\[|\]"                                 # an opening bracket, or a closing square one
     r"|:\s*([+-]?(?:\d+\.?\d*|\.\d+))\s*\)"      # ':1.3)': closes a round bracket with its own factor
     r"|:\s*((?i:[+-]?(?:nan|inf(?:inity)?)))\s*\)"  # ':nan)', ':inf)': closes one with a non-finite "factor"
+    r"|:\s*([+-]?[\d.,]*\d[\d.,]*)\s*\)"          # ':1,3)', ':1.2.3)': closes one with a misspelt number
     r"|\)"                                       # a closing round bracket
     r"|\bBREAK\b"                                # a chunk break
     r"|[^\\()\[\]:B]+|."                         # text (one character at a time where it could start a token)
@@ -122,7 +125,7 @@ def parse_prompt(text: str, syntax: str = "a1111") -> ParsedPrompt:
         elif tok in "([":
             stack.append((tok, len(items), m.start()))
             items.append([tok, 1.0])
-        elif tok == "]" or tok == ")" or m.group(1) is not None or m.group(2) is not None:
+        elif tok == "]" or tok == ")" or any(m.group(g) is not None for g in (1, 2, 3)):
             want = "[" if tok == "]" else "("
             if stack and stack[-1][0] == want:
                 factor, literal = _closing_factor(m, want, warnings)
@@ -150,13 +153,17 @@ def _closing_factor(m: re.Match[str], want: str, warnings: list[str]) -> tuple[f
     a finite number: then the factor is :data:`ATTENTION`, ``:WEIGHT`` stays text and a warning is appended)."""
     if want == "[":
         return 1 / ATTENTION, ""
-    weight = m.group(1) or m.group(2)
+    weight = m.group(1) or m.group(2) or m.group(3)
     if weight is None:
         return ATTENTION, ""
+    shown = weight if len(weight) <= 24 else weight[:20] + "..."
+    if m.group(3) is not None:
+        warnings.append(f"prompt: weight {shown!r} at character {m.start()} is not a number (write a decimal point, "
+                        f"e.g. 1.3); the bracket keeps its default factor {ATTENTION} and ':{shown}' stays text")
+        return ATTENTION, m.group(0)[:-1]
     factor = float(weight)
     if finite_in_float32(factor):  # the token weights are float32 (:mod:`.prompt_encoding`)
         return factor, ""
-    shown = weight if len(weight) <= 24 else weight[:20] + "..."
     warnings.append(f"prompt: weight {shown!r} at character {m.start()} is not a finite number; the bracket keeps "
                     f"its default factor {ATTENTION} and ':{shown}' stays text")
     return ATTENTION, m.group(0)[:-1]

@@ -118,6 +118,12 @@ def _image(text: str, name: str, height: int, width: int) -> np.ndarray:
     if img.size != (width, height):
         raise RequestError(IMAGE_FIELD, f"control image for {name!r} is {img.width}x{img.height} (WxH) but the "
                            f"output is {width}x{height}; resize it to the output size")
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
+        raise RequestError(IMAGE_FIELD, f"control_image has transparency (mode {img.mode}), which would be dropped "
+                           "silently; flatten it onto a background and send it without alpha (RGB PNG or JPEG)")
+    if img.mode in ("I", "F") or img.mode.startswith("I;"):
+        raise RequestError(IMAGE_FIELD, f"control_image is a {img.mode} (16-bit) image, whose values converting it "
+                           "to RGB would clip to 0..255 (a depth map turns white); send an 8-bit PNG or JPEG")
     try:
         rgb = np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0
     except (OSError, ValueError) as e:

@@ -130,6 +130,24 @@ def test_cli_second_compile_comes_from_the_cache(tiny_pipeline_dir: Path, tiny_a
     assert code == 0 and len(calls) == 2 and "cache" not in artifacts.read_manifest(tmp_path / "c")
 
 
+def test_a_cache_hit_repeats_the_warnings_of_settings_cut_back(tiny_pipeline_dir: Path, tiny_artifact: Path,
+                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--max-clip-skip 5 on a 2-layer text encoder builds clip skip 1 with a warning; the identical recompile, a hit,
+    built the same without a word (and so --fp16-safe-vae's "no effect")."""
+    import diffusion_trt.compiler.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "compile_pipeline", lambda model, out, *a, **k: shutil.copytree(tiny_artifact, out))
+    args = ("compile", tiny_pipeline_dir, "--cache-dir", tmp_path / "cache", "--max-clip-skip", "5",
+            "--fp16-safe-vae")
+    assert _invoke(*args, "-o", tmp_path / "a")[0] == 0
+    code, out = _invoke(*args, "-o", tmp_path / "b")
+    assert code == 0 and "compile cache hit" in out, out
+    assert "warning: max_clip_skip=5: the text encoder has 2 layers; clip skip goes up to 1" in out
+    assert "warning: --fp16-safe-vae: no effect on an SD 1.x/2.x model" in out
+    code, out = _invoke("compile", tiny_pipeline_dir, "--cache-dir", tmp_path / "cache", "-o", tmp_path / "c")
+    assert code == 0 and "warning:" not in out, out  # the defaults cut back say nothing, hit or miss
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -181,6 +181,23 @@ def test_a_single_file_without_a_config_is_refused_naming_the_fix(cn_file: Path,
     assert "lonely.yaml" in lines[0] and "config.json" in lines[0]
 
 
+def test_a_file_that_is_no_controlnet_is_refused_naming_what_it_is(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """A LoRA given to --controlnet reached diffusers' config inference: a huggingface_hub UserWarning over two lines,
+    then an error about a Hub repo's config.json missing from the cache."""
+    lora = tmp_path / "ink.safetensors"
+    save_file({"unet.down_blocks.0.attentions.0.proj_in.lora_A.weight": torch.zeros(4, 16),
+               "unet.down_blocks.0.attentions.0.proj_in.lora_B.weight": torch.zeros(16, 4)}, lora)
+    other = tmp_path / "other.safetensors"
+    save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(4)}, other)
+    for path, message in ((lora, "it holds LoRA layers: pass it with --lora"), (other, "it is not a ControlNet")):
+        result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"), "--no-cache",
+                                           "--controlnet", f"cn={path}"])
+        assert result.exit_code == 2, result.output
+        assert result.output.count("\n") == 1 and result.output.startswith("error: "), result.output
+        assert f"--controlnet {path} holds no ControlNet weights (keys like " in result.output
+        assert message in result.output
+
+
 def test_a_single_file_of_another_base_is_refused_naming_both(tmp_path: Path, tiny_pipeline_dir: Path) -> None:
     sd21 = write_dummy_controlnet(tmp_path / "sd21", "tiny-sd21", seed=0)
     (tmp_path / "file").mkdir()

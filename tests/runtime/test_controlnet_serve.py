@@ -83,9 +83,13 @@ def test_the_only_controlnet_is_the_default_and_jpeg_and_data_urls_are_read() ->
     ({"controlnet": b"a", "control_image": b"!!not base64!!"}, "control_image is not base64"),
     ({"controlnet": b"a", "control_image": base64.b64encode(b"GIF89a....")}, "control_image is not a PNG or JPEG"),
     ({"controlnet": np.array([1], dtype=np.int32), "control_image": "png"}, "controlnet must be one BYTES value"),
+    # converted silently before: the alpha dropped, 16-bit values clipped to 255 (white)
+    ({"controlnet": b"a", "control_image": "rgba"}, "control_image has transparency (mode RGBA), which would be"),
+    ({"controlnet": b"a", "control_image": "16bit"}, "control_image is a I;16 (16-bit) image, whose values converting"),
 ])
 def test_bad_control_inputs_are_refused_naming_the_field(fields: dict, message: str) -> None:
-    encoded = {"png": _b64(_image(0)), "small": _b64(_image(0, size=32))}
+    encoded = {"png": _b64(_image(0)), "small": _b64(_image(0, size=32)), "rgba": _b64(_image(0).convert("RGBA")),
+               "16bit": _b64(Image.fromarray(np.full((64, 64), 40000, np.uint16)))}
     data = {k: v if isinstance(v, np.ndarray) else encoded.get(v) if isinstance(v, str) else
             np.array([v], dtype=object) for k, v in fields.items()}
     with pytest.raises(RequestError) as e:

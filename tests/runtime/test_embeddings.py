@@ -140,6 +140,23 @@ def test_names_are_split_as_words_before_tokenizing(tiny_pipeline_dir: Path, fil
     assert ids[4 + n] == -13 and chunk.weights[0, 4 + n] == 1.0 and ids[5 + n] == tok.eos_token_id
 
 
+def test_an_embedding_is_never_split_across_chunks(tiny_pipeline_dir: Path, files: dict[str, Path]) -> None:
+    """A1111 moves an embedding that would cross a chunk's end to the next chunk; its 8 vectors were cut 2 + 6 and
+    encoded in two unrelated contexts."""
+    tok = CLIPTokenizer.from_pretrained(tiny_pipeline_dir / "tokenizer", local_files_only=True)
+    table = EmbeddingTable(16, HIDDEN).add(read_embedding(files["easynegative"]))  # 8 vectors: ids -16..-9
+    reader = PromptReader(tok, "a1111", 3, embeddings=table)
+    word = tok("fox", add_special_tokens=False).input_ids
+    assert len(word) == 1
+    chunks = reader.chunks("fox " * 73 + "easynegative fox")
+    ids = chunks.ids.tolist()
+    assert chunks.chunks == 2
+    assert ids[0][1:74] == word * 73 and ids[0][74] == tok.eos_token_id  # the 2 places left stay padding
+    assert ids[1][1:11] == [*range(-16, -8), word[0], tok.eos_token_id]
+    fits = reader.chunks("fox " * 67 + "easynegative")  # 67 + 8 = 75: fills the chunk
+    assert fits.chunks == 1 and fits.ids[0, 68:76].tolist() == list(range(-16, -8))
+
+
 @pytest.mark.parametrize("name", ["inkstyle", "easynegative", "cattoy", "foxy"])
 def test_file_forms(files: dict[str, Path], name: str) -> None:
     emb = read_embedding(files[name])
@@ -162,12 +179,13 @@ def _bad_files(d: Path) -> dict[str, Path]:
     save_file({"emb_params": torch.zeros(1, HIDDEN)}, str(d / "other" / "inkstyle.safetensors"))
     save_file({"a": torch.zeros(1, HIDDEN), "b": torch.zeros(1, HIDDEN)}, str(d / "twokeys.safetensors"))
     save_file({"emb_params": torch.zeros(200, HIDDEN)}, str(d / "many.safetensors"))
+    save_file({"emb_params": torch.ones(2, HIDDEN, dtype=torch.int64)}, str(d / "ints.safetensors"))
     save_file({"text_encoder.x.q_proj.lora_A.weight": torch.zeros(2, HIDDEN),
                "text_encoder.x.q_proj.lora_B.weight": torch.zeros(HIDDEN, 2)}, str(d / "lora.safetensors"))
     return {"lora": d / "lora.safetensors", "wide": d / "wide.safetensors", "evil": d / "evil.pt",
             "xl": d / "xl.safetensors", "many": d / "many.safetensors",
             "clash": d / "other" / "inkstyle.safetensors", "twokeys": d / "twokeys.safetensors",
-            "missing": d / "nope.safetensors", "folder": d / "other"}
+            "missing": d / "nope.safetensors", "folder": d / "other", "ints": d / "ints.safetensors"}
 
 
 @pytest.mark.parametrize(("case", "message"), [
@@ -180,6 +198,7 @@ def _bad_files(d: Path) -> dict[str, Path]:
     # a LoRA given as --embedding listed its first keys and "none of the textual-inversion forms"
     ("lora", "is a LoRA (lora_* keys), not a textual-inversion embedding: pass it with --lora"),
     ("missing", "nope.safetensors does not exist"),
+    ("ints", "the vectors are int64 values; textual-inversion vectors are floats"),  # ran as vectors before
     ("folder", "other is a directory; pass one embedding file in it (.safetensors, or .pt/.bin"),
 ])
 def test_bad_embedding_is_one_error_line(tiny_artifact: Path, files: dict[str, Path], tmp_path: Path, case: str,
@@ -236,6 +255,27 @@ def test_run_with_embeddings(tiny_artifact: Path, files: dict[str, Path], tmp_pa
     assert typo.exit_code == 0, typo.output
     assert "warning: --embedding: 'easynegative' is named in neither --prompt nor --negative-prompt, so it changes " \
         "nothing" in typo.output
+
+
+def test_run_warns_of_an_embedding_name_the_prompt_syntax_reads_as_weights(files: dict[str, Path], tiny_artifact: Path,
+                                                                          tmp_path: Path) -> None:
+    """`neg(v2)` in an A1111 prompt is `neg` and a weighted `v2`, so the embedding `neg(v2).safetensors` changed
+    nothing, and no warning said so (the check read the raw text, where the name is)."""
+    path = tmp_path / "neg(v2).safetensors"
+    path.write_bytes(files["inkstyle"].read_bytes())
+
+    def run(negative: str, *args: str) -> str:
+        result = CliRunner().invoke(main, ["run", str(tiny_artifact), "-p", "a fox", "-n", negative, "--embedding",
+                                           str(path), "--steps", "1", "-o", str(tmp_path / "o.png"), "--overwrite",
+                                           *args])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    assert "warning: --embedding: 'neg(v2)' is written in the prompts, but the A1111 prompt syntax reads its " \
+        "brackets as weights (or BREAK as a chunk break), so it changes nothing; write it neg\\(v2\\), or pass " \
+        "--prompt-syntax plain" in run("neg(v2), lowres")
+    assert "changes nothing" not in run("neg\\(v2\\), lowres")
+    assert "changes nothing" not in run("neg(v2), lowres", "--prompt-syntax", "plain")
 
 
 def test_table_rows_are_bounded_and_loading_is_all_or_nothing(pipe: EnginePipeline, files: dict[str, Path]) -> None:

@@ -268,6 +268,9 @@ def _bad_loras(loras: dict[str, Path], d: Path) -> dict[str, tuple[Path, str]]:
             for k, v in tensors.items()}
     save_file(wide, str(d / "wider.safetensors"))
     save_file({k: v * float("inf") if "lora_B" in k else v for k, v in tensors.items()}, str(d / "inf.safetensors"))
+    up = next(k for k in tensors if "lora_B" in k and "to_q" in k)  # its rank disagrees with its A matrix's
+    save_file({**tensors, up: torch.zeros(tensors[up].shape[0], tensors[up].shape[1] + 1)},
+              str(d / "ranks.safetensors"))
     torch.save(tensors, d / "pickled.pt")
     (d / "pickle_renamed.safetensors").write_bytes((d / "pickled.pt").read_bytes())
     return {
@@ -276,6 +279,7 @@ def _bad_loras(loras: dict[str, Path], d: Path) -> dict[str, tuple[Path, str]]:
                                    "the first that matches none: 'unet.no_such_block.proj.lora_A.weight'"),
         "wider-model": (d / "wider.safetensors", "weight; it was made for another architecture (other widths)"),
         "non-finite": (d / "inf.safetensors", "leaves NaN/Inf in"),
+        "ranks-disagree": (d / "ranks.safetensors", "up (B) matrix, which give no update for its"),
         "pickle": (d / "pickled.pt", "is not a .safetensors file"),
         "pickle-renamed": (d / "pickle_renamed.safetensors", "is not a valid safetensors file"),
     }
@@ -315,6 +319,7 @@ def test_run_lora_cli(refittable: Path, loras: dict[str, Path], tmp_path: Path, 
     cases = [
         ([*args, "--lora", str(bad["keys-matching-no-layer"][0])], bad["keys-matching-no-layer"][1]),
         ([*args, "--lora", str(bad["pickle"][0])], "is not a .safetensors file"),
+        ([*args, "--lora", str(bad["ranks-disagree"][0])], bad["ranks-disagree"][1]),
         ([*args, "--lora", f"{loras['peft']}:strong"], "'strong' is not a scale"),
         (["run", str(tiny_artifact), "-p", "x", "--steps", "1", "--lora", str(loras["peft"])],
          "was compiled without --refittable"),

@@ -56,7 +56,17 @@ CASES = [
     ("(a:" + "9" * 400 + ")", [[("a:" + "9" * 400, A)]], 1),  # float() overflows to inf
     ("(a:1" + "0" * 39 + ")", [[("a:1" + "0" * 39, A)]], 1),  # finite as a float, inf as the float32 weight
     ("a:nan)", [[("a:nan)", 1.0)]], 1),  # closes nothing: the usual warning only
+    # a misspelt number (a decimal comma, two points): the same, with a warning (it was silently 1.1 before)
+    ("(a:1,3)", [[("a:1,3", A)]], 1),
+    ("(a: 1.2.3 ) (b:2)", [[("a: 1.2.3 ", A), (" ", 1.0), ("b", 2.0)]], 1),
+    ("(a, 1, 2)", [[("a, 1, 2", A)]], 0),  # no colon: text in a bracket, as ever
 ]
+
+
+def test_a_misspelt_weight_warns_naming_it() -> None:
+    assert parse_prompt("x (a:1,3)").warnings == (
+        "prompt: weight '1,3' at character 4 is not a number (write a decimal point, e.g. 1.3); the bracket keeps "
+        "its default factor 1.1 and ':1,3' stays text",)
 
 
 @pytest.mark.parametrize(("prompt", "expected", "n_warnings"), CASES)

@@ -171,9 +171,33 @@ def test_read_image_file_refuses_with_the_reason(tmp_path: Path) -> None:
     assert read_image_file(path, "RGB").size == (16, 8)
     with pytest.raises(RuntimeInputError, match=r"is 16x8 \(WxH\), larger than the 8x8"):
         read_image_file(path, "RGB", (8, 8))
+    Image.fromarray(np.full((8, 16), 0.5, np.float32)).save(tmp_path / "depth.tiff")  # convert read it as black
+    for mode in ("RGB", "L"):
+        with pytest.raises(RuntimeInputError, match=r"is a 32-bit float image \(mode F\)"):
+            read_image_file(tmp_path / "depth.tiff", mode)
     (tmp_path / "b.png").write_bytes(b"not an image")
     with pytest.raises(RuntimeInputError, match="cannot read"):
         read_image_file(tmp_path / "b.png", "L")
+
+
+def test_read_image_file_applies_the_exif_orientation(tmp_path: Path) -> None:
+    """A phone's portrait photo is stored on its side with an EXIF Orientation; it was read lying down (the size
+    check and the pixels), where diffusers' load_image and every viewer turn it upright."""
+    from PIL import Image
+
+    stored = np.zeros((16, 32, 3), np.uint8)
+    stored[:, :16] = 255  # 32 wide, 16 high as stored: the left half white
+    im = Image.fromarray(stored)
+    exif = im.getexif()
+    exif[0x0112] = 6  # shown turned 90 degrees clockwise: 16 wide, 32 high, the top half white
+    for name in ("photo.jpg", "photo.png"):
+        im.save(tmp_path / name, exif=exif.tobytes())
+        for mode in ("RGB", "L"):
+            got = np.asarray(read_image_file(tmp_path / name, mode, (32, 16)))  # fits only upright
+            assert got.shape[:2] == (32, 16), (name, mode)
+            assert got[:12].min() > 200 and got[20:].max() < 50, (name, mode)
+    with pytest.raises(RuntimeInputError, match=r"is 16x32 \(WxH\), larger than the 32x16"):
+        read_image_file(tmp_path / "photo.png", "RGB", (16, 32))
 
 
 def test_the_loop_runs_a_built_request_as_the_pipeline_does(tiny_artifact: Path) -> None:
