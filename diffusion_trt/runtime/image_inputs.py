@@ -207,7 +207,7 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
                 raise RuntimeInputError(
                     f"{str(path)!r} has transparency (mode {im.mode}), which would be dropped silently; flatten it "
                     "onto a background first and save it without alpha (RGB PNG or JPEG)")
-            im = _exif_upright(im)
+            im = exif_upright(im)
             if im.height > max_h or im.width > max_w:  # upright, it does not fit
                 raise _too_large(path, im.width, im.height, max_w, max_h)
             if im.mode == "I" or im.mode.startswith("I;16"):
@@ -268,9 +268,10 @@ def _too_large(path: str | os.PathLike[str], width: int, height: int, max_w: int
         "resize it into the profile (or recompile with --max-height/--max-width)")
 
 
-def _exif_upright(im: Any) -> Any:
-    """``im`` the way viewers show it: its EXIF orientation applied (``ImageOps.exif_transpose``, as diffusers'
-    ``load_image`` reads files), so a phone's portrait photo is not read lying on its side."""
+def exif_upright(im: Any) -> Any:
+    """``im`` (a PIL image opened from a file) the way viewers show it: its EXIF orientation applied
+    (``ImageOps.exif_transpose``, as diffusers' ``load_image`` reads files), so a phone's portrait photo is not read
+    lying on its side; a damaged EXIF block leaves it as stored. Decodes the pixels."""
     from PIL import ImageOps
 
     try:

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..config import split_scale
 from ..runtime.float_range import finite_in_float32
+from ..runtime.image_inputs import exif_upright
 from .loras import one_text
 from .triton_model import RequestError
 
@@ -97,8 +98,9 @@ class ControlNets:
 
 
 def _image(text: str, name: str, height: int, width: int) -> np.ndarray:
-    """The base64 control image as float32 [3, H, W] in [0, 1], checked against the output size before decoding
-    its pixels (a small file cannot unpack into a huge image)."""
+    """The base64 control image as float32 [3, H, W] in [0, 1], upright (its EXIF orientation applied, as ``run``
+    reads files), checked against the output size before decoding its pixels (a small file cannot unpack into a huge
+    image; either way round, since the orientation may turn it a quarter) and again once upright."""
     from PIL import Image, UnidentifiedImageError
 
     if len(text) > MAX_IMAGE_BYTES:
@@ -115,9 +117,8 @@ def _image(text: str, name: str, height: int, width: int) -> np.ndarray:
         img = Image.open(io.BytesIO(raw), formats=_FORMATS)
     except (UnidentifiedImageError, OSError):
         raise RequestError(IMAGE_FIELD, "control_image is not a PNG or JPEG file; send one, base64-encoded") from None
-    if img.size != (width, height):
-        raise RequestError(IMAGE_FIELD, f"control image for {name!r} is {img.width}x{img.height} (WxH) but the "
-                           f"output is {width}x{height}; resize it to the output size")
+    if img.size not in ((width, height), (height, width)):  # from the header; its EXIF orientation may turn it
+        raise _wrong_size(name, img.width, img.height, width, height)
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
         raise RequestError(IMAGE_FIELD, f"control_image has transparency (mode {img.mode}), which would be dropped "
                            "silently; flatten it onto a background and send it without alpha (RGB PNG or JPEG)")
@@ -125,10 +126,18 @@ def _image(text: str, name: str, height: int, width: int) -> np.ndarray:
         raise RequestError(IMAGE_FIELD, f"control_image is a {img.mode} (16-bit) image, whose values converting it "
                            "to RGB would clip to 0..255 (a depth map turns white); send an 8-bit PNG or JPEG")
     try:
+        img = exif_upright(img)  # as run reads --control-image files (a phone's portrait photo is stored on its side)
         rgb = np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0
     except (OSError, ValueError) as e:
         raise RequestError(IMAGE_FIELD, f"control_image could not be decoded ({e}); send a whole PNG/JPEG") from None
+    if img.size != (width, height):  # upright, the other way round
+        raise _wrong_size(name, img.width, img.height, width, height)
     return np.ascontiguousarray(rgb.transpose(2, 0, 1))
+
+
+def _wrong_size(name: str, w: int, h: int, width: int, height: int) -> RequestError:
+    return RequestError(IMAGE_FIELD, f"control image for {name!r} is {w}x{h} (WxH) but the output is "
+                                     f"{width}x{height}; resize it to the output size")
 
 
 def stacked(requests: Sequence[ControlRequest]) -> Mapping[str, Any]:

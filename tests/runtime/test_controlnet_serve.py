@@ -70,6 +70,28 @@ def test_the_only_controlnet_is_the_default_and_jpeg_and_data_urls_are_read() ->
     assert nets.resolve({"controlnet": np.array([b":0.5"]), "control_image": jpeg}, 64, 64).scale == 0.5
 
 
+def _turned(stored: np.ndarray) -> np.ndarray:
+    """``stored`` as a PNG whose EXIF Orientation 6 shows it turned a quarter clockwise (a phone's portrait photo)."""
+    im = Image.fromarray(stored)
+    exif = im.getexif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    im.save(buf, format="PNG", exif=exif.tobytes())
+    return np.array([base64.b64encode(buf.getvalue())], dtype=object)
+
+
+def test_control_images_are_read_upright_as_run_reads_files() -> None:
+    """The EXIF orientation is applied, as `run --control-image` and diffusers' load_image apply it; the size check
+    is of the upright picture (the header's size either way round, before decoding)."""
+    stored = np.zeros((64, 32, 3), np.uint8)
+    stored[:, :16] = 255  # 32 wide, 64 high as stored: the left half white; shown 64 wide, 32 high, the top half white
+    got = control.ControlNets(["a"]).resolve({"control_image": _turned(stored)}, 32, 64)
+    assert got is not None and got.image.shape == (3, 32, 64)
+    assert got.image[:, :12].min() == 1.0 and got.image[:, 20:].max() == 0.0
+    with pytest.raises(RequestError, match=r"control image for 'a' is 64x32 \(WxH\) but the output is 32x64"):
+        control.ControlNets(["a"]).resolve({"control_image": _turned(stored)}, 64, 32)  # stored size, not upright
+
+
 @pytest.mark.parametrize(("fields", "message"), [
     ({"controlnet": b"a"}, "controlnet='a' was sent without control_image"),
     ({"controlnet": b"c", "control_image": "png"}, "ControlNet 'c' is not in this artifact; it has a, b"),
