@@ -20,6 +20,7 @@ from typing import Any
 
 from .config import split_scale
 from .errors import LoraError
+from .runtime.float_range import is_real_number
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +111,7 @@ def check_scale(scale: Any) -> float:
     Raises:
         LoraError: not a finite number.
     """
-    number = not isinstance(scale, bool) and isinstance(scale, int | float)
-    if not number or not math.isfinite(scale):
+    if not is_real_number(scale) or not math.isfinite(scale):
         raise LoraError(f"LoRA scale={scale!r} must be a finite number, e.g. 0.8 (0 = the base model's output)")
     return float(scale)
 

@@ -47,7 +47,7 @@ from ..lora import LoadedLoras
 from .cuda import nvtx_range
 from .engines.engine import Engine
 from .finite import check_finite
-from .float_range import finite_in_float32
+from .float_range import finite_in_float32, is_real_number
 from .image_inputs import check_control_image, image_rows_and_size
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def _as_list(value: Any, n: int, what: str) -> list[Any]:
 def _finite(value: Any, what: str, example: float) -> float:
     """``value`` as a float, refused unless a number :func:`~.float_range.finite_in_float32` (the scales multiply
     float32 and fp16 residuals on the device; the message suggests ``example``)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not finite_in_float32(float(value)):
+    if not is_real_number(value) or not finite_in_float32(float(value)):
         raise RuntimeInputError(f"{what}={value!r} is not a finite float32 number; pass e.g. {example}")
     return float(value)
 
