@@ -1186,7 +1186,8 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
                    "repeatable, paired in order with --control-image.")
 @click.option("--control-image", "control_images", multiple=True,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="The control image of each --controlnet, of the output size (RGB; never resized).")
+              help="The control image of each --controlnet, of the output size (RGB; never resized); one alone, "
+                   "without --controlnet, is for the artifact's only ControlNet.")
 @click.option("--control-preprocess", type=click.Choice(["none", "canny"]), default="none", show_default=True,
               help="canny: make each control image a Canny edge map first (OpenCV: pip install -e '.[control]').")
 @click.option("--control-guidance-start", type=FiniteFloat(), default=0.0, show_default=True,
@@ -1430,12 +1431,15 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
                        control_images: tuple[Path, ...], preprocess: str, start: float, end: float, guess_mode: bool,
                        mode: str) -> dict[str, Any]:
     """run's ControlNet options as EnginePipeline keywords ({} without --controlnet); a --controlnet without a scale
-    gets the default of diffusers' ControlNet pipeline of ``mode`` (1.0 txt2img, 0.8 img2img, 0.5 inpaint).
+    gets the default of diffusers' ControlNet pipeline of ``mode`` (1.0 txt2img, 0.8 img2img, 0.5 inpaint). One
+    --control-image without --controlnet is for the artifact's only ControlNet.
 
     Raises:
         click.UsageError: a --controlnet without its --control-image or the other way round, a scale that is not a
             finite number; a ControlNet option (--guess-mode, --control-guidance-start/-end, --control-preprocess)
             without any --controlnet, where it would do nothing.
+        RuntimeInputError: one --control-image alone, for an artifact without exactly one ControlNet
+            (:func:`_only_controlnet`).
     """
     from .config import split_scale
     from .runtime.controlnet import DEFAULT_CONTROL_SCALE
@@ -1447,6 +1451,8 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
             raise click.UsageError(f"{lone[0]} needs --controlnet NAME --control-image FILE: it sets how ControlNets "
                                    f"act, and none is given; add one, or drop {lone[0]}")
         return {}
+    if len(control_images) == 1 and not controlnets:  # the only ControlNet, as controlnet=None from Python and serve
+        controlnets = _only_controlnet(_needed(read))
     if len(control_images) != len(controlnets):
         raise click.UsageError(f"{len(control_images)} --control-image for {len(controlnets)} --controlnet; give "
                                "one control image per ControlNet, in the same order")
@@ -1467,6 +1473,25 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
     return {"controlnet": names, "control_image": images if len(images) > 1 else images[0],
             "controlnet_conditioning_scale": scales, "control_guidance_start": start,
             "control_guidance_end": end, "guess_mode": guess_mode}
+
+
+def _only_controlnet(manifest: Manifest) -> tuple[str]:
+    """The name of ``manifest``'s one ControlNet, for a --control-image given without --controlnet.
+
+    Raises:
+        RuntimeInputError: the artifact has no ControlNet, or several (naming them): what it holds, not how the
+            command is spelt (one ``error:`` line, exit 2)."""
+    from .errors import RuntimeInputError
+    from .runtime.controlnet import controlnet_names
+
+    have = controlnet_names(list(manifest.components))
+    if not have:
+        raise RuntimeInputError("--control-image: this artifact has no ControlNet; compile it with --controlnet "
+                                "[NAME=]FOLDER")
+    if len(have) > 1:
+        raise RuntimeInputError(f"--control-image: this artifact has {len(have)} ControlNets ({', '.join(have)}); "
+                                "name the one it is for with --controlnet NAME")
+    return (have[0],)
 
 
 @main.command("inspect")

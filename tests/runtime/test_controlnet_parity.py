@@ -518,8 +518,42 @@ def test_a_guidance_window_that_holds_no_step_warns(controlnet_artifact: Path, t
     assert wide.exit_code == 0 and "acts on no step" not in wide.output, wide.output
 
 
+def test_run_one_control_image_without_controlnet_is_for_the_only_one(controlnet_artifact: Path,
+                                                                       tmp_path: Path) -> None:
+    """As controlnet=None from Python and serve: the artifact's only ControlNet, recorded by name in the PNG."""
+    art = _only_a(controlnet_artifact, tmp_path)
+    image = _control_png(tmp_path, "a.png")
+    alone = _run(art, tmp_path, "--control-image", image)
+    assert alone.exit_code == 0, alone.output
+    got = np.asarray(Image.open(tmp_path / "out.png"))
+    assert json.loads(Image.open(tmp_path / "out.png").text["parameters"])["controlnet"] == ["a"]
+    named = _run(art, tmp_path, "--controlnet", "a", "--control-image", image, "--overwrite")
+    assert named.exit_code == 0, named.output
+    assert np.array_equal(got, np.asarray(Image.open(tmp_path / "out.png")))
+
+
+def _only_a(artifact: Path, tmp_path: Path) -> Path:
+    """A resealed copy of the two-ControlNet artifact with ControlNet ``a`` only."""
+    import shutil
+
+    from diffusion_trt.artifact import folder as artifacts
+
+    dest = tmp_path / "only-a"
+    shutil.copytree(artifact, dest)
+    manifest = {k: v for k, v in json.loads((dest / "manifest.json").read_text()).items()
+                if k not in (artifacts.SEAL_KEY, "cache")}
+    for component in ("controlnet_b", "cond_embed_b"):
+        for rel in manifest["components"].pop(component)["files"]:
+            manifest["files"].pop(rel)
+        shutil.rmtree(dest / component)
+    artifacts.write_manifest(dest, manifest)
+    return dest
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--controlnet", "a"], "0 --control-image for 1 --controlnet"),
+    (["--control-image", "{a}"], "--control-image: this artifact has 2 ControlNets (a, b); name the one it is for "
+                                 "with --controlnet NAME"),
     (["--controlnet", "a:nan", "--control-image", "{a}"], "the scale 'nan' is not a finite number"),
     (["--controlnet", "a:x", "--control-image", "{a}"], "the scale 'x' is not a finite number"),
     (["--controlnet", "a:-1e39", "--control-image", "{a}"], "the scale '-1e39' is not a finite number"),
