@@ -1272,6 +1272,7 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
     if control and devices is not None:
         raise click.UsageError("--controlnet runs on one device; drop --devices (or use --device cuda)")
     mask = _read_image(mask_path, "--mask", "L", max_hw) if mask_path is not None else None
+    _needed(read)  # an artifact that cannot be read is the first thing to fix, before -o (e.g. an out.png left there)
     _refuse_inside_artifact(out, artifact_dir, "output file", "-o", _SEALED_FILE)
     _refuse_missing_folder(out, "-o")  # as PIL's image.save and diffusers: a typo'd folder is not made silently
     _check_writable_file(out, "-o", ".png")  # before minutes of denoising, not after

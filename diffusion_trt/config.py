@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -42,6 +43,13 @@ MAX_EMBEDDING_VECTORS = 1024
 #: Opsets compile exports: 17 (LayerNormalization) up to the newest that torch.onnx's TorchScript exporter
 #: (``dynamo=False``, compiler/export.py) writes.
 MIN_OPSET, MAX_OPSET = 17, 20
+
+
+def is_real_number(value: Any) -> bool:
+    """Whether ``value`` is a real number a caller may pass as a scale: an int, a float or a NumPy scalar of either
+    (``numbers.Real``; ``np.float32`` is no ``float``), not a bool (``True`` is an int to Python, never a scale;
+    ``np.bool_`` is no ``numbers.Real``)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def split_scale(text: str, default: float, *, at_last: bool = False, empty_is_default: bool = False

@@ -18,9 +18,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from .config import split_scale
+from .config import is_real_number, split_scale
 from .errors import LoraError
-from .runtime.float_range import is_real_number
 
 logger = logging.getLogger(__name__)
 

@@ -387,12 +387,16 @@ def test_run_refuses_to_overwrite_pngs_without_overwrite(tiny_artifact: Path, tm
     assert code == 2 and "already exists; pass --overwrite" in text
 
 
-def test_run_missing_artifact(tmp_path: Path) -> None:
+def test_run_missing_artifact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Named before the default -o out.png is checked: an out.png in the folder is not the problem to report."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out.png").write_bytes(b"")
     code, out = _invoke("run", tmp_path / "none", "-p", "x")
     assert code == 3 and "does not exist; run `diffusion-trt compile` first" in out
 
 
-def test_run_artifact_missing_a_file(tiny_artifact: Path, tmp_path: Path) -> None:
+def test_run_artifact_missing_a_file(tiny_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the default -o out.png: not the current folder's (the README's first command's)
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact, art)
     (art / "vae_decoder" / "model.onnx").unlink()
@@ -401,7 +405,8 @@ def test_run_artifact_missing_a_file(tiny_artifact: Path, tmp_path: Path) -> Non
     assert "vae_decoder/model.onnx: file is missing; copy the whole artifact folder or recompile" in out
 
 
-def test_run_artifact_sha256_mismatch(tiny_artifact: Path, tmp_path: Path) -> None:
+def test_run_artifact_sha256_mismatch(tiny_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the default -o out.png: not the current folder's (the README's first command's)
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact, art)
     path = art / "unet" / "model.onnx"
@@ -564,7 +569,8 @@ def test_zero_height_is_refused_not_defaulted(tiny_pipeline_dir: Path, tmp_path:
     assert code == 2 and "--height 0 must be a positive multiple of 8; use e.g. 512" in out
 
 
-def test_file_given_for_a_folder(tmp_path: Path) -> None:
+def test_file_given_for_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the default -o out.png: not the current folder's (the README's first command's)
     f = tmp_path / "README.md"
     f.write_text("x")
     code, out = _invoke("run", f, "-p", "x")

@@ -42,12 +42,13 @@ from ..artifact.manifest import CONTROL_COND as COND
 from ..artifact.manifest import CONTROL_EMBEDDING as EMBEDDING
 from ..artifact.manifest import CONTROLNET_PREFIX as PREFIX
 from ..artifact.manifest import EMBED_PREFIX, UNET_CONTROLNET, control_component_problems
+from ..config import is_real_number
 from ..errors import ArtifactError, RuntimeInputError
 from ..lora import LoadedLoras
 from .cuda import nvtx_range
 from .engines.engine import Engine
 from .finite import check_finite
-from .float_range import finite_in_float32, is_real_number
+from .float_range import finite_in_float32
 from .image_inputs import check_control_image, image_rows_and_size
 
 logger = logging.getLogger(__name__)

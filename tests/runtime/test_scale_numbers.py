@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from diffusion_trt.config import is_real_number
 from diffusion_trt.errors import LoraError, RuntimeInputError
 from diffusion_trt.lora import check_scale
 from diffusion_trt.runtime.controlnet import _finite
-from diffusion_trt.runtime.float_range import is_real_number
 
 
 @pytest.mark.parametrize("value", [1, 0.8, np.float32(0.8), np.float64(0.8), np.int64(2), np.float16(0.5)])
