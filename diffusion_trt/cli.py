@@ -1411,10 +1411,11 @@ def _check_embeddings_before_load(read: tuple[Manifest | None, DiffusionTrtError
         from .runtime.prompt_syntax import parse_prompt
 
         parsed = [s.text for t in texts if t for part in parse_prompt(t, prompt_syntax).parts for s in part]
-        as_written = set(tables[0].unused(parsed)) - set(tables[0].unused(texts))
+        unused_raw = set(tables[0].unused(texts))
         for name in tables[0].unused(parsed):
-            if name in as_written:  # a name with brackets or BREAK in it, which the A1111 syntax reads as its own
-                fix = f"write it {_escaped(name)}" if _escaped(name) != name else "rename the file"
+            if name not in unused_raw:  # a name with brackets or BREAK in it, which the A1111 syntax reads as its own
+                escaped = _escaped(name)
+                fix = f"write it {escaped}" if escaped != name else "rename the file"
                 logger.warning("--embedding: %r is written in the prompts, but the A1111 prompt syntax reads its "
                                "brackets as weights (or BREAK as a chunk break), so it changes nothing; %s, or pass "
                                "--prompt-syntax plain", name, fix)

@@ -164,7 +164,8 @@ def bench_multi(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: i
 
 
 def first_call_s(pipe: Any, cfg: BenchConfig, clock: Clock, batch: int, height: int, width: int) -> float:
-    """Wall-clock seconds of one whole call (PIL out, device synchronised), meant as the first at this shape."""
+    """Wall-clock seconds of one whole call (PIL out, device synchronised), meant as the first at this shape or one
+    of the calls right after it (``run.NEXT_CALLS``)."""
     kwargs = call_kwargs(cfg, height, width, batch)
     clock.sync()
     t0 = time.perf_counter()

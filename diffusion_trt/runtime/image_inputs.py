@@ -163,6 +163,22 @@ def mask_to_grayscale(mask: Any, name: str = "mask_image") -> Any:
         return mask.convert("L")
 
 
+#: PIL modes with an alpha band: ``convert("RGB")`` drops it.
+ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+
+
+def declares_transparency(im: Any) -> bool:
+    """A PIL image opened from a file declares transparency in its header (no pixel decoded): an alpha band
+    (:data:`ALPHA_MODES`) or a transparent colour (PNG tRNS)."""
+    return im.mode in ALPHA_MODES or "transparency" in im.info
+
+
+def is_wide_mode(mode: str) -> bool:
+    """A PIL mode of 16/32-bit integer or float values (``I``, ``I;16*``, ``F``), which ``convert("RGB")`` clips to
+    0..255."""
+    return mode in ("I", "F") or mode.startswith("I;")
+
+
 def _has_transparency(im: Any) -> bool:
     """``im`` has an alpha channel that is not opaque everywhere, or a transparent colour (PNG tRNS)."""
     if "transparency" in im.info:
@@ -203,7 +219,7 @@ def read_image_file(path: str | os.PathLike[str], mode: str, max_hw: tuple[int, 
             width, height = im.size
             if not (height <= max_h and width <= max_w) and not (width <= max_h and height <= max_w):
                 raise _too_large(path, width, height, max_w, max_h)
-            if mode != "L" and (im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info):
+            if mode != "L" and declares_transparency(im):
                 raise RuntimeInputError(
                     f"{str(path)!r} has transparency (mode {im.mode}), which would be dropped silently; flatten it "
                     "onto a background first and save it without alpha (RGB PNG or JPEG)")
@@ -251,7 +267,7 @@ def check_control_image(image: Any, name: str = "control_image") -> None:
                 f"{what} has transparency (mode {x.mode}), which converting it to RGB would drop silently (transparent "
                 "pixels keep whatever colour they hold, often black); flatten it onto a background first, e.g. "
                 "Image.alpha_composite(Image.new('RGBA', im.size, 'white'), im).convert('RGB')")
-        if x.mode in ("I", "F") or x.mode.startswith("I;"):
+        if is_wide_mode(x.mode):
             raise RuntimeInputError(
                 f"{what} is a {x.mode} (16/32-bit or float) image, which converting it to RGB would clip to 0..255 "
                 "(a 16-bit depth map turns white); pass it as a float array in [0, 1] (e.g. np.asarray(im) / 65535 "

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..config import split_scale
 from ..runtime.float_range import finite_in_float32
-from ..runtime.image_inputs import exif_upright
+from ..runtime.image_inputs import declares_transparency, exif_upright, is_wide_mode
 from .loras import one_text
 from .triton_model import RequestError
 
@@ -119,10 +119,10 @@ def _image(text: str, name: str, height: int, width: int) -> np.ndarray:
         raise RequestError(IMAGE_FIELD, "control_image is not a PNG or JPEG file; send one, base64-encoded") from None
     if img.size not in ((width, height), (height, width)):  # from the header; its EXIF orientation may turn it
         raise _wrong_size(name, img.width, img.height, width, height)
-    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
+    if declares_transparency(img):
         raise RequestError(IMAGE_FIELD, f"control_image has transparency (mode {img.mode}), which would be dropped "
                            "silently; flatten it onto a background and send it without alpha (RGB PNG or JPEG)")
-    if img.mode in ("I", "F") or img.mode.startswith("I;"):
+    if is_wide_mode(img.mode):
         raise RequestError(IMAGE_FIELD, f"control_image is a {img.mode} (16-bit) image, whose values converting it "
                            "to RGB would clip to 0..255 (a depth map turns white); send an 8-bit PNG or JPEG")
     try:
