@@ -262,6 +262,33 @@ def test_a_folder_exchanged_while_loading_gives_one_whole_artifact(art: Path,
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="renameat2(RENAME_EXCHANGE) is Linux only")
+def test_a_folder_exchanged_during_the_inside_check_keeps_reading_the_held_folder(
+        art: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exchange lands between the two ``/proc`` look-ups of the check that a file lies inside the folder (the
+    file's path read before the rename, the folder's after: on a loaded machine the engine threads hit this window).
+    The held folder was only moved, not deleted: the read goes on in it, no reload and no 'outside' error."""
+    from diffusion_trt.artifact.reader import ArtifactReader
+
+    other = _other_artifact(art, "other")
+    expected = (art / "unet" / "model.onnx").read_bytes()
+    real_readlink = os.readlink
+    done: list[bool] = []
+
+    def readlink_then_exchange(path: Any, *args: Any, **kwargs: Any) -> Any:
+        target = real_readlink(path, *args, **kwargs)
+        if str(target).endswith("unet/model.onnx") and not done:
+            done.append(True)
+            assert artifacts._exchange(art, other), "renameat2(RENAME_EXCHANGE) is not available here"
+        return target
+
+    with ArtifactReader.open(art, check_hashes=True) as reader:
+        monkeypatch.setattr(os, "readlink", readlink_then_exchange)
+        data = reader.read("unet/model.onnx")
+    assert done
+    assert bytes(data) == expected
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="renameat2(RENAME_EXCHANGE) is Linux only")
 @pytest.mark.parametrize("prefix", ["tokenizer/", "unet/", "scheduler/"])
 def test_a_folder_replaced_and_deleted_while_loading_is_loaded_again(art: Path, monkeypatch: pytest.MonkeyPatch,
                                                                      prefix: str) -> None:

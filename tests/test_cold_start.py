@@ -697,7 +697,6 @@ def test_the_loops_kernels_warm_up_at_the_artifacts_shapes(tiny_artifact: Path) 
     runs at the static specs' shapes and dtypes (here on the CPU, where it only costs time); a dynamic spec: no run."""
     from diffusion_trt.runtime.denoise import warm_loop_kernels
     from diffusion_trt.runtime.engines.engine import EngineSpec
-
     from diffusion_trt.runtime.geometry import LatentGeometry
 
     with ArtifactReader.open(tiny_artifact) as reader:

@@ -24,7 +24,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -122,9 +122,8 @@ class ArtifactReader:
         try:
             reader._json = reader._read_manifest(expect_sha256)
             reader.manifest = Manifest.from_json(reader._json)
-            pinned = reader.pinned_root
-            problems = [p.replace(str(pinned), str(root)) for p in
-                        folder.folder_problems(pinned, reader._json, check_hashes=False, parse_onnx=False)]
+            problems = reader._path_problems(
+                lambda pinned: folder.folder_problems(pinned, reader._json, check_hashes=False, parse_onnx=False))
             if problems:
                 raise reader._unless_replaced(folder.verification_failed(root, problems))
         except BaseException:
@@ -216,9 +215,8 @@ class ArtifactReader:
                                 "recompile") from None
         locations = folder.external_data_locations(model)
         del model
-        pinned = self.pinned_root
-        problems = [p.replace(str(pinned), str(self.root)) for p in
-                    folder.external_location_problems(pinned, rel, locations, self._json["files"])]
+        problems = self._path_problems(
+            lambda pinned: folder.external_location_problems(pinned, rel, locations, self._json["files"]))
         if problems:
             raise self._unless_replaced(folder.verification_failed(self.root, problems))
         targets = {loc: str(folder.external_data_target(rel, loc)) for loc in locations}
@@ -346,10 +344,8 @@ class ArtifactReader:
         :data:`~diffusion_trt.artifact.digests.CHUNK_BYTES` or more, each checked against ``chunks`` (the manifest's
         chunk digests) when given."""
         fd = self._require_fd()
-        try:
-            folder.safe_join(self.pinned_root, rel)  # lexical checks and links
-        except ArtifactError as e:
-            raise self._unless_replaced(e) from None
+        if problems := self._path_problems(lambda pinned: _join_problems(pinned, rel)):  # lexical checks and links
+            raise self._unless_replaced(ArtifactError(problems[0]))
         try:
             f = os.open(rel, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=fd)
         except FileNotFoundError:
@@ -361,7 +357,8 @@ class ArtifactReader:
             st = os.fstat(f)
             if not stat.S_ISREG(st.st_mode):
                 raise ArtifactError(f"{self.root}/{rel} is not a regular file; recopy or recompile the artifact")
-            self._check_inside(f, rel)
+            if problems := self._path_problems(lambda pinned: self._outside_problems(f, rel)):
+                raise self._unless_replaced(ArtifactError(problems[0]))
             if size is not None and st.st_size != size:
                 raise ArtifactError(f"{self.root}/{rel}: size {st.st_size} != {size} in the manifest; the file is "
                                     "truncated or altered")
@@ -422,19 +419,48 @@ class ArtifactReader:
             return True
         return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
 
-    def _check_inside(self, f: int, rel: str) -> None:
-        """Where ``/proc`` tells: the opened file lies under the folder the descriptor holds (a link swapped in
-        after the checks cannot lead out)."""
+    def _outside_problems(self, f: int, rel: str) -> list[str]:
+        """Where ``/proc`` tells: the opened file ``f`` lies under the folder the descriptor holds (a link swapped in
+        after the checks cannot lead out); the problem, if not."""
         try:
             where = Path(os.readlink(f"/proc/self/fd/{f}"))
             top = Path(os.readlink(f"/proc/self/fd/{self._require_fd()}"))
         except OSError:
-            return
-        if not where.is_relative_to(top):
-            raise self._unless_replaced(ArtifactError(
-                f"{self.root}/{rel} resolves to {where}, outside the artifact folder; replace the symbolic link with "
-                "the file itself"))
+            return []
+        if where.is_relative_to(top):
+            return []
+        return [f"{self.root}/{rel} resolves to {where}, outside the artifact folder; replace the symbolic link with "
+                "the file itself"]
 
+    def _path_problems(self, check: Callable[[Path], list[str]]) -> list[str]:
+        """``check(pinned_root)``: the problems of a check that walks the held folder by path, named under
+        :attr:`root`. A folder renamed while such a check ran (``compile --overwrite``'s rename-exchange moves the
+        folder being loaded aside) resolves one path before the rename and the other after, so a file would seem to
+        lie outside it: when the folder's name changed meanwhile the check runs again (at most 3 times)."""
+        problems: list[str] = []
+        for _ in range(3):
+            before = self._held_name()
+            pinned = self.pinned_root
+            problems = [p.replace(str(pinned), str(self.root)) for p in check(pinned)]
+            if not problems or self._held_name() == before:
+                break
+        return problems
+
+    def _held_name(self) -> str | None:
+        """The path the held folder has now (``/proc``), or ``None`` where it cannot be told."""
+        try:
+            return os.readlink(f"/proc/self/fd/{self._require_fd()}")
+        except OSError:
+            return None
+
+
+def _join_problems(root: Path, rel: str) -> list[str]:
+    """:func:`folder.safe_join`'s refusal of ``rel`` under ``root``, as a problem; none when it is inside."""
+    try:
+        folder.safe_join(root, rel)
+    except ArtifactError as e:
+        return [str(e)]
+    return []
 
 def _empty(spill: Path) -> None:
     """Remove what :meth:`ArtifactReader._spilled` left in ``spill`` (the folder itself stays: the caller's);
