@@ -61,6 +61,9 @@
 #   bash benchmarks/gpu_cold_start.sh offline OUT      ort_offline_optimization.py on base's UNet
 #   bash benchmarks/gpu_cold_start.sh controlnet OUT   controlnet_step.py (0/1/2 ControlNets, ours vs diffusers)
 #   bash benchmarks/gpu_cold_start.sh lora OUT         lora_switch.py on the refit/merged/base artifacts
+#   bash benchmarks/gpu_cold_start.sh norm-forms OUT   groupnorm_forms.py (GroupNorm forms at every SD-1.5 site:
+#                                                       run-to-run identity, cost per UNet step / decode), then the
+#                                                       GPU tests
 #   bash benchmarks/gpu_cold_start.sh first-run OUT    first_run_options.py: session / first / warm run per CUDA
 #                                                       provider option, static base (unet, vae_decoder) and dyn
 #                                                       at three latent sizes
@@ -354,6 +357,14 @@ from diffusion_trt.cli import main; sys.argv[0] = 'diffusion-trt'; main()" bench
         --steps 30 --sizes 512x512,768x768,640x384 --size-buckets auto --cudnn-algo-search heuristic \
         --json "$out/bench_dyn_prime_${v}_$i.json" 2>&1 | grep -E "first|unet:|^ours " | grep -v multi
     done; done ;;
+  norm-forms)  # issue 28's deterministic mode: the GroupNorm forms at every SD-1.5 site (groupnorm_forms.py, no
+              # compile needed), then `pytest -m gpu` (TESTS: the paths, default tests)
+    log "groupnorm forms"
+    timeout ${FORMS_TIMEOUT:-200} $py benchmarks/groupnorm_forms.py --runs 4 --json "$out/groupnorm_forms.json" 2>&1 \
+      | grep -v '^{' | tail -20
+    log "gpu tests"
+    timeout ${TESTS_TIMEOUT:-300} $py -m pytest -q -m gpu ${TESTS:-tests} -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1
+    echo "gpu tests rc $?"; grep -E "passed|failed|FAILED|ERROR" "$out/gpu_tests.log" | tail -25 ;;
   dyn-sizes-noprime)  # the same bench with OrtEngine.prime turned off: the run before the priming, side by side
     log "dynamic artifact at new sizes, sessions not primed"
     timeout ${DYN_TIMEOUT:-200} $py -c "
