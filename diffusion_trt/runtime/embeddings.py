@@ -1,17 +1,17 @@
 """Textual-inversion embeddings the way A1111 users keep them: a file per embedding, used by its name in the prompt.
 
-A file (``.safetensors``, or ``.pt`` / ``.bin`` through torch's weights-only loader, never a full unpickle) holds
-one embedding of n >= 1 vectors of the text encoder's hidden size D, in one of the key forms diffusers'
-``load_textual_inversion`` reads: A1111's ``string_to_param`` {"*": [n, D]} (``.pt``; flattened
-``string_to_param.*`` in a ``.safetensors``) or ``emb_params`` [n, D], or diffusers' single ``{token: [D] or
+A file (``.safetensors``, or ``.pt`` / ``.bin`` through torch's weights-only loader, never a full unpickle; a ``.bin``
+that is a safetensors file is read as one) holds one embedding of n >= 1 vectors of the text encoder's hidden size D, in
+one of the key forms diffusers' ``load_textual_inversion`` reads: A1111's ``string_to_param`` {"*": [n, D]} (``.pt``;
+flattened ``string_to_param.*`` in a ``.safetensors``) or ``emb_params`` [n, D], or diffusers' single ``{token: [D] or
 [n, D]}``. SDXL's two-encoder form holds ``clip_l`` [n, 768] (for ``text_encoder``) and ``clip_g`` [n, 1280] (for
-``text_encoder_2``): each encoder gets its own :class:`EmbeddingTable`, as diffusers' ``load_textual_inversion``
-called once per encoder with ``state_dict["clip_l"]`` / ``state_dict["clip_g"]``. An SDXL artifact takes that form
-only, an SD 1.x/2.x artifact the others only. One difference kept on purpose: SDXL's ``text_encoder_2`` config has
-transformers' legacy ``eos_token_id=2``, with which ``CLIPTextModelWithProjection`` pools at ``input_ids.argmax()``,
-i.e. on the first token diffusers added for an embedding (ids above the vocabulary) when a prompt names one; here the
-embedding ids are negative, so the pooled ``text_embeds`` come from the EOS as for every other prompt (A1111's
-result, which keeps the prompt's own token ids).
+``text_encoder_2``): each encoder gets its own :class:`EmbeddingTable`, as diffusers' ``load_textual_inversion`` called
+once per encoder with ``state_dict["clip_l"]`` / ``state_dict["clip_g"]``. An SDXL artifact takes that form only, an SD
+1.x/2.x artifact the others only. One difference kept on purpose: SDXL's ``text_encoder_2`` config has transformers'
+legacy ``eos_token_id=2``, with which ``CLIPTextModelWithProjection`` pools at ``input_ids.argmax()``, i.e. on the first
+token diffusers added for an embedding (ids above the vocabulary) when a prompt names one; here the embedding ids are
+negative, so the pooled ``text_embeds`` come from the EOS as for every other prompt (A1111's result, which keeps the
+prompt's own token ids).
 
 Its name is the file's stem (A1111's rule): ``easynegative.safetensors`` is written ``easynegative`` in a prompt,
 matched as a whole word, case-insensitively (CLIP lowercases prompts). The tokenizer is not touched: each segment
@@ -106,7 +106,7 @@ def read_embeddings(path: str | Path, token: str | None = None) -> tuple[Embeddi
     path = Path(path)
     _check_is_file(path)
     suffix = path.suffix.lower()
-    if suffix in SAFETENSORS:
+    if suffix in SAFETENSORS or (suffix in WEIGHTS_ONLY and _holds_safetensors(path)):  # a .bin saved as safetensors
         state = _read_safetensors(path)
     elif suffix in WEIGHTS_ONLY:
         state = _read_weights_only(path)
@@ -125,6 +125,19 @@ def read_embeddings(path: str | Path, token: str | None = None) -> tuple[Embeddi
                                     f"{SDXL_KEYS[1]} has {counts[1]}; an SDXL embedding has one count for both")
         return pair
     return (Embedding(name, _vectors(path, state), path),)
+
+
+def _holds_safetensors(path: Path) -> bool:
+    """Whether ``path`` starts as a safetensors file does: an 8-byte little-endian header length that fits in the
+    file, then the header's ``{`` (the format's layout, huggingface/safetensors README). Hub embeddings named
+    ``learned_embeds.bin`` are sometimes safetensors files; torch's loader would call them unsafe pickles."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(9)
+            size = path.stat().st_size
+    except OSError:
+        return False
+    return len(head) == 9 and int.from_bytes(head[:8], "little") <= size - 8 and head[8:] == b"{"
 
 
 def _read_safetensors(path: Path) -> dict[str, Any]:

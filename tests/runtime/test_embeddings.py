@@ -229,6 +229,16 @@ def test_a_pickle_refused_says_it_in_one_line_without_torchs_warning(tmp_path: P
             check_embedding_file(path, False)
 
 
+def test_a_safetensors_file_named_bin_is_read_as_safetensors(tmp_path: Path) -> None:
+    """A hub embedding saved with safetensors under ``learned_embeds.bin``: torch's weights-only loader refused it as
+    an unsafe pickle ("loading it fully would run arbitrary code"), which it is not."""
+    path = tmp_path / "learned_embeds.bin"
+    save_file({"<ink>": _vectors(1, 2)[0]}, str(path))
+    emb = read_embedding(path)
+    assert emb.name == "learned_embeds" and emb.count == 1
+    torch.testing.assert_close(emb.vectors[0], _vectors(1, 2)[0].float())
+
+
 def test_old_artifact_runs_and_refuses_embeddings(old_artifact: Path, files: dict[str, Path], tmp_path: Path) -> None:
     ok = CliRunner().invoke(main, ["run", str(old_artifact), "-p", "a fox", "--steps", "1", "-o",
                                    str(tmp_path / "a.png")])
