@@ -203,11 +203,19 @@ class EnginePipelineOutput:
             [B, 4, H/8, W/8]. B = prompts x ``num_images_per_prompt``, prompt-major.
         seed: the seed of the CPU generator the latents came from; ``None`` when a generator was passed.
         parameters: the generation parameters (JSON-serialisable), for :func:`save_png`.
+        nsfw_content_detected: diffusers' ``StableDiffusionPipelineOutput`` field: always ``None``, as diffusers gives
+            for a pipeline without a safety checker (an artifact compiles none; there is nothing to detect with).
     """
 
     images: Any
     seed: int | None
     parameters: dict[str, Any] = field(default_factory=dict)
+    nsfw_content_detected: list[bool] | None = None
+
+    def to_tuple(self, architecture: str = "sd") -> tuple[Any, ...]:
+        """What diffusers returns with ``return_dict=False``: ``(images, nsfw_content_detected)`` for SD 1.x/2.x
+        (``StableDiffusionPipeline``), ``(images,)`` for SDXL (``StableDiffusionXLPipeline``)."""
+        return (self.images,) if architecture == "sdxl" else (self.images, self.nsfw_content_detected)
 
 
 class EnginePipeline:
@@ -809,7 +817,8 @@ class EnginePipeline:
         control_guidance_start: float | Sequence[float] = 0.0,
         control_guidance_end: float | Sequence[float] = 1.0,
         guess_mode: bool = False,
-    ) -> EnginePipelineOutput:
+        return_dict: bool = True,
+    ) -> EnginePipelineOutput | tuple[Any, ...]:
         """Generate images from text, as ``diffusers.StableDiffusionPipeline.__call__``; with ``image`` as
         ``StableDiffusionImg2ImgPipeline``, with ``image`` and ``mask_image`` as ``StableDiffusionInpaintPipeline``.
 
@@ -888,9 +897,12 @@ class EnginePipeline:
                 per ControlNet or for all; see :func:`~diffusion_trt.runtime.controlnet.control_plan`. As in
                 diffusers' text-to-image ControlNet pipeline, ``image=`` is the control image when ``controlnet`` is
                 given without ``control_image`` and ``mask_image``.
+            return_dict: ``False`` returns diffusers' tuple instead of the output object
+                (:meth:`EnginePipelineOutput.to_tuple`: ``(images, None)``, SDXL ``(images,)``).
 
         Returns:
-            :class:`EnginePipelineOutput` with ``images``, ``seed`` and ``parameters``.
+            :class:`EnginePipelineOutput` with ``images``, ``seed``, ``parameters`` and ``nsfw_content_detected``
+            (``None``); with ``return_dict=False`` its tuple.
 
         Raises:
             RuntimeInputError: any argument the engines cannot honour; the message names the value and the fix
@@ -901,6 +913,8 @@ class EnginePipeline:
         """
         if self._closed:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
+        if not isinstance(return_dict, bool):
+            raise RuntimeInputError(f"return_dict={return_dict!r} must be True or False")
         if controlnet is not None and control_image is None and image is not None and mask_image is None:
             control_image, image = image, None  # diffusers' StableDiffusionControlNetPipeline(image=control image)
         request = self.build_request(
@@ -915,8 +929,9 @@ class EnginePipeline:
             pooled_prompt_embeds=pooled_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
             clip_skip=clip_skip,
         )
-        return self._run(request, control_image, controlnet, controlnet_conditioning_scale, control_guidance_start,
-                         control_guidance_end, guess_mode)
+        out = self._run(request, control_image, controlnet, controlnet_conditioning_scale, control_guidance_start,
+                        control_guidance_end, guess_mode)
+        return out if return_dict else out.to_tuple(self.architecture)
 
     def build_request(self, *args: Any, **kwargs: Any) -> Request:
         """:meth:`~.request.Request.build` on this pipeline's spec and engines: the arguments of :meth:`__call__`
