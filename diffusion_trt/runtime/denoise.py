@@ -89,6 +89,16 @@ def step_kwargs(scheduler: Any, generator: Generator, eta: float) -> dict[str, A
     return kwargs
 
 
+def rescale_noise_cfg(noise_cfg: torch.Tensor, noise_pred_text: torch.Tensor, guidance_rescale: float
+                      ) -> torch.Tensor:
+    """diffusers' ``rescale_noise_cfg`` (Lin et al. 2023, "Common Diffusion Noise Schedules and Sample Steps are
+    Flawed", 3.4): the CFG prediction [b, C, h, w] rescaled to the text prediction's per-image std, mixed back by
+    ``guidance_rescale`` (0 = ``noise_cfg`` unchanged, 1 = fully rescaled)."""
+    dims = list(range(1, noise_pred_text.ndim))
+    rescaled = noise_cfg * (noise_pred_text.std(dim=dims, keepdim=True) / noise_cfg.std(dim=dims, keepdim=True))
+    return guidance_rescale * rescaled + (1 - guidance_rescale) * noise_cfg
+
+
 def decode_latents(vae_decoder: Engine, latents: torch.Tensor, scaling_factor: float,
                    tiled: TiledVaeDecoder | None = None) -> torch.Tensor:
     """Images [B, 3, H, W] in about [-1, 1] from latents [B, 4, h, w]; ``tiled``: decode tile by tile with it (the
@@ -197,6 +207,7 @@ def denoise_latents(
     timestep_values: torch.Tensor | None = None,
     guidance_scale: float,
     extra: dict[str, Any],
+    guidance_rescale: float = 0.0,
     bar: Any = None,
     callback: StepCallback | None = None,
     conditioning: ChunkConditioning | None = None,
@@ -213,6 +224,7 @@ def denoise_latents(
             host->device copy syncs the stream); ``None`` = copy here.
         guidance_scale: CFG scale; > 1 means CFG (B2 = 2b).
         extra: scheduler step kwargs (:func:`step_kwargs`).
+        guidance_rescale: with CFG and > 0, :func:`rescale_noise_cfg` after the combine (diffusers').
         bar: a tqdm bar updated once per step, or ``None``.
         conditioning: inpainting: a :class:`~.conditioning.ChunkConditioning` (the 9-channel UNet input, or the
             4-channel blend after each step); ``None`` for text-to-image and image-to-image.
@@ -259,6 +271,8 @@ def denoise_latents(
                 if do_cfg:
                     noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
                     noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
+                    if guidance_rescale > 0.0:
+                        noise_pred = rescale_noise_cfg(noise_pred, noise_pred_text, guidance_rescale)
                 else:
                     # the engine overwrites its output buffer next step; multistep schedulers keep past outputs
                     noise_pred = noise_pred.clone()
@@ -367,7 +381,8 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any, control: Co
                 final = denoise_latents(
                     unet=unet, scheduler=sched, prompt_embeds=embeds, latents=prepared.latents[rows.start : rows.stop],
                     timesteps=timesteps, timestep_values=timestep_values, guidance_scale=request.guidance_scale,
-                    extra=step_kwargs(sched, _chunk_generator(request, rows), request.eta), bar=bar,
+                    extra=step_kwargs(sched, _chunk_generator(request, rows), request.eta),
+                    guidance_rescale=request.guidance_rescale, bar=bar,
                     callback=request.callback, conditioning=prepared.rows(rows, request.do_cfg),
                     added_inputs=None if added is None else added.unet_inputs(rows, unet),
                     control=None if control is None else control.rows(rows, request.batch, n, request.do_cfg),

@@ -818,6 +818,7 @@ class EnginePipeline:
         control_guidance_end: float | Sequence[float] = 1.0,
         guess_mode: bool = False,
         return_dict: bool = True,
+        guidance_rescale: float = GENERATION_ARGS["guidance_rescale"].default,
     ) -> EnginePipelineOutput | tuple[Any, ...]:
         """Generate images from text, as ``diffusers.StableDiffusionPipeline.__call__``; with ``image`` as
         ``StableDiffusionImg2ImgPipeline``, with ``image`` and ``mask_image`` as ``StableDiffusionInpaintPipeline``.
@@ -897,6 +898,9 @@ class EnginePipeline:
                 per ControlNet or for all; see :func:`~diffusion_trt.runtime.controlnet.control_plan`. As in
                 diffusers' text-to-image ControlNet pipeline, ``image=`` is the control image when ``controlnet`` is
                 given without ``control_image`` and ``mask_image``.
+            guidance_rescale: diffusers' ``guidance_rescale``, >= 0 (0 = off; 0.7 in the paper): with CFG, the guided
+                noise prediction rescaled towards the text prediction's std (for zero-terminal-SNR / v-prediction
+                models), as ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline``; in every mode here.
             return_dict: ``False`` returns diffusers' tuple instead of the output object
                 (:meth:`EnginePipelineOutput.to_tuple`: ``(images, None)``, SDXL ``(images,)``).
 
@@ -927,7 +931,7 @@ class EnginePipeline:
             negative_crops_coords_top_left=negative_crops_coords_top_left, negative_target_size=negative_target_size,
             prompt_syntax=prompt_syntax, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
             pooled_prompt_embeds=pooled_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
-            clip_skip=clip_skip,
+            clip_skip=clip_skip, guidance_rescale=guidance_rescale,
         )
         out = self._run(request, control_image, controlnet, controlnet_conditioning_scale, control_guidance_start,
                         control_guidance_end, guess_mode)

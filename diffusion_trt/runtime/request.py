@@ -121,6 +121,8 @@ class Request:
         pooled_prompt_embeds, negative_pooled_prompt_embeds: SDXL: the caller's pooled ``text_embeds`` [P, E] with
             ``prompt_embeds`` / ``negative_prompt_embeds`` (diffusers' ``pooled_prompt_embeds``), or ``None``.
         clip_skip: 0 (the last layer) or diffusers' ``clip_skip`` (:class:`~.prompt_encoding.PromptReader`).
+        guidance_rescale: diffusers' ``guidance_rescale`` (0 = off): the CFG prediction rescaled towards the text
+            prediction's std (:func:`~.denoise.rescale_noise_cfg`); only with CFG.
     """
 
     prompts: tuple[str, ...]
@@ -147,6 +149,7 @@ class Request:
     clip_skip: int = 0
     pooled_prompt_embeds: torch.Tensor | None = None
     negative_pooled_prompt_embeds: torch.Tensor | None = None
+    guidance_rescale: float = 0.0
 
     @property
     def batch(self) -> int:
@@ -189,6 +192,7 @@ class Request:
         pooled_prompt_embeds: Any = None,
         negative_pooled_prompt_embeds: Any = None,
         clip_skip: Any = None,
+        guidance_rescale: Any = GENERATION_ARGS["guidance_rescale"].default,
         **sdxl: Any,
     ) -> Request:
         """Check every argument of :meth:`~.pipeline.EnginePipeline.__call__` (same names, same meaning).
@@ -224,6 +228,7 @@ class Request:
             guidance_scale = spec.default_guidance_scale
         guidance = check_arg("guidance_scale", guidance_scale)
         eta = check_arg("eta", eta)
+        rescale = check_arg("guidance_rescale", guidance_rescale)
         sdxl_given = _sdxl_given(spec, sdxl, image is not None or mask_image is not None)
         for name in ("prompt_2", "negative_prompt_2"):
             check_prompt_weights(name, sdxl.get(name), prompt_syntax)
@@ -261,10 +266,11 @@ class Request:
                  else list(negatives),
                  **{k: v if isinstance(v, str) else list(v) for k, v in sdxl_given.items()},
                  **({"clip_skip": skip} if skip else {}),
+                 **({"guidance_rescale": rescale} if rescale else {}),
                  **({"prompt_syntax": prompt_syntax} if prompt_syntax != "a1111" else {})}
         return cls(tuple(prompts), tuple(negatives), n_per, steps, guidance, eta, height, width, shape, generator,
                    seed, latents, output_type, chunks, conditioning, progress, callback, given, prompt_syntax,
-                   embeds, negative_prompt_embeds, skip, *pooled)
+                   embeds, negative_prompt_embeds, skip, *pooled, rescale)
 
 
 def manifest_profile(manifest: Manifest) -> ShapeProfile:

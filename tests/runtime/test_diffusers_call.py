@@ -4,10 +4,14 @@ name, on the toy artifact (behaviour) and the tiny one (images against diffusers
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import diffusers
 import numpy as np
 import pytest
+import torch
 
 from diffusion_trt.errors import RuntimeInputError
 from diffusion_trt.runtime import EnginePipeline
@@ -31,3 +35,40 @@ def test_return_dict_false_gives_diffusers_tuple(toy_pipe: EnginePipeline) -> No
 def test_return_dict_not_a_bool_is_refused(toy_pipe: EnginePipeline) -> None:
     with pytest.raises(RuntimeInputError, match="return_dict='no' must be True or False"):
         toy_pipe(**FAST, return_dict="no")
+
+
+# --- images against diffusers (tiny-sd21: v-prediction, what guidance_rescale is for) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def sd21_reference(tiny_sd21_dir: Path) -> diffusers.StableDiffusionPipeline:
+    pipe = diffusers.StableDiffusionPipeline.from_pretrained(tiny_sd21_dir, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def sd21_pipe(tiny_sd21_artifact: Path) -> Iterator[EnginePipeline]:
+    with EnginePipeline.from_artifacts(tiny_sd21_artifact) as pipe:
+        yield pipe
+
+
+def _diffusers_np(reference: Any, **kwargs: Any) -> np.ndarray:
+    out = reference(**kwargs, generator=torch.Generator("cpu").manual_seed(7), output_type="np")
+    return np.asarray(out.images)
+
+
+CALL: dict[str, Any] = {"prompt": ["a fox", "a boat"], "num_inference_steps": 4, "guidance_scale": 6.0}
+
+
+def test_guidance_rescale_matches_diffusers(sd21_reference: Any, sd21_pipe: EnginePipeline) -> None:
+    want = _diffusers_np(sd21_reference, **CALL, guidance_rescale=0.7)
+    got = sd21_pipe(**CALL, guidance_rescale=0.7, seed=7, output_type="np", progress=False)
+    assert np.abs(got.images - want).max() < 1e-4
+    assert np.abs(want - _diffusers_np(sd21_reference, **CALL)).max() > 1e-3  # it changes the image
+    assert got.parameters["guidance_rescale"] == 0.7
+
+
+def test_guidance_rescale_is_checked(toy_pipe: EnginePipeline) -> None:
+    with pytest.raises(RuntimeInputError, match=r"guidance_rescale=-0\.5 must be a finite number >= 0"):
+        toy_pipe(**FAST, guidance_rescale=-0.5)
