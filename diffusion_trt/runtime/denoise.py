@@ -64,7 +64,7 @@ from ..errors import RuntimeInputError
 from .cuda import HostBuffers, HostImageSink, images_float, images_uint8, nvtx_range, to_pil
 from .embeddings import EmbeddingTable
 from .engines.engine import Engine, EngineSpec
-from .latents import Generator, StepCallback
+from .latents import Generator, StepCallback, StepEnd
 from .memory.stages import Stages
 from .prompt_encoding import PromptReader
 from .schedulers import build_scheduler, check_step_count
@@ -210,6 +210,7 @@ def denoise_latents(
     guidance_rescale: float = 0.0,
     bar: Any = None,
     callback: StepCallback | None = None,
+    step_end: StepEnd | None = None,
     conditioning: ChunkConditioning | None = None,
     added_inputs: Mapping[str, torch.Tensor] | None = None,
     control: ChunkControl | None = None,
@@ -226,6 +227,8 @@ def denoise_latents(
         extra: scheduler step kwargs (:func:`step_kwargs`).
         guidance_rescale: with CFG and > 0, :func:`rescale_noise_cfg` after the combine (diffusers').
         bar: a tqdm bar updated once per step, or ``None``.
+        step_end: diffusers' ``callback_on_step_end`` (:class:`~.latents.StepEnd`): after each step, before
+            ``callback``; the latents it returns go on.
         conditioning: inpainting: a :class:`~.conditioning.ChunkConditioning` (the 9-channel UNet input, or the
             4-channel blend after each step); ``None`` for text-to-image and image-to-image.
         added_inputs: further UNet inputs, the same every step (SDXL: ``text_embeds`` [B2, E] and ``time_ids``
@@ -279,6 +282,8 @@ def denoise_latents(
                 latents = scheduler.step(noise_pred, t, latents, **extra, return_dict=False)[0]
                 if conditioning is not None:  # 4-channel inpainting: the unmasked area follows the image
                     latents = conditioning.after_step(scheduler, latents, i, timesteps)
+        if step_end is not None:
+            latents = step_end(i, t, latents)
         if callback is not None:
             callback(i, t, latents)
         if bar is not None:
@@ -383,7 +388,8 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any, control: Co
                     timesteps=timesteps, timestep_values=timestep_values, guidance_scale=request.guidance_scale,
                     extra=step_kwargs(sched, _chunk_generator(request, rows), request.eta),
                     guidance_rescale=request.guidance_rescale, bar=bar,
-                    callback=request.callback, conditioning=prepared.rows(rows, request.do_cfg),
+                    callback=request.callback, step_end=request.step_end,
+                    conditioning=prepared.rows(rows, request.do_cfg),
                     added_inputs=None if added is None else added.unet_inputs(rows, unet),
                     control=None if control is None else control.rows(rows, request.batch, n, request.do_cfg),
                 )

@@ -70,7 +70,7 @@ from .engines.engine import Engine
 from .generation_args import GENERATION_ARGS
 from .geometry import LatentGeometry
 from .image_inputs import ImageRequest
-from .latents import Generator, StepCallback
+from .latents import Generator, StepCallback, StepEnd
 from .loading import (
     CALLER_FIRST_RUN,
     EAGER_COMPONENTS,
@@ -819,6 +819,8 @@ class EnginePipeline:
         guess_mode: bool = False,
         return_dict: bool = True,
         guidance_rescale: float = GENERATION_ARGS["guidance_rescale"].default,
+        callback_on_step_end: Any = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
     ) -> EnginePipelineOutput | tuple[Any, ...]:
         """Generate images from text, as ``diffusers.StableDiffusionPipeline.__call__``; with ``image`` as
         ``StableDiffusionImg2ImgPipeline``, with ``image`` and ``mask_image`` as ``StableDiffusionInpaintPipeline``.
@@ -901,6 +903,12 @@ class EnginePipeline:
             guidance_rescale: diffusers' ``guidance_rescale``, >= 0 (0 = off; 0.7 in the paper): with CFG, the guided
                 noise prediction rescaled towards the text prediction's std (for zero-terminal-SNR / v-prediction
                 models), as ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline``; in every mode here.
+            callback_on_step_end: diffusers' ``callback_on_step_end(pipe, step_index, timestep, callback_kwargs)``
+                after each scheduler step (``pipe`` is this pipeline); ``callback_kwargs`` is ``{"latents": ...}``
+                and the ``"latents"`` of the dict it returns replace them (:class:`~.latents.StepEnd`). Once per step
+                of every chunk, as ``callback`` (which runs after it).
+            callback_on_step_end_tensor_inputs: ``["latents"]`` (diffusers' default), the one tensor handed over;
+                others (``prompt_embeds``...) are refused.
             return_dict: ``False`` returns diffusers' tuple instead of the output object
                 (:meth:`EnginePipelineOutput.to_tuple`: ``(images, None)``, SDXL ``(images,)``).
 
@@ -932,6 +940,7 @@ class EnginePipeline:
             prompt_syntax=prompt_syntax, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
             pooled_prompt_embeds=pooled_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
             clip_skip=clip_skip, guidance_rescale=guidance_rescale,
+            callback_on_step_end=StepEnd.build(self, callback_on_step_end, callback_on_step_end_tensor_inputs),
         )
         out = self._run(request, control_image, controlnet, controlnet_conditioning_scale, control_guidance_start,
                         control_guidance_end, guess_mode)

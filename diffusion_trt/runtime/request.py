@@ -32,7 +32,7 @@ from .engines.engine import Engine, EngineSpec
 from .finite import check_finite
 from .generation_args import GENERATION_ARGS, MAX_SEED, check_arg, default_guidance_scale
 from .geometry import LatentGeometry
-from .latents import Generator, StepCallback
+from .latents import Generator, StepCallback, StepEnd
 from .memory.host_memory import check_host_memory
 from .prompt_syntax import SYNTAXES, overweight, overweight_problem, parse_prompt
 from .schedulers import check_step_count
@@ -123,6 +123,7 @@ class Request:
         clip_skip: 0 (the last layer) or diffusers' ``clip_skip`` (:class:`~.prompt_encoding.PromptReader`).
         guidance_rescale: diffusers' ``guidance_rescale`` (0 = off): the CFG prediction rescaled towards the text
             prediction's std (:func:`~.denoise.rescale_noise_cfg`); only with CFG.
+        step_end: diffusers' ``callback_on_step_end``, checked (:class:`~.latents.StepEnd`), or ``None``.
     """
 
     prompts: tuple[str, ...]
@@ -150,6 +151,7 @@ class Request:
     pooled_prompt_embeds: torch.Tensor | None = None
     negative_pooled_prompt_embeds: torch.Tensor | None = None
     guidance_rescale: float = 0.0
+    step_end: StepEnd | None = None
 
     @property
     def batch(self) -> int:
@@ -193,6 +195,7 @@ class Request:
         negative_pooled_prompt_embeds: Any = None,
         clip_skip: Any = None,
         guidance_rescale: Any = GENERATION_ARGS["guidance_rescale"].default,
+        callback_on_step_end: StepEnd | None = None,
         **sdxl: Any,
     ) -> Request:
         """Check every argument of :meth:`~.pipeline.EnginePipeline.__call__` (same names, same meaning).
@@ -205,6 +208,7 @@ class Request:
             embeddings_2: SDXL: the loaded textual-inversion vectors for ``text_encoder_2``
                 (:class:`~.embeddings.EmbeddingTable`), or ``None``.
             prompt_syntax: "a1111" or "plain" (:data:`~.prompt_syntax.SYNTAXES`).
+            callback_on_step_end: diffusers' callback, checked with its pipeline (:meth:`~.latents.StepEnd.build`).
             sdxl: the SDXL arguments (:data:`SDXL_ARGUMENTS`), ``None`` / (0, 0) when not given.
 
         Raises:
@@ -270,7 +274,7 @@ class Request:
                  **({"prompt_syntax": prompt_syntax} if prompt_syntax != "a1111" else {})}
         return cls(tuple(prompts), tuple(negatives), n_per, steps, guidance, eta, height, width, shape, generator,
                    seed, latents, output_type, chunks, conditioning, progress, callback, given, prompt_syntax,
-                   embeds, negative_prompt_embeds, skip, *pooled, rescale)
+                   embeds, negative_prompt_embeds, skip, *pooled, rescale, callback_on_step_end)
 
 
 def manifest_profile(manifest: Manifest) -> ShapeProfile:

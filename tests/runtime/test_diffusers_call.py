@@ -72,3 +72,50 @@ def test_guidance_rescale_matches_diffusers(sd21_reference: Any, sd21_pipe: Engi
 def test_guidance_rescale_is_checked(toy_pipe: EnginePipeline) -> None:
     with pytest.raises(RuntimeInputError, match=r"guidance_rescale=-0\.5 must be a finite number >= 0"):
         toy_pipe(**FAST, guidance_rescale=-0.5)
+
+
+def _damp_at_step_1(pipe: Any, step: int, timestep: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {"latents": kwargs["latents"] * 0.8} if step == 1 else kwargs
+
+
+def test_callback_on_step_end_matches_diffusers(sd21_reference: Any, sd21_pipe: EnginePipeline) -> None:
+    seen: dict[str, list[tuple[int, float]]] = {"ours": [], "diffusers": []}
+
+    def record(who: str) -> Any:
+        def fn(pipe: Any, step: int, timestep: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+            seen[who].append((step, float(timestep)))
+            return _damp_at_step_1(pipe, step, timestep, kwargs)
+        return fn
+
+    sd21_pipe.set_scheduler("heun")  # two UNet calls per step: diffusers calls it after each scheduler.step
+    original = sd21_reference.scheduler
+    sd21_reference.scheduler = diffusers.HeunDiscreteScheduler.from_config(original.config)
+    try:
+        want = _diffusers_np(sd21_reference, **CALL, callback_on_step_end=record("diffusers"))
+    finally:
+        sd21_reference.scheduler = original
+    got = sd21_pipe(**CALL, callback_on_step_end=record("ours"), seed=7, output_type="np", progress=False).images
+    sd21_pipe.set_scheduler(None)
+    assert seen["ours"] == seen["diffusers"] and len(seen["ours"]) > CALL["num_inference_steps"]
+    assert np.abs(got - want).max() < 1e-4
+
+
+def test_callback_on_step_end_gets_the_pipeline_and_latents(toy_pipe: EnginePipeline) -> None:
+    calls: list[tuple[Any, tuple[int, ...]]] = []
+    toy_pipe(**FAST, seed=0, callback_on_step_end=lambda p, i, t, kw: calls.append((p, tuple(kw["latents"].shape))))
+    assert calls and set(calls) == {(toy_pipe, (1, 4, 8, 8))}  # once per scheduler step; None changes nothing
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"callback_on_step_end": "no"}, "callback_on_step_end='no' is not callable"),
+    ({"callback_on_step_end": _damp_at_step_1, "callback_on_step_end_tensor_inputs": ["latents", "prompt_embeds"]},
+     r"callback_on_step_end_tensor_inputs has \['prompt_embeds'\]: only \['latents'\]"),
+    ({"callback_on_step_end": lambda p, i, t, kw: {"latents": kw["latents"][:, :2]}},
+     r"callback_on_step_end returned latents \(1, 2, 8, 8\)"),
+    ({"callback_on_step_end": lambda p, i, t, kw: {"prompt_embeds": 0}},
+     r"callback_on_step_end returned \['prompt_embeds'\]"),
+])
+def test_callback_on_step_end_refusals_name_it(toy_pipe: EnginePipeline, kwargs: dict[str, Any],
+                                               message: str) -> None:
+    with pytest.raises(RuntimeInputError, match=message):
+        toy_pipe(**FAST, **kwargs)
