@@ -67,7 +67,7 @@ from .engines.engine import Engine, EngineSpec
 from .latents import Generator, StepCallback, StepEnd
 from .memory.stages import Stages
 from .prompt_encoding import PromptReader
-from .schedulers import build_scheduler, check_step_count
+from .schedulers import build_scheduler, check_step_count, short_name
 from .text_embeddings import EmbeddingCache, encode_prompt_embeds
 
 if TYPE_CHECKING:
@@ -354,8 +354,10 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any, control: Co
     # of the WHOLE request, drawn once (the generator stream of one diffusers call) and sliced per chunk. Both
     # copy host->device blockingly, so they come before any engine work is queued (neither encoding the
     # prompt nor setting timesteps draws random numbers: the order does not change the images).
-    timesteps = set_schedule(scheduler, request.num_inference_steps, device)
-    timesteps, begin_index = cond.start(scheduler, request.num_inference_steps, timesteps)
+    timesteps = set_schedule(scheduler, request.num_inference_steps, device, request.schedule)
+    # with a custom schedule, diffusers' retrieve_timesteps makes num_inference_steps the schedule's length
+    steps = request.num_inference_steps if request.schedule is None else len(timesteps)
+    timesteps, begin_index = cond.start(scheduler, steps, timesteps)
     timestep_values = timesteps.to(device=device, dtype=torch.float32)
     if control is not None:
         control.warn_idle(len(timesteps))
@@ -377,8 +379,7 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any, control: Co
     with tqdm(total=len(timesteps) * len(request.chunks), disable=not request.progress, desc="denoise",
               unit="step") as bar:
         for k, rows in enumerate(request.chunks):
-            sched = scheduler if k == 0 else _chunk_scheduler(scheduler, request.num_inference_steps, begin_index,
-                                                              device)
+            sched = scheduler if k == 0 else _chunk_scheduler(scheduler, request, begin_index, device)
             embeds = positive[rows.start : rows.stop]
             if negative is not None:
                 embeds = torch.cat([negative[rows.start : rows.stop], embeds])
@@ -454,14 +455,21 @@ def given_embeddings(request: Request, engines: LoopEngines, reader: PromptReade
     return positive, negative
 
 
-def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device) -> torch.Tensor:
-    """``scheduler.set_timesteps(num_inference_steps)``; returns the schedule as a CPU tensor (:func:`host_timesteps`).
+def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device,
+                 schedule: tuple[str, tuple[float, ...]] | None = None) -> torch.Tensor:
+    """``scheduler.set_timesteps(num_inference_steps)``, or with diffusers' custom ``timesteps`` / ``sigmas``
+    (``schedule``: :func:`~.request.check_schedule`'s); returns the schedule as a CPU tensor
+    (:func:`host_timesteps`).
 
     Raises:
         RuntimeInputError: more steps than the scheduler's training timesteps, steps it refuses, or a schedule that
-            would step past its last training timestep (PNDM/DDIM with ``steps_offset=1`` at 1000 steps).
+            would step past its last training timestep (PNDM/DDIM with ``steps_offset=1`` at 1000 steps); a custom
+            schedule the scheduler does not take (naming it), or values it refuses.
     """
     train = int(getattr(scheduler.config, "num_train_timesteps", 1000))
+    if schedule is not None:
+        _set_custom_schedule(scheduler, schedule, device)
+        return host_timesteps(scheduler)
     check_step_count(num_inference_steps, type(scheduler).__name__, scheduler.config)
     try:
         scheduler.set_timesteps(num_inference_steps, device=device)
@@ -480,6 +488,25 @@ def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device)
     return timesteps
 
 
+#: The schedulers of :data:`~.schedulers.SCHEDULERS` whose ``set_timesteps`` takes a custom schedule (diffusers 0.42).
+_TAKES_CUSTOM = {"timesteps": "ddpm, euler, heun, dpm++ and its variants", "sigmas": "euler"}
+
+
+def _set_custom_schedule(scheduler: Any, schedule: tuple[str, tuple[float, ...]], device: torch.device) -> None:
+    """diffusers' ``retrieve_timesteps`` with ``timesteps=`` / ``sigmas=``: refused by name where the scheduler's
+    ``set_timesteps`` does not take it (as diffusers, but naming the schedulers that do)."""
+    name, values = schedule
+    cls = type(scheduler).__name__
+    if name not in inspect.signature(scheduler.set_timesteps).parameters:
+        raise RuntimeInputError(f"{name}= is not taken by {cls} (scheduler={short_name(cls)!r}); use a scheduler "
+                                f"whose set_timesteps takes custom {name} ({_TAKES_CUSTOM[name]}), or "
+                                "num_inference_steps= instead")
+    try:
+        scheduler.set_timesteps(**{name: list(values)}, device=device)
+    except (ValueError, IndexError) as e:  # e.g. DDPM: timesteps not in descending order
+        raise RuntimeInputError(f"{name}={list(values)!r} is refused by {cls}: {e}") from e
+
+
 def _expect_decodes(request: Request, engines: LoopEngines, latents: torch.Tensor) -> None:
     """Tell a size-bucketed VAE decoder (:meth:`~.engines.buckets.BucketedEngine.expect`) the shapes it will decode
     at, one per chunk size, so that its specialised sessions are made while the UNet loop runs. Engines without
@@ -491,10 +518,10 @@ def _expect_decodes(request: Request, engines: LoopEngines, latents: torch.Tenso
         expect({"latent_sample": (size, *latents.shape[1:])})
 
 
-def _chunk_scheduler(scheduler: Any, num_inference_steps: int, begin_index: int | None, device: torch.device) -> Any:
+def _chunk_scheduler(scheduler: Any, request: Request, begin_index: int | None, device: torch.device) -> Any:
     """A fresh scheduler for a chunk after the first, at the request's schedule (and strength's begin index)."""
     sched = fresh_scheduler(scheduler)
-    sched.set_timesteps(num_inference_steps, device=device)
+    set_schedule(sched, request.num_inference_steps, device, request.schedule)
     if begin_index is not None and hasattr(sched, "set_begin_index"):
         sched.set_begin_index(begin_index)
     return sched

@@ -821,6 +821,8 @@ class EnginePipeline:
         guidance_rescale: float = GENERATION_ARGS["guidance_rescale"].default,
         callback_on_step_end: Any = None,
         callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+        timesteps: Sequence[int] | None = None,
+        sigmas: Sequence[float] | None = None,
     ) -> EnginePipelineOutput | tuple[Any, ...]:
         """Generate images from text, as ``diffusers.StableDiffusionPipeline.__call__``; with ``image`` as
         ``StableDiffusionImg2ImgPipeline``, with ``image`` and ``mask_image`` as ``StableDiffusionInpaintPipeline``.
@@ -909,6 +911,9 @@ class EnginePipeline:
                 of every chunk, as ``callback`` (which runs after it).
             callback_on_step_end_tensor_inputs: ``["latents"]`` (diffusers' default), the one tensor handed over;
                 others (``prompt_embeds``...) are refused.
+            timesteps, sigmas: diffusers' custom schedule (one of them, a list), for schedulers whose
+                ``set_timesteps`` takes it (euler, heun, dpm++, unipc, ddpm...; others are refused by name);
+                ``num_inference_steps`` is then the schedule's length, as diffusers' ``retrieve_timesteps``.
             return_dict: ``False`` returns diffusers' tuple instead of the output object
                 (:meth:`EnginePipelineOutput.to_tuple`: ``(images, None)``, SDXL ``(images,)``).
 
@@ -941,6 +946,7 @@ class EnginePipeline:
             pooled_prompt_embeds=pooled_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
             clip_skip=clip_skip, guidance_rescale=guidance_rescale,
             callback_on_step_end=StepEnd.build(self, callback_on_step_end, callback_on_step_end_tensor_inputs),
+            timesteps=timesteps, sigmas=sigmas,
         )
         out = self._run(request, control_image, controlnet, controlnet_conditioning_scale, control_guidance_start,
                         control_guidance_end, guess_mode)

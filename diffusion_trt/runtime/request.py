@@ -124,6 +124,8 @@ class Request:
         guidance_rescale: diffusers' ``guidance_rescale`` (0 = off): the CFG prediction rescaled towards the text
             prediction's std (:func:`~.denoise.rescale_noise_cfg`); only with CFG.
         step_end: diffusers' ``callback_on_step_end``, checked (:class:`~.latents.StepEnd`), or ``None``.
+        schedule: diffusers' custom ``timesteps`` / ``sigmas`` as ``("timesteps", values)`` / ``("sigmas", values)``
+            (then ``num_inference_steps`` is their count), or ``None`` (the scheduler's own spacing).
     """
 
     prompts: tuple[str, ...]
@@ -152,6 +154,7 @@ class Request:
     negative_pooled_prompt_embeds: torch.Tensor | None = None
     guidance_rescale: float = 0.0
     step_end: StepEnd | None = None
+    schedule: tuple[str, tuple[float, ...]] | None = None
 
     @property
     def batch(self) -> int:
@@ -196,6 +199,8 @@ class Request:
         clip_skip: Any = None,
         guidance_rescale: Any = GENERATION_ARGS["guidance_rescale"].default,
         callback_on_step_end: StepEnd | None = None,
+        timesteps: Any = None,
+        sigmas: Any = None,
         **sdxl: Any,
     ) -> Request:
         """Check every argument of :meth:`~.pipeline.EnginePipeline.__call__` (same names, same meaning).
@@ -209,6 +214,8 @@ class Request:
                 (:class:`~.embeddings.EmbeddingTable`), or ``None``.
             prompt_syntax: "a1111" or "plain" (:data:`~.prompt_syntax.SYNTAXES`).
             callback_on_step_end: diffusers' callback, checked with its pipeline (:meth:`~.latents.StepEnd.build`).
+            timesteps, sigmas: diffusers' custom schedule (:func:`check_schedule`); ``num_inference_steps`` is then
+                their count, as diffusers' ``retrieve_timesteps``.
             sdxl: the SDXL arguments (:data:`SDXL_ARGUMENTS`), ``None`` / (0, 0) when not given.
 
         Raises:
@@ -226,7 +233,8 @@ class Request:
         negatives = negative_list(negative_prompt, len(prompts))
         check_prompt_weights("prompt", prompts, prompt_syntax)
         check_prompt_weights("negative_prompt", negative_prompt, prompt_syntax)
-        steps = check_arg("num_inference_steps", num_inference_steps)
+        schedule = check_schedule(timesteps, sigmas)
+        steps = check_arg("num_inference_steps", num_inference_steps if schedule is None else len(schedule[1]))
         n_per = check_arg("num_images_per_prompt", num_images_per_prompt)
         if guidance_scale is None:
             guidance_scale = spec.default_guidance_scale
@@ -271,10 +279,34 @@ class Request:
                  **{k: v if isinstance(v, str) else list(v) for k, v in sdxl_given.items()},
                  **({"clip_skip": skip} if skip else {}),
                  **({"guidance_rescale": rescale} if rescale else {}),
+                 **({schedule[0]: list(schedule[1])} if schedule else {}),
                  **({"prompt_syntax": prompt_syntax} if prompt_syntax != "a1111" else {})}
         return cls(tuple(prompts), tuple(negatives), n_per, steps, guidance, eta, height, width, shape, generator,
                    seed, latents, output_type, chunks, conditioning, progress, callback, given, prompt_syntax,
-                   embeds, negative_prompt_embeds, skip, *pooled, rescale, callback_on_step_end)
+                   embeds, negative_prompt_embeds, skip, *pooled, rescale, callback_on_step_end, schedule)
+
+
+def check_schedule(timesteps: Any, sigmas: Any) -> tuple[str, tuple[float, ...]] | None:
+    """diffusers' custom schedule as ``(name, values)``: ``timesteps`` (integers >= 0) or ``sigmas`` (finite numbers
+    >= 0), a non-empty list or tuple; ``None`` when neither is given. Whether the scheduler takes it, and the
+    timesteps' upper bound, are checked when the schedule is set (:func:`~.denoise.set_schedule`).
+
+    Raises:
+        RuntimeInputError: both given (as diffusers), or not such a list.
+    """
+    if timesteps is not None and sigmas is not None:
+        raise RuntimeInputError("pass either timesteps= or sigmas=, not both (as diffusers)")
+    if timesteps is None and sigmas is None:
+        return None
+    name, values = ("timesteps", timesteps) if timesteps is not None else ("sigmas", sigmas)
+    whole = name == "timesteps"
+    kinds = (int, np.integer) if whole else (int, float, np.integer, np.floating)
+    fine = isinstance(values, list | tuple) and values and all(
+        isinstance(v, kinds) and not isinstance(v, bool) and np.isfinite(v) and v >= 0 for v in values)
+    if not fine:
+        what = "integers >= 0, e.g. [999, 749, 499, 249]" if whole else "finite numbers >= 0, e.g. [14.6, 3.0, 0.9]"
+        raise RuntimeInputError(f"{name}={values!r} must be a non-empty list of {what} (diffusers' custom schedule)")
+    return name, tuple(int(v) if whole else float(v) for v in values)
 
 
 def manifest_profile(manifest: Manifest) -> ShapeProfile:

@@ -119,3 +119,54 @@ def test_callback_on_step_end_refusals_name_it(toy_pipe: EnginePipeline, kwargs:
                                                message: str) -> None:
     with pytest.raises(RuntimeInputError, match=message):
         toy_pipe(**FAST, **kwargs)
+
+
+@pytest.mark.parametrize(("scheduler", "cls", "schedule", "image"), [
+    ("euler", diffusers.EulerDiscreteScheduler, {"timesteps": [999, 700, 400, 100]}, False),
+    ("euler", diffusers.EulerDiscreteScheduler, {"sigmas": [14.6, 5.0, 1.5, 0.3]}, True),
+    ("heun", diffusers.HeunDiscreteScheduler, {"timesteps": [999, 600, 200]}, True),
+    ("dpm++", diffusers.DPMSolverMultistepScheduler, {"timesteps": [999, 700, 400, 100]}, False),
+])
+def test_custom_timesteps_and_sigmas_match_diffusers(sd21_reference: Any, sd21_pipe: EnginePipeline, scheduler: str,
+                                                     cls: type, schedule: dict[str, list[float]], image: bool) -> None:
+    extra: dict[str, Any] = {}
+    reference = sd21_reference
+    if image:  # image-to-image: diffusers' get_timesteps on the custom schedule's length
+        reference = diffusers.StableDiffusionImg2ImgPipeline(**sd21_reference.components)
+        reference.set_progress_bar_config(disable=True)
+        extra = {"image": np.random.default_rng(0).random((2, 64, 64, 3), dtype=np.float32), "strength": 0.6}
+    original = reference.scheduler
+    reference.scheduler = cls.from_config(original.config)
+    try:
+        want = _diffusers_np(reference, **CALL, **schedule, **extra)
+    finally:
+        reference.scheduler = original
+    sd21_pipe.set_scheduler(scheduler)
+    try:
+        out = sd21_pipe(**CALL, **schedule, **extra, seed=7, output_type="np", progress=False)
+    finally:
+        sd21_pipe.set_scheduler(None)
+    assert np.abs(out.images - want).max() < 1e-4
+    assert out.parameters[next(iter(schedule))] == next(iter(schedule.values()))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"timesteps": [999, 500]}, r"timesteps= is not taken by PNDMScheduler \(scheduler='pndm'\)"),
+    ({"sigmas": [3.0, 1.0]}, r"sigmas= is not taken by PNDMScheduler"),
+    ({"timesteps": [999], "sigmas": [1.0]}, "pass either timesteps= or sigmas=, not both"),
+    ({"timesteps": []}, r"timesteps=\[\] must be a non-empty list of integers >= 0"),
+    ({"timesteps": [999.5]}, r"timesteps=\[999.5\] must be a non-empty list of integers"),
+    ({"sigmas": [float("nan")]}, r"sigmas=\[nan\] must be a non-empty list of finite numbers >= 0"),
+])
+def test_custom_schedule_refusals_name_it(toy_pipe: EnginePipeline, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(RuntimeInputError, match=message):
+        toy_pipe(**FAST, **kwargs)
+
+
+def test_custom_schedule_a_scheduler_refuses_is_named(toy_pipe: EnginePipeline) -> None:
+    toy_pipe.set_scheduler("ddpm")
+    try:
+        with pytest.raises(RuntimeInputError, match=r"timesteps=\[100, 500\] is refused by DDPMScheduler: .*descend"):
+            toy_pipe(**FAST, timesteps=[100, 500])
+    finally:
+        toy_pipe.set_scheduler(None)
