@@ -86,7 +86,16 @@ from .lora_slots import apply_loras, distinct, load_slots, lora_list
 from .memory.residency import Residency
 from .memory.stages import Stages
 from .png import save_png
-from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text, manifest_profile
+from .request import (
+    OUTPUT_TYPES,
+    SDXL_ARGUMENTS,
+    Request,
+    RequestSpec,
+    check_diffusers_only,
+    check_generator,
+    check_text,
+    manifest_profile,
+)
 from .schedulers import build_scheduler, make_scheduler, scheduler_for, short_name, start_scheduler_import
 from .sdxl import SDXL_COMPONENTS
 from .text_embeddings import EmbeddingCache
@@ -823,6 +832,7 @@ class EnginePipeline:
         callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
         timesteps: Sequence[int] | None = None,
         sigmas: Sequence[float] | None = None,
+        **diffusers_only: Any,
     ) -> EnginePipelineOutput | tuple[Any, ...]:
         """Generate images from text, as ``diffusers.StableDiffusionPipeline.__call__``; with ``image`` as
         ``StableDiffusionImg2ImgPipeline``, with ``image`` and ``mask_image`` as ``StableDiffusionInpaintPipeline``.
@@ -914,6 +924,9 @@ class EnginePipeline:
             timesteps, sigmas: diffusers' custom schedule (one of them, a list), for schedulers whose
                 ``set_timesteps`` takes it (euler, heun, dpm++, unipc, ddpm...; others are refused by name);
                 ``num_inference_steps`` is then the schedule's length, as diffusers' ``retrieve_timesteps``.
+            diffusers_only: diffusers' keywords these engines cannot honour (``cross_attention_kwargs``,
+                ``ip_adapter_image``, ``denoising_end``, ``callback_steps``...: :data:`~.request.DIFFUSERS_ONLY`),
+                accepted only with a value that asks for nothing (``None``); otherwise refused by name with the reason.
             return_dict: ``False`` returns diffusers' tuple instead of the output object
                 (:meth:`EnginePipelineOutput.to_tuple`: ``(images, None)``, SDXL ``(images,)``).
 
@@ -930,6 +943,7 @@ class EnginePipeline:
         """
         if self._closed:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
+        check_diffusers_only(diffusers_only)
         if not isinstance(return_dict, bool):
             raise RuntimeInputError(f"return_dict={return_dict!r} must be True or False")
         if controlnet is not None and control_image is None and image is not None and mask_image is None:

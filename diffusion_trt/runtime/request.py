@@ -309,6 +309,40 @@ def check_schedule(timesteps: Any, sigmas: Any) -> tuple[str, tuple[float, ...]]
     return name, tuple(int(v) if whole else float(v) for v in values)
 
 
+#: Keywords of diffusers' SD / SDXL pipelines that compiled engines cannot honour: name -> (the values that ask for
+#: nothing, why not and what to do instead). :func:`check_diffusers_only` refuses any other value by name.
+DIFFUSERS_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "cross_attention_kwargs": ((None, {}), "the attention processors are compiled into the engines; for a LoRA scale "
+                               "(cross_attention_kwargs={'scale': s}) use load_lora(FILE, s) on a --refittable "
+                               "artifact or compile --lora FILE:s"),
+    "ip_adapter_image": ((None,), "IP-Adapters are not compiled into artifacts; leave it out"),
+    "ip_adapter_image_embeds": ((None,), "IP-Adapters are not compiled into artifacts; leave it out"),
+    "denoising_end": ((None, 1, 1.0), "SDXL's base+refiner hand-over is not supported; run the whole schedule "
+                      "(leave it out), with output_type='latent' to hand the latents on"),
+    "masked_image_latents": ((None,), "pass mask_image= and image= instead"),
+    "padding_mask_crop": ((None,), "crop the image and mask yourself before the call (images are never resized here)"),
+    "callback_steps": ((None, 1), "callback= runs after every scheduler step here; skip steps inside it, or use "
+                       "callback_on_step_end="),
+}
+
+
+def check_diffusers_only(kwargs: Mapping[str, Any], where: str = "EnginePipeline.__call__()") -> None:
+    """Refuse, by name, a keyword of diffusers' pipelines that the engines cannot honour (:data:`DIFFUSERS_ONLY`)
+    unless its value asks for nothing (``None``...); any other unknown keyword is Python's TypeError.
+
+    Raises:
+        TypeError: a keyword no diffusers pipeline of these kinds takes (a typo).
+        RuntimeInputError: a :data:`DIFFUSERS_ONLY` keyword with a value that asks for something, naming why and the
+            way to get it.
+    """
+    for name, value in kwargs.items():
+        if name not in DIFFUSERS_ONLY:
+            raise TypeError(f"{where} got an unexpected keyword argument {name!r}")
+        neutral, why = DIFFUSERS_ONLY[name]
+        if not any(value is n or (type(value) is type(n) and value == n) for n in neutral):
+            raise RuntimeInputError(f"{name}={value!r} is a diffusers argument these engines cannot honour: {why}")
+
+
 def manifest_profile(manifest: Manifest) -> ShapeProfile:
     """The manifest's shape profile.
 

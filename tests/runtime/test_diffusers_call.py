@@ -170,3 +170,26 @@ def test_custom_schedule_a_scheduler_refuses_is_named(toy_pipe: EnginePipeline) 
             toy_pipe(**FAST, timesteps=[100, 500])
     finally:
         toy_pipe.set_scheduler(None)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"cross_attention_kwargs": {"scale": 0.5}}, r"cross_attention_kwargs=\{'scale': 0.5\} .*load_lora\(FILE, s\)"),
+    ({"ip_adapter_image": "face.png"}, r"ip_adapter_image=.face.png. is a diffusers argument .* IP-Adapters"),
+    ({"denoising_end": 0.8}, r"denoising_end=0.8 .*output_type='latent'"),
+    ({"padding_mask_crop": 32}, "padding_mask_crop=32 .*crop the image and mask yourself"),
+    ({"callback_steps": 5}, "callback_steps=5 .*callback_on_step_end"),
+])
+def test_diffusers_keywords_the_engines_cannot_honour_are_refused_by_name(toy_pipe: EnginePipeline,
+                                                                           kwargs: dict[str, Any],
+                                                                           message: str) -> None:
+    with pytest.raises(RuntimeInputError, match=message):
+        toy_pipe(**FAST, **kwargs)
+
+
+def test_diffusers_keywords_that_ask_for_nothing_run(toy_pipe: EnginePipeline) -> None:
+    neutral = {"cross_attention_kwargs": None, "ip_adapter_image": None, "denoising_end": None,
+               "masked_image_latents": None, "callback_steps": 1}
+    np.testing.assert_array_equal(toy_pipe(**FAST, seed=0, output_type="np", **neutral).images,
+                                  toy_pipe(**FAST, seed=0, output_type="np").images)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_inferense_steps'"):  # a typo stays one
+        toy_pipe(**FAST, num_inferense_steps=3)
