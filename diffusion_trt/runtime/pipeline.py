@@ -776,6 +776,19 @@ class EnginePipeline:
         with contextlib.suppress(Exception):
             self.close()
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused: ``pickle``, ``copy.copy`` and ``copy.deepcopy`` all come here. A pipeline owns open engine
+        sessions (and device memory, a CUDA stream, a call guard) that cannot be serialised or shared: a shallow copy
+        shared them, and closed them all when it was garbage-collected (the original's next call then failed with
+        "engine 'text_encoder' is not open").
+
+        Raises:
+            TypeError: always, naming what to do instead.
+        """
+        raise TypeError(f"an EnginePipeline cannot be pickled or copied (copy.copy / copy.deepcopy): it owns open "
+                        f"engines; load another one with EnginePipeline.from_artifacts({str(self.root or '')!r}), or "
+                        "send the artifact path to the other process")
+
     def __repr__(self) -> str:
         m = self.manifest
         return (

@@ -4,6 +4,9 @@ name, on the toy artifact (behaviour) and the tiny one (images against diffusers
 
 from __future__ import annotations
 
+import copy
+import gc
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -193,3 +196,15 @@ def test_diffusers_keywords_that_ask_for_nothing_run(toy_pipe: EnginePipeline) -
                                   toy_pipe(**FAST, seed=0, output_type="np").images)
     with pytest.raises(TypeError, match="unexpected keyword argument 'num_inferense_steps'"):  # a typo stays one
         toy_pipe(**FAST, num_inferense_steps=3)
+
+
+# --- lifecycle ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", [copy.copy, copy.deepcopy, pickle.dumps])
+def test_a_pipeline_is_not_copied_and_stays_usable(toy_artifact: Path, how: Any) -> None:
+    with EnginePipeline.from_artifacts(toy_artifact) as pipe:
+        with pytest.raises(TypeError, match=r"an EnginePipeline cannot be pickled or copied .*from_artifacts"):
+            how(pipe)
+        gc.collect()  # a shallow copy, once collected, closed the engines it shared with the original
+        assert pipe(**FAST, seed=0).images
