@@ -228,7 +228,7 @@ def denoise_latents(
         guidance_rescale: with CFG and > 0, :func:`rescale_noise_cfg` after the combine (diffusers').
         bar: a tqdm bar updated once per step, or ``None``.
         step_end: diffusers' ``callback_on_step_end`` (:class:`~.latents.StepEnd`): after each step, before
-            ``callback``; the latents it returns go on.
+            ``callback``; the latents it returns go on; the steps after it set ``pipe._interrupt`` are skipped.
         conditioning: inpainting: a :class:`~.conditioning.ChunkConditioning` (the 9-channel UNet input, or the
             4-channel blend after each step); ``None`` for text-to-image and image-to-image.
         added_inputs: further UNet inputs, the same every step (SDXL: ``text_embeds`` [B2, E] and ``time_ids``
@@ -249,6 +249,8 @@ def denoise_latents(
     timestep_feeds = timestep_values[:, None].expand(-1, unet_batch).contiguous()
     pin_begin_index(scheduler, timesteps)
     for i, t in enumerate(timesteps):
+        if step_end is not None and step_end.interrupted:  # diffusers' `if self.interrupt: continue`
+            break
         with nvtx_range(f"step {i}", device):
             latent_model_input = torch.cat([latents] * 2) if do_cfg else latents
             if hasattr(scheduler, "scale_model_input"):

@@ -34,7 +34,9 @@ class StepEnd:
     scheduler step; the ``"latents"`` of the dict it returns (if any) replace the latents, as in diffusers.
 
     Only ``"latents"`` is handed over (diffusers' default ``callback_on_step_end_tensor_inputs``); a step of every
-    chunk calls it once with that chunk's latents [b, C, h, w] (as ``callback``).
+    chunk calls it once with that chunk's latents [b, C, h, w] (as ``callback``). As in diffusers, the callback may
+    set ``pipe._interrupt = True`` to stop the loop: the remaining steps (of every chunk) are skipped and the latents
+    as they are decoded (:attr:`interrupted`).
     """
 
     fn: Callable[..., Any]
@@ -62,6 +64,11 @@ class StepEnd:
             raise RuntimeInputError(f"callback_on_step_end_tensor_inputs has {other}: only ['latents'] is handed to "
                                     f"callback_on_step_end ({why}); use ['latents']")
         return None if fn is None else cls(fn, pipe)
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the callback set diffusers' ``pipe._interrupt`` (the pipeline clears it when a call starts)."""
+        return bool(getattr(self.pipe, "_interrupt", False))
 
     def __call__(self, step: int, timestep: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         """The latents after the callback: its returned ``"latents"`` (same shape), else ``latents``.

@@ -776,6 +776,12 @@ class EnginePipeline:
         with contextlib.suppress(Exception):
             self.close()
 
+    @property
+    def interrupt(self) -> bool:
+        """diffusers' ``interrupt``: whether a ``callback_on_step_end`` of the running (or last) call set
+        ``pipe._interrupt = True`` to stop its loop."""
+        return bool(getattr(self, "_interrupt", False))
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Refused: ``pickle``, ``copy.copy`` and ``copy.deepcopy`` all come here. A pipeline owns open engine
         sessions (and device memory, a CUDA stream, a call guard) that cannot be serialised or shared: a shallow copy
@@ -931,7 +937,9 @@ class EnginePipeline:
             callback_on_step_end: diffusers' ``callback_on_step_end(pipe, step_index, timestep, callback_kwargs)``
                 after each scheduler step (``pipe`` is this pipeline); ``callback_kwargs`` is ``{"latents": ...}``
                 and the ``"latents"`` of the dict it returns replace them (:class:`~.latents.StepEnd`). Once per step
-                of every chunk, as ``callback`` (which runs after it).
+                of every chunk, as ``callback`` (which runs after it). Setting ``pipe._interrupt = True`` in it stops
+                the loop as diffusers' does (the steps left are skipped, the latents as they are decoded;
+                :attr:`interrupt`).
             callback_on_step_end_tensor_inputs: ``["latents"]`` (diffusers' default), the one tensor handed over;
                 others (``prompt_embeds``...) are refused.
             timesteps, sigmas: diffusers' custom schedule (one of them, a list), for schedulers whose
@@ -957,6 +965,7 @@ class EnginePipeline:
         if self._closed:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
         check_diffusers_only(diffusers_only)
+        self._interrupt = False  # diffusers': a callback_on_step_end sets it to stop the loop
         if not isinstance(return_dict, bool):
             raise RuntimeInputError(f"return_dict={return_dict!r} must be True or False")
         if controlnet is not None and control_image is None and image is not None and mask_image is None:

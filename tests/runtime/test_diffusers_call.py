@@ -208,3 +208,19 @@ def test_a_pipeline_is_not_copied_and_stays_usable(toy_artifact: Path, how: Any)
             how(pipe)
         gc.collect()  # a shallow copy, once collected, closed the engines it shared with the original
         assert pipe(**FAST, seed=0).images
+
+
+def test_interrupt_from_callback_on_step_end_matches_diffusers(sd21_reference: Any, sd21_pipe: EnginePipeline) -> None:
+    def stop_after_1(pipe: Any, step: int, timestep: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if step == 1:
+            pipe._interrupt = True  # diffusers' documented way to stop the loop
+        return kwargs
+
+    call = {**CALL, "num_inference_steps": 5, "callback_on_step_end": stop_after_1}
+    want = _diffusers_np(sd21_reference, **call)
+    steps: list[int] = []
+    got = sd21_pipe(**call, callback=lambda i, t, latents: steps.append(i), seed=7, output_type="np", progress=False)
+    assert steps == [0, 1] and sd21_pipe.interrupt
+    assert np.abs(got.images - want).max() < 1e-4
+    sd21_pipe(**FAST, seed=7)
+    assert not sd21_pipe.interrupt  # cleared by the next call
