@@ -37,6 +37,7 @@ import torch
 from ..errors import RuntimeInputError
 from .batching import per_image, plan_chunks, split_across
 from .conditioning import TextToImage
+from .latents import StepEnd
 from .pipeline import EnginePipeline, EnginePipelineOutput
 from .request import Request
 from .sdxl import SdxlConditioning
@@ -228,6 +229,11 @@ class DataParallelPipeline:
                 "image-to-image and inpainting run on one device: use EnginePipeline (CLI: drop --devices)"
             )
         control = {k: kwargs.pop(k) for k in CONTROL_ARGUMENTS if k in kwargs}
+        step_end = StepEnd.build(self, kwargs.pop("callback_on_step_end", None),
+                                 kwargs.pop("callback_on_step_end_tensor_inputs", ("latents",)))
+        self._interrupt = False  # diffusers': the callback sets it to stop the loop (of every device)
+        if step_end is not None:
+            kwargs["callback_on_step_end"] = step_end  # called with this pipeline, per device as callback
         first = self.pipes[0]
         # one request, checked once, then split: each device runs its share of the images
         request = first.build_request(prompt, negative_prompt, generator=generator, seed=seed,

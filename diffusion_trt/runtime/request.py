@@ -198,7 +198,7 @@ class Request:
         negative_pooled_prompt_embeds: Any = None,
         clip_skip: Any = None,
         guidance_rescale: Any = GENERATION_ARGS["guidance_rescale"].default,
-        callback_on_step_end: StepEnd | None = None,
+        callback_on_step_end: StepEnd | Any = None,
         timesteps: Any = None,
         sigmas: Any = None,
         **sdxl: Any,
@@ -213,7 +213,8 @@ class Request:
             embeddings_2: SDXL: the loaded textual-inversion vectors for ``text_encoder_2``
                 (:class:`~.embeddings.EmbeddingTable`), or ``None``.
             prompt_syntax: "a1111" or "plain" (:data:`~.prompt_syntax.SYNTAXES`).
-            callback_on_step_end: diffusers' callback, checked with its pipeline (:meth:`~.latents.StepEnd.build`).
+            callback_on_step_end: diffusers' callback, checked with its pipeline (:meth:`~.latents.StepEnd.build`);
+                a plain callable is checked here and called with ``pipe=None``.
             timesteps, sigmas: diffusers' custom schedule (:func:`check_schedule`); ``num_inference_steps`` is then
                 their count, as diffusers' ``retrieve_timesteps``.
             sdxl: the SDXL arguments (:data:`SDXL_ARGUMENTS`), ``None`` / (0, 0) when not given.
@@ -241,6 +242,8 @@ class Request:
         guidance = check_arg("guidance_scale", guidance_scale)
         eta = check_arg("eta", eta)
         rescale = check_arg("guidance_rescale", guidance_rescale)
+        if not isinstance(callback_on_step_end, StepEnd):
+            callback_on_step_end = StepEnd.build(None, callback_on_step_end, ("latents",))
         sdxl_given = _sdxl_given(spec, sdxl, image is not None or mask_image is not None)
         for name in ("prompt_2", "negative_prompt_2"):
             check_prompt_weights(name, sdxl.get(name), prompt_syntax)
@@ -288,8 +291,8 @@ class Request:
 
 def check_schedule(timesteps: Any, sigmas: Any) -> tuple[str, tuple[float, ...]] | None:
     """diffusers' custom schedule as ``(name, values)``: ``timesteps`` (integers >= 0) or ``sigmas`` (finite numbers
-    >= 0), a non-empty list or tuple; ``None`` when neither is given. Whether the scheduler takes it, and the
-    timesteps' upper bound, are checked when the schedule is set (:func:`~.denoise.set_schedule`).
+    >= 0), a non-empty list or tuple; ``None`` when neither is given. Whether the scheduler takes it, and values it
+    refuses (an order, a bound), are checked when the schedule is set (:func:`~.denoise.set_schedule`).
 
     Raises:
         RuntimeInputError: both given (as diffusers), or not such a list.

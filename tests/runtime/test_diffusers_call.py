@@ -224,3 +224,22 @@ def test_interrupt_from_callback_on_step_end_matches_diffusers(sd21_reference: A
     assert np.abs(got.images - want).max() < 1e-4
     sd21_pipe(**FAST, seed=7)
     assert not sd21_pipe.interrupt  # cleared by the next call
+
+
+def test_data_parallel_takes_the_diffusers_keywords(toy_artifact: Path, toy_pipe: EnginePipeline) -> None:
+    from diffusion_trt.runtime.parallel import DataParallelPipeline
+
+    seen: list[Any] = []
+
+    def damp(pipe: Any, step: int, timestep: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        seen.append(pipe)
+        return {"latents": kwargs["latents"] * 0.5}
+
+    call = {"num_inference_steps": 2, "seed": 4, "output_type": "np", "guidance_rescale": 0.5,
+            "callback_on_step_end": damp}
+    pipes = [EnginePipeline.from_artifacts(toy_artifact, verify=False) for _ in range(2)]
+    with DataParallelPipeline(pipes, warm_up=False) as multi:
+        got = multi(["a cat", "a dog"], **call)
+        assert seen and all(p is multi for p in seen)
+    want = toy_pipe(["a cat", "a dog"], progress=False, **call)
+    np.testing.assert_array_equal(got.images, want.images)
