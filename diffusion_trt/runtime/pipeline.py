@@ -548,6 +548,27 @@ class EnginePipeline:
                     manifest.precision, device, manifest.profile_json, pipe.scheduler_name)
         return pipe
 
+    # -- diffusers' pipeline settings -------------------------------------------------------------------
+
+    #: set by :meth:`set_progress_bar_config`
+    _progress_disabled: bool = False
+
+    def set_progress_bar_config(self, **kwargs: Any) -> None:
+        """diffusers' ``set_progress_bar_config``: ``disable=True`` hides the bar of the calls that do not pass
+        ``progress=`` (``False`` shows it again).
+
+        Raises:
+            RuntimeInputError: other tqdm options (the bar's look is fixed here), or ``disable`` not a bool.
+        """
+        other = sorted(set(kwargs) - {"disable"})
+        if other:
+            raise RuntimeInputError(f"set_progress_bar_config takes disable= only (got {', '.join(other)}); pass "
+                                    "disable=True to hide the bar, or progress=False to a call")
+        disable = kwargs.get("disable", False)
+        if not isinstance(disable, bool):
+            raise RuntimeInputError(f"disable={disable!r} must be True or False")
+        self._progress_disabled = disable
+
     # -- scheduler --------------------------------------------------------------------------------------
 
     @one_call_at_a_time("set_scheduler()")
@@ -819,7 +840,7 @@ class EnginePipeline:
         num_images_per_prompt: int = GENERATION_ARGS["num_images_per_prompt"].default,
         latents: torch.Tensor | None = None,
         output_type: str = "pil",
-        progress: bool = True,
+        progress: bool | None = None,
         callback: StepCallback | None = None,
         eta: float = GENERATION_ARGS["eta"].default,
         image: Any = None,
@@ -875,7 +896,8 @@ class EnginePipeline:
                 once) and host images exceed the available host memory is refused up front.
             latents: initial noise [B, 4, height/8, width/8] (any float dtype, any device), instead of drawing it.
             output_type: "pil", "np", "pt" or "latent" (see :class:`EnginePipelineOutput`).
-            progress: show a tqdm bar over the steps.
+            progress: show a tqdm bar over the steps; ``None`` = shown unless
+                :meth:`set_progress_bar_config` ``(disable=True)``, as diffusers.
             callback: ``callback(step_index, timestep, latents)`` after each scheduler step (timestep: 0-d CPU
                 tensor; latents of the running chunk on the device; once per step of every chunk).
             eta: DDIM's eta (ignored by other schedulers), >= 0.
@@ -966,6 +988,8 @@ class EnginePipeline:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
         check_diffusers_only(diffusers_only)
         self._interrupt = False  # diffusers': a callback_on_step_end sets it to stop the loop
+        if progress is None:
+            progress = not self._progress_disabled
         if not isinstance(return_dict, bool):
             raise RuntimeInputError(f"return_dict={return_dict!r} must be True or False")
         if controlnet is not None and control_image is None and image is not None and mask_image is None:

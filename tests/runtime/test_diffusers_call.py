@@ -243,3 +243,14 @@ def test_data_parallel_takes_the_diffusers_keywords(toy_artifact: Path, toy_pipe
         assert seen and all(p is multi for p in seen) and nsfw is None
     want = toy_pipe(["a cat", "a dog"], progress=False, **call)
     np.testing.assert_array_equal(got, want.images)
+
+
+def test_set_progress_bar_config_disable_as_diffusers(toy_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with EnginePipeline.from_artifacts(toy_artifact) as pipe:
+        pipe.set_progress_bar_config(disable=True)
+        pipe("a cat", num_inference_steps=2, seed=0)
+        assert "denoise" not in capsys.readouterr().err
+        pipe("a cat", num_inference_steps=2, seed=0, progress=True)  # the call's own choice wins
+        assert "denoise" in capsys.readouterr().err
+        with pytest.raises(RuntimeInputError, match=r"set_progress_bar_config takes disable= only \(got leave"):
+            pipe.set_progress_bar_config(leave=False)
