@@ -228,6 +228,8 @@ class Request:
         embeds = _check_prompt_embeds(spec, engines, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)
         pooled = _check_pooled(spec, engines, embeds, negative_prompt_embeds, pooled_prompt_embeds,
                                negative_pooled_prompt_embeds)
+        if spec.architecture == "sdxl":  # (SD artifacts refuse prompt_2 itself, below)
+            _check_texts_beside_embeds(sdxl, prompt_embeds, negative_prompt_embeds)
         prompts = prompt_list("prompt", prompt) if embeds is None else [""] * embeds.shape[0]
         if prompt_syntax not in SYNTAXES:
             raise RuntimeInputError(f"prompt_syntax={prompt_syntax!r} is unknown; use one of {', '.join(SYNTAXES)}")
@@ -488,6 +490,20 @@ def _check_pooled(spec: RequestSpec, engines: Mapping[str, Engine], embeds: torc
                                         f"text_embeds width); got {got}")
             check_finite(name, value)
     return pooled, negative_pooled
+
+
+def _check_texts_beside_embeds(sdxl: Mapping[str, Any], prompt_embeds: Any, negative_prompt_embeds: Any) -> None:
+    """SDXL's ``prompt_2`` / ``negative_prompt_2`` with the embeddings they would be encoded into: refused, as
+    diffusers' ``check_inputs`` (the embeddings already hold both encoders' states; the text would be ignored).
+
+    Raises:
+        RuntimeInputError: naming both arguments.
+    """
+    for text, embeds, value in (("prompt_2", "prompt_embeds", prompt_embeds),
+                                ("negative_prompt_2", "negative_prompt_embeds", negative_prompt_embeds)):
+        if sdxl.get(text) is not None and value is not None:
+            raise RuntimeInputError(f"pass either {text}= or {embeds}=, not both (as diffusers): {embeds} holds "
+                                    f"both text encoders' states already, so {text} would be ignored")
 
 
 def _check_embeds(name: str, value: Any, unet_context: Any) -> None:

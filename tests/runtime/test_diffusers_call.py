@@ -254,3 +254,16 @@ def test_set_progress_bar_config_disable_as_diffusers(toy_artifact: Path, capsys
         assert "denoise" in capsys.readouterr().err
         with pytest.raises(RuntimeInputError, match=r"set_progress_bar_config takes disable= only \(got leave"):
             pipe.set_progress_bar_config(leave=False)
+
+
+@pytest.mark.parametrize(("text", "embeds"), [("prompt_2", "prompt_embeds"),
+                                              ("negative_prompt_2", "negative_prompt_embeds")])
+def test_sdxl_second_text_beside_its_embeddings_is_refused(tiny_sdxl_artifact: Path, text: str, embeds: str) -> None:
+    with EnginePipeline.from_artifacts(tiny_sdxl_artifact) as pipe:
+        unet = pipe.engines["unet"].spec
+        states = torch.zeros(1, 77, int(unet.input("encoder_hidden_states").shape[2]))
+        pooled = torch.zeros(1, int(unet.input("text_embeds").shape[1]))
+        given = {"prompt_embeds": states, "pooled_prompt_embeds": pooled, "negative_prompt_embeds": states,
+                 "negative_pooled_prompt_embeds": pooled}
+        with pytest.raises(RuntimeInputError, match=f"pass either {text}= or {embeds}=, not both"):
+            pipe(**given, **{text: "ignored"}, num_inference_steps=2, progress=False)  # diffusers: ValueError
