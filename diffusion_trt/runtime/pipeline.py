@@ -48,7 +48,7 @@ from ..artifact.manifest import (
     embedding_shape_problems,
 )
 from ..artifact.reader import ArtifactReader, ArtifactReplacedError
-from ..artifact.values import check_scheduler_config
+from ..artifact.values import check_scheduler_config, scheduler_config_problems
 from ..errors import ArtifactError, LoraError, RuntimeInputError, names_arguments, names_parameters
 from ..lora import LoadedLoras
 from . import denoise
@@ -96,7 +96,15 @@ from .request import (
     check_text,
     manifest_profile,
 )
-from .schedulers import build_scheduler, make_scheduler, scheduler_for, short_name, start_scheduler_import
+from .schedulers import (
+    SCHEDULERS,
+    build_scheduler,
+    make_scheduler,
+    name_of,
+    scheduler_for,
+    short_name,
+    start_scheduler_import,
+)
 from .sdxl import SDXL_COMPONENTS
 from .text_embeddings import EmbeddingCache
 from .tokenizer import load_tokenizer
@@ -588,9 +596,35 @@ class EnginePipeline:
 
     @property
     def scheduler(self) -> Any:
-        """A fresh scheduler instance (schedulers are stateful: each call gets its own)."""
+        """A fresh scheduler instance (schedulers are stateful: each call gets its own). Assignable as in diffusers:
+        ``pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config, use_karras_sigmas=True)``
+        (a copy of its class and config is used from then on; :meth:`use_scheduler`)."""
         t = self._scheduler_template
         return build_scheduler(type(t), t.config)
+
+    @scheduler.setter
+    def scheduler(self, scheduler: Any) -> None:
+        self.use_scheduler(scheduler)
+
+    @one_call_at_a_time("use_scheduler()")
+    def use_scheduler(self, scheduler: Any) -> None:
+        """diffusers' scheduler swap (``pipe.scheduler = X.from_config(pipe.scheduler.config, ...)``): from now on each
+        call runs a fresh scheduler of ``scheduler``'s class and config (its options too: karras sigmas,
+        ``timestep_spacing``...). :attr:`scheduler_name` becomes the short name of that class and options, if any.
+
+        Raises:
+            RuntimeInputError: not a scheduler of a class the runtime runs (the classes ``scheduler=`` names map to),
+                or a config value that class does not accept (naming it).
+        """
+        cls_name = type(scheduler).__name__
+        config = getattr(scheduler, "config", None)
+        problems = ([f"{type(scheduler).__name__} is not a diffusers scheduler"] if not isinstance(config, Mapping)
+                    else scheduler_config_problems(dict(config), "scheduler.config", cls_name))
+        if problems:
+            raise RuntimeInputError(f"scheduler={cls_name} cannot run here: {'; '.join(problems)}; assign one of "
+                                    f"those classes, or call set_scheduler(NAME) with one of {', '.join(SCHEDULERS)}")
+        self._scheduler_template = build_scheduler(type(scheduler), config)
+        self._scheduler_name = name_of(cls_name, config)
 
     # -- LoRA -------------------------------------------------------------------------------------------
 

@@ -267,3 +267,37 @@ def test_sdxl_second_text_beside_its_embeddings_is_refused(tiny_sdxl_artifact: P
                  "negative_pooled_prompt_embeds": pooled}
         with pytest.raises(RuntimeInputError, match=f"pass either {text}= or {embeds}=, not both"):
             pipe(**given, **{text: "ignored"}, num_inference_steps=2, progress=False)  # diffusers: ValueError
+
+
+# --- schedulers swapped the diffusers way -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("cls", "options", "name"), [
+    (diffusers.EulerDiscreteScheduler, {"use_karras_sigmas": True, "timestep_spacing": "trailing"}, "euler"),
+    (diffusers.DPMSolverMultistepScheduler, {"algorithm_type": "sde-dpmsolver++", "use_karras_sigmas": True},
+     "dpm++_sde_karras"),
+    (diffusers.DDIMScheduler, {"timestep_spacing": "linspace", "rescale_betas_zero_snr": True}, "ddim"),
+])
+def test_assigning_a_scheduler_matches_diffusers(sd21_reference: Any, sd21_pipe: EnginePipeline, cls: type,
+                                                 options: dict[str, Any], name: str) -> None:
+    original = sd21_reference.scheduler
+    sd21_reference.scheduler = cls.from_config(original.config, **options)
+    try:
+        want = _diffusers_np(sd21_reference, **CALL)
+    finally:
+        sd21_reference.scheduler = original
+    sd21_pipe.scheduler = cls.from_config(sd21_pipe.scheduler.config, **options)  # diffusers' swap
+    try:
+        assert sd21_pipe.scheduler_name == name and type(sd21_pipe.scheduler) is cls
+        got = sd21_pipe(**CALL, seed=7, output_type="np", progress=False).images
+    finally:
+        sd21_pipe.set_scheduler(None)
+    assert np.abs(got - want).max() < 1e-4
+
+
+def test_assigning_a_scheduler_the_runtime_does_not_run_is_refused(toy_pipe: EnginePipeline) -> None:
+    with pytest.raises(RuntimeInputError, match=r"scheduler=LCMScheduler cannot run here: .*not one the runtime runs"):
+        toy_pipe.scheduler = diffusers.LCMScheduler.from_config(toy_pipe.scheduler.config)
+    with pytest.raises(RuntimeInputError, match="scheduler=str cannot run here: str is not a diffusers scheduler"):
+        toy_pipe.scheduler = "euler"
+    assert toy_pipe.scheduler_name == "pndm"  # unchanged
