@@ -64,10 +64,10 @@ from ..errors import RuntimeInputError
 from .cuda import HostBuffers, HostImageSink, images_float, images_uint8, nvtx_range, to_pil
 from .embeddings import EmbeddingTable
 from .engines.engine import Engine, EngineSpec
-from .latents import Generator, StepCallback
+from .latents import Generator, StepCallback, StepEnd
 from .memory.stages import Stages
 from .prompt_encoding import PromptReader
-from .schedulers import build_scheduler, check_step_count
+from .schedulers import build_scheduler, check_step_count, short_name
 from .text_embeddings import EmbeddingCache, encode_prompt_embeds
 
 if TYPE_CHECKING:
@@ -87,6 +87,16 @@ def step_kwargs(scheduler: Any, generator: Generator, eta: float) -> dict[str, A
     if "generator" in params:
         kwargs["generator"] = generator
     return kwargs
+
+
+def rescale_noise_cfg(noise_cfg: torch.Tensor, noise_pred_text: torch.Tensor, guidance_rescale: float
+                      ) -> torch.Tensor:
+    """diffusers' ``rescale_noise_cfg`` (Lin et al. 2023, "Common Diffusion Noise Schedules and Sample Steps are
+    Flawed", 3.4): the CFG prediction [b, C, h, w] rescaled to the text prediction's per-image std, mixed back by
+    ``guidance_rescale`` (0 = ``noise_cfg`` unchanged, 1 = fully rescaled)."""
+    dims = list(range(1, noise_pred_text.ndim))
+    rescaled = noise_cfg * (noise_pred_text.std(dim=dims, keepdim=True) / noise_cfg.std(dim=dims, keepdim=True))
+    return guidance_rescale * rescaled + (1 - guidance_rescale) * noise_cfg
 
 
 def decode_latents(vae_decoder: Engine, latents: torch.Tensor, scaling_factor: float,
@@ -197,8 +207,10 @@ def denoise_latents(
     timestep_values: torch.Tensor | None = None,
     guidance_scale: float,
     extra: dict[str, Any],
+    guidance_rescale: float = 0.0,
     bar: Any = None,
     callback: StepCallback | None = None,
+    step_end: StepEnd | None = None,
     conditioning: ChunkConditioning | None = None,
     added_inputs: Mapping[str, torch.Tensor] | None = None,
     control: ChunkControl | None = None,
@@ -213,7 +225,10 @@ def denoise_latents(
             host->device copy syncs the stream); ``None`` = copy here.
         guidance_scale: CFG scale; > 1 means CFG (B2 = 2b).
         extra: scheduler step kwargs (:func:`step_kwargs`).
+        guidance_rescale: with CFG and > 0, :func:`rescale_noise_cfg` after the combine (diffusers').
         bar: a tqdm bar updated once per step, or ``None``.
+        step_end: diffusers' ``callback_on_step_end`` (:class:`~.latents.StepEnd`): after each step, before
+            ``callback``; the latents it returns go on; the steps after it set ``pipe._interrupt`` are skipped.
         conditioning: inpainting: a :class:`~.conditioning.ChunkConditioning` (the 9-channel UNet input, or the
             4-channel blend after each step); ``None`` for text-to-image and image-to-image.
         added_inputs: further UNet inputs, the same every step (SDXL: ``text_embeds`` [B2, E] and ``time_ids``
@@ -234,6 +249,8 @@ def denoise_latents(
     timestep_feeds = timestep_values[:, None].expand(-1, unet_batch).contiguous()
     pin_begin_index(scheduler, timesteps)
     for i, t in enumerate(timesteps):
+        if step_end is not None and step_end.interrupted:  # diffusers' `if self.interrupt: continue`
+            break
         with nvtx_range(f"step {i}", device):
             latent_model_input = torch.cat([latents] * 2) if do_cfg else latents
             if hasattr(scheduler, "scale_model_input"):
@@ -259,12 +276,16 @@ def denoise_latents(
                 if do_cfg:
                     noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
                     noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
+                    if guidance_rescale > 0.0:
+                        noise_pred = rescale_noise_cfg(noise_pred, noise_pred_text, guidance_rescale)
                 else:
                     # the engine overwrites its output buffer next step; multistep schedulers keep past outputs
                     noise_pred = noise_pred.clone()
                 latents = scheduler.step(noise_pred, t, latents, **extra, return_dict=False)[0]
                 if conditioning is not None:  # 4-channel inpainting: the unmasked area follows the image
                     latents = conditioning.after_step(scheduler, latents, i, timesteps)
+        if step_end is not None:
+            latents = step_end(i, t, latents)
         if callback is not None:
             callback(i, t, latents)
         if bar is not None:
@@ -335,8 +356,10 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any, control: Co
     # of the WHOLE request, drawn once (the generator stream of one diffusers call) and sliced per chunk. Both
     # copy host->device blockingly, so they come before any engine work is queued (neither encoding the
     # prompt nor setting timesteps draws random numbers: the order does not change the images).
-    timesteps = set_schedule(scheduler, request.num_inference_steps, device)
-    timesteps, begin_index = cond.start(scheduler, request.num_inference_steps, timesteps)
+    timesteps = set_schedule(scheduler, request.num_inference_steps, device, request.schedule)
+    # with a custom schedule, diffusers' retrieve_timesteps makes num_inference_steps the schedule's length
+    steps = request.num_inference_steps if request.schedule is None else len(timesteps)
+    timesteps, begin_index = cond.start(scheduler, steps, timesteps)
     timestep_values = timesteps.to(device=device, dtype=torch.float32)
     if control is not None:
         control.warn_idle(len(timesteps))
@@ -358,8 +381,7 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any, control: Co
     with tqdm(total=len(timesteps) * len(request.chunks), disable=not request.progress, desc="denoise",
               unit="step") as bar:
         for k, rows in enumerate(request.chunks):
-            sched = scheduler if k == 0 else _chunk_scheduler(scheduler, request.num_inference_steps, begin_index,
-                                                              device)
+            sched = scheduler if k == 0 else _chunk_scheduler(scheduler, request, begin_index, device)
             embeds = positive[rows.start : rows.stop]
             if negative is not None:
                 embeds = torch.cat([negative[rows.start : rows.stop], embeds])
@@ -367,8 +389,10 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any, control: Co
                 final = denoise_latents(
                     unet=unet, scheduler=sched, prompt_embeds=embeds, latents=prepared.latents[rows.start : rows.stop],
                     timesteps=timesteps, timestep_values=timestep_values, guidance_scale=request.guidance_scale,
-                    extra=step_kwargs(sched, _chunk_generator(request, rows), request.eta), bar=bar,
-                    callback=request.callback, conditioning=prepared.rows(rows, request.do_cfg),
+                    extra=step_kwargs(sched, _chunk_generator(request, rows), request.eta),
+                    guidance_rescale=request.guidance_rescale, bar=bar,
+                    callback=request.callback, step_end=request.step_end,
+                    conditioning=prepared.rows(rows, request.do_cfg),
                     added_inputs=None if added is None else added.unet_inputs(rows, unet),
                     control=None if control is None else control.rows(rows, request.batch, n, request.do_cfg),
                 )
@@ -433,14 +457,21 @@ def given_embeddings(request: Request, engines: LoopEngines, reader: PromptReade
     return positive, negative
 
 
-def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device) -> torch.Tensor:
-    """``scheduler.set_timesteps(num_inference_steps)``; returns the schedule as a CPU tensor (:func:`host_timesteps`).
+def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device,
+                 schedule: tuple[str, tuple[float, ...]] | None = None) -> torch.Tensor:
+    """``scheduler.set_timesteps(num_inference_steps)``, or with diffusers' custom ``timesteps`` / ``sigmas``
+    (``schedule``: :func:`~.request.check_schedule`'s); returns the schedule as a CPU tensor
+    (:func:`host_timesteps`).
 
     Raises:
         RuntimeInputError: more steps than the scheduler's training timesteps, steps it refuses, or a schedule that
-            would step past its last training timestep (PNDM/DDIM with ``steps_offset=1`` at 1000 steps).
+            would step past its last training timestep (PNDM/DDIM with ``steps_offset=1`` at 1000 steps); a custom
+            schedule the scheduler does not take (naming it), or values it refuses.
     """
     train = int(getattr(scheduler.config, "num_train_timesteps", 1000))
+    if schedule is not None:
+        _set_custom_schedule(scheduler, schedule, device)
+        return host_timesteps(scheduler)
     check_step_count(num_inference_steps, type(scheduler).__name__, scheduler.config)
     try:
         scheduler.set_timesteps(num_inference_steps, device=device)
@@ -459,6 +490,25 @@ def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device)
     return timesteps
 
 
+#: The schedulers of :data:`~.schedulers.SCHEDULERS` whose ``set_timesteps`` takes a custom schedule (diffusers 0.42).
+_TAKES_CUSTOM = {"timesteps": "ddpm, euler, heun, dpm++ and its variants", "sigmas": "euler"}
+
+
+def _set_custom_schedule(scheduler: Any, schedule: tuple[str, tuple[float, ...]], device: torch.device) -> None:
+    """diffusers' ``retrieve_timesteps`` with ``timesteps=`` / ``sigmas=``: refused by name where the scheduler's
+    ``set_timesteps`` does not take it (as diffusers, but naming the schedulers that do)."""
+    name, values = schedule
+    cls = type(scheduler).__name__
+    if name not in inspect.signature(scheduler.set_timesteps).parameters:
+        raise RuntimeInputError(f"{name}= is not taken by {cls} (scheduler={short_name(cls)!r}); use a scheduler "
+                                f"whose set_timesteps takes custom {name} ({_TAKES_CUSTOM[name]}), or "
+                                "num_inference_steps= instead")
+    try:
+        scheduler.set_timesteps(**{name: list(values)}, device=device)
+    except (ValueError, IndexError) as e:  # e.g. DDPM: timesteps not in descending order
+        raise RuntimeInputError(f"{name}={list(values)!r} is refused by {cls}: {e}") from e
+
+
 def _expect_decodes(request: Request, engines: LoopEngines, latents: torch.Tensor) -> None:
     """Tell a size-bucketed VAE decoder (:meth:`~.engines.buckets.BucketedEngine.expect`) the shapes it will decode
     at, one per chunk size, so that its specialised sessions are made while the UNet loop runs. Engines without
@@ -470,10 +520,10 @@ def _expect_decodes(request: Request, engines: LoopEngines, latents: torch.Tenso
         expect({"latent_sample": (size, *latents.shape[1:])})
 
 
-def _chunk_scheduler(scheduler: Any, num_inference_steps: int, begin_index: int | None, device: torch.device) -> Any:
+def _chunk_scheduler(scheduler: Any, request: Request, begin_index: int | None, device: torch.device) -> Any:
     """A fresh scheduler for a chunk after the first, at the request's schedule (and strength's begin index)."""
     sched = fresh_scheduler(scheduler)
-    sched.set_timesteps(num_inference_steps, device=device)
+    set_schedule(sched, request.num_inference_steps, device, request.schedule)
     if begin_index is not None and hasattr(sched, "set_begin_index"):
         sched.set_begin_index(begin_index)
     return sched

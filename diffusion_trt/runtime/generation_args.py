@@ -77,6 +77,7 @@ GENERATION_ARGS: dict[str, GenerationArg] = {a.name: a for a in (
     GenerationArg("width", int, cli="--width", serve="width"),
     GenerationArg("num_images_per_prompt", int, 1, minimum=1, fix="use 1 or more", cli="--batch-size"),
     GenerationArg("eta", float, 0.0, minimum=0, fix="use 0.0 (deterministic DDIM) .. 1.0"),
+    GenerationArg("guidance_rescale", float, 0.0, minimum=0, fix="use 0.0 (off) .. 1.0, e.g. 0.7"),
 )}
 
 

@@ -37,6 +37,7 @@ import torch
 from ..errors import RuntimeInputError
 from .batching import per_image, plan_chunks, split_across
 from .conditioning import TextToImage
+from .latents import StepEnd
 from .pipeline import EnginePipeline, EnginePipelineOutput
 from .request import Request
 from .sdxl import SdxlConditioning
@@ -211,7 +212,7 @@ class DataParallelPipeline:
         height: int | None = None,
         width: int | None = None,
         **kwargs: Any,
-    ) -> EnginePipelineOutput:
+    ) -> EnginePipelineOutput | tuple[Any, ...]:
         """Like :meth:`EnginePipeline.__call__`, the B images split across the devices.
 
         ``progress`` and ``callback`` are per device (``progress`` defaults to off). "pt"/"latent" results are
@@ -228,6 +229,14 @@ class DataParallelPipeline:
                 "image-to-image and inpainting run on one device: use EnginePipeline (CLI: drop --devices)"
             )
         control = {k: kwargs.pop(k) for k in CONTROL_ARGUMENTS if k in kwargs}
+        return_dict = kwargs.pop("return_dict", True)
+        if not isinstance(return_dict, bool):
+            raise RuntimeInputError(f"return_dict={return_dict!r} must be True or False")
+        step_end = StepEnd.build(self, kwargs.pop("callback_on_step_end", None),
+                                 kwargs.pop("callback_on_step_end_tensor_inputs", ("latents",)))
+        self._interrupt = False  # diffusers': the callback sets it to stop the loop (of every device)
+        if step_end is not None:
+            kwargs["callback_on_step_end"] = step_end  # called with this pipeline, per device as callback
         first = self.pipes[0]
         # one request, checked once, then split: each device runs its share of the images
         request = first.build_request(prompt, negative_prompt, generator=generator, seed=seed,
@@ -258,7 +267,8 @@ class DataParallelPipeline:
             "devices": [str(d) for d in self.devices[: len(shares)]],
             "device_shares": [len(r) for r in shares],
         }
-        return EnginePipelineOutput(images=images, seed=request.seed, parameters=parameters)
+        out = EnginePipelineOutput(images=images, seed=request.seed, parameters=parameters)
+        return out if return_dict else out.to_tuple(first.architecture)
 
     def close(self) -> None:
         """Close every pipeline and the thread pool (idempotent)."""

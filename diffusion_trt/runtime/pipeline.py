@@ -48,7 +48,7 @@ from ..artifact.manifest import (
     embedding_shape_problems,
 )
 from ..artifact.reader import ArtifactReader, ArtifactReplacedError
-from ..artifact.values import check_scheduler_config
+from ..artifact.values import check_scheduler_config, scheduler_config_problems
 from ..errors import ArtifactError, LoraError, RuntimeInputError, names_arguments, names_parameters
 from ..lora import LoadedLoras
 from . import denoise
@@ -70,7 +70,7 @@ from .engines.engine import Engine
 from .generation_args import GENERATION_ARGS
 from .geometry import LatentGeometry
 from .image_inputs import ImageRequest
-from .latents import Generator, StepCallback
+from .latents import Generator, StepCallback, StepEnd
 from .loading import (
     CALLER_FIRST_RUN,
     EAGER_COMPONENTS,
@@ -86,8 +86,25 @@ from .lora_slots import apply_loras, distinct, load_slots, lora_list
 from .memory.residency import Residency
 from .memory.stages import Stages
 from .png import save_png
-from .request import OUTPUT_TYPES, SDXL_ARGUMENTS, Request, RequestSpec, check_generator, check_text, manifest_profile
-from .schedulers import build_scheduler, make_scheduler, scheduler_for, short_name, start_scheduler_import
+from .request import (
+    OUTPUT_TYPES,
+    SDXL_ARGUMENTS,
+    Request,
+    RequestSpec,
+    check_diffusers_only,
+    check_generator,
+    check_text,
+    manifest_profile,
+)
+from .schedulers import (
+    SCHEDULERS,
+    build_scheduler,
+    make_scheduler,
+    name_of,
+    scheduler_for,
+    short_name,
+    start_scheduler_import,
+)
 from .sdxl import SDXL_COMPONENTS
 from .text_embeddings import EmbeddingCache
 from .tokenizer import load_tokenizer
@@ -203,11 +220,19 @@ class EnginePipelineOutput:
             [B, 4, H/8, W/8]. B = prompts x ``num_images_per_prompt``, prompt-major.
         seed: the seed of the CPU generator the latents came from; ``None`` when a generator was passed.
         parameters: the generation parameters (JSON-serialisable), for :func:`save_png`.
+        nsfw_content_detected: diffusers' ``StableDiffusionPipelineOutput`` field: always ``None``, as diffusers gives
+            for a pipeline without a safety checker (an artifact compiles none; there is nothing to detect with).
     """
 
     images: Any
     seed: int | None
     parameters: dict[str, Any] = field(default_factory=dict)
+    nsfw_content_detected: list[bool] | None = None
+
+    def to_tuple(self, architecture: str = "sd") -> tuple[Any, ...]:
+        """What diffusers returns with ``return_dict=False``: ``(images, nsfw_content_detected)`` for SD 1.x/2.x
+        (``StableDiffusionPipeline``), ``(images,)`` for SDXL (``StableDiffusionXLPipeline``)."""
+        return (self.images,) if architecture == "sdxl" else (self.images, self.nsfw_content_detected)
 
 
 class EnginePipeline:
@@ -531,6 +556,27 @@ class EnginePipeline:
                     manifest.precision, device, manifest.profile_json, pipe.scheduler_name)
         return pipe
 
+    # -- diffusers' pipeline settings -------------------------------------------------------------------
+
+    #: set by :meth:`set_progress_bar_config`
+    _progress_disabled: bool = False
+
+    def set_progress_bar_config(self, **kwargs: Any) -> None:
+        """diffusers' ``set_progress_bar_config``: ``disable=True`` hides the bar of the calls that do not pass
+        ``progress=`` (``False`` shows it again).
+
+        Raises:
+            RuntimeInputError: other tqdm options (the bar's look is fixed here), or ``disable`` not a bool.
+        """
+        other = sorted(set(kwargs) - {"disable"})
+        if other:
+            raise RuntimeInputError(f"set_progress_bar_config takes disable= only (got {', '.join(other)}); pass "
+                                    "disable=True to hide the bar, or progress=False to a call")
+        disable = kwargs.get("disable", False)
+        if not isinstance(disable, bool):
+            raise RuntimeInputError(f"disable={disable!r} must be True or False")
+        self._progress_disabled = disable
+
     # -- scheduler --------------------------------------------------------------------------------------
 
     @one_call_at_a_time("set_scheduler()")
@@ -550,9 +596,35 @@ class EnginePipeline:
 
     @property
     def scheduler(self) -> Any:
-        """A fresh scheduler instance (schedulers are stateful: each call gets its own)."""
+        """A fresh scheduler instance (schedulers are stateful: each call gets its own). Assignable as in diffusers:
+        ``pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config, use_karras_sigmas=True)``
+        (a copy of its class and config is used from then on; :meth:`use_scheduler`)."""
         t = self._scheduler_template
         return build_scheduler(type(t), t.config)
+
+    @scheduler.setter
+    def scheduler(self, scheduler: Any) -> None:
+        self.use_scheduler(scheduler)
+
+    @one_call_at_a_time("use_scheduler()")
+    def use_scheduler(self, scheduler: Any) -> None:
+        """diffusers' scheduler swap (``pipe.scheduler = X.from_config(pipe.scheduler.config, ...)``): from now on each
+        call runs a fresh scheduler of ``scheduler``'s class and config (its options too: karras sigmas,
+        ``timestep_spacing``...). :attr:`scheduler_name` becomes the short name of that class and options, if any.
+
+        Raises:
+            RuntimeInputError: not a scheduler of a class the runtime runs (the classes ``scheduler=`` names map to),
+                or a config value that class does not accept (naming it).
+        """
+        cls_name = type(scheduler).__name__
+        config = getattr(scheduler, "config", None)
+        problems = ([f"{type(scheduler).__name__} is not a diffusers scheduler"] if not isinstance(config, Mapping)
+                    else scheduler_config_problems(dict(config), "scheduler.config", cls_name))
+        if problems:
+            raise RuntimeInputError(f"scheduler={cls_name} cannot run here: {'; '.join(problems)}; assign one of "
+                                    f"those classes, or call set_scheduler(NAME) with one of {', '.join(SCHEDULERS)}")
+        self._scheduler_template = build_scheduler(type(scheduler), config)
+        self._scheduler_name = name_of(cls_name, config)
 
     # -- LoRA -------------------------------------------------------------------------------------------
 
@@ -759,6 +831,25 @@ class EnginePipeline:
         with contextlib.suppress(Exception):
             self.close()
 
+    @property
+    def interrupt(self) -> bool:
+        """diffusers' ``interrupt``: whether a ``callback_on_step_end`` of the running (or last) call set
+        ``pipe._interrupt = True`` to stop its loop."""
+        return bool(getattr(self, "_interrupt", False))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused: ``pickle``, ``copy.copy`` and ``copy.deepcopy`` all come here. A pipeline owns open engine
+        sessions (and device memory, a CUDA stream, a call guard) that cannot be serialised or shared: a shallow copy
+        shared them, and closed them all when it was garbage-collected (the original's next call then failed with
+        "engine 'text_encoder' is not open").
+
+        Raises:
+            TypeError: always, naming what to do instead.
+        """
+        raise TypeError(f"an EnginePipeline cannot be pickled or copied (copy.copy / copy.deepcopy): it owns open "
+                        f"engines; load another one with EnginePipeline.from_artifacts({str(self.root or '')!r}), or "
+                        "send the artifact path to the other process")
+
     def __repr__(self) -> str:
         m = self.manifest
         return (
@@ -783,7 +874,7 @@ class EnginePipeline:
         num_images_per_prompt: int = GENERATION_ARGS["num_images_per_prompt"].default,
         latents: torch.Tensor | None = None,
         output_type: str = "pil",
-        progress: bool = True,
+        progress: bool | None = None,
         callback: StepCallback | None = None,
         eta: float = GENERATION_ARGS["eta"].default,
         image: Any = None,
@@ -809,7 +900,14 @@ class EnginePipeline:
         control_guidance_start: float | Sequence[float] = 0.0,
         control_guidance_end: float | Sequence[float] = 1.0,
         guess_mode: bool = False,
-    ) -> EnginePipelineOutput:
+        return_dict: bool = True,
+        guidance_rescale: float = GENERATION_ARGS["guidance_rescale"].default,
+        callback_on_step_end: Any = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+        timesteps: Sequence[int] | None = None,
+        sigmas: Sequence[float] | None = None,
+        **diffusers_only: Any,
+    ) -> EnginePipelineOutput | tuple[Any, ...]:
         """Generate images from text, as ``diffusers.StableDiffusionPipeline.__call__``; with ``image`` as
         ``StableDiffusionImg2ImgPipeline``, with ``image`` and ``mask_image`` as ``StableDiffusionInpaintPipeline``.
 
@@ -832,7 +930,8 @@ class EnginePipeline:
                 once) and host images exceed the available host memory is refused up front.
             latents: initial noise [B, 4, height/8, width/8] (any float dtype, any device), instead of drawing it.
             output_type: "pil", "np", "pt" or "latent" (see :class:`EnginePipelineOutput`).
-            progress: show a tqdm bar over the steps.
+            progress: show a tqdm bar over the steps; ``None`` = shown unless
+                :meth:`set_progress_bar_config` ``(disable=True)``, as diffusers.
             callback: ``callback(step_index, timestep, latents)`` after each scheduler step (timestep: 0-d CPU
                 tensor; latents of the running chunk on the device; once per step of every chunk).
             eta: DDIM's eta (ignored by other schedulers), >= 0.
@@ -888,9 +987,29 @@ class EnginePipeline:
                 per ControlNet or for all; see :func:`~diffusion_trt.runtime.controlnet.control_plan`. As in
                 diffusers' text-to-image ControlNet pipeline, ``image=`` is the control image when ``controlnet`` is
                 given without ``control_image`` and ``mask_image``.
+            guidance_rescale: diffusers' ``guidance_rescale``, >= 0 (0 = off; 0.7 in the paper): with CFG, the guided
+                noise prediction rescaled towards the text prediction's std (for zero-terminal-SNR / v-prediction
+                models), as ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline``; in every mode here.
+            callback_on_step_end: diffusers' ``callback_on_step_end(pipe, step_index, timestep, callback_kwargs)``
+                after each scheduler step (``pipe`` is this pipeline); ``callback_kwargs`` is ``{"latents": ...}``
+                and the ``"latents"`` of the dict it returns replace them (:class:`~.latents.StepEnd`). Once per step
+                of every chunk, as ``callback`` (which runs after it). Setting ``pipe._interrupt = True`` in it stops
+                the loop as diffusers' does (the steps left are skipped, the latents as they are decoded;
+                :attr:`interrupt`).
+            callback_on_step_end_tensor_inputs: ``["latents"]`` (diffusers' default), the one tensor handed over;
+                others (``prompt_embeds``...) are refused.
+            timesteps, sigmas: diffusers' custom schedule (one of them, a list), for schedulers whose
+                ``set_timesteps`` takes it (euler, heun, dpm++, unipc, ddpm...; others are refused by name);
+                ``num_inference_steps`` is then the schedule's length, as diffusers' ``retrieve_timesteps``.
+            diffusers_only: diffusers' keywords these engines cannot honour (``cross_attention_kwargs``,
+                ``ip_adapter_image``, ``denoising_end``, ``callback_steps``...: :data:`~.request.DIFFUSERS_ONLY`),
+                accepted only with a value that asks for nothing (``None``); otherwise refused by name with the reason.
+            return_dict: ``False`` returns diffusers' tuple instead of the output object
+                (:meth:`EnginePipelineOutput.to_tuple`: ``(images, None)``, SDXL ``(images,)``).
 
         Returns:
-            :class:`EnginePipelineOutput` with ``images``, ``seed`` and ``parameters``.
+            :class:`EnginePipelineOutput` with ``images``, ``seed``, ``parameters`` and ``nsfw_content_detected``
+            (``None``); with ``return_dict=False`` its tuple.
 
         Raises:
             RuntimeInputError: any argument the engines cannot honour; the message names the value and the fix
@@ -901,6 +1020,12 @@ class EnginePipeline:
         """
         if self._closed:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
+        check_diffusers_only(diffusers_only)
+        self._interrupt = False  # diffusers': a callback_on_step_end sets it to stop the loop
+        if progress is None:
+            progress = not self._progress_disabled
+        if not isinstance(return_dict, bool):
+            raise RuntimeInputError(f"return_dict={return_dict!r} must be True or False")
         if controlnet is not None and control_image is None and image is not None and mask_image is None:
             control_image, image = image, None  # diffusers' StableDiffusionControlNetPipeline(image=control image)
         request = self.build_request(
@@ -913,10 +1038,13 @@ class EnginePipeline:
             negative_crops_coords_top_left=negative_crops_coords_top_left, negative_target_size=negative_target_size,
             prompt_syntax=prompt_syntax, prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
             pooled_prompt_embeds=pooled_prompt_embeds, negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
-            clip_skip=clip_skip,
+            clip_skip=clip_skip, guidance_rescale=guidance_rescale,
+            callback_on_step_end=StepEnd.build(self, callback_on_step_end, callback_on_step_end_tensor_inputs),
+            timesteps=timesteps, sigmas=sigmas,
         )
-        return self._run(request, control_image, controlnet, controlnet_conditioning_scale, control_guidance_start,
-                         control_guidance_end, guess_mode)
+        out = self._run(request, control_image, controlnet, controlnet_conditioning_scale, control_guidance_start,
+                        control_guidance_end, guess_mode)
+        return out if return_dict else out.to_tuple(self.architecture)
 
     def build_request(self, *args: Any, **kwargs: Any) -> Request:
         """:meth:`~.request.Request.build` on this pipeline's spec and engines: the arguments of :meth:`__call__`

@@ -32,7 +32,7 @@ from .engines.engine import Engine, EngineSpec
 from .finite import check_finite
 from .generation_args import GENERATION_ARGS, MAX_SEED, check_arg, default_guidance_scale
 from .geometry import LatentGeometry
-from .latents import Generator, StepCallback
+from .latents import Generator, StepCallback, StepEnd
 from .memory.host_memory import check_host_memory
 from .prompt_syntax import SYNTAXES, overweight, overweight_problem, parse_prompt
 from .schedulers import check_step_count
@@ -121,6 +121,11 @@ class Request:
         pooled_prompt_embeds, negative_pooled_prompt_embeds: SDXL: the caller's pooled ``text_embeds`` [P, E] with
             ``prompt_embeds`` / ``negative_prompt_embeds`` (diffusers' ``pooled_prompt_embeds``), or ``None``.
         clip_skip: 0 (the last layer) or diffusers' ``clip_skip`` (:class:`~.prompt_encoding.PromptReader`).
+        guidance_rescale: diffusers' ``guidance_rescale`` (0 = off): the CFG prediction rescaled towards the text
+            prediction's std (:func:`~.denoise.rescale_noise_cfg`); only with CFG.
+        step_end: diffusers' ``callback_on_step_end``, checked (:class:`~.latents.StepEnd`), or ``None``.
+        schedule: diffusers' custom ``timesteps`` / ``sigmas`` as ``("timesteps", values)`` / ``("sigmas", values)``
+            (then ``num_inference_steps`` is their count), or ``None`` (the scheduler's own spacing).
     """
 
     prompts: tuple[str, ...]
@@ -147,6 +152,9 @@ class Request:
     clip_skip: int = 0
     pooled_prompt_embeds: torch.Tensor | None = None
     negative_pooled_prompt_embeds: torch.Tensor | None = None
+    guidance_rescale: float = 0.0
+    step_end: StepEnd | None = None
+    schedule: tuple[str, tuple[float, ...]] | None = None
 
     @property
     def batch(self) -> int:
@@ -189,6 +197,10 @@ class Request:
         pooled_prompt_embeds: Any = None,
         negative_pooled_prompt_embeds: Any = None,
         clip_skip: Any = None,
+        guidance_rescale: Any = GENERATION_ARGS["guidance_rescale"].default,
+        callback_on_step_end: StepEnd | Any = None,
+        timesteps: Any = None,
+        sigmas: Any = None,
         **sdxl: Any,
     ) -> Request:
         """Check every argument of :meth:`~.pipeline.EnginePipeline.__call__` (same names, same meaning).
@@ -201,6 +213,10 @@ class Request:
             embeddings_2: SDXL: the loaded textual-inversion vectors for ``text_encoder_2``
                 (:class:`~.embeddings.EmbeddingTable`), or ``None``.
             prompt_syntax: "a1111" or "plain" (:data:`~.prompt_syntax.SYNTAXES`).
+            callback_on_step_end: diffusers' callback, checked with its pipeline (:meth:`~.latents.StepEnd.build`);
+                a plain callable is checked here and called with ``pipe=None``.
+            timesteps, sigmas: diffusers' custom schedule (:func:`check_schedule`); ``num_inference_steps`` is then
+                their count, as diffusers' ``retrieve_timesteps``.
             sdxl: the SDXL arguments (:data:`SDXL_ARGUMENTS`), ``None`` / (0, 0) when not given.
 
         Raises:
@@ -212,18 +228,24 @@ class Request:
         embeds = _check_prompt_embeds(spec, engines, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)
         pooled = _check_pooled(spec, engines, embeds, negative_prompt_embeds, pooled_prompt_embeds,
                                negative_pooled_prompt_embeds)
+        if spec.architecture == "sdxl":  # (SD artifacts refuse prompt_2 itself, below)
+            _check_texts_beside_embeds(sdxl, prompt_embeds, negative_prompt_embeds)
         prompts = prompt_list("prompt", prompt) if embeds is None else [""] * embeds.shape[0]
         if prompt_syntax not in SYNTAXES:
             raise RuntimeInputError(f"prompt_syntax={prompt_syntax!r} is unknown; use one of {', '.join(SYNTAXES)}")
         negatives = negative_list(negative_prompt, len(prompts))
         check_prompt_weights("prompt", prompts, prompt_syntax)
         check_prompt_weights("negative_prompt", negative_prompt, prompt_syntax)
-        steps = check_arg("num_inference_steps", num_inference_steps)
+        schedule = check_schedule(timesteps, sigmas)
+        steps = check_arg("num_inference_steps", num_inference_steps if schedule is None else len(schedule[1]))
         n_per = check_arg("num_images_per_prompt", num_images_per_prompt)
         if guidance_scale is None:
             guidance_scale = spec.default_guidance_scale
         guidance = check_arg("guidance_scale", guidance_scale)
         eta = check_arg("eta", eta)
+        rescale = check_arg("guidance_rescale", guidance_rescale)
+        if not isinstance(callback_on_step_end, StepEnd):
+            callback_on_step_end = StepEnd.build(None, callback_on_step_end, ("latents",))
         sdxl_given = _sdxl_given(spec, sdxl, image is not None or mask_image is not None)
         for name in ("prompt_2", "negative_prompt_2"):
             check_prompt_weights(name, sdxl.get(name), prompt_syntax)
@@ -261,10 +283,69 @@ class Request:
                  else list(negatives),
                  **{k: v if isinstance(v, str) else list(v) for k, v in sdxl_given.items()},
                  **({"clip_skip": skip} if skip else {}),
+                 **({"guidance_rescale": rescale} if rescale else {}),
+                 **({schedule[0]: list(schedule[1])} if schedule else {}),
                  **({"prompt_syntax": prompt_syntax} if prompt_syntax != "a1111" else {})}
         return cls(tuple(prompts), tuple(negatives), n_per, steps, guidance, eta, height, width, shape, generator,
                    seed, latents, output_type, chunks, conditioning, progress, callback, given, prompt_syntax,
-                   embeds, negative_prompt_embeds, skip, *pooled)
+                   embeds, negative_prompt_embeds, skip, *pooled, rescale, callback_on_step_end, schedule)
+
+
+def check_schedule(timesteps: Any, sigmas: Any) -> tuple[str, tuple[float, ...]] | None:
+    """diffusers' custom schedule as ``(name, values)``: ``timesteps`` (integers >= 0) or ``sigmas`` (finite numbers
+    >= 0), a non-empty list or tuple; ``None`` when neither is given. Whether the scheduler takes it, and values it
+    refuses (an order, a bound), are checked when the schedule is set (:func:`~.denoise.set_schedule`).
+
+    Raises:
+        RuntimeInputError: both given (as diffusers), or not such a list.
+    """
+    if timesteps is not None and sigmas is not None:
+        raise RuntimeInputError("pass either timesteps= or sigmas=, not both (as diffusers)")
+    if timesteps is None and sigmas is None:
+        return None
+    name, values = ("timesteps", timesteps) if timesteps is not None else ("sigmas", sigmas)
+    whole = name == "timesteps"
+    kinds = (int, np.integer) if whole else (int, float, np.integer, np.floating)
+    fine = isinstance(values, list | tuple) and values and all(
+        isinstance(v, kinds) and not isinstance(v, bool) and np.isfinite(v) and v >= 0 for v in values)
+    if not fine:
+        what = "integers >= 0, e.g. [999, 749, 499, 249]" if whole else "finite numbers >= 0, e.g. [14.6, 3.0, 0.9]"
+        raise RuntimeInputError(f"{name}={values!r} must be a non-empty list of {what} (diffusers' custom schedule)")
+    return name, tuple(int(v) if whole else float(v) for v in values)
+
+
+#: Keywords of diffusers' SD / SDXL pipelines that compiled engines cannot honour: name -> (the values that ask for
+#: nothing, why not and what to do instead). :func:`check_diffusers_only` refuses any other value by name.
+DIFFUSERS_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "cross_attention_kwargs": ((None, {}), "the attention processors are compiled into the engines; for a LoRA scale "
+                               "(cross_attention_kwargs={'scale': s}) use load_lora(FILE, s) on a --refittable "
+                               "artifact or compile --lora FILE:s"),
+    "ip_adapter_image": ((None,), "IP-Adapters are not compiled into artifacts; leave it out"),
+    "ip_adapter_image_embeds": ((None,), "IP-Adapters are not compiled into artifacts; leave it out"),
+    "denoising_end": ((None, 1, 1.0), "SDXL's base+refiner hand-over is not supported; run the whole schedule "
+                      "(leave it out), with output_type='latent' to hand the latents on"),
+    "masked_image_latents": ((None,), "pass mask_image= and image= instead"),
+    "padding_mask_crop": ((None,), "crop the image and mask yourself before the call (images are never resized here)"),
+    "callback_steps": ((None, 1), "callback= runs after every scheduler step here; skip steps inside it, or use "
+                       "callback_on_step_end="),
+}
+
+
+def check_diffusers_only(kwargs: Mapping[str, Any], where: str = "EnginePipeline.__call__()") -> None:
+    """Refuse, by name, a keyword of diffusers' pipelines that the engines cannot honour (:data:`DIFFUSERS_ONLY`)
+    unless its value asks for nothing (``None``...); any other unknown keyword is Python's TypeError.
+
+    Raises:
+        TypeError: a keyword no diffusers pipeline of these kinds takes (a typo).
+        RuntimeInputError: a :data:`DIFFUSERS_ONLY` keyword with a value that asks for something, naming why and the
+            way to get it.
+    """
+    for name, value in kwargs.items():
+        if name not in DIFFUSERS_ONLY:
+            raise TypeError(f"{where} got an unexpected keyword argument {name!r}")
+        neutral, why = DIFFUSERS_ONLY[name]
+        if not any(value is n or (type(value) is type(n) and value == n) for n in neutral):
+            raise RuntimeInputError(f"{name}={value!r} is a diffusers argument these engines cannot honour: {why}")
 
 
 def manifest_profile(manifest: Manifest) -> ShapeProfile:
@@ -409,6 +490,20 @@ def _check_pooled(spec: RequestSpec, engines: Mapping[str, Engine], embeds: torc
                                         f"text_embeds width); got {got}")
             check_finite(name, value)
     return pooled, negative_pooled
+
+
+def _check_texts_beside_embeds(sdxl: Mapping[str, Any], prompt_embeds: Any, negative_prompt_embeds: Any) -> None:
+    """SDXL's ``prompt_2`` / ``negative_prompt_2`` with the embeddings they would be encoded into: refused, as
+    diffusers' ``check_inputs`` (the embeddings already hold both encoders' states; the text would be ignored).
+
+    Raises:
+        RuntimeInputError: naming both arguments.
+    """
+    for text, embeds, value in (("prompt_2", "prompt_embeds", prompt_embeds),
+                                ("negative_prompt_2", "negative_prompt_embeds", negative_prompt_embeds)):
+        if sdxl.get(text) is not None and value is not None:
+            raise RuntimeInputError(f"pass either {text}= or {embeds}=, not both (as diffusers): {embeds} holds "
+                                    f"both text encoders' states already, so {text} would be ignored")
 
 
 def _check_embeds(name: str, value: Any, unet_context: Any) -> None:

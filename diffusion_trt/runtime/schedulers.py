@@ -68,6 +68,14 @@ def short_name(class_name: str) -> str:
     return _NAME_OF_CLASS.get(class_name, class_name)
 
 
+def name_of(class_name: str, config: Mapping[str, Any]) -> str:
+    """The short name of a scheduler of ``class_name`` with ``config``: the name whose class it is and whose overrides
+    the config holds, the most specific first ("dpm++_sde_karras" before "dpm++"); else the class name."""
+    fits = [(len(over), name) for name, (cls, over) in SCHEDULERS.items()
+            if cls == class_name and all(config.get(k) == v for k, v in over.items())]
+    return max(fits)[1] if fits else class_name
+
+
 @names_arguments("scheduler")
 def resolve_scheduler(name: str) -> tuple[str, dict[str, Any]]:
     """(diffusers class name, overrides) of a short name.
