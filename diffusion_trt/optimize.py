@@ -355,9 +355,20 @@ def check_verdict(result: OptimizeResult) -> None:
         return
     for path in result.files:
         path.unlink(missing_ok=True)
+    fix = ("Keep the nodes feeding that output in fp32 (--pass-option convert_fp16_fp32_nodes='[\"NAME\"]', names in "
+           "--dump-passes) or use --precision fp32" if result.precision == "fp16" else
+           "A pass changed what the graph computes: --dump-passes DIR writes the graph after each pass, to find which "
+           "(the --pass-option keys that steer the passes: diffusion_trt/passes/options.py)")
     raise PassError(f"--check: the optimized graph does not match the original ({'; '.join(why)}); nothing was "
-                    "written. For fp16, keep the nodes feeding that output in fp32 (--pass-option "
-                    "convert_fp16_fp32_nodes='[\"NAME\"]', names in --dump-passes) or use --precision fp32")
+                    f"written. {fix}")
+
+
+def _nonfinite_note(output: OutputParity) -> str:
+    """The parity line's note on an original output that holds inf/NaN itself (compared on its finite values)."""
+    if not output.original_nonfinite:
+        return ""
+    return (f"  (the original holds {output.original_nonfinite} inf/NaN on these inputs: compared where finite; "
+            "real inputs: --inputs FILE.npz)")
 
 
 def format_table(result: OptimizeResult) -> str:
@@ -383,5 +394,5 @@ def format_table(result: OptimizeResult) -> str:
             lines.append(f"check: original on {p.original_provider}, optimized on {p.optimized_provider}")
             for o in p.outputs:
                 lines.append(f"  {o.name:<22} max_abs={o.max_abs:.3g} cosine={o.cosine:.6f} (scale {o.scale:.3g})"
-                             f"{'' if o.finite else '  NOT FINITE'}")
+                             f"{'' if o.finite else '  NOT FINITE'}{_nonfinite_note(o)}")
     return "\n".join(lines)
