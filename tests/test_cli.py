@@ -432,6 +432,22 @@ def test_compile_incomplete_model_folder(tiny_pipeline_dir: Path, tmp_path: Path
     assert not (tmp_path / "art").exists()
 
 
+def test_compile_truncated_weights_file_names_it(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """A half-copied weights file: one line naming it and the sizes (was: "could not load unet/ ...: Unable to load
+    weights from checkpoint file ...", no fix)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_pipeline_dir, broken)
+    weights = broken / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    code, out = _invoke("compile", broken, "-o", tmp_path / "art", "--no-cache")
+    assert code == 2, out
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {weights} is truncated: its header places tensor data up to byte "
+                      f"{2 * weights.stat().st_size:,}, but the file has {weights.stat().st_size:,} bytes; "
+                      "re-download or re-save it"], out
+    assert not (tmp_path / "art").exists()
+
+
 def test_compile_height_not_multiple_of_8(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
     code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", "--height", "700")
     assert code == 2

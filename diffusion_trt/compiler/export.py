@@ -23,6 +23,7 @@ from ..artifact import folder as artifacts
 from ..artifact.manifest import CONTROLNET_PREFIX, EMBED_PREFIX, UNET_CONTROLNET
 from ..errors import ExportError, ModelFolderError
 from .components import ComponentSpec, symbol_ranges
+from .single_file import check_complete
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,10 @@ def check_model_folder(path: str | Path, trust_pickle: bool = False) -> ModelFol
     # the extra folders with a config.json are models and hold weights (as text_encoder, unet and vae do)
     for sub in (*_WEIGHT_FOLDERS, *(k for k, (required, _) in extra.items() if required == "config.json")):
         files = [p for p in (root / sub).iterdir() if p.is_file()]
-        if any(p.suffix == ".safetensors" for p in files):
+        weights = [p for p in files if p.suffix == ".safetensors"]
+        for path in weights:
+            check_complete(path)
+        if weights:
             continue
         pickles = [p.name for p in files if p.suffix in _PICKLE_SUFFIXES]
         if not pickles:
