@@ -216,3 +216,14 @@ def test_parity_takes_the_originals_inf_and_nan_where_they_are() -> None:
                                                         ).failure("fp32")
     assert output_parity("y", x, np.array([1.0, np.nan, -np.inf, -np.inf, 4.0])).failure("fp32") is not None
     assert output_parity("y", x, np.array([1.0, 2.0, np.inf, -np.inf, 4.0])).failure("fp32") is not None
+
+
+def test_fp16_takes_a_graph_whose_fp32_output_holds_nan_already(tmp_path: Path) -> None:
+    """The fp16 range check compared the renamed output 'y/float32' with no fp32 tensor, so NaN the fp32 graph has
+    too read as made by fp16: refused (exit 1) with "cannot make this graph finite ... in fp16 but not in fp32"."""
+    src, out = tmp_path / "sqrt.onnx", tmp_path / "o.onnx"
+    onnx.save(_sqrt_model(), src)
+    code, text = _invoke("optimize", src, "-o", out, "--target", "tensorrt", "--precision", "fp16", "--check")
+    assert code == 0, text
+    assert "outputs finite" in text and "inf/NaN in fp32 already on these inputs" in text
+    assert out.exists() and "error:" not in text
