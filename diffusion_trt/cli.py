@@ -1087,7 +1087,7 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
 
     if output.suffix.lower() != ".onnx":
         raise click.BadParameter(f"{str(output)!r} does not end in .onnx; use e.g. out.onnx", param_hint="--output")
-    if output.resolve() == Path(source).resolve():
+    if _same_file(output, Path(source)):
         raise click.BadParameter(f"{str(output)!r} is the input file; write the result elsewhere",
                                  param_hint="--output")
     for path, flag, what in ((output, "--output", "output file"), (json_path, "--json", "output file"),
@@ -1123,6 +1123,19 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
         _write_output_file(json_path, json.dumps(result.to_json(), indent=1) + "\n")
     check_verdict(result)  # --check failed: OUTPUT removed, exit 1
     click.echo(f"wrote: {', '.join(str(f) for f in result.files)}")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same path once links are resolved, or a hard link of it (``-o`` a
+    hard link of the input was written over in place: the input was lost)."""
+    import os
+
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
 
 
 @main.command("run")

@@ -227,3 +227,17 @@ def test_fp16_takes_a_graph_whose_fp32_output_holds_nan_already(tmp_path: Path) 
     assert code == 0, text
     assert "outputs finite" in text and "inf/NaN in fp32 already on these inputs" in text
     assert out.exists() and "error:" not in text
+
+
+def test_a_hard_link_of_the_input_is_the_input(attention_onnx: Path, tmp_path: Path) -> None:
+    """-o a hard link of the input (another name, the same file) with --overwrite wrote the optimized graph over the
+    input in place: the original was gone."""
+    import os
+
+    before = attention_onnx.read_bytes()
+    link = tmp_path / "link.onnx"
+    os.link(attention_onnx, link)
+    code, text = _invoke("optimize", attention_onnx, "-o", link, "--overwrite")
+    assert code == 2, text
+    assert "error: Invalid value for --output: " in text and "is the input file; write the result elsewhere" in text
+    assert attention_onnx.read_bytes() == before
