@@ -1090,6 +1090,7 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
     if _same_file(output, Path(source)):
         raise click.BadParameter(f"{str(output)!r} is the input file; write the result elsewhere",
                                  param_hint="--output")
+    _refuse_clashing_outputs(Path(source), output, json_path, Path(dump_passes) if dump_passes else None)
     for path, flag, what in ((output, "--output", "output file"), (json_path, "--json", "output file"),
                              (dump_passes, "--dump-passes", "dump folder")):
         if path is not None:  # as run -o: a file the sealed manifest does not list fails verify
@@ -1123,6 +1124,21 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
         _write_output_file(json_path, json.dumps(result.to_json(), indent=1) + "\n")
     check_verdict(result)  # --check failed: OUTPUT removed, exit 1
     click.echo(f"wrote: {', '.join(str(f) for f in result.files)}")
+
+
+def _refuse_clashing_outputs(source: Path, output: Path, json_path: Path | None, dump_dir: Path | None) -> None:
+    """optimize: ``--json`` / ``--dump-passes`` naming the input or ``--output`` (the JSON was written over the input
+    model, or over OUTPUT after "wrote: OUTPUT"; a dump folder made where OUTPUT goes failed the run after the passes).
+
+    Raises:
+        click.BadParameter: naming the flag, the path and what it clashes with (exit 2).
+    """
+    for path, flag in ((json_path, "--json"), (dump_dir, "--dump-passes")):
+        if path is None:
+            continue
+        for other, what in ((source, "the input file"), (output, "the --output file")):
+            if _same_file(path, other):
+                raise click.BadParameter(f"{str(path)!r} is {what}; give {flag} a path of its own", param_hint=flag)
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -241,3 +241,19 @@ def test_a_hard_link_of_the_input_is_the_input(attention_onnx: Path, tmp_path: P
     assert code == 2, text
     assert "error: Invalid value for --output: " in text and "is the input file; write the result elsewhere" in text
     assert attention_onnx.read_bytes() == before
+
+
+@pytest.mark.parametrize("flag", ["--json", "--dump-passes"])
+@pytest.mark.parametrize("target", ["input", "output"])
+def test_json_and_dump_paths_may_not_be_the_input_or_the_output(attention_onnx: Path, tmp_path: Path, flag: str,
+                                                                 target: str) -> None:
+    """--json IN.onnx wrote the JSON over the input model (without --overwrite too); --json OUT.onnx over the output
+    after "wrote: OUT.onnx"; --dump-passes OUT.onnx made a folder there and failed after the passes."""
+    before = attention_onnx.read_bytes()
+    out = tmp_path / "o.onnx"
+    path = attention_onnx if target == "input" else out
+    code, text = _invoke("optimize", attention_onnx, "-o", out, flag, path, "--overwrite")
+    assert code == 2, text
+    what = "the input file" if target == "input" else "the --output file"
+    assert f"error: Invalid value for {flag}: '{path}' is {what}; give {flag} a path of its own" in text, text
+    assert attention_onnx.read_bytes() == before and not out.exists()
