@@ -1742,6 +1742,9 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
     if plot_path is not None and plot_path.suffix.lower() != ".png":  # Pillow's fallback wrote a PNG as out.json
         raise click.BadParameter(f"{str(plot_path)!r} does not end in .png (the chart is a PNG); use e.g. bench.png",
                                  param_hint="--plot")
+    if json_path is not None and plot_path is not None and _same_file(json_path, plot_path):  # the chart replaced it
+        raise click.BadParameter(f"{str(plot_path)!r} is the --json file too; give each its own path, e.g. --json "
+                                 "bench.json --plot bench.png", param_hint="--plot")
     device_list = _parse_devices(devices, device)
     config = BenchConfig(
         artifact=artifact_dir, baseline=baseline, model_dir=model_dir, device="cuda" if device_list else device,
