@@ -676,7 +676,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     around = enclosing_artifact(out_dir.expanduser().resolve().parent)  # -o ART/sub: an artifact sealed into another
     if around is not None:
         _refuse_inside_artifact(out_dir, around, "output folder", "-o", _SEALED_FILE)
-    cache = _compile_cache(no_cache, cache_dir, cache_max_gb, out_dir)
+    cache = _compile_cache(no_cache, cache_dir, cache_max_gb, out_dir, Path(model_dir))
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     if snap:
@@ -702,6 +702,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
                                                 if c.strip())
     if options["dump_passes"] is not None:  # the graphs are written after export: check the folder now
         _refuse_inside_artifact(Path(options["dump_passes"]), out_dir, "dump folder", "--dump-passes")
+        _refuse_inside_model(Path(options["dump_passes"]), Path(model_dir), "dump folder", "--dump-passes")
         _check_writable_dir(Path(options["dump_passes"]), "--dump-passes")
     config = CompileConfig(**options, quantize=quantize)
     with _terminate_like_interrupt(), logging_redirect_tqdm(loggers=[logger]):
@@ -712,12 +713,12 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     click.echo(f"artifact: {path}")
 
 
-def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float, out_dir: Path) -> Any:
+def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float, out_dir: Path, model_dir: Path) -> Any:
     """The CompileCache of ``--cache-dir`` / the environment, or ``None`` with ``--no-cache``.
 
     Raises:
         click.BadParameter: the cache folder cannot be created or written (naming it, and where it came from), or
-            it is or lies inside the artifact folder ``out_dir`` (which is sealed).
+            it is or lies inside the artifact folder ``out_dir`` (which is sealed) or the model folder ``model_dir``.
     """
     if no_cache:
         unused = _given(("cache_dir", "cache_max_gb"))
@@ -730,6 +731,7 @@ def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float, out_di
     flag = "--cache-dir" if cache_dir is not None else f"--cache-dir (default from ${ENV_DIR} or $XDG_CACHE_HOME; or " \
         "pass --no-cache)"
     _refuse_inside_artifact(root, out_dir, "cache folder", flag)
+    _refuse_inside_model(root, model_dir, "cache folder", flag)
     _check_writable_dir(root, flag)
     return CompileCache(root, max_bytes=int(max_gb * (1 << 30)))
 
@@ -755,6 +757,22 @@ def _refuse_inside_artifact(folder: Path, out_dir: Path | None, what: str, flag:
         named = str(out_dir) if out_dir.is_absolute() else f"{out_dir} ({o})"
         raise click.BadParameter(f"the {what} {folder} lies inside the artifact folder {named}, which {why}",
                                  param_hint=flag)
+
+
+def _refuse_inside_model(folder: Path, model_dir: Path, what: str, flag: str) -> None:
+    """Refuse a folder compile writes (the compile cache, the pass dumps) that is or lies inside the model folder:
+    its files become part of the model's weights hash, so an identical recompile missed the cache every time (the
+    cache growing inside the model), and ``verify --source`` said the weights differ from the ones compiled.
+
+    Raises:
+        click.BadParameter: naming the path and the model folder.
+    """
+    if not model_dir.is_dir():  # a single file or a model id: nothing of ours lands in it
+        return
+    f, m = folder.expanduser().resolve(), model_dir.resolve()
+    if f == m or m in f.parents:
+        raise click.BadParameter(f"the {what} {folder} lies inside the model folder {model_dir}, whose files are "
+                                 "hashed as the model's weights; choose a folder outside it", param_hint=flag)
 
 
 #: ``why`` of :func:`_refuse_inside_artifact` for a file run or bench writes.

@@ -448,6 +448,23 @@ def test_compile_truncated_weights_file_names_it(tiny_pipeline_dir: Path, tmp_pa
     assert not (tmp_path / "art").exists()
 
 
+@pytest.mark.parametrize("flag", ["--cache-dir", "--dump-passes"])
+def test_compile_refuses_a_folder_of_its_own_inside_the_model_folder(tiny_pipeline_dir: Path, tmp_path: Path,
+                                                                     flag: str) -> None:
+    """A cache (or pass dump) inside the model folder became part of its weights hash: every identical recompile
+    missed the cache (which grew inside the model) and verify --source said the weights differ."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_pipeline_dir, model)
+    inside = model / "sub"
+    code, out = _invoke("compile", model, "-o", tmp_path / "art", flag, inside)
+    assert code == 2, out
+    what = "cache folder" if flag == "--cache-dir" else "dump folder"
+    assert out.splitlines()[0] == (f"error: Invalid value for {flag}: the {what} {inside} lies inside the model "
+                                   f"folder {model}, whose files are hashed as the model's weights; choose a folder "
+                                   "outside it"), out
+    assert not inside.exists() and not (tmp_path / "art").exists()
+
+
 def test_compile_height_not_multiple_of_8(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
     code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", "--height", "700")
     assert code == 2
