@@ -1034,10 +1034,20 @@ def _refuse_existing_outputs(out: Path, count: int, flag: str = "-o") -> None:
     Raises:
         OutputPathError: naming the first existing file (and how many), and the fix.
     """
+    from .errors import OutputPathError
+
+    existing = _existing_outputs(out, count)
+    if len(existing) == 1:
+        raise OutputPathError(f"{existing[0]} already exists; pass --overwrite to replace it, or choose another {flag}")
+    if existing:
+        raise OutputPathError(f"{existing[0]} and {len(existing) - 1} more of the {count} PNGs this run writes already "
+                              f"exist; pass --overwrite to replace them, or choose another {flag}")
+
+
+def _existing_outputs(out: Path, count: int) -> list[Path]:
+    """The paths among the ``count`` PNGs of a run (:func:`_output_path`) that exist, the folder listed once."""
     import os
     import re
-
-    from .errors import OutputPathError
 
     existing = [out] if os.path.lexists(out) else []
     if count > 1 and out.parent.is_dir():
@@ -1046,11 +1056,23 @@ def _refuse_existing_outputs(out: Path, count: int, flag: str = "-o") -> None:
             m = sibling.fullmatch(entry)
             if m and int(m.group(1)) < count:
                 existing.append(out.parent / entry)
-    if len(existing) == 1:
-        raise OutputPathError(f"{existing[0]} already exists; pass --overwrite to replace it, or choose another {flag}")
-    if existing:
-        raise OutputPathError(f"{existing[0]} and {len(existing) - 1} more of the {count} PNGs this run writes already "
-                              f"exist; pass --overwrite to replace them, or choose another {flag}")
+    return existing
+
+
+def _refuse_folders_among_outputs(out: Path, count: int) -> None:
+    """``run --overwrite``: refuse, before the run, a folder where one of its PNGs goes (``-o a.png`` with a folder
+    ``a-1.png``): no PNG replaces a folder, and the run failed after denoising, with a.png written, naming the
+    temporary file it had made (``.a-1.png.XXXX.tmp: Is a directory``).
+
+    Raises:
+        OutputPathError: naming the folder and the fix.
+    """
+    from .errors import OutputPathError
+
+    folders = [p for p in _existing_outputs(out, count) if p.is_dir() and not p.is_symlink()]
+    if folders:
+        raise OutputPathError(f"{folders[0]} is a folder, where this run writes a PNG; --overwrite replaces files "
+                              "only: move the folder or choose another -o")
 
 
 def _print_pass_table(path: Path) -> None:
@@ -1323,7 +1345,9 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
     _refuse_inside_artifact(out, artifact_dir, "output file", "-o", _SEALED_FILE)
     _refuse_missing_folder(out, "-o")  # as PIL's image.save and diffusers: a typo'd folder is not made silently
     _check_writable_file(out, "-o", ".png")  # before minutes of denoising, not after
-    if not overwrite:
+    if overwrite:
+        _refuse_folders_among_outputs(out, batch_size)
+    else:
         _refuse_existing_outputs(out, batch_size)
     if snap and (height is not None or width is not None):
         profile = _needed(read).profile

@@ -387,6 +387,18 @@ def test_run_refuses_to_overwrite_pngs_without_overwrite(tiny_artifact: Path, tm
     assert code == 2 and "already exists; pass --overwrite" in text
 
 
+def test_run_overwrite_refuses_a_folder_among_its_pngs_before_the_run(tiny_artifact: Path, tmp_path: Path) -> None:
+    """A folder img-1.png where --batch-size 2 writes: refused up front (the run denoised, wrote img.png, then failed
+    on the temporary file it made: ".img-1.png.XXXX.tmp: Is a directory")."""
+    (tmp_path / "img-1.png").mkdir()
+    code, text = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "--batch-size", "2", "-o",
+                         tmp_path / "img.png", "--overwrite")
+    assert code == 2, text
+    assert text.splitlines() == [f"error: {tmp_path / 'img-1.png'} is a folder, where this run writes a PNG; "
+                                 "--overwrite replaces files only: move the folder or choose another -o"], text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["img-1.png"]
+
+
 def test_run_missing_artifact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Named before the default -o out.png is checked: an out.png in the folder is not the problem to report."""
     monkeypatch.chdir(tmp_path)
