@@ -1152,9 +1152,14 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
         raise click.BadParameter("--shape sets the dims of random inputs; with --inputs the arrays give them: "
                                  "drop one of the two", param_hint="--shape")
     try:
-        shape_map = dict(parse_shape(item) for item in shapes)
+        parsed = [parse_shape(item) for item in shapes]
     except ModelFileError as e:
         raise click.BadParameter(str(e), param_hint="--shape") from None
+    shape_map = dict(parsed)
+    if len(shape_map) < len(parsed):  # the last one won, silently
+        twice = next(name for name in shape_map if sum(n == name for n, _ in parsed) > 1)
+        raise click.BadParameter(f"{twice!r} is given more than once; give each input one --shape",
+                                 param_hint="--shape")
     result = optimize_file(source, output, target=target, precision=precision,
                            dump_dir=Path(dump_passes) if dump_passes else None,
                            pass_options=_parse_pass_options(pass_options), check=check, inputs=inputs,

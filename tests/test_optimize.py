@@ -257,3 +257,13 @@ def test_json_and_dump_paths_may_not_be_the_input_or_the_output(attention_onnx: 
     what = "the input file" if target == "input" else "the --output file"
     assert f"error: Invalid value for {flag}: '{path}' is {what}; give {flag} a path of its own" in text, text
     assert attention_onnx.read_bytes() == before and not out.exists()
+
+
+def test_one_input_given_two_shapes_is_refused(attention_onnx: Path, tmp_path: Path) -> None:
+    """--shape x:1x2 --shape x:3x4 ran on the last one, silently."""
+    name = onnx.load(attention_onnx).graph.input[0].name
+    code, text = _invoke("optimize", attention_onnx, "-o", tmp_path / "o.onnx", "--shape", f"{name}:1x2",
+                         "--shape", f"{name}:3x4")
+    assert code == 2, text
+    assert f"error: Invalid value for --shape: '{name}' is given more than once; give each input one --shape" in text
+    assert not (tmp_path / "o.onnx").exists()
