@@ -291,7 +291,8 @@ def optimize_file(
     """Optimize one ONNX file for ``target`` at ``precision`` and write ``output``.
 
     fp16 runs the range check (:mod:`diffusion_trt.passes.fp16_check`) on ``inputs`` (an .npz) or random inputs
-    (``shapes`` for the dims the graph leaves open); ``check`` then compares original and optimized outputs.
+    (``shapes`` for the dims the graph leaves open); ``check`` then compares original and optimized outputs, and a
+    graph that fails the verdict is not written (``files`` empty; :func:`check_verdict` raises).
 
     Raises:
         ModelFileError: a bad file, inputs, shape or option (exit 2 on the command line).
@@ -319,8 +320,10 @@ def optimize_file(
     ctx = PassContext(component=Path(source).stem, backend=backend, device=device, precision=precision,
                       opset=used, dump_dir=dump_dir, options=options)
     optimized, records, fp16 = optimize_fp16_checked(model, passes, ctx, feeds)
-    files = save_model(optimized, output)
+    # compared before it is written: a graph that fails the verdict is never written, so an OUTPUT that --overwrite
+    # would replace stays as it was (it was written over, then removed)
     parity = compare(model, optimized, feeds) if check else None
+    files = save_model(optimized, output) if parity is None or not parity.failures(precision) else []
     return OptimizeResult(target, precision, (found, used), records, fp16, parity, files,
                           time.perf_counter() - start, warnings)
 
@@ -344,8 +347,9 @@ def compare(original: onnx.ModelProto, optimized: onnx.ModelProto,
 
 
 def check_verdict(result: OptimizeResult) -> None:
-    """``--check``'s verdict (:meth:`Parity.failures`): when an output fails it, the files written are removed and
-    the run fails, so a silently wrong graph is never left as OUTPUT.
+    """``--check``'s verdict (:meth:`Parity.failures`): when an output fails it, the run fails; :func:`optimize_file`
+    wrote nothing then (and any file written is removed), so a silently wrong graph is never left as OUTPUT, and an
+    OUTPUT of an earlier run stays.
 
     Raises:
         PassError: an output fails (the message names it, its cosine and difference, and the thresholds).
