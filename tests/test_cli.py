@@ -779,6 +779,21 @@ def test_a_missing_optional_package_exits_2(what: str, tiny_artifact: Path, tiny
     assert "Traceback" not in out
 
 
+@pytest.mark.parametrize("scheduler", ["dpm++", "dpm++_sde", "unipc", "deis"])
+def test_steps_that_collapse_a_multistep_schedule_are_one_error_line(tiny_artifact: Path, tmp_path: Path,
+                                                                     scheduler: str) -> None:
+    """--steps 1000 ('leading' spacing: 1000 // 1001 = 0 apart) gave these one timestep for every step and a
+    traceback (IndexError / AssertionError, exit 1); 999 was refused with "use at most 999"."""
+    out = tmp_path / "o.png"
+    code, text = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1000", "--scheduler", scheduler, "-o", out)
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in text, text
+    assert "step 1000 times at the one timestep 1" in errors[0] and errors[0].endswith("use at most 998"), text
+    code, text = _invoke("run", tiny_artifact, "-p", "x", "--steps", "999", "--scheduler", scheduler, "-o", out)
+    assert code == 2 and "step from timestep 1000" in text and "use at most 998" in text, text
+    assert not out.exists()
+
+
 def test_too_many_steps_for_the_scheduler(tiny_artifact: Path, tmp_path: Path) -> None:
     code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "5000", "--scheduler", "ddim",
                         "-o", tmp_path / "o.png")
