@@ -1823,7 +1823,9 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
 @click.option("--queue-timeout-s", type=FiniteFloat(min=0), default=60, show_default=True,
               help="A request that waited this long is dropped unrun (503 / UNAVAILABLE); a client may set its own "
                    "with the request's 'timeout' parameter; 0 = no limit.")
-@click.option("--overwrite", is_flag=True, help="Replace models of the same names in REPO_DIR.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace models of the same names in REPO_DIR (Triton model folders, with config.pbtxt; any "
+                   "other folder there is refused).")
 @_handle_errors
 def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances: int, max_queue_delay_us: int,
                       max_queue: int, queue_timeout_s: float, overwrite: bool) -> None:
