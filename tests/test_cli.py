@@ -522,6 +522,22 @@ def test_dummy_overwrite_refuses_a_folder_it_did_not_write(tiny_artifact: Path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no temporary folder left beside it
 
 
+def test_dummy_controlnet_overwrite_refuses_a_models_unet(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """`dummy-controlnet MODEL/unet --overwrite`: a UNet folder has a config.json too, and was replaced by a random
+    ControlNet (exit 0): the model's UNet weights were gone."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_pipeline_dir, model)
+    weights = (model / "unet" / "diffusion_pytorch_model.safetensors").read_bytes()
+    code, out = _invoke("dummy-controlnet", "--overwrite", model / "unet")
+    assert code == 2, out
+    assert out.splitlines() == [f"error: {model / 'unet'} holds a UNet2DConditionModel (config.json _class_name), not "
+                                "a ControlNetModel: --overwrite only replaces a ControlNet folder; choose an empty or "
+                                "new folder (nothing was deleted)"], out
+    assert (model / "unet" / "diffusion_pytorch_model.safetensors").read_bytes() == weights
+    assert _invoke("dummy-controlnet", tmp_path / "cn")[0] == 0
+    assert _invoke("dummy-controlnet", "--overwrite", tmp_path / "cn")[0] == 0  # its own kind: replaced
+
+
 def test_dummy_lora_writes_whole_files_with_the_umask_mode(tiny_pipeline_dir: Path, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """safetensors' save_file wrote OUT in place with mode 0600: an interrupted write left a truncated LoRA where the
