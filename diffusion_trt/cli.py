@@ -467,6 +467,7 @@ def dummy_lora(model_dir: Path, out: Path, rank: int, seed: int, overwrite: bool
     from .compiler.dummy_lora import write_dummy_lora
 
     _refuse_inside_artifact(out, None, "output file", "OUT", _SEALED_FILE)
+    _refuse_inside_model(out, model_dir, "output file", "OUT")  # --overwrite OUT=MODEL/unet/*.safetensors: its UNet
     _refuse_missing_folder(out, "OUT")  # as run -o: a typo'd folder is not made silently
     _check_writable_file(out, "OUT", ".safetensors")
     if not overwrite:
@@ -760,14 +761,16 @@ def _refuse_inside_artifact(folder: Path, out_dir: Path | None, what: str, flag:
 
 
 def _refuse_inside_model(folder: Path, model_dir: Path, what: str, flag: str) -> None:
-    """Refuse a folder compile writes (the compile cache, the pass dumps) that is or lies inside the model folder:
-    its files become part of the model's weights hash, so an identical recompile missed the cache every time (the
-    cache growing inside the model), and ``verify --source`` said the weights differ from the ones compiled.
+    """Refuse a folder compile writes (the compile cache, the pass dumps), or a file (``dummy-lora OUT``), that is or
+    lies inside the model folder: its files become part of the model's weights hash, so an identical recompile missed
+    the cache every time (the cache growing inside the model), and ``verify --source`` said the weights differ from
+    the ones compiled; ``dummy-lora MODEL MODEL/unet/diffusion_pytorch_model.safetensors --overwrite`` replaced the
+    model's UNet weights by the LoRA.
 
     Raises:
         click.BadParameter: naming the path and the model folder.
     """
-    if not model_dir.is_dir():  # a single file or a model id: nothing of ours lands in it
+    if not (model_dir / "model_index.json").is_file():  # a single file, a model id or no model: nothing to spoil
         return
     f, m = folder.expanduser().resolve(), model_dir.resolve()
     if f == m or m in f.parents:

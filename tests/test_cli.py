@@ -538,6 +538,20 @@ def test_dummy_controlnet_overwrite_refuses_a_models_unet(tiny_pipeline_dir: Pat
     assert _invoke("dummy-controlnet", "--overwrite", tmp_path / "cn")[0] == 0  # its own kind: replaced
 
 
+def test_dummy_lora_refuses_an_out_inside_the_model_folder(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """OUT the model's own UNet weights, with --overwrite: replaced by the LoRA (exit 0)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_pipeline_dir, model)
+    weights = model / "unet" / "diffusion_pytorch_model.safetensors"
+    before = weights.read_bytes()
+    code, out = _invoke("dummy-lora", model, weights, "--overwrite")
+    assert code == 2, out
+    assert out.splitlines()[0] == (f"error: Invalid value for OUT: the output file {weights} lies inside the model "
+                                   f"folder {model}, whose files are hashed as the model's weights; choose a folder "
+                                   "outside it"), out
+    assert weights.read_bytes() == before
+
+
 def test_dummy_lora_writes_whole_files_with_the_umask_mode(tiny_pipeline_dir: Path, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """safetensors' save_file wrote OUT in place with mode 0600: an interrupted write left a truncated LoRA where the
