@@ -1100,8 +1100,8 @@ def _print_pass_table(path: Path) -> None:
               help="Per-pass option (JSON value), e.g. fuse_attention_emit=none; repeatable.")
 @click.option("--check", is_flag=True,
               help="Run original and optimized graphs in ONNX Runtime; report max abs / cosine per output and "
-                   "exit 1 (OUTPUT removed) when one fails: cosine < 0.999, or max abs over 0.05 x the output's "
-                   "scale for fp16 (0.001 x for fp32), or not finite.")
+                   "exit 1 (OUTPUT not written) when one fails: cosine < 0.999, or max abs over 0.05 x the output's "
+                   "scale for fp16 (0.001 x for fp32), or inf/NaN where the original's is finite.")
 @click.option("--inputs", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="An .npz with one array per graph input (fp16 calibration and --check); default: random.")
 @click.option("--shape", "shapes", multiple=True, metavar="NAME:DxDx..",
