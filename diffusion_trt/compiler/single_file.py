@@ -376,12 +376,23 @@ def write_config_folder(info: CheckpointInfo, dest: Path) -> Path:
     return dest
 
 
+def _root_cause(error: BaseException) -> BaseException:
+    """The first exception of ``error``'s chain (``__cause__``, else ``__context__``): safetensors' own error under
+    diffusers' OSError and the UnicodeDecodeError of its git-lfs pointer check."""
+    seen = {id(error)}
+    while (nxt := error.__cause__ or error.__context__) is not None and id(nxt) not in seen:
+        seen.add(id(nxt))
+        error = nxt
+    return error
+
+
 def folder_from_single_file(path: str | Path, info: CheckpointInfo, dest: str | Path) -> Path:
     """Convert ``path`` into a diffusers pipeline folder ``dest`` with diffusers' ``from_single_file``, offline.
 
     Raises:
-        ModelFolderError: diffusers cannot map the weights onto the architecture (a missing or misshapen tensor),
-            with its message.
+        ModelFolderError: diffusers cannot map the weights onto the architecture (a missing or misshapen tensor), or
+            cannot read them (a header that does not match its data: the CLI said "check the path and its
+            permissions"), with its message.
     """
     import tempfile
 
@@ -398,6 +409,10 @@ def folder_from_single_file(path: str | Path, info: CheckpointInfo, dest: str | 
         except (ValueError, KeyError, RuntimeError) as e:
             raise ModelFolderError(f"{path}: its weights do not load into the {info.architecture} architecture "
                                    f"({type(e).__name__}: {str(e)[:300]}); the file may be damaged or pruned") from e
+        except OSError as e:  # diffusers' "Unable to load weights from checkpoint file", from safetensors' error
+            why = _root_cause(e)
+            raise ModelFolderError(f"{path}: its tensors cannot be read ({type(why).__name__}: {str(why)[:300]}); "
+                                   "the file is damaged: re-download or re-save it") from e
     pipe.save_pretrained(dest, safe_serialization=True)
     logger.info("converted %s -> %s (%s)", Path(path).name, dest, info.architecture)
     return dest
