@@ -460,6 +460,24 @@ def test_compile_truncated_weights_file_names_it(tiny_pipeline_dir: Path, tmp_pa
     assert not (tmp_path / "art").exists()
 
 
+def test_compile_weights_file_whose_header_does_not_match_its_data(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """A tensor's dtype F32 -> F16 in unet/'s header: "could not load unet/ ...: Unable to load weights ...", no cause,
+    no fix."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_pipeline_dir, broken)
+    weights = broken / "unet" / "diffusion_pytorch_model.safetensors"
+    data = weights.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    weights.write_bytes(data[:8] + data[8:8 + size].replace(b'"F32"', b'"F16"', 1) + data[8 + size:])
+    code, out = _invoke("compile", broken, "-o", tmp_path / "art", "--no-cache")
+    assert code == 2, out
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].endswith(
+        "(SafetensorError: Error while deserializing header: invalid shape, data type, or offset for tensor); the "
+        "file is damaged: re-download or re-save the pipeline"), out
+    assert not (tmp_path / "art").exists()
+
+
 @pytest.mark.parametrize("flag", ["--cache-dir", "--dump-passes"])
 def test_compile_refuses_a_folder_of_its_own_inside_the_model_folder(tiny_pipeline_dir: Path, tmp_path: Path,
                                                                      flag: str) -> None:

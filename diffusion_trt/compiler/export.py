@@ -23,7 +23,7 @@ from ..artifact import folder as artifacts
 from ..artifact.manifest import CONTROLNET_PREFIX, EMBED_PREFIX, UNET_CONTROLNET
 from ..errors import ExportError, ModelFolderError
 from .components import ComponentSpec, symbol_ranges
-from .single_file import check_complete
+from .single_file import check_complete, root_cause
 
 logger = logging.getLogger(__name__)
 
@@ -425,6 +425,11 @@ def load_models(folder: ModelFolder, precision: str, device: str) -> dict[str, A
                                             **kw)
                 else:
                     m = cls.from_pretrained(folder.path, subfolder=sub, use_safetensors=use_st, **kw)
+            except OSError as e:  # diffusers' "Unable to load weights from checkpoint file", from safetensors' error
+                why = root_cause(e)
+                raise ModelFolderError(f"could not load {sub}/ from {folder.path}: {str(e).strip()} "
+                                       f"({type(why).__name__}: {str(why)[:300]}); the file is damaged: re-download "
+                                       "or re-save the pipeline") from e
             except Exception as e:
                 raise ModelFolderError(f"could not load {sub}/ from {folder.path}: {e}") from e
             models[name] = m.to(device).eval()

@@ -376,7 +376,7 @@ def write_config_folder(info: CheckpointInfo, dest: Path) -> Path:
     return dest
 
 
-def _root_cause(error: BaseException) -> BaseException:
+def root_cause(error: BaseException) -> BaseException:
     """The first exception of ``error``'s chain (``__cause__``, else ``__context__``): safetensors' own error under
     diffusers' OSError and the UnicodeDecodeError of its git-lfs pointer check."""
     seen = {id(error)}
@@ -410,7 +410,7 @@ def folder_from_single_file(path: str | Path, info: CheckpointInfo, dest: str | 
             raise ModelFolderError(f"{path}: its weights do not load into the {info.architecture} architecture "
                                    f"({type(e).__name__}: {str(e)[:300]}); the file may be damaged or pruned") from e
         except OSError as e:  # diffusers' "Unable to load weights from checkpoint file", from safetensors' error
-            why = _root_cause(e)
+            why = root_cause(e)
             raise ModelFolderError(f"{path}: its tensors cannot be read ({type(why).__name__}: {str(why)[:300]}); "
                                    "the file is damaged: re-download or re-save it") from e
     pipe.save_pretrained(dest, safe_serialization=True)
