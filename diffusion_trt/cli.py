@@ -467,6 +467,7 @@ def dummy_lora(model_dir: Path, out: Path, rank: int, seed: int, overwrite: bool
     from .compiler.dummy_lora import write_dummy_lora
 
     _refuse_inside_artifact(out, None, "output file", "OUT", _SEALED_FILE)
+    _refuse_inside_model(out, model_dir, "output file", "OUT")  # --overwrite OUT=MODEL/unet/*.safetensors: its UNet
     _refuse_missing_folder(out, "OUT")  # as run -o: a typo'd folder is not made silently
     _check_writable_file(out, "OUT", ".safetensors")
     if not overwrite:
@@ -676,7 +677,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     around = enclosing_artifact(out_dir.expanduser().resolve().parent)  # -o ART/sub: an artifact sealed into another
     if around is not None:
         _refuse_inside_artifact(out_dir, around, "output folder", "-o", _SEALED_FILE)
-    cache = _compile_cache(no_cache, cache_dir, cache_max_gb, out_dir)
+    cache = _compile_cache(no_cache, cache_dir, cache_max_gb, out_dir, Path(model_dir))
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     if snap:
@@ -702,6 +703,7 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
                                                 if c.strip())
     if options["dump_passes"] is not None:  # the graphs are written after export: check the folder now
         _refuse_inside_artifact(Path(options["dump_passes"]), out_dir, "dump folder", "--dump-passes")
+        _refuse_inside_model(Path(options["dump_passes"]), Path(model_dir), "dump folder", "--dump-passes")
         _check_writable_dir(Path(options["dump_passes"]), "--dump-passes")
     config = CompileConfig(**options, quantize=quantize)
     with _terminate_like_interrupt(), logging_redirect_tqdm(loggers=[logger]):
@@ -712,12 +714,12 @@ def compile_cmd(model_dir: Path, out_dir: Path | None, overwrite: bool, snap: bo
     click.echo(f"artifact: {path}")
 
 
-def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float, out_dir: Path) -> Any:
+def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float, out_dir: Path, model_dir: Path) -> Any:
     """The CompileCache of ``--cache-dir`` / the environment, or ``None`` with ``--no-cache``.
 
     Raises:
         click.BadParameter: the cache folder cannot be created or written (naming it, and where it came from), or
-            it is or lies inside the artifact folder ``out_dir`` (which is sealed).
+            it is or lies inside the artifact folder ``out_dir`` (which is sealed) or the model folder ``model_dir``.
     """
     if no_cache:
         unused = _given(("cache_dir", "cache_max_gb"))
@@ -730,6 +732,7 @@ def _compile_cache(no_cache: bool, cache_dir: Path | None, max_gb: float, out_di
     flag = "--cache-dir" if cache_dir is not None else f"--cache-dir (default from ${ENV_DIR} or $XDG_CACHE_HOME; or " \
         "pass --no-cache)"
     _refuse_inside_artifact(root, out_dir, "cache folder", flag)
+    _refuse_inside_model(root, model_dir, "cache folder", flag)
     _check_writable_dir(root, flag)
     return CompileCache(root, max_bytes=int(max_gb * (1 << 30)))
 
@@ -755,6 +758,24 @@ def _refuse_inside_artifact(folder: Path, out_dir: Path | None, what: str, flag:
         named = str(out_dir) if out_dir.is_absolute() else f"{out_dir} ({o})"
         raise click.BadParameter(f"the {what} {folder} lies inside the artifact folder {named}, which {why}",
                                  param_hint=flag)
+
+
+def _refuse_inside_model(folder: Path, model_dir: Path, what: str, flag: str) -> None:
+    """Refuse a folder compile writes (the compile cache, the pass dumps), or a file (``dummy-lora OUT``), that is or
+    lies inside the model folder: its files become part of the model's weights hash, so an identical recompile missed
+    the cache every time (the cache growing inside the model), and ``verify --source`` said the weights differ from
+    the ones compiled; ``dummy-lora MODEL MODEL/unet/diffusion_pytorch_model.safetensors --overwrite`` replaced the
+    model's UNet weights by the LoRA.
+
+    Raises:
+        click.BadParameter: naming the path and the model folder.
+    """
+    if not (model_dir / "model_index.json").is_file():  # a single file, a model id or no model: nothing to spoil
+        return
+    f, m = folder.expanduser().resolve(), model_dir.resolve()
+    if f == m or m in f.parents:
+        raise click.BadParameter(f"the {what} {folder} lies inside the model folder {model_dir}, whose files are "
+                                 "hashed as the model's weights; choose a folder outside it", param_hint=flag)
 
 
 #: ``why`` of :func:`_refuse_inside_artifact` for a file run or bench writes.
@@ -1016,10 +1037,20 @@ def _refuse_existing_outputs(out: Path, count: int, flag: str = "-o") -> None:
     Raises:
         OutputPathError: naming the first existing file (and how many), and the fix.
     """
+    from .errors import OutputPathError
+
+    existing = _existing_outputs(out, count)
+    if len(existing) == 1:
+        raise OutputPathError(f"{existing[0]} already exists; pass --overwrite to replace it, or choose another {flag}")
+    if existing:
+        raise OutputPathError(f"{existing[0]} and {len(existing) - 1} more of the {count} PNGs this run writes already "
+                              f"exist; pass --overwrite to replace them, or choose another {flag}")
+
+
+def _existing_outputs(out: Path, count: int) -> list[Path]:
+    """The paths among the ``count`` PNGs of a run (:func:`_output_path`) that exist, the folder listed once."""
     import os
     import re
-
-    from .errors import OutputPathError
 
     existing = [out] if os.path.lexists(out) else []
     if count > 1 and out.parent.is_dir():
@@ -1028,11 +1059,23 @@ def _refuse_existing_outputs(out: Path, count: int, flag: str = "-o") -> None:
             m = sibling.fullmatch(entry)
             if m and int(m.group(1)) < count:
                 existing.append(out.parent / entry)
-    if len(existing) == 1:
-        raise OutputPathError(f"{existing[0]} already exists; pass --overwrite to replace it, or choose another {flag}")
-    if existing:
-        raise OutputPathError(f"{existing[0]} and {len(existing) - 1} more of the {count} PNGs this run writes already "
-                              f"exist; pass --overwrite to replace them, or choose another {flag}")
+    return existing
+
+
+def _refuse_folders_among_outputs(out: Path, count: int) -> None:
+    """``run --overwrite``: refuse, before the run, a folder where one of its PNGs goes (``-o a.png`` with a folder
+    ``a-1.png``): no PNG replaces a folder, and the run failed after denoising, with a.png written, naming the
+    temporary file it had made (``.a-1.png.XXXX.tmp: Is a directory``).
+
+    Raises:
+        OutputPathError: naming the folder and the fix.
+    """
+    from .errors import OutputPathError
+
+    folders = [p for p in _existing_outputs(out, count) if p.is_dir() and not p.is_symlink()]
+    if folders:
+        raise OutputPathError(f"{folders[0]} is a folder, where this run writes a PNG; --overwrite replaces files "
+                              "only: move the folder or choose another -o")
 
 
 def _print_pass_table(path: Path) -> None:
@@ -1057,8 +1100,8 @@ def _print_pass_table(path: Path) -> None:
               help="Per-pass option (JSON value), e.g. fuse_attention_emit=none; repeatable.")
 @click.option("--check", is_flag=True,
               help="Run original and optimized graphs in ONNX Runtime; report max abs / cosine per output and "
-                   "exit 1 (OUTPUT removed) when one fails: cosine < 0.999, or max abs over 0.05 x the output's "
-                   "scale for fp16 (0.001 x for fp32), or not finite.")
+                   "exit 1 (OUTPUT not written) when one fails: cosine < 0.999, or max abs over 0.05 x the output's "
+                   "scale for fp16 (0.001 x for fp32), or inf/NaN where the original's is finite.")
 @click.option("--inputs", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="An .npz with one array per graph input (fp16 calibration and --check); default: random.")
 @click.option("--shape", "shapes", multiple=True, metavar="NAME:DxDx..",
@@ -1087,9 +1130,10 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
 
     if output.suffix.lower() != ".onnx":
         raise click.BadParameter(f"{str(output)!r} does not end in .onnx; use e.g. out.onnx", param_hint="--output")
-    if output.resolve() == Path(source).resolve():
+    if _same_file(output, Path(source)):
         raise click.BadParameter(f"{str(output)!r} is the input file; write the result elsewhere",
                                  param_hint="--output")
+    _refuse_clashing_outputs(Path(source), output, json_path, Path(dump_passes) if dump_passes else None)
     for path, flag, what in ((output, "--output", "output file"), (json_path, "--json", "output file"),
                              (dump_passes, "--dump-passes", "dump folder")):
         if path is not None:  # as run -o: a file the sealed manifest does not list fails verify
@@ -1111,9 +1155,14 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
         raise click.BadParameter("--shape sets the dims of random inputs; with --inputs the arrays give them: "
                                  "drop one of the two", param_hint="--shape")
     try:
-        shape_map = dict(parse_shape(item) for item in shapes)
+        parsed = [parse_shape(item) for item in shapes]
     except ModelFileError as e:
         raise click.BadParameter(str(e), param_hint="--shape") from None
+    shape_map = dict(parsed)
+    if len(shape_map) < len(parsed):  # the last one won, silently
+        twice = next(name for name in shape_map if sum(n == name for n, _ in parsed) > 1)
+        raise click.BadParameter(f"{twice!r} is given more than once; give each input one --shape",
+                                 param_hint="--shape")
     result = optimize_file(source, output, target=target, precision=precision,
                            dump_dir=Path(dump_passes) if dump_passes else None,
                            pass_options=_parse_pass_options(pass_options), check=check, inputs=inputs,
@@ -1123,6 +1172,34 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
         _write_output_file(json_path, json.dumps(result.to_json(), indent=1) + "\n")
     check_verdict(result)  # --check failed: OUTPUT removed, exit 1
     click.echo(f"wrote: {', '.join(str(f) for f in result.files)}")
+
+
+def _refuse_clashing_outputs(source: Path, output: Path, json_path: Path | None, dump_dir: Path | None) -> None:
+    """optimize: ``--json`` / ``--dump-passes`` naming the input or ``--output`` (the JSON was written over the input
+    model, or over OUTPUT after "wrote: OUTPUT"; a dump folder made where OUTPUT goes failed the run after the passes).
+
+    Raises:
+        click.BadParameter: naming the flag, the path and what it clashes with (exit 2).
+    """
+    for path, flag in ((json_path, "--json"), (dump_dir, "--dump-passes")):
+        if path is None:
+            continue
+        for other, what in ((source, "the input file"), (output, "the --output file")):
+            if _same_file(path, other):
+                raise click.BadParameter(f"{str(path)!r} is {what}; give {flag} a path of its own", param_hint=flag)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same path once links are resolved, or a hard link of it (``-o`` a
+    hard link of the input was written over in place: the input was lost)."""
+    import os
+
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
 
 
 @main.command("run")
@@ -1276,7 +1353,9 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
     _refuse_inside_artifact(out, artifact_dir, "output file", "-o", _SEALED_FILE)
     _refuse_missing_folder(out, "-o")  # as PIL's image.save and diffusers: a typo'd folder is not made silently
     _check_writable_file(out, "-o", ".png")  # before minutes of denoising, not after
-    if not overwrite:
+    if overwrite:
+        _refuse_folders_among_outputs(out, batch_size)
+    else:
         _refuse_existing_outputs(out, batch_size)
     if snap and (height is not None or width is not None):
         profile = _needed(read).profile
@@ -1713,6 +1792,9 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
     if plot_path is not None and plot_path.suffix.lower() != ".png":  # Pillow's fallback wrote a PNG as out.json
         raise click.BadParameter(f"{str(plot_path)!r} does not end in .png (the chart is a PNG); use e.g. bench.png",
                                  param_hint="--plot")
+    if json_path is not None and plot_path is not None and _same_file(json_path, plot_path):  # the chart replaced it
+        raise click.BadParameter(f"{str(plot_path)!r} is the --json file too; give each its own path, e.g. --json "
+                                 "bench.json --plot bench.png", param_hint="--plot")
     device_list = _parse_devices(devices, device)
     config = BenchConfig(
         artifact=artifact_dir, baseline=baseline, model_dir=model_dir, device="cuda" if device_list else device,
@@ -1744,7 +1826,9 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
 @click.option("--queue-timeout-s", type=FiniteFloat(min=0), default=60, show_default=True,
               help="A request that waited this long is dropped unrun (503 / UNAVAILABLE); a client may set its own "
                    "with the request's 'timeout' parameter; 0 = no limit.")
-@click.option("--overwrite", is_flag=True, help="Replace models of the same names in REPO_DIR.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace models of the same names in REPO_DIR (Triton model folders, with config.pbtxt; any "
+                   "other folder there is refused).")
 @_handle_errors
 def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances: int, max_queue_delay_us: int,
                       max_queue: int, queue_timeout_s: float, overwrite: bool) -> None:

@@ -291,7 +291,8 @@ def optimize_file(
     """Optimize one ONNX file for ``target`` at ``precision`` and write ``output``.
 
     fp16 runs the range check (:mod:`diffusion_trt.passes.fp16_check`) on ``inputs`` (an .npz) or random inputs
-    (``shapes`` for the dims the graph leaves open); ``check`` then compares original and optimized outputs.
+    (``shapes`` for the dims the graph leaves open); ``check`` then compares original and optimized outputs, and a
+    graph that fails the verdict is not written (``files`` empty; :func:`check_verdict` raises).
 
     Raises:
         ModelFileError: a bad file, inputs, shape or option (exit 2 on the command line).
@@ -319,8 +320,10 @@ def optimize_file(
     ctx = PassContext(component=Path(source).stem, backend=backend, device=device, precision=precision,
                       opset=used, dump_dir=dump_dir, options=options)
     optimized, records, fp16 = optimize_fp16_checked(model, passes, ctx, feeds)
-    files = save_model(optimized, output)
+    # compared before it is written: a graph that fails the verdict is never written, so an OUTPUT that --overwrite
+    # would replace stays as it was (it was written over, then removed)
     parity = compare(model, optimized, feeds) if check else None
+    files = save_model(optimized, output) if parity is None or not parity.failures(precision) else []
     return OptimizeResult(target, precision, (found, used), records, fp16, parity, files,
                           time.perf_counter() - start, warnings)
 
@@ -344,8 +347,9 @@ def compare(original: onnx.ModelProto, optimized: onnx.ModelProto,
 
 
 def check_verdict(result: OptimizeResult) -> None:
-    """``--check``'s verdict (:meth:`Parity.failures`): when an output fails it, the files written are removed and
-    the run fails, so a silently wrong graph is never left as OUTPUT.
+    """``--check``'s verdict (:meth:`Parity.failures`): when an output fails it, the run fails; :func:`optimize_file`
+    wrote nothing then (and any file written is removed), so a silently wrong graph is never left as OUTPUT, and an
+    OUTPUT of an earlier run stays.
 
     Raises:
         PassError: an output fails (the message names it, its cosine and difference, and the thresholds).
@@ -355,9 +359,20 @@ def check_verdict(result: OptimizeResult) -> None:
         return
     for path in result.files:
         path.unlink(missing_ok=True)
+    fix = ("Keep the nodes feeding that output in fp32 (--pass-option convert_fp16_fp32_nodes='[\"NAME\"]', names in "
+           "--dump-passes) or use --precision fp32" if result.precision == "fp16" else
+           "A pass changed what the graph computes: --dump-passes DIR writes the graph after each pass, to find which "
+           "(the --pass-option keys that steer the passes: diffusion_trt/passes/options.py)")
     raise PassError(f"--check: the optimized graph does not match the original ({'; '.join(why)}); nothing was "
-                    "written. For fp16, keep the nodes feeding that output in fp32 (--pass-option "
-                    "convert_fp16_fp32_nodes='[\"NAME\"]', names in --dump-passes) or use --precision fp32")
+                    f"written. {fix}")
+
+
+def _nonfinite_note(output: OutputParity) -> str:
+    """The parity line's note on an original output that holds inf/NaN itself (compared on its finite values)."""
+    if not output.original_nonfinite:
+        return ""
+    return (f"  (the original holds {output.original_nonfinite} inf/NaN on these inputs: compared where finite; "
+            "real inputs: --inputs FILE.npz)")
 
 
 def format_table(result: OptimizeResult) -> str:
@@ -383,5 +398,5 @@ def format_table(result: OptimizeResult) -> str:
             lines.append(f"check: original on {p.original_provider}, optimized on {p.optimized_provider}")
             for o in p.outputs:
                 lines.append(f"  {o.name:<22} max_abs={o.max_abs:.3g} cosine={o.cosine:.6f} (scale {o.scale:.3g})"
-                             f"{'' if o.finite else '  NOT FINITE'}")
+                             f"{'' if o.finite else '  NOT FINITE'}{_nonfinite_note(o)}")
     return "\n".join(lines)

@@ -650,3 +650,22 @@ def test_enclosing_artifact_is_found_by_its_sealed_manifest_only(tmp_path: Path)
     assert enclosing_artifact(web / "x.onnx") is None and enclosing_artifact(bad / "x") is None
     os.symlink(art / "unet", tmp_path / "link")  # through a link: where it resolves to
     assert enclosing_artifact(tmp_path / "link" / "x.png") == art.resolve()
+
+
+@pytest.mark.parametrize("damage", ["cut", "garbage", "missing", "folder"])
+def test_inspect_of_a_damaged_component_file_is_one_error_line_exit_3(art: Path, damage: str) -> None:
+    """inspect reads each ONNX file's initializer sizes: a file cut short or garbled gave protobuf's DecodeError
+    traceback (exit 1), a missing one "No such file or directory; check the path" (exit 2, a usage error)."""
+    unet = art / "unet" / "model.onnx"
+    data = unet.read_bytes()
+    unet.unlink()
+    if damage == "cut":
+        unet.write_bytes(data[:1000])
+    elif damage == "garbage":
+        unet.write_bytes(bytes(range(256)) * 8)
+    elif damage == "folder":
+        unet.mkdir()
+    for args in (("inspect", art), ("inspect", art, "--json")):
+        output = _one_error_line(_run_cli(*args))
+        assert str(unet) in output, output
+        assert ("is not a readable ONNX model" if damage in ("cut", "garbage") else "recompile") in output, output

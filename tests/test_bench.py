@@ -326,3 +326,14 @@ def test_bench_refuses_a_size_outside_the_profile_before_any_work(tiny_artifact:
     assert result.output.splitlines() == [
         f"error: --sizes {too_big}x64: height={too_big} is outside the engine profile {lo}..{hi}; use a size in that "
         "range or recompile with --min-height/--max-height"], result.output
+
+
+def test_bench_refuses_one_path_for_json_and_plot(tiny_artifact: Path, tmp_path: Path) -> None:
+    """--json b.png --plot b.png printed "json: b.png" and "plot: b.png", and the chart replaced the JSON."""
+    path = tmp_path / "b.png"
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--baseline", "none", "--steps", "1",
+                                       "--json", str(path), "--plot", str(path)])
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines()[0] == (f"error: Invalid value for --plot: '{path}' is the --json file too; give "
+                                             "each its own path, e.g. --json bench.json --plot bench.png")
+    assert not path.exists()

@@ -387,6 +387,18 @@ def test_run_refuses_to_overwrite_pngs_without_overwrite(tiny_artifact: Path, tm
     assert code == 2 and "already exists; pass --overwrite" in text
 
 
+def test_run_overwrite_refuses_a_folder_among_its_pngs_before_the_run(tiny_artifact: Path, tmp_path: Path) -> None:
+    """A folder img-1.png where --batch-size 2 writes: refused up front (the run denoised, wrote img.png, then failed
+    on the temporary file it made: ".img-1.png.XXXX.tmp: Is a directory")."""
+    (tmp_path / "img-1.png").mkdir()
+    code, text = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "--batch-size", "2", "-o",
+                         tmp_path / "img.png", "--overwrite")
+    assert code == 2, text
+    assert text.splitlines() == [f"error: {tmp_path / 'img-1.png'} is a folder, where this run writes a PNG; "
+                                 "--overwrite replaces files only: move the folder or choose another -o"], text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["img-1.png"]
+
+
 def test_run_missing_artifact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Named before the default -o out.png is checked: an out.png in the folder is not the problem to report."""
     monkeypatch.chdir(tmp_path)
@@ -432,6 +444,57 @@ def test_compile_incomplete_model_folder(tiny_pipeline_dir: Path, tmp_path: Path
     assert not (tmp_path / "art").exists()
 
 
+def test_compile_truncated_weights_file_names_it(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """A half-copied weights file: one line naming it and the sizes (was: "could not load unet/ ...: Unable to load
+    weights from checkpoint file ...", no fix)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_pipeline_dir, broken)
+    weights = broken / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    code, out = _invoke("compile", broken, "-o", tmp_path / "art", "--no-cache")
+    assert code == 2, out
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {weights} is truncated: its header places tensor data up to byte "
+                      f"{2 * weights.stat().st_size:,}, but the file has {weights.stat().st_size:,} bytes; "
+                      "re-download or re-save it"], out
+    assert not (tmp_path / "art").exists()
+
+
+def test_compile_weights_file_whose_header_does_not_match_its_data(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """A tensor's dtype F32 -> F16 in unet/'s header: "could not load unet/ ...: Unable to load weights ...", no cause,
+    no fix."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_pipeline_dir, broken)
+    weights = broken / "unet" / "diffusion_pytorch_model.safetensors"
+    data = weights.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    weights.write_bytes(data[:8] + data[8:8 + size].replace(b'"F32"', b'"F16"', 1) + data[8 + size:])
+    code, out = _invoke("compile", broken, "-o", tmp_path / "art", "--no-cache")
+    assert code == 2, out
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].endswith(
+        "(SafetensorError: Error while deserializing header: invalid shape, data type, or offset for tensor); the "
+        "file is damaged: re-download or re-save the pipeline"), out
+    assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize("flag", ["--cache-dir", "--dump-passes"])
+def test_compile_refuses_a_folder_of_its_own_inside_the_model_folder(tiny_pipeline_dir: Path, tmp_path: Path,
+                                                                     flag: str) -> None:
+    """A cache (or pass dump) inside the model folder became part of its weights hash: every identical recompile
+    missed the cache (which grew inside the model) and verify --source said the weights differ."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_pipeline_dir, model)
+    inside = model / "sub"
+    code, out = _invoke("compile", model, "-o", tmp_path / "art", flag, inside)
+    assert code == 2, out
+    what = "cache folder" if flag == "--cache-dir" else "dump folder"
+    assert out.splitlines()[0] == (f"error: Invalid value for {flag}: the {what} {inside} lies inside the model "
+                                   f"folder {model}, whose files are hashed as the model's weights; choose a folder "
+                                   "outside it"), out
+    assert not inside.exists() and not (tmp_path / "art").exists()
+
+
 def test_compile_height_not_multiple_of_8(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
     code, out = _invoke("compile", tiny_pipeline_dir, "-o", tmp_path / "art", "--height", "700")
     assert code == 2
@@ -475,6 +538,36 @@ def test_dummy_overwrite_refuses_a_folder_it_did_not_write(tiny_artifact: Path, 
                                    f"{what} folder; choose an empty or new folder (nothing was deleted)"), out
     assert sorted(p.relative_to(art) for p in art.rglob("*")) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no temporary folder left beside it
+
+
+def test_dummy_controlnet_overwrite_refuses_a_models_unet(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """`dummy-controlnet MODEL/unet --overwrite`: a UNet folder has a config.json too, and was replaced by a random
+    ControlNet (exit 0): the model's UNet weights were gone."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_pipeline_dir, model)
+    weights = (model / "unet" / "diffusion_pytorch_model.safetensors").read_bytes()
+    code, out = _invoke("dummy-controlnet", "--overwrite", model / "unet")
+    assert code == 2, out
+    assert out.splitlines() == [f"error: {model / 'unet'} holds a UNet2DConditionModel (config.json _class_name), not "
+                                "a ControlNetModel: --overwrite only replaces a ControlNet folder; choose an empty or "
+                                "new folder (nothing was deleted)"], out
+    assert (model / "unet" / "diffusion_pytorch_model.safetensors").read_bytes() == weights
+    assert _invoke("dummy-controlnet", tmp_path / "cn")[0] == 0
+    assert _invoke("dummy-controlnet", "--overwrite", tmp_path / "cn")[0] == 0  # its own kind: replaced
+
+
+def test_dummy_lora_refuses_an_out_inside_the_model_folder(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """OUT the model's own UNet weights, with --overwrite: replaced by the LoRA (exit 0)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_pipeline_dir, model)
+    weights = model / "unet" / "diffusion_pytorch_model.safetensors"
+    before = weights.read_bytes()
+    code, out = _invoke("dummy-lora", model, weights, "--overwrite")
+    assert code == 2, out
+    assert out.splitlines()[0] == (f"error: Invalid value for OUT: the output file {weights} lies inside the model "
+                                   f"folder {model}, whose files are hashed as the model's weights; choose a folder "
+                                   "outside it"), out
+    assert weights.read_bytes() == before
 
 
 def test_dummy_lora_writes_whole_files_with_the_umask_mode(tiny_pipeline_dir: Path, tmp_path: Path,
@@ -732,6 +825,21 @@ def test_a_missing_optional_package_exits_2(what: str, tiny_artifact: Path, tiny
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and fix in errors[0], out
     assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("scheduler", ["dpm++", "dpm++_sde", "unipc", "deis"])
+def test_steps_that_collapse_a_multistep_schedule_are_one_error_line(tiny_artifact: Path, tmp_path: Path,
+                                                                     scheduler: str) -> None:
+    """--steps 1000 ('leading' spacing: 1000 // 1001 = 0 apart) gave these one timestep for every step and a
+    traceback (IndexError / AssertionError, exit 1); 999 was refused with "use at most 999"."""
+    out = tmp_path / "o.png"
+    code, text = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1000", "--scheduler", scheduler, "-o", out)
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in text, text
+    assert "step 1000 times at the one timestep 1" in errors[0] and errors[0].endswith("use at most 998"), text
+    code, text = _invoke("run", tiny_artifact, "-p", "x", "--steps", "999", "--scheduler", scheduler, "-o", out)
+    assert code == 2 and "step from timestep 1000" in text and "use at most 998" in text, text
+    assert not out.exists()
 
 
 def test_too_many_steps_for_the_scheduler(tiny_artifact: Path, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from diffusion_trt import optimize as opt
 from diffusion_trt.cli import main
+from diffusion_trt.passes.parity import output_parity
 from tests import graphs
 from tests.passes.test_fuse_group_norm import group_norm_model
 
@@ -183,3 +184,86 @@ def test_an_existing_output_is_kept_unless_overwrite(attention_onnx: Path, tmp_p
     code, text = _invoke("optimize", attention_onnx, "-o", out, "--target", "tensorrt", "--overwrite")
     assert code == 0, text
     assert "Einsum" not in graphs.op_counts(onnx.load(out))
+
+
+def _sqrt_model() -> onnx.ModelProto:
+    """y = Sqrt(x) + 1: NaN on the random normal inputs wherever x < 0, in the original as in any faithful rewrite."""
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 8])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 8])
+    one = onnx.numpy_helper.from_array(np.ones((1,), np.float32), "one")
+    nodes = [onnx.helper.make_node("Sqrt", ["x"], ["r"]), onnx.helper.make_node("Add", ["r", "one"], ["y"])]
+    graph = onnx.helper.make_graph(nodes, "sqrt", [x], [y], [one])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+def test_check_passes_a_graph_whose_original_output_holds_nan(tmp_path: Path) -> None:
+    """ONNX's test_operator_sqrt / _pow: the fp32 rewrite matches the original, NaN for NaN; it was refused (exit 1,
+    "does not match the original (output holds inf/NaN)", the output removed, "use --precision fp32")."""
+    src, out = tmp_path / "sqrt.onnx", tmp_path / "o.onnx"
+    onnx.save(_sqrt_model(), src)
+    code, text = _invoke("optimize", src, "-o", out, "--target", "ort-cpu", "--check")
+    assert code == 0, text
+    assert out.exists() and "error:" not in text
+    line = next(line for line in text.splitlines() if line.strip().startswith("y "))
+    assert "max_abs=0 " in line and "NOT FINITE" not in line and "the original holds" in line and "inf/NaN" in line
+
+
+def test_parity_takes_the_originals_inf_and_nan_where_they_are() -> None:
+    x = np.array([1.0, np.nan, np.inf, -np.inf, 4.0])
+    same = output_parity("y", x, x.copy())
+    assert same.failure("fp32") is None and same.original_nonfinite == 3 and same.max_abs == 0
+    assert "other than the original's" in output_parity("y", x, np.array([np.nan, np.nan, np.inf, -np.inf, 4.0])
+                                                        ).failure("fp32")
+    assert output_parity("y", x, np.array([1.0, np.nan, -np.inf, -np.inf, 4.0])).failure("fp32") is not None
+    assert output_parity("y", x, np.array([1.0, 2.0, np.inf, -np.inf, 4.0])).failure("fp32") is not None
+
+
+def test_fp16_takes_a_graph_whose_fp32_output_holds_nan_already(tmp_path: Path) -> None:
+    """The fp16 range check compared the renamed output 'y/float32' with no fp32 tensor, so NaN the fp32 graph has
+    too read as made by fp16: refused (exit 1) with "cannot make this graph finite ... in fp16 but not in fp32"."""
+    src, out = tmp_path / "sqrt.onnx", tmp_path / "o.onnx"
+    onnx.save(_sqrt_model(), src)
+    code, text = _invoke("optimize", src, "-o", out, "--target", "tensorrt", "--precision", "fp16", "--check")
+    assert code == 0, text
+    assert "outputs finite" in text and "inf/NaN in fp32 already on these inputs" in text
+    assert out.exists() and "error:" not in text
+
+
+def test_a_hard_link_of_the_input_is_the_input(attention_onnx: Path, tmp_path: Path) -> None:
+    """-o a hard link of the input (another name, the same file) with --overwrite wrote the optimized graph over the
+    input in place: the original was gone."""
+    import os
+
+    before = attention_onnx.read_bytes()
+    link = tmp_path / "link.onnx"
+    os.link(attention_onnx, link)
+    code, text = _invoke("optimize", attention_onnx, "-o", link, "--overwrite")
+    assert code == 2, text
+    assert "error: Invalid value for --output: " in text and "is the input file; write the result elsewhere" in text
+    assert attention_onnx.read_bytes() == before
+
+
+@pytest.mark.parametrize("flag", ["--json", "--dump-passes"])
+@pytest.mark.parametrize("target", ["input", "output"])
+def test_json_and_dump_paths_may_not_be_the_input_or_the_output(attention_onnx: Path, tmp_path: Path, flag: str,
+                                                                 target: str) -> None:
+    """--json IN.onnx wrote the JSON over the input model (without --overwrite too); --json OUT.onnx over the output
+    after "wrote: OUT.onnx"; --dump-passes OUT.onnx made a folder there and failed after the passes."""
+    before = attention_onnx.read_bytes()
+    out = tmp_path / "o.onnx"
+    path = attention_onnx if target == "input" else out
+    code, text = _invoke("optimize", attention_onnx, "-o", out, flag, path, "--overwrite")
+    assert code == 2, text
+    what = "the input file" if target == "input" else "the --output file"
+    assert f"error: Invalid value for {flag}: '{path}' is {what}; give {flag} a path of its own" in text, text
+    assert attention_onnx.read_bytes() == before and not out.exists()
+
+
+def test_one_input_given_two_shapes_is_refused(attention_onnx: Path, tmp_path: Path) -> None:
+    """--shape x:1x2 --shape x:3x4 ran on the last one, silently."""
+    name = onnx.load(attention_onnx).graph.input[0].name
+    code, text = _invoke("optimize", attention_onnx, "-o", tmp_path / "o.onnx", "--shape", f"{name}:1x2",
+                         "--shape", f"{name}:3x4")
+    assert code == 2, text
+    assert f"error: Invalid value for --shape: '{name}' is given more than once; give each input one --shape" in text
+    assert not (tmp_path / "o.onnx").exists()

@@ -501,3 +501,20 @@ def test_request_errors_are_invalid_argument(repo: Path) -> None:
         del sys.modules["triton_python_backend_utils"]
     assert response.error.code == TritonError.INVALID_ARG
     assert response.error.message == "steps=0 must be in 1..150; use e.g. 30"
+
+
+def test_overwrite_refuses_to_replace_folders_that_are_no_triton_models(tiny_artifact: Path, tiny_pipeline_dir: Path,
+                                                                        tmp_path: Path) -> None:
+    """REPO_DIR a diffusers folder (a slip of the argument) with --overwrite: its unet/ and text_encoder/, the model's
+    weights, were deleted and replaced by Triton models (exit 0)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_pipeline_dir, model)
+    before = sorted(str(p.relative_to(model)) for p in model.rglob("*"))
+    code, out = _invoke("export-triton", tiny_artifact, model, "--overwrite")
+    assert code == 2, out
+    assert out.strip() == (f"error: {model / 'text_encoder'}, {model / 'unet'}: a folder that is no Triton model (no "
+                           "config.pbtxt) where a model folder goes; --overwrite replaces only models (is REPO_DIR the "
+                           "right folder?): choose another REPO_DIR or use --prefix (nothing was changed)")
+    assert sorted(str(p.relative_to(model)) for p in model.rglob("*")) == before
+    (tmp_path / "repo" / "unet").mkdir(parents=True)  # an empty folder holds nothing to lose: replaced
+    assert _invoke("export-triton", tiny_artifact, tmp_path / "repo", "--overwrite")[0] == 0

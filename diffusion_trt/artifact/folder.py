@@ -323,13 +323,24 @@ def onnx_external_data_locations(path: str | os.PathLike[str]) -> list[str]:
     Raises:
         ArtifactError: the file is not a parseable ONNX model.
     """
+    return external_data_locations(read_onnx_structure(path))
+
+
+def read_onnx_structure(path: str | os.PathLike[str]) -> Any:
+    """An artifact's ONNX file as an ``onnx.ModelProto``, its external data not loaded.
+
+    Raises:
+        ArtifactError: the file is missing, unreadable or not a parseable ONNX model (a damaged artifact, exit 3:
+            ``inspect`` of one whose UNet file was cut short gave protobuf's traceback, exit 1).
+    """
     import onnx
 
     try:
-        model = onnx.load(str(path), load_external_data=False)
+        return onnx.load(str(path), load_external_data=False)
+    except OSError as e:
+        raise ArtifactError(f"{path}: {e.strerror or e}; copy the whole artifact folder or recompile") from None
     except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and friends
         raise ArtifactError(f"{path} is not a readable ONNX model ({type(e).__name__}: {e}); recompile") from None
-    return external_data_locations(model)
 
 
 def onnx_external_data_problems(root: str | os.PathLike[str], rel: str, listed: Collection[str]) -> list[str]:

@@ -329,15 +329,19 @@ def write_clip_tokenizer(out_dir: Path, pad_token: str = "<|endoftext|>") -> Non
 
 
 @contextlib.contextmanager
-def replaced_folder(out: Path, overwrite: bool, marker: str, what: str) -> Iterator[Path]:
+def replaced_folder(out: Path, overwrite: bool, marker: str, what: str, class_name: str | None = None
+                    ) -> Iterator[Path]:
     """Yield a fresh folder beside ``out`` that replaces it whole when the block succeeds (``out`` is left as it was
     when it fails). ``--overwrite`` wrote into the old folder, so a pipeline written over another architecture's kept
     the files that one had and this one lacks (an SDXL ``text_encoder_2/``), and one written over an artifact mixed
     the two. A non-empty ``out`` is replaced only with ``overwrite`` and only when it holds ``marker`` (the file this
-    writer makes: ``model_index.json``...), so a folder of something else is never deleted.
+    writer makes: ``model_index.json``...) and, with ``class_name``, the marker's ``_class_name`` is that one
+    (``config.json`` alone is no ControlNet's: a diffusers folder's ``unet/`` has one, and ``dummy-controlnet
+    MODEL/unet --overwrite`` replaced a model's UNet), so a folder of something else is never deleted.
 
     Raises:
-        ModelFolderError: ``out`` is not empty and ``overwrite`` is false, or it holds no ``marker``.
+        ModelFolderError: ``out`` is not empty and ``overwrite`` is false, or it holds no ``marker`` (of
+            ``class_name``).
     """
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
@@ -345,6 +349,11 @@ def replaced_folder(out: Path, overwrite: bool, marker: str, what: str) -> Itera
         if not (out / marker).is_file():
             raise ModelFolderError(f"{out} is not empty and holds no {marker}: --overwrite only replaces a {what} "
                                    "folder; choose an empty or new folder (nothing was deleted)")
+        found = _class_name_of(out / marker)
+        if class_name is not None and found != class_name:
+            raise ModelFolderError(f"{out} holds a {found or 'nameless'} ({marker} _class_name), not a "
+                                   f"{class_name}: --overwrite only replaces a {what} folder; choose an empty or new "
+                                   "folder (nothing was deleted)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -360,6 +369,16 @@ def replaced_folder(out: Path, overwrite: bool, marker: str, what: str) -> Itera
             shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _class_name_of(config: Path) -> str | None:
+    """The ``_class_name`` of a diffusers config file, or ``None`` when it has none or cannot be read."""
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = data.get("_class_name") if isinstance(data, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def write_dummy_pipeline(out_dir: str | Path, arch: str = "tiny", seed: int = 0, overwrite: bool = False) -> Path:

@@ -43,7 +43,7 @@ def write_dummy_controlnet(out_dir: str | Path, arch: str = "tiny", seed: int = 
     if arch not in valid:
         raise ModelFolderError(f"--arch {arch!r} has no ControlNet; use one of {', '.join(valid)}")
     out = Path(out_dir)
-    with replaced_folder(out, overwrite, "config.json", "ControlNet") as tmp:
+    with replaced_folder(out, overwrite, "config.json", "ControlNet", class_name="ControlNetModel") as tmp:
         controlnet = _write_dummy_controlnet(tmp, arch, seed)
     logger.info("wrote %s ControlNet (seed %d, %s parameters) to %s", arch, seed,
                 f"{sum(p.numel() for p in controlnet.parameters()):,}", out)

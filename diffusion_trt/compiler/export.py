@@ -23,6 +23,7 @@ from ..artifact import folder as artifacts
 from ..artifact.manifest import CONTROLNET_PREFIX, EMBED_PREFIX, UNET_CONTROLNET
 from ..errors import ExportError, ModelFolderError
 from .components import ComponentSpec, symbol_ranges
+from .single_file import check_complete, root_cause
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,10 @@ def check_model_folder(path: str | Path, trust_pickle: bool = False) -> ModelFol
     # the extra folders with a config.json are models and hold weights (as text_encoder, unet and vae do)
     for sub in (*_WEIGHT_FOLDERS, *(k for k, (required, _) in extra.items() if required == "config.json")):
         files = [p for p in (root / sub).iterdir() if p.is_file()]
-        if any(p.suffix == ".safetensors" for p in files):
+        weights = [p for p in files if p.suffix == ".safetensors"]
+        for path in weights:
+            check_complete(path)
+        if weights:
             continue
         pickles = [p.name for p in files if p.suffix in _PICKLE_SUFFIXES]
         if not pickles:
@@ -421,6 +425,11 @@ def load_models(folder: ModelFolder, precision: str, device: str) -> dict[str, A
                                             **kw)
                 else:
                     m = cls.from_pretrained(folder.path, subfolder=sub, use_safetensors=use_st, **kw)
+            except OSError as e:  # diffusers' "Unable to load weights from checkpoint file", from safetensors' error
+                why = root_cause(e)
+                raise ModelFolderError(f"could not load {sub}/ from {folder.path}: {str(e).strip()} "
+                                       f"({type(why).__name__}: {str(why)[:300]}); the file is damaged: re-download "
+                                       "or re-save the pipeline") from e
             except Exception as e:
                 raise ModelFolderError(f"could not load {sub}/ from {folder.path}: {e}") from e
             models[name] = m.to(device).eval()

@@ -89,17 +89,8 @@ def read_shapes(path: str | Path) -> dict[str, list[int]]:
             "(the one with model_index.json) or one .safetensors file (a .ckpt is a pickle and loading it runs "
             "arbitrary code: convert it to .safetensors)"
         )
-    with path.open("rb") as f:
-        raw = f.read(8)
-        size = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-        header = f.read(size) if 0 < size <= _MAX_HEADER else b""
+    data = _read_header(path)
     fix = "re-download or re-save it"
-    try:
-        data = parse_json(header, "its header", fix) if header else None
-    except ArtifactError as e:  # too deep, not UTF-8, a lone surrogate... (one line): a bad input here, exit 2
-        raise ModelFolderError(f"{path} is not a valid safetensors file: {e}") from None
-    if not isinstance(data, dict):
-        raise ModelFolderError(f"{path} is not a valid safetensors file (unreadable header); {fix}")
     shapes = {}
     for key, entry in data.items():
         if key == "__metadata__" or not isinstance(entry, dict):
@@ -110,6 +101,51 @@ def read_shapes(path: str | Path) -> dict[str, list[int]]:
                                    f"not a list of non-negative integers; the file is damaged: {fix}")
         shapes[key] = shape
     return shapes
+
+
+def _read_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a ``.safetensors`` file, checked against the file's size.
+
+    Raises:
+        ModelFolderError: no readable header, or a file shorter than the tensor data its header places (a truncated
+            download or copy, which diffusers reported as "Unable to load weights ...", and the CLI as a path to
+            check), naming the file and the fix.
+    """
+    fix = "re-download or re-save it"
+    with path.open("rb") as f:
+        raw = f.read(8)
+        size = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        header = f.read(size) if 0 < size <= _MAX_HEADER else b""
+    try:
+        data = parse_json(header, "its header", fix) if len(header) == size else None
+    except ArtifactError as e:  # too deep, not UTF-8, a lone surrogate... (one line): a bad input here, exit 2
+        raise ModelFolderError(f"{path} is not a valid safetensors file: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelFolderError(f"{path} is not a valid safetensors file (unreadable header); {fix}")
+    end = 8 + size + max((_data_end(entry) for entry in data.values()), default=0)
+    have = path.stat().st_size
+    if have < end:
+        raise ModelFolderError(f"{path} is truncated: its header places tensor data up to byte {end:,}, but the file "
+                               f"has {have:,} bytes; {fix}")
+    return data
+
+
+def _data_end(entry: Any) -> int:
+    """Where a header entry's tensor data ends (its ``data_offsets`` [begin, end]); 0 for anything else."""
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets):
+        return offsets[1]
+    return 0
+
+
+def check_complete(path: str | Path) -> None:
+    """Refuse a ``.safetensors`` weights file (of a model folder) whose header is unreadable or that is shorter than
+    the tensor data its header places.
+
+    Raises:
+        ModelFolderError: as :func:`_read_header`.
+    """
+    _read_header(Path(path))
 
 
 def _printable(value: Any, limit: int = 80) -> str:
@@ -340,12 +376,23 @@ def write_config_folder(info: CheckpointInfo, dest: Path) -> Path:
     return dest
 
 
+def root_cause(error: BaseException) -> BaseException:
+    """The first exception of ``error``'s chain (``__cause__``, else ``__context__``): safetensors' own error under
+    diffusers' OSError and the UnicodeDecodeError of its git-lfs pointer check."""
+    seen = {id(error)}
+    while (nxt := error.__cause__ or error.__context__) is not None and id(nxt) not in seen:
+        seen.add(id(nxt))
+        error = nxt
+    return error
+
+
 def folder_from_single_file(path: str | Path, info: CheckpointInfo, dest: str | Path) -> Path:
     """Convert ``path`` into a diffusers pipeline folder ``dest`` with diffusers' ``from_single_file``, offline.
 
     Raises:
-        ModelFolderError: diffusers cannot map the weights onto the architecture (a missing or misshapen tensor),
-            with its message.
+        ModelFolderError: diffusers cannot map the weights onto the architecture (a missing or misshapen tensor), or
+            cannot read them (a header that does not match its data: the CLI said "check the path and its
+            permissions"), with its message.
     """
     import tempfile
 
@@ -362,6 +409,10 @@ def folder_from_single_file(path: str | Path, info: CheckpointInfo, dest: str | 
         except (ValueError, KeyError, RuntimeError) as e:
             raise ModelFolderError(f"{path}: its weights do not load into the {info.architecture} architecture "
                                    f"({type(e).__name__}: {str(e)[:300]}); the file may be damaged or pruned") from e
+        except OSError as e:  # diffusers' "Unable to load weights from checkpoint file", from safetensors' error
+            why = root_cause(e)
+            raise ModelFolderError(f"{path}: its tensors cannot be read ({type(why).__name__}: {str(why)[:300]}); "
+                                   "the file is damaged: re-download or re-save it") from e
     pipe.save_pretrained(dest, safe_serialization=True)
     logger.info("converted %s -> %s (%s)", Path(path).name, dest, info.architecture)
     return dest

@@ -31,6 +31,11 @@ DEFAULT_MAX_TOTAL_BYTES = 1 << 30
 #: whose result would pass the per-result threshold is never run (a 10 GB ConstantOfShape was materialised, then
 #: dropped, and ran into the memory limit).
 _GENERATORS = frozenset({"ConstantOfShape", "Expand", "Tile", "Range"})
+#: Ops whose result is a sequence or an optional, not a tensor: never evaluated (a gs.Constant holds a tensor only, and
+#: gs 0.6.1 reads ``.nbytes`` off each result: ``SequenceEmpty`` with no inputs, the constant part of ONNX's own test
+#: graph ``test_sequence_model1``, failed the pass with "AttributeError: 'list' object has no attribute 'nbytes'").
+_NON_TENSOR_RESULTS = frozenset({"SequenceEmpty", "SequenceConstruct", "SequenceInsert", "SequenceErase",
+                                 "SplitToSequence", "SequenceMap", "Optional", "OptionalGetElement"})
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,8 @@ def fold_constants(graph: gs.Graph, ctx: PassContext) -> PassResult:
     Constant nodes are lowered to initializers first (see ``_lower_constant_nodes``). Then it uses
     ``gs.Graph.fold_constants`` with partitioning: each group of foldable nodes is evaluated by its own ONNX
     Runtime CPU session, so the folded part never has to fit in one 2 GB protobuf. Nodes outside the
-    ONNX domain (TensorRT plugins, custom ops) are never evaluated. Q/DQ nodes are never folded (gs rule).
+    ONNX domain (TensorRT plugins, custom ops) and nodes whose result is a sequence or an optional
+    (``SequenceEmpty``...) are never evaluated. Q/DQ nodes are never folded (gs rule).
 
     Options (``ctx.options`` keys, read as :class:`FoldConstantsOptions`):
         fold_constants_size_threshold_bytes (int | None): largest result folded; default 64 MiB; None: no limit.
@@ -101,7 +107,8 @@ def fold(graph: gs.Graph, options: FoldConstantsOptions) -> int:
             partitioning="recursive" if error_ok else "basic",
             error_ok=error_ok,
             size_threshold=size_threshold,
-            should_exclude_node=lambda node: not in_onnx_domain(node) or _too_big(node, size_threshold),
+            should_exclude_node=lambda node: (not in_onnx_domain(node) or node.op in _NON_TENSOR_RESULTS
+                                              or _too_big(node, size_threshold)),
             # gs inlines an If with a constant condition into its parent graph; inside another If's branch it leaves
             # the branch's nodes out of topological order, which ONNX Runtime refuses ("Nodes in a graph must be
             # topologically sorted": silero-vad's nested If). ORT and TensorRT fold such Ifs themselves.

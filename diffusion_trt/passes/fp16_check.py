@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -356,7 +357,7 @@ def _nonfinite_tensors(fp16: onnx.ModelProto, feeds: Sequence[Mapping[str, np.nd
         return set()
     peaks, _ = found
     bad = {name for name, value in peaks.items() if not np.isfinite(value)
-           and (fp32_peaks is None or np.isfinite(fp32_peaks.get(name, 0.0)))}
+           and (fp32_peaks is None or np.isfinite(fp32_peaks.get(_fp32_name(name, fp32_peaks), 0.0)))}
     if fp32_peaks is not None:
         skipped = sorted(name for name, value in fp32_peaks.items() if not np.isfinite(value))
         if skipped:
@@ -365,6 +366,20 @@ def _nonfinite_tensors(fp16: onnx.ModelProto, feeds: Sequence[Mapping[str, np.nd
     for name in bad:
         check.hot.setdefault(name, float("inf"))
     return bad
+
+
+#: The suffixes convert_fp16 gives the tensors it renames or adds: a graph output written in another type
+#: (``y/float32``, then cast to ``y``) and an inserted Cast's output (``x/to_float16``).
+_CONVERTED_SUFFIX = re.compile(r"/(to_)?float(16|32)$")
+
+
+def _fp32_name(name: str, fp32_peaks: Mapping[str, float]) -> str:
+    """The tensor of the fp32 graph that ``name`` of the fp16 graph holds the values of: itself, or, for one
+    convert_fp16 renamed or added, the tensor it came from (``y/float32`` -> ``y``: a Sqrt output that is NaN in fp32
+    already was taken for one the conversion made NaN, and the graph refused as "cannot make finite")."""
+    while name not in fp32_peaks and _CONVERTED_SUFFIX.search(name):
+        name = _CONVERTED_SUFFIX.sub("", name)
+    return name
 
 
 def _first_nonfinite_nodes(fp16: onnx.ModelProto, bad: set[str], fp32_names: set[str]) -> list[str]:

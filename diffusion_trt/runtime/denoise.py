@@ -464,9 +464,11 @@ def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device,
     (:func:`host_timesteps`).
 
     Raises:
-        RuntimeInputError: more steps than the scheduler's training timesteps, steps it refuses, or a schedule that
-            would step past its last training timestep (PNDM/DDIM with ``steps_offset=1`` at 1000 steps); a custom
-            schedule the scheduler does not take (naming it), or values it refuses.
+        RuntimeInputError: more steps than the scheduler's training timesteps, steps it refuses, or a schedule it
+            cannot step: past its last training timestep (PNDM/DDIM with ``steps_offset=1`` at 1000 steps), or one
+            timestep repeated for every step (DPM++/UniPC/DEIS at 1000 steps: their step indexed past their sigmas,
+            a traceback); the message names the most steps that work. A custom schedule the scheduler does not take
+            (naming it), or values it refuses.
     """
     train = int(getattr(scheduler.config, "num_train_timesteps", 1000))
     if schedule is not None:
@@ -481,12 +483,13 @@ def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device,
             f"use at most {train}"
         ) from e
     timesteps = host_timesteps(scheduler)
-    if len(timesteps) and float(timesteps.max()) >= train:  # PNDM/DDIM with steps_offset=1 at 1000 steps: t=1000
+    problem = _schedule_problem(timesteps, num_inference_steps, train)
+    if problem is not None:
         offset = int(getattr(scheduler.config, "steps_offset", 0) or 0)
+        most = _most_steps(scheduler, num_inference_steps, train, device)
         raise RuntimeInputError(
             f"num_inference_steps={num_inference_steps} makes {type(scheduler).__name__} (steps_offset={offset}) "
-            f"step from timestep {int(timesteps.max())}, past its {train} training timesteps (its step would index "
-            f"out of range); use at most {train - max(offset, 1)}")
+            f"{problem}; use at most {most}")
     return timesteps
 
 
@@ -507,6 +510,27 @@ def _set_custom_schedule(scheduler: Any, schedule: tuple[str, tuple[float, ...]]
         scheduler.set_timesteps(**{name: list(values)}, device=device)
     except (ValueError, IndexError) as e:  # e.g. DDPM: timesteps not in descending order
         raise RuntimeInputError(f"{name}={list(values)!r} is refused by {cls}: {e}") from e
+
+
+def _schedule_problem(timesteps: torch.Tensor, num_inference_steps: int, train: int) -> str | None:
+    """Why a scheduler cannot step ``timesteps`` (its schedule for ``num_inference_steps``), or ``None``."""
+    if len(timesteps) and float(timesteps.max()) >= train:  # PNDM/DDIM with steps_offset=1 at 1000 steps: t=1000
+        return (f"step from timestep {int(timesteps.max())}, past its {train} training timesteps (its step would "
+                "index out of range)")
+    if num_inference_steps > 1 and len(torch.unique(timesteps)) == 1:  # 'leading' spacing: 1000 // 1001 = 0 apart
+        return (f"step {len(timesteps)} times at the one timestep {int(timesteps[0])} (its schedule spaces the "
+                f"{train} training timesteps 0 apart; its step would index out of range)")
+    return None
+
+
+def _most_steps(scheduler: Any, num_inference_steps: int, train: int, device: torch.device) -> int:
+    """The most steps below ``num_inference_steps`` whose schedule the scheduler can step (it is left set to it); the
+    schedule of each is tried, at most 64 of them."""
+    for steps in range(num_inference_steps - 1, max(num_inference_steps - 65, 1), -1):
+        scheduler.set_timesteps(steps, device=device)
+        if _schedule_problem(host_timesteps(scheduler), steps, train) is None:
+            return steps
+    return 1
 
 
 def _expect_decodes(request: Request, engines: LoopEngines, latents: torch.Tensor) -> None:

@@ -301,9 +301,10 @@ def _refuse_backend(root: Path, manifest: Manifest) -> None:
 
 
 def _refuse_in_the_way(folders: Iterable[Path], overwrite: bool) -> None:
-    """Refuse, before anything is changed, what stands where a model folder goes: a file, or a symbolic link (with
-    ``--overwrite`` too: a model folder is replaced whole, never written through a link or swapped for one), and
-    existing model folders without ``overwrite``.
+    """Refuse, before anything is changed, what stands where a model folder goes: a file, a symbolic link or a
+    folder that is no Triton model (no ``config.pbtxt``: with ``--overwrite`` too: a model folder is replaced whole,
+    never written through a link or swapped for one, and never replaces a folder of something else, such as a
+    diffusers folder's ``unet/``), and existing model folders without ``overwrite``.
 
     Raises:
         OutputPathError: naming every such path and the fix.
@@ -320,6 +321,11 @@ def _refuse_in_the_way(folders: Iterable[Path], overwrite: bool) -> None:
     clash = [str(p) for p in folders if p.exists()]
     if clash and not overwrite:
         raise OutputPathError(f"model folder(s) {', '.join(clash)} exist; pass --overwrite or use --prefix")
+    foreign = [str(p) for p in folders if p.is_dir() and any(p.iterdir()) and not (p / "config.pbtxt").is_file()]
+    if foreign:  # REPO_DIR a diffusers folder: --overwrite replaced its unet/ and text_encoder/ (the weights) whole
+        raise OutputPathError(f"{', '.join(foreign)}: a folder that is no Triton model (no config.pbtxt) where a "
+                              "model folder goes; --overwrite replaces only models (is REPO_DIR the right folder?): "
+                              "choose another REPO_DIR or use --prefix (nothing was changed)")
 
 
 def _staging_folder(repo: Path) -> Path:

@@ -196,3 +196,38 @@ def test_a_bad_single_file_header_is_one_error_line_exit_2(tmp_path: Path, heade
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert [line for line in result.output.splitlines() if line.startswith("error:")] == result.output.splitlines()[-1:]
     assert "Traceback" not in result.output
+
+
+def test_a_truncated_single_file_is_named_with_the_fix(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """Half a download: refused from its header before any conversion, exit 2 (was: diffusers' "Unable to load weights
+    from checkpoint file" after the conversion began, as an OSError: "...; check the path and its permissions")."""
+    whole = write_single_file(tiny_pipeline_dir, tmp_path / "whole.safetensors")
+    half = tmp_path / "half.safetensors"
+    half.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    with pytest.raises(ModelFolderError, match=r"half\.safetensors is truncated: its header places tensor data up "
+                                               r"to byte [\d,]+, but the file has [\d,]+ bytes; re-download"):
+        inspect_checkpoint(half)
+    code, out = _invoke("compile", half, "-o", tmp_path / "out")
+    assert code == 2, out
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "is truncated" in errors[0] and "permissions" not in out, out
+    assert "converted" not in out and not (tmp_path / "out").exists()
+
+
+def test_a_single_file_whose_header_does_not_match_its_data_is_named_damaged(tiny_pipeline_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    """One tensor's dtype F32 -> F16 in the header (sizes no longer match the offsets): diffusers' OSError "Unable to
+    load weights" became "...; check the path and its permissions" (exit 2, the wrong fix)."""
+    whole = write_single_file(tiny_pipeline_dir, tmp_path / "whole.safetensors")
+    data = whole.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = data[8:8 + size].replace(b'"F32"', b'"F16"', 1)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(data[:8] + header + data[8 + size:])
+    code, out = _invoke("compile", bad, "-o", tmp_path / "out")
+    assert code == 2, out
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {bad}: its tensors cannot be read (SafetensorError: Error while deserializing header: "
+                      "invalid shape, data type, or offset for tensor); the file is damaged: re-download or re-save "
+                      "it"], out
+    assert not (tmp_path / "out").exists()

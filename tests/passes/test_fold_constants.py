@@ -206,3 +206,41 @@ def test_optimize_refuses_a_constant_bomb_with_one_line(tmp_path: Path) -> None:
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "fold_constants_max_total_bytes=2097152" in errors[0], result.output
     assert "Traceback" not in result.output and not (tmp_path / "out.onnx").exists()
+
+
+def _sequence_model() -> onnx.ModelProto:
+    """ONNX's own test_sequence_model1: a sequence built from SequenceEmpty (no inputs: "constant"), read back."""
+    x = helper.make_tensor_value_info("X", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 3])
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, None)
+    nodes = [
+        helper.make_node("SequenceEmpty", [], ["empty"], dtype=TensorProto.FLOAT),
+        helper.make_node("SequenceInsert", ["empty", "X"], ["s1"]),
+        helper.make_node("SequenceInsert", ["s1", "Y"], ["s2"]),
+        helper.make_node("SequenceAt", ["s2", "at"], ["out"]),
+    ]
+    at = helper.make_tensor("at", TensorProto.INT64, [], [1])
+    graph = helper.make_graph(nodes, "sequence", [x, y], [out], [at])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_constant_sequence_is_left_unfolded() -> None:
+    model = _sequence_model()
+    graph = gs.import_onnx(model)
+    result = fold_constants(graph, ctx())  # was: PassError "AttributeError: 'list' object has no attribute 'nbytes'"
+    assert not result.modified
+    assert [node.op for node in graph.nodes] == ["SequenceEmpty", "SequenceInsert", "SequenceInsert", "SequenceAt"]
+    graphs.assert_same_outputs(model, gs.export_onnx(graph))
+
+
+def test_optimize_takes_a_graph_with_a_constant_sequence(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from diffusion_trt.cli import main
+
+    path = tmp_path / "sequence.onnx"
+    onnx.save(_sequence_model(), path)
+    result = CliRunner().invoke(main, ["optimize", str(path), "-o", str(tmp_path / "out.onnx"), "--target", "ort-cpu",
+                                       "--check"])
+    assert result.exit_code == 0, result.output
+    assert "max_abs=0 " in result.output and (tmp_path / "out.onnx").exists()

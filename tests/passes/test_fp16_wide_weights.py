@@ -131,3 +131,15 @@ def test_parity_verdict_thresholds() -> None:
     assert "cosine" in output_parity("y", x, -x).failure("fp32")
     assert "inf/NaN" in output_parity("y", x, np.full_like(x, np.nan)).failure("fp16")
     assert "allowed 0.001 x" in output_parity("y", x, x + 0.01).failure("fp32")  # 1% of scale: too much for fp32
+
+
+def test_a_failed_check_leaves_an_earlier_output_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--overwrite --check with a graph that fails the verdict: the OUTPUT of an earlier run was written over, then
+    removed ("nothing was written", and the earlier result lost)."""
+    monkeypatch.setattr("diffusion_trt.passes.convert_fp16._reads_wide_constant", lambda node, wide: False)
+    monkeypatch.setattr(fp16_check_module, "_check_parity", lambda *args: None)
+    (tmp_path / "cnn.fp16.onnx").write_bytes(b"an earlier, good result")
+    code, output, report = _optimize(tmp_path)
+    assert code == 1, output
+    assert "nothing was written" in output and report["files"] == []
+    assert (tmp_path / "cnn.fp16.onnx").read_bytes() == b"an earlier, good result"

@@ -388,12 +388,14 @@ def onnx_initializer_bytes(path: str | os.PathLike[str]) -> int:
     constant folding at session creation may add a few more (usually smaller than what it removes).
 
     Raises:
-        OSError / onnx.onnx_cpp2py_export.checker.ValidationError: the file cannot be read.
+        ArtifactError: the file is missing or not a readable ONNX model.
     """
     import onnx
     from onnx import helper
 
-    model = onnx.load(str(path), load_external_data=False)
+    from ...artifact.folder import read_onnx_structure
+
+    model = read_onnx_structure(path)
     total = 0
     graphs = [model.graph]
     while graphs:
