@@ -521,8 +521,8 @@ def prepare(model_dir: str | Path, out: Path, config: CompileConfig) -> CompileJ
     names = controlnet.with_embeddings(names, control_specs)  # controlnet_<name> brings its cond_embed_<name>
     unknown = [c for c in names if c not in specs]
     if unknown or not names:
-        raise RuntimeInputError(f"--components: unknown component(s) {unknown or 'none given'}; choose from "
-                                f"{', '.join(specs)}")
+        what = f"unknown component(s) {unknown}" if unknown else "no component given"
+        raise RuntimeInputError(f"--components: {what}; choose from {', '.join(specs)}")
     return CompileJob(config, out, folder, facts, profile, specs, names, lora_files,
                       torch_device=export.export_device(config.device), ranges=export.export_ranges(profile),
                       deterministic_options=deterministic_pass_options(config), controlnets=sources)

@@ -296,6 +296,12 @@ def test_unknown_component_is_bad_input(tiny_pipeline_dir: Path, tmp_path: Path)
     assert code == 2 and "--components: unknown component(s) ['vea_decoder']; choose from text_encoder, unet" in out
 
 
+def test_empty_components_is_bad_input(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """``--components ''`` read 'unknown component(s) none given'."""
+    code, out = _compile(tiny_pipeline_dir, "-o", tmp_path / "art", "--components", "")
+    assert code == 2 and "--components: no component given; choose from text_encoder, unet" in out, out
+
+
 def test_a_partial_artifact_is_valid_but_refused_by_the_runtime(tiny_pipeline_dir: Path, tmp_path: Path) -> None:
     from diffusion_trt.errors import ArtifactError
     from diffusion_trt.runtime import EnginePipeline
