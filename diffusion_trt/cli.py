@@ -1637,11 +1637,10 @@ def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: 
       diffusion-trt verify artifacts/tiny --source models/tiny
     """
     from .artifact.verify import verify_artifact
-    from .trt_compat import TrtHost
 
     if (trt_version is None) != (compute_capability is None):
         raise click.UsageError("--tensorrt and --compute-capability go together")
-    target = TrtHost(trt_version, compute_capability) if trt_version and compute_capability else None
+    target = _verify_target(trt_version, compute_capability)
     report = verify_artifact(artifact_dir, check_hashes=not no_hashes, check_host=not no_host, trt_host=target,
                              expect_sha256=expect_sha256, source=source)
     for line in report.warnings:
@@ -1652,10 +1651,28 @@ def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: 
         click.echo(f"{artifact_dir}: {len(report.problems)} problem(s)", err=True)
         sys.exit(3)
     what = "sha256 and size" if not no_hashes else "size"
-    host = "host not checked" if no_host else "runs on this machine" if target is None else "runs on the target"
+    host = "host not checked" if no_host else "runs on the target" if report.target_checked else "runs on this machine"
     matches = f"; the weights of {source} were compiled" if source is not None else ""
     click.echo(f"{artifact_dir}: ok ({report.checked_files} files, {what}; {host}{matches})")
 
+
+
+def _verify_target(trt_version: str | None, compute_capability: str | None) -> Any:
+    """``verify``'s target host from ``--tensorrt`` and ``--compute-capability`` (``None`` when not given), both
+    checked as bad input (exit 2): a compute capability such as 'abc' came out as one 'problem:' per plan, exit 3."""
+    from .errors import BuildError
+    from .trt_compat import TrtHost, format_compute_capability, parse_compute_capability, version_tuple
+
+    if trt_version is None or compute_capability is None:
+        return None
+    try:
+        cc = format_compute_capability(parse_compute_capability(compute_capability))
+    except BuildError as e:
+        raise click.BadParameter(str(e), param_hint="'--compute-capability'") from None
+    if len(version_tuple(trt_version)) < 2:
+        raise click.BadParameter(f"{trt_version!r} is not a version; write it as TensorRT's, e.g. 10.8.0.43 (or "
+                                 "TensorRT-RTX's, e.g. 1.7.1.116)", param_hint="'--tensorrt'")
+    return TrtHost(trt_version, cc)
 
 
 def _parse_devices(devices: str | None, device: str | None) -> list[int]:

@@ -314,6 +314,11 @@ def test_run_lora_on_an_artifact_that_cannot_take_one_is_refused_before_any_engi
         (["run", "ART", "-p", "x", "--mask", "ART/manifest.json"],
          "error: --mask needs --image: the image to inpaint (the mask marks what to repaint)"),
         (["verify", "ART", "--tensorrt", "10.8.0.43"], "error: --tensorrt and --compute-capability go together"),
+        # 'abc' came out as one 'problem:' per plan of a TensorRT artifact, exit 3, and passed on an ORT one
+        (["verify", "ART", "--tensorrt", "10.8.0.43", "--compute-capability", "abc"],
+         "error: Invalid value for '--compute-capability': compute capability 'abc' is not understood"),
+        (["verify", "ART", "--tensorrt", "ten", "--compute-capability", "9.0"],
+         "error: Invalid value for '--tensorrt': 'ten' is not a version"),
         (["nope"], "error: No such command 'nope'."),
         (["--bogus", "run"], "error: No such option '--bogus'"),
         (["compile", "ART", "--backend", "onnx"],
@@ -326,6 +331,17 @@ def test_click_usage_errors_are_one_error_line(tiny_artifact: Path, args: list[s
     command = f" {args[0]}" if args[0] in ("run", "verify", "compile") else ""
     assert code == 2, out
     assert out.splitlines()[0].startswith(message) and out.splitlines()[1:] == [f"try 'main{command} --help'"], out
+
+
+def test_verify_of_an_ort_artifact_against_a_tensorrt_target_says_it_checked_this_machine(
+        tiny_artifact: Path) -> None:
+    """An ONNX Runtime artifact has no plans to check against ``--tensorrt/--compute-capability``: it printed 'runs on
+    the target' having checked this machine's providers."""
+    code, out = _invoke("verify", tiny_artifact, "--tensorrt", "10.8.0.43", "--compute-capability", "9.0")
+    assert code == 0, out
+    assert ("warning: --tensorrt / --compute-capability: not used: an ONNX Runtime artifact holds no TensorRT "
+            "plans") in out
+    assert "runs on this machine" in out and "runs on the target" not in out
 
 
 @pytest.mark.parametrize(

@@ -47,11 +47,14 @@ class VerifyReport:
         problems: one line per problem; the artifact passes when empty.
         warnings: things that load but deserve a look (another GPU of the same compute capability...).
         checked_files: files whose size (and sha256) were checked.
+        target_checked: the plans were checked against the ``trt_host`` given, not this machine.
     """
 
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     checked_files: int = 0
+    #: the plans were checked against the given target host (a TensorRT artifact and ``trt_host``), not this machine
+    target_checked: bool = False
 
     @property
     def ok(self) -> bool:
@@ -162,6 +165,9 @@ def host_problems(
     problems: list[str] = []
     warnings: list[str] = []
     if backend == "ort":
+        if trt_host is not None:
+            warnings.append("--tensorrt / --compute-capability: not used: an ONNX Runtime artifact holds no TensorRT "
+                            "plans; this machine's ONNX Runtime providers are checked instead")
         if device == "cpu" and manifest.get("precision") == "fp16":
             problems.append("precision fp16 with device cpu: ONNX Runtime's CPU provider cannot run it; recompile")
         need = DEVICE_PROVIDERS.get(str(device))
@@ -280,4 +286,5 @@ def verify_artifact(
         host, warnings = host_problems(manifest, providers=providers, trt_host=trt_host)
         report.problems += host
         report.warnings += warnings
+        report.target_checked = trt_host is not None and manifest.get("backend") in trt_compat.LIBRARIES
     return report
