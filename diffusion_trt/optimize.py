@@ -269,6 +269,19 @@ def load_feeds(path: Path, model: onnx.ModelProto) -> list[dict[str, np.ndarray]
     return [feed]
 
 
+def overridable_note(model: onnx.ModelProto) -> list[str]:
+    """A warning when initializers are also graph inputs (ONNX's overridable initializers: torch's export with
+    ``keep_initializers_as_inputs=True``, older exporters): the passes treat them as the constants they hold, so the
+    optimized graph no longer takes them as inputs; a caller feeding them would be refused by name."""
+    initializers = {init.name for init in model.graph.initializer}
+    names = [i.name for i in model.graph.input if i.name in initializers]
+    if not names:
+        return []
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return [f"{len(names)} graph input(s) are also initializers ({shown}): they are optimized as the constants they "
+            "hold, and the optimized graph does not take them as inputs"]
+
+
 def _graph_inputs(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     initializers = {init.name for init in model.graph.initializer}
     return {i.name: i for i in model.graph.input if i.name not in initializers}
@@ -315,6 +328,7 @@ def optimize_file(
     original = load_model(source)
     model, found, used = ensure_min_opset(original)
     feeds, warnings = (load_feeds(inputs, model), []) if inputs is not None else random_feeds(model, shapes, seed)
+    warnings += overridable_note(model)
     for text in warnings:
         logger.warning("%s", text)
     ctx = PassContext(component=Path(source).stem, backend=backend, device=device, precision=precision,

@@ -82,6 +82,26 @@ def test_unknown_dims_warn_and_shape_overrides(tmp_path: Path) -> None:
     assert feeds[0]["x"].shape == (3, 8, 4, 4) and warnings == []
 
 
+def test_initializers_listed_as_inputs_are_folded_with_a_warning(tmp_path: Path) -> None:
+    """A graph whose weights are also graph inputs (torch's keep_initializers_as_inputs=True): the optimized file
+    dropped those inputs without a word, and a caller feeding them would then be refused."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+         helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], initializer=[weight])
+    src = tmp_path / "overridable.onnx"
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), src)
+    result = CliRunner().invoke(main, ["optimize", str(src), "-o", str(tmp_path / "out.onnx"), "--target", "ort-cpu"])
+    assert result.exit_code == 0, result.output
+    assert ("1 graph input(s) are also initializers (w): they are optimized as the constants they hold, and the "
+            "optimized graph does not take them as inputs") in result.output
+    assert [i.name for i in onnx.load(tmp_path / "out.onnx").graph.input] == ["x"]
+
+
 def test_external_data_in_and_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "in" / "mlp.onnx"
     src.parent.mkdir()
