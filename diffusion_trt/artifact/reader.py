@@ -462,6 +462,7 @@ def _join_problems(root: Path, rel: str) -> list[str]:
         return [str(e)]
     return []
 
+
 def _empty(spill: Path) -> None:
     """Remove what :meth:`ArtifactReader._spilled` left in ``spill`` (the folder itself stays: the caller's);
     nothing when the folder itself went away."""

@@ -470,10 +470,10 @@ def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device,
             a traceback); the message names the most steps that work. A custom schedule the scheduler does not take
             (naming it), or values it refuses.
     """
-    train = int(getattr(scheduler.config, "num_train_timesteps", 1000))
     if schedule is not None:
         _set_custom_schedule(scheduler, schedule, device)
         return host_timesteps(scheduler)
+    train = int(getattr(scheduler.config, "num_train_timesteps", 1000))
     check_step_count(num_inference_steps, type(scheduler).__name__, scheduler.config)
     try:
         scheduler.set_timesteps(num_inference_steps, device=device)

@@ -38,7 +38,7 @@ from ..errors import RuntimeInputError
 from .batching import per_image, plan_chunks, split_across
 from .conditioning import TextToImage
 from .latents import StepEnd
-from .pipeline import EnginePipeline, EnginePipelineOutput
+from .pipeline import EnginePipeline, EnginePipelineOutput, check_return_dict
 from .request import Request
 from .sdxl import SdxlConditioning
 
@@ -230,8 +230,7 @@ class DataParallelPipeline:
             )
         control = {k: kwargs.pop(k) for k in CONTROL_ARGUMENTS if k in kwargs}
         return_dict = kwargs.pop("return_dict", True)
-        if not isinstance(return_dict, bool):
-            raise RuntimeInputError(f"return_dict={return_dict!r} must be True or False")
+        check_return_dict(return_dict)
         step_end = StepEnd.build(self, kwargs.pop("callback_on_step_end", None),
                                  kwargs.pop("callback_on_step_end_tensor_inputs", ("latents",)))
         self._interrupt = False  # diffusers': the callback sets it to stop the loop (of every device)

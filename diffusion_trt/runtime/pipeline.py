@@ -573,8 +573,7 @@ class EnginePipeline:
             raise RuntimeInputError(f"set_progress_bar_config takes disable= only (got {', '.join(other)}); pass "
                                     "disable=True to hide the bar, or progress=False to a call")
         disable = kwargs.get("disable", False)
-        if not isinstance(disable, bool):
-            raise RuntimeInputError(f"disable={disable!r} must be True or False")
+        _check_flag("disable", disable, "True hides the bar")
         self._progress_disabled = disable
 
     # -- scheduler --------------------------------------------------------------------------------------
@@ -1024,8 +1023,7 @@ class EnginePipeline:
         self._interrupt = False  # diffusers': a callback_on_step_end sets it to stop the loop
         if progress is None:
             progress = not self._progress_disabled
-        if not isinstance(return_dict, bool):
-            raise RuntimeInputError(f"return_dict={return_dict!r} must be True or False")
+        check_return_dict(return_dict)
         if controlnet is not None and control_image is None and image is not None and mask_image is None:
             control_image, image = image, None  # diffusers' StableDiffusionControlNetPipeline(image=control image)
         request = self.build_request(
@@ -1289,6 +1287,16 @@ def _artifact_path(path: Any) -> Path:
         raise RuntimeInputError(f"path={path!r} must be the artifact folder (the one with manifest.json), as a str or "
                                 "os.PathLike")
     return Path(text)
+
+
+def check_return_dict(value: Any) -> None:
+    """diffusers' ``return_dict`` of a call (:class:`EnginePipeline`, :class:`~.parallel.DataParallelPipeline`),
+    checked before any work.
+
+    Raises:
+        RuntimeInputError: not a bool.
+    """
+    _check_flag("return_dict", value, "False returns diffusers' tuple")
 
 
 def _check_flag(name: str, value: Any, meaning: str, allow_none: bool = False) -> None:
