@@ -15,7 +15,12 @@ before a full compile:
   InstanceNormalization -> Reshape -> Mul(gamma) -> Add(beta) [-> x * Sigmoid(x)]);
 * ``layernorm``: Reshape [N, G, -1] -> LayerNormalization over the last axis (fp32 statistics, ``stash_type=1``; unit
   scale, zero bias) -> Reshape -> Mul -> Add [-> SiLU]: one row per (sample, group), reduced by one block;
-* ``reduce``: the statistics spelt out in fp32 (Cast, ReduceMean, Sub, Mul, ReduceMean, Add, Sqrt, Div, Cast).
+* ``reduce``: the statistics spelt out in fp32 (Cast, ReduceMean, Sub, Mul, ReduceMean, Add, Sqrt, Div, Cast);
+* ``chanstats``: no [N, G, -1] view of the activation, so the NHWC layout needs no Transpose around the norm:
+  per-channel fp32 statistics over H, W (Cast, ReduceMean, ReduceSumSquare: reductions over the spatial axes, which
+  ORT's layout transformer moves to NHWC), combined per group on [N, G, C/G] (tiny tensors), folded with gamma and
+  beta into a per-(sample, channel) scale and shift, then one Mul and one Add on the activation [-> SiLU]. The
+  variance is E[x^2] - E[x]^2 in fp32, as ORT's fused kernel computes it (``groupNormNHWCScaleKernel``).
 
 Every form runs on the SD-1.5 shapes found by hooking ``torch.nn.GroupNorm`` in diffusers' UNet (CFG batch 2, 64x64
 latents, 77 tokens) and VAE decoder (batch 1, 512x512 image) built on the meta device from ``dummy.arch_config``,
@@ -40,7 +45,7 @@ from typing import Any
 import numpy as np
 
 GROUPS, EPS = 32, 1e-5
-FORMS = ("none", "fused", "instnorm", "layernorm", "reduce")
+FORMS = ("none", "fused", "instnorm", "layernorm", "reduce", "chanstats")
 
 
 def sd15_sites() -> dict[str, Counter]:
@@ -100,6 +105,12 @@ def site_model(form: str, shape: tuple[int, ...], silu: bool, dtype: Any, seed: 
                   helper.make_node("GroupNorm", ["at", "gamma", "beta"], ["nt"], domain="com.microsoft", epsilon=EPS,
                                    groups=GROUPS, activation=int(silu), channels_last=1),
                   helper.make_node("Transpose", ["nt"], ["n"], perm=[0, 3, 1, 2])]
+    elif form == "chanstats":
+        nodes += _channel_statistics(shape, gamma, beta, dtype, inits)
+        if silu:
+            nodes += [helper.make_node("Sigmoid", ["p"], ["sig"]), helper.make_node("Mul", ["p", "sig"], ["n"])]
+        else:
+            nodes[-1].output[0] = "n"
     elif form != "none":
         inits.update(grouped=np.array([0, GROUPS, -1], np.int64), back=np.array([0, c, h, w], np.int64),
                      gamma=gamma.reshape(c, 1, 1).astype(dtype), beta=beta.reshape(c, 1, 1).astype(dtype))
@@ -116,6 +127,35 @@ def site_model(form: str, shape: tuple[int, ...], silu: bool, dtype: Any, seed: 
                               initializer=[numpy_helper.from_array(v, k) for k, v in inits.items()])
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=8).SerializeToString()
+
+
+def _channel_statistics(shape: tuple[int, ...], gamma: np.ndarray, beta: np.ndarray, dtype: Any,
+                        inits: dict[str, np.ndarray]) -> list[Any]:
+    """Nodes from ``a`` ([N, C, H, W]) to ``p``: the GroupNorm from per-channel fp32 sums (the ``chanstats`` form)."""
+    from onnx import TensorProto, helper
+
+    n, c, h, w = shape
+    back = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    inits.update(per_group=np.array([n, GROUPS, c // GROUPS], np.int64), per_channel=np.array([n, c, 1, 1], np.int64),
+                 inv_hw=np.array(1.0 / (h * w), np.float32), eps=np.array(EPS, np.float32),
+                 gamma32=gamma.reshape(1, GROUPS, c // GROUPS).astype(np.float32),
+                 beta32=beta.reshape(1, GROUPS, c // GROUPS).astype(np.float32))
+    node = helper.make_node
+    return [node("Cast", ["a"], ["a32"], to=TensorProto.FLOAT),
+            node("ReduceMean", ["a32"], ["mc"], axes=[2, 3], keepdims=1),
+            node("ReduceSumSquare", ["a32"], ["sc"], axes=[2, 3], keepdims=1),
+            node("Mul", ["sc", "inv_hw"], ["qc"]),
+            node("Reshape", ["mc", "per_group"], ["mcg"]), node("Reshape", ["qc", "per_group"], ["qcg"]),
+            node("ReduceMean", ["mcg"], ["mean"], axes=[2], keepdims=1),
+            node("ReduceMean", ["qcg"], ["meansq"], axes=[2], keepdims=1),
+            node("Mul", ["mean", "mean"], ["m2"]), node("Sub", ["meansq", "m2"], ["var"]),
+            node("Add", ["var", "eps"], ["ve"]), node("Sqrt", ["ve"], ["sd"]),
+            node("Div", ["gamma32", "sd"], ["scale_g"]),  # [N, G, C/G]
+            node("Mul", ["mean", "scale_g"], ["ms"]), node("Sub", ["beta32", "ms"], ["shift_g"]),
+            node("Reshape", ["scale_g", "per_channel"], ["scale32"]),
+            node("Reshape", ["shift_g", "per_channel"], ["shift32"]),
+            node("Cast", ["scale32"], ["scale"], to=back), node("Cast", ["shift32"], ["shift"], to=back),
+            node("Mul", ["a", "scale"], ["as"]), node("Add", ["as", "shift"], ["p"])]
 
 
 def _normalised(form: str, k: int, dtype: Any, inits: dict[str, np.ndarray]) -> list[Any]:
