@@ -74,8 +74,9 @@ def fuse_bias(graph: gs.Graph, ctx: PassContext) -> PassResult:
                          and the CPU provider is kept on standard ops.
     Why:      one kernel instead of two elementwise passes over [B, S, C]; ORT also stops turning the MatMul and
               its bias into a Gemm that first broadcasts the bias into the output (its ``BroadcastBiasKernel``).
-              The channels-last form is what keeps a refittable UNet's proj_out bias from costing that kernel
-              (the plain compile's proj_out is a Conv, its bias inside; issue 26).
+              The channels-last form keeps a refittable UNet's proj_out bias from costing that kernel (issue 26:
+              on the H100 the refittable SD-1.5 UNet launched 11 more of them than the plain compile, whose proj_out
+              is a Conv with the bias as its input).
     Requires: the MatMul output of shape [B, S, C] (C static) with C in BIAS_ADD_CHANNELS (the kernel's limits;
               others rejected with the reason); the bias a constant of C elements; the bias Add read only by the
               residual Add; the residual non-constant with the same shape (same ints or symbolic names); the bias

@@ -206,7 +206,7 @@ def test_skip_layer_norm_on_a_dynamic_batch() -> None:
 
 
 def proj_out_block(*, width: int = 320, batch: int | str = 1, height: int | str = 2, shapes_read: bool = False,
-                   residual_nhwc: bool = True) -> onnx.ModelProto:
+                   residual_nhwc: bool = True, bias_sum_is_output: bool = False) -> onnx.ModelProto:
     """What pointwise_convs_as_matmul leaves at a refittable UNet's proj_out: ``t[N,H,W,C] @ w + b`` back to NCHW,
     plus the residual (a channels-last ``r`` transposed to NCHW, as fuse_group_norm's NHWC SkipGroupNorm gives it;
     ``residual_nhwc=False``: an NCHW input) [and ``shape(residual)`` read, as the exporter's ``batch, _, height,
@@ -222,7 +222,7 @@ def proj_out_block(*, width: int = 320, batch: int | str = 1, height: int | str 
         inputs.append(graphs.tensor_info("r", nhwc))
     else:
         inputs.append(graphs.tensor_info("res", nchw))
-    outputs = [graphs.tensor_info("y", nchw)]
+    outputs = [graphs.tensor_info("y", nchw), *([graphs.tensor_info("p", nhwc)] if bias_sum_is_output else [])]
     if shapes_read:
         nodes.append(helper.make_node("Shape", ["res"], ["res_shape"]))
         outputs.append(graphs.tensor_info("res_shape", [4], onnx.TensorProto.INT64))
@@ -278,10 +278,11 @@ def test_channels_last_on_dynamic_dims_reads_the_shapes_from_the_channels_last_r
     graphs.assert_same_outputs(model, lowered_bias_add(out), feeds)
 
 
-def test_channels_last_rejects_widths_the_kernel_refuses_and_nchw_residuals(caplog: pytest.LogCaptureFixture) -> None:
+def test_channels_last_rejects_refused_widths_nchw_residuals_escaping_sums(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="diffusion_trt.passes")
     for model, reason in ((proj_out_block(width=16), "takes [320, 640, 1280] channels; this projection has 16"),
-                          (proj_out_block(residual_nhwc=False), "is not a Transpose(0,3,1,2) of a channels-last")):
+                          (proj_out_block(residual_nhwc=False), "is not a Transpose(0,3,1,2) of a channels-last"),
+                          (proj_out_block(bias_sum_is_output=True), "'p' is a graph output")):
         out, records = run_passes(model, [fuse_bias])
         assert records[0].counts == {"BiasAdd": 0, "rejected": 1, "skipped_for_target": 0}
         assert any(reason in m for m in reasons(caplog, "fuse_bias")), reasons(caplog, "fuse_bias")
