@@ -59,10 +59,12 @@ BASE_FILE = "lora_base.safetensors"
 
 
 def expose_weights(model: onnx.ModelProto, rmap: dict[str, Any], *, refit_convs: bool = False,
-                   component: str = "model") -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+                   component: str = "model", device: str = "cpu") -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """Turn the initializers the refit map names into graph inputs (spatial Conv weights only with ``refit_convs``;
     see the module docstring); rewrite the 1x1 Convs reading them as channels-last MatMuls
-    (:func:`~.pointwise_convs.pointwise_convs_as_matmul`); return the new model and the inputs' values.
+    (:func:`~.pointwise_convs.pointwise_convs_as_matmul`; on CUDA then
+    :func:`~diffusion_trt.passes.fuse_bias.fuse_bias`, which folds a rewritten proj_out's bias and the residual after
+    it into one BiasAdd); return the new model and the inputs' values.
 
     The 1x1 Convs' weights change layout with their Convs: ``[O, C, 1, 1]`` becomes ``W[:, :, 0, 0].T``, ``[C, O]``
     (graph input and value alike), and their refit-map entries are updated in place to say so: ``"transpose": true,
@@ -75,6 +77,7 @@ def expose_weights(model: onnx.ModelProto, rmap: dict[str, Any], *, refit_convs:
         rmap: its refit map (``{"weights": {torch name: {"initializer", "transpose", ...}}}``); updated in place.
         refit_convs: also the weights of spatial Convs (the engine then has to run NCHW on CUDA).
         component: for logs and errors ("unet", "text_encoder").
+        device: where the engine runs ("cpu" or "cuda"): on "cuda" the bias fold follows the rewrite.
 
     Returns:
         The rewritten model, and initializer name -> its array (the graph's dtype and the input's layout), in graph
@@ -83,15 +86,16 @@ def expose_weights(model: onnx.ModelProto, rmap: dict[str, Any], *, refit_convs:
     Raises:
         PassError: the rewrite failed (the message names the pass).
     """
-    model, values, _ = _expose(model, rmap, refit_convs, component)
+    model, values, _ = _expose(model, rmap, refit_convs, component, device)
     return model, values
 
 
-def _expose(model: onnx.ModelProto, rmap: dict[str, Any], refit_convs: bool,
-            component: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray], list[dict[str, Any]]]:
-    """:func:`expose_weights`, and the pointwise rewrite's pass record as JSON ([] when no 1x1 Conv read a weight
-    input) for the manifest's ``passes``."""
+def _expose(model: onnx.ModelProto, rmap: dict[str, Any], refit_convs: bool, component: str,
+            device: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray], list[dict[str, Any]]]:
+    """:func:`expose_weights`, and the pass records of the pointwise rewrite (and, on CUDA, of the bias fold after
+    it) as JSON ([] when no 1x1 Conv read a weight input) for the manifest's ``passes``."""
     from ..passes.base import PassContext, optimize_model
+    from ..passes.fuse_bias import fuse_bias
     from ..runtime.refit import array_key
     from .pointwise_convs import pointwise_convs_as_matmul
 
@@ -112,9 +116,13 @@ def _expose(model: onnx.ModelProto, rmap: dict[str, Any], refit_convs: bool,
         model.graph.input.append(helper.make_tensor_value_info(name, elem, list(arr.shape)))
     if not any(n.op_type == "Conv" and len(n.input) > 1 and n.input[1] in values for n in model.graph.node):
         return model, values, []
-    ctx = PassContext(component=component, backend="ort", device="cpu", precision="fp32")  # read for logs only
-    model, records = optimize_model(model, (pointwise_convs_as_matmul,), ctx)
-    logger.info("%s: %s", component, records[0].summary())
+    # fuse_bias after the rewrite: the MatMul -> Add(bias) -> Transpose -> Add(residual) it leaves at each proj_out
+    # is its channels-last form (the main passes ran before the Conv was a MatMul); neither pass reads the precision
+    ctx = PassContext(component=component, backend="ort", device=device, precision="fp32")
+    passes = (pointwise_convs_as_matmul, fuse_bias) if device == "cuda" else (pointwise_convs_as_matmul,)
+    model, records = optimize_model(model, passes, ctx)
+    for record in records:
+        logger.info("%s: %s", component, record.summary())
     shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     transposed = {n for n, a in values.items() if a.ndim == 4 and len(shapes[n]) == 2}
     for name in transposed:
@@ -137,7 +145,7 @@ def spatial_conv_weights(model: onnx.ModelProto) -> set[str]:
 
 
 def write_weight_inputs(name: str, model: onnx.ModelProto, rmap: dict[str, Any], staging: Path, *,
-                        refit_convs: bool = False, share_with: str | None = None
+                        refit_convs: bool = False, share_with: str | None = None, device: str = "cpu"
                         ) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """:func:`expose_weights` on ``model`` and its values written to ``<name>/lora_base.safetensors``; ``rmap``
     updated in place (the 1x1 Convs' weights now ``pointwise``: the caller writes it out again).
@@ -156,13 +164,13 @@ def write_weight_inputs(name: str, model: onnx.ModelProto, rmap: dict[str, Any],
         "<name or share_with>/lora_base.safetensors", "spatial_conv_inputs": bool, "passes": [record]}``
         (``spatial_conv_inputs``: some Conv still reads a weight input, a spatial Conv's with ``refit_convs`` or a 1x1
         one the rewrite turned down, so the engine must run NCHW on CUDA; ``passes``: the pointwise rewrite's record,
-        for the entry's ``passes`` after the others).
+        for the entry's ``passes`` after the others; on ``device="cuda"`` the bias fold's after it).
     """
     from safetensors.numpy import save_file
 
     from .pointwise_convs import is_pointwise
 
-    model, values, records = _expose(model, rmap, refit_convs, name)
+    model, values, records = _expose(model, rmap, refit_convs, name, device)
     if share_with is not None:
         renames, why = shared_inputs(rmap, values, staging / share_with)
         try:

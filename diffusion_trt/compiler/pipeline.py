@@ -706,7 +706,8 @@ def compile_component(job: CompileJob, plan: ComponentPlan, models: dict[str, An
             rmap = json.loads((staging / entry["refit_map"]).read_text())
             share = source if source != name and source in job.names else None  # unet_controlnet: unet's file
             model, slots = lora_slots.write_weight_inputs(name, model, rmap, staging,
-                                                          refit_convs=job.config.refit_convs, share_with=share)
+                                                          refit_convs=job.config.refit_convs, share_with=share,
+                                                          device=job.config.device)
             entry["passes"] = [*entry.get("passes", []), *slots.pop("passes")]  # the pointwise rewrite's record
             entry.update(slots)
             (staging / entry["refit_map"]).write_text(json.dumps(rmap, indent=1))  # the 1x1 Convs' now [C, O]

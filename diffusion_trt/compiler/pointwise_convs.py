@@ -12,6 +12,8 @@ Emits:    x -> Transpose(0,2,3,1) -> MatMul(., W: the same graph input, now [C,O
           hold ``permute(0,2,3,1)`` after ``proj_in`` and ``permute(0,3,1,2)`` before ``proj_out``, so the emitted
           Transposes meet their inverses and both go: ``GroupNorm -> Transpose -> MatMul -> Add -> Reshape`` and
           ``Reshape -> MatMul -> Add -> Transpose -> Add(residual)`` hold the Transposes the Convs had, no more.
+          On ORT CUDA the caller then runs :func:`~diffusion_trt.passes.fuse_bias.fuse_bias`, whose channels-last
+          form makes that proj_out bias Add and the residual Add one BiasAdd (widths 320/640/1280).
 Why:      ONNX Runtime's constant-weight Conv fusions and its NHWC layout transform (the CUDA provider's
           ``prefer_nhwc=1``) take constant weights only; a Conv over a weight input stays an NCHW Conv (on the H200,
           onnxruntime-gpu 1.31.1, 2026-12-02, the NHWC kernel read a bound [O,C,1,1] weight as [O,1,1,C] and

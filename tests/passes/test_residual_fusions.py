@@ -200,3 +200,98 @@ def test_skip_layer_norm_on_a_dynamic_batch() -> None:
     out, records = run_passes(model, [eliminate_noops, fuse_skip_layer_norm])
     assert records[1].counts["SkipLayerNormalization"] == 1
     graphs.assert_same_outputs(model, out, graphs.random_feeds(model, dims={"N": 3}))
+
+
+# --- fuse_bias, channels-last form (a 1x1 proj_out rewritten as a MatMul over a weight input) ------------------
+
+
+def proj_out_block(*, width: int = 320, batch: int | str = 1, height: int | str = 2, shapes_read: bool = False,
+                   residual_nhwc: bool = True, bias_sum_is_output: bool = False) -> onnx.ModelProto:
+    """What pointwise_convs_as_matmul leaves at a refittable UNet's proj_out: ``t[N,H,W,C] @ w + b`` back to NCHW,
+    plus the residual (a channels-last ``r`` transposed to NCHW, as fuse_group_norm's NHWC SkipGroupNorm gives it;
+    ``residual_nhwc=False``: an NCHW input) [and ``shape(residual)`` read, as the exporter's ``batch, _, height,
+    width = hidden_states.shape``]. w is a graph input (the LoRA slot), [C, C]."""
+    rng = np.random.default_rng(5)
+    nchw, nhwc = [batch, width, height, 3], [batch, height, 3, width]
+    nodes = [helper.make_node("MatMul", ["t", "w"], ["mm"]), helper.make_node("Add", ["mm", "b"], ["p"]),
+             helper.make_node("Transpose", ["p"], ["p_t"], perm=[0, 3, 1, 2]),
+             helper.make_node("Add", ["p_t", "res"], ["y"])]
+    inputs = [graphs.tensor_info("t", nhwc), graphs.tensor_info("w", [width, width])]
+    if residual_nhwc:
+        nodes.insert(0, helper.make_node("Transpose", ["r"], ["res"], perm=[0, 3, 1, 2]))
+        inputs.append(graphs.tensor_info("r", nhwc))
+    else:
+        inputs.append(graphs.tensor_info("res", nchw))
+    outputs = [graphs.tensor_info("y", nchw), *([graphs.tensor_info("p", nhwc)] if bias_sum_is_output else [])]
+    if shapes_read:
+        nodes.append(helper.make_node("Shape", ["res"], ["res_shape"]))
+        outputs.append(graphs.tensor_info("res_shape", [4], onnx.TensorProto.INT64))
+    model = graphs.make_model(nodes, inputs, outputs, [graphs.const("b", rng.standard_normal(width))])
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def lowered_bias_add(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each com.microsoft.BiasAdd(x, bias, skip) written as Add(Add(x, bias), skip): what the CUDA
+    kernel computes, in ops ONNX Runtime's CPU provider runs (parity of the rewrite's arithmetic, on the CPU)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes = []
+    for node in out.graph.node:
+        if node.op_type != "BiasAdd":
+            nodes.append(node)
+            continue
+        x, bias, skip = node.input
+        nodes += [helper.make_node("Add", [x, bias], [f"{node.output[0]}_biased"]),
+                  helper.make_node("Add", [f"{node.output[0]}_biased", skip], list(node.output))]
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
+def test_channels_last_proj_out_bias_and_residual_become_one_bias_add() -> None:
+    """The bias Add and the residual Add go (one BiasAdd over [N, H*W, C] views: Reshapes, no copy); the weight input
+    still feeds the MatMul, so a LoRA bound there counts; the arithmetic is the same (BiasAdd lowered on the CPU)."""
+    model = proj_out_block()
+    out, records = run_passes(model, [fuse_bias])
+    assert records[0].counts == {"BiasAdd": 1, "rejected": 0, "skipped_for_target": 0}
+    assert graphs.op_counts(out) == {"Reshape": 3, "MatMul": 1, "BiasAdd": 1, "Transpose": 1}
+    (matmul,) = [n for n in out.graph.node if n.op_type == "MatMul"]
+    assert matmul.input[1] == "w" and "w" in {i.name for i in out.graph.input}
+    assert [o.name for o in out.graph.output] == ["y"]
+    onnx.checker.check_model(out, full_check=True)
+    graphs.assert_same_outputs(model, lowered_bias_add(out))
+    feeds = graphs.random_feeds(model, seed=3)
+    lora = {**feeds, "w": feeds["w"] * 2}
+    assert not np.allclose(graphs.run(lowered_bias_add(out), lora)[0], graphs.run(model, feeds)[0])
+    graphs.assert_same_outputs(model, lowered_bias_add(out), lora)
+
+
+def test_channels_last_on_dynamic_dims_reads_the_shapes_from_the_channels_last_residual() -> None:
+    """A dynamic graph: the NHWC view back goes through ``Shape(r)``; the Shape that read the residual's Transpose
+    reads ``Gather(Shape(r), (0,3,1,2))``, so that Transpose (a full copy) goes too."""
+    model = proj_out_block(batch="N", height="h", shapes_read=True)
+    out, records = run_passes(model, [fuse_bias])
+    assert records[0].counts["BiasAdd"] == 1
+    ops = graphs.op_counts(out)
+    assert ops["Transpose"] == 1 and ops["Shape"] == 1 and ops["Gather"] == 1 and "Add" not in ops
+    feeds = graphs.random_feeds(model, dims={"N": 2, "h": 5})
+    graphs.assert_same_outputs(model, lowered_bias_add(out), feeds)
+
+
+def test_channels_last_rejects_refused_widths_nchw_residuals_escaping_sums(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="diffusion_trt.passes")
+    for model, reason in ((proj_out_block(width=16), "takes [320, 640, 1280] channels; this projection has 16"),
+                          (proj_out_block(residual_nhwc=False), "is not a Transpose(0,3,1,2) of a channels-last"),
+                          (proj_out_block(bias_sum_is_output=True), "'p' is a graph output")):
+        out, records = run_passes(model, [fuse_bias])
+        assert records[0].counts == {"BiasAdd": 0, "rejected": 1, "skipped_for_target": 0}
+        assert any(reason in m for m in reasons(caplog, "fuse_bias")), reasons(caplog, "fuse_bias")
+        assert graphs.op_counts(out) == graphs.op_counts(model)
+
+
+@pytest.mark.parametrize(("backend", "device"), [("ort", "cpu"), ("tensorrt", "cuda")])
+def test_channels_last_other_targets(backend: str, device: str) -> None:
+    model = proj_out_block()
+    out, records = run_passes(model, [fuse_bias], backend, device)
+    assert records[0].counts == {"BiasAdd": 0, "rejected": 0, "skipped_for_target": 1}
+    assert graphs.op_counts(out) == graphs.op_counts(model)
