@@ -295,3 +295,13 @@ def test_channels_last_other_targets(backend: str, device: str) -> None:
     out, records = run_passes(model, [fuse_bias], backend, device)
     assert records[0].counts == {"BiasAdd": 0, "rejected": 0, "skipped_for_target": 1}
     assert graphs.op_counts(out) == graphs.op_counts(model)
+
+
+@pytest.mark.gpu
+def test_channels_last_bias_add_cuda_parity() -> None:
+    """The channels-last BiasAdd on ORT's CUDA kernel (its width table: 320, 640, 1280), static and dynamic, against the
+    unfused graph on the CPU, with the weight input bound as a LoRA would bind it."""
+    for model in (proj_out_block(width=640), proj_out_block(width=320, batch="N", height="h", shapes_read=True)):
+        out, records = run_passes(model, [fuse_bias])
+        assert records[0].counts["BiasAdd"] == 1
+        assert_cuda_parity(model, out)  # symbolic dims: 2 each
