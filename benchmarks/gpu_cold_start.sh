@@ -66,6 +66,8 @@
 #                                                       GPU tests
 #   bash benchmarks/gpu_cold_start.sh det-forms OUT    (after ARTS="base det detcs" prep-tests) groupnorm_forms.py, then
 #                                                       bench of base / --deterministic / + group_norm_channel_stats
+#   bash benchmarks/gpu_cold_start.sh refit-bias OUT   (after ARTS="base refit" prep) refit vs base images
+#                                                       (artifact_parity.py, LoRA a too), both UNets' kernel profiles
 #   bash benchmarks/gpu_cold_start.sh first-run OUT    first_run_options.py: session / first / warm run per CUDA
 #                                                       provider option, static base (unet, vae_decoder) and dyn
 #                                                       at three latent sizes
@@ -382,6 +384,17 @@ from diffusion_trt.cli import main; sys.argv[0] = 'diffusion-trt'; main()" bench
       [ -f /tmp/cs/art-det/manifest.json ] && bench det_$i /tmp/cs/art-det --steps 50 --cudnn-algo-search heuristic --deterministic
       [ -f /tmp/cs/art-detcs/manifest.json ] && bench detcs_$i /tmp/cs/art-detcs --steps 50 --cudnn-algo-search heuristic --deterministic
     done; true ;;
+  refit-bias)  # issue 26, after ARTS="base refit ..." prep: the refittable UNet (proj_out biases folded into BiasAdd)
+               # against base: images (artifact_parity.py, the refittable one also with LoRA a), then both UNets'
+               # kernel profiles. Files in OUT: refit_parity.json, unet_profile_{base,refit}.json
+    log "refit vs base images"
+    timeout 150 $py benchmarks/artifact_parity.py $W/art-base $W/art-refit --lora $W/lora_a_r64.safetensors \
+      --json "$out/refit_parity.json" 2>&1 | grep -v -E "it/s|step/s" | tail -3
+    for a in base refit; do
+      log "kernel profile: $a unet"
+      timeout ${PROFILE_TIMEOUT:-120} $py benchmarks/profile_kernels.py $W/art-$a --component unet --iters 5 --top 20 \
+        --json "$out/unet_profile_$a.json" 2>&1 | tail -24
+    done ;;
   dyn-sizes-noprime)  # the same bench with OrtEngine.prime turned off: the run before the priming, side by side
     log "dynamic artifact at new sizes, sessions not primed"
     timeout ${DYN_TIMEOUT:-200} $py -c "
