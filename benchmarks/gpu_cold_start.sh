@@ -379,7 +379,7 @@ from diffusion_trt.cli import main; sys.argv[0] = 'diffusion-trt'; main()" bench
     log "groupnorm forms"
     timeout ${FORMS_TIMEOUT:-200} $py benchmarks/groupnorm_forms.py --runs 4 --json "$out/groupnorm_forms.json" 2>&1 \
       | grep -v '^{' | tail -8
-    for i in 1 2; do
+    for i in $(seq ${ROUNDS:-2}); do
       bench b1_$i $W/art-base --steps 50 --cudnn-algo-search heuristic
       [ -f /tmp/cs/art-det/manifest.json ] && bench det_$i /tmp/cs/art-det --steps 50 --cudnn-algo-search heuristic --deterministic
       [ -f /tmp/cs/art-detcs/manifest.json ] && bench detcs_$i /tmp/cs/art-detcs --steps 50 --cudnn-algo-search heuristic --deterministic
