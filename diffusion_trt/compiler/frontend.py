@@ -143,6 +143,7 @@ def compile_model(
     else:
         from .single_file import folder_from_single_file
 
+        pipeline.check_before_conversion(config, info.facts)  # not after minutes of conversion
         tmp = Path(tempfile.mkdtemp(prefix="diffusion-trt-single-file-"))
         try:
             folder = folder_from_single_file(model, info, tmp / model.stem)

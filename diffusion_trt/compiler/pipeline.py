@@ -544,6 +544,20 @@ def _controlnet_specs(config: CompileConfig, folder: export.ModelFolder, specs: 
     return sources, controlnet.controlnet_specs(specs["unet"], unet_config, sources)
 
 
+def check_before_conversion(config: CompileConfig, facts: Mapping[str, Any]) -> None:
+    """What :func:`prepare` checks that a single file's header already tells (``CheckpointInfo.facts``): the LoRA
+    files, int8/fp8 on SDXL or inpainting, the profile against the architecture's default size; so a wrong option
+    fails before the checkpoint's conversion, not after it. :func:`prepare` checks all of it again on the converted
+    folder.
+
+    Raises:
+        ModelFolderError, RuntimeInputError: as :func:`prepare`.
+    """
+    lora.check_lora_files(config.loras)
+    check_quantizable(config, facts)
+    config.resolve_profile(facts["default_height"])
+
+
 def check_quantizable(config: CompileConfig, facts: Mapping[str, Any]) -> None:
     """int8/fp8 calibration runs the SD 1.x text-to-image loop: refuse SDXL and inpainting models.
 

@@ -71,6 +71,23 @@ class CheckpointInfo:
     prediction_type: str
     pipeline_class: str
 
+    @property
+    def sample_size(self) -> int:
+        """The UNet's ``sample_size`` (latent pixels) of the folder :func:`write_config_folder` writes: the
+        architecture's, except SD 2.x with ``prediction_type="epsilon"``: 64 (the 512-base) instead of 96."""
+        from .dummy import arch_config
+
+        size = int(arch_config(self.architecture)["unet"]["sample_size"])
+        return 64 if self.family == "sd2" and self.prediction_type == "epsilon" and size == 96 else size
+
+    @property
+    def facts(self) -> dict[str, Any]:
+        """The model facts compile reads before converting (``pipeline.model_facts``' keys of the same meaning):
+        ``architecture``, ``unet_in_channels``, ``latent_channels`` and the default size in pixels."""
+        size = self.sample_size * 8  # the VAE's factor for every architecture read here
+        return {"architecture": "sdxl" if self.family == "sdxl" else "sd", "unet_in_channels": self.in_channels,
+                "latent_channels": 4, "default_height": size, "default_width": size}
+
     def to_json(self) -> dict[str, Any]:
         return {"family": self.family, "architecture": self.architecture, "in_channels": self.in_channels,
                 "prediction_type": self.prediction_type, "pipeline_class": self.pipeline_class}
@@ -348,9 +365,7 @@ def write_config_folder(info: CheckpointInfo, dest: Path) -> Path:
     cfg = arch_config(info.architecture)
     version = diffusers.__version__
     unet = {"_class_name": "UNet2DConditionModel", "_diffusers_version": version, **cfg["unet"],
-            "in_channels": info.in_channels}
-    if info.family == "sd2" and info.prediction_type == "epsilon" and unet["sample_size"] == 96:
-        unet["sample_size"] = 64  # 512-base
+            "in_channels": info.in_channels, "sample_size": info.sample_size}
     _write_json(dest / "unet" / "config.json", unet)
     _write_json(dest / "vae" / "config.json", {"_class_name": "AutoencoderKL", "_diffusers_version": version,
                                                  **cfg["vae"]})

@@ -231,3 +231,40 @@ def test_a_single_file_whose_header_does_not_match_its_data_is_named_damaged(tin
                       "invalid shape, data type, or offset for tensor); the file is damaged: re-download or re-save "
                       "it"], out
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--height", "1004"), "--height 1004"),
+    (("--height", "512", "--min-height", "640"), "--min-height"),
+    (("--precision", "int8"), "not supported for inpainting models"),
+    (("--lora", "missing.safetensors"), "missing.safetensors"),
+], ids=["height-not-aligned", "height-below-min", "int8-inpainting", "missing-lora"])
+def test_a_wrong_option_fails_before_the_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    args: tuple[str, ...], message: str) -> None:
+    """What the checkpoint's header already tells (architecture, default size, inpainting) is checked against the
+    options before the conversion (minutes for a real checkpoint), with the error line the folder would get."""
+    from diffusion_trt.compiler import frontend
+
+    folder = write_dummy_pipeline(tmp_path / "inpaint", arch="tiny-sd15-inpaint", seed=3)
+    file = write_single_file(folder, tmp_path / "inpaint.safetensors")
+    converted = []
+    monkeypatch.setattr("diffusion_trt.compiler.single_file.folder_from_single_file",
+                        lambda *a, **k: converted.append(a) or pytest.fail("converted before the check"))
+    assert frontend is not None
+    code, out = _invoke("compile", file, "-o", tmp_path / "out", "--no-cache", *args)
+    assert code == 2, out
+    assert converted == [] and message in out.splitlines()[-1] and out.splitlines()[-1].startswith("error:")
+
+
+def test_the_default_size_read_from_the_header_is_the_converted_folders(tmp_path: Path) -> None:
+    from diffusion_trt.compiler.export import check_model_folder
+    from diffusion_trt.compiler.pipeline import model_facts
+
+    for arch in ("tiny", "tiny-sd21", "tiny-sdxl"):
+        folder = write_dummy_pipeline(tmp_path / arch, arch=arch, seed=3)
+        file = write_single_file(folder, tmp_path / f"{arch}.safetensors")
+        for prediction in ("auto", "epsilon"):
+            info = inspect_checkpoint(file, prediction)
+            converted = folder_from_single_file(file, info, tmp_path / f"c-{arch}-{prediction}")
+            facts = model_facts(check_model_folder(converted))
+            assert {k: facts[k] for k in info.facts} == info.facts, (arch, prediction)
