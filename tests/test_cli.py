@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import click
 import pytest
+import torch
 from click.testing import CliRunner
 
 from diffusion_trt.cli import main
@@ -1265,3 +1267,28 @@ def test_a_sigterm_where_python_would_swallow_the_exception_is_raised_again_a_mo
         with pytest.raises(Terminated, match="signal 15"):
             _sigterm_handler(signal.SIGALRM, frame(__file__, "compile"))
     assert signal.getitimer(signal.ITIMER_REAL)[0] == 0 and signal.getsignal(signal.SIGALRM) is not _sigterm_handler
+
+
+def test_sigma_schedulers_run_1000_steps_as_diffusers_does(tiny_artifact: Path, tmp_path: Path) -> None:
+    """At 1000 steps SD-1.5's config ('leading', steps_offset=1) starts at timestep 1000. PNDM / DDIM / DDPM index
+    past their tables there (refused above), but Euler, Euler a, Heun and DPM2 read their sigmas by interpolation,
+    which holds the last one: diffusers runs them, and they were refused ("use at most 999"). LMS stays refused: its
+    first two sigmas are then equal and its multistep coefficients divide by their gap (diffusers gives NaN)."""
+    import diffusers
+
+    from diffusion_trt.runtime.denoise import set_schedule
+    from diffusion_trt.runtime.schedulers import SCHEDULERS
+
+    config = json.loads((tiny_artifact / "scheduler" / "scheduler_config.json").read_text())
+    for name in ("euler", "euler_a", "heun", "dpm2"):
+        cls, extra = SCHEDULERS[name]
+        ours, theirs = (getattr(diffusers, cls).from_config({**config, **extra}) for _ in range(2))
+        theirs.set_timesteps(1000)
+        assert torch.equal(set_schedule(ours, 1000, torch.device("cpu")), theirs.timesteps), name
+        assert float(theirs.timesteps.max()) == 1000
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1000", "--scheduler", "euler",
+                        "-o", tmp_path / "o.png")
+    assert code == 0 and (tmp_path / "o.png").exists(), out
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1000", "--scheduler", "lms",
+                        "-o", tmp_path / "l.png")
+    assert code == 2 and "zero gap between its first two sigmas" in out and "at most 999" in out, out

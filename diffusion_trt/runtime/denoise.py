@@ -484,6 +484,8 @@ def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device,
         ) from e
     timesteps = host_timesteps(scheduler)
     problem = _schedule_problem(timesteps, num_inference_steps, train)
+    if problem is not None and _steps_through(scheduler):  # Euler/Heun/DPM2 at 1000 steps: t=1000, sigma clamped
+        problem = None
     if problem is not None:
         offset = int(getattr(scheduler.config, "steps_offset", 0) or 0)
         most = _most_steps(scheduler, num_inference_steps, train, device)
@@ -516,11 +518,32 @@ def _schedule_problem(timesteps: torch.Tensor, num_inference_steps: int, train: 
     """Why a scheduler cannot step ``timesteps`` (its schedule for ``num_inference_steps``), or ``None``."""
     if len(timesteps) and float(timesteps.max()) >= train:  # PNDM/DDIM with steps_offset=1 at 1000 steps: t=1000
         return (f"step from timestep {int(timesteps.max())}, past its {train} training timesteps (its step would "
-                "index out of range)")
+                "index out of range, or, LMS, divide by the zero gap between its first two sigmas)")
     if num_inference_steps > 1 and len(torch.unique(timesteps)) == 1:  # 'leading' spacing: 1000 // 1001 = 0 apart
         return (f"step {len(timesteps)} times at the one timestep {int(timesteps[0])} (its schedule spaces the "
                 f"{train} training timesteps 0 apart; its step would index out of range)")
     return None
+
+
+def _steps_through(scheduler: Any) -> bool:
+    """Whether the scheduler steps its whole schedule: a dry run on a copy, one-element zero latents and model
+    outputs. Asked only of a schedule :func:`_schedule_problem` doubts: one that reaches timestep 1000 indexes
+    ``alphas_cumprod`` past its end in PNDM / DDIM / DDPM (IndexError) and past the sigmas in DPM++ / DEIS, but
+    Euler, Euler a, Heun and DPM2 read their sigmas by ``np.interp``, which holds the last one there: diffusers runs
+    those (diffusers 0.42.1, SD-1.5's scheduler config: ``leading`` spacing, ``steps_offset=1``, 1000 steps)."""
+    import copy
+    import warnings
+
+    dry = copy.deepcopy(scheduler)
+    sample = torch.zeros(1, 1, 1, 1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for t in dry.timesteps:
+                sample = dry.step(torch.zeros_like(sample), t, dry.scale_model_input(sample, t)).prev_sample
+    except (IndexError, ValueError, RuntimeError, AssertionError, ZeroDivisionError):
+        return False
+    return bool(torch.isfinite(sample).all())
 
 
 def _most_steps(scheduler: Any, num_inference_steps: int, train: int, device: torch.device) -> int:
