@@ -376,14 +376,14 @@ from diffusion_trt.cli import main; sys.argv[0] = 'diffusion-trt'; main()" bench
               # artifact against --deterministic (InstanceNormalization form) and --deterministic with
               # group_norm_channel_stats, each run deterministic and default, alternated twice. Files in OUT:
               # groupnorm_forms.json, bench_{b1,det,detcs}_{1,2}.json
-    log "groupnorm forms"
-    timeout ${FORMS_TIMEOUT:-200} $py benchmarks/groupnorm_forms.py --runs 4 --json "$out/groupnorm_forms.json" 2>&1 \
-      | grep -v '^{' | tail -8
     for i in $(seq ${ROUNDS:-2}); do
       bench b1_$i $W/art-base --steps 50 --cudnn-algo-search heuristic
       [ -f /tmp/cs/art-det/manifest.json ] && bench det_$i /tmp/cs/art-det --steps 50 --cudnn-algo-search heuristic --deterministic
       [ -f /tmp/cs/art-detcs/manifest.json ] && bench detcs_$i /tmp/cs/art-detcs --steps 50 --cudnn-algo-search heuristic --deterministic
-    done; true ;;
+    done
+    log "groupnorm forms"
+    timeout ${FORMS_TIMEOUT:-200} $py benchmarks/groupnorm_forms.py --runs 4 --json "$out/groupnorm_forms.json" 2>&1 \
+      | grep -v '^{' | tail -8; true ;;
   refit-bias)  # issue 26, after ARTS="base refit ..." prep: the refittable UNet (proj_out biases folded into BiasAdd)
                # against base: images (artifact_parity.py, the refittable one also with LoRA a), then both UNets'
                # kernel profiles. Files in OUT: refit_parity.json, unet_profile_{base,refit}.json
