@@ -64,8 +64,8 @@
 #   bash benchmarks/gpu_cold_start.sh norm-forms OUT   groupnorm_forms.py (GroupNorm forms at every SD-1.5 site:
 #                                                       run-to-run identity, cost per UNet step / decode), then the
 #                                                       GPU tests
-#   bash benchmarks/gpu_cold_start.sh det-forms OUT    (after ARTS="base det detcs" prep-tests) groupnorm_forms.py, then
-#                                                       bench of base / --deterministic / + group_norm_channel_stats
+#   bash benchmarks/gpu_cold_start.sh det-forms OUT    (after ARTS="base det" prep) bench of base, --deterministic, base
+#                                                       run --deterministic; then groupnorm_forms.py
 #   bash benchmarks/gpu_cold_start.sh refit-bias OUT   (after ARTS="base refit" prep) refit vs base images
 #                                                       (artifact_parity.py, LoRA a too), both UNets' kernel profiles
 #   bash benchmarks/gpu_cold_start.sh first-run OUT    first_run_options.py: session / first / warm run per CUDA
@@ -123,8 +123,6 @@ compiles() {  # ARTS: which of base refit merged cn b4 dyn (default: the first f
               -o $W/art-base $base > /tmp/cs/c-base.log 2>&1 & ;;
       refit) $D compile $W/model-sd15 -o $W/art-refit $base --refittable > /tmp/cs/c-refit.log 2>&1 & ;;
       det) $D compile $W/model-sd15 -o /tmp/cs/art-det $base --deterministic > /tmp/cs/c-det.log 2>&1 & ;;
-      detcs) $D compile $W/model-sd15 -o /tmp/cs/art-detcs $base --deterministic \
-               --pass-option group_norm_channel_stats=true > /tmp/cs/c-detcs.log 2>&1 & ;;
       merged) $D compile $W/model-sd15 -o $W/art-merged $base --lora $W/lora_a_r64.safetensors \
                 > /tmp/cs/c-merged.log 2>&1 & ;;
       cn) $D compile $W/model-sd15 -o /tmp/cs/art-cn $base --controlnet a=/tmp/cs/cn-a --controlnet b=/tmp/cs/cn-b \
@@ -371,15 +369,15 @@ from diffusion_trt.cli import main; sys.argv[0] = 'diffusion-trt'; main()" bench
     log "gpu tests"
     timeout ${TESTS_TIMEOUT:-300} $py -m pytest -q -m gpu ${TESTS:-tests} -p no:cacheprovider -rs > "$out/gpu_tests.log" 2>&1
     echo "gpu tests rc $?"; grep -E "passed|failed|FAILED|ERROR" "$out/gpu_tests.log" | tail -25 ;;
-  det-forms)  # issue 28's deterministic mode, after ARTS="base det detcs" prep-tests: the GroupNorm forms at every
-              # SD-1.5 site on a quiet GPU (groupnorm_forms.py), then bench (50 steps, HEURISTIC) of the static b1
-              # artifact against --deterministic (InstanceNormalization form) and --deterministic with
-              # group_norm_channel_stats, each run deterministic and default, alternated twice. Files in OUT:
-              # groupnorm_forms.json, bench_{b1,det,detcs}_{1,2}.json
+  det-forms)  # issue 28's deterministic mode, after ARTS="base det" prep: bench (50 steps, HEURISTIC) of the static b1
+              # artifact, of the --deterministic compile run --deterministic, and of the static b1 artifact run
+              # --deterministic (the runtime flag's share of the cost: not yet run), ROUNDS times; then the GroupNorm
+              # forms at every SD-1.5 site (groupnorm_forms.py). Files in OUT: bench_{b1,det,b1det}_N.json,
+              # groupnorm_forms.json
     for i in $(seq ${ROUNDS:-2}); do
       bench b1_$i $W/art-base --steps 50 --cudnn-algo-search heuristic
       [ -f /tmp/cs/art-det/manifest.json ] && bench det_$i /tmp/cs/art-det --steps 50 --cudnn-algo-search heuristic --deterministic
-      [ -f /tmp/cs/art-detcs/manifest.json ] && bench detcs_$i /tmp/cs/art-detcs --steps 50 --cudnn-algo-search heuristic --deterministic
+      bench b1det_$i $W/art-base --steps 50 --cudnn-algo-search heuristic --deterministic  # the runtime flag alone
     done
     log "groupnorm forms"
     timeout ${FORMS_TIMEOUT:-200} $py benchmarks/groupnorm_forms.py --runs 4 --json "$out/groupnorm_forms.json" 2>&1 \

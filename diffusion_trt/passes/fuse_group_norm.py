@@ -54,9 +54,7 @@ class FuseGroupNormOptions:
 
 
 @dataclass
-class GroupNormMatch:
-    """One exported GroupNorm site (gamma / beta with the InstanceNormalization's scale / bias folded in)."""
-
+class _GroupNormMatch:
     x: gs.Tensor
     groups: int
     channels: int
@@ -112,13 +110,13 @@ def fuse_group_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
     # tensorrt: why opset 21 cannot be had; asked once, at the first site that passes its check
     opset_problem_once = functools.cache(lambda: opset_problem(graph, GROUP_NORMALIZATION_OPSET, may_raise=may_raise))
 
-    def check(match: GroupNormMatch) -> str | None:
+    def check(match: _GroupNormMatch) -> str | None:
         problem = _check(graph, match, target)
         if problem is None and target == TENSORRT and (why := opset_problem_once()) is not None:
             return f"GroupNormalization with per-channel scale needs opset {GROUP_NORMALIZATION_OPSET}; {why}"
         return problem
 
-    def rewrite(match: GroupNormMatch) -> dict[str, int] | None:
+    def rewrite(match: _GroupNormMatch) -> dict[str, int] | None:
         if target in leave:
             logger.debug("%s: left GroupNorm at %r for %s", NAME, match.norm.name, leave[target])
             return None
@@ -127,12 +125,11 @@ def fuse_group_norm(graph: gs.Graph, ctx: PassContext) -> PassResult:
         _rewrite_group_normalization(graph, match, names)
         return {op: 1}
 
-    tally = fuse_each(graph, NAME, match=match_group_norm, check=check, rewrite=rewrite)
+    tally = fuse_each(graph, NAME, match=_candidate, check=check, rewrite=rewrite)
     return PassResult.of(tally, op, "with_silu", *(("Transpose",) if target == ORT_CUDA else ()))
 
 
-def match_group_norm(node: gs.Node) -> GroupNormMatch | str | None:
-    """The GroupNorm torch.nn.GroupNorm exports, read from its InstanceNormalization ``node`` (None: not one)."""
+def _candidate(node: gs.Node) -> _GroupNormMatch | str | None:
     if node.op != "InstanceNormalization" or not in_onnx_domain(node) or not node.outputs:
         return None
     return _match(node)
@@ -145,7 +142,7 @@ def _affine(node: gs.Node | None, tensor: gs.Tensor, op: str) -> tuple[gs.Node, 
     return (node, other) if other is not None else None
 
 
-def _match(norm: gs.Node) -> GroupNormMatch | str:
+def _match(norm: gs.Node) -> _GroupNormMatch | str:
     reshape_in = producer(norm.inputs[0], "Reshape")
     if reshape_in is None:
         return "the InstanceNormalization input is not a Reshape"
@@ -199,7 +196,7 @@ def _match(norm: gs.Node) -> GroupNormMatch | str:
     nodes = [reshape_in, norm, reshape_out, mul_node, add_node]
     internal = [reshape_in.outputs[0], norm.outputs[0], reshape_out.outputs[0], mul_node.outputs[0]]
     silu_last, silu_nodes = _match_silu(add_node.outputs[0])
-    return GroupNormMatch(
+    return _GroupNormMatch(
         x=x, groups=groups, channels=channels, epsilon=float(norm.attrs.get("epsilon", 1e-5)), norm=norm,
         gamma=scale_c * gamma_c, beta=bias_c * gamma_c + beta_c, affine_last=add_node, silu_last=silu_last,
         nodes=nodes, internal=internal, silu_nodes=silu_nodes,
@@ -242,7 +239,7 @@ def _match_silu(a: gs.Tensor) -> tuple[gs.Node | None, list[gs.Node]]:
     return mul, [sigmoid, mul]
 
 
-def _check(graph: gs.Graph, match: GroupNormMatch, target: str) -> str | None:
+def _check(graph: gs.Graph, match: _GroupNormMatch, target: str) -> str | None:
     if match.epsilon < 0:
         return f"epsilon {match.epsilon} is negative"
     if target == ORT_CUDA:
@@ -255,7 +252,7 @@ def _check(graph: gs.Graph, match: GroupNormMatch, target: str) -> str | None:
     return escape_problem(graph, match.internal, match.nodes)
 
 
-def _rewrite_ort_cuda(graph: gs.Graph, match: GroupNormMatch, names: Namer) -> int:
+def _rewrite_ort_cuda(graph: gs.Graph, match: _GroupNormMatch, names: Namer) -> int:
     """NCHW -> Transpose -> GroupNorm (NHWC) -> Transpose -> NCHW; returns 1 if the SiLU went in."""
     x, base = match.x, match.affine_last.name
     silu = match.silu_last is not None and escape_problem(
@@ -282,7 +279,7 @@ def _rewrite_ort_cuda(graph: gs.Graph, match: GroupNormMatch, names: Namer) -> i
     return int(silu)
 
 
-def _rewrite_group_normalization(graph: gs.Graph, match: GroupNormMatch, names: Namer) -> None:
+def _rewrite_group_normalization(graph: gs.Graph, match: _GroupNormMatch, names: Namer) -> None:
     base = match.affine_last.name
     dtype = match.x.dtype if match.x.dtype is not None else np.float32
     node = gs.Node(

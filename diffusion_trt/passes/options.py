@@ -20,7 +20,6 @@ from .fold_constants import FoldConstantsOptions
 from .fuse_attention import FuseAttentionOptions
 from .fuse_gelu import FuseGeluOptions
 from .fuse_group_norm import FuseGroupNormOptions
-from .group_norm_channel_stats import GroupNormChannelStatsOptions
 from .infer_shapes import InferShapesOptions
 from .infer_symbolic_shapes import InferSymbolicShapesOptions
 from .merge_conv_biases import MergeConvBiasesOptions
@@ -35,7 +34,6 @@ OPTIONS: dict[str, type] = {
     "fuse_attention": FuseAttentionOptions,
     "fuse_gelu": FuseGeluOptions,
     "fuse_group_norm": FuseGroupNormOptions,
-    "group_norm_channel_stats": GroupNormChannelStatsOptions,
     "infer_shapes": InferShapesOptions,
     "infer_symbolic_shapes": InferSymbolicShapesOptions,
     "merge_conv_biases": MergeConvBiasesOptions,

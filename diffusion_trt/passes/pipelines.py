@@ -48,8 +48,6 @@ Ordering rules (keep them next to the tuples they constrain):
     puts around each NHWC GroupNorm; before convert_fp16: a Cast at an fp32 island between two Transposes
     would stop them meeting. Not for TensorRT / ORT CPU: their fusions insert no Transposes (and TensorRT
     removes redundant ones itself).
-  * group_norm_channel_stats last (ort-cuda; opt-in, for --deterministic): after convert_fp16, so its fp32
-    statistics and the Casts around them are written as they run (convert_fp16 would turn them fp16).
   * TensorRT fp16 gets convert_fp16 too and is built strongly typed: the graph's types (with its fp32
     islands) are what runs, on TensorRT 10 and on 11, whose builder no longer takes precision flags.
   * tensorrt-rtx (TensorRT for RTX: always strongly typed, same ONNX parser) shares the tensorrt tuples.
@@ -82,7 +80,6 @@ from .fuse_group_norm import fuse_group_norm
 from .fuse_layer_norm import fuse_layer_norm
 from .fuse_skip_group_norm import fuse_skip_group_norm
 from .fuse_skip_layer_norm import fuse_skip_layer_norm
-from .group_norm_channel_stats import group_norm_channel_stats
 from .infer_shapes import infer_shapes
 from .infer_symbolic_shapes import infer_symbolic_shapes
 from .lower_einsum import lower_einsum
@@ -130,8 +127,8 @@ TENSORRT_FP16: tuple[Pass, ...] = (*BASE, *FUSIONS, *TENSORRT_LAYOUT, convert_fp
 
 PIPELINES: dict[tuple[str, str, str], tuple[Pass, ...]] = {
     (Backend.ORT, "cpu", "fp32"): (*BASE, *FUSIONS),
-    (Backend.ORT, "cuda", "fp32"): (*BASE, *FUSIONS, *ORT_CUDA_LAYOUT, group_norm_channel_stats),
-    (Backend.ORT, "cuda", "fp16"): (*BASE, *FUSIONS, *ORT_CUDA_LAYOUT, convert_fp16, group_norm_channel_stats),
+    (Backend.ORT, "cuda", "fp32"): (*BASE, *FUSIONS, *ORT_CUDA_LAYOUT),
+    (Backend.ORT, "cuda", "fp16"): (*BASE, *FUSIONS, *ORT_CUDA_LAYOUT, convert_fp16),  # convert_fp16 last
     (Backend.TENSORRT, "cuda", "fp32"): TENSORRT_FP32,
     (Backend.TENSORRT, "cuda", "fp16"): TENSORRT_FP16,
     (Backend.TENSORRT_RTX, "cuda", "fp32"): TENSORRT_FP32,
