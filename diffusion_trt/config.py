@@ -325,7 +325,9 @@ class CompileConfig:
             ~1/255 (H200, ``benchmarks/results/h200-2026-12-01-s4-determinism.json``); the runtime's
             ``deterministic=True`` switches the rest (the tiny pipeline's identical calls then differ by 0 on an
             H200, ``h200-2026-12-01-s6-tiny-deterministic.json``). Costs speed: 0.068 vs 0.044 ms per norm at the
-            SD-1.5 UNet's largest shape (``h200-2026-12-01-s6-norm-probe.json``). Other targets: no effect (logged).
+            SD-1.5 UNet's largest shape (``h200-2026-12-01-s6-norm-probe.json``); end to end 0.486 vs 0.378 s an
+            image (H100, SD-1.5 512x512, 50 steps, ``h100-2026-12-07-s26-bench-*.json``). Other targets: no effect
+            (logged).
         max_prompt_chunks: the UNet's ``encoder_hidden_states`` takes 77 * k tokens for k = 1..this
             (1..:data:`MAX_PROMPT_CHUNKS`): long prompts in 75-token chunks (``runtime/prompt_encoding.py``). 1 = the
             UNet takes 77 tokens only (the artifact of before). With k > 1 the sequence axis is the profile dim ``S``

@@ -25,7 +25,11 @@ The GroupNorm kernels are chosen at compile time: ``compile --deterministic`` (`
 leaves ORT CUDA's GroupNorm unfused (the InstanceNormalization form torch exports). Measured on an H200
 (``benchmarks/norm_probe.py``, ``benchmarks/results/h200-2026-12-01-s6-*.json``): that form gave identical outputs
 over 8 runs where the fused kernel differed every run by up to 0.0039, and the tiny pipeline's identical calls
-differed by 0 (0.00195 without it); it costs 0.068 vs 0.044 ms per norm at the SD-1.5 UNet's largest shape.
+differed by 0 (0.00195 without it); it costs 0.068 vs 0.044 ms per norm at the SD-1.5 UNet's largest shape. On an
+H100 (``h100-2026-12-07-s26-*.json``) the whole mode cost 0.486 vs 0.378 s an image (SD-1.5, 512x512, 50 steps;
+UNet step 9.37 vs 7.33 ms, VAE decode 21.1 vs 10.5 ms), of which the unfused norms explain 0.35 ms of the UNet
+step (``benchmarks/groupnorm_forms.py``; no other form of ORT's ops measured faster); the rest is not yet split
+between the SkipGroupNorm fusions the mode gives up and ``use_deterministic_compute`` on the other kernels.
 :func:`compile_time_note` says when an artifact lacks it.
 """
 
