@@ -148,7 +148,7 @@ def compile_model(
         try:
             folder = folder_from_single_file(model, info, tmp / model.stem)
             pipeline.compile_pipeline(folder, out, config, overwrite=overwrite, progress=progress,
-                                      lock_timeout=lock_timeout)
+                                      lock_timeout=lock_timeout, preflight_done=True)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         _record_single_file(out, model, source)

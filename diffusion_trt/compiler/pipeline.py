@@ -379,6 +379,7 @@ def compile_pipeline(
     progress: bool = False,
     lock_timeout: float = 0.0,
     source_sha256: str | None = None,
+    preflight_done: bool = False,
 ) -> Path:
     """Compile a diffusers SD 1.x / 2.x / SDXL pipeline folder into an artifact folder.
 
@@ -394,6 +395,7 @@ def compile_pipeline(
             :func:`~diffusion_trt.artifact.folder.staging_dir`.
         source_sha256: ``artifacts.folder_hash(model_dir)`` when the caller has it already (compile_model hashes
             the folder for the compile cache's key); ``None`` = hash it here.
+        preflight_done: :func:`preflight` ran already (:func:`check_before_conversion`): not run again.
 
     Returns:
         ``out_dir`` as a Path.
@@ -406,7 +408,8 @@ def compile_pipeline(
             option that does not exist or has the wrong type (:mod:`diffusion_trt.passes.options`).
     """
     config = config or CompileConfig()
-    preflight(config)
+    if not preflight_done:
+        preflight(config)
     t_start = time.perf_counter()
     job = prepare(model_dir, Path(out_dir), config)
     with artifacts.staging_dir(job.out, overwrite=overwrite, lock_timeout=lock_timeout) as staging:
@@ -550,12 +553,18 @@ def check_before_conversion(config: CompileConfig, facts: Mapping[str, Any]) -> 
     fails before the checkpoint's conversion, not after it. :func:`prepare` checks all of it again on the converted
     folder.
 
+    Runs :func:`preflight` first and names the stages as :func:`compile_pipeline` does, so the error line is the
+    one compiling the converted folder gives (``compile_pipeline(..., preflight_done=True)`` then skips it).
+
     Raises:
-        ModelFolderError, RuntimeInputError: as :func:`prepare`.
+        ModelFolderError, RuntimeInputError, BuildError: as :func:`preflight` and :func:`prepare`.
     """
-    lora.check_lora_files(config.loras)
-    check_quantizable(config, facts)
-    config.resolve_profile(facts["default_height"])
+    preflight(config)
+    with stage("LoRA check"):
+        lora.check_lora_files(config.loras)
+    with stage("model check"):
+        check_quantizable(config, facts)
+        config.resolve_profile(facts["default_height"])
 
 
 def check_quantizable(config: CompileConfig, facts: Mapping[str, Any]) -> None:

@@ -356,7 +356,8 @@ def generate(request: Request, engines: LoopEngines, scheduler: Any, control: Co
     # of the WHOLE request, drawn once (the generator stream of one diffusers call) and sliced per chunk. Both
     # copy host->device blockingly, so they come before any engine work is queued (neither encoding the
     # prompt nor setting timesteps draws random numbers: the order does not change the images).
-    timesteps = set_schedule(scheduler, request.num_inference_steps, device, request.schedule)
+    timesteps = set_schedule(scheduler, request.num_inference_steps, device, request.schedule,
+                             getattr(cond, "strength", None))
     # with a custom schedule, diffusers' retrieve_timesteps makes num_inference_steps the schedule's length
     steps = request.num_inference_steps if request.schedule is None else len(timesteps)
     timesteps, begin_index = cond.start(scheduler, steps, timesteps)
@@ -458,10 +459,12 @@ def given_embeddings(request: Request, engines: LoopEngines, reader: PromptReade
 
 
 def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device,
-                 schedule: tuple[str, tuple[float, ...]] | None = None) -> torch.Tensor:
+                 schedule: tuple[str, tuple[float, ...]] | None = None, strength: float | None = None
+                 ) -> torch.Tensor:
     """``scheduler.set_timesteps(num_inference_steps)``, or with diffusers' custom ``timesteps`` / ``sigmas``
     (``schedule``: :func:`~.request.check_schedule`'s); returns the schedule as a CPU tensor
-    (:func:`host_timesteps`).
+    (:func:`host_timesteps`). ``strength`` (img2img / inpainting): only the steps from diffusers' ``t_start`` on
+    run, so only those are checked (1000 steps at strength 0.3 never step from timestep 1000: diffusers runs them).
 
     Raises:
         RuntimeInputError: more steps than the scheduler's training timesteps, steps it refuses, or a schedule it
@@ -483,7 +486,12 @@ def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device,
             f"use at most {train}"
         ) from e
     timesteps = host_timesteps(scheduler)
-    problem = _schedule_problem(timesteps, num_inference_steps, train)
+    begin = 0
+    if strength is not None:
+        from .image_inputs import strength_start
+
+        begin = strength_start(num_inference_steps, strength) * int(getattr(scheduler, "order", 1))
+    problem = _schedule_problem(timesteps[begin:], num_inference_steps - begin, train)
     if problem is not None and _steps_through(scheduler):  # Euler/Heun/DPM2 at 1000 steps: t=1000, sigma clamped
         problem = None
     if problem is not None:
@@ -570,7 +578,8 @@ def _expect_decodes(request: Request, engines: LoopEngines, latents: torch.Tenso
 def _chunk_scheduler(scheduler: Any, request: Request, begin_index: int | None, device: torch.device) -> Any:
     """A fresh scheduler for a chunk after the first, at the request's schedule (and strength's begin index)."""
     sched = fresh_scheduler(scheduler)
-    set_schedule(sched, request.num_inference_steps, device, request.schedule)
+    set_schedule(sched, request.num_inference_steps, device, request.schedule,
+                 getattr(request.conditioning, "strength", None))
     if begin_index is not None and hasattr(sched, "set_begin_index"):
         sched.set_begin_index(begin_index)
     return sched

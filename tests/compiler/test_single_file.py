@@ -268,3 +268,20 @@ def test_the_default_size_read_from_the_header_is_the_converted_folders(tmp_path
             converted = folder_from_single_file(file, info, tmp_path / f"c-{arch}-{prediction}")
             facts = model_facts(check_model_folder(converted))
             assert {k: facts[k] for k in info.facts} == info.facts, (arch, prediction)
+
+
+@pytest.mark.parametrize("args", [
+    ("--lora", "missing.safetensors"),
+    ("--height", "64", "--min-height", "72"),
+    ("--min-height", "200"),
+    ("--precision", "int8"),
+    ("--precision", "int8", "--pass-option", "nosuch=1"),
+], ids=["missing-lora", "height-below-min", "min-above-default-max", "int8-sdxl", "int8-and-bad-pass-option"])
+def test_the_header_check_gives_the_converted_folders_error_line(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """The check before the conversion fails with the very line compiling the folder gives (stage prefix included),
+    and checks what needs no model (pass options, the fp8 / TensorRT target) first, as the folder's compile does."""
+    folder = write_dummy_pipeline(tmp_path / "xl", arch="tiny-sdxl", seed=3)
+    file = write_single_file(folder, tmp_path / "xl.safetensors")
+    code_file, out_file = _invoke("compile", file, "-o", tmp_path / "out1", "--no-cache", *args)
+    code_dir, out_dir = _invoke("compile", folder, "-o", tmp_path / "out2", "--no-cache", *args)
+    assert (code_file, out_file.splitlines()[-1]) == (code_dir, out_dir.splitlines()[-1])
