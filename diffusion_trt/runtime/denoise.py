@@ -64,6 +64,7 @@ from ..errors import RuntimeInputError
 from .cuda import HostBuffers, HostImageSink, images_float, images_uint8, nvtx_range, to_pil
 from .embeddings import EmbeddingTable
 from .engines.engine import Engine, EngineSpec
+from .image_inputs import strength_start
 from .latents import Generator, StepCallback, StepEnd
 from .memory.stages import Stages
 from .prompt_encoding import PromptReader
@@ -486,12 +487,9 @@ def set_schedule(scheduler: Any, num_inference_steps: int, device: torch.device,
             f"use at most {train}"
         ) from e
     timesteps = host_timesteps(scheduler)
-    begin = 0
-    if strength is not None:
-        from .image_inputs import strength_start
-
-        begin = strength_start(num_inference_steps, strength) * int(getattr(scheduler, "order", 1))
-    problem = _schedule_problem(timesteps[begin:], num_inference_steps - begin, train)
+    start = 0 if strength is None else strength_start(num_inference_steps, strength)  # diffusers' get_timesteps
+    problem = _schedule_problem(timesteps[start * int(getattr(scheduler, "order", 1)):],
+                                num_inference_steps - start, train)
     if problem is not None and _steps_through(scheduler):  # Euler/Heun/DPM2 at 1000 steps: t=1000, sigma clamped
         problem = None
     if problem is not None:
@@ -544,8 +542,8 @@ def _steps_through(scheduler: Any) -> bool:
 
     dry = copy.deepcopy(scheduler)
     sample = torch.zeros(1, 1, 1, 1)
-    try:
-        with warnings.catch_warnings():
+    try:  # Euler a / DPM2 a draw noise from torch's global generator: forked, so a caller's seed is untouched
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
             warnings.simplefilter("ignore")
             for t in dry.timesteps:
                 sample = dry.step(torch.zeros_like(sample), t, dry.scale_model_input(sample, t)).prev_sample

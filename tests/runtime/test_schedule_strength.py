@@ -21,3 +21,20 @@ def test_1000_steps_at_strength_0_3_run_as_in_diffusers(name: str) -> None:
         set_schedule(make_scheduler(config, name), 1000, torch.device("cpu"))
     with pytest.raises(RuntimeInputError, match="use at most 999"):
         set_schedule(make_scheduler(config, name), 1000, torch.device("cpu"), strength=1.0)
+
+
+@pytest.mark.parametrize("name", ["euler_a", "dpm2_a"])
+def test_the_1000_step_dry_run_leaves_torchs_global_generator_alone(name: str) -> None:
+    """The dry run that lets Euler a / DPM2 a run 1000 steps steps a copy of the scheduler, whose ancestral noise
+    comes from torch's global generator; a caller seeding with ``torch.manual_seed`` (no ``generator=``) must get
+    the numbers it would have had without the check. The config as an artifact keeps it (PNDM's saved config:
+    'leading' spacing, so 1000 steps reach timestep 1000 and the dry run happens)."""
+    import diffusers
+
+    config = dict(diffusers.PNDMScheduler.from_config(SD15_SCHEDULER_CONFIG).config)
+    assert config["timestep_spacing"] == "leading"
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    set_schedule(make_scheduler(config, name), 1000, torch.device("cpu"))
+    assert torch.equal(torch.rand(4), expected)
