@@ -272,13 +272,17 @@ def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 _API_FLAGS: dict[str, str] = {
     **{a.name: a.cli for a in GENERATION_ARGS.values() if a.cli},
     "runtime_cache_dir": "--runtime-cache",
+    "image": "--image",
     "mask_image": "--mask",
 }
 #: ``name=value`` in a message: a name, then a value as ``repr`` writes it (bool, None, number, quoted string, a flat
-#: list or tuple); not inside a longer word, an option (``--pass-option pack_qkv=true``) or a path.
+#: list or tuple); not inside a longer word, an option (``--pass-option pack_qkv=true``) or a path. Or an argument
+#: named without a value: ``name=`` (``drop height=``), or a bare ``snake_case`` name (``mask_image is 32x32``); a bare
+#: one-word name (``image``, ``strength``) is prose, left alone.
 _ARG_VALUE = re.compile(
     r"(?<![\w./-])([a-z_][a-z0-9_]*)=(True|False|None|nan|-?inf|-?\d+(?:\.\d+)?(?:e[-+]?\d+)?|'[^'\\]*'|\"[^\"\\]*\"|"
     r"\[[^\[\]()]*\]|\([^\[\]()]*\))(?!\w)"
+    r"|(?<![\w./=-])([a-z_][a-z0-9_]*)=(?=[\s,;:)]|$)|(?<![\w./=-])([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?![\w=/-]|\.\w)"
 )
 
 
@@ -287,8 +291,9 @@ def _as_typed(message: str, error: BaseException, ctx: click.Context | None) -> 
     the first error along its ``__cause__`` chain that names any: a stage wrapper re-raises with a prefix) written as
     the option of this command that sets it, as the user typed it: ``refit_convs=True`` -> ``--refit-convs``,
     ``backend='ort'`` -> ``--backend ort``, ``compute_capabilities=('8.9', '12.0')`` -> ``--compute-capability
-    8.9,12.0``; a flag's ``False`` / an option's ``None`` -> ``no --flag``. Names no option of the command sets stay
-    as they are. The one place where the library's spelling (the Python API's) becomes the command line's."""
+    8.9,12.0``; a flag's ``False`` / an option's ``None`` -> ``no --flag``; ``mask_image`` / ``height=`` (no value)
+    -> ``--mask`` / ``--height``. Names no option of the command sets stay as they are. The one place where the
+    library's spelling (the Python API's) becomes the command line's."""
     names: frozenset[str] = frozenset()
     seen: set[int] = set()
     e: BaseException | None = error
@@ -301,11 +306,16 @@ def _as_typed(message: str, error: BaseException, ctx: click.Context | None) -> 
     options = {p.name: p for p in ctx.command.params if isinstance(p, click.Option)}
     by_flag = {o: p for p in options.values() for o in p.opts}
 
+    def option_of(name: str) -> click.Option | None:
+        return (options.get(name) or by_flag.get(_API_FLAGS.get(name, ""))) if name in names else None
+
     def typed(m: re.Match[str]) -> str:
         name, text = m.group(1), m.group(2)
-        option = options.get(name) or by_flag.get(_API_FLAGS.get(name, ""))
-        if name not in names or option is None:
+        option = option_of(name or m.group(3) or m.group(4))
+        if option is None:
             return m.group(0)
+        if text is None:  # named without a value
+            return max(option.opts, key=len)
         try:
             value = text if text in ("nan", "inf", "-inf") else ast.literal_eval(text)
         except (ValueError, SyntaxError):

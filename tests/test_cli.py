@@ -132,6 +132,12 @@ def test_messages_name_the_options_the_user_typed() -> None:
             "(got no --refittable, --no-cuda-graph, no --backend)",
         "compute_capabilities=['8.6', '8.9'] are": "--compute-capability 8.6,8.9 are",
         "num_inference_steps=5000 is more": "--steps 5000 is more",  # the API name of run's --steps
+        # named without a value: ``name=``, or a bare snake_case name; a bare one-word name is prose
+        "drop refittable= or raise num_inference_steps.": "drop --refittable or raise --steps.",
+        "cuda_graph is on; prompt and backend=, compute_capabilities)": "--cuda-graph is on; prompt and --backend, "
+                                                                       "--compute-capability)",
+        "a/num_inference_steps, num_inference_steps.onnx, num_inference_steps=<x>, refittable=x":
+            "a/num_inference_steps, num_inference_steps.onnx, num_inference_steps=<x>, refittable=x",
         "prompt='a cat' and prompt='x'": "--prompt 'a cat' and --prompt x",
         # not an option of this command / not named by the error / not a value / inside a word or option
         "height=70, precision='fp16', backend=<object>, --pass-option x_backend=1, refittable=true":
@@ -226,13 +232,17 @@ def test_run_refuses_what_the_artifact_cannot_honour_before_any_engine_opens(
     [
         (["--image", "{rgb64}", "--strength", "0"], r"--strength 0\.0 must be a number in \(0, 1\]: .*"),
         (["--image", "{rgb64}", "--strength", "nan"], r"--strength nan must be a number in \(0, 1\]: .*"),
-        (["--image", "{rgb64}", "--strength", "0.1"], r"--strength 0\.1 with --steps 1 leaves .*"),
+        # named the Python arguments: "raise strength to >= 1 or num_inference_steps to >= 10"
+        (["--image", "{rgb64}", "--strength", "0.1"],
+         r"--strength 0\.1 with --steps 1 leaves int\(1 \* 0\.1\) = 0 denoising steps; raise it to e\.g\. "
+         r"--strength 1 or --steps 10"),
         (["--image", "{rgb60}", "--strength", "1"],
          r"image width 60 is not a multiple of 8 .*; resize or crop the image to 56 or 64 .*"),
         (["--image", "{rgb64}", "--strength", "1", "--height", "32"],
-         r"--height 32 but the image is 64x64 \(WxH\); .*"),
+         r"--height 32 but the image is 64x64 \(WxH\); with --image the size is the image's: drop --height or "
+         r"resize the image \(it is never resized here\)"),  # said "with image= ...: drop height="
         (["--image", "{rgb64}", "--mask", "{mask32}"],
-         r"mask_image is 32x32 \(WxH\) but the image is 64x64; pass a mask of the image's size"),
+         r"--mask is 32x32 \(WxH\) but the image is 64x64; pass a mask of the image's size"),  # said "mask_image"
         (["--clip-skip", "5"], r"--clip-skip 5 is more than this artifact's text encoder serves \(up to 1; .*"),
         (["--controlnet", "canny", "--control-image", "{rgb64}"],
          r"this artifact has no ControlNet; compile it with --controlnet \[NAME=\]FOLDER"),

@@ -410,10 +410,15 @@ def check_strength(strength: Any, num_inference_steps: int) -> float:
         need = math.ceil(1 / strength)
         raise RuntimeInputError(
             f"strength={strength:g} with num_inference_steps={num_inference_steps} leaves "
-            f"int({num_inference_steps} * {strength:g}) = 0 denoising steps; raise strength to >= "
-            f"{1 / num_inference_steps:g} or num_inference_steps to >= {need}"
+            f"int({num_inference_steps} * {strength:g}) = 0 denoising steps; raise it to e.g. "
+            f"strength={least_strength(num_inference_steps):g} or num_inference_steps={need}"
         )
     return strength
+
+
+def least_strength(num_inference_steps: int) -> float:
+    """The smallest strength of two decimals (at most 1) that leaves ``num_inference_steps`` one denoising step."""
+    return min(math.ceil(100 / num_inference_steps) / 100, 1.0)
 
 
 def strength_start(num_inference_steps: int, strength: float) -> int:
