@@ -1822,6 +1822,15 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
     if json_path is not None and plot_path is not None and _same_file(json_path, plot_path):  # the chart replaced it
         raise click.BadParameter(f"{str(plot_path)!r} is the --json file too; give each its own path, e.g. --json "
                                  "bench.json --plot bench.png", param_hint="--plot")
+    if scheduler is not None:  # a typo fails before the engines load, named as --scheduler
+        from .runtime.schedulers import resolve_scheduler
+
+        resolve_scheduler(scheduler)
+    if sizes is None:
+        _check_bench_size(_read_manifest(artifact_dir)[0], height, width)
+    elif height is not None or width is not None:
+        logger.warning("%s: no effect with --sizes (the sizes measured are those of --sizes); drop it",
+                       " and ".join(_given(("height", "width"))))
     device_list = _parse_devices(devices, device)
     config = BenchConfig(
         artifact=artifact_dir, baseline=baseline, model_dir=model_dir, device="cuda" if device_list else device,
@@ -1838,6 +1847,21 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
     if plot_path is not None:
         plot_path.parent.mkdir(parents=True, exist_ok=True)
         click.echo(f"plot: {plot_result(result, plot_path)}")
+
+
+def _check_bench_size(manifest: Manifest | None, height: int | None, width: int | None) -> None:
+    """``bench --height/--width`` against the artifact's profile before the engines load (they were refused at the
+    first call, after the load, as ``height=60``); an artifact whose manifest cannot be read is left to the load."""
+    from .config import check_image_size
+    from .errors import names_arguments
+
+    if manifest is None:
+        return
+    profile, multiple = manifest.profile, manifest.model.vae_scale_factor
+    with names_arguments("height", "width"):
+        for name, value, span in (("height", height, profile.height), ("width", width, profile.width)):
+            if value is not None:
+                check_image_size(name, value, span.min, span.max, multiple=multiple)
 
 
 @main.command("export-triton")

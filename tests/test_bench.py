@@ -337,3 +337,32 @@ def test_bench_refuses_one_path_for_json_and_plot(tiny_artifact: Path, tmp_path:
     assert result.output.splitlines()[0] == (f"error: Invalid value for --plot: '{path}' is the --json file too; give "
                                              "each its own path, e.g. --json bench.json --plot bench.png")
     assert not path.exists()
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--height", "60"], "--height 60 is not a positive multiple of 8; use 56 or 64 (engine profile allows 32..128)"),
+    (["--width", "256"], "--width 256 is outside the engine profile 32..128; use a size in that range or recompile "
+                         "with --min-width/--max-width"),
+    (["--scheduler", "nosuch"], "--scheduler nosuch is unknown; use one of pndm, ddim, ddpm, euler, euler_a, heun, "
+                                "lms, dpm2, dpm2_a, dpm++, dpm++_karras, dpm++_sde, dpm++_sde_karras, unipc, deis"),
+], ids=["height-60", "width-256", "scheduler-nosuch"])
+def test_bench_refuses_a_bad_size_or_scheduler_before_the_load_naming_the_flag(
+        tiny_artifact: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], line: str) -> None:
+    """bench --height 60 / --width 256 / --scheduler nosuch loaded the engines first, then said "height=60 ...",
+    "scheduler='nosuch' is unknown" (the Python arguments): one line naming the flag, exit 2, nothing loaded."""
+    from diffusion_trt.runtime import EnginePipeline
+
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--baseline", "none", "--steps", "1", *args])
+    assert result.exit_code == 2 and result.output == f"error: {line}\n", result.output
+
+
+def test_bench_warns_of_height_and_width_with_sizes(tiny_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--height/--width with --sizes were dropped silently (--sizes is what is measured)."""
+    import diffusion_trt.bench
+
+    monkeypatch.setattr(diffusion_trt.bench, "run_bench", _no_timing)
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--sizes", "64x64", "--height", "32", "--width",
+                                       "32"])
+    assert result.output.splitlines()[0] == ("warning: --height and --width: no effect with --sizes (the sizes "
+                                             "measured are those of --sizes); drop it"), result.output
