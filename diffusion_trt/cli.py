@@ -355,6 +355,14 @@ def _vram_budget(ctx: click.Context, param: click.Parameter, value: str | None) 
     return value
 
 
+def _devices(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--devices``: an empty value (an unset shell variable) is refused (exit 2), not taken for one device."""
+    if value is not None and not value.strip():
+        raise click.BadParameter(f"{value!r} is empty; give CUDA devices, e.g. 0,1 or all, or drop --devices to run "
+                                 "on one device", ctx=ctx, param=param)
+    return value
+
+
 def _sha256_hex(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """``--expect-sha256``: 64 hex digits, or a usage error (exit 2) before the artifact is read."""
     from .artifact.folder import sha256_hex_problem
@@ -1244,7 +1252,7 @@ def _same_file(a: Path, b: Path) -> bool:
 @click.option("--scheduler", default=None, help=f"{SCHEDULER_HELP} [default: the model's].")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
 @click.option("--snap", is_flag=True, help="Snap --height/--width to the nearest size the artifact allows (logged).")
-@click.option("--devices", default=None,
+@click.option("--devices", default=None, callback=_devices,
               help="CUDA devices, e.g. 0,1 or all: data-parallel, the images split across them [default: one].")
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
               help="Replay engines as CUDA graphs; --cuda-graph: every engine [default: on for static CUDA artifacts "
@@ -1764,7 +1772,8 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
 @click.option("--warmup", type=int, default=1, show_default=True, help="Untimed calls before timing.")
 @click.option("--stage-iters", type=int, default=20, show_default=True, help="Timed calls per stage (median).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
-@click.option("--devices", default=None, help="CUDA devices, e.g. 0,1: ours on the first, multi-GPU on all.")
+@click.option("--devices", default=None, callback=_devices,
+              help="CUDA devices, e.g. 0,1: ours on the first, multi-GPU on all.")
 @click.option("--scheduler", default=None, help=f"{SCHEDULER_HELP} for both sides [default: the model's].")
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
               help="Our engines as CUDA graphs; --cuda-graph: every engine [default: on for static CUDA artifacts and "

@@ -287,6 +287,21 @@ def test_controlnet_options_without_a_controlnet_are_refused(args: list[str], ti
                                 "try 'main run --help'"], out
 
 
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_empty_devices_is_refused(command: str, tiny_artifact: Path, tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--devices ''` (an unset shell variable) ran on one device, silently, as if --devices were not given."""
+    from diffusion_trt.runtime import EnginePipeline
+
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    rest = ["-p", "x", "-o", tmp_path / "o.png"] if command == "run" else ["--baseline", "none"]
+    code, out = _invoke(command, tiny_artifact, *rest, "--devices", "")
+    assert code == 2 and out.splitlines() == ["error: Invalid value for '--devices': '' is empty; give CUDA devices, "
+                                              "e.g. 0,1 or all, or drop --devices to run on one device",
+                                              f"try 'main {command} --help'"], out
+    assert not (tmp_path / "o.png").exists()
+
+
 @pytest.mark.parametrize("command", ["run", "compile"])
 def test_lora_without_a_file_is_one_error_line(command: str, tiny_artifact: Path, tiny_pipeline_dir: Path,
                                                tmp_path: Path) -> None:
