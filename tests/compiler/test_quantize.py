@@ -114,6 +114,17 @@ def test_calibration_is_deterministic_and_the_cache_is_reused(mini_path: Path, t
     assert facts3["calibration"]["reused"] is False
 
 
+@pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n", b"[1, 2]"], ids=["png", "json-list"])
+def test_a_file_that_is_no_calibration_cache_is_not_used(mini_path: Path, tmp_path: Path, content: bytes) -> None:
+    """compile --precision int8 --calibration-cache photo.png failed after the export, exit 1: "compile failed at
+    calibrate and quantize of unet: UnicodeDecodeError ..."; a JSON list, AttributeError. Not used: calibrates."""
+    cache = tmp_path / "not-a-cache.png"
+    cache.write_bytes(content)
+    facts = quantize.quantize_onnx(mini_path, tmp_path / "a" / "model.onnx", quantize.QuantizeSpec("int8", "tensorrt"),
+                                   feeds(), cache_settings={"seed": 0}, cache_in=cache, component="unet")
+    assert facts["calibration"]["reused"] is False
+
+
 def calibrate_ranges_bytes(model: Path, out: Path) -> bytes:
     from onnxruntime.quantization import CalibrationMethod
 

@@ -37,8 +37,10 @@ def _load_cache(meta_path: Path, key: str, settings: Mapping[str, Any]) -> tuple
 
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8 (a PNG given as the cache), or not JSON
         return None, f"unreadable ({e})"
+    if not isinstance(meta, dict):
+        return None, f"not a calibration cache (JSON {type(meta).__name__}, not an object)"
     if meta.get("format") != CACHE_FORMAT or meta.get("key") != key:
         old = meta.get("settings", {})
         differ = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
