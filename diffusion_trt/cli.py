@@ -1541,6 +1541,7 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
             (:func:`_only_controlnet`).
     """
     from .config import split_scale
+    from .errors import RuntimeInputError
     from .runtime.controlnet import DEFAULT_CONTROL_SCALE
     from .runtime.float_range import finite_in_float32
 
@@ -1552,6 +1553,9 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
         return {}
     if len(control_images) == 1 and not controlnets:  # the only ControlNet, as controlnet=None from Python and serve
         controlnets = _only_controlnet(_needed(read))
+    if read[0] is not None and not _has_controlnet(read[0]):  # before the count: a --control-image will not help
+        raise RuntimeInputError("--controlnet: this artifact has no ControlNet; compile it with --controlnet "
+                                "[NAME=]FOLDER")
     if len(control_images) != len(controlnets):
         raise click.UsageError(f"{len(control_images)} --control-image for {len(controlnets)} --controlnet; give "
                                "one control image per ControlNet, in the same order")
@@ -1572,6 +1576,13 @@ def _control_arguments(read: tuple[Manifest | None, DiffusionTrtError | None], c
     return {"controlnet": names, "control_image": images if len(images) > 1 else images[0],
             "controlnet_conditioning_scale": scales, "control_guidance_start": start,
             "control_guidance_end": end, "guess_mode": guess_mode}
+
+
+def _has_controlnet(manifest: Manifest) -> bool:
+    """Whether ``manifest`` has any ControlNet component (whole or not: the load says what an incomplete one lacks)."""
+    from .artifact.manifest import CONTROLNET_PREFIX, EMBED_PREFIX, UNET_CONTROLNET
+
+    return any(n == UNET_CONTROLNET or n.startswith((CONTROLNET_PREFIX, EMBED_PREFIX)) for n in manifest.components)
 
 
 def _only_controlnet(manifest: Manifest) -> tuple[str]:

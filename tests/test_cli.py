@@ -245,12 +245,16 @@ def test_run_refuses_what_the_artifact_cannot_honour_before_any_engine_opens(
          r"--mask is 32x32 \(WxH\) but the image is 64x64; pass a mask of the image's size"),  # said "mask_image"
         (["--clip-skip", "5"], r"--clip-skip 5 is more than this artifact's text encoder serves \(up to 1; .*"),
         (["--controlnet", "canny", "--control-image", "{rgb64}"],
-         r"this artifact has no ControlNet; compile it with --controlnet \[NAME=\]FOLDER"),
+         r"--controlnet: this artifact has no ControlNet; compile it with --controlnet \[NAME=\]FOLDER"),
+        # said "0 --control-image for 1 --controlnet; give one control image per ControlNet": adding one then
+        # met "this artifact has no ControlNet"
+        (["--controlnet", "canny"],
+         r"--controlnet: this artifact has no ControlNet; compile it with --controlnet \[NAME=\]FOLDER"),
         (["--control-image", "{rgb64}"],
          r"--control-image: this artifact has no ControlNet; compile it with --controlnet \[NAME=\]FOLDER"),
     ],
     ids=["strength-0", "strength-nan", "strength-no-step", "image-width-60", "height-not-the-image's", "mask-size",
-         "clip-skip-5", "no-controlnet", "control-image-alone-no-controlnet"],
+         "clip-skip-5", "no-controlnet", "controlnet-without-image-no-controlnet", "control-image-alone-no-controlnet"],
 )
 def test_run_refuses_bad_image_clip_skip_and_controlnet_arguments_before_any_engine_opens(
         tiny_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], line: str) -> None:
