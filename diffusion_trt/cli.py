@@ -65,6 +65,17 @@ class FiniteFloat(click.FloatRange):
         return "" if self.min is None and self.max is None else super()._describe_range()
 
 
+class PathArg(click.Path):
+    """A path option or argument that refuses an empty value (an unset shell variable, exit 2 naming it): click reads
+    ``''`` as ``Path('')``, the current folder, which ``run --runtime-cache ''`` then used as the cache folder,
+    ``inspect ''`` as the artifact, and ``run -o ''`` refused as "'.' does not end in .png"."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value:
+            self.fail("'' is empty; give a path", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def _run_default(name: str) -> Any:
     """``run``'s default of generation argument ``name`` (runtime/generation_args.py: the CLI's and serve's)."""
     return GENERATION_ARGS[name].default_for(front=True)
@@ -439,7 +450,7 @@ def main(verbose: int) -> None:
 
 
 @main.command("dummy-pipeline")
-@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("out_dir", type=PathArg(file_okay=False, path_type=Path))
 @click.option("--arch", type=click.Choice(ARCHS), default="tiny", show_default=True,
               help="tiny: a few-MB SD-shaped pipeline for tests; sd15 / sd21 / sdxl: the true SD-1.5 (~4 GB), SD-2.1 "
                    "(768x768, v-prediction, ~5 GB) and SDXL-base (1024x1024, two text encoders, ~14 GB) architectures; "
@@ -467,8 +478,8 @@ def dummy_pipeline(out_dir: Path, arch: str, seed: int, overwrite: bool) -> None
 
 
 @main.command("dummy-lora")
-@click.argument("model_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model_dir", type=PathArg(file_okay=False, path_type=Path))
+@click.argument("out", type=PathArg(dir_okay=False, path_type=Path))
 @click.option("--rank", type=click.IntRange(min=1, max=1024), default=4, show_default=True, help="LoRA rank.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random matrices.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
@@ -493,7 +504,7 @@ def dummy_lora(model_dir: Path, out: Path, rank: int, seed: int, overwrite: bool
     counts = write_dummy_lora(model_dir, out, rank=rank, seed=seed)
     click.echo(f"lora: {out} ({', '.join(f'{c} {n} layers' for c, n in counts.items())})")
 @main.command("dummy-controlnet")
-@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("out_dir", type=PathArg(file_okay=False, path_type=Path))
 @click.option("--arch", type=click.Choice([a for a in ARCHS if "inpaint" not in a]), default="tiny",
               show_default=True, help="The base architecture (as dummy-pipeline's --arch).")
 @click.option("--seed", type=SEED, default=0, show_default=True,
@@ -515,8 +526,8 @@ def dummy_controlnet(out_dir: Path, arch: str, seed: int, overwrite: bool) -> No
 
 
 @main.command("add-controlnet")
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
-@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("artifact_dir", type=PathArg(path_type=Path))
+@click.argument("model_dir", type=PathArg(path_type=Path))
 @click.argument("controlnets", nargs=-1, required=True, metavar="[NAME=]FOLDER|FILE.safetensors...")
 @click.option("--replace", is_flag=True, help="Swap a ControlNet the artifact has already.")
 @_handle_errors
@@ -544,11 +555,11 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
 
 
 @main.command("compile")
-@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", type=PathArg(path_type=Path))
 @click.option("--revision", default=None,
               help="With a Hugging Face model id (org/name): the branch, tag or commit [default: main].")
 @click.option("--variant", default=None, help="With a model id: the weights variant to read, e.g. fp16.")
-@click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("-o", "--output", "out_dir", type=PathArg(file_okay=False, path_type=Path), default=None,
               help="Artifact folder [default: artifacts/<model folder name>].")
 @click.option("--backend", type=click.Choice([b.value for b in Backend]), default=Backend.ORT.value, callback=_backend,
               show_default=True,
@@ -576,7 +587,7 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
 @click.option("--calibration-seed", type=SEED, default=0, show_default=True, help="int8/fp8: seed of the latents.")
 @click.option("--calibration-method", type=click.Choice(["minmax", "entropy", "percentile"]), default="minmax",
               show_default=True, help="int8: ONNX Runtime calibrator (fp8 always uses 'distribution').")
-@click.option("--calibration-cache", type=click.Path(), default=None,
+@click.option("--calibration-cache", type=PathArg(), default=None,
               help="int8/fp8: reuse a calibration cache (FILE, or a DIR / artifact holding one) when the settings "
                    "match; a DIR without one receives the new cache.")
 @click.option("--quantize-vae", is_flag=True, help="int8/fp8: quantize the VAE decoder too.")
@@ -635,13 +646,13 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
               help="ORT CUDA: leave GroupNorm unfused (ORT's GroupNorm kernel is not run-to-run deterministic); "
                    "run with --deterministic too. Elsewhere no effect (a warning says so). Slower: SD-1.5 512x512, "
                    "H100, 50 steps: 0.486 vs 0.378 s an image.")
-@click.option("--dump-passes", type=click.Path(file_okay=False), default=None,
+@click.option("--dump-passes", type=PathArg(file_okay=False), default=None,
               help="Write the graph after each pass into this folder.")
 @click.option("--pass-option", "pass_options", multiple=True, metavar="KEY=VALUE",
               help="An option for the passes (PassContext.options; each pass's docstring lists its own), e.g. "
                    "pack_qkv=true or fuse_attention_emit=none (the keys: diffusion_trt/passes/options.py); VALUE is "
                    "read as JSON when it parses. Repeatable.")
-@click.option("--timing-cache", type=click.Path(file_okay=False), default="~/.cache/diffusion-trt/timing-cache",
+@click.option("--timing-cache", type=PathArg(file_okay=False), default="~/.cache/diffusion-trt/timing-cache",
               show_default=True, help="TensorRT: folder of timing caches reused across builds.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact (only once the new one is complete).")
 @click.option("--lock-timeout", type=FiniteFloat(min=0), default=0, show_default=True,
@@ -653,7 +664,7 @@ def add_controlnet_cmd(artifact_dir: Path, model_dir: Path, controlnets: tuple[s
                    "releases; the weights cannot tell 768-v from 512-base), epsilon for SD 2.x inpainting, SD 1.x "
                    "and SDXL.")
 @click.option("--no-cache", is_flag=True, help="Compile from scratch; neither read nor fill the compile cache.")
-@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+@click.option("--cache-dir", type=PathArg(path_type=Path), default=None,
               help="Compile cache folder [default: $DIFFUSION_TRT_CACHE, else $XDG_CACHE_HOME/diffusion-trt/compile, "
                    "else ~/.cache/diffusion-trt/compile].")
 @click.option("--cache-max-gb", type=FiniteFloat(min=0, min_open=True), default=20.0, show_default=True,
@@ -1105,14 +1116,14 @@ def _print_pass_table(path: Path) -> None:
 
 
 @main.command("optimize")
-@click.argument("source", type=click.Path(path_type=Path))
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+@click.argument("source", type=PathArg(path_type=Path))
+@click.option("-o", "--output", type=PathArg(dir_okay=False, path_type=Path), required=True,
               help="Optimized .onnx to write (weights beside it in OUTPUT.data when > ~1.8 GB).")
 @click.option("--target", type=click.Choice(["ort-cuda", "ort-cpu", "tensorrt"]), default="ort-cuda",
               show_default=True, help="Which engine the graph is for: picks the fusions' emitted ops.")
 @click.option("--precision", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
               help="fp16: convert_fp16 with the activation range check (overflowing tensors stay fp32).")
-@click.option("--dump-passes", type=click.Path(), default=None,
+@click.option("--dump-passes", type=PathArg(), default=None,
               help="Write the graph before the first pass and after each pass into this folder.")
 @click.option("--pass-option", "pass_options", multiple=True, metavar="KEY=VALUE",
               help="Per-pass option (JSON value), e.g. fuse_attention_emit=none; repeatable.")
@@ -1120,12 +1131,12 @@ def _print_pass_table(path: Path) -> None:
               help="Run original and optimized graphs in ONNX Runtime; report max abs / cosine per output and "
                    "exit 1 (OUTPUT not written) when one fails: cosine < 0.999, or max abs over 0.05 x the output's "
                    "scale for fp16 (0.001 x for fp32), or inf/NaN where the original's is finite.")
-@click.option("--inputs", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--inputs", type=PathArg(dir_okay=False, path_type=Path), default=None,
               help="An .npz with one array per graph input (fp16 calibration and --check); default: random.")
 @click.option("--shape", "shapes", multiple=True, metavar="NAME:DxDx..",
               help="Dims of a random input, e.g. sample:1x4x64x64 (unknown dims are otherwise 1); repeatable.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random inputs.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--json", "json_path", type=PathArg(dir_okay=False, path_type=Path), default=None,
               help="Also write the counts, fp16 islands and parity as JSON here.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUTPUT (and its external-data file).")
 @_handle_errors
@@ -1221,7 +1232,7 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 @main.command("run")
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.argument("artifact_dir", type=PathArg(path_type=Path))
 @click.option("-p", "--prompt", required=True, help="Text prompt.")
 @click.option("-n", "--negative-prompt", default=None,
               help="Negative prompt [default: none: SD uses the empty prompt's embedding, SDXL zeros, as diffusers "
@@ -1234,7 +1245,7 @@ def _same_file(a: Path, b: Path) -> bool:
               help="Text states from N layers before the last, then the final layer norm (diffusers' clip_skip; "
                    "1 = A1111's 'Clip skip 2'; SDXL: N layers before its penultimate one, no layer norm); up to "
                    "the artifact's compile --max-clip-skip [default: the last].")
-@click.option("--embedding", "embeddings", multiple=True, type=click.Path(path_type=Path), metavar="FILE",
+@click.option("--embedding", "embeddings", multiple=True, type=PathArg(path_type=Path), metavar="FILE",
               help="A textual-inversion embedding (.safetensors; .pt through torch's weights-only loader; SDXL: "
                    "the clip_l/clip_g form), written by its file name in the prompts, e.g. -n 'easynegative, "
                    "lowres'; repeatable.")
@@ -1257,18 +1268,18 @@ def _same_file(a: Path, b: Path) -> bool:
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
               help="Replay engines as CUDA graphs; --cuda-graph: every engine [default: on for static CUDA artifacts "
                    "and TensorRT; ONNX Runtime: the UNet and ControlNets, the text encoder and VAE eager].")
-@click.option("--runtime-cache", "runtime_cache", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--runtime-cache", "runtime_cache", type=PathArg(file_okay=False, path_type=Path), default=None,
               help="TensorRT-RTX: folder of the artifact's runtime cache (kernels compiled for this GPU on first load) "
                    "[default: ~/.cache/diffusion-trt/runtime-cache/<manifest sha256[:16]>].")
-@click.option("-o", "--output", "out", type=click.Path(dir_okay=False, path_type=Path), default=Path("out.png"),
+@click.option("-o", "--output", "out", type=PathArg(dir_okay=False, path_type=Path), default=Path("out.png"),
               show_default=True,
               help="PNG path; with several images, -1, -2 ... are appended; existing files are refused (--overwrite).")
 @click.option("--overwrite", is_flag=True, help="Replace PNGs that exist at -o (and its -1, -2 ... siblings).")
-@click.option("--image", "image_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+@click.option("--image", "image_path", type=PathArg(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Image-to-image: the start image (its size is the output size, a multiple of 8).")
 @click.option("--strength", type=float, default=None,
               help="With --image: how much of it is re-noised, in (0, 1] [default: 0.8; 1.0 with --mask].")
-@click.option("--mask", "mask_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+@click.option("--mask", "mask_path", type=PathArg(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Inpainting, with --image: white = repaint, black = keep (read as grayscale, alpha ignored, as "
                    "diffusers; the image's size).")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE", help=VRAM_BUDGET_HELP)
@@ -1280,7 +1291,7 @@ def _same_file(a: Path, b: Path) -> bool:
                    "diffusers: 1.0; 0.8 with --image, 0.5 with --mask); "
                    "repeatable, paired in order with --control-image.")
 @click.option("--control-image", "control_images", multiple=True,
-              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              type=PathArg(exists=True, dir_okay=False, path_type=Path),
               help="The control image of each --controlnet, of the output size (RGB; never resized); one alone, "
                    "without --controlnet, is for the artifact's only ControlNet.")
 @click.option("--control-preprocess", type=click.Choice(["none", "canny"]), default="none", show_default=True,
@@ -1605,7 +1616,7 @@ def _only_controlnet(manifest: Manifest) -> tuple[str]:
 
 
 @main.command("inspect")
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.argument("artifact_dir", type=PathArg(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (for machines).")
 @_handle_errors
 def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
@@ -1637,7 +1648,7 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
 
 
 @main.command("verify")
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.argument("artifact_dir", type=PathArg(path_type=Path))
 @click.option("--no-hashes", is_flag=True, help="Check sizes only, not sha256 (fast on multi-GB artifacts).")
 @click.option("--no-host", is_flag=True, help="Skip the checks against this machine (providers, TensorRT, GPU).")
 @click.option("--tensorrt", "trt_version", default=None,
@@ -1647,7 +1658,7 @@ def inspect_cmd(artifact_dir: Path, as_json: bool) -> None:
 @click.option("--expect-sha256", default=None, metavar="HEX", callback=_sha256_hex,
               help="The manifest digest (manifest_sha256, see `inspect --json`) you trust; any other artifact fails, "
                    "even one resealed after an edit (the seal is an unkeyed sha256: it catches accidents, not intent).")
-@click.option("--source", "source", type=click.Path(exists=True, path_type=Path), default=None,
+@click.option("--source", "source", type=PathArg(exists=True, path_type=Path), default=None,
               help="Also check that this model folder (or single .safetensors file) holds the weights compiled.")
 @_handle_errors
 def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: str | None,
@@ -1772,10 +1783,10 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
 
 
 @main.command("bench")
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.argument("artifact_dir", type=PathArg(path_type=Path))
 @click.option("--baseline", type=click.Choice(["diffusers", "none"]), default="diffusers", show_default=True,
               help="Also measure diffusers (eager fp16 SDPA, and with a CUDA-graphed UNet on CUDA).")
-@click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--model-dir", type=PathArg(file_okay=False, path_type=Path), default=None,
               help="diffusers folder for the baseline [default: the manifest's source path].")
 @click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True)
 @click.option("--batch-size", "batch_sizes", default="1", show_default=True, help="Images per call, e.g. 1,4.")
@@ -1789,14 +1800,14 @@ def _int_list(value: str, option: str) -> tuple[int, ...]:
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
               help="Our engines as CUDA graphs; --cuda-graph: every engine [default: on for static CUDA artifacts and "
                    "TensorRT; ONNX Runtime: the UNet and ControlNets, the text encoder and VAE eager].")
-@click.option("--runtime-cache", "runtime_cache", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--runtime-cache", "runtime_cache", type=PathArg(file_okay=False, path_type=Path), default=None,
               help="TensorRT-RTX: folder of the artifact's runtime cache (kernels compiled for this GPU on first load) "
                    "[default: ~/.cache/diffusion-trt/runtime-cache/<manifest sha256[:16]>].")
 @click.option("--prompt", default=None, help="Prompt of every call [default: a fixed landscape prompt].")
 @click.option("--seed", type=SEED, default=0, show_default=True)
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+@click.option("--json", "json_path", type=PathArg(path_type=Path), default=None,
               help="Write the result as JSON (schema: diffusion_trt/data/bench_result.schema.json).")
-@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
+@click.option("--plot", "plot_path", type=PathArg(path_type=Path), default=None,
               help="Write a bar chart PNG (matplotlib if installed, else Pillow).")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE",
               help="Also run ours under this budget (" + VRAM_BUDGET_HELP.split(": ")[0].lower() + "): per-stage peak "
@@ -1885,8 +1896,8 @@ def _check_bench_size(manifest: Manifest | None, height: int | None, width: int 
 
 
 @main.command("export-triton")
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
-@click.argument("repo_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("artifact_dir", type=PathArg(path_type=Path))
+@click.argument("repo_dir", type=PathArg(file_okay=False, path_type=Path))
 @click.option("--prefix", default="", help="Prepended to every model name (several artifacts in one repository).")
 @click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
               help="Instances per engine model.")
@@ -1926,7 +1937,7 @@ def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances
 
 
 @main.command("serve")
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
+@click.argument("artifact_dir", type=PathArg(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; 0.0.0.0 exposes the server to the network.")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="KServe v2 HTTP port.")
@@ -1944,7 +1955,7 @@ def export_triton_cmd(artifact_dir: Path, repo_dir: Path, prefix: str, instances
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="[default: the artifact's]")
 @click.option("--scheduler", default=None, help=f"{SCHEDULER_HELP} [default: the model's].")
 @click.option("--vram-budget", default=None, callback=_vram_budget, metavar="SIZE", help=VRAM_BUDGET_HELP)
-@click.option("--lora-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--lora-dir", type=PathArg(file_okay=False, path_type=Path), default=None,
               help="Folder of .safetensors LoRAs a request may name in its optional `lora` input (NAME or NAME:SCALE; "
                    "the artifact compiled with --refittable); read once at start-up.")
 @_handle_errors

@@ -306,6 +306,25 @@ def test_empty_devices_is_refused(command: str, tiny_artifact: Path, tmp_path: P
     assert not (tmp_path / "o.png").exists()
 
 
+@pytest.mark.parametrize(("args", "name"), [
+    (["run", "ART", "-p", "x", "-o", ""], "'-o' / '--output'"),  # said "'.' does not end in .png"
+    (["run", "ART", "-p", "x", "-o", "OUT/o.png", "--runtime-cache", ""], "'--runtime-cache'"),  # ran, cache in .
+    (["run", "ART", "-p", "x", "-o", "OUT/o.png", "--embedding", ""], "'--embedding'"),  # "embedding file . is a ..."
+    (["inspect", ""], "'ARTIFACT_DIR'"),  # read the current folder as the artifact
+    (["compile", "", "-o", "OUT/art"], "'MODEL_DIR'"),  # ". has no model_index.json"
+])
+def test_an_empty_path_is_refused_naming_it(args: list[str], name: str, tiny_artifact: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty path (an unset shell variable) was read as Path(''), the current folder."""
+    from diffusion_trt.runtime import EnginePipeline
+
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    code, out = _invoke(*(a.replace("ART", str(tiny_artifact)).replace("OUT", str(tmp_path)) for a in args))
+    assert code == 2 and out.splitlines() == [f"error: Invalid value for {name}: '' is empty; give a path",
+                                              f"try 'main {args[0]} --help'"], out
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("command", ["run", "compile"])
 def test_lora_without_a_file_is_one_error_line(command: str, tiny_artifact: Path, tiny_pipeline_dir: Path,
                                                tmp_path: Path) -> None:
