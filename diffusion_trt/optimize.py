@@ -249,6 +249,11 @@ def load_feeds(path: Path, model: onnx.ModelProto) -> list[dict[str, np.ndarray]
     Raises:
         ModelFileError: not an .npz NumPy can read, a missing input, an extra name, or a wrong rank.
     """
+    import zipfile
+
+    if not zipfile.is_zipfile(path):  # np.load takes any other file for a pickle, and advises allow_pickle=
+        raise ModelFileError(f"--inputs {str(path)!r} is not a NumPy .npz file (an .npz is a zip archive); write it "
+                             "with numpy.savez(path, input_name=array, ...)")
     try:
         with np.load(path, allow_pickle=False) as data:
             feed = {name: data[name] for name in data.files}
