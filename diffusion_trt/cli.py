@@ -1681,6 +1681,10 @@ def verify_cmd(artifact_dir: Path, no_hashes: bool, no_host: bool, trt_version: 
     if (trt_version is None) != (compute_capability is None):
         raise click.UsageError("--tensorrt and --compute-capability go together")
     target = _verify_target(trt_version, compute_capability)
+    if source is not None and source.is_dir() and not (source / "model_index.json").is_file():
+        raise click.BadParameter(f"{str(source)!r} has no model_index.json: it is not a diffusers pipeline folder; "
+                                 "pass the folder (or .safetensors file) the artifact was compiled from",
+                                 param_hint="--source")
     report = verify_artifact(artifact_dir, check_hashes=not no_hashes, check_host=not no_host, trt_host=target,
                              expect_sha256=expect_sha256, source=source)
     for line in report.warnings:

@@ -325,6 +325,18 @@ def test_an_empty_path_is_refused_naming_it(args: list[str], name: str, tiny_art
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("which", ["empty", "artifact"])
+def test_verify_source_that_is_no_model_folder_is_refused(which: str, tiny_artifact: Path, tmp_path: Path) -> None:
+    """verify --source EMPTY_DIR (or the artifact itself): "problem: --source ...: its weights differ from the ones
+    compiled (sha256 e3b0c44298fc... != ...)", exit 3, as if the model had changed; it is no model folder (exit 2)."""
+    source = tmp_path if which == "empty" else tiny_artifact
+    code, out = _invoke("verify", tiny_artifact, "--no-host", "--source", source)
+    assert code == 2 and out.splitlines() == [f"error: Invalid value for --source: '{source}' has no model_index.json: "
+                                              "it is not a diffusers pipeline folder; pass the folder (or "
+                                              ".safetensors file) the artifact was compiled from",
+                                              "try 'main verify --help'"], out
+
+
 @pytest.mark.parametrize("command", ["run", "compile"])
 def test_lora_without_a_file_is_one_error_line(command: str, tiny_artifact: Path, tiny_pipeline_dir: Path,
                                                tmp_path: Path) -> None:
