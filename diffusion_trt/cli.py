@@ -86,7 +86,10 @@ class _CliFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         text = printable(super().format(record), newlines=True)  # a log line may quote an artifact's file names
-        return f"warning: {text}" if record.levelno == logging.WARNING else text
+        if record.levelno != logging.WARNING:
+            return text
+        # the library's warnings name its arguments (cudnn_conv_algo_search='EXHAUSTIVE'): as the command's options
+        return f"warning: {_typed_names(text, None, click.get_current_context(silent=True))}"
 
 
 def _progress_enabled() -> bool:
@@ -312,13 +315,20 @@ def _as_typed(message: str, error: BaseException, ctx: click.Context | None) -> 
         seen.add(id(e))
         names = getattr(e, "arguments", frozenset())
         e = e.__cause__
-    if not names or ctx is None:
+    return _typed_names(message, names, ctx) if names else message
+
+
+def _typed_names(message: str, names: frozenset[str] | None, ctx: click.Context | None) -> str:
+    """:func:`_as_typed` for the argument ``names`` (``None``: any option of the command, for a warning)."""
+    if ctx is None:
         return message
     options = {p.name: p for p in ctx.command.params if isinstance(p, click.Option)}
     by_flag = {o: p for p in options.values() for o in p.opts}
 
     def option_of(name: str) -> click.Option | None:
-        return (options.get(name) or by_flag.get(_API_FLAGS.get(name, ""))) if name in names else None
+        if names is not None and name not in names:
+            return None
+        return options.get(name) or by_flag.get(_API_FLAGS.get(name, ""))
 
     def typed(m: re.Match[str]) -> str:
         name, text = m.group(1), m.group(2)

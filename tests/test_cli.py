@@ -337,6 +337,18 @@ def test_verify_source_that_is_no_model_folder_is_refused(which: str, tiny_artif
                                               "try 'main verify --help'"], out
 
 
+def test_library_warnings_name_the_options_the_user_typed(tiny_artifact: Path, tmp_path: Path) -> None:
+    """run --cudnn-algo-search exhaustive --runtime-cache DIR on a CPU artifact warned "cudnn_conv_algo_search=
+    EXHAUSTIVE: no effect ..." and "runtime_cache_dir: no effect ...": the Python arguments, not the flags typed."""
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1", "-o", tmp_path / "o.png",
+                        "--cudnn-algo-search", "exhaustive", "--runtime-cache", tmp_path / "rc")
+    assert code == 0, out
+    warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: --runtime-cache: no effect on a 'ort' artifact (TensorRT-RTX caches its kernels)",
+                        "warning: --cudnn-algo-search EXHAUSTIVE: no effect on a 'ort' artifact on cpu (it picks ONNX "
+                        "Runtime CUDA's convolution algorithms)"], out
+
+
 @pytest.mark.parametrize("command", ["run", "compile"])
 def test_lora_without_a_file_is_one_error_line(command: str, tiny_artifact: Path, tiny_pipeline_dir: Path,
                                                tmp_path: Path) -> None:

@@ -1439,7 +1439,7 @@ def _open_engines(reader: ArtifactReader, device: str, options: LoadOptions, str
     if options.runtime_cache_dir is not None and not (is_trt and trt_compat.LIBRARIES[backend].runtime_config):
         logger.warning("runtime_cache_dir: no effect on a %r artifact (TensorRT-RTX caches its kernels)", backend)
     if options.cudnn_conv_algo_search != "AUTO" and (is_trt or device != "cuda"):
-        logger.warning("cudnn_conv_algo_search=%s: no effect on a %r artifact on %s (it picks ONNX Runtime CUDA's "
+        logger.warning("cudnn_conv_algo_search=%r: no effect on a %r artifact on %s (it picks ONNX Runtime CUDA's "
                        "convolution algorithms)", options.cudnn_conv_algo_search, backend, device)
     engines: dict[str, Engine]
     if is_trt:

@@ -511,8 +511,8 @@ def test_a_guidance_window_that_holds_no_step_warns(controlnet_artifact: Path, t
     result = _run(controlnet_artifact, tmp_path, "--controlnet", "a", "--control-image",
                   _control_png(tmp_path, "a.png"), *window)
     assert result.exit_code == 0, result.output
-    assert ("warning: ControlNet 'a' acts on no step: its window control_guidance_start=0.6 .. "
-            "control_guidance_end=0.9 holds none of the 3 steps the scheduler runs") in result.output
+    assert ("warning: ControlNet 'a' acts on no step: its window --control-guidance-start 0.6 .. "
+            "--control-guidance-end 0.9 holds none of the 3 steps the scheduler runs") in result.output
     wide = _run(controlnet_artifact, tmp_path, "--controlnet", "a", "--control-image", _control_png(tmp_path, "a.png"),
                 "--steps", "20", "--overwrite", *window)
     assert wide.exit_code == 0 and "acts on no step" not in wide.output, wide.output

@@ -76,7 +76,7 @@ def test_bad_load_options(toy_artifact: Path, options: dict[str, Any], message: 
 def test_conv_algo_search_any_case_and_no_effect_on_cpu(toy_artifact: Path, caplog: pytest.LogCaptureFixture) -> None:
     with EnginePipeline.from_artifacts(toy_artifact, cudnn_conv_algo_search="exhaustive") as pipe:
         assert pipe.engines["unet"]._conv_algo == "EXHAUSTIVE"  # as the CLI, which takes any case
-    assert "cudnn_conv_algo_search=EXHAUSTIVE: no effect on a 'ort' artifact on cpu" in caplog.text
+    assert "cudnn_conv_algo_search='EXHAUSTIVE': no effect on a 'ort' artifact on cpu" in caplog.text
 
 
 def _copy(toy_artifact: Path, tmp_path: Path, **manifest_changes: Any) -> Path:
