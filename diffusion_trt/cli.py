@@ -1468,9 +1468,12 @@ def _check_before_load(read: tuple[Manifest | None, DiffusionTrtError | None], p
     Raises:
         RuntimeInputError: as :meth:`~.runtime.pipeline.EnginePipeline.__call__`.
     """
+    from .errors import names_arguments
     from .runtime.request import RequestSpec, check_before_load, unopened_engines
 
-    if read[0] is not None:
+    if read[0] is None:
+        return
+    with names_arguments("prompt", *arguments, *arguments.get("control", {})):  # control's keys are arguments too
         check_before_load(RequestSpec.from_manifest(read[0]), prompt, engines=unopened_engines(read[0]), **arguments)
 
 

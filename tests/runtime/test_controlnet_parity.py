@@ -560,7 +560,7 @@ def _only_a(artifact: Path, tmp_path: Path) -> Path:
     (["--controlnet", "a", "--control-image", "{small}"], "is 48x48 (WxH) but the output is 64x64"),
     (["--controlnet", "z", "--control-image", "{a}"], "ControlNet 'z' is not in this artifact; it has a, b"),
     (["--controlnet", "a", "--control-image", "{a}", "--control-guidance-start", "0.9", "--control-guidance-end",
-      "0.1"], "control_guidance_start=0.9 and control_guidance_end=0.1: need 0 <= start < end <= 1"),
+      "0.1"], "error: --control-guidance-start 0.9 and --control-guidance-end 0.1: need 0 <= start < end <= 1"),
 ])
 def test_run_bad_control_input_is_one_error_line_exit_2(controlnet_artifact: Path, tmp_path: Path, args: list[str],
                                                         message: str, monkeypatch: pytest.MonkeyPatch) -> None:
