@@ -1884,8 +1884,9 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
         artifact=artifact_dir, baseline=baseline, model_dir=model_dir, device="cuda" if device_list else device,
         devices=tuple(device_list), steps=steps, batch_sizes=_int_list(batch_sizes, "--batch-size"), iters=iters,
         warmup=warmup, stage_iters=stage_iters, scheduler=scheduler, cuda_graph=cuda_graph,
-        runtime_cache_dir=runtime_cache, prompt=prompt or DEFAULT_PROMPT, seed=seed, vram_budget=vram_budget,
-        height=height, width=width, sizes=parse_sizes(sizes) if sizes is not None else (), **engine_options,
+        runtime_cache_dir=runtime_cache, prompt=DEFAULT_PROMPT if prompt is None else prompt, seed=seed,
+        vram_budget=vram_budget, height=height, width=width, sizes=parse_sizes(sizes) if sizes is not None else (),
+        **engine_options,
     )
     result = run_bench(config, progress=lambda msg: logger.info("bench: %s", msg))
     click.echo(format_table(result))

@@ -366,3 +366,13 @@ def test_bench_warns_of_height_and_width_with_sizes(tiny_artifact: Path, monkeyp
                                        "32"])
     assert result.output.splitlines()[0] == ("warning: --height and --width: no effect with --sizes (the sizes "
                                              "measured are those of --sizes); drop it"), result.output
+
+
+def test_bench_takes_an_empty_prompt_as_given(tiny_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--prompt '' was replaced by the default landscape prompt, silently (run takes '' as the empty prompt)."""
+    import diffusion_trt.bench
+
+    seen: list[str] = []
+    monkeypatch.setattr(diffusion_trt.bench, "run_bench", lambda cfg, **k: seen.append(cfg.prompt) or _no_timing())
+    CliRunner().invoke(main, ["bench", str(tiny_artifact), "--baseline", "none", "--prompt", ""])
+    assert seen == [""]
