@@ -1874,6 +1874,8 @@ def bench_cmd(artifact_dir: Path, baseline: str, model_dir: Path | None, steps: 
         from .runtime.schedulers import resolve_scheduler
 
         resolve_scheduler(scheduler)
+    if model_dir is not None and baseline == "none":
+        logger.warning("--model-dir: no effect with --baseline none (it is the diffusers baseline's folder); drop it")
     if sizes is None:
         _check_bench_size(_read_manifest(artifact_dir)[0], height, width)
     elif height is not None or width is not None:

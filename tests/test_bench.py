@@ -376,3 +376,15 @@ def test_bench_takes_an_empty_prompt_as_given(tiny_artifact: Path, monkeypatch: 
     monkeypatch.setattr(diffusion_trt.bench, "run_bench", lambda cfg, **k: seen.append(cfg.prompt) or _no_timing())
     CliRunner().invoke(main, ["bench", str(tiny_artifact), "--baseline", "none", "--prompt", ""])
     assert seen == [""]
+
+
+def test_bench_warns_of_model_dir_without_a_baseline(tiny_artifact: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """--model-dir with --baseline none was dropped silently (even a folder that does not exist)."""
+    import diffusion_trt.bench
+
+    monkeypatch.setattr(diffusion_trt.bench, "run_bench", _no_timing)
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--baseline", "none", "--model-dir",
+                                       str(tmp_path / "missing")])
+    assert result.output.splitlines()[0] == ("warning: --model-dir: no effect with --baseline none (it is the "
+                                             "diffusers baseline's folder); drop it"), result.output
