@@ -116,14 +116,14 @@ def cuda_graph_refusal(spec: EngineSpec, device: str) -> str | None:
     Returns:
         A one-line reason naming the offending input / device and the fix, or ``None``.
     """
+    if device != "cuda":  # first: on the CPU, "compile a static artifact" would not be the fix
+        return f"device={device!r}: ONNX Runtime's CUDA graphs need the CUDA execution provider (device='cuda')"
     for info in spec.inputs:
         if not info.is_static:
             return (
                 f"input {info.name!r} has a dynamic profile {_fmt_shape(info.min)}..{_fmt_shape(info.max)} and a "
                 "CUDA graph replays one shape; compile a static artifact (min == opt == max) to use CUDA graphs"
             )
-    if device != "cuda":
-        return f"device={device!r}: ONNX Runtime's CUDA graphs need the CUDA execution provider (device='cuda')"
     return None
 
 
