@@ -1400,6 +1400,9 @@ def run_cmd(artifact_dir: Path, prompt: str, negative_prompt: str | None, prompt
         profile = _needed(read).profile
         height = _snap("height", height, profile.height.min, profile.height.max)
         width = _snap("width", width, profile.width.min, profile.width.max)
+    elif snap:
+        logger.warning("--snap: no effect without --height/--width (it rounds those to sizes the artifact allows%s)",
+                       "; an --image is never resized" if image is not None else "")
     device_list = _parse_devices(devices, device)
     if vram_budget is not None and len(device_list) >= 2:
         raise click.UsageError("--vram-budget plans one device; drop --devices or give one device")

@@ -349,6 +349,21 @@ def test_library_warnings_name_the_options_the_user_typed(tiny_artifact: Path, t
                         "Runtime CUDA's convolution algorithms)"], out
 
 
+def test_run_snap_without_a_size_warns(tiny_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """run --snap without --height/--width (e.g. with --image, never resized) did nothing, silently."""
+    from PIL import Image
+
+    from diffusion_trt.runtime import EnginePipeline
+
+    monkeypatch.setattr(EnginePipeline, "from_artifacts", lambda *a, **k: pytest.fail("loaded"))
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "in.png")
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--snap", "--image", tmp_path / "in.png", "--steps", "1",
+                        "-o", tmp_path / "o.png")  # refused after it: --strength 0.8 leaves no step of 1
+    warning = ("warning: --snap: no effect without --height/--width (it rounds those to sizes the artifact allows; "
+               "an --image is never resized)")
+    assert code == 2 and out.splitlines()[0] == warning, out
+
+
 @pytest.mark.parametrize("command", ["run", "compile"])
 def test_lora_without_a_file_is_one_error_line(command: str, tiny_artifact: Path, tiny_pipeline_dir: Path,
                                                tmp_path: Path) -> None:
