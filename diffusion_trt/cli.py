@@ -1195,8 +1195,8 @@ def optimize_cmd(source: Path, output: Path, target: str, precision: str, dump_p
                                  "drop one of the two", param_hint="--shape")
     try:
         parsed = [parse_shape(item) for item in shapes]
-    except ModelFileError as e:
-        raise click.BadParameter(str(e), param_hint="--shape") from None
+    except ModelFileError as e:  # its message starts with --shape: not "Invalid value for --shape: --shape ..."
+        raise click.UsageError(str(e)) from None
     shape_map = dict(parsed)
     if len(shape_map) < len(parsed):  # the last one won, silently
         twice = next(name for name in shape_map if sum(n == name for n, _ in parsed) > 1)

@@ -149,6 +149,13 @@ def test_bad_option_values(attention_onnx: Path, tmp_path: Path, args: list[str]
         assert needle in text, (needle, text)
 
 
+def test_a_malformed_shape_names_the_option_once(attention_onnx: Path, tmp_path: Path) -> None:
+    """It said "error: Invalid value for --shape: --shape 'qkv:4xAx6' is not ..."."""
+    code, text = _invoke("optimize", attention_onnx, "-o", tmp_path / "o.onnx", "--shape", "qkv:4xAx6")
+    assert code == 2 and text.splitlines()[0] == ("error: --shape 'qkv:4xAx6' is not NAME:DIMS with positive dims "
+                                                  "joined by x; use e.g. --shape sample:1x4x64x64"), text
+
+
 def test_bad_inputs_file(attention_onnx: Path, tmp_path: Path) -> None:
     npz = tmp_path / "in.npz"
     np.savez(npz, x=np.zeros((4, 24, 6), np.float32))
