@@ -16,7 +16,6 @@ Bit for bit what the merge path gives (``tests/compiler/test_lora.py``). Variant
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -26,13 +25,15 @@ from typing import Any
 
 import torch
 
+from ..config import is_real_number
 from ..errors import LoraError
-from ..lora import LoraFile
+from ..lora import LORA_METADATA_KEY, LoraFile, adapter_metadata
 
 logger = logging.getLogger(__name__)
 
-#: The safetensors header key holding diffusers' LoRA adapter config (``LORA_ADAPTER_METADATA_KEY``).
-LORA_METADATA_KEY = "lora_adapter_metadata"
+#: What peft's ``LoraConfig`` takes for the settings a header's adapter metadata leaves out (diffusers builds
+#: ``LoraConfig(**metadata)``).
+_PEFT_DEFAULTS = {"r": 8, "lora_alpha": 8}
 #: Text encoder modules diffusers reads a LoRA rank for (``_load_lora_into_text_encoder``).
 _TEXT_RANK_MODULES = (".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")
 
@@ -140,7 +141,7 @@ def _lora_state_dict(path: Path, unet_config: Any) -> tuple[dict[str, torch.Tens
             state, alphas = _convert_non_diffusers_lora_to_diffusers(state)
         except (ValueError, KeyError) as e:
             raise LoraError(f"LoRA file {path}: diffusers could not convert its keys ({e})") from e
-    return state, alphas or {}, json.loads(raw) if raw else None
+    return state, alphas or {}, adapter_metadata(path, raw) if raw else None
 
 
 def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapping[str, float], metadata: Any,
@@ -155,9 +156,11 @@ def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapp
     sub_alphas = {k.removeprefix(f"{comp}."): v for k, v in alphas.items() if k.split(".")[0] == comp}
     sub_meta = ({k.removeprefix(f"{comp}."): v for k, v in metadata.items() if k.startswith(f"{comp}.")}
                 if metadata is not None else None)
+    config = None if sub_meta is None else _metadata_config(comp, sub_meta, lora)
     try:
         peft_state, rank = _peft_state(comp, sub, [*base, *dead])
-        config = _lora_config(comp, peft_state, rank, sub_alphas, sub_meta)
+        if config is None:
+            config = _lora_config(comp, peft_state, rank, sub_alphas)
     except (ValueError, KeyError, TypeError, IndexError) as e:
         raise LoraError(f"LoRA file {lora.path}: diffusers could not read its {comp} keys ({e}); was it made for "
                         "another architecture (SD 1.x / 2.x / SDXL)?") from e
@@ -172,6 +175,12 @@ def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapp
         elif wname in base and f"{module}.lora_B.weight" in peft_state:
             scaling = _scaling(config, module) * lora.scale  # fuse_lora's scale_layer: scaling *= lora_scale
             a, b = peft_state[f"{module}.lora_A.weight"], peft_state[f"{module}.lora_B.weight"]
+            if metadata is not None and _config_rank(config, module) != a.shape[0]:  # peft's A has the config's rank
+                raise LoraError(
+                    f"LoRA file {lora.path}: its layer {comp}.{module} has rank {a.shape[0]} but its header's "
+                    f"{LORA_METADATA_KEY!r} gives rank {_config_rank(config, module)} (peft's default 8 where it "
+                    "names none): diffusers cannot load it either; drop that header entry or fix its r / rank_pattern"
+                )
             try:
                 out[wname] = _delta_weight(a.to(torch.float32), b.to(torch.float32), base[wname], scaling)
             except (RuntimeError, IndexError) as e:  # A and B do not multiply (ranks or dimensions differ)
@@ -211,16 +220,40 @@ def _peft_state(comp: str, sub: dict[str, torch.Tensor], base: Collection[str]
     return state, rank
 
 
-def _lora_config(comp: str, state: dict[str, torch.Tensor], rank: dict[str, int], alphas: dict[str, float],
-                 metadata: Any) -> dict[str, Any]:
+def _lora_config(comp: str, state: dict[str, torch.Tensor], rank: dict[str, int], alphas: dict[str, float]
+                 ) -> dict[str, Any]:
     """diffusers' ``_create_lora_config`` kwargs (``r``, ``lora_alpha``, ``rank_pattern``, ``alpha_pattern``,
-    ``use_rslora``...): the header's adapter metadata, else ``get_peft_kwargs``. The layers merged are those the
+    ``use_rslora``...) of a file without adapter metadata: ``get_peft_kwargs``. The layers merged are those the
     state dict holds (a layer the config targets but the file lacks gets a zero ``B`` in peft: no change)."""
     from diffusers.utils.peft_utils import get_peft_kwargs
 
-    if metadata is not None:
-        return dict(metadata)
     return get_peft_kwargs(rank, alphas or None, state, is_unet=comp == "unet")
+
+
+def _metadata_config(comp: str, metadata: Mapping[str, Any], lora: LoraFile) -> dict[str, Any]:
+    """The config of ``comp`` from the header's adapter metadata (its keys less the ``comp.`` prefix), as diffusers'
+    ``LoraConfig(**metadata)`` takes it: ``r`` and ``lora_alpha`` default to peft's 8.
+
+    Raises:
+        LoraError: no ``target_modules`` (peft refuses such a config: diffusers cannot load the file), or a rank
+            that is not a positive number, an alpha that is not a number.
+    """
+    if not (metadata.get("target_modules") or metadata.get("target_parameters")):
+        raise LoraError(f"LoRA file {lora.path} holds {comp} layers but its header's {LORA_METADATA_KEY!r} names no "
+                        f"{comp} target_modules (diffusers cannot load it either); drop that header entry or re-save "
+                        "the LoRA with its adapter config")
+    config = {**_PEFT_DEFAULTS, **metadata}
+    ranks = [config["r"], *_pattern_values(config.get("rank_pattern"))]
+    alphas = [config["lora_alpha"], *_pattern_values(config.get("alpha_pattern"))]
+    if not all(is_real_number(r) and r > 0 for r in ranks) or not all(is_real_number(a) for a in alphas):
+        raise LoraError(f"LoRA file {lora.path}: its header's {LORA_METADATA_KEY!r} gives {comp} the ranks "
+                        f"{ranks[:4]} and alphas {alphas[:4]}; ranks must be positive numbers, alphas numbers")
+    return config
+
+
+def _pattern_values(pattern: Any) -> list[Any]:
+    """The values of a ``rank_pattern`` / ``alpha_pattern`` (``None`` for one that is no mapping: refused)."""
+    return list(pattern.values()) if isinstance(pattern, Mapping) else [] if pattern is None else [None]
 
 
 def _refuse_variants(state: Mapping[str, Any], config: Mapping[str, Any], lora: LoraFile) -> None:
@@ -257,6 +290,11 @@ def _refuse_constants(comp: str, state: Mapping[str, Any], constants: Collection
             "recompile with `diffusion-trt compile MODEL --refittable --refit-convs` (NCHW on CUDA, slower), or merge "
             f"it with `diffusion-trt compile MODEL --lora {lora.path.name}:{lora.scale:g}`"
         )
+
+
+def _config_rank(config: Mapping[str, Any], module: str) -> Any:
+    """The rank peft gives the layer ``module``: ``rank_pattern``'s (as peft's ``get_pattern_key``), else ``r``."""
+    return (config.get("rank_pattern") or {}).get(_pattern_key(config.get("rank_pattern") or {}, module), config["r"])
 
 
 def _scaling(config: Mapping[str, Any], module: str) -> float:

@@ -86,8 +86,9 @@ def loras(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def _variant_lora(loras: dict[str, Path], tmp_path: Path, variant: str) -> Path:
-    """The peft LoRA with diffusers' adapter metadata in the header (alpha != r), or with rank 2 on the to_q layers
-    and 4 elsewhere (diffusers' rank_pattern)."""
+    """The peft LoRA with diffusers' adapter metadata in the header (alpha != r; ``metadata_defaults``: without
+    ``lora_alpha``, which diffusers' ``LoraConfig(**metadata)`` takes as peft's default 8), or with rank 2 on the
+    to_q layers and 4 elsewhere (diffusers' rank_pattern)."""
     import json
 
     from safetensors.torch import load_file
@@ -97,6 +98,10 @@ def _variant_lora(loras: dict[str, Path], tmp_path: Path, variant: str) -> Path:
     if variant == "metadata":
         config = {"unet.r": 4, "unet.lora_alpha": 2, "unet.target_modules": UNET_TARGETS,
                   "text_encoder.r": 4, "text_encoder.lora_alpha": 6, "text_encoder.target_modules": TEXT_TARGETS}
+        metadata = {"lora_adapter_metadata": json.dumps(config), "format": "pt"}
+    elif variant == "metadata_defaults":
+        config = {"unet.r": 4, "unet.target_modules": UNET_TARGETS,
+                  "text_encoder.r": 4, "text_encoder.target_modules": TEXT_TARGETS}
         metadata = {"lora_adapter_metadata": json.dumps(config), "format": "pt"}
     else:
         for key in [k for k in tensors if "to_q.lora_A" in k]:
@@ -427,15 +432,15 @@ def test_refit_weights_are_a_compile_with_the_lora(
 
 
 @pytest.mark.parametrize(("fmt", "scale"), [("peft", 0.7), ("kohya", 1.0), ("peft", -1.5), ("metadata", 0.6),
-                                            ("mixed_rank", 1.0)])
+                                            ("metadata_defaults", 0.6), ("mixed_rank", 1.0)])
 def test_refit_weights_equal_the_merge_path(
     tiny_pipeline_dir: Path, loras: dict[str, Path], refit_maps: dict[str, dict[str, Any]], fmt: str, scale: float,
     tmp_path: Path,
 ) -> None:
     """load_lora's weights, computed from safetensors without model classes (runtime.refit), are bit for bit what
     compile --lora's merge (diffusers' load_lora_weights + fuse_lora on the loaded modules) gives, for every mapped
-    weight: with and without alphas (kohya), with the adapter config in the file's header, with ranks that differ
-    per layer, and at scales other than 1."""
+    weight: with and without alphas (kohya), with the adapter config in the file's header (whole, or without
+    lora_alpha: peft's default; a KeyError before), with ranks that differ per layer, and at scales other than 1."""
     from diffusion_trt.compiler.lora import load_base_modules, merge_loras
     from diffusion_trt.lora import check_lora_file
     from diffusion_trt.runtime.refit import array_key, as_initializer, refit_weights

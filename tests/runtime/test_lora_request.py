@@ -271,6 +271,13 @@ def _bad_loras(loras: dict[str, Path], d: Path) -> dict[str, tuple[Path, str]]:
     up = next(k for k in tensors if "lora_B" in k and "to_q" in k)  # its rank disagrees with its A matrix's
     save_file({**tensors, up: torch.zeros(tensors[up].shape[0], tensors[up].shape[1] + 1)},
               str(d / "ranks.safetensors"))
+    unet_only = {"unet.r": 4, "unet.target_modules": ["to_q"]}  # the file has text_encoder layers too
+    text = {"text_encoder.r": 4, "text_encoder.target_modules": ["q_proj"]}
+    rank_0 = {"unet.r": 0, "unet.target_modules": ["to_q"], **text}
+    no_rank = {"unet.target_modules": ["to_q"], **text}  # peft's default r=8; the file's ranks are 4
+    for name, header in (("not_json", "{r: 4"), ("no_te_config", json.dumps(unet_only)),
+                         ("rank_0", json.dumps(rank_0)), ("no_rank", json.dumps(no_rank))):
+        save_file(tensors, str(d / f"metadata_{name}.safetensors"), {"lora_adapter_metadata": header})
     torch.save(tensors, d / "pickled.pt")
     (d / "pickle_renamed.safetensors").write_bytes((d / "pickled.pt").read_bytes())
     return {
@@ -280,6 +287,11 @@ def _bad_loras(loras: dict[str, Path], d: Path) -> dict[str, tuple[Path, str]]:
         "wider-model": (d / "wider.safetensors", "weight; it was made for another architecture (other widths)"),
         "non-finite": (d / "inf.safetensors", "leaves NaN/Inf in"),
         "ranks-disagree": (d / "ranks.safetensors", "up (B) matrix, which give no update for its"),
+        "metadata-not-json": (d / "metadata_not_json.safetensors", "header's 'lora_adapter_metadata' is not a JSON"),
+        "metadata-without-a-config": (d / "metadata_no_te_config.safetensors", "names no text_encoder target_modules"),
+        "metadata-rank-0": (d / "metadata_rank_0.safetensors", "gives unet the ranks [0] and alphas [8]"),
+        "metadata-default-rank": (d / "metadata_no_rank.safetensors", "has rank 4 but its header's "
+                                  "'lora_adapter_metadata' gives rank 8 (peft's default 8 where it names none)"),
         "pickle": (d / "pickled.pt", "is not a .safetensors file"),
         "pickle-renamed": (d / "pickle_renamed.safetensors", "is not a valid safetensors file"),
     }
