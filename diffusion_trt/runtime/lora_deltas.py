@@ -66,7 +66,7 @@ def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]],
         LoraError: diffusers cannot convert the file's keys; a LoRA variant refit cannot merge; its layers match
             none (or only part) of the components' layers (a LoRA for another architecture; the message names the
             first layer that matches none); a layer on a weight of ``constants`` (naming it and the fix); a
-            layer whose A and B matrices do not multiply into its weight.
+            layer whose A and B matrices do not multiply into its weight, or with one of them only.
     """
     state, alphas, metadata = _lora_state_dict(lora.path, unet_config)
     if device is not None:
@@ -74,8 +74,9 @@ def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]],
     expected = sum(1 for k in state if is_down_key(k))
     constants, dead = constants or {}, dead or {}
     ignored: dict[str, list[str]] = {c: [] for c in bases}
+    unmatched: dict[str, list[str]] = {c: [] for c in bases}
     deltas = {c: _component_deltas(c, state, alphas, metadata, bases[c], lora, constants.get(c, ()),
-                                   frozenset(dead.get(c, ())), ignored[c]) for c in bases}
+                                   frozenset(dead.get(c, ())), ignored[c], unmatched[c]) for c in bases}
     n_ignored = sum(len(v) for v in ignored.values())
     matched = sum(len(d) for d in deltas.values()) + n_ignored
     components = " or ".join(bases)
@@ -85,7 +86,7 @@ def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]],
             f"{components} (keys like {next(iter(state), '?')!r}); it was made for another architecture"
         )
     if expected and matched < expected:
-        first = _first_unmatched(state, bases, {c: [*deltas[c], *ignored[c]] for c in bases})
+        first = next((key for keys in unmatched.values() for key in keys), None) or _first_foreign(state, bases)
         raise LoraError(
             f"LoRA file {lora.path}: only {matched} of its {expected} LoRA layers match layers of "
             f"this model (the first that matches none: {first!r}); it was made for another architecture (merging "
@@ -98,22 +99,10 @@ def lora_deltas(lora: LoraFile, bases: Mapping[str, Mapping[str, torch.Tensor]],
     return deltas
 
 
-def _first_unmatched(state: Mapping[str, torch.Tensor], bases: Mapping[str, Any],
-                     deltas: Mapping[str, Collection[str]]) -> str:
-    """The first down-matrix key of ``state`` (file order) whose layer got no delta, for messages; "?" if none is
-    found (a key form this lookup does not know)."""
-    done = {f"{c}.{w.removesuffix('.weight')}" for c, d in deltas.items() for w in d}
-    done |= {w.replace("text_model.", "") for w in done}
-    for key in state:
-        if not is_down_key(key):
-            continue
-        module = key
-        for suffix in (".lora_A.weight", ".lora.down.weight", ".lora_down.weight", ".lora_linear_layer.down.weight"):
-            module = module.removesuffix(suffix)
-        module = module.replace(".processor.", ".").replace("_lora", "")
-        if module.split(".")[0] not in bases or module.replace("text_model.", "") not in done:
-            return key
-    return "?"
+def _first_foreign(state: Mapping[str, torch.Tensor], bases: Mapping[str, Any]) -> str:
+    """The first down-matrix key of ``state`` (file order) whose prefix names no component of ``bases``
+    (``text_encoder_2.`` on SD 1.x, no prefix), for messages; "?" if none."""
+    return next((key for key in state if is_down_key(key) and key.split(".")[0] not in bases), "?")
 
 
 def _lora_state_dict(path: Path, unet_config: Any) -> tuple[dict[str, torch.Tensor], dict[str, float], Any]:
@@ -146,10 +135,14 @@ def _lora_state_dict(path: Path, unet_config: Any) -> tuple[dict[str, torch.Tens
 
 def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapping[str, float], metadata: Any,
                       base: Mapping[str, torch.Tensor], lora: LoraFile, constants: Collection[str] = (),
-                      dead: Collection[str] = frozenset(), ignored: list[str] | None = None
-                      ) -> dict[str, torch.Tensor]:
+                      dead: Collection[str] = frozenset(), ignored: list[str] | None = None,
+                      unmatched: list[str] | None = None) -> dict[str, torch.Tensor]:
     """The deltas of one component (``unet``, ``text_encoder``, ``text_encoder_2``); see :func:`lora_deltas`. The
-    weight names of its layers on ``dead`` weights are appended to ``ignored`` (no delta)."""
+    weight names of its layers on ``dead`` weights are appended to ``ignored`` (no delta), the down-matrix keys (peft
+    form, ``unet.<module>.lora_A.weight``) of its layers on no weight of ``base`` or ``dead`` to ``unmatched``.
+
+    Raises:
+        LoraError: see :func:`lora_deltas`; a layer with a down (A) or an up (B) matrix only."""
     sub = {k.removeprefix(f"{comp}."): v for k, v in state.items() if k.startswith(f"{comp}.")}
     if not sub:
         return {}
@@ -167,12 +160,23 @@ def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapp
     _refuse_variants(peft_state, config, lora)
     _refuse_constants(comp, peft_state, constants, lora)
     out = {}
-    for module in sorted({k.split(".lora_A.")[0] for k in peft_state if ".lora_A." in k}):
+    downs = sorted({k.split(".lora_A.")[0] for k in peft_state if ".lora_A." in k})
+    ups = {k.split(".lora_B.")[0] for k in peft_state if k.endswith(".lora_B.weight")}
+    lone = [(m, "an up (B)", "down (A)") for m in sorted(ups - set(downs))]
+    lone += [(m, "a down (A)", "up (B)") for m in downs if m not in ups and f"{m}.weight" in {*base, *dead}]
+    if lone:
+        module, has, lacks = lone[0]
+        raise LoraError(f"LoRA file {lora.path}: its layer {comp}.{module} has {has} matrix but no {lacks} one; the "
+                        "file is damaged: re-save it, or drop that layer's keys")
+    for module in downs:
         wname = f"{module}.weight"
-        if wname in dead and wname not in base and f"{module}.lora_B.weight" in peft_state:
+        if wname not in base and wname not in dead:
+            if unmatched is not None:
+                unmatched.append(f"{comp}.{module}.lora_A.weight")
+        elif wname not in base:
             if ignored is not None:
                 ignored.append(wname)
-        elif wname in base and f"{module}.lora_B.weight" in peft_state:
+        else:
             scaling = _scaling(config, module) * lora.scale  # fuse_lora's scale_layer: scaling *= lora_scale
             a, b = peft_state[f"{module}.lora_A.weight"], peft_state[f"{module}.lora_B.weight"]
             if metadata is not None and _config_rank(config, module) != a.shape[0]:  # peft's A has the config's rank

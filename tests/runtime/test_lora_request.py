@@ -278,12 +278,24 @@ def _bad_loras(loras: dict[str, Path], d: Path) -> dict[str, tuple[Path, str]]:
     for name, header in (("not_json", "{r: 4"), ("no_te_config", json.dumps(unet_only)),
                          ("rank_0", json.dumps(rank_0)), ("no_rank", json.dumps(no_rank))):
         save_file(tensors, str(d / f"metadata_{name}.safetensors"), {"lora_adapter_metadata": header})
+    kohya = load_file(str(loras["kohya"]))
+    save_file({**kohya, "lora_unet_no_such_block_proj.lora_down.weight": torch.zeros(4, 8),
+               "lora_unet_no_such_block_proj.lora_up.weight": torch.zeros(8, 4)}, str(d / "kohya_partial.safetensors"))
+    down = next(k for k in tensors if k.endswith("to_k.lora_A.weight"))
+    for name, lone in (("down_only", down.replace("lora_A", "lora_B")), ("up_only", down)):
+        save_file({k: v for k, v in tensors.items() if k != lone}, str(d / f"{name}.safetensors"))
     torch.save(tensors, d / "pickled.pt")
     (d / "pickle_renamed.safetensors").write_bytes((d / "pickled.pt").read_bytes())
     return {
         "another-architecture": (d / "other_arch.safetensors", "none of its 1 LoRA layers matches"),
         "keys-matching-no-layer": (d / "partial.safetensors",
                                    "the first that matches none: 'unet.no_such_block.proj.lora_A.weight'"),
+        "kohya-keys-matching-no-layer": (d / "kohya_partial.safetensors",
+                                         "the first that matches none: 'unet.no.such.block.proj.lora_A.weight'"),
+        "down-matrix-only": (d / "down_only.safetensors", "to_k has a down (A) matrix but no up (B) one; the file is "
+                             "damaged"),
+        "up-matrix-only": (d / "up_only.safetensors", "to_k has an up (B) matrix but no down (A) one; the file is "
+                           "damaged"),
         "wider-model": (d / "wider.safetensors", "weight; it was made for another architecture (other widths)"),
         "non-finite": (d / "inf.safetensors", "leaves NaN/Inf in"),
         "ranks-disagree": (d / "ranks.safetensors", "up (B) matrix, which give no update for its"),
