@@ -11,7 +11,8 @@ the same arithmetic for ``EnginePipeline.load_lora`` on a serving host, from the
    the LoRA scale (``fuse_lora``'s ``scale_layer``), times peft's ``get_delta_weight`` (Linear ``B @ A``; Conv2d).
 
 Bit for bit what the merge path gives (``tests/compiler/test_lora.py``). Variants whose merge is not ``W + delta``
-(DoRA, LoKr, LoRA biases) are refused with the fix: merge them at compile time with ``--lora``.
+(DoRA, LoKr, LoRA biases) and layers on no weight input (peft's embedding LoRA) are refused with the fix: merge
+them at compile time with ``--lora``.
 """
 
 from __future__ import annotations
@@ -264,12 +265,14 @@ def _refuse_variants(state: Mapping[str, Any], config: Mapping[str, Any], lora: 
     """Refuse LoRA variants whose merge is not ``W + scale * B @ A`` (refit would drop part of them).
 
     Raises:
-        LoraError: DoRA, LoKr or LoRA-bias files, naming the fix.
+        LoraError: DoRA, LoKr or LoRA-bias files, or files with an embedding layer (peft's ``lora_embedding_A`` /
+            ``_B``: the text encoder's token embedding, which diffusers merges, is no weight input), naming the fix.
     """
     kinds = [name for name, found in (
         ("DoRA", config.get("use_dora") or any("lora_magnitude_vector" in k for k in state)),
         ("LoKr", any(".lokr_" in k for k in state)),
         ("LoRA bias", config.get("lora_bias") or any("lora_B" in k and k.endswith(".bias") for k in state)),
+        ("token-embedding LoRA", any(".lora_embedding_" in k for k in state)),
     ) if found]
     if kinds:
         raise LoraError(

@@ -284,6 +284,9 @@ def _bad_loras(loras: dict[str, Path], d: Path) -> dict[str, tuple[Path, str]]:
     down = next(k for k in tensors if k.endswith("to_k.lora_A.weight"))
     for name, lone in (("down_only", down.replace("lora_A", "lora_B")), ("up_only", down)):
         save_file({k: v for k, v in tensors.items() if k != lone}, str(d / f"{name}.safetensors"))
+    save_file({**tensors, "text_encoder.embeddings.token_embedding.lora_embedding_A": torch.zeros(4, 49408),
+               "text_encoder.embeddings.token_embedding.lora_embedding_B": torch.zeros(32, 4)},
+              str(d / "embedding.safetensors"))  # diffusers merges it into the token embedding
     torch.save(tensors, d / "pickled.pt")
     (d / "pickle_renamed.safetensors").write_bytes((d / "pickled.pt").read_bytes())
     return {
@@ -296,6 +299,8 @@ def _bad_loras(loras: dict[str, Path], d: Path) -> dict[str, tuple[Path, str]]:
                              "damaged"),
         "up-matrix-only": (d / "up_only.safetensors", "to_k has an up (B) matrix but no down (A) one; the file is "
                            "damaged"),
+        "token-embedding-layer": (d / "embedding.safetensors", "is a token-embedding LoRA adapter, which load_lora "
+                                  "cannot refit"),
         "wider-model": (d / "wider.safetensors", "weight; it was made for another architecture (other widths)"),
         "non-finite": (d / "inf.safetensors", "leaves NaN/Inf in"),
         "ranks-disagree": (d / "ranks.safetensors", "up (B) matrix, which give no update for its"),
