@@ -643,7 +643,8 @@ class EnginePipeline:
         changes: a refused LoRA leaves the pipeline as it was. With ``--controlnet``, ``unet_controlnet`` (the UNet
         of control-image calls) binds the plain ``unet``'s weight inputs, so the LoRA reaches those calls too
         (artifacts compiled before that refuse a control-image call while a LoRA changes the UNet). Returns
-        ``{"loras": [{"file", "sha256", "scale"}], "changed": {component: weights changed}}``.
+        ``{"loras": [{"file", "sha256", "scale"}], "changed": {component: weights that now differ from the base}}``
+        (0 everywhere when every scale is 0).
 
         TensorRT ``--refittable`` artifacts: one LoRA, refitted as follows (``unet`` and the text encoder(s);
         ``unet_controlnet`` keeps its weights, so a control-image call is refused while the LoRA changes the UNet).
@@ -731,9 +732,9 @@ class EnginePipeline:
         changed = apply_loras(self._weight_slots, files, not_merged)
         self.embedding_cache.clear()  # the text encoder may have changed
         records = [{"file": f.path.name, "sha256": f.sha256, "scale": f.scale} for f in files]
-        self.lora = {"loras": records, "changed": changed}
-        self._loaded_loras = LoadedLoras.of(files, changed)
-        logger.info("LoRA %s: %s", " + ".join(f"{f.path.name}:{f.scale:g}" for f in files), changed)
+        self._loaded_loras = LoadedLoras.of(files, changed)  # every scale 0: nothing differs from the base
+        self.lora = {"loras": records, "changed": dict(self._loaded_loras.changed)}
+        logger.info("LoRA %s: %s", " + ".join(f"{f.path.name}:{f.scale:g}" for f in files), self.lora["changed"])
         return dict(self.lora)
 
     @one_call_at_a_time("unload_lora()")

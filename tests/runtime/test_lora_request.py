@@ -237,8 +237,9 @@ def test_requests_do_not_leak(refittable: Path, base_image: np.ndarray, loras: d
         pipe.load_lora(loras["kohya"], 1.0)
         pipe.load_lora(loras["peft"], 0.7)  # replaces kohya: base + peft, not on top
         assert np.array_equal(pipe(**CALL).images, first)
-        pipe.load_lora(loras["peft"], 0.0)
+        info = pipe.load_lora(loras["peft"], 0.0)
         assert np.array_equal(pipe(**CALL).images, base_image)
+        assert info["changed"] == {c: 0 for c in info["changed"]} and len(info["changed"]) == 2  # nothing differs
     with EnginePipeline.from_artifacts(tiny_artifact) as pipe:  # weights as inputs change nothing by themselves
         assert float(np.abs(pipe(**CALL).images - base_image).max()) <= 1e-5
 
