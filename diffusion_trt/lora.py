@@ -213,6 +213,18 @@ def adapter_metadata(path: Path, raw: str) -> dict[str, Any]:
     return value
 
 
+def error_summary(e: BaseException, lines: int = 2, chars: int = 400) -> str:
+    """The first ``lines`` non-empty lines of an error message on one line, at most ``chars`` long (for a LoRA of
+    another architecture, peft lists every mismatched tensor or missing module: hundreds of lines or names; diffusers'
+    key conversion puts the keys it could not rename after a blank line). The caller logs the whole message at
+    DEBUG."""
+    text = [line.strip() for line in str(e).splitlines() if line.strip()]
+    head = " ".join(text[:lines])
+    if len(text) <= lines and len(head) <= chars:
+        return head
+    return f"{head[:chars]} ... (cut; the whole message is logged at DEBUG: diffusion-trt -v)"
+
+
 def check_lora_files(specs: Any) -> list[LoraFile]:
     """Check every ``(path, scale)`` of ``CompileConfig.loras`` before any work; refuse a file given twice.
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import LoraError, MissingPackageError
-from ..lora import LoraFile, check_lora_files  # check_lora_files: compile's check, before any work
+from ..lora import LoraFile, check_lora_files, error_summary  # check_lora_files: compile's check, before any work
 from ..runtime.lora_deltas import is_down_key
 from ..runtime.refit import array_key, as_initializer, weights_are_safetensors
 
@@ -99,16 +99,16 @@ def merge_loras(models: dict[str, Any], loras: list[LoraFile]) -> list[dict[str,
     records = []
     for i, lora in enumerate(loras):
         adapter = f"diffusion_trt_lora_{i}"
-        state, _ = type(host).lora_state_dict(str(lora.path))
-        expected = sum(1 for k in state if is_down_key(k))
         try:
+            state, _ = type(host).lora_state_dict(str(lora.path))
+            expected = sum(1 for k in state if is_down_key(k))
             with _diffusers_logs_at_debug():
                 host.load_lora_weights(str(lora.path), adapter_name=adapter)
         except (ValueError, KeyError, RuntimeError, TypeError) as e:
             logger.debug("load_lora_weights(%s) failed:\n%s", lora.path, e)
             raise LoraError(
-                f"LoRA file {lora.path}: diffusers could not load it into this model ({_summary(e)}); was it made for "
-                "another architecture (SD 1.x / 2.x / SDXL)?"
+                f"LoRA file {lora.path}: diffusers could not load it into this model ({error_summary(e)}); was it made "
+                "for another architecture (SD 1.x / 2.x / SDXL)?"
             ) from e
         layers = {c: lora_layer_count(models[c], adapter) for c in components}
         if not any(layers.values()):
@@ -161,16 +161,6 @@ def _diffusers_logs_at_debug() -> Iterator[None]:
         yield
     finally:
         diffusers_logger.setLevel(level)
-
-
-def _summary(e: BaseException, lines: int = 2, chars: int = 400) -> str:
-    """The first ``lines`` non-empty lines of an error message on one line, at most ``chars`` long (for a LoRA of
-    another architecture, peft lists every mismatched tensor or missing module: hundreds of lines or names)."""
-    text = [line.strip() for line in str(e).splitlines() if line.strip()]
-    head = " ".join(text[:lines])
-    if len(text) <= lines and len(head) <= chars:
-        return head
-    return f"{head[:chars]} ... (cut; the whole message is logged at DEBUG: diffusion-trt -v)"
 
 
 def refit_map(model: Any, module: Any, find_dead: Callable[[list[str]], Collection[str]] | None = None

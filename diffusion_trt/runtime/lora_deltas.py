@@ -28,7 +28,7 @@ import torch
 
 from ..config import is_real_number
 from ..errors import LoraError
-from ..lora import LORA_METADATA_KEY, LoraFile, adapter_metadata
+from ..lora import LORA_METADATA_KEY, LoraFile, adapter_metadata, error_summary
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,8 @@ def _lora_state_dict(path: Path, unet_config: Any) -> tuple[dict[str, torch.Tens
                 state = _maybe_map_sgm_blocks_to_diffusers(state, unet_config)
             state, alphas = _convert_non_diffusers_lora_to_diffusers(state)
         except (ValueError, KeyError) as e:
-            raise LoraError(f"LoRA file {path}: diffusers could not convert its keys ({e})") from e
+            logger.debug("converting the keys of %s failed:\n%s", path, e)
+            raise LoraError(f"LoRA file {path}: diffusers could not convert its keys ({error_summary(e)})") from e
     return state, alphas or {}, adapter_metadata(path, raw) if raw else None
 
 
@@ -156,8 +157,9 @@ def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapp
         if config is None:
             config = _lora_config(comp, peft_state, rank, sub_alphas)
     except (ValueError, KeyError, TypeError, IndexError) as e:
-        raise LoraError(f"LoRA file {lora.path}: diffusers could not read its {comp} keys ({e}); was it made for "
-                        "another architecture (SD 1.x / 2.x / SDXL)?") from e
+        logger.debug("reading the %s keys of %s failed:\n%s", comp, lora.path, e)
+        raise LoraError(f"LoRA file {lora.path}: diffusers could not read its {comp} keys ({error_summary(e)}); was it "
+                        "made for another architecture (SD 1.x / 2.x / SDXL)?") from e
     _refuse_variants(peft_state, config, lora)
     _refuse_constants(comp, peft_state, constants, lora)
     out = {}

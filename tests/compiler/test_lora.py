@@ -333,6 +333,25 @@ def test_compiling_an_artifact_is_refused(tiny_pipeline_dir: Path, loras: dict[s
     assert "style.safetensors (scale 0.7) merged already" in msg
 
 
+def test_a_kohya_key_diffusers_cannot_rename_is_one_error_line(
+    tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path
+) -> None:
+    """diffusers' kohya conversion refuses a key it cannot rename (a ``.diff_b`` bias difference) with a ValueError
+    whose keys follow a blank line: one error line naming the key, exit 2 (it failed as an unexpected ValueError of
+    the merge stage, exit 1, the key on a line of its own)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(loras["kohya"]))
+    key = next(k for k in tensors if k.endswith(".lora_up.weight")).replace("lora_up.weight", "diff_b")
+    save_file({**tensors, key: torch.zeros(32)}, str(tmp_path / "diff_b.safetensors"))
+    result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"),
+                                       "--lora", str(tmp_path / "diff_b.safetensors")])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert f"have not been correctly renamed: {key})" in errors[0], result.output
+    assert not (tmp_path / "a").exists()
+
+
 def test_cli_lora_errors(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path) -> None:
     runner = CliRunner()
     for lora_arg, message in [

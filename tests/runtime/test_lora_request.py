@@ -288,6 +288,8 @@ def _bad_loras(loras: dict[str, Path], d: Path) -> dict[str, tuple[Path, str]]:
     save_file({**tensors, "text_encoder.embeddings.token_embedding.lora_embedding_A": torch.zeros(4, 49408),
                "text_encoder.embeddings.token_embedding.lora_embedding_B": torch.zeros(32, 4)},
               str(d / "embedding.safetensors"))  # diffusers merges it into the token embedding
+    diff_b = next(k for k in kohya if k.endswith(".lora_up.weight")).replace("lora_up.weight", "diff_b")
+    save_file({**kohya, diff_b: torch.zeros(32)}, str(d / "kohya_diff_b.safetensors"))
     torch.save(tensors, d / "pickled.pt")
     (d / "pickle_renamed.safetensors").write_bytes((d / "pickled.pt").read_bytes())
     return {
@@ -302,6 +304,8 @@ def _bad_loras(loras: dict[str, Path], d: Path) -> dict[str, tuple[Path, str]]:
                            "damaged"),
         "token-embedding-layer": (d / "embedding.safetensors", "is a token-embedding LoRA adapter, which load_lora "
                                   "cannot refit"),
+        "kohya-key-diffusers-cannot-rename": (d / "kohya_diff_b.safetensors",
+                                              f"have not been correctly renamed: {diff_b})"),
         "wider-model": (d / "wider.safetensors", "weight; it was made for another architecture (other widths)"),
         "non-finite": (d / "inf.safetensors", "leaves NaN/Inf in"),
         "ranks-disagree": (d / "ranks.safetensors", "up (B) matrix, which give no update for its"),
@@ -323,7 +327,7 @@ def test_bad_loras_are_refused_and_nothing_is_half_applied(
         for name, (path, message) in bad.items():
             with pytest.raises(LoraError) as e:
                 pipe.load_lora([loras["kohya"], path])  # a good one first: it must not stay applied either
-            assert message in str(e.value), (name, str(e.value))
+            assert message in str(e.value) and "\n" not in str(e.value), (name, str(e.value))  # one error line
             assert pipe.lora is None
         assert np.array_equal(pipe(**CALL).images, base_image)
         pipe.load_lora(loras["peft"], 0.7)
