@@ -87,7 +87,7 @@ def merge_loras(models: dict[str, Any], loras: list[LoraFile]) -> list[dict[str,
 
     Raises:
         MissingPackageError: peft is missing (exit 2).
-        LoraError: diffusers cannot read the file (its message quoted); the file's keys match no
+        LoraError: diffusers cannot read or merge the file (its message quoted); the file's keys match no
             layer of the UNet or text encoder(s) (a LoRA for another architecture); or fewer layers took the LoRA
             than it has (partly another architecture).
     """
@@ -122,7 +122,12 @@ def merge_loras(models: dict[str, Any], loras: list[LoraFile]) -> list[dict[str,
                 f"LoRA file {lora.path}: only {sum(layers.values())} of its {expected} LoRA layers match layers of "
                 "this model; it was made for another architecture (merging part of it would give neither model)"
             )
-        host.fuse_lora(components=[c for c, n in layers.items() if n], lora_scale=lora.scale, adapter_names=[adapter])
+        try:
+            host.fuse_lora(components=[c for c, n in layers.items() if n], lora_scale=lora.scale,
+                           adapter_names=[adapter])
+        except (ValueError, RuntimeError) as e:  # peft: a LoRA bias on a layer that has none
+            raise LoraError(f"LoRA file {lora.path}: diffusers could not merge it into this model "
+                            f"({error_summary(e)})") from e
         host.unload_lora_weights()
         _check_finite(models, [c for c, n in layers.items() if n], lora)
         logger.info("merged LoRA %s (scale %g): %s", lora.path.name, lora.scale,

@@ -352,6 +352,25 @@ def test_a_kohya_key_diffusers_cannot_rename_is_one_error_line(
     assert not (tmp_path / "a").exists()
 
 
+def test_a_lora_bias_on_a_layer_without_bias_is_one_error_line(
+    tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path
+) -> None:
+    """peft refuses to merge a LoRA bias (``lora_B.bias``) into a layer without a bias (``to_q``) in ``fuse_lora``:
+    a LoRA error, exit 2 (it failed as an unexpected RuntimeError of the merge stage, exit 1)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(loras["peft"]))
+    up = next(k for k in tensors if k.endswith("to_q.lora_B.weight"))
+    save_file({**tensors, up.replace(".weight", ".bias"): torch.zeros(len(tensors[up]))},
+              str(tmp_path / "bias.safetensors"))
+    result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"),
+                                       "--lora", str(tmp_path / "bias.safetensors")])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert "diffusers could not merge it into this model (Impossible to merge LoRA with `lora_bias=True`" in errors[0]
+    assert not (tmp_path / "a").exists()
+
+
 def test_cli_lora_errors(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path) -> None:
     runner = CliRunner()
     for lora_arg, message in [
