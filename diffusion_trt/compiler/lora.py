@@ -104,7 +104,7 @@ def merge_loras(models: dict[str, Any], loras: list[LoraFile]) -> list[dict[str,
             expected = sum(1 for k in state if is_down_key(k))
             with _diffusers_logs_at_debug():
                 host.load_lora_weights(str(lora.path), adapter_name=adapter)
-        except (ValueError, KeyError, RuntimeError, TypeError) as e:
+        except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as e:  # IndexError: some key forms
             logger.debug("load_lora_weights(%s) failed:\n%s", lora.path, e)
             raise LoraError(
                 f"LoRA file {lora.path}: diffusers could not load it into this model ({error_summary(e)}); was it made "

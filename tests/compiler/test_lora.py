@@ -371,6 +371,25 @@ def test_a_lora_bias_on_a_layer_without_bias_is_one_error_line(
     assert not (tmp_path / "a").exists()
 
 
+def test_a_lora_diffusers_fails_on_with_an_index_error_is_one_error_line(
+    tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path
+) -> None:
+    """The test LoRA's keys in diffusers' ``lora_linear_layer`` form (its conv1 layers too): load_lora_weights fails
+    with an IndexError ('list index out of range'): a LoRA error, exit 2, as load_lora refuses it (it failed as an
+    unexpected error of the merge stage, exit 1)."""
+    from safetensors.torch import load_file
+
+    tensors = {k.replace(".lora_A.", ".lora_linear_layer.down.").replace(".lora_B.", ".lora_linear_layer.up."): v
+               for k, v in load_file(str(loras["peft"])).items()}
+    save_file(tensors, str(tmp_path / "linear_layer.safetensors"))
+    result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"),
+                                       "--lora", str(tmp_path / "linear_layer.safetensors")])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert "diffusers could not load it into this model (list index out of range)" in errors[0], result.output
+    assert not (tmp_path / "a").exists()
+
+
 def test_cli_lora_errors(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path) -> None:
     runner = CliRunner()
     for lora_arg, message in [
