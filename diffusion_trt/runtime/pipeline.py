@@ -729,7 +729,7 @@ class EnginePipeline:
                         f"{merged[lora.sha256].scale}); loading it again would apply it twice"
                     )
 
-        changed = apply_loras(self._weight_slots, files, not_merged)
+        changed = apply_loras(self._weight_slots, files, not_merged, sdxl=self.manifest.model.is_sdxl)
         self.embedding_cache.clear()  # the text encoder may have changed
         records = [{"file": f.path.name, "sha256": f.sha256, "scale": f.scale} for f in files]
         self._loaded_loras = LoadedLoras.of(files, changed)  # every scale 0: nothing differs from the base
