@@ -166,7 +166,8 @@ def _component_deltas(comp: str, state: Mapping[str, torch.Tensor], alphas: Mapp
     downs = sorted({k.split(".lora_A.")[0] for k in peft_state if ".lora_A." in k})
     ups = {k.split(".lora_B.")[0] for k in peft_state if k.endswith(".lora_B.weight")}
     lone = [(m, "an up (B)", "down (A)") for m in sorted(ups - set(downs))]
-    lone += [(m, "a down (A)", "up (B)") for m in downs if m not in ups and f"{m}.weight" in {*base, *dead}]
+    known = {*base, *dead}
+    lone += [(m, "a down (A)", "up (B)") for m in downs if m not in ups and f"{m}.weight" in known]
     if lone:
         module, has, lacks = lone[0]
         raise LoraError(f"LoRA file {lora.path}: its layer {comp}.{module} has {has} matrix but no {lacks} one; the "
