@@ -522,6 +522,53 @@ def test_refit_weights_equal_the_merge_path(
     assert refit["unet"] and (fmt == "kohya") == (not refit["text_encoder"])
 
 
+def test_tensorrt_unload_refits_the_base_from_the_load_s_model_folder_without_the_lora_file(
+    tiny_pipeline_dir: Path, tiny_artifact: Path, loras: dict[str, Path], refit_maps: dict[str, dict[str, Any]],
+    tmp_path: Path,
+) -> None:
+    """TensorRT ``unload_lora`` (the engines faked: refit calls recorded) refits every initializer the LoRA changed
+    back to the artifact's own values, from the ``model_dir=`` the load read (the manifest's source folder is gone:
+    the artifact was moved), with the LoRA file deleted meanwhile. It refitted the LoRA at scale 0 instead: it read
+    the LoRA file again (LoraError: does not exist) and the manifest's source folder, not ``model_dir``."""
+    import shutil
+    from types import SimpleNamespace
+
+    from diffusion_trt.artifact.manifest import Backend
+
+    class Engine:
+        def __init__(self) -> None:
+            self.refits: list[dict[str, Any]] = []
+
+        def refit(self, values: dict[str, Any], fill_missing: Any = None) -> None:
+            self.refits.append(values)
+
+    root = tmp_path / "artifact"
+    entries = {}
+    for comp, rmap in refit_maps.items():
+        (root / comp).mkdir(parents=True)
+        (root / comp / "refit_map.json").write_text(json.dumps(rmap))
+        entries[comp] = SimpleNamespace(refit_map=f"{comp}/refit_map.json", onnx=f"{comp}/model.onnx")
+    model_dir, lora = tmp_path / "model", tmp_path / "style.safetensors"
+    shutil.copytree(tiny_pipeline_dir, model_dir)
+    shutil.copy(loras["peft"], lora)
+    pipe = SimpleNamespace(
+        manifest=SimpleNamespace(loras=[], backend=Backend.TENSORRT, components=entries,
+                                 source_path=str(tmp_path / "moved")),
+        engines={c: Engine() for c in entries}, root=root, _closed=False, _weight_slots={}, _lora_weights={},
+        _trt_source=None, lora=None, _loaded_loras=None, embedding_cache=SimpleNamespace(clear=lambda: None))
+    pipe._refit_engines = lambda *a: EnginePipeline._refit_engines(pipe, *a)  # type: ignore[attr-defined]
+    loaded = EnginePipeline.load_lora.__wrapped__(pipe, lora, 0.7, model_dir=model_dir)  # type: ignore[attr-defined]
+    assert loaded["refitted"]["unet"] > 0 and loaded["refitted"]["text_encoder"] == 4
+    lora.unlink()
+    EnginePipeline.unload_lora.__wrapped__(pipe)  # type: ignore[attr-defined]
+    assert pipe.lora is None
+    for comp, engine in pipe.engines.items():
+        assert len(engine.refits) == 2 and set(engine.refits[1]) == set(engine.refits[0]), comp
+        base = _initializers(tiny_artifact, comp)
+        for name, value in engine.refits[1].items():
+            np.testing.assert_array_equal(value, base[name], err_msg=f"{comp} {name}")
+
+
 def test_refit_loads_no_model_class(tiny_pipeline_dir: Path, loras: dict[str, Path],
                                     refit_maps: dict[str, dict[str, Any]], tmp_path: Path) -> None:
     """A serving host needs no model classes: computing refit weights imports no diffusers/transformers model
