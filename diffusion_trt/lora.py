@@ -9,6 +9,7 @@ LoRA). Merging at compile time is :mod:`diffusion_trt.compiler.lora`; the refit 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,6 +25,8 @@ from .errors import LoraError
 logger = logging.getLogger(__name__)
 
 LORA_SUFFIX = ".safetensors"
+#: The safetensors header key holding diffusers' LoRA adapter config (``LORA_ADAPTER_METADATA_KEY``): a JSON object.
+LORA_METADATA_KEY = "lora_adapter_metadata"
 
 
 @dataclass(frozen=True)
@@ -177,15 +180,49 @@ def safetensors_keys(path: Path) -> list[str]:
     """Tensor names of a safetensors file (reads the header only).
 
     Raises:
-        LoraError: not a valid safetensors file.
+        LoraError: not a valid safetensors file; its header's ``lora_adapter_metadata`` (diffusers' adapter config)
+            is not a JSON object.
     """
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="np") as f:
-            return list(f.keys())
+            keys, raw = list(f.keys()), (f.metadata() or {}).get(LORA_METADATA_KEY)
     except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError / OSError / ValueError
         raise LoraError(f"LoRA file {path} is not a valid safetensors file ({type(e).__name__}: {e})") from None
+    if raw is not None:
+        adapter_metadata(path, raw)
+    return keys
+
+
+def adapter_metadata(path: Path, raw: str) -> dict[str, Any]:
+    """The header's ``lora_adapter_metadata`` text of the LoRA file ``path``, parsed (``{"unet.r": 4, ...}``).
+
+    Raises:
+        LoraError: not JSON, or JSON other than an object (diffusers would fail on it with a JSONDecodeError or an
+            AttributeError).
+    """
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        value = e
+    if not isinstance(value, dict):
+        raise LoraError(f"LoRA file {path}: its header's {LORA_METADATA_KEY!r} is not a JSON object of adapter "
+                        f"settings ({str(value)[:80]}); the file is damaged: drop that header entry or re-save the "
+                        "LoRA")
+    return value
+
+
+def error_summary(e: BaseException, lines: int = 2, chars: int = 400) -> str:
+    """The first ``lines`` non-empty lines of an error message on one line, at most ``chars`` long (for a LoRA of
+    another architecture, peft lists every mismatched tensor or missing module: hundreds of lines or names; diffusers'
+    key conversion puts the keys it could not rename after a blank line). The caller logs the whole message at
+    DEBUG."""
+    text = [line.strip() for line in str(e).splitlines() if line.strip()]
+    head = " ".join(text[:lines])
+    if len(text) <= lines and len(head) <= chars:
+        return head
+    return f"{head[:chars]} ... (cut; the whole message is logged at DEBUG: diffusion-trt -v)"
 
 
 def check_lora_files(specs: Any) -> list[LoraFile]:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import LoraError, MissingPackageError
-from ..lora import LoraFile, check_lora_files  # check_lora_files: compile's check, before any work
+from ..lora import LoraFile, check_lora_files, error_summary  # check_lora_files: compile's check, before any work
 from ..runtime.lora_deltas import is_down_key
 from ..runtime.refit import array_key, as_initializer, weights_are_safetensors
 
@@ -87,7 +87,7 @@ def merge_loras(models: dict[str, Any], loras: list[LoraFile]) -> list[dict[str,
 
     Raises:
         MissingPackageError: peft is missing (exit 2).
-        LoraError: diffusers cannot read the file (its message quoted); the file's keys match no
+        LoraError: diffusers cannot read or merge the file (its message quoted); the file's keys match no
             layer of the UNet or text encoder(s) (a LoRA for another architecture); or fewer layers took the LoRA
             than it has (partly another architecture).
     """
@@ -99,16 +99,16 @@ def merge_loras(models: dict[str, Any], loras: list[LoraFile]) -> list[dict[str,
     records = []
     for i, lora in enumerate(loras):
         adapter = f"diffusion_trt_lora_{i}"
-        state, _ = type(host).lora_state_dict(str(lora.path))
-        expected = sum(1 for k in state if is_down_key(k))
         try:
+            state, _ = type(host).lora_state_dict(str(lora.path))
+            expected = sum(1 for k in state if is_down_key(k))
             with _diffusers_logs_at_debug():
                 host.load_lora_weights(str(lora.path), adapter_name=adapter)
-        except (ValueError, KeyError, RuntimeError, TypeError) as e:
+        except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as e:  # IndexError: some key forms
             logger.debug("load_lora_weights(%s) failed:\n%s", lora.path, e)
             raise LoraError(
-                f"LoRA file {lora.path}: diffusers could not load it into this model ({_summary(e)}); was it made for "
-                "another architecture (SD 1.x / 2.x / SDXL)?"
+                f"LoRA file {lora.path}: diffusers could not load it into this model ({error_summary(e)}); was it made "
+                "for another architecture (SD 1.x / 2.x / SDXL)?"
             ) from e
         layers = {c: lora_layer_count(models[c], adapter) for c in components}
         if not any(layers.values()):
@@ -122,7 +122,12 @@ def merge_loras(models: dict[str, Any], loras: list[LoraFile]) -> list[dict[str,
                 f"LoRA file {lora.path}: only {sum(layers.values())} of its {expected} LoRA layers match layers of "
                 "this model; it was made for another architecture (merging part of it would give neither model)"
             )
-        host.fuse_lora(components=[c for c, n in layers.items() if n], lora_scale=lora.scale, adapter_names=[adapter])
+        try:
+            host.fuse_lora(components=[c for c, n in layers.items() if n], lora_scale=lora.scale,
+                           adapter_names=[adapter])
+        except (ValueError, RuntimeError) as e:  # peft: a LoRA bias on a layer that has none
+            raise LoraError(f"LoRA file {lora.path}: diffusers could not merge it into this model "
+                            f"({error_summary(e)})") from e
         host.unload_lora_weights()
         _check_finite(models, [c for c, n in layers.items() if n], lora)
         logger.info("merged LoRA %s (scale %g): %s", lora.path.name, lora.scale,
@@ -161,16 +166,6 @@ def _diffusers_logs_at_debug() -> Iterator[None]:
         yield
     finally:
         diffusers_logger.setLevel(level)
-
-
-def _summary(e: BaseException, lines: int = 2, chars: int = 400) -> str:
-    """The first ``lines`` non-empty lines of an error message on one line, at most ``chars`` long (for a LoRA of
-    another architecture, peft lists every mismatched tensor or missing module: hundreds of lines or names)."""
-    text = [line.strip() for line in str(e).splitlines() if line.strip()]
-    head = " ".join(text[:lines])
-    if len(text) <= lines and len(head) <= chars:
-        return head
-    return f"{head[:chars]} ... (cut; the whole message is logged at DEBUG: diffusion-trt -v)"
 
 
 def refit_map(model: Any, module: Any, find_dead: Callable[[list[str]], Collection[str]] | None = None

@@ -53,6 +53,7 @@ constants), and on CUDA the base values stay on the host (pinned) besides the bo
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,7 +278,7 @@ def lora_list(path: Any, scale: Any) -> list[tuple[Any, Any]]:
 
 
 def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile],
-                check: Callable[[Sequence[LoraFile]], None] | None = None) -> dict[str, int]:
+                check: Callable[[Sequence[LoraFile]], None] | None = None, *, sdxl: bool = False) -> dict[str, int]:
     """Bind base + every LoRA of ``loras`` in every component of ``slots``; all checked before anything is bound.
 
     A LoRA's layers are read per model (:attr:`WeightSlots.source`: its ``unet.`` keys apply to ``unet`` and to
@@ -290,6 +291,8 @@ def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile],
         slots: component -> its weight inputs (:func:`load_slots`).
         loras: the checked files, with their scales.
         check: the caller's own refusal of ``loras`` (raising ``LoraError``), run before anything is bound.
+        sdxl: an SDXL artifact: kohya keys in SGM block names (``lora_unet_input_blocks_4_1_...``, sd-scripts' SDXL
+            LoRAs) are mapped to the UNet's as diffusers' SDXL loader maps them (:func:`sgm_unet_config`).
 
     Returns:
         component -> weights that now differ from the base (a count for every component of ``slots``).
@@ -309,7 +312,10 @@ def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile],
     shapes = {src: {w: t for s in group for w, t in s.torch_shapes().items()} for src, group in groups.items()}
     constants = {src: frozenset().union(*(s.constants for s in group)) for src, group in groups.items()}
     dead = {src: frozenset.intersection(*(s.dead for s in group)) for src, group in groups.items()}
-    deltas = [lora_deltas(lora, shapes, device=unique[0].device, constants=constants, dead=dead) for lora in loras]
+    unet_config = sgm_unet_config([*shapes.get("unet", ()), *constants.get("unet", ()), *dead.get("unet", ())]
+                                  ) if sdxl else None
+    deltas = [lora_deltas(lora, shapes, unet_config, device=unique[0].device, constants=constants, dead=dead)
+              for lora in loras]
     refuse_repeats(loras)
     if check is not None:
         check(loras)
@@ -318,6 +324,16 @@ def apply_loras(slots: Mapping[str, WeightSlots], loras: Sequence[LoraFile],
     for s in unique:  # nothing failed: bind
         s.bind(values[id(s)])
     return {c: len(values[id(s)]) for c, s in slots.items()}
+
+
+def sgm_unet_config(weights: Sequence[str]) -> Any:
+    """What diffusers' ``_maybe_map_sgm_blocks_to_diffusers`` reads of the UNet's config (``layers_per_block``: the
+    resnets of ``down_blocks.0``), from the UNet's torch weight names (the refit map's; the artifact holds no
+    ``config.json``); ``None`` when they name no such resnet (no UNet)."""
+    from types import SimpleNamespace
+
+    found = [int(m[1]) for w in weights if (m := re.match(r"down_blocks\.0\.resnets\.(\d+)\.", w))]
+    return SimpleNamespace(layers_per_block=max(found) + 1) if found else None
 
 
 def distinct(slots: Mapping[str, WeightSlots]) -> list[WeightSlots]:

@@ -354,7 +354,8 @@ class EnginePipeline:
         self._loaded_loras: LoadedLoras | None = None
         #: ORT --refittable: the weight inputs of the UNet / text encoder(s) (runtime/lora_slots.py); {} otherwise
         self._weight_slots: Mapping[str, Any] = {}
-        self._trt_lora_path: Path | None = None  # TensorRT: the LoRA refitted last (unload_lora refits it at 0)
+        #: TensorRT: the model folder and trust_pickle of the last load_lora (unload_lora refits the base from there)
+        self._trt_source: tuple[Path, bool] | None = None
         # "pil"/"np" results land in pinned host buffers kept across calls, copied on a side stream
         self._host_buffers = HostBuffers(pin=self.device.type == "cuda" and torch.cuda.is_available())
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._host_buffers.pin else None
@@ -643,7 +644,8 @@ class EnginePipeline:
         changes: a refused LoRA leaves the pipeline as it was. With ``--controlnet``, ``unet_controlnet`` (the UNet
         of control-image calls) binds the plain ``unet``'s weight inputs, so the LoRA reaches those calls too
         (artifacts compiled before that refuse a control-image call while a LoRA changes the UNet). Returns
-        ``{"loras": [{"file", "sha256", "scale"}], "changed": {component: weights changed}}``.
+        ``{"loras": [{"file", "sha256", "scale"}], "changed": {component: weights that now differ from the base}}``
+        (0 everywhere when every scale is 0).
 
         TensorRT ``--refittable`` artifacts: one LoRA, refitted as follows (``unet`` and the text encoder(s);
         ``unet_controlnet`` keeps its weights, so a control-image call is refused while the LoRA changes the UNet).
@@ -679,7 +681,6 @@ class EnginePipeline:
             PipelineBusyError: a call of this pipeline is running (see "Threads" in the class docstring).
         """
         from ..lora import check_lora_file
-        from .refit import onnx_initializers, refit_weights
 
         if self._closed:
             raise RuntimeError("EnginePipeline is closed; load it again with EnginePipeline.from_artifacts")
@@ -688,16 +689,30 @@ class EnginePipeline:
         specs = lora_list(path, scale)
         lora = check_lora_file(*specs[0])
         check_refit_target(self.manifest, lora, len(specs))
-        comps = {c: e for c, e in self.manifest.components.items() if e.refit_map and c in self.engines}
-        if not comps:
+        if not any(e.refit_map and c in self.engines for c, e in self.manifest.components.items()):
             raise LoraError(_NO_REFIT_MAP)
-        root = self.root or Path(".")
-        maps = {c: json.loads(safe_join(root, str(e.refit_map)).read_text(encoding="utf-8"))
-                for c, e in comps.items()}
         source = model_dir if model_dir is not None else self.manifest.source_path
         if not source:
             raise LoraError("the manifest names no source model folder; pass model_dir= the diffusers folder")
-        weights = refit_weights(maps, Path(source), lora, self._lora_weights, trust_pickle=trust_pickle)
+        weights = self._refit_engines(lora, Path(source), trust_pickle)
+        self._trt_source = (Path(source), trust_pickle)
+        self.lora = {**lora.record({}), "refitted": {c: len(v) for c, v in weights.items()}}
+        self.lora.pop("layers")
+        self._loaded_loras = LoadedLoras.of([lora], self.lora["refitted"])
+        logger.info("LoRA %s (scale %g): refitted %s", lora.path.name, lora.scale, self.lora["refitted"])
+        return dict(self.lora)
+
+    def _refit_engines(self, lora: Any, source: Path, trust_pickle: bool) -> dict[str, dict[str, Any]]:
+        """TensorRT: refit the engines with refit maps to the base weights of ``source`` plus ``lora`` (a checked
+        :class:`~diffusion_trt.lora.LoraFile`; ``None``: the base alone), and those the last refit changed; returns
+        the initializers refitted per component (:func:`~.refit.refit_weights`, whose errors it raises)."""
+        from .refit import onnx_initializers, refit_weights
+
+        comps = {c: e for c, e in self.manifest.components.items() if e.refit_map and c in self.engines}
+        root = self.root or Path(".")
+        maps = {c: json.loads(safe_join(root, str(e.refit_map)).read_text(encoding="utf-8"))
+                for c, e in comps.items()}
+        weights = refit_weights(maps, source, lora, self._lora_weights, trust_pickle=trust_pickle)
         for comp, values in weights.items():
             if values:
                 onnx_path = safe_join(root, str(comps[comp].onnx))
@@ -706,12 +721,7 @@ class EnginePipeline:
                 )
         self.embedding_cache.clear()  # the text encoder may have changed
         self._lora_weights = weights
-        self._trt_lora_path = lora.path
-        self.lora = {**lora.record({}), "refitted": {c: len(v) for c, v in weights.items()}}
-        self.lora.pop("layers")
-        self._loaded_loras = LoadedLoras.of([lora], self.lora["refitted"])
-        logger.info("LoRA %s (scale %g): refitted %s", lora.path.name, lora.scale, self.lora["refitted"])
-        return dict(self.lora)
+        return weights
 
     def _load_lora_inputs(self, path: Any, scale: Any) -> dict[str, Any]:
         """:meth:`load_lora` on an ONNX Runtime ``--refittable`` artifact (see :mod:`~.lora_slots`)."""
@@ -728,26 +738,27 @@ class EnginePipeline:
                         f"{merged[lora.sha256].scale}); loading it again would apply it twice"
                     )
 
-        changed = apply_loras(self._weight_slots, files, not_merged)
+        changed = apply_loras(self._weight_slots, files, not_merged, sdxl=self.manifest.model.is_sdxl)
         self.embedding_cache.clear()  # the text encoder may have changed
         records = [{"file": f.path.name, "sha256": f.sha256, "scale": f.scale} for f in files]
-        self.lora = {"loras": records, "changed": changed}
-        self._loaded_loras = LoadedLoras.of(files, changed)
-        logger.info("LoRA %s: %s", " + ".join(f"{f.path.name}:{f.scale:g}" for f in files), changed)
+        self._loaded_loras = LoadedLoras.of(files, changed)  # every scale 0: nothing differs from the base
+        self.lora = {"loras": records, "changed": dict(self._loaded_loras.changed)}
+        logger.info("LoRA %s: %s", " + ".join(f"{f.path.name}:{f.scale:g}" for f in files), self.lora["changed"])
         return dict(self.lora)
 
     @one_call_at_a_time("unload_lora()")
     def unload_lora(self) -> None:
         """Back to the compiled (base) weights (a no-op when no LoRA is loaded): ONNX Runtime ``--refittable``
-        artifacts bind the base tensors again (bit for bit); TensorRT ones refit the last LoRA at scale 0.
+        artifacts bind the base tensors again (bit for bit); TensorRT ones refit the base weights of the model folder
+        (and ``trust_pickle``) the last :meth:`load_lora` read, without reading its LoRA file again.
 
         Raises:
             LoraError: as :meth:`load_lora` (TensorRT: the model folder it reads the base weights from).
             PipelineBusyError: a call of this pipeline is running (see "Threads" in the class docstring).
         """
         if not self._weight_slots:
-            if self.lora is not None:  # load_lora itself, under the guard this method holds already
-                EnginePipeline.load_lora.__wrapped__(self, self._trt_lora_path, 0.0)  # type: ignore[attr-defined]
+            if self.lora is not None and self._trt_source is not None:
+                self._refit_engines(None, *self._trt_source)
                 self.lora = self._loaded_loras = None
             return
         for slots in distinct(self._weight_slots):  # unet and unet_controlnet may share theirs

@@ -60,7 +60,7 @@ def as_initializer(weight: torch.Tensor, transpose: bool, dtype: str) -> np.ndar
 def refit_weights(
     maps: dict[str, dict[str, Any]],
     model_dir: Path,
-    lora: LoraFile,
+    lora: LoraFile | None,
     previous: dict[str, dict[str, Any]] | None = None,
     *,
     trust_pickle: bool = False,
@@ -70,7 +70,7 @@ def refit_weights(
     Args:
         maps: component -> its refit map (``compiler.lora.refit_map``).
         model_dir: the diffusers folder the artifact was compiled from.
-        lora: the checked LoRA file and scale.
+        lora: the checked LoRA file and scale; ``None``: the base weights (``unload_lora``: the file is not read).
         previous: what the last call returned (its initializers go back to base if this LoRA leaves them).
         trust_pickle: allow pickle weights in ``model_dir`` (see :func:`weights_are_safetensors`).
 
@@ -83,15 +83,19 @@ def refit_weights(
             changes a weight the engines cannot refit, leaves NaN/Inf, or is a variant refit cannot merge.
     """
     bases = {c: base_weights(model_dir, c, rmap, trust_pickle=trust_pickle) for c, rmap in maps.items()}
-    deltas = lora_deltas(lora, bases, unet_config=_sdxl_unet_config(model_dir) if "text_encoder_2" in maps else None,
-                         dead={c: rmap.get("dead", ()) for c, rmap in maps.items()})
+    deltas = {c: {} for c in maps} if lora is None else lora_deltas(
+        lora, bases, unet_config=_sdxl_unet_config(model_dir) if "text_encoder_2" in maps else None,
+        dead={c: rmap.get("dead", ()) for c, rmap in maps.items()})
     out: dict[str, dict[str, np.ndarray]] = {}
     for comp, rmap in maps.items():
-        _check_refittable(comp, rmap, deltas[comp], lora)
+        if lora is not None:
+            _check_refittable(comp, rmap, deltas[comp], lora)
         before = set((previous or {}).get(comp, {}))
         weights = {}
         for wname, e in rmap["weights"].items():
-            merged = _merged(bases[comp][wname], deltas[comp].get(wname), comp, wname, lora)
+            delta = deltas[comp].get(wname)
+            merged = bases[comp][wname] if lora is None or delta is None else _merged(
+                bases[comp][wname], delta, comp, wname, lora)
             arr = as_initializer(merged, e["transpose"], e["dtype"])
             if e["initializer"] in before or array_key(arr) != e["sha256"]:
                 weights[e["initializer"]] = arr

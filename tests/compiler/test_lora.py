@@ -86,8 +86,9 @@ def loras(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def _variant_lora(loras: dict[str, Path], tmp_path: Path, variant: str) -> Path:
-    """The peft LoRA with diffusers' adapter metadata in the header (alpha != r), or with rank 2 on the to_q layers
-    and 4 elsewhere (diffusers' rank_pattern)."""
+    """The peft LoRA with diffusers' adapter metadata in the header (alpha != r; ``metadata_defaults``: without
+    ``lora_alpha``, which diffusers' ``LoraConfig(**metadata)`` takes as peft's default 8), or with rank 2 on the
+    to_q layers and 4 elsewhere (diffusers' rank_pattern)."""
     import json
 
     from safetensors.torch import load_file
@@ -97,6 +98,10 @@ def _variant_lora(loras: dict[str, Path], tmp_path: Path, variant: str) -> Path:
     if variant == "metadata":
         config = {"unet.r": 4, "unet.lora_alpha": 2, "unet.target_modules": UNET_TARGETS,
                   "text_encoder.r": 4, "text_encoder.lora_alpha": 6, "text_encoder.target_modules": TEXT_TARGETS}
+        metadata = {"lora_adapter_metadata": json.dumps(config), "format": "pt"}
+    elif variant == "metadata_defaults":
+        config = {"unet.r": 4, "unet.target_modules": UNET_TARGETS,
+                  "text_encoder.r": 4, "text_encoder.target_modules": TEXT_TARGETS}
         metadata = {"lora_adapter_metadata": json.dumps(config), "format": "pt"}
     else:
         for key in [k for k in tensors if "to_q.lora_A" in k]:
@@ -328,6 +333,63 @@ def test_compiling_an_artifact_is_refused(tiny_pipeline_dir: Path, loras: dict[s
     assert "style.safetensors (scale 0.7) merged already" in msg
 
 
+def test_a_kohya_key_diffusers_cannot_rename_is_one_error_line(
+    tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path
+) -> None:
+    """diffusers' kohya conversion refuses a key it cannot rename (a ``.diff_b`` bias difference) with a ValueError
+    whose keys follow a blank line: one error line naming the key, exit 2 (it failed as an unexpected ValueError of
+    the merge stage, exit 1, the key on a line of its own)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(loras["kohya"]))
+    key = next(k for k in tensors if k.endswith(".lora_up.weight")).replace("lora_up.weight", "diff_b")
+    save_file({**tensors, key: torch.zeros(32)}, str(tmp_path / "diff_b.safetensors"))
+    result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"),
+                                       "--lora", str(tmp_path / "diff_b.safetensors")])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert f"have not been correctly renamed: {key})" in errors[0], result.output
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_lora_bias_on_a_layer_without_bias_is_one_error_line(
+    tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path
+) -> None:
+    """peft refuses to merge a LoRA bias (``lora_B.bias``) into a layer without a bias (``to_q``) in ``fuse_lora``:
+    a LoRA error, exit 2 (it failed as an unexpected RuntimeError of the merge stage, exit 1)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(loras["peft"]))
+    up = next(k for k in tensors if k.endswith("to_q.lora_B.weight"))
+    save_file({**tensors, up.replace(".weight", ".bias"): torch.zeros(len(tensors[up]))},
+              str(tmp_path / "bias.safetensors"))
+    result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"),
+                                       "--lora", str(tmp_path / "bias.safetensors")])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert "diffusers could not merge it into this model (Impossible to merge LoRA with `lora_bias=True`" in errors[0]
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_lora_diffusers_fails_on_with_an_index_error_is_one_error_line(
+    tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path
+) -> None:
+    """The test LoRA's keys in diffusers' ``lora_linear_layer`` form (its conv1 layers too): load_lora_weights fails
+    with an IndexError ('list index out of range'): a LoRA error, exit 2, as load_lora refuses it (it failed as an
+    unexpected error of the merge stage, exit 1)."""
+    from safetensors.torch import load_file
+
+    tensors = {k.replace(".lora_A.", ".lora_linear_layer.down.").replace(".lora_B.", ".lora_linear_layer.up."): v
+               for k, v in load_file(str(loras["peft"])).items()}
+    save_file(tensors, str(tmp_path / "linear_layer.safetensors"))
+    result = CliRunner().invoke(main, ["compile", str(tiny_pipeline_dir), "-o", str(tmp_path / "a"),
+                                       "--lora", str(tmp_path / "linear_layer.safetensors")])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert "diffusers could not load it into this model (list index out of range)" in errors[0], result.output
+    assert not (tmp_path / "a").exists()
+
+
 def test_cli_lora_errors(tiny_pipeline_dir: Path, loras: dict[str, Path], tmp_path: Path) -> None:
     runner = CliRunner()
     for lora_arg, message in [
@@ -427,15 +489,15 @@ def test_refit_weights_are_a_compile_with_the_lora(
 
 
 @pytest.mark.parametrize(("fmt", "scale"), [("peft", 0.7), ("kohya", 1.0), ("peft", -1.5), ("metadata", 0.6),
-                                            ("mixed_rank", 1.0)])
+                                            ("metadata_defaults", 0.6), ("mixed_rank", 1.0)])
 def test_refit_weights_equal_the_merge_path(
     tiny_pipeline_dir: Path, loras: dict[str, Path], refit_maps: dict[str, dict[str, Any]], fmt: str, scale: float,
     tmp_path: Path,
 ) -> None:
     """load_lora's weights, computed from safetensors without model classes (runtime.refit), are bit for bit what
     compile --lora's merge (diffusers' load_lora_weights + fuse_lora on the loaded modules) gives, for every mapped
-    weight: with and without alphas (kohya), with the adapter config in the file's header, with ranks that differ
-    per layer, and at scales other than 1."""
+    weight: with and without alphas (kohya), with the adapter config in the file's header (whole, or without
+    lora_alpha: peft's default; a KeyError before), with ranks that differ per layer, and at scales other than 1."""
     from diffusion_trt.compiler.lora import load_base_modules, merge_loras
     from diffusion_trt.lora import check_lora_file
     from diffusion_trt.runtime.refit import array_key, as_initializer, refit_weights
@@ -458,6 +520,53 @@ def test_refit_weights_equal_the_merge_path(
             assert refit[comp][name].dtype == value.dtype
             np.testing.assert_array_equal(refit[comp][name], value, err_msg=f"{comp} {name}")
     assert refit["unet"] and (fmt == "kohya") == (not refit["text_encoder"])
+
+
+def test_tensorrt_unload_refits_the_base_from_the_load_s_model_folder_without_the_lora_file(
+    tiny_pipeline_dir: Path, tiny_artifact: Path, loras: dict[str, Path], refit_maps: dict[str, dict[str, Any]],
+    tmp_path: Path,
+) -> None:
+    """TensorRT ``unload_lora`` (the engines faked: refit calls recorded) refits every initializer the LoRA changed
+    back to the artifact's own values, from the ``model_dir=`` the load read (the manifest's source folder is gone:
+    the artifact was moved), with the LoRA file deleted meanwhile. It refitted the LoRA at scale 0 instead: it read
+    the LoRA file again (LoraError: does not exist) and the manifest's source folder, not ``model_dir``."""
+    import shutil
+    from types import SimpleNamespace
+
+    from diffusion_trt.artifact.manifest import Backend
+
+    class Engine:
+        def __init__(self) -> None:
+            self.refits: list[dict[str, Any]] = []
+
+        def refit(self, values: dict[str, Any], fill_missing: Any = None) -> None:
+            self.refits.append(values)
+
+    root = tmp_path / "artifact"
+    entries = {}
+    for comp, rmap in refit_maps.items():
+        (root / comp).mkdir(parents=True)
+        (root / comp / "refit_map.json").write_text(json.dumps(rmap))
+        entries[comp] = SimpleNamespace(refit_map=f"{comp}/refit_map.json", onnx=f"{comp}/model.onnx")
+    model_dir, lora = tmp_path / "model", tmp_path / "style.safetensors"
+    shutil.copytree(tiny_pipeline_dir, model_dir)
+    shutil.copy(loras["peft"], lora)
+    pipe = SimpleNamespace(
+        manifest=SimpleNamespace(loras=[], backend=Backend.TENSORRT, components=entries,
+                                 source_path=str(tmp_path / "moved")),
+        engines={c: Engine() for c in entries}, root=root, _closed=False, _weight_slots={}, _lora_weights={},
+        _trt_source=None, lora=None, _loaded_loras=None, embedding_cache=SimpleNamespace(clear=lambda: None))
+    pipe._refit_engines = lambda *a: EnginePipeline._refit_engines(pipe, *a)  # type: ignore[attr-defined]
+    loaded = EnginePipeline.load_lora.__wrapped__(pipe, lora, 0.7, model_dir=model_dir)  # type: ignore[attr-defined]
+    assert loaded["refitted"]["unet"] > 0 and loaded["refitted"]["text_encoder"] == 4
+    lora.unlink()
+    EnginePipeline.unload_lora.__wrapped__(pipe)  # type: ignore[attr-defined]
+    assert pipe.lora is None
+    for comp, engine in pipe.engines.items():
+        assert len(engine.refits) == 2 and set(engine.refits[1]) == set(engine.refits[0]), comp
+        base = _initializers(tiny_artifact, comp)
+        for name, value in engine.refits[1].items():
+            np.testing.assert_array_equal(value, base[name], err_msg=f"{comp} {name}")
 
 
 def test_refit_loads_no_model_class(tiny_pipeline_dir: Path, loras: dict[str, Path],

@@ -10,7 +10,9 @@ merges them with diffusers) and diffusers' own pipeline with the whole LoRA fuse
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +219,47 @@ def test_tensorrt_refit_weights_ignore_dead_layers_too(tiny_sdxl_dir: Path, sdxl
     assert {c: sorted(v) for c, v in full.items()} == {c: sorted(v) for c, v in live.items()}
     assert len(full["text_encoder"]) == 4 and all(
         np.array_equal(full[c][n], live[c][n]) for c in full for n in full[c])
+
+
+def _kohya_unet(tensors: dict[str, torch.Tensor], layers_per_block: int, sgm: bool) -> dict[str, torch.Tensor]:
+    """The UNet attention layers of a peft-key LoRA in kohya keys: diffusers' block names
+    (``lora_unet_down_blocks_1_attentions_0_...``) or sd-scripts' SDXL SGM ones (``lora_unet_input_blocks_4_1_...``)."""
+    step = layers_per_block + 1
+    forms = ((r"down_blocks\.(\d+)\.attentions\.(\d+)\.", lambda b, i: f"input_blocks.{1 + b * step + i}.1."),
+             (r"mid_block\.attentions\.0\.", lambda: "middle_block.1."),
+             (r"up_blocks\.(\d+)\.attentions\.(\d+)\.", lambda b, i: f"output_blocks.{b * step + i}.1."))
+    out = {}
+    for key, value in tensors.items():
+        module, _, matrix = key.removeprefix("unet.").rpartition(".lora_")
+        if not key.startswith("unet.") or "attentions" not in module:
+            continue
+        for pattern, sgm_name in forms:
+            if sgm and (m := re.match(pattern, module)):
+                module = sgm_name(*map(int, m.groups())) + module[m.end():]
+        name = "lora_unet_" + module.replace(".", "_")
+        out[f"{name}.lora_{'down' if matrix.startswith('A') else 'up'}.weight"] = value
+        out[f"{name}.alpha"] = torch.tensor(2.0)
+    return out
+
+
+def test_a_kohya_sdxl_lora_in_sgm_block_names_loads_as_in_diffusers_names(
+    tiny_sdxl_dir: Path, sdxl_refittable: Path, lora_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """sd-scripts writes SDXL LoRAs with the SGM UNet's block names (input_blocks / middle_block / output_blocks),
+    which diffusers' SDXL loader maps with the UNet's layers_per_block (compile --lora merged them): load_lora on an
+    ORT --refittable artifact refused them as 'made for another architecture' (none of its layers matched); they
+    give the image of the same LoRA in diffusers' block names, bit for bit."""
+    layers_per_block = json.loads((tiny_sdxl_dir / "unet" / "config.json").read_text())["layers_per_block"]
+    tensors = load_file(str(lora_files["live"]))
+    paths = {}
+    for sgm in (False, True):
+        paths[sgm] = tmp_path / f"kohya_{'sgm' if sgm else 'diffusers'}.safetensors"
+        save_file(_kohya_unet(tensors, layers_per_block, sgm), str(paths[sgm]))
+    assert any("input_blocks" in k for k in load_file(str(paths[True])))
+    with EnginePipeline.from_artifacts(sdxl_refittable) as pipe:
+        base = _image(pipe)
+        images = {}
+        for sgm, path in paths.items():
+            images[sgm] = (pipe.load_lora(path, 0.8)["changed"]["unet"], _image(pipe))
+    assert images[True][0] == images[False][0] > 0
+    assert np.array_equal(images[True][1], images[False][1]) and not np.array_equal(images[True][1], base)
