@@ -637,7 +637,7 @@ def image_request(
     if unet_in_channels == 9 and mask_image is None:
         raise RuntimeInputError(
             "this artifact's UNet is an inpainting UNet (9 input channels: latents, mask, masked-image latents); "
-            "pass mask_image= (white = repaint) with image= (CLI: --mask FILE)"
+            "pass mask_image= (white = repaint) with image="
         )
     if vae_encoder is None:
         raise RuntimeInputError(

@@ -542,13 +542,12 @@ def _check_text_to_image(spec: RequestSpec, strength: Any) -> None:
     """Refuse what needs an image: ``strength``, an inpainting UNet."""
     if strength is not None:
         raise RuntimeInputError(
-            f"strength={strength!r} needs image=: it is how much of the start image is re-noised "
-            "(CLI: --image FILE)"
+            f"strength={strength!r} needs image=: it is how much of the start image is re-noised"
         )
     if spec.geometry.unet_in_channels != spec.geometry.channels:
         raise RuntimeInputError(
             f"this artifact's UNet is an inpainting UNet ({spec.geometry.unet_in_channels} input channels: "
-            "latents, mask, masked-image latents); pass image= and mask_image= (CLI: --image FILE --mask FILE)"
+            "latents, mask, masked-image latents); pass image= and mask_image="
         )
 
 

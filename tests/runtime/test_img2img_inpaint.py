@@ -346,8 +346,9 @@ def test_cli_bad_image_input(inpaint_artifact: Path, tiny_artifact: Path, tmp_pa
     cases = [
         (["run", tiny_artifact, "-p", "x", "--mask", tmp_path / "mask.png"], 2, "--mask needs --image"),
         (["run", tiny_artifact, "-p", "x", "--strength", "0.5"], 2, "--strength needs --image"),
-        (["run", inpaint_artifact, "-p", "x", "--image", tmp_path / "in.png"], 2, "pass mask_image="),
-        (["run", inpaint_artifact, "-p", "x"], 2, "inpainting UNet (9 input channels"),
+        (["run", inpaint_artifact, "-p", "x", "--image", tmp_path / "in.png"], 2,
+         "pass --mask (white = repaint) with --image"),  # the CLI's spelling of mask_image= / image=, said once
+        (["run", inpaint_artifact, "-p", "x"], 2, "latents, mask, masked-image latents); pass --image and --mask"),
         (["run", tiny_artifact, "-p", "x", "--image", tmp_path / "odd.png"], 2,
          "image height 60 is not a multiple of 8"),
         (["run", tiny_artifact, "-p", "x", "--image", tmp_path / "in.png", "--strength", "2"], 2,
@@ -359,6 +360,7 @@ def test_cli_bad_image_input(inpaint_artifact: Path, tiny_artifact: Path, tmp_pa
         code, out = _invoke(*args, "--steps", "2", "-o", out_png)
         assert code == code_want, (args, out)
         assert message in " ".join(out.split()), (args, out)
+        assert "(CLI:" not in out, out  # the flags are named in the line itself, not again after it
 
 
 def test_text_to_image_only_tools_refuse_inpainting_artifacts(inpaint_artifact: Path, inpaint_pipeline_dir: Path,
