@@ -1379,3 +1379,14 @@ def test_sigma_schedulers_run_1000_steps_as_diffusers_does(tiny_artifact: Path, 
     code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1000", "--scheduler", "lms",
                         "-o", tmp_path / "l.png")
     assert code == 2 and "zero gap between its first two sigmas" in out and "at most 999" in out, out
+
+
+@pytest.mark.parametrize("command", ["run", "compile"])
+def test_lora_scale_with_an_underscore_is_not_a_scale(command: str, tiny_artifact: Path, tiny_pipeline_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """`--lora F:1_0` was read as scale 10 (float() takes Python's digit grouping)."""
+    source, rest = {"run": (tiny_artifact, ["-p", "x", "-o", tmp_path / "o.png"]),
+                    "compile": (tiny_pipeline_dir, ["-o", tmp_path / "art"])}[command]
+    code, out = _invoke(command, source, *rest, "--lora", "style.safetensors:1_0")
+    assert code == 2 and out == ("error: --lora 'style.safetensors:1_0': '1_0' is not a scale; use FILE or "
+                                 "FILE:SCALE with a finite number, e.g. style.safetensors:0.8\n"), out
