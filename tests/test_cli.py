@@ -1390,3 +1390,15 @@ def test_lora_scale_with_an_underscore_is_not_a_scale(command: str, tiny_artifac
     code, out = _invoke(command, source, *rest, "--lora", "style.safetensors:1_0")
     assert code == 2 and out == ("error: --lora 'style.safetensors:1_0': '1_0' is not a scale; use FILE or "
                                  "FILE:SCALE with a finite number, e.g. style.safetensors:0.8\n"), out
+
+
+@pytest.mark.parametrize("command", ["run", "compile"])
+def test_lora_scale_beyond_float32_is_refused_at_once(command: str, tiny_artifact: Path, tiny_pipeline_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """`run --lora F:1e39` on an artifact without --refittable suggested `compile --lora F:1e+39`, which compile then
+    refused (NaN/Inf in the merged weights)."""
+    source, rest = {"run": (tiny_artifact, ["-p", "x", "-o", tmp_path / "o.png"]),
+                    "compile": (tiny_pipeline_dir, ["-o", tmp_path / "art"])}[command]
+    code, out = _invoke(command, source, *rest, "--lora", "style.safetensors:-1e39")
+    assert code == 2 and out == ("error: --lora 'style.safetensors:-1e39': scale -1e+39 is beyond float32 (at most "
+                                 "3.403e+38); use a scale such as style.safetensors:0.8\n"), out
