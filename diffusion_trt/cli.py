@@ -898,9 +898,13 @@ def _quantize_config(options: dict[str, Any]) -> Any:
 def _snap(name: str, value: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
     """``--snap``: the nearest valid image size (config.snap_image_size), logged when it differs."""
     from .config import snap_image_size
+    from .errors import RuntimeInputError
 
     if value is None:
         return None
+    if value < 1:  # snapping -8 to the profile's smallest size would hide a typo
+        raise RuntimeInputError(f"--{name.replace('_', '-')} {value} must be positive (--snap rounds a size to a "
+                                f"multiple of 8, it does not replace one below 1); use e.g. {lo or 512}")
     snapped = snap_image_size(value, lo, hi)
     if snapped != value:
         logger.warning("--snap: %s %d -> %d (multiples of 8%s)", name.replace("_", "-"), value, snapped,

@@ -1402,3 +1402,16 @@ def test_lora_scale_beyond_float32_is_refused_at_once(command: str, tiny_artifac
     code, out = _invoke(command, source, *rest, "--lora", "style.safetensors:-1e39")
     assert code == 2 and out == ("error: --lora 'style.safetensors:-1e39': scale -1e+39 is beyond float32 (at most "
                                  "3.403e+38); use a scale such as style.safetensors:0.8\n"), out
+
+
+@pytest.mark.parametrize(("command", "flag", "value"), [("run", "--width", "-8"), ("compile", "--min-height", "0")])
+def test_snap_refuses_a_size_below_one(command: str, flag: str, value: str, tiny_artifact: Path,
+                                       tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """`run --snap --width -8` snapped to the profile's 32 and ran (compile --snap: to 8, and compiled)."""
+    source, rest = {"run": (tiny_artifact, ["-p", "x", "-o", tmp_path / "o.png"]),
+                    "compile": (tiny_pipeline_dir, ["-o", tmp_path / "art"])}[command]
+    code, out = _invoke(command, source, *rest, "--snap", flag, value)
+    example = 32 if command == "run" else 512
+    assert code == 2 and out == (f"error: {flag} {value} must be positive (--snap rounds a size to a multiple of 8, "
+                                 f"it does not replace one below 1); use e.g. {example}\n"), out
+    assert not (tmp_path / "o.png").exists() and not (tmp_path / "art").exists()
