@@ -1415,3 +1415,13 @@ def test_snap_refuses_a_size_below_one(command: str, flag: str, value: str, tiny
     assert code == 2 and out == (f"error: {flag} {value} must be positive (--snap rounds a size to a multiple of 8, "
                                  f"it does not replace one below 1); use e.g. {example}\n"), out
     assert not (tmp_path / "o.png").exists() and not (tmp_path / "art").exists()
+
+
+def test_image_size_not_a_multiple_of_8_names_the_option(tiny_artifact: Path, tmp_path: Path) -> None:
+    """The message said 'image width 60' (the Python argument, as prose), not `--image`."""
+    from PIL import Image
+
+    Image.new("RGB", (60, 64), "red").save(tmp_path / "in.png")
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--image", tmp_path / "in.png", "-o", tmp_path / "o.png")
+    assert code == 2 and out == ("error: --image width 60 is not a multiple of 8 (the VAE downsamples by 8); resize "
+                                 "or crop the image to 56 or 64 (engine profile allows 32..128)\n"), out

@@ -404,6 +404,6 @@ def test_lazily_opened_huge_image_is_refused_before_decoding(pipe: EnginePipelin
         kwargs = {"image": big} if which == "image" else {"image": _image(), "mask_image": big}
         with pytest.raises(RuntimeInputError) as e:
             pipe("a cat", num_inference_steps=4, seed=0, progress=False, **kwargs)
-    message = "image height 12000 is outside the engine profile 32..128" if which == "image" else (
+    message = "image= height 12000 is outside the engine profile 32..128" if which == "image" else (
         "mask_image is 12000x12000 (WxH) but the image is 64x64")
     assert message in str(e.value)
