@@ -237,7 +237,7 @@ def test_run_refuses_what_the_artifact_cannot_honour_before_any_engine_opens(
          r"--strength 0\.1 with --steps 1 leaves int\(1 \* 0\.1\) = 0 denoising steps; raise it to e\.g\. "
          r"--strength 1 or --steps 10"),
         (["--image", "{rgb60}", "--strength", "1"],
-         r"image width 60 is not a multiple of 8 .*; resize or crop the image to 56 or 64 .*"),
+         r"--image width 60 is not a multiple of 8 .*; resize or crop the image to 56 or 64 .*"),
         (["--image", "{rgb64}", "--strength", "1", "--height", "32"],
          r"--height 32 but the image is 64x64 \(WxH\); with --image the size is the image's: drop --height or "
          r"resize the image \(it is never resized here\)"),  # said "with image= ...: drop height="

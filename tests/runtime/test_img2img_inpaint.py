@@ -202,7 +202,7 @@ def test_smallest_strength_runs_one_step(pipe: EnginePipeline) -> None:
 
 
 BAD_IMG2IMG: list[tuple[str, dict[str, Any], str]] = [
-    ("size-not-multiple-of-8", {"image": _image(60, 64)}, "image height 60 is not a multiple of 8"),
+    ("size-not-multiple-of-8", {"image": _image(60, 64)}, "image= height 60 is not a multiple of 8"),
     ("size-outside-profile", {"image": _image(256, 64)}, "outside the engine profile 32..128"),
     ("strength-0", {"image": _image(), "strength": 0.0}, "strength=0.0 must be a number in (0, 1]"),
     ("strength-above-1", {"image": _image(), "strength": 1.5}, "strength=1.5 must be a number in (0, 1]"),
@@ -349,7 +349,7 @@ def test_cli_bad_image_input(inpaint_artifact: Path, tiny_artifact: Path, tmp_pa
         (["run", inpaint_artifact, "-p", "x", "--image", tmp_path / "in.png"], 2, "pass mask_image="),
         (["run", inpaint_artifact, "-p", "x"], 2, "inpainting UNet (9 input channels"),
         (["run", tiny_artifact, "-p", "x", "--image", tmp_path / "odd.png"], 2,
-         "image height 60 is not a multiple of 8"),
+         "--image height 60 is not a multiple of 8"),
         (["run", tiny_artifact, "-p", "x", "--image", tmp_path / "in.png", "--strength", "2"], 2,
          "--strength 2.0 must be a number in (0, 1]"),  # the CLI names its option (EnginePipeline: strength=2.0)
         (["run", tiny_artifact, "-p", "x", "--image", tmp_path / "notes.png"], 2, "cannot read"),
