@@ -898,9 +898,13 @@ def _quantize_config(options: dict[str, Any]) -> Any:
 def _snap(name: str, value: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
     """``--snap``: the nearest valid image size (config.snap_image_size), logged when it differs."""
     from .config import snap_image_size
+    from .errors import RuntimeInputError
 
     if value is None:
         return None
+    if value < 1:  # snapping -8 to the profile's smallest size would hide a typo
+        raise RuntimeInputError(f"--{name.replace('_', '-')} {value} must be positive (--snap rounds a size to a "
+                                f"multiple of 8, it does not replace one below 1); use e.g. {lo or 512}")
     snapped = snap_image_size(value, lo, hi)
     if snapped != value:
         logger.warning("--snap: %s %d -> %d (multiples of 8%s)", name.replace("_", "-"), value, snapped,
@@ -939,16 +943,18 @@ def _read_manifest(artifact_dir: Path) -> tuple[Manifest | None, DiffusionTrtErr
 
 def _warn_vram_budget_on_cpu(vram_budget: str | None, device: str | None, artifact_dir: Path) -> None:
     """One ``warning:`` line when ``--vram-budget`` is given for a CPU run (``device``, or unset: the device the
-    artifact was compiled for): the budget plans GPU memory, and nothing caps or measures host RAM. An unreadable
-    manifest warns nothing (loading reports it)."""
+    artifact was compiled for): the budget plans GPU memory, and nothing caps or measures host RAM; the plan still
+    applies (and refuses a budget below its smallest). An unreadable manifest warns nothing (loading reports it)."""
     if vram_budget is None:
         return
     if device is None:
         manifest, _ = _read_manifest(artifact_dir)
         device = manifest.device if manifest is not None else None
     if device == "cpu":
-        logger.warning("--vram-budget %s has no effect on the CPU: it budgets GPU memory, and host RAM is neither "
-                       "measured nor capped (engines may still open per stage as it plans); drop it, or run on "
+        # not "no effect": the plan (a CUDA context counted) still picks the engines kept open, and refuses a budget
+        # below its smallest plan
+        logger.warning("--vram-budget %s on the CPU plans as for a GPU (CUDA context included) and does not cap host "
+                       "RAM (not measured): it only picks which engines stay open between stages; drop it, or run on "
                        "CUDA (--device cuda)", vram_budget)
 
 

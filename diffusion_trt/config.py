@@ -65,13 +65,16 @@ def split_scale(text: str, default: float, *, at_last: bool = False, empty_is_de
 
     Returns:
         the name ("" for ``:0.5``), the text after the ``:`` ("" without one) and the scale as a float: ``default``
-        without ``:``, NaN where the text is not a number (so one finiteness check refuses both); never raises.
+        without ``:``, NaN where the text is not a number, ``1_0`` included (so one finiteness check refuses both);
+        never raises.
     """
     name, sep, scale_text = text.rpartition(":") if at_last else text.partition(":")
     if not sep:
         return text, "", default
     if not scale_text and empty_is_default:
         return name, scale_text, default
+    if "_" in scale_text:  # float() reads 1_0 as 10 (Python's digit grouping): not a number as typed
+        return name, scale_text, math.nan
     try:
         return name, scale_text, float(scale_text)
     except ValueError:

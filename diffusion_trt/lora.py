@@ -21,6 +21,7 @@ from typing import Any
 
 from .config import is_real_number, split_scale
 from .errors import LoraError
+from .runtime.float_range import FLOAT32_MAX, finite_in_float32
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def parse_lora_arg(text: str) -> tuple[str, float]:
 
     Raises:
         LoraError: no file (``''``, ``:0.8``); a scale that is not a finite number (``a.safetensors:strong``,
-            ``a.safetensors:``).
+            ``a.safetensors:``) or beyond float32 (``a.safetensors:1e39``, refused by every backend).
     """
     if text.lower().endswith(LORA_SUFFIX) or ":" not in text:
         path, scale_text, scale = text, "", 1.0
@@ -104,6 +105,9 @@ def parse_lora_arg(text: str) -> tuple[str, float]:
             f"--lora {text!r}: {scale_text!r} is not a scale; use FILE or FILE:SCALE with a finite number, "
             f"e.g. {path}:0.8"
         )
+    if not finite_in_float32(scale):  # compile's merge and run's weights are float32 at most: inf there
+        raise LoraError(f"--lora {text!r}: scale {scale:g} is beyond float32 (at most {FLOAT32_MAX:.4g}); use a "
+                        f"scale such as {path}:0.8")
     return path, scale
 
 

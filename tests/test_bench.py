@@ -388,3 +388,12 @@ def test_bench_warns_of_model_dir_without_a_baseline(tiny_artifact: Path, tmp_pa
                                        str(tmp_path / "missing")])
     assert result.output.splitlines()[0] == ("warning: --model-dir: no effect with --baseline none (it is the "
                                              "diffusers baseline's folder); drop it"), result.output
+
+
+@pytest.mark.parametrize("value", ["", " "])
+def test_bench_refuses_empty_sizes_once(tiny_artifact: Path, value: str) -> None:
+    """`--sizes ''` said "'' in '' is not HEIGHTxWIDTH" (the empty item inside the empty value)."""
+    result = CliRunner().invoke(main, ["bench", str(tiny_artifact), "--baseline", "none", "--steps", "1",
+                                       "--sizes", value])
+    assert result.exit_code == 2 and result.output == (
+        f"error: --sizes {value!r} is empty; give sizes HEIGHTxWIDTH, e.g. --sizes 512x512,768x768\n"), result.output

@@ -237,7 +237,7 @@ def test_run_refuses_what_the_artifact_cannot_honour_before_any_engine_opens(
          r"--strength 0\.1 with --steps 1 leaves int\(1 \* 0\.1\) = 0 denoising steps; raise it to e\.g\. "
          r"--strength 1 or --steps 10"),
         (["--image", "{rgb60}", "--strength", "1"],
-         r"image width 60 is not a multiple of 8 .*; resize or crop the image to 56 or 64 .*"),
+         r"--image width 60 is not a multiple of 8 .*; resize or crop the image to 56 or 64 .*"),
         (["--image", "{rgb64}", "--strength", "1", "--height", "32"],
          r"--height 32 but the image is 64x64 \(WxH\); with --image the size is the image's: drop --height or "
          r"resize the image \(it is never resized here\)"),  # said "with image= ...: drop height="
@@ -1379,3 +1379,49 @@ def test_sigma_schedulers_run_1000_steps_as_diffusers_does(tiny_artifact: Path, 
     code, out = _invoke("run", tiny_artifact, "-p", "x", "--steps", "1000", "--scheduler", "lms",
                         "-o", tmp_path / "l.png")
     assert code == 2 and "zero gap between its first two sigmas" in out and "at most 999" in out, out
+
+
+@pytest.mark.parametrize("command", ["run", "compile"])
+def test_lora_scale_with_an_underscore_is_not_a_scale(command: str, tiny_artifact: Path, tiny_pipeline_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """`--lora F:1_0` was read as scale 10 (float() takes Python's digit grouping)."""
+    source, rest = {"run": (tiny_artifact, ["-p", "x", "-o", tmp_path / "o.png"]),
+                    "compile": (tiny_pipeline_dir, ["-o", tmp_path / "art"])}[command]
+    code, out = _invoke(command, source, *rest, "--lora", "style.safetensors:1_0")
+    assert code == 2 and out == ("error: --lora 'style.safetensors:1_0': '1_0' is not a scale; use FILE or "
+                                 "FILE:SCALE with a finite number, e.g. style.safetensors:0.8\n"), out
+
+
+@pytest.mark.parametrize("command", ["run", "compile"])
+def test_lora_scale_beyond_float32_is_refused_at_once(command: str, tiny_artifact: Path, tiny_pipeline_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """`run --lora F:1e39` on an artifact without --refittable suggested `compile --lora F:1e+39`, which compile then
+    refused (NaN/Inf in the merged weights)."""
+    source, rest = {"run": (tiny_artifact, ["-p", "x", "-o", tmp_path / "o.png"]),
+                    "compile": (tiny_pipeline_dir, ["-o", tmp_path / "art"])}[command]
+    code, out = _invoke(command, source, *rest, "--lora", "style.safetensors:-1e39")
+    assert code == 2 and out == ("error: --lora 'style.safetensors:-1e39': scale -1e+39 is beyond float32 (at most "
+                                 "3.403e+38); use a scale such as style.safetensors:0.8\n"), out
+
+
+@pytest.mark.parametrize(("command", "flag", "value"), [("run", "--width", "-8"), ("compile", "--min-height", "0")])
+def test_snap_refuses_a_size_below_one(command: str, flag: str, value: str, tiny_artifact: Path,
+                                       tiny_pipeline_dir: Path, tmp_path: Path) -> None:
+    """`run --snap --width -8` snapped to the profile's 32 and ran (compile --snap: to 8, and compiled)."""
+    source, rest = {"run": (tiny_artifact, ["-p", "x", "-o", tmp_path / "o.png"]),
+                    "compile": (tiny_pipeline_dir, ["-o", tmp_path / "art"])}[command]
+    code, out = _invoke(command, source, *rest, "--snap", flag, value)
+    example = 32 if command == "run" else 512
+    assert code == 2 and out == (f"error: {flag} {value} must be positive (--snap rounds a size to a multiple of 8, "
+                                 f"it does not replace one below 1); use e.g. {example}\n"), out
+    assert not (tmp_path / "o.png").exists() and not (tmp_path / "art").exists()
+
+
+def test_image_size_not_a_multiple_of_8_names_the_option(tiny_artifact: Path, tmp_path: Path) -> None:
+    """The message said 'image width 60' (the Python argument, as prose), not `--image`."""
+    from PIL import Image
+
+    Image.new("RGB", (60, 64), "red").save(tmp_path / "in.png")
+    code, out = _invoke("run", tiny_artifact, "-p", "x", "--image", tmp_path / "in.png", "-o", tmp_path / "o.png")
+    assert code == 2 and out == ("error: --image width 60 is not a multiple of 8 (the VAE downsamples by 8); resize "
+                                 "or crop the image to 56 or 64 (engine profile allows 32..128)\n"), out

@@ -94,6 +94,7 @@ def test_refit_convs_is_in_the_json_only_when_set() -> None:
     (":0.8", {}, ("", "0.8", 0.8)),
     ("C:/loras/a:0.3", {"at_last": True}, ("C:/loras/a", "0.3", 0.3)),
     ("a:b:0.3", {}, ("a", "b:0.3", math.nan)),  # the first ':' without at_last
+    ("a:1_0", {}, ("a", "1_0", math.nan)),  # float() reads 1_0 as 10
     ("style:", {"empty_is_default": True}, ("style", "", 0.5)),
 ])
 def test_split_scale(text: str, kwargs: dict[str, bool], expected: tuple[str, str, float]) -> None:

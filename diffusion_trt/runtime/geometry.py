@@ -65,7 +65,7 @@ class LatentGeometry:
             height, width: pixels.
             profile: the artifact's profile (its height/width ranges).
             image: ``None`` for a requested size; the argument's name ("image") for the size of a given image,
-                which the messages then say how to resize.
+                which the messages then say how to resize (as ``image=``, which the CLI writes as ``--image``).
 
         Returns:
             (height, width) as ints.
@@ -87,11 +87,11 @@ def _check_image(image: str, name: str, value: int, f: int, lo: int, hi: int) ->
     if value % f:
         below = max(f, value // f * f)
         raise RuntimeInputError(
-            f"{image} {name} {value} is not a multiple of {f} (the VAE downsamples by {f}); resize or crop the image "
+            f"{image}= {name} {value} is not a multiple of {f} (the VAE downsamples by {f}); resize or crop the image "
             f"to {below} or {below + f} (engine profile allows {lo}..{hi})"
         )
     if not lo <= value <= hi:
         raise RuntimeInputError(
-            f"{image} {name} {value} is outside the engine profile {lo}..{hi}; resize the image into that "
+            f"{image}= {name} {value} is outside the engine profile {lo}..{hi}; resize the image into that "
             f"range or recompile with --min-{name}/--max-{name}"
         )

@@ -202,7 +202,7 @@ def test_smallest_strength_runs_one_step(pipe: EnginePipeline) -> None:
 
 
 BAD_IMG2IMG: list[tuple[str, dict[str, Any], str]] = [
-    ("size-not-multiple-of-8", {"image": _image(60, 64)}, "image height 60 is not a multiple of 8"),
+    ("size-not-multiple-of-8", {"image": _image(60, 64)}, "image= height 60 is not a multiple of 8"),
     ("size-outside-profile", {"image": _image(256, 64)}, "outside the engine profile 32..128"),
     ("strength-0", {"image": _image(), "strength": 0.0}, "strength=0.0 must be a number in (0, 1]"),
     ("strength-above-1", {"image": _image(), "strength": 1.5}, "strength=1.5 must be a number in (0, 1]"),
@@ -350,7 +350,7 @@ def test_cli_bad_image_input(inpaint_artifact: Path, tiny_artifact: Path, tmp_pa
          "pass --mask (white = repaint) with --image"),  # the CLI's spelling of mask_image= / image=, said once
         (["run", inpaint_artifact, "-p", "x"], 2, "latents, mask, masked-image latents); pass --image and --mask"),
         (["run", tiny_artifact, "-p", "x", "--image", tmp_path / "odd.png"], 2,
-         "image height 60 is not a multiple of 8"),
+         "--image height 60 is not a multiple of 8"),
         (["run", tiny_artifact, "-p", "x", "--image", tmp_path / "in.png", "--strength", "2"], 2,
          "--strength 2.0 must be a number in (0, 1]"),  # the CLI names its option (EnginePipeline: strength=2.0)
         (["run", tiny_artifact, "-p", "x", "--image", tmp_path / "notes.png"], 2, "cannot read"),
@@ -406,6 +406,6 @@ def test_lazily_opened_huge_image_is_refused_before_decoding(pipe: EnginePipelin
         kwargs = {"image": big} if which == "image" else {"image": _image(), "mask_image": big}
         with pytest.raises(RuntimeInputError) as e:
             pipe("a cat", num_inference_steps=4, seed=0, progress=False, **kwargs)
-    message = "image height 12000 is outside the engine profile 32..128" if which == "image" else (
+    message = "image= height 12000 is outside the engine profile 32..128" if which == "image" else (
         "mask_image is 12000x12000 (WxH) but the image is 64x64")
     assert message in str(e.value)

@@ -45,7 +45,7 @@ def test_geometry_checks_requested_and_image_sizes() -> None:
         geo.check_size(64, 256, PROFILE)
     with pytest.raises(RuntimeInputError, match=r"height=64.0 must be an integer number of pixels"):
         geo.check_size(64.0, 48, PROFILE)
-    with pytest.raises(RuntimeInputError, match=r"image width 50 is not a multiple of 8 .*to 48 or 56"):
+    with pytest.raises(RuntimeInputError, match=r"image= width 50 is not a multiple of 8 .*to 48 or 56"):
         geo.check_size(64, 50, PROFILE, image="image")
     # another VAE factor: the same check, its multiples
     with pytest.raises(RuntimeInputError, match=r"height=72 is not a positive multiple of 16; use 64 or 80"):

@@ -286,8 +286,8 @@ def test_stage_memory_meter_off_cuda_reads_nothing() -> None:
     assert meter.peaks_mib() == {"text": None, "unet": None, "vae": None}
 
 
-CPU_BUDGET_WARNING = ("warning: --vram-budget 16GB has no effect on the CPU: it budgets GPU memory, and host RAM is "
-                      "neither measured nor capped")
+CPU_BUDGET_WARNING = ("warning: --vram-budget 16GB on the CPU plans as for a GPU (CUDA context included) and does not "
+                      "cap host RAM (not measured): it only picks which engines stay open between stages")
 
 
 @pytest.mark.parametrize(("command", "extra", "code"), [
@@ -303,6 +303,21 @@ def test_cli_warns_once_that_a_budget_does_nothing_on_the_cpu(tiny_artifact: Pat
     warnings = [ln for ln in result.output.splitlines() if ln.startswith("warning: --vram-budget")]
     assert len(warnings) == 1 and warnings[0].startswith(CPU_BUDGET_WARNING), result.output
     assert len([ln for ln in result.output.splitlines() if ln.startswith("error:")]) == (code == 2)
+
+
+def test_cli_run_on_the_cpu_warns_and_refuses_a_budget_without_contradiction(tiny_artifact: Path, tmp_path: Path,
+                                                                             no_recorded_facts: Path) -> None:
+    """`run --vram-budget 1B` on the CPU warned "no effect on the CPU", then a plan counting 768 MiB of CUDA context
+    refused the budget: two lines that contradicted each other. The warning now says what the budget does there."""
+    result = CliRunner().invoke(main, ["run", str(tiny_artifact), "-p", "x", "--steps", "1", "--vram-budget", "1B",
+                                       "-o", str(tmp_path / "o.png")])
+    lines = result.output.splitlines()
+    assert result.exit_code == 2 and len(lines) == 2, result.output
+    assert lines[0] == ("warning: --vram-budget 1B on the CPU plans as for a GPU (CUDA context included) and does not "
+                        "cap host RAM (not measured): it only picks which engines stay open between stages; drop it, "
+                        "or run on CUDA (--device cuda)"), result.output
+    assert lines[1].startswith("error: vram budget 0.0 MiB (1 bytes) is below what this artifact needs"), result.output
+    assert "CUDA context" in lines[1] and "no effect" not in result.output, result.output
 
 
 def test_cli_run_without_a_budget_gives_no_budget_warning(tiny_artifact: Path, tmp_path: Path) -> None:

@@ -135,8 +135,11 @@ def parse_sizes(text: str, option: str = "--sizes") -> tuple[tuple[int, int], ..
     """``"512x512,768x768"`` -> ``((512, 512), (768, 768))`` (duplicates dropped, order kept).
 
     Raises:
-        RuntimeInputError: an item that is not HEIGHTxWIDTH with positive sides, naming it, ``option`` and the form.
+        RuntimeInputError: an empty ``text``; an item that is not HEIGHTxWIDTH with positive sides, naming it,
+            ``option`` and the form.
     """
+    if not str(text).strip():  # else "'' in ''": the one item named is the whole, empty, value
+        raise RuntimeInputError(f"{option} {text!r} is empty; give sizes HEIGHTxWIDTH, e.g. {option} 512x512,768x768")
     sizes: list[tuple[int, int]] = []
     for part in str(text).split(","):
         m = _SIZE.match(part)
