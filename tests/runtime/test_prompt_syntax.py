@@ -160,7 +160,7 @@ def test_run_refuses_an_overweight_prompt_before_the_load(tiny_artifact: Path, t
             "e.g. (x:1.5), or --prompt-syntax plain to read brackets as text")
     for args, message in (
         (["-p", "a ((fox:100):100) cat"], f"error: prompt gives 'fox' the weight 1e+04, {tail}"),
-        (["-p", "a fox", "-n", "(" * 60 + "blurry" + ")" * 60], f"error: negative_prompt gives 'blurry' the weight "
+        (["-p", "a fox", "-n", "(" * 60 + "blurry" + ")" * 60], f"error: --negative-prompt gives 'blurry' the weight "
                                                                  f"{A ** 60:.4g}, {tail}"),
     ):
         result = CliRunner().invoke(main, ["run", str(tiny_artifact), *args, "--steps", "1",
