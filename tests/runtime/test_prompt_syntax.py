@@ -60,6 +60,7 @@ CASES = [
     ("(a:1,3)", [[("a:1,3", A)]], 1),
     ("(a: 1.2.3 ) (b:2)", [[("a: 1.2.3 ", A), (" ", 1.0), ("b", 2.0)]], 1),
     ("(a, 1, 2)", [[("a, 1, 2", A)]], 0),  # no colon: text in a bracket, as ever
+    ("(a:1e-1) (b:2E+1)", [[("a:1e-1", A), (" ", 1.0), ("b:2E+1", A)]], 2),  # an exponent: A1111 reads none
 ]
 
 
@@ -67,6 +68,14 @@ def test_a_misspelt_weight_warns_naming_it() -> None:
     assert parse_prompt("x (a:1,3)").warnings == (
         "prompt: weight '1,3' at character 4 is not a number (write a decimal point, e.g. 1.3); the bracket keeps "
         "its default factor 1.1 and ':1,3' stays text",)
+
+
+def test_a_weight_with_an_exponent_warns_naming_the_fix() -> None:
+    """``(a:1e-1)`` was silently 'a:1e-1' at 1.1 (A1111's reading, which takes no exponent): the 0.1 meant was lost
+    without a word, where ``(a:1,3)`` warns."""
+    assert parse_prompt("(a:1e-1)").warnings == (
+        "prompt: weight '1e-1' at character 2 is not a number (write it in digits, e.g. 0.1: A1111 reads no "
+        "exponent); the bracket keeps its default factor 1.1 and ':1e-1' stays text",)
 
 
 @pytest.mark.parametrize(("prompt", "expected", "n_warnings"), CASES)
