@@ -105,18 +105,19 @@ class PromptReader:
         """Positions per chunk: ``tokenizer.model_max_length`` (77)."""
         return int(self.tokenizer.model_max_length)
 
-    def parse(self, text: str) -> ParsedPrompt:
-        """``text`` parsed in this reader's syntax; unbalanced brackets are logged as warnings."""
-        parsed = parse_prompt(text, self.syntax)
-        for line in parsed.warnings:
+    def parse(self, text: str, name: str | None = "prompt") -> ParsedPrompt:
+        """``text`` parsed in this reader's syntax; unbalanced brackets and the like are logged as warnings naming
+        ``name`` (the text's argument: "prompt", "negative prompt"), none when ``None`` (a text already read)."""
+        parsed = parse_prompt(text, self.syntax, name or "prompt")
+        for line in parsed.warnings if name is not None else ():
             logger.warning("%s", line)
         return parsed
 
-    def chunks(self, text: str) -> TokenChunks:
-        """The token chunks of ``text`` (see the module docstring)."""
+    def chunks(self, text: str, name: str | None = "prompt") -> TokenChunks:
+        """The token chunks of ``text`` (see the module docstring); ``name`` as :meth:`parse` takes it."""
         tok, body = self.tokenizer, self.length - 2
         parts: list[list[tuple[int, float]]] = []
-        for part in self.parse(text).parts:
+        for part in self.parse(text, name).parts:
             rows: list[list[tuple[int, float]]] = [[]]
             for seg in part:
                 for unit in self.token_units(seg.text):
@@ -150,7 +151,7 @@ class PromptReader:
 
     def empty_chunk(self) -> torch.Tensor:
         """[1, 77] ids of an empty chunk ``[BOS, EOS, pad...]``: what shorter texts are padded with."""
-        return self.chunks("").ids
+        return self.chunks("", None).ids
 
 
 def apply_weights(states: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

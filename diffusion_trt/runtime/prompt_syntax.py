@@ -105,8 +105,9 @@ def overweight_problem(name: str, segment: Segment) -> str:
     )
 
 
-def parse_prompt(text: str, syntax: str = "a1111") -> ParsedPrompt:
-    """Parse ``text`` in ``syntax`` ("a1111" or "plain", see the module docstring).
+def parse_prompt(text: str, syntax: str = "a1111", name: str = "prompt") -> ParsedPrompt:
+    """Parse ``text`` in ``syntax`` ("a1111" or "plain", see the module docstring); ``name`` (the argument the text
+    came from: "prompt", "negative prompt") begins each warning.
 
     Raises:
         ValueError: an unknown ``syntax`` (a programming error: the request checks it first).
@@ -138,15 +139,15 @@ def parse_prompt(text: str, syntax: str = "a1111") -> ParsedPrompt:
                     if item is not None:
                         item[1] *= factor
             else:
-                warnings.append(f"prompt: {tok.strip()!r} at character {m.start()} closes no bracket; kept as text")
+                warnings.append(f"{tok.strip()!r} at character {m.start()} closes no bracket; kept as text")
                 items.append([tok, 1.0])
         elif tok == "BREAK":
             items.append(None)
         else:
             items.append([tok, 1.0])
     for bracket, _, pos in stack:
-        warnings.append(f"prompt: {bracket!r} at character {pos} is never closed; kept as text")
-    return ParsedPrompt(_parts(items), tuple(warnings))
+        warnings.append(f"{bracket!r} at character {pos} is never closed; kept as text")
+    return ParsedPrompt(_parts(items), tuple(f"{name}: {line}" for line in warnings))
 
 
 def _closing_factor(m: re.Match[str], want: str, warnings: list[str]) -> tuple[float, str]:
@@ -161,13 +162,13 @@ def _closing_factor(m: re.Match[str], want: str, warnings: list[str]) -> tuple[f
     if m.group(3) is not None:
         fix = "write it in digits, e.g. 0.1: A1111 reads no exponent" if "e" in weight.lower() else \
             "write a decimal point, e.g. 1.3"
-        warnings.append(f"prompt: weight {shown!r} at character {m.start()} is not a number ({fix}); the bracket "
+        warnings.append(f"weight {shown!r} at character {m.start()} is not a number ({fix}); the bracket "
                         f"keeps its default factor {ATTENTION} and ':{shown}' stays text")
         return ATTENTION, m.group(0)[:-1]
     factor = float(weight)
     if finite_in_float32(factor):  # the token weights are float32 (:mod:`.prompt_encoding`)
         return factor, ""
-    warnings.append(f"prompt: weight {shown!r} at character {m.start()} is not a finite number; the bracket keeps "
+    warnings.append(f"weight {shown!r} at character {m.start()} is not a finite number; the bracket keeps "
                     f"its default factor {ATTENTION} and ':{shown}' stays text")
     return ATTENTION, m.group(0)[:-1]
 

@@ -179,3 +179,15 @@ def test_run_refuses_an_overweight_prompt_before_the_load(tiny_artifact: Path, t
     result = CliRunner().invoke(main, ["run", str(tiny_artifact), "-p", "a ((fox:100):100) cat", "--prompt-syntax",
                                        "plain", "--steps", "1", "-o", str(tmp_path / "x.png")])
     assert result.exit_code == 0 and (tmp_path / "x.png").is_file(), result.output
+
+
+@pytest.mark.parametrize("artifact", ["tiny_artifact", "tiny_sdxl_artifact"])
+def test_parse_warnings_name_the_text_once(artifact: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """``run -p "(a" -n "b)"``: the negative prompt's warning began 'prompt:' (the user looked for a ')' at character 1
+    of the prompt), and on SDXL every warning came twice (each text is read once per text encoder)."""
+    result = CliRunner().invoke(main, ["run", str(request.getfixturevalue(artifact)), "-p", "(a", "-n", "b)",
+                                       "--steps", "1", "-o", str(tmp_path / "x.png")])
+    assert result.exit_code == 0, result.output
+    lines = sorted(ln for ln in result.output.splitlines() if ln.startswith("warning:"))
+    assert lines == ["warning: negative prompt: ')' at character 1 closes no bracket; kept as text",
+                     "warning: prompt: '(' at character 0 is never closed; kept as text"], result.output
