@@ -270,8 +270,10 @@ class EmbeddingTable:
         if clash is not None and clash.source.resolve() == embedding.source.resolve():
             raise RuntimeInputError(f"embedding file {embedding.source} is given twice; give it once")
         if clash is not None:
+            named = embedding.name == embedding.source.stem and clash.name == clash.source.stem
+            fix = "rename one of the files (the name is the file stem)" if named else "give each its own token="
             raise RuntimeInputError(f"embedding name {embedding.name!r} ({embedding.source}) is taken by "
-                                    f"{clash.source}; rename one of the files (the name is the file stem)")
+                                    f"{clash.source}; {fix}")
         if self.used + embedding.count > self.rows:
             raise RuntimeInputError(f"embedding {embedding.name!r} has {embedding.count} vectors and the loaded ones "
                                     f"fill {self.used} of the artifact's {self.rows} rows; recompile with a larger "

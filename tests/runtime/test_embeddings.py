@@ -330,3 +330,16 @@ def test_sdxl_artifact_refuses_one_encoder_embeddings(tiny_sdxl_artifact: Path, 
         with pytest.raises(RuntimeInputError, match=r"is a one-encoder \(SD 1\.x/2\.x\) embedding; an SDXL"):
             sdxl.load_textual_inversion(files["cattoy"])
         assert sdxl.embeddings is None and sdxl.embeddings_2 is None
+
+
+def test_a_name_taken_by_token_says_to_change_the_token() -> None:
+    """``load_textual_inversion([a, b], token=["foo", "foo"])`` said 'rename one of the files (the name is the file
+    stem)': renaming a file changes nothing there; the file stems keep that fix."""
+    def emb(name: str, file: str) -> Embedding:
+        return Embedding(name, torch.zeros(1, 4), Path(file))
+
+    table = EmbeddingTable(8, 4).add(emb("foo", "a.safetensors"))
+    with pytest.raises(RuntimeInputError, match=r"is taken by a\.safetensors; give each its own token=$"):
+        table.add(emb("foo", "b.safetensors"))
+    with pytest.raises(RuntimeInputError, match=r"rename one of the files \(the name is the file stem\)$"):
+        EmbeddingTable(8, 4).add(emb("a", "x/a.safetensors")).add(emb("a", "y/a.safetensors"))
