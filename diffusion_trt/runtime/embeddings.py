@@ -159,13 +159,24 @@ def _read_weights_only(path: Path) -> dict[str, Any]:
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RuntimeInputError(f"embedding file {path} is refused by torch's weights-only loader ({first}); it "
+        raise RuntimeInputError(f"embedding file {path} is refused by torch's weights-only loader ({_reason(e)}); it "
                                 "holds more than tensors and loading it fully would run arbitrary code: convert it "
                                 "to .safetensors where you trust it") from e
     if not isinstance(state, Mapping):
         raise RuntimeInputError(f"embedding file {path} holds a {type(state).__name__}, not a dict of tensors")
     return dict(state)
+
+
+def _reason(error: Exception) -> str:
+    """What torch's weights-only loader refused in the file: the first line after its ``WeightsUnpickler error:``,
+    first sentence (the error's first line only says the load failed, and in a ``torch.save`` file announces two
+    options it lists below, with terminal bold codes), else the first line, else the error's type."""
+    text = str(error)
+    _, marker, after = text.partition("WeightsUnpickler error:")
+    lines = [line.strip() for line in (after if marker else text).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return lines[0].split(". ")[0] if marker else lines[0]
 
 
 def _vectors(path: Path, state: Mapping[str, Any]) -> torch.Tensor:
@@ -259,8 +270,10 @@ class EmbeddingTable:
         if clash is not None and clash.source.resolve() == embedding.source.resolve():
             raise RuntimeInputError(f"embedding file {embedding.source} is given twice; give it once")
         if clash is not None:
+            named = embedding.name == embedding.source.stem and clash.name == clash.source.stem
+            fix = "rename one of the files (the name is the file stem)" if named else "give each its own token="
             raise RuntimeInputError(f"embedding name {embedding.name!r} ({embedding.source}) is taken by "
-                                    f"{clash.source}; rename one of the files (the name is the file stem)")
+                                    f"{clash.source}; {fix}")
         if self.used + embedding.count > self.rows:
             raise RuntimeInputError(f"embedding {embedding.name!r} has {embedding.count} vectors and the loaded ones "
                                     f"fill {self.used} of the artifact's {self.rows} rows; recompile with a larger "

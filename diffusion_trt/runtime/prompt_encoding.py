@@ -1,8 +1,9 @@
 """Long and weighted prompts on a 77-token CLIP text encoder: A1111's chunking and emphasis.
 
 A prompt, parsed by :func:`~.prompt_syntax.parse_prompt`, becomes k chunks of 75 tokens (``BREAK`` starts a new
-one); each chunk is laid out as diffusers lays out a whole prompt, ``[BOS, t1..tn, EOS, pad...]`` to 77 (pad =
-``tokenizer.pad_token_id``), so a prompt of one chunk is encoded exactly as diffusers encodes it. The chunks are
+one; as in A1111, a ``BREAK`` with no token after it adds no chunk); each chunk is laid out as diffusers lays out a
+whole prompt, ``[BOS, t1..tn, EOS, pad...]`` to 77 (pad = ``tokenizer.pad_token_id``), so a prompt of one chunk is
+encoded exactly as diffusers encodes it. The chunks are
 encoded independently and concatenated along the sequence: ``[77 k, D]``. Every text of a request is padded to the
 request's largest k with the embedding of an empty chunk (as A1111 pads the negative prompt), and k is capped at
 what the UNet engine accepts (``encoder_hidden_states`` up to 77 * max_chunks, ``compile --max-prompt-chunks``).
@@ -105,18 +106,19 @@ class PromptReader:
         """Positions per chunk: ``tokenizer.model_max_length`` (77)."""
         return int(self.tokenizer.model_max_length)
 
-    def parse(self, text: str) -> ParsedPrompt:
-        """``text`` parsed in this reader's syntax; unbalanced brackets are logged as warnings."""
-        parsed = parse_prompt(text, self.syntax)
-        for line in parsed.warnings:
+    def parse(self, text: str, name: str | None = "prompt") -> ParsedPrompt:
+        """``text`` parsed in this reader's syntax; unbalanced brackets and the like are logged as warnings naming
+        ``name`` (the text's argument: "prompt", "negative prompt"), none when ``None`` (a text already read)."""
+        parsed = parse_prompt(text, self.syntax, name or "prompt")
+        for line in parsed.warnings if name is not None else ():
             logger.warning("%s", line)
         return parsed
 
-    def chunks(self, text: str) -> TokenChunks:
-        """The token chunks of ``text`` (see the module docstring)."""
+    def chunks(self, text: str, name: str | None = "prompt") -> TokenChunks:
+        """The token chunks of ``text`` (see the module docstring); ``name`` as :meth:`parse` takes it."""
         tok, body = self.tokenizer, self.length - 2
         parts: list[list[tuple[int, float]]] = []
-        for part in self.parse(text).parts:
+        for part in self.parse(text, name).parts:
             rows: list[list[tuple[int, float]]] = [[]]
             for seg in part:
                 for unit in self.token_units(seg.text):
@@ -127,6 +129,8 @@ class PromptReader:
                             rows.append([])
                         rows[-1].append((t, seg.weight))
             parts.extend(rows)
+        if len(parts) > 1 and not parts[-1]:  # "a BREAK": A1111 keeps no empty chunk after the last BREAK
+            parts.pop()
         truncated = len(parts) > self.max_chunks
         ids = torch.full((min(len(parts), self.max_chunks), self.length), tok.pad_token_id, dtype=torch.int64)
         weights = torch.ones(ids.shape, dtype=torch.float32)
@@ -150,7 +154,7 @@ class PromptReader:
 
     def empty_chunk(self) -> torch.Tensor:
         """[1, 77] ids of an empty chunk ``[BOS, EOS, pad...]``: what shorter texts are padded with."""
-        return self.chunks("").ids
+        return self.chunks("", None).ids
 
 
 def apply_weights(states: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

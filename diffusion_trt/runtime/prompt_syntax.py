@@ -10,8 +10,9 @@
   only round brackets take a number, as in A1111);
 * ``\\(`` ``\\)`` ``\\[`` ``\\]`` ``\\\\`` are the literal characters;
 * ``BREAK`` (upper case, a word of its own) ends the current 75-token chunk (see :mod:`.prompt_encoding`);
-* a weight written like a number that is none (``(fox:1,3)`` with a decimal comma, ``(fox:1.2.3)``) is no weight
-  either: the bracket keeps its default factor 1.1 and ``:1,3`` stays text, as in A1111, with a warning;
+* a weight written like a number that is none (``(fox:1,3)`` with a decimal comma, ``(fox:1.2.3)``, ``(fox:1e-1)``
+  in exponent notation, which A1111 does not read) is no weight either: the bracket keeps its default factor 1.1
+  and ``:1,3`` stays text, as in A1111, with a warning;
 * a bracket without its partner is kept as literal text, and reported in :attr:`ParsedPrompt.warnings` (A1111
   instead weights the rest of the prompt by an unclosed bracket); never an exception;
 * a weight that is not a finite number (``(fox:nan)``, ``(fox:inf)``, a number too large for a float32, the weights'
@@ -51,7 +52,7 @@ _TOKEN = re.compile(
     r"|\(|\[|\]"                                 # an opening bracket, or a closing square one
     r"|:\s*([+-]?(?:\d+\.?\d*|\.\d+))\s*\)"      # ':1.3)': closes a round bracket with its own factor
     r"|:\s*((?i:[+-]?(?:nan|inf(?:inity)?)))\s*\)"  # ':nan)', ':inf)': closes one with a non-finite "factor"
-    r"|:\s*([+-]?[\d.,]*\d[\d.,]*)\s*\)"          # ':1,3)', ':1.2.3)': closes one with a misspelt number
+    r"|:\s*([+-]?[\d.,]*\d[\d.,]*(?:[eE][+-]?\d+)?)\s*\)"  # ':1,3)', ':1.2.3)', ':1e-1)': a misspelt number
     r"|\)"                                       # a closing round bracket
     r"|\bBREAK\b"                                # a chunk break
     r"|[^\\()\[\]:B]+|."                         # text (one character at a time where it could start a token)
@@ -104,8 +105,9 @@ def overweight_problem(name: str, segment: Segment) -> str:
     )
 
 
-def parse_prompt(text: str, syntax: str = "a1111") -> ParsedPrompt:
-    """Parse ``text`` in ``syntax`` ("a1111" or "plain", see the module docstring).
+def parse_prompt(text: str, syntax: str = "a1111", name: str = "prompt") -> ParsedPrompt:
+    """Parse ``text`` in ``syntax`` ("a1111" or "plain", see the module docstring); ``name`` (the argument the text
+    came from: "prompt", "negative prompt") begins each warning.
 
     Raises:
         ValueError: an unknown ``syntax`` (a programming error: the request checks it first).
@@ -137,15 +139,15 @@ def parse_prompt(text: str, syntax: str = "a1111") -> ParsedPrompt:
                     if item is not None:
                         item[1] *= factor
             else:
-                warnings.append(f"prompt: {tok.strip()!r} at character {m.start()} closes no bracket; kept as text")
+                warnings.append(f"{tok.strip()!r} at character {m.start()} closes no bracket; kept as text")
                 items.append([tok, 1.0])
         elif tok == "BREAK":
             items.append(None)
         else:
             items.append([tok, 1.0])
     for bracket, _, pos in stack:
-        warnings.append(f"prompt: {bracket!r} at character {pos} is never closed; kept as text")
-    return ParsedPrompt(_parts(items), tuple(warnings))
+        warnings.append(f"{bracket!r} at character {pos} is never closed; kept as text")
+    return ParsedPrompt(_parts(items), tuple(f"{name}: {line}" for line in warnings))
 
 
 def _closing_factor(m: re.Match[str], want: str, warnings: list[str]) -> tuple[float, str]:
@@ -158,13 +160,15 @@ def _closing_factor(m: re.Match[str], want: str, warnings: list[str]) -> tuple[f
         return ATTENTION, ""
     shown = weight if len(weight) <= 24 else weight[:20] + "..."
     if m.group(3) is not None:
-        warnings.append(f"prompt: weight {shown!r} at character {m.start()} is not a number (write a decimal point, "
-                        f"e.g. 1.3); the bracket keeps its default factor {ATTENTION} and ':{shown}' stays text")
+        fix = "write it in digits, e.g. 0.1: A1111 reads no exponent" if "e" in weight.lower() else \
+            "write a decimal point, e.g. 1.3"
+        warnings.append(f"weight {shown!r} at character {m.start()} is not a number ({fix}); the bracket "
+                        f"keeps its default factor {ATTENTION} and ':{shown}' stays text")
         return ATTENTION, m.group(0)[:-1]
     factor = float(weight)
     if finite_in_float32(factor):  # the token weights are float32 (:mod:`.prompt_encoding`)
         return factor, ""
-    warnings.append(f"prompt: weight {shown!r} at character {m.start()} is not a finite number; the bracket keeps "
+    warnings.append(f"weight {shown!r} at character {m.start()} is not a finite number; the bracket keeps "
                     f"its default factor {ATTENTION} and ':{shown}' stays text")
     return ATTENTION, m.group(0)[:-1]
 

@@ -256,8 +256,9 @@ class SdxlConditioning(TextToImage):
         """Each pair of ``todo``: (hidden [k, 77, D1+D2] in ``dtype``, pooled [E]); one run per encoder over the
         chunks of its distinct texts, with the empty chunk pair (under :data:`_EMPTY_PAIR`) when a text is padded."""
         texts = [list(dict.fromkeys(p[i] for p in todo)) for i in (0, 1)]
-        chunks = [{t: r.chunks(t) for t in ts} for r, ts in zip(readers, texts, strict=True)]
         neg_texts = [{p[i] for p in negatives} - {p[i] for p in todo if p not in negatives} for i in (0, 1)]
+        chunks = [{t: r.chunks(t, _text_name(t, neg_texts[i], texts[:i])) for t in texts[i]}
+                  for i, r in enumerate(readers)]
         warn_truncated(texts[0], list(chunks[0].values()), neg_texts[0], readers[0])
         rest = [t for t in texts[1] if t not in chunks[0]]
         warn_truncated(rest, [chunks[1][t] for t in rest], neg_texts[1], readers[1])
@@ -324,6 +325,14 @@ class SdxlConditioning(TextToImage):
 #: Where :meth:`SdxlConditioning._encode_pairs` returns the empty chunk pair's states (not a pair of texts: texts
 #: are strings).
 _EMPTY_PAIR: tuple[Any, Any] = (None, None)
+
+
+def _text_name(text: str, negatives: set[str], read: Sequence[Sequence[str]]) -> str | None:
+    """The argument ``text`` came from, for its parse warnings ("prompt", "negative prompt"); ``None`` when the
+    first encoder's reader has read it already (its warnings are out)."""
+    if any(text in texts for texts in read):
+        return None
+    return "negative prompt" if text in negatives else "prompt"
 
 
 def _first(empty: torch.Tensor | None) -> torch.Tensor:

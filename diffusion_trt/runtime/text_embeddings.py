@@ -125,8 +125,9 @@ def encode_prompt_embeds(
     if cache is not None:
         rows = {t: hit for t in negatives if (hit := cache.get(keys[t])) is not None}
     todo = [t for t in dict.fromkeys([*negatives, *prompts]) if t not in rows]
-    chunks = [reader.chunks(t) for t in todo]
-    warn_truncated(todo, chunks, set(negatives) - set(prompts), reader)
+    negative_only = set(negatives) - set(prompts)
+    chunks = [reader.chunks(t, "negative prompt" if t in negative_only else "prompt") for t in todo]
+    warn_truncated(todo, chunks, negative_only, reader)
     counts = {t: r.shape[0] for t, r in rows.items()} | {t: c.chunks for t, c in zip(todo, chunks, strict=True)}
     k = max(*counts.values(), min_chunks)
     short = min(counts.values()) < k  # some texts are padded to k chunks with an empty chunk's states

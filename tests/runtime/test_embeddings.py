@@ -229,6 +229,22 @@ def test_a_pickle_refused_says_it_in_one_line_without_torchs_warning(tmp_path: P
             check_embedding_file(path, False)
 
 
+def test_a_pickle_refused_names_what_the_loader_refused(tmp_path: Path) -> None:
+    """The message quoted the first line of torch's error: for a torch.save file 'Weights only load failed. This file
+    can still be loaded, to do so you have two options, \\x1b[1mdo those steps ...\\x1b[0m.' (the options not shown,
+    bold codes escaped by the CLI), for a plain pickle three sentences on weights_only's default; it now quotes what
+    the loader refused."""
+    from diffusion_trt.runtime.embeddings import check_embedding_file
+
+    saved = tmp_path / "saved.pt"
+    torch.save({"string_to_param": {"*": torch.zeros(1, HIDDEN)}, "x": _Evil()}, saved)
+    for path, refused in ((saved, "(Unsupported global: GLOBAL print was not an allowed global by default)"),
+                          (_bad_files(tmp_path)["evil"], "(Unsupported operand 149)")):
+        with pytest.raises(RuntimeInputError) as info:
+            check_embedding_file(path, False)
+        assert refused in str(info.value) and "\x1b" not in str(info.value), str(info.value)
+
+
 def test_a_safetensors_file_named_bin_is_read_as_safetensors(tmp_path: Path) -> None:
     """A hub embedding saved with safetensors under ``learned_embeds.bin``: torch's weights-only loader refused it as
     an unsafe pickle ("loading it fully would run arbitrary code"), which it is not."""
@@ -314,3 +330,16 @@ def test_sdxl_artifact_refuses_one_encoder_embeddings(tiny_sdxl_artifact: Path, 
         with pytest.raises(RuntimeInputError, match=r"is a one-encoder \(SD 1\.x/2\.x\) embedding; an SDXL"):
             sdxl.load_textual_inversion(files["cattoy"])
         assert sdxl.embeddings is None and sdxl.embeddings_2 is None
+
+
+def test_a_name_taken_by_token_says_to_change_the_token() -> None:
+    """``load_textual_inversion([a, b], token=["foo", "foo"])`` said 'rename one of the files (the name is the file
+    stem)': renaming a file changes nothing there; the file stems keep that fix."""
+    def emb(name: str, file: str) -> Embedding:
+        return Embedding(name, torch.zeros(1, 4), Path(file))
+
+    table = EmbeddingTable(8, 4).add(emb("foo", "a.safetensors"))
+    with pytest.raises(RuntimeInputError, match=r"is taken by a\.safetensors; give each its own token=$"):
+        table.add(emb("foo", "b.safetensors"))
+    with pytest.raises(RuntimeInputError, match=r"rename one of the files \(the name is the file stem\)$"):
+        EmbeddingTable(8, 4).add(emb("a", "x/a.safetensors")).add(emb("a", "y/a.safetensors"))

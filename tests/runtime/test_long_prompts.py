@@ -192,3 +192,14 @@ def test_api_refuses_an_unknown_prompt_syntax(pipe: EnginePipeline) -> None:
 
     with pytest.raises(RuntimeInputError, match="prompt_syntax='compel' is unknown; use one of a1111, plain"):
         pipe("x", prompt_syntax="compel")
+
+
+def test_a_trailing_break_adds_no_chunk(pipe: EnginePipeline) -> None:
+    """``"a fox BREAK"`` was two chunks (the second empty: 77 more context tokens, another image than ``"a fox"``);
+    A1111 keeps the last chunk only when it has tokens (``if chunk.tokens or not chunks``), so one. A BREAK between
+    two others still makes an empty chunk, and ``"BREAK"`` alone is the one empty chunk, as there."""
+    reader = PromptReader(pipe.loop_engines().tokenizer, "a1111", 3)
+    assert torch.equal(reader.chunks("a fox BREAK ").ids, reader.chunks("a fox").ids)
+    assert reader.chunks("a BREAK BREAK").chunks == 2 and reader.chunks("BREAK a").chunks == 2
+    assert torch.equal(reader.chunks("BREAK").ids, reader.chunks("").ids)
+    assert not reader.chunks("fox " * 225 + "BREAK").truncated  # three full chunks: no "truncated" warning

@@ -100,6 +100,9 @@ BAD = [
      "prompt_embeds contains NaN/Inf values (2464 of 2464); pass finite values"),
     ("inf-negative", {"prompt_embeds": E77, "negative_prompt_embeds": E77.index_fill(1, torch.tensor([5]), -math.inf)},
      "negative_prompt_embeds contains NaN/Inf values (32 of 2464); pass finite values"),
+    # float64 1e39: finite there, inf in the engines (a black image with the loop's NaN warning only)
+    ("beyond-float32", {"prompt_embeds": E77.double().index_fill(1, torch.tensor([3]), 1e39)},
+     "prompt_embeds holds float64 values beyond float32's range ±3.4e+38 (32 of 2464), inf in the engines"),
 ]
 
 

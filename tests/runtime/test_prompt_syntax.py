@@ -60,6 +60,7 @@ CASES = [
     ("(a:1,3)", [[("a:1,3", A)]], 1),
     ("(a: 1.2.3 ) (b:2)", [[("a: 1.2.3 ", A), (" ", 1.0), ("b", 2.0)]], 1),
     ("(a, 1, 2)", [[("a, 1, 2", A)]], 0),  # no colon: text in a bracket, as ever
+    ("(a:1e-1) (b:2E+1)", [[("a:1e-1", A), (" ", 1.0), ("b:2E+1", A)]], 2),  # an exponent: A1111 reads none
 ]
 
 
@@ -67,6 +68,14 @@ def test_a_misspelt_weight_warns_naming_it() -> None:
     assert parse_prompt("x (a:1,3)").warnings == (
         "prompt: weight '1,3' at character 4 is not a number (write a decimal point, e.g. 1.3); the bracket keeps "
         "its default factor 1.1 and ':1,3' stays text",)
+
+
+def test_a_weight_with_an_exponent_warns_naming_the_fix() -> None:
+    """``(a:1e-1)`` was silently 'a:1e-1' at 1.1 (A1111's reading, which takes no exponent): the 0.1 meant was lost
+    without a word, where ``(a:1,3)`` warns."""
+    assert parse_prompt("(a:1e-1)").warnings == (
+        "prompt: weight '1e-1' at character 2 is not a number (write it in digits, e.g. 0.1: A1111 reads no "
+        "exponent); the bracket keeps its default factor 1.1 and ':1e-1' stays text",)
 
 
 @pytest.mark.parametrize(("prompt", "expected", "n_warnings"), CASES)
@@ -170,3 +179,15 @@ def test_run_refuses_an_overweight_prompt_before_the_load(tiny_artifact: Path, t
     result = CliRunner().invoke(main, ["run", str(tiny_artifact), "-p", "a ((fox:100):100) cat", "--prompt-syntax",
                                        "plain", "--steps", "1", "-o", str(tmp_path / "x.png")])
     assert result.exit_code == 0 and (tmp_path / "x.png").is_file(), result.output
+
+
+@pytest.mark.parametrize("artifact", ["tiny_artifact", "tiny_sdxl_artifact"])
+def test_parse_warnings_name_the_text_once(artifact: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """``run -p "(a" -n "b)"``: the negative prompt's warning began 'prompt:' (the user looked for a ')' at character 1
+    of the prompt), and on SDXL every warning came twice (each text is read once per text encoder)."""
+    result = CliRunner().invoke(main, ["run", str(request.getfixturevalue(artifact)), "-p", "(a", "-n", "b)",
+                                       "--steps", "1", "-o", str(tmp_path / "x.png")])
+    assert result.exit_code == 0, result.output
+    lines = sorted(ln for ln in result.output.splitlines() if ln.startswith("warning:"))
+    assert lines == ["warning: negative prompt: ')' at character 1 closes no bracket; kept as text",
+                     "warning: prompt: '(' at character 0 is never closed; kept as text"], result.output
