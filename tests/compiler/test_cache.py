@@ -142,7 +142,7 @@ def test_a_cache_hit_repeats_the_warnings_of_settings_cut_back(tiny_pipeline_dir
     assert _invoke(*args, "-o", tmp_path / "a")[0] == 0
     code, out = _invoke(*args, "-o", tmp_path / "b")
     assert code == 0 and "compile cache hit" in out, out
-    assert "warning: max_clip_skip=5: the text encoder has 2 layers; clip skip goes up to 1" in out
+    assert "warning: --max-clip-skip 5: the text encoder has 2 layers; clip skip goes up to 1" in out
     assert "warning: --fp16-safe-vae: no effect on an SD 1.x/2.x model" in out
     code, out = _invoke("compile", tiny_pipeline_dir, "--cache-dir", tmp_path / "cache", "-o", tmp_path / "c")
     assert code == 0 and "warning:" not in out, out  # the defaults cut back say nothing, hit or miss
