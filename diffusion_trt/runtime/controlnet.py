@@ -378,6 +378,9 @@ def _names(controlnet: str | Sequence[str] | None, have: Sequence[str]) -> list[
         raise RuntimeInputError(f"controlnet={controlnet!r} must be a ControlNet's name or a list of names (a str, "
                                 f"or a list of str); this artifact has {', '.join(have) or 'none'}")
     names = [controlnet] if isinstance(controlnet, str) else list(controlnet)
+    if not names:  # else "1 control images for 0 ControlNet(s) ()", whatever the images
+        raise RuntimeInputError(f"controlnet={controlnet!r} names no ControlNet; name the one(s) to use, of "
+                                f"{', '.join(have)}")
     unknown = [n for n in names if n not in have]
     if unknown:
         raise RuntimeInputError(f"ControlNet {unknown[0]!r} is not in this artifact; it has {', '.join(have)}")

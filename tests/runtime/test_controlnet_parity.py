@@ -190,6 +190,9 @@ def test_image_is_the_control_image_as_in_diffusers(pipe: EnginePipeline) -> Non
     ({"control_image": torch.zeros(1, 1, 64, 64), "controlnet": "a"},
      "control image for 'a' has 1 channels; a ControlNet takes an RGB image"),
     ({"control_image": _image(0)}, "this artifact has 2 ControlNets (a, b)"),
+    # an empty list was "1 control images for 0 ControlNet(s) ()", with no image or one
+    ({"control_image": [], "controlnet": []}, "controlnet=[] names no ControlNet; name the one(s) to use, of a, b"),
+    ({"control_image": _image(0), "controlnet": ()}, "controlnet=() names no ControlNet"),
     # read as another picture without a word before: values are not rescaled, convert("RGB") drops alpha and clips
     # 16-bit values
     ({"control_image": np.full((64, 64, 3), 255.0, np.float32), "controlnet": "a"},
