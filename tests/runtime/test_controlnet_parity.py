@@ -167,6 +167,13 @@ def test_image_is_the_control_image_as_in_diffusers(pipe: EnginePipeline) -> Non
     assert np.array_equal(a, b)
 
 
+def test_image_with_strength_is_the_start_image(pipe: EnginePipeline) -> None:
+    """With strength=, image= is img2img's start image (diffusers' img2img ControlNet pipeline): it was taken as the
+    control image, then strength= was refused as 'needs image=', which the call had."""
+    with pytest.raises(RuntimeInputError, match="controlnet= was given without control_image="):
+        pipe(prompt="a cat", image=_image(1), controlnet="a", strength=0.5, num_inference_steps=3, progress=False)
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"control_image": _image(0, 48), "controlnet": "a"}, "is 48x48 (WxH) but the output is 64x64"),
     # the fix was only "resize it": a diffusers user, whose output takes the control image's size, got no word of
