@@ -417,8 +417,8 @@ def _unit(engine: Engine, embed: Engine | None, name: str, image: Any, scale: fl
     if (h, w) != (height, width):
         raise RuntimeInputError(f"control image for {name!r} is {w}x{h} (WxH) but the output is {width}x{height}; "
                                 "a control image is never resized (diffusers resizes it, and takes its size when no "
-                                f"height/width is given): resize it to the output size, or pass height={h}, "
-                                f"width={w}")
+                                f"height/width is given): resize it to the output size, or (without image=) pass "
+                                f"height={h}, width={w}")
     if n not in (1, prompts):
         raise RuntimeInputError(f"{n} control images for {name!r} and {prompts} prompt(s); pass one image, or one "
                                 "per prompt")

@@ -178,7 +178,8 @@ def test_image_with_strength_is_the_start_image(pipe: EnginePipeline) -> None:
     ({"control_image": _image(0, 48), "controlnet": "a"}, "is 48x48 (WxH) but the output is 64x64"),
     # the fix was only "resize it": a diffusers user, whose output takes the control image's size, got no word of
     # height=/width=
-    ({"control_image": _image(0, 48), "controlnet": "a"}, "resize it to the output size, or pass height=48, width=48"),
+    ({"control_image": _image(0, 48), "controlnet": "a"},
+     "resize it to the output size, or (without image=) pass height=48, width=48"),
     ({"control_image": _image(0), "controlnet": "a", "controlnet_conditioning_scale": float("nan")}, "not a finite"),
     ({"control_image": _image(0), "controlnet": "a", "controlnet_conditioning_scale": float("inf")}, "not a finite"),
     # finite in float64, beyond float32: it overflowed on the device (a traceback) before
@@ -571,7 +572,7 @@ def _only_a(artifact: Path, tmp_path: Path) -> Path:
     (["--controlnet", "a:x", "--control-image", "{a}"], "the scale 'x' is not a finite number"),
     (["--controlnet", "a:-1e39", "--control-image", "{a}"], "the scale '-1e39' is not a finite number"),
     (["--controlnet", "a", "--control-image", "{small}"], "is 48x48 (WxH) but the output is 64x64"),
-    (["--controlnet", "a", "--control-image", "{small}"], "or pass --height 48, --width 48"),
+    (["--controlnet", "a", "--control-image", "{small}"], "or (without --image) pass --height 48, --width 48"),
     (["--controlnet", "z", "--control-image", "{a}"], "ControlNet 'z' is not in this artifact; it has a, b"),
     (["--controlnet", "a", "--control-image", "{a}", "--control-guidance-start", "0.9", "--control-guidance-end",
       "0.1"], "error: --control-guidance-start 0.9 and --control-guidance-end 0.1: need 0 <= start < end <= 1"),
