@@ -378,6 +378,9 @@ def _names(controlnet: str | Sequence[str] | None, have: Sequence[str]) -> list[
         raise RuntimeInputError(f"controlnet={controlnet!r} must be a ControlNet's name or a list of names (a str, "
                                 f"or a list of str); this artifact has {', '.join(have) or 'none'}")
     names = [controlnet] if isinstance(controlnet, str) else list(controlnet)
+    if not names:  # else "1 control images for 0 ControlNet(s) ()", whatever the images
+        raise RuntimeInputError(f"controlnet={controlnet!r} names no ControlNet; name the one(s) to use, of "
+                                f"{', '.join(have)}")
     unknown = [n for n in names if n not in have]
     if unknown:
         raise RuntimeInputError(f"ControlNet {unknown[0]!r} is not in this artifact; it has {', '.join(have)}")
@@ -413,7 +416,9 @@ def _unit(engine: Engine, embed: Engine | None, name: str, image: Any, scale: fl
     n, h, w = image_rows_and_size(image, "control_image")
     if (h, w) != (height, width):
         raise RuntimeInputError(f"control image for {name!r} is {w}x{h} (WxH) but the output is {width}x{height}; "
-                                "resize it to the output size")
+                                "a control image is never resized (diffusers resizes it, and takes its size when no "
+                                f"height/width is given): resize it to the output size, or (without image=) pass "
+                                f"height={h}, width={w}")
     if n not in (1, prompts):
         raise RuntimeInputError(f"{n} control images for {name!r} and {prompts} prompt(s); pass one image, or one "
                                 "per prompt")

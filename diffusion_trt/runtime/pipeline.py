@@ -996,7 +996,8 @@ class EnginePipeline:
                 pipeline of the mode: 1.0 text-to-image, 0.8 image-to-image, 0.5 inpainting) and the guidance window
                 per ControlNet or for all; see :func:`~diffusion_trt.runtime.controlnet.control_plan`. As in
                 diffusers' text-to-image ControlNet pipeline, ``image=`` is the control image when ``controlnet`` is
-                given without ``control_image`` and ``mask_image``.
+                given without ``control_image``, ``mask_image`` and ``strength`` (with ``strength`` it is the start
+                image, as in diffusers' image-to-image ControlNet pipeline, which takes ``control_image=``).
             guidance_rescale: diffusers' ``guidance_rescale``, >= 0 (0 = off; 0.7 in the paper): with CFG, the guided
                 noise prediction rescaled towards the text prediction's std (for zero-terminal-SNR / v-prediction
                 models), as ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline``; in every mode here.
@@ -1035,7 +1036,8 @@ class EnginePipeline:
         if progress is None:
             progress = not self._progress_disabled
         check_return_dict(return_dict)
-        if controlnet is not None and control_image is None and image is not None and mask_image is None:
+        if (controlnet is not None and control_image is None and image is not None and mask_image is None
+                and strength is None):
             control_image, image = image, None  # diffusers' StableDiffusionControlNetPipeline(image=control image)
         request = self.build_request(
             prompt, negative_prompt, num_inference_steps,

@@ -167,8 +167,19 @@ def test_image_is_the_control_image_as_in_diffusers(pipe: EnginePipeline) -> Non
     assert np.array_equal(a, b)
 
 
+def test_image_with_strength_is_the_start_image(pipe: EnginePipeline) -> None:
+    """With strength=, image= is img2img's start image (diffusers' img2img ControlNet pipeline): it was taken as the
+    control image, then strength= was refused as 'needs image=', which the call had."""
+    with pytest.raises(RuntimeInputError, match="controlnet= was given without control_image="):
+        pipe(prompt="a cat", image=_image(1), controlnet="a", strength=0.5, num_inference_steps=3, progress=False)
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"control_image": _image(0, 48), "controlnet": "a"}, "is 48x48 (WxH) but the output is 64x64"),
+    # the fix was only "resize it": a diffusers user, whose output takes the control image's size, got no word of
+    # height=/width=
+    ({"control_image": _image(0, 48), "controlnet": "a"},
+     "resize it to the output size, or (without image=) pass height=48, width=48"),
     ({"control_image": _image(0), "controlnet": "a", "controlnet_conditioning_scale": float("nan")}, "not a finite"),
     ({"control_image": _image(0), "controlnet": "a", "controlnet_conditioning_scale": float("inf")}, "not a finite"),
     # finite in float64, beyond float32: it overflowed on the device (a traceback) before
@@ -187,6 +198,9 @@ def test_image_is_the_control_image_as_in_diffusers(pipe: EnginePipeline) -> Non
     ({"control_image": torch.zeros(1, 1, 64, 64), "controlnet": "a"},
      "control image for 'a' has 1 channels; a ControlNet takes an RGB image"),
     ({"control_image": _image(0)}, "this artifact has 2 ControlNets (a, b)"),
+    # an empty list was "1 control images for 0 ControlNet(s) ()", with no image or one
+    ({"control_image": [], "controlnet": []}, "controlnet=[] names no ControlNet; name the one(s) to use, of a, b"),
+    ({"control_image": _image(0), "controlnet": ()}, "controlnet=() names no ControlNet"),
     # read as another picture without a word before: values are not rescaled, convert("RGB") drops alpha and clips
     # 16-bit values
     ({"control_image": np.full((64, 64, 3), 255.0, np.float32), "controlnet": "a"},
@@ -558,6 +572,7 @@ def _only_a(artifact: Path, tmp_path: Path) -> Path:
     (["--controlnet", "a:x", "--control-image", "{a}"], "the scale 'x' is not a finite number"),
     (["--controlnet", "a:-1e39", "--control-image", "{a}"], "the scale '-1e39' is not a finite number"),
     (["--controlnet", "a", "--control-image", "{small}"], "is 48x48 (WxH) but the output is 64x64"),
+    (["--controlnet", "a", "--control-image", "{small}"], "or (without --image) pass --height 48, --width 48"),
     (["--controlnet", "z", "--control-image", "{a}"], "ControlNet 'z' is not in this artifact; it has a, b"),
     (["--controlnet", "a", "--control-image", "{a}", "--control-guidance-start", "0.9", "--control-guidance-end",
       "0.1"], "error: --control-guidance-start 0.9 and --control-guidance-end 0.1: need 0 <= start < end <= 1"),
