@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import math
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,7 +22,6 @@ from typing import Any
 
 from .config import is_real_number, split_scale
 from .errors import LoraError
-from .runtime.float_range import FLOAT32_MAX, finite_in_float32
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +105,8 @@ def parse_lora_arg(text: str) -> tuple[str, float]:
             f"--lora {text!r}: {scale_text!r} is not a scale; use FILE or FILE:SCALE with a finite number, "
             f"e.g. {path}:0.8"
         )
-    if not finite_in_float32(scale):  # compile's merge and run's weights are float32 at most: inf there
-        raise LoraError(f"--lora {text!r}: scale {scale:g} is beyond float32 (at most {FLOAT32_MAX:.4g}); use a "
+    if not _fits_float32(scale):  # compile's merge and run's weights are float32 at most: inf there
+        raise LoraError(f"--lora {text!r}: scale {scale:g} is beyond float32 (at most 3.403e+38); use a "
                         f"scale such as {path}:0.8")
     return path, scale
 
@@ -253,3 +253,13 @@ def refuse_repeats(files: Sequence[LoraFile], prefix: str = "LoRA ") -> None:
             raise LoraError(f"{prefix}{f.path} is the same file as {seen[f.sha256]} (sha256 {f.sha256[:12]}); give "
                             "each LoRA once with the sum of the scales")
         seen[f.sha256] = f.path
+
+
+def _fits_float32(value: float) -> bool:
+    """Whether ``value`` is a float32 (``struct``'s "f" packing refuses one beyond its range: inf on the engines'
+    side). Standard library, as ``runtime/float_range.py``, which this shared part may not import."""
+    try:
+        struct.pack("<f", value)
+    except OverflowError:
+        return False
+    return True
